@@ -1,0 +1,24 @@
+"""meshinit: initialize large JAX models straight onto device meshes, exactly.
+
+Declare parameters as lazy specs, plan them to exact ``NamedSharding``s grouped by
+mesh, and materialize each group with one compiled computation. Importing meshinit
+starts no jax backend.
+"""
+
+from ._errors import PlanError as PlanError
+from ._errors import Problem as Problem
+from ._materialize import clear_cache as clear_cache
+from ._materialize import init as init
+from ._materialize import materialize as materialize
+from ._paths import param_key as param_key
+from ._plan import MeshGroup as MeshGroup
+from ._plan import Plan as Plan
+from ._plan import PlanEntry as PlanEntry
+from ._plan import plan as plan
+from ._rules import logical_to_mesh_axes as logical_to_mesh_axes
+from ._spec import MESH_AXES as MESH_AXES
+from ._spec import ParamSpec as ParamSpec
+from ._spec import defaults as defaults
+from ._spec import param as param
+
+__version__ = "0.1.0"

@@ -1,0 +1,122 @@
+"""Dot-joined parameter paths and the per-parameter key derived from them.
+
+The value contract: the parameter at ``path`` is ``init(param_key(key, path), shape,
+dtype)``. The key depends on the path string alone, never on the tree's order, its
+other leaves, the mesh or the grouping, so values do not depend on topology.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax import tree_util
+
+# The only key implementation whose values are independent of sharding, and only while
+# ``jax_threefry_partitionable`` is on (jax's default since 0.5).
+SHARDING_INVARIANT_IMPL = "threefry2x32"
+
+
+def path_str(keypath: Sequence[Any]) -> str:
+    """Joins a jax key path with dots: dict keys, sequence indices, attribute names.
+
+    Example: ``{"layers": [{"attn": {"q": ...}}]}`` gives ``"layers.0.attn.q"``.
+    """
+    parts = []
+    for k in keypath:
+        if isinstance(k, tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(getattr(k, "key", k)))
+    return ".".join(parts)
+
+
+def path_digest(path: str) -> tuple[int, int]:
+    """A stable 64-bit digest of ``path`` as (high, low) uint32 halves.
+
+    blake2b, not Python's ``hash()``, which is salted per process.
+    """
+    d = int.from_bytes(hashlib.blake2b(path.encode("utf-8"), digest_size=8).digest(), "big")
+    return d >> 32, d & 0xFFFFFFFF
+
+
+def fold_digest(key: jax.Array, hi: Any, lo: Any) -> jax.Array:
+    """Folds both digest halves into ``key``; traceable, so it runs inside compiled code."""
+    return jax.random.fold_in(jax.random.fold_in(key, hi), lo)
+
+
+def param_key(key: Any, path: str) -> jax.Array:
+    """The key used for the parameter at ``path``.
+
+    Args:
+      key: an int seed, a typed key (``jax.random.key``) or a legacy uint32 key
+        (``jax.random.PRNGKey``). All three give the same values.
+      path: the parameter's dot-joined path, for example ``"layers.0.attn.q"``.
+
+    Returns:
+      A key of the same kind as ``key`` (a typed key for an int seed).
+
+    Example:
+      >>> k = meshinit.param_key(0, "layers.0.w")
+      >>> w = init(k, (4, 4), jnp.float32)  # equals meshinit.init(...)["layers"][0]["w"]
+    """
+    if isinstance(key, int | np.integer) and not isinstance(key, bool):
+        key = jax.random.key(int(key))
+    hi, lo = path_digest(path)
+    return fold_digest(key, np.uint32(hi), np.uint32(lo))
+
+
+def host_key(key: Any) -> tuple[np.ndarray, str]:
+    """Splits ``key`` into host key data and its implementation.
+
+    materialize passes the data into each group's computation as a numpy value and
+    rebuilds the key there with ``wrap_key_data``: a key placed on a context mesh, or
+    a multi-process run where ``device_put`` to other processes' devices fails, then
+    cannot get in the way.
+
+    Raises:
+      TypeError: ``key`` is not a seed or a single key, or is traced.
+      ValueError: the key's values would depend on sharding.
+    """
+    if isinstance(key, bool) or not isinstance(key, int | np.integer | jax.Array | np.ndarray):
+        raise TypeError(
+            f"key must be an int seed, a jax.random.key or a jax.random.PRNGKey; "
+            f"got {type(key).__name__}"
+        )
+    if isinstance(key, jax.core.Tracer):
+        raise TypeError("materialize runs outside jit: pass a concrete key, not a traced one")
+    if isinstance(key, int | np.integer):
+        key = jax.random.key(int(key))
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise TypeError(f"key must be a single key; got a batch of shape {key.shape}")
+        impl = str(jax.random.key_impl(key))
+        data = jax.random.key_data(key)
+    else:
+        impl = str(jax.config.jax_default_prng_impl)
+        data = key
+    if impl != SHARDING_INVARIANT_IMPL:
+        raise ValueError(
+            f"key implementation {impl!r} generates values that depend on the sharding, "
+            f"which breaks meshinit's value contract; use a threefry key "
+            f"(jax.random.key(seed, impl='threefry2x32'))"
+        )
+    if data.dtype != np.uint32 or data.shape != (2,):
+        raise TypeError(
+            f"a legacy key must be uint32[2] (jax.random.PRNGKey); got {data.dtype}{list(data.shape)}"
+        )
+    if not jax.config.jax_threefry_partitionable:
+        raise ValueError(
+            "jax_threefry_partitionable is off, so random values would depend on the "
+            "sharding; turn it on with jax.config.update('jax_threefry_partitionable', True)"
+        )
+    return np.asarray(data), impl

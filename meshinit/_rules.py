@@ -1,0 +1,174 @@
+"""Logical axis names to mesh axes: flax linen's rule algorithm, made strict.
+
+A rule table is an ordered sequence of ``(logical_name, mesh_axes)`` pairs, where
+``mesh_axes`` is a mesh axis name, a tuple of them, or None (replicated). This is the
+format of flax linen and MaxText, and :func:`logical_to_mesh_axes` resolves it
+exactly as ``flax.linen.logical_to_mesh_axes`` does, with one departure: a rule whose
+mesh axes are not all in the mesh is skipped, so one table can serve several meshes.
+:func:`partition` adds the checks linen does not make.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+AxisEntry = str | tuple[str, ...] | None
+Rule = tuple[str, str | tuple[str, ...] | None]
+Rules = tuple[Rule, ...]
+
+_UNASSIGNED = object()
+
+
+def normalize_rules(rules: Any) -> Rules:
+    """Checks a rule table and returns it as a tuple of pairs (lists become tuples).
+
+    Raises:
+      TypeError: the table is not a sequence of ``(name, mesh_axes)`` pairs.
+    """
+    if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
+        raise TypeError(
+            f"rules must be a sequence of (logical_name, mesh_axes) pairs, got {rules!r}"
+        )
+    out: list[Rule] = []
+    for rule in rules:
+        ok = isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)
+        target = rule[1] if ok else None
+        if ok and isinstance(target, tuple | list):
+            ok = all(isinstance(a, str) for a in target) and len(set(target)) == len(target)
+            target = tuple(target)
+        elif ok:
+            ok = target is None or isinstance(target, str)
+        if not ok:
+            raise TypeError(
+                f"bad rule {rule!r}: a rule is (logical_name, mesh_axes) where mesh_axes is "
+                f"a mesh axis name, a tuple of distinct names, or None"
+            )
+        out.append((rule[0], target))
+    return tuple(out)
+
+
+def _as_tuple(x: Any) -> tuple[Any, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+@functools.lru_cache(maxsize=4096)
+def logical_to_mesh_axes(
+    axes: tuple[str | None, ...], rules: Rules, mesh_axis_names: tuple[str, ...] | None = None
+) -> tuple[AxisEntry, ...]:
+    """Resolves logical axis names to PartitionSpec entries, as flax linen does.
+
+    Going down ``rules``, a rule ``(name, mesh_axes)`` assigns ``mesh_axes`` to the
+    dimension called ``name`` if that dimension is still unassigned and none of those
+    mesh axes is already used by this parameter. Unassigned dimensions are replicated.
+    Like linen, None counts as "used" once any dimension is None, so a ``(name, None)``
+    rule can then be passed over by a later rule for the same name.
+
+    Args:
+      axes: one logical name (or None) per dimension, without duplicates.
+      rules: a normalized rule table.
+      mesh_axis_names: when given, rules naming an axis outside it are skipped.
+
+    Example:
+      >>> logical_to_mesh_axes(("embed", "mlp"),
+      ...     (("mlp", "tensor"), ("embed", "tensor"), ("embed", "fsdp")))
+      ('fsdp', 'tensor')
+    """
+    result: list[Any] = [_UNASSIGNED if isinstance(a, str) else a for a in axes]
+    for name, target in rules:
+        if name not in axes:
+            continue
+        if mesh_axis_names is not None and target is not None:
+            if any(a not in mesh_axis_names for a in _as_tuple(target)):
+                continue
+        pos = axes.index(name)
+        if result[pos] is not _UNASSIGNED:
+            continue
+        used = {u for r in result for u in _as_tuple(r)}
+        if used.isdisjoint(_as_tuple(target)):
+            result[pos] = target
+    return tuple(None if r is _UNASSIGNED else r for r in result)
+
+
+def partition(
+    shape: tuple[int, ...],
+    axes: tuple[AxisEntry, ...] | None,
+    rules: Rules | None,
+    mesh_shape: Mapping[str, int],
+) -> tuple[tuple[AxisEntry, ...], list[str]]:
+    """Resolves a spec's axes to full-length PartitionSpec entries and checks them.
+
+    Args:
+      shape: the parameter shape.
+      axes: the spec's axes; None means fully replicated.
+      rules: a rule table, or None when ``axes`` name mesh axes directly.
+      mesh_shape: mesh axis name to size.
+
+    Returns:
+      ``(entries, problems)``: one entry per dimension, and a message for each problem
+      found (empty when the spec is valid).
+    """
+    if axes is None:
+        return (None,) * len(shape), []
+    if len(axes) != len(shape):
+        return (), [
+            f"axes {axes} have {len(axes)} entries but shape {shape} has {len(shape)} "
+            f"dimensions; give one entry (a name or None) per dimension"
+        ]
+    problems: list[str] = []
+    names = [a for a in axes if isinstance(a, str)]
+    dups = sorted(n for n, c in Counter(names).items() if c > 1)
+    if dups:
+        problems.append(
+            f"axis name(s) {', '.join(map(repr, dups))} appear more than once in axes {axes}; "
+            f"a mesh axis can shard only one dimension"
+        )
+    if rules is None:
+        entries = axes
+        flat = [a for e in axes if e is not None for a in _as_tuple(e)]
+        missing = [a for a in dict.fromkeys(flat) if a not in mesh_shape]
+        if missing:
+            problems.append(
+                f"mesh axis name(s) {', '.join(map(repr, missing))} not in the mesh "
+                f"(axes: {', '.join(mesh_shape)}); use a mesh axis, or pass rules to map "
+                f"logical names"
+            )
+        twice = sorted(a for a, c in Counter(flat).items() if c > 1 and a not in dups)
+        if twice:
+            problems.append(
+                f"mesh axis {', '.join(map(repr, twice))} used by more than one dimension "
+                f"in {axes}; each mesh axis can shard only one dimension"
+            )
+    else:
+        tuples = [e for e in axes if isinstance(e, tuple)]
+        if tuples:
+            problems.append(
+                f"axes entry {tuples[0]} is a tuple, but with rules each entry is one logical "
+                f"name or None; map the name to several mesh axes in the rules instead"
+            )
+        known = {name for name, _ in rules}
+        unknown = [n for n in dict.fromkeys(names) if n not in known]
+        for n in unknown:
+            problems.append(
+                f"logical axis {n!r} has no rule; known: {', '.join(sorted(known)) or '(none)'}; "
+                f"add ({n!r}, None) to the rules to replicate it"
+            )
+        if problems:
+            return (), problems
+        entries = logical_to_mesh_axes(axes, rules, tuple(mesh_shape))
+    if problems:
+        return (), problems
+    for dim, (size, entry) in enumerate(zip(shape, entries, strict=True)):
+        if entry is None:
+            continue
+        ways = math.prod(mesh_shape[a] for a in _as_tuple(entry))
+        if size % ways:
+            logical = f" (logical {axes[dim]!r})" if rules is not None else ""
+            problems.append(
+                f"dimension {dim}{logical} of size {size} is not divisible by mesh axes "
+                f"{entry!r} of size {ways}; pad the dimension or map it to other mesh axes"
+            )
+    return entries, problems

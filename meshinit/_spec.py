@@ -1,0 +1,229 @@
+"""Lazy parameter specs: ``param()``, ``ParamSpec`` and context ``defaults()``.
+
+A spec is a declaration. Building one allocates nothing; ``plan`` resolves it and
+``materialize`` turns it into an array.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import operator
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax import numpy as jnp
+from jax.sharding import AbstractMesh, Mesh
+
+from ._rules import AxisEntry, Rules, normalize_rules
+
+
+class _MeshAxes:
+    """Sentinel: "the axis names are mesh axis names", even inside a rules context."""
+
+    _instance: _MeshAxes | None = None
+
+    def __new__(cls) -> _MeshAxes:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "meshinit.MESH_AXES"
+
+    def __reduce__(self) -> str:
+        return "MESH_AXES"
+
+
+MESH_AXES = _MeshAxes()
+"""Pass as ``rules=MESH_AXES`` to ``param`` or ``defaults`` to say that a spec's axes
+name mesh axes directly, overriding any rules set by an enclosing ``defaults``."""
+
+
+def _normalize_shape(shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, tuple | list):
+        raise TypeError(
+            f"shape must be a tuple of non-negative ints, got {type(shape).__name__} {shape!r}"
+        )
+    out = []
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int | np.integer):
+            raise TypeError(f"shape must be a tuple of non-negative ints, got {shape!r}")
+        if d < 0:
+            raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
+        out.append(operator.index(d))
+    return tuple(out)
+
+
+def _normalize_axes(axes: Any) -> tuple[AxisEntry, ...] | None:
+    if axes is None:
+        return None
+    if isinstance(axes, str) or not isinstance(axes, Sequence):
+        raise TypeError(
+            f"axes must be a tuple with one entry per dimension (a name or None), got "
+            f"{axes!r}; for one dimension write ({axes!r},)"
+        )
+    out: list[AxisEntry] = []
+    for a in axes:
+        if a is None or isinstance(a, str):
+            out.append(a)
+        elif isinstance(a, tuple | list) and all(isinstance(x, str) for x in a):
+            out.append(tuple(a))
+        else:
+            raise TypeError(f"each axes entry must be a name, a tuple of names or None, got {a!r}")
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParamSpec:
+    """A parameter not yet allocated: its shape, initializer and placement.
+
+    Build specs with :func:`param`. Specs compare by identity: the same spec object
+    at two paths of a tree declares two independent parameters, each keyed by its own
+    path (tying weights is the model's business).
+
+    Attributes:
+      shape: the array shape, a tuple of non-negative ints.
+      init: a JAX initializer, ``init(key, shape, dtype) -> Array``.
+      axes: one entry per dimension (a logical name or None), or None for replicated.
+      mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh``, or None if none was given.
+      rules: the logical-to-mesh rule table, or None when ``axes`` name mesh axes.
+      dtype: the array dtype.
+      metadata: free-form extra keyword arguments given to :func:`param`.
+    """
+
+    shape: tuple[int, ...]
+    init: Callable[..., Any]
+    axes: tuple[AxisEntry, ...] | None
+    mesh: Mesh | AbstractMesh | None
+    rules: Rules | None
+    dtype: np.dtype
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "shape", _normalize_shape(self.shape))
+        set_(self, "axes", _normalize_axes(self.axes))
+        set_(self, "rules", None if self.rules is None else normalize_rules(self.rules))
+        set_(self, "dtype", np.dtype(jnp.dtype(self.dtype)))
+        set_(self, "metadata", types.MappingProxyType(dict(self.metadata)))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole (unsharded) parameter."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        dims = ",".join(map(str, self.shape))
+        init = getattr(self.init, "__qualname__", type(self.init).__name__)
+        return (
+            f"ParamSpec({self.dtype.name}[{dims}], axes={self.axes}, init={init}, "
+            f"mesh={self.mesh!r})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Defaults:
+    mesh: Mesh | AbstractMesh | None = None
+    rules: Rules | None = None  # None: axes are mesh axis names
+    dtype: np.dtype | None = None
+
+
+_DEFAULTS: contextvars.ContextVar[_Defaults] = contextvars.ContextVar(
+    "meshinit_defaults", default=_Defaults()
+)
+
+
+@contextlib.contextmanager
+def defaults(
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
+    rules: Rules | _MeshAxes | None = None,
+    dtype: Any = None,
+) -> Iterator[None]:
+    """Supplies the ``mesh``, ``rules`` and ``dtype`` that :func:`param` was not given.
+
+    Nestable; an inner context overrides only what it sets. ``rules=MESH_AXES``
+    switches rules off again inside an outer rules context. Values are read when
+    ``param`` is called, not when the plan is made.
+
+    Example:
+      >>> with meshinit.defaults(mesh=mesh, rules=(("embed", "fsdp"), ("mlp", "tensor"))):
+      ...     w = meshinit.param((256, 1024), lecun_normal(), axes=("embed", "mlp"))
+    """
+    outer = _DEFAULTS.get()
+    new_rules = outer.rules
+    if rules is MESH_AXES:
+        new_rules = None
+    elif rules is not None:
+        new_rules = normalize_rules(rules)
+    token = _DEFAULTS.set(
+        _Defaults(
+            mesh=outer.mesh if mesh is None else mesh,
+            rules=new_rules,
+            dtype=outer.dtype if dtype is None else np.dtype(jnp.dtype(dtype)),
+        )
+    )
+    try:
+        yield
+    finally:
+        _DEFAULTS.reset(token)
+
+
+def param(
+    shape: Sequence[int],
+    init: Callable[..., Any],
+    *,
+    axes: Sequence[AxisEntry] | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
+    rules: Rules | _MeshAxes | None = None,
+    dtype: Any = None,
+    **metadata: Any,
+) -> ParamSpec:
+    """Declares a parameter lazily; allocates nothing.
+
+    Args:
+      shape: a tuple of non-negative ints.
+      init: any JAX initializer ``init(key, shape, dtype) -> Array``.
+      axes: one entry per dimension: a logical axis name, or None for a replicated
+        dimension. ``None`` means fully replicated. Where the axes name mesh axes
+        (no rules), an entry may also be a tuple of mesh axis names.
+      mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh``; defaults to ``defaults()``.
+      rules: ``(logical_name, mesh_axes)`` pairs. None uses the ``defaults()`` rules
+        if any, else the axis names are mesh axis names; ``MESH_AXES`` always means
+        the latter.
+      dtype: defaults to the ``defaults()`` dtype, else float32.
+      **metadata: kept on the spec for adapters and reports.
+
+    Returns:
+      A :class:`ParamSpec`.
+
+    Raises:
+      TypeError, ValueError: at once, for a malformed shape, axes, rules or dtype.
+      Everything that depends on the mesh is checked by :func:`meshinit.plan`.
+
+    Example:
+      >>> mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+      >>> w = meshinit.param((256, 1024), jax.nn.initializers.lecun_normal(),
+      ...                    axes=("fsdp", "tensor"), mesh=mesh)
+    """
+    ctx = _DEFAULTS.get()
+    if dtype is None:
+        dtype = np.float32 if ctx.dtype is None else ctx.dtype
+    if rules is None:
+        rules = ctx.rules
+    elif rules is MESH_AXES:
+        rules = None
+    return ParamSpec(
+        shape=shape,  # type: ignore[arg-type]
+        init=init,
+        axes=axes,  # type: ignore[arg-type]
+        mesh=ctx.mesh if mesh is None else mesh,
+        rules=rules,  # type: ignore[arg-type]
+        dtype=dtype,
+        metadata=metadata,
+    )
