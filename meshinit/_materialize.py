@@ -57,8 +57,9 @@ def _layout(group: MeshGroup) -> _Layout:
         spec = group.entries[positions[0]].spec
         batches.append(_Batch(sig, tuple(positions), spec.init, spec.shape, spec.dtype))
     order = [p for b in batches for p in b.positions]
-    digests = np.array([_paths.path_digest(group.entries[p].path) for p in order],
-                       dtype=np.uint32).reshape(len(order), 2)
+    digests = np.array(
+        [_paths.path_digest(group.entries[p].path) for p in order], dtype=np.uint32
+    ).reshape(len(order), 2)
     structure = tuple((b.signature, b.positions) for b in batches)
     return _Layout(tuple(batches), digests, structure)
 
@@ -100,7 +101,7 @@ def _program(group: MeshGroup, layout: _Layout, impl: str) -> Callable[..., list
         outs: list[Any] = [None] * n_out
         start = 0
         for b in batches:
-            d = digests[start:start + len(b.positions)]
+            d = digests[start : start + len(b.positions)]
             start += len(b.positions)
 
             def one(hl, b=b):
@@ -167,16 +168,22 @@ def materialize(plan: Plan, key: Any) -> Any:
       >>> params = meshinit.materialize(meshinit.plan(specs), jax.random.key(0))
     """
     if not isinstance(plan, Plan):
-        raise TypeError(f"materialize takes a Plan from meshinit.plan(tree), got "
-                        f"{type(plan).__name__}; or call meshinit.init(tree, key)")
+        raise TypeError(
+            f"materialize takes a Plan from meshinit.plan(tree), got "
+            f"{type(plan).__name__}; or call meshinit.init(tree, key)"
+        )
     abstract = [g for g in plan.groups if g.is_abstract]
     if abstract:
         raise PlanError(
-            [Problem(g.entries[0].path,
-                     f"mesh {g.mesh} is abstract ({len(g.entries)} params); materialize "
-                     f"needs a concrete jax.sharding.Mesh. Plan on abstract meshes for "
-                     f"sizes, or use plan.abstract() as a restore target")
-             for g in abstract],
+            [
+                Problem(
+                    g.entries[0].path,
+                    f"mesh {g.mesh} is abstract ({len(g.entries)} params); materialize "
+                    f"needs a concrete jax.sharding.Mesh. Plan on abstract meshes for "
+                    f"sizes, or use plan.abstract() as a restore target",
+                )
+                for g in abstract
+            ],
             header="cannot materialize on an abstract mesh:",
         )
     key_data, impl = _paths.host_key(key)
@@ -216,5 +223,3 @@ def clear_cache() -> None:
     with _lock:
         _executables.clear()
         _layouts.clear()
-
-

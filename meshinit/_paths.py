@@ -75,6 +75,18 @@ def param_key(key: Any, path: str) -> jax.Array:
     return fold_digest(key, np.uint32(hi), np.uint32(lo))
 
 
+def seed_data(seed: int) -> np.ndarray:
+    """``jax.random.key_data(jax.random.key(seed))`` for threefry, without a device.
+
+    Computed on the host so that materializing from an int seed allocates nothing
+    beyond the parameters. Like jax, only the low 32 bits count unless x64 is on.
+    """
+    if not -(2**63) <= seed < 2**63:
+        raise OverflowError(f"seed {seed} does not fit in 64 bits")
+    hi = (seed >> 32) & 0xFFFFFFFF if jax.config.jax_enable_x64 else 0
+    return np.array([hi, seed & 0xFFFFFFFF], dtype=np.uint32)
+
+
 def host_key(key: Any) -> tuple[np.ndarray, str]:
     """Splits ``key`` into host key data and its implementation.
 
@@ -95,8 +107,8 @@ def host_key(key: Any) -> tuple[np.ndarray, str]:
     if isinstance(key, jax.core.Tracer):
         raise TypeError("materialize runs outside jit: pass a concrete key, not a traced one")
     if isinstance(key, int | np.integer):
-        key = jax.random.key(int(key))
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        impl, data = str(jax.config.jax_default_prng_impl), seed_data(int(key))
+    elif jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.shape != ():
             raise TypeError(f"key must be a single key; got a batch of shape {key.shape}")
         impl = str(jax.random.key_impl(key))
@@ -112,7 +124,8 @@ def host_key(key: Any) -> tuple[np.ndarray, str]:
         )
     if data.dtype != np.uint32 or data.shape != (2,):
         raise TypeError(
-            f"a legacy key must be uint32[2] (jax.random.PRNGKey); got {data.dtype}{list(data.shape)}"
+            f"a legacy key must be uint32[2] (jax.random.PRNGKey); "
+            f"got {data.dtype}{list(data.shape)}"
         )
     if not jax.config.jax_threefry_partitionable:
         raise ValueError(

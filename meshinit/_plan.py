@@ -159,27 +159,42 @@ def plan(tree: Any) -> Plan:
         path = _paths.path_str(keypath)
         seen_paths[path] = seen_paths.get(path, 0) + 1
         if seen_paths[path] == 2:
-            problems.append(Problem(path, "two parameters have this path; rename one (paths "
-                                          "join keys with '.', so 'a.b' and a/b collide)"))
+            problems.append(
+                Problem(
+                    path,
+                    "two parameters have this path; rename one (paths "
+                    "join keys with '.', so 'a.b' and a/b collide)",
+                )
+            )
         if seen_paths[path] > 1:
             continue
         digest = _paths.path_digest(path)
         if digest in seen_digests:
-            problems.append(Problem(path, f"its 64-bit key digest collides with "
-                                          f"{seen_digests[digest]!r}; rename one of them"))
+            problems.append(
+                Problem(
+                    path,
+                    f"its 64-bit key digest collides with "
+                    f"{seen_digests[digest]!r}; rename one of them",
+                )
+            )
         seen_digests[digest] = path
 
         spec = leaf
         mine = []
         if not callable(spec.init):
-            mine.append(f"init {spec.init!r} is not callable; pass an initializer "
-                        f"init(key, shape, dtype), for example jax.nn.initializers.normal()")
+            mine.append(
+                f"init {spec.init!r} is not callable; pass an initializer "
+                f"init(key, shape, dtype), for example jax.nn.initializers.normal()"
+            )
         if spec.mesh is None:
-            mine.append("no mesh given and no default; pass mesh= to param() or build it "
-                        "inside meshinit.defaults(mesh=...)")
+            mine.append(
+                "no mesh given and no default; pass mesh= to param() or build it "
+                "inside meshinit.defaults(mesh=...)"
+            )
         elif not _is_mesh(spec.mesh):
-            mine.append(f"mesh must be a jax.sharding.Mesh or AbstractMesh, got "
-                        f"{type(spec.mesh).__name__}")
+            mine.append(
+                f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {type(spec.mesh).__name__}"
+            )
         else:
             entries_, msgs = partition(spec.shape, spec.axes, spec.rules, spec.mesh.shape)
             mine += msgs
@@ -195,10 +210,15 @@ def plan(tree: Any) -> Plan:
         skey = (spec.mesh, entries_)
         if skey not in shardings:
             shardings[skey] = NamedSharding(spec.mesh, PartitionSpec(*entries_))
-        entries.append(PlanEntry(
-            path=path, spec=spec, sharding=shardings[skey],
-            signature=(fp, spec.shape, spec.dtype, entries_), leaf_index=index,
-        ))
+        entries.append(
+            PlanEntry(
+                path=path,
+                spec=spec,
+                sharding=shardings[skey],
+                signature=(fp, spec.shape, spec.dtype, entries_),
+                leaf_index=index,
+            )
+        )
 
     if problems:
         raise PlanError(problems)
@@ -211,5 +231,3 @@ def plan(tree: Any) -> Plan:
         treedef=treedef,
         leaves=tuple(leaf for _, leaf in flat),
     )
-
-

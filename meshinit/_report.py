@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jax.sharding import AbstractMesh
+
 if TYPE_CHECKING:
     from ._plan import MeshGroup, Plan
 
@@ -23,22 +25,30 @@ def describe_mesh(mesh) -> str:
     """``Mesh(fsdp=2, tensor=4; Explicit; devices 0-7)``."""
     axes = ", ".join(f"{n}={s}" for n, s in mesh.shape.items())
     types = {str(t).split(".")[-1] for t in getattr(mesh, "axis_types", ())}
-    kind = "AbstractMesh" if not hasattr(mesh, "devices") else "Mesh"
+    kind = "AbstractMesh" if isinstance(mesh, AbstractMesh) else "Mesh"
     parts = [axes, "/".join(sorted(types))] if types else [axes]
     if kind == "Mesh":
         ids = sorted(d.id for d in mesh.devices.flat)
         contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
-        parts.append(f"devices {ids[0]}-{ids[-1]}" if contiguous and len(ids) > 1
-                     else "devices " + ",".join(map(str, ids)))
+        parts.append(
+            f"devices {ids[0]}-{ids[-1]}"
+            if contiguous and len(ids) > 1
+            else "devices " + ",".join(map(str, ids))
+        )
     return f"{kind}({'; '.join(parts)})"
 
 
 def _fmt_axes(axes) -> str:
     if axes is None:
         return "replicated"
-    return "(" + ", ".join("None" if a is None else
-                           (a if isinstance(a, str) else "(" + ",".join(a) + ")")
-                           for a in axes) + ")"
+    return (
+        "("
+        + ", ".join(
+            "None" if a is None else (a if isinstance(a, str) else "(" + ",".join(a) + ")")
+            for a in axes
+        )
+        + ")"
+    )
 
 
 def _fmt_mesh_axes(spec, mesh_shape) -> str:
@@ -51,8 +61,10 @@ def _columns(rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for r in rows:
-        cells = [c.rjust(w) if i in right else c.ljust(w)
-                 for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
         out.append("  " + "  ".join(cells).rstrip())
     return out
 
@@ -62,15 +74,17 @@ def group_table(index: int, group: MeshGroup) -> list[str]:
     rows = [head]
     for e in group.entries:
         s = e.spec
-        rows.append([
-            e.path or "<root>",
-            str(s.shape),
-            s.dtype.name,
-            _fmt_axes(s.axes) if s.rules is not None else "-",
-            _fmt_mesh_axes(e.sharding.spec, group.mesh.shape),
-            str(e.sharding.spec).removeprefix("PartitionSpec"),
-            human_bytes(e.device_bytes),
-        ])
+        rows.append(
+            [
+                e.path or "<root>",
+                str(s.shape),
+                s.dtype.name,
+                _fmt_axes(s.axes) if s.rules is not None else "-",
+                _fmt_mesh_axes(e.sharding.spec, group.mesh.shape),
+                str(e.sharding.spec).removeprefix("PartitionSpec"),
+                human_bytes(e.device_bytes),
+            ]
+        )
     n = len(group.entries)
     lines = [
         f"mesh {index}: {describe_mesh(group.mesh)}",

@@ -64,8 +64,7 @@ def logical_to_mesh_axes(
     Going down ``rules``, a rule ``(name, mesh_axes)`` assigns ``mesh_axes`` to the
     dimension called ``name`` if that dimension is still unassigned and none of those
     mesh axes is already used by this parameter. Unassigned dimensions are replicated.
-    Like linen, None counts as "used" once any dimension is None, so a ``(name, None)``
-    rule can then be passed over by a later rule for the same name.
+    As in linen, a ``(name, None)`` rule always claims a still unassigned dimension.
 
     Args:
       axes: one logical name (or None) per dimension, without duplicates.
@@ -87,8 +86,8 @@ def logical_to_mesh_axes(
         pos = axes.index(name)
         if result[pos] is not _UNASSIGNED:
             continue
-        used = {u for r in result for u in _as_tuple(r)}
-        if used.isdisjoint(_as_tuple(target)):
+        used = {u for r in result for u in _as_tuple(r) if isinstance(u, str)}
+        if target is None or used.isdisjoint(_as_tuple(target)):
             result[pos] = target
     return tuple(None if r is _UNASSIGNED else r for r in result)
 

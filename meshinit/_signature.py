@@ -63,8 +63,12 @@ def _callable(f: Any, depth: int) -> Hashable:
         )
     if isinstance(f, functools.partial):
         kw = tuple(sorted(f.keywords.items()))
-        return (functools.partial, _callable(f.func, depth + 1), _value(f.args, depth),
-                _value(kw, depth))
+        return (
+            functools.partial,
+            _callable(f.func, depth + 1),
+            _value(f.args, depth),
+            _value(kw, depth),
+        )
     if isinstance(f, types.MethodType):
         return (types.MethodType, _callable(f.__func__, depth + 1), _value(f.__self__, depth))
     return _value(f, depth)
@@ -96,8 +100,9 @@ class _LRU(collections.OrderedDict):
 _CHECKS = _LRU(4096)
 
 
-def check_init(init: Callable[..., Any], fp: Hashable, shape: tuple[int, ...],
-               dtype: np.dtype) -> str | None:
+def check_init(
+    init: Callable[..., Any], fp: Hashable, shape: tuple[int, ...], dtype: np.dtype
+) -> str | None:
     """Abstractly evaluates ``init(key, shape, dtype)``; returns a problem message or None.
 
     Memoized on ``(fingerprint, shape, dtype)``: ``eval_shape`` costs milliseconds,
@@ -119,7 +124,8 @@ def check_init(init: Callable[..., Any], fp: Hashable, shape: tuple[int, ...],
             problem = None
         else:
             got = (
-                f"{out.dtype}{list(out.shape)}" if isinstance(out, jax.ShapeDtypeStruct)
+                f"{out.dtype}{list(out.shape)}"
+                if isinstance(out, jax.ShapeDtypeStruct)
                 else f"a {type(out).__name__}"
             )
             problem = (

@@ -134,7 +134,8 @@ class _Defaults:
 
 
 _DEFAULTS: contextvars.ContextVar[_Defaults] = contextvars.ContextVar(
-    "meshinit_defaults", default=_Defaults()
+    "meshinit_defaults",
+    default=_Defaults(),  # noqa: B039 (frozen, never mutated)
 )
 
 

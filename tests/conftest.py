@@ -3,3 +3,37 @@
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import contextlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+_compiles: list[str] = []
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles.append(event)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations inside ``with counter:`` blocks."""
+
+    def __init__(self):
+        self.count = 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        start = len(_compiles)
+        try:
+            yield self
+        finally:
+            self.count = len(_compiles) - start
+
+
+@pytest.fixture
+def count_compiles():
+    return CompileCounter()

@@ -1,0 +1,118 @@
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+
+import meshinit
+
+zeros = jax.nn.initializers.zeros
+MESH = AbstractMesh((2, 4), ("fsdp", "tensor"))
+RULES = (("embed", "fsdp"), ("mlp", "tensor"))
+
+
+def test_param_fills_fields_and_defaults_dtype_to_float32():
+    init = jax.nn.initializers.normal()
+    spec = meshinit.param((4, 8), init, axes=("fsdp", "tensor"), mesh=MESH, note="hi")
+    assert isinstance(spec, meshinit.ParamSpec)
+    assert spec.shape == (4, 8) and spec.init is init and spec.mesh is MESH
+    assert spec.axes == ("fsdp", "tensor")
+    assert spec.rules is None  # None: the axes name mesh axes
+    assert spec.dtype == np.float32
+    assert spec.metadata["note"] == "hi"
+    assert spec.nbytes == 4 * 8 * 4
+
+
+def test_spec_is_frozen():
+    spec = meshinit.param((4,), zeros, mesh=MESH)
+    with pytest.raises(AttributeError, match="cannot assign"):
+        spec.shape = (5,)
+
+
+def test_building_specs_allocates_nothing():
+    before = len(jax.live_arrays())
+    specs = [
+        meshinit.param((1024, 1024), jax.nn.initializers.lecun_normal(), mesh=MESH)
+        for _ in range(100)
+    ]
+    assert len(specs) == 100
+    assert len(jax.live_arrays()) == before
+
+
+@pytest.mark.parametrize("shape", [[4, 8], (np.int64(4), 8)])
+def test_shape_sequences_of_ints_are_normalized_to_tuples(shape):
+    assert meshinit.param(shape, zeros, mesh=MESH).shape == (4, 8)
+
+
+@pytest.mark.parametrize(
+    "shape, err, match",
+    [
+        (4, TypeError, "tuple of non-negative ints"),
+        ("44", TypeError, "tuple of non-negative ints"),
+        ((4.0, 2), TypeError, "tuple of non-negative ints"),
+        ((True, 2), TypeError, "tuple of non-negative ints"),
+        ((4, -1), ValueError, "tuple of non-negative ints"),
+        (None, TypeError, "tuple of non-negative ints"),
+    ],
+)
+def test_bad_shape_raises_at_once(shape, err, match):
+    with pytest.raises(err, match=match):
+        meshinit.param(shape, zeros, mesh=MESH)
+
+
+def test_string_axes_raise_at_once_with_the_fix():
+    with pytest.raises(TypeError, match=r"for one dimension write \('embed',\)"):
+        meshinit.param((4,), zeros, axes="embed", mesh=MESH)
+
+
+def test_defaults_fill_only_what_param_was_not_given_and_nest():
+    other = AbstractMesh((8,), ("x",))
+    with meshinit.defaults(mesh=MESH, rules=RULES, dtype=jnp.bfloat16):
+        a = meshinit.param((4, 8), zeros, axes=("embed", "mlp"))
+        b = meshinit.param((8,), zeros, mesh=other, dtype=jnp.float32, rules=(("m", "x"),))
+        with meshinit.defaults(dtype=jnp.int8):
+            c = meshinit.param((4,), zeros)
+        with meshinit.defaults(rules=meshinit.MESH_AXES):
+            d = meshinit.param((4,), zeros, axes=("fsdp",))
+        e = meshinit.param((4,), zeros, axes=("fsdp",), rules=meshinit.MESH_AXES)
+    after = meshinit.param((4,), zeros)
+    assert (a.mesh, a.rules, a.dtype) == (MESH, RULES, jnp.bfloat16)
+    assert (b.mesh, b.rules, b.dtype) == (other, (("m", "x"),), jnp.float32)
+    assert (c.mesh, c.rules, c.dtype) == (MESH, RULES, jnp.int8)
+    assert (d.mesh, d.rules, d.dtype) == (MESH, None, jnp.bfloat16)
+    assert e.rules is None
+    assert (after.mesh, after.rules, after.dtype) == (None, None, np.float32)
+
+
+def test_rules_lists_are_normalized_to_tuples():
+    spec = meshinit.param(
+        (4,), zeros, axes=("e",), mesh=MESH, rules=[["e", ["fsdp", "tensor"]], ["f", None]]
+    )
+    assert spec.rules == (("e", ("fsdp", "tensor")), ("f", None))
+
+
+def test_same_spec_at_two_paths_gives_independent_parameters():
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    spec = meshinit.param((8, 8), jax.nn.initializers.normal(), axes=("fsdp", "tensor"), mesh=mesh)
+    out = meshinit.init({"a": spec, "b": spec}, 0)
+    assert not np.array_equal(out["a"], out["b"])
+
+
+def test_import_starts_no_backend_and_devices_can_be_set_after_import():
+    code = (
+        "import meshinit, jax\n"
+        "jax.config.update('jax_num_cpu_devices', 3)\n"
+        "assert len(jax.devices()) == 3, jax.devices()\n"
+        "import sys; assert 'flax' not in sys.modules and 'equinox' not in sys.modules\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+    )
+    assert r.returncode == 0, r.stderr
