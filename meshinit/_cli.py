@@ -66,6 +66,9 @@ def _demo_specs(devices: Sequence) -> tuple[dict, object]:
 
 
 def demo(devices: int) -> int:
+    if devices < 4 or devices % 4:
+        print(f"meshinit demo: --devices must be a multiple of 4, got {devices}", file=sys.stderr)
+        return 2
     import jax
 
     jax.config.update("jax_platforms", "cpu")
@@ -75,9 +78,6 @@ def demo(devices: int) -> int:
 
     import meshinit
 
-    if devices < 4 or devices % 4:
-        print(f"meshinit demo: --devices must be a multiple of 4, got {devices}", file=sys.stderr)
-        return 2
     specs, context = _demo_specs(jax.devices())
     plan = meshinit.plan(specs)
     print(plan)

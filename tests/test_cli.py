@@ -1,0 +1,38 @@
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+@pytest.mark.slow
+def test_demo_places_every_parameter_exactly_and_exits_zero():
+    r = run("-m", "meshinit", "demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "13/13 placements exact" in r.stdout
+    assert "WRONG" not in r.stdout
+    # the plan table lists the disjoint stage meshes and every full path
+    assert "devices 0,2,4,6" in r.stdout and "devices 1,3,5,7" in r.stdout
+    assert "stages.1.mlp.down" in r.stdout
+
+
+def test_demo_rejects_a_device_count_it_cannot_lay_out():
+    r = run("-m", "meshinit", "demo", "--devices", "6")
+    assert r.returncode == 2
+    assert "--devices must be a multiple of 4" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["multi_mesh.py", "pipeline_stages.py"])
+def test_examples_run(script):
+    r = run(str(ROOT / "examples" / script))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "mesh 0:" in r.stdout
