@@ -13,9 +13,8 @@ itself and each device computes only its own shard; no full copy exists anywhere
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,59 +24,7 @@ from jax.sharding import AxisType, Mesh
 from . import _paths
 from ._errors import PlanError, Problem
 from ._plan import MeshGroup, Plan
-from ._signature import _LRU
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    """Entries of one group that share a signature: one vmap in the compiled program."""
-
-    signature: Hashable
-    positions: tuple[int, ...]  # indices into group.entries
-    init: Callable[..., Any]
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """How a group is laid out for compilation; depends on the plan alone."""
-
-    batches: tuple[_Batch, ...]
-    digests: np.ndarray  # uint32[n, 2], in batch order
-    structure: Hashable  # what the executable depends on, beyond mesh and key impl
-
-
-def _layout(group: MeshGroup) -> _Layout:
-    by_sig: dict[Hashable, list[int]] = {}
-    for i, e in enumerate(group.entries):
-        by_sig.setdefault(e.signature, []).append(i)
-    batches = []
-    for sig, positions in by_sig.items():
-        spec = group.entries[positions[0]].spec
-        batches.append(_Batch(sig, tuple(positions), spec.init, spec.shape, spec.dtype))
-    order = [p for b in batches for p in b.positions]
-    digests = np.array(
-        [_paths.path_digest(group.entries[p].path) for p in order], dtype=np.uint32
-    ).reshape(len(order), 2)
-    structure = tuple((b.signature, b.positions) for b in batches)
-    return _Layout(tuple(batches), digests, structure)
-
-
-_layouts: dict[int, tuple[MeshGroup, _Layout]] = {}
-
-
-def _cached_layout(group: MeshGroup) -> _Layout:
-    # Keyed by identity and kept beside the group, so a plan materialized twice lays
-    # out once; the group is held, so its id cannot be reused while cached.
-    hit = _layouts.get(id(group))
-    if hit is not None and hit[0] is group:
-        return hit[1]
-    layout = _layout(group)
-    if len(_layouts) > 64:
-        _layouts.clear()
-    _layouts[id(group)] = (group, layout)
-    return layout
+from ._signature import LRUCache
 
 
 def _auto_twin(mesh: Mesh) -> Mesh:
@@ -92,45 +39,46 @@ def _auto_twin(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
-def _program(group: MeshGroup, layout: _Layout, impl: str) -> Callable[..., list[jax.Array]]:
-    batches = layout.batches
-    n_out = len(group.entries)
+def _program(group: MeshGroup, impl: str) -> Callable[..., list[jax.Array]]:
+    """The group's computation: (key data, digests) -> one array per entry."""
 
     def program(key_data: jax.Array, digests: jax.Array) -> list[jax.Array]:
         key = jax.random.wrap_key_data(key_data, impl=impl)
-        outs: list[Any] = [None] * n_out
+        outs: list[Any] = [None] * len(group.entries)
         start = 0
-        for b in batches:
-            d = digests[start : start + len(b.positions)]
-            start += len(b.positions)
+        for positions in group.batches:
+            spec = group.entries[positions[0]].spec
 
-            def one(hl, b=b):
-                return b.init(_paths.fold_digest(key, hl[0], hl[1]), b.shape, b.dtype)
+            def one(hl, spec=spec):
+                return spec.init(_paths.fold_digest(key, hl[0], hl[1]), spec.shape, spec.dtype)
 
-            stacked = jax.vmap(one)(d)
-            for i, pos in enumerate(b.positions):
+            stacked = jax.vmap(one)(digests[start : start + len(positions)])
+            start += len(positions)
+            for i, pos in enumerate(positions):
                 outs[pos] = stacked[i]
         return outs
 
     return program
 
 
-_executables = _LRU(256)
+_executables = LRUCache(256)
 _lock = threading.Lock()
 
 
-def _executable(group: MeshGroup, layout: _Layout, impl: str) -> Any:
-    cache_key = (group.mesh, layout.structure, impl, jax.config.jax_threefry_partitionable)
+def _executable(group: MeshGroup, impl: str) -> Any:
+    """The group's compiled computation, from the cache when its structure was seen."""
+    structure = tuple((group.entries[b[0]].signature, b) for b in group.batches)
+    cache_key = (group.mesh, structure, impl, jax.config.jax_threefry_partitionable)
     with _lock:
         hit = _executables.get(cache_key)
     if hit is not None:
         return hit
     key_struct = jax.ShapeDtypeStruct((2,), np.uint32)
-    digest_struct = jax.ShapeDtypeStruct(layout.digests.shape, np.uint32)
+    digest_struct = jax.ShapeDtypeStruct(group.digests.shape, np.uint32)
     shardings = [e.sharding for e in group.entries]
     try:
         with jax.set_mesh(_auto_twin(group.mesh)):
-            jitted = jax.jit(_program(group, layout, impl), out_shardings=shardings)
+            jitted = jax.jit(_program(group, impl), out_shardings=shardings)
             compiled = jitted.lower(key_struct, digest_struct).compile()
     except Exception as e:
         paths = ", ".join(entry.path for entry in group.entries[:5])
@@ -187,13 +135,12 @@ def materialize(plan: Plan, key: Any) -> Any:
             header="cannot materialize on an abstract mesh:",
         )
     key_data, impl = _paths.host_key(key)
-    layouts = [_cached_layout(g) for g in plan.groups]
     # Compile everything before allocating anything, so a compile error leaves nothing.
-    executables = [_executable(g, lay, impl) for g, lay in zip(plan.groups, layouts, strict=True)]
+    executables = [_executable(g, impl) for g in plan.groups]
     produced: list[list[jax.Array]] = []
     try:
-        for exe, lay in zip(executables, layouts, strict=True):
-            produced.append(exe(key_data, lay.digests))
+        for exe, group in zip(executables, plan.groups, strict=True):
+            produced.append(exe(key_data, group.digests))
         jax.block_until_ready(produced)
     except BaseException:
         for arrays in produced:
@@ -219,7 +166,6 @@ def init(tree: Any, key: Any) -> Any:
 
 
 def clear_cache() -> None:
-    """Drops cached executables and layouts (they are otherwise kept, LRU-bounded)."""
+    """Drops cached executables (they are otherwise kept, LRU-bounded)."""
     with _lock:
         _executables.clear()
-        _layouts.clear()

@@ -7,10 +7,12 @@ Every problem in the tree is gathered and raised once as a :class:`PlanError`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Hashable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from . import _paths
@@ -81,6 +83,25 @@ class MeshGroup:
     def device_bytes(self) -> int:
         """Bytes the group's parameters take on each device of the mesh."""
         return sum(e.device_bytes for e in self.entries)
+
+    @functools.cached_property
+    def batches(self) -> tuple[tuple[int, ...], ...]:
+        """Positions in ``entries`` of the entries that share a signature.
+
+        One batch compiles to one piece of work, whatever the number of entries in it.
+        """
+        by_signature: dict[Hashable, list[int]] = {}
+        for i, e in enumerate(self.entries):
+            by_signature.setdefault(e.signature, []).append(i)
+        return tuple(tuple(positions) for positions in by_signature.values())
+
+    @functools.cached_property
+    def digests(self) -> np.ndarray:
+        """uint32[n, 2]: each entry's path digest, in batch order."""
+        return np.array(
+            [_paths.path_digest(self.entries[i].path) for b in self.batches for i in b],
+            dtype=np.uint32,
+        ).reshape(len(self.entries), 2)
 
 
 @dataclasses.dataclass(frozen=True)

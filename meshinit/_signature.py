@@ -85,7 +85,7 @@ def fingerprint(init: Callable[..., Any]) -> Hashable:
         return ("id", init)
 
 
-class _LRU(collections.OrderedDict):
+class LRUCache(collections.OrderedDict):
     def __init__(self, maxsize: int):
         super().__init__()
         self.maxsize = maxsize
@@ -97,7 +97,7 @@ class _LRU(collections.OrderedDict):
             self.popitem(last=False)
 
 
-_CHECKS = _LRU(4096)
+_CHECKS = LRUCache(4096)
 
 
 def check_init(

@@ -205,9 +205,8 @@ def test_compiled_programs_do_not_grow_with_depth(count_compiles):
             meshinit.materialize(plan, 0)
         assert c.count == 1  # one program for the one mesh group, whatever the depth
         group = plan.groups[0]
-        program = _materialize._program(group, _materialize._cached_layout(group), "threefry2x32")
-        layout = _materialize._cached_layout(group)
-        texts.append(str(jax.make_jaxpr(program)(np.zeros(2, np.uint32), layout.digests)))
+        program = _materialize._program(group, "threefry2x32")
+        texts.append(str(jax.make_jaxpr(program)(np.zeros(2, np.uint32), group.digests)))
     # 8x the layers, yet the same random generation: one vmap per distinct signature
     # whatever the depth; only the output slices repeat.
     assert texts[0].count("random_bits") == texts[1].count("random_bits") > 0
@@ -230,7 +229,7 @@ def test_no_device_ever_holds_a_full_copy(explicit):
     plan = meshinit.plan(specs)
     meshinit.materialize(plan, 0)
     group = plan.groups[0]
-    exe = _materialize._executable(group, _materialize._cached_layout(group), "threefry2x32")
+    exe = _materialize._executable(group, "threefry2x32")
     full = 512 * 1024
     # Per-device programs see only shard-sized arrays (1/8 of a parameter).
     assert largest_array_in(exe) <= full // 8
@@ -259,8 +258,8 @@ def test_failure_in_a_later_group_frees_earlier_arrays(monkeypatch):
     real = _materialize._executable
     calls = []
 
-    def failing_second(group, layout, impl):
-        exe = real(group, layout, impl)
+    def failing_second(group, impl):
+        exe = real(group, impl)
         calls.append(group)
         if len(calls) == 2:
 
