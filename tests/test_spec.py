@@ -101,9 +101,15 @@ def test_same_spec_at_two_paths_gives_independent_parameters():
     assert not np.array_equal(out["a"], out["b"])
 
 
-def test_import_starts_no_backend_and_devices_can_be_set_after_import():
+def test_import_and_abstract_planning_start_no_backend():
+    # Devices can still be set after importing meshinit and planning on an AbstractMesh
+    # (multi-host users call jax.distributed.initialize at this point).
     code = (
         "import meshinit, jax\n"
+        "m = jax.sharding.AbstractMesh((16, 16), ('fsdp', 'tensor'))\n"
+        "p = meshinit.plan({'w': meshinit.param((4096, 4096),"
+        " jax.nn.initializers.lecun_normal(), axes=('fsdp', 'tensor'), mesh=m)})\n"
+        "assert p.entries[0].device_bytes == 4096 * 4096 * 4 // 256\n"
         "jax.config.update('jax_num_cpu_devices', 3)\n"
         "assert len(jax.devices()) == 3, jax.devices()\n"
         "import sys; assert 'flax' not in sys.modules and 'equinox' not in sys.modules\n"
