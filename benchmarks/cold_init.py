@@ -17,13 +17,24 @@ import json
 import subprocess
 import sys
 
-RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv", "tensor"),
-         ("mlp", "tensor"))
-LAYER = {"q": ((256, 256), ("embed", "heads")), "k": ((256, 64), ("embed", "kv")),
-         "v": ((256, 64), ("embed", "kv")), "o": ((256, 256), ("heads", "embed")),
-         "gate": ((256, 1024), ("embed", "mlp")), "up": ((256, 1024), ("embed", "mlp")),
-         "down": ((1024, 256), ("mlp", "embed")), "n1": ((256,), ("embed",)),
-         "n2": ((256,), ("embed",))}
+RULES = (
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", "tensor"),
+    ("mlp", "tensor"),
+)
+LAYER = {
+    "q": ((256, 256), ("embed", "heads")),
+    "k": ((256, 64), ("embed", "kv")),
+    "v": ((256, 64), ("embed", "kv")),
+    "o": ((256, 256), ("heads", "embed")),
+    "gate": ((256, 1024), ("embed", "mlp")),
+    "up": ((256, 1024), ("embed", "mlp")),
+    "down": ((1024, 256), ("mlp", "embed")),
+    "n1": ((256,), ("embed",)),
+    "n2": ((256,), ("embed",)),
+}
 
 
 def case(recipe: str, layers: int) -> float:
@@ -48,21 +59,28 @@ def case(recipe: str, layers: int) -> float:
     start = time.perf_counter()
     if recipe == "meshinit":
         with meshinit.defaults(mesh=mesh, rules=RULES):
+
             def p(shape, axes, init):
                 return meshinit.param(shape, init, axes=axes)
 
-            specs = {"embed": p((4096, 256), ("vocab", "embed"), lecun()),
-                     "layers": [{n: p(s, a, init_of(n)) for n, (s, a) in LAYER.items()}
-                                for _ in range(layers)],
-                     "head": p((256, 4096), ("embed", "vocab"), lecun())}
+            specs = {
+                "embed": p((4096, 256), ("vocab", "embed"), lecun()),
+                "layers": [
+                    {n: p(s, a, init_of(n)) for n, (s, a) in LAYER.items()} for _ in range(layers)
+                ],
+                "head": p((256, 4096), ("embed", "vocab"), lecun()),
+            }
         out = meshinit.materialize(meshinit.plan(specs), jax.random.key(0))
     elif recipe == "jax.jit":  # MaxText: one jit, every parameter an output
+
         def spec_of(axes):
             return NamedSharding(mesh, P(*meshinit.logical_to_mesh_axes(axes, RULES)))
 
-        shapes = {"embed": ((4096, 256), ("vocab", "embed")),
-                  "layers": [dict(LAYER) for _ in range(layers)],
-                  "head": ((256, 4096), ("embed", "vocab"))}
+        shapes = {
+            "embed": ((4096, 256), ("vocab", "embed")),
+            "layers": [dict(LAYER) for _ in range(layers)],
+            "head": ((256, 4096), ("embed", "vocab")),
+        }
         is_leaf = lambda x: isinstance(x, tuple) and isinstance(x[0], tuple)  # noqa: E731
         shardings = jax.tree.map(lambda x: spec_of(x[1]), shapes, is_leaf=is_leaf)
 
@@ -71,8 +89,10 @@ def case(recipe: str, layers: int) -> float:
             keys = jax.random.split(key, len(leaves))
             # flatten order: dict keys sorted, so embed, head, then each layer's names
             names = ["embed", "head", *[n for _ in range(layers) for n in sorted(LAYER)]]
-            vals = [init_of(n)(k, s, jnp.float32)
-                    for n, k, (s, _) in zip(names, keys, leaves, strict=True)]
+            vals = [
+                init_of(n)(k, s, jnp.float32)
+                for n, k, (s, _) in zip(names, keys, leaves, strict=True)
+            ]
             return jax.tree.unflatten(treedef, vals)
 
         out = jax.jit(build, out_shardings=shardings)(jax.random.key(0))
@@ -97,8 +117,12 @@ def main() -> None:
         for recipe in args.recipes:
             times = []
             for _ in range(args.repeats):
-                r = subprocess.run([sys.executable, __file__, "--case", recipe, str(layers)],
-                                   capture_output=True, text=True, check=True)
+                r = subprocess.run(
+                    [sys.executable, __file__, "--case", recipe, str(layers)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 times.append(json.loads(r.stdout.strip().splitlines()[-1]))
             results[(recipe, layers)] = min(times)
             print(f"{recipe:10s} layers={layers:3d}  cold {min(times):7.2f} s", flush=True)
@@ -108,8 +132,10 @@ def main() -> None:
             print(f"layers={layers}: meshinit / jax.jit = {ratio:.2f}")
     if len(args.layers) > 1 and all(("meshinit", n) in results for n in args.layers):
         lo, hi = min(args.layers), max(args.layers)
-        print(f"meshinit depth ratio {hi}/{lo} layers = "
-              f"{results[('meshinit', hi)] / results[('meshinit', lo)]:.2f}")
+        print(
+            f"meshinit depth ratio {hi}/{lo} layers = "
+            f"{results[('meshinit', hi)] / results[('meshinit', lo)]:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -195,21 +195,44 @@ def test_second_key_and_same_shaped_model_trigger_zero_compiles(count_compiles):
     assert not np.array_equal(b["embed"], c["embed"])
 
 
-def test_compiled_programs_do_not_grow_with_depth(count_compiles):
-    meshinit.clear_cache()
+def test_compiles_do_not_grow_with_depth(count_compiles):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    for layers in (2, 16):
+        meshinit.clear_cache()
+        plan = meshinit.plan(model(mesh, layers, RULES))
+        signatures = {e.signature for e in plan.entries}
+        assert len(signatures) == 5  # embed, q, up, n, u: the same at any depth
+        with count_compiles() as c:
+            meshinit.materialize(plan, 0)
+        assert c.count == len(signatures)
+
+
+def test_fused_group_strategy_grows_only_by_output_slices():
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
     texts = []
     for layers in (2, 16):
-        plan = meshinit.plan(model(mesh, layers, RULES))
-        with count_compiles() as c:
-            meshinit.materialize(plan, 0)
-        assert c.count == 1  # one program for the one mesh group, whatever the depth
-        group = plan.groups[0]
-        program = _materialize._program(group, "threefry2x32")
+        group = meshinit.plan(model(mesh, layers, RULES)).groups[0]
+        program = _materialize.FusedGroup().program(group, "threefry2x32")
         texts.append(str(jax.make_jaxpr(program)(np.zeros(2, np.uint32), group.digests)))
-    # 8x the layers, yet the same random generation: one vmap per distinct signature
-    # whatever the depth; only the output slices repeat.
+    # 8x the layers, the same random generation: one vmap per distinct signature.
     assert texts[0].count("random_bits") == texts[1].count("random_bits") > 0
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_strategies_give_identical_values_and_exact_shardings(explicit):
+    mesh = submesh(range(8), (2, 4), ("fsdp", "tensor"), explicit)
+    plan = meshinit.plan(model(mesh, 2, RULES))
+    key_data, impl = meshinit._paths.host_key(3)
+    results = {
+        name: _materialize._run(plan, key_data, impl, strategy)
+        for name, strategy in _materialize.STRATEGIES.items()
+    }
+    base = flat_values(results.pop(_materialize.DEFAULT_STRATEGY))
+    for tree in results.values():
+        assert_exact(plan, tree)
+        got = flat_values(tree)
+        for path, value in base.items():
+            assert np.array_equal(got[path], value), path
 
 
 def largest_array_in(compiled) -> int:
@@ -227,12 +250,12 @@ def test_no_device_ever_holds_a_full_copy(explicit):
         ),
     }
     plan = meshinit.plan(specs)
-    meshinit.materialize(plan, 0)
     group = plan.groups[0]
-    exe = _materialize._executable(group, "threefry2x32")
     full = 512 * 1024
-    # Per-device programs see only shard-sized arrays (1/8 of a parameter).
-    assert largest_array_in(exe) <= full // 8
+    for name, strategy in _materialize.STRATEGIES.items():
+        for exe in strategy.executables(group, "threefry2x32"):
+            # Per-device programs see only shard-sized arrays (1/8 of a parameter).
+            assert largest_array_in(exe) <= full // 8, name
 
 
 def test_abstract_mesh_cannot_be_materialized():
@@ -255,21 +278,23 @@ def test_failure_in_a_later_group_frees_earlier_arrays(monkeypatch):
         [meshinit.param((64, 64), lecun(), axes=("x", None), mesh=m) for m in stages]
     )
     meshinit.materialize(plan, 0)  # compile and cache both groups
-    real = _materialize._executable
-    calls = []
+    real = _materialize.STRATEGIES[_materialize.DEFAULT_STRATEGY]
 
-    def failing_second(group, impl):
-        exe = real(group, impl)
-        calls.append(group)
-        if len(calls) == 2:
+    class FailsInSecondGroup:
+        def prepare(self, group, impl):
+            run = real.prepare(group, impl)
+            if group is not plan.groups[1]:
+                return run
 
-            def boom(*args):
-                raise RuntimeError("device out of memory")
+            def failing(key_data):
+                yield from run(key_data)  # the group's first array is made ...
+                raise RuntimeError("device out of memory")  # ... then it fails
 
-            return boom
-        return exe
+            return failing
 
-    monkeypatch.setattr(_materialize, "_executable", failing_second)
+    monkeypatch.setitem(
+        _materialize.STRATEGIES, _materialize.DEFAULT_STRATEGY, FailsInSecondGroup()
+    )
     before = {id(a) for a in jax.live_arrays()}
     with pytest.raises(RuntimeError, match="device out of memory"):
         meshinit.materialize(plan, 1)
