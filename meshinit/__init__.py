@@ -20,5 +20,24 @@ from ._spec import MESH_AXES as MESH_AXES
 from ._spec import ParamSpec as ParamSpec
 from ._spec import defaults as defaults
 from ._spec import param as param
+from ._spec import stacked as stacked
 
 __version__ = "0.1.0"
+
+_ADAPTERS = ("nnx", "eqx")
+
+
+def __getattr__(name: str):
+    # PEP 562: adapters load on first use, so importing meshinit never imports flax
+    # or equinox.
+    if name in _ADAPTERS:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_ADAPTERS])

@@ -15,7 +15,7 @@ and each device computes only its own shard; no full copy exists anywhere.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -44,27 +44,32 @@ _executables = LRUCache(512)
 _lock = threading.Lock()
 
 
-def _compiled(cache_key: Hashable, group: MeshGroup, build: Callable[[], Any]) -> Any:
-    """``build()``'s compiled executable, cached on ``cache_key``.
+def _compile(
+    group: MeshGroup, program: Callable[..., Any], out_shardings: Any, args: Sequence[Any]
+) -> Any:
+    """Compiles ``program`` for ``group`` with exact ``out_shardings``.
 
-    ``build`` returns ``(program, out_shardings, arg_structs)``. Tracing happens under
-    an all-Auto twin of the group's mesh: it overrides any context mesh the user set,
-    and lets the out_shardings partition the random generation.
+    Tracing happens under an all-Auto twin of the group's mesh: it overrides any
+    context mesh the user set, and lets the out_shardings partition the generation.
     """
-    cache_key = (cache_key, jax.config.jax_threefry_partitionable)
-    with _lock:
-        hit = _executables.get(cache_key)
-    if hit is not None:
-        return hit
-    program, out_shardings, args = build()
     try:
         with jax.set_mesh(_auto_twin(group.mesh)):
-            compiled = jax.jit(program, out_shardings=out_shardings).lower(*args).compile()
+            return jax.jit(program, out_shardings=out_shardings).lower(*args).compile()
     except Exception as e:
         paths = ", ".join(entry.path for entry in group.entries[:5])
         more = f" and {len(group.entries) - 5} more" if len(group.entries) > 5 else ""
         e.add_note(f"meshinit: while compiling for the mesh {group.mesh} ({paths}{more})")
         raise
+
+
+def _compiled(cache_key: Hashable, group: MeshGroup, build: Callable[[], Any]) -> Any:
+    """``_compile(group, *build())``, cached on ``cache_key``."""
+    cache_key = (cache_key, jax.config.jax_threefry_partitionable)
+    with _lock:
+        hit = _executables.get(cache_key)
+    if hit is not None:
+        return hit
+    compiled = _compile(group, *build())
     with _lock:
         _executables.put(cache_key, compiled)
     return compiled
@@ -73,10 +78,10 @@ def _compiled(cache_key: Hashable, group: MeshGroup, build: Callable[[], Any]) -
 _KEY = jax.ShapeDtypeStruct((2,), np.uint32)
 
 # A strategy turns a mesh group into a runner: ``prepare(group, impl)`` compiles (or
-# fetches) what the group needs, and the runner it returns maps host key data to
-# ``(position in group.entries, array)`` pairs. Strategies differ in compile and
+# fetches) what the group needs, and the runner it returns maps host inputs (the key
+# data) to ``(position in group.entries, array)`` pairs. Strategies differ in compile and
 # dispatch costs only; values and shardings are the same.
-Runner = Callable[[np.ndarray], Iterator[tuple[int, jax.Array]]]
+Runner = Callable[..., Iterator[tuple[int, jax.Array]]]
 
 
 class PerSignature:
@@ -216,17 +221,56 @@ def materialize(plan: Plan, key: Any) -> Any:
             header="cannot materialize on an abstract mesh:",
         )
     key_data, impl = _paths.host_key(key)
-    return _run(plan, key_data, impl, STRATEGIES[DEFAULT_STRATEGY])
+    strategy = STRATEGIES[DEFAULT_STRATEGY]
+    return _run(plan, lambda group: strategy.prepare(group, impl), key_data)
 
 
-def _run(plan: Plan, key_data: np.ndarray, impl: str, strategy: Any) -> Any:
+def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any) -> Any:
+    """Places the values that ``build(*args)`` computes, each on its planned sharding.
+
+    For existing constructors, whose values must stay exactly what the constructor
+    makes: per mesh group, ``build`` is jitted to return only that group's values,
+    with exact out_shardings, and XLA drops the rest. The specs' ``init`` is not used.
+    This compiles the whole constructor once per group.
+
+    Args:
+      plan: the plan; ``build`` must return one value per entry, in entry order.
+      build: a traceable function of ``args``.
+      *args: host values (numpy arrays); never device arrays, which could sit on a
+        mesh that the group's computation does not span.
+
+    Returns:
+      The planned tree with a ready array in place of each spec.
+    """
+    index = {id(e): i for i, e in enumerate(plan.entries)}
+
+    def prepare(group: MeshGroup) -> Runner:
+        wanted = [index[id(e)] for e in group.entries]
+
+        def program(*a):
+            values = build(*a)
+            return [values[i] for i in wanted]
+
+        shardings = [e.sharding for e in group.entries]
+        structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in args]
+        exe = _compile(group, program, shardings, structs)
+
+        def run(*a: Any) -> Iterator[tuple[int, jax.Array]]:
+            yield from enumerate(exe(*a))
+
+        return run
+
+    return _run(plan, prepare, *args)
+
+
+def _run(plan: Plan, prepare: Callable[[MeshGroup], Runner], *args: Any) -> Any:
     # Compile everything before allocating anything, so a compile error leaves nothing.
-    runners = [strategy.prepare(g, impl) for g in plan.groups]
+    runners = [prepare(g) for g in plan.groups]
     made: list[jax.Array] = []
     values: dict[int, jax.Array] = {}
     try:
         for group, run in zip(plan.groups, runners, strict=True):
-            for pos, array in run(key_data):
+            for pos, array in run(*args):
                 made.append(array)
                 values[id(group.entries[pos])] = array
         jax.block_until_ready(made)

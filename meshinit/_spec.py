@@ -228,3 +228,56 @@ def param(
         dtype=dtype,
         metadata=metadata,
     )
+
+
+def _stacked_init(base: Callable[..., Any], n: int) -> Callable[..., Any]:
+    # A plain closure, not an object: fingerprints see through it to ``base``, so fresh
+    # ``lecun_normal()`` closures still deduplicate.
+    def init(key: Any, shape: Sequence[int], dtype: Any) -> Any:
+        import jax
+
+        if tuple(shape[:1]) != (n,):
+            raise ValueError(f"a stacked init of {n} layers got shape {tuple(shape)}")
+        return jax.vmap(lambda i: base(jax.random.fold_in(key, i), tuple(shape[1:]), dtype))(
+            jnp.arange(n, dtype=jnp.uint32)
+        )
+
+    init.__qualname__ = f"stacked({getattr(base, '__qualname__', type(base).__name__)})"
+    return init
+
+
+def stacked(n: int, spec: ParamSpec, axis: str | None = "layers") -> ParamSpec:
+    """``n`` copies of ``spec`` stacked on a new leading axis, each with its own fan-in.
+
+    Variance-scaling initializers read fan-in from the shape, so ``lecun_normal`` on
+    ``(L, d, d)`` counts ``L`` into the fan and silently shrinks the std by
+    ``sqrt(L)``. Here slice ``i`` is
+    ``spec.init(jax.random.fold_in(param_key(key, path), i), spec.shape, spec.dtype)``:
+    exactly what layer ``i`` would get on its own, with its per-layer fan-in.
+
+    Args:
+      n: the number of layers.
+      spec: the per-layer spec.
+      axis: the logical (or mesh) axis name of the new leading dimension; None keeps
+        it replicated. With rules, the table needs a rule for it, e.g.
+        ``("layers", None)`` or ``("layers", "stage")``.
+
+    Returns:
+      A spec of shape ``(n, *spec.shape)`` with ``axis`` prepended to its axes.
+
+    Example:
+      >>> layer = meshinit.param((d, d), lecun_normal(), axes=("embed", "mlp"))
+      >>> w = meshinit.stacked(32, layer)   # shape (32, d, d), axes ("layers", "embed", "mlp")
+    """
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        raise TypeError(f"n must be a non-negative int, got {n!r}")
+    if not isinstance(spec, ParamSpec):
+        raise TypeError(f"stacked takes a ParamSpec from meshinit.param, got {type(spec).__name__}")
+    axes = (
+        None
+        if spec.axes is None and axis is None
+        else ((axis, *(spec.axes if spec.axes is not None else (None,) * len(spec.shape))))
+    )
+    return dataclasses.replace(
+        spec, shape=(int(n), *spec.shape), init=_stacked_init(spec.init, int(n)), axes=axes
+    )

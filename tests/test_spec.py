@@ -122,3 +122,50 @@ def test_import_and_abstract_planning_start_no_backend():
         env={"JAX_PLATFORMS": "cpu", "PATH": ""},
     )
     assert r.returncode == 0, r.stderr
+
+
+def test_stacked_prepends_the_axis_and_keeps_the_rest():
+    layer = meshinit.param(
+        (64, 32),
+        jax.nn.initializers.lecun_normal(),
+        axes=("embed", "mlp"),
+        mesh=MESH,
+        rules=RULES + (("layers", None),),
+        dtype=jnp.bfloat16,
+        note="x",
+    )
+    s = meshinit.stacked(4, layer)
+    assert s.shape == (4, 64, 32) and s.axes == ("layers", "embed", "mlp")
+    assert (s.mesh, s.rules, s.dtype, dict(s.metadata)) == (
+        MESH,
+        layer.rules,
+        jnp.bfloat16,
+        {"note": "x"},
+    )
+    assert meshinit.stacked(2, meshinit.param((3,), zeros, mesh=MESH)).axes == ("layers", None)
+    assert meshinit.stacked(2, meshinit.param((3,), zeros, mesh=MESH), axis=None).axes is None
+    with pytest.raises(TypeError, match="takes a ParamSpec"):
+        meshinit.stacked(2, (3,))
+
+
+def test_stacked_slices_follow_the_value_formula_with_per_layer_fan_in():
+    mesh = jax.make_mesh((2, 4), ("layers", "tensor"))
+    d = 256
+    layer = meshinit.param(
+        (d, d), jax.nn.initializers.lecun_normal(), axes=(None, "tensor"), mesh=mesh
+    )
+    w = meshinit.init({"w": meshinit.stacked(8, layer)}, 0)["w"]
+    assert w.shape == (8, d, d)
+    assert w.sharding.spec == jax.sharding.PartitionSpec("layers", None, "tensor")
+    key = meshinit.param_key(0, "w")
+    host = np.asarray(w)
+    for i in (0, 5):
+        ref = jax.jit(lambda k: layer.init(k, (d, d), jnp.float32))(jax.random.fold_in(key, i))
+        np.testing.assert_array_max_ulp(host[i], np.asarray(ref), maxulp=2)
+    # lecun_normal's std is 1/sqrt(fan_in) = 1/16 per layer; on the raw (8, d, d) shape it
+    # would count the 8 layers into the fan and give 1/sqrt(8 * 256) = 0.022.
+    assert abs(float(np.std(host)) - 1 / 16) < 0.002
+    flat = meshinit.init(
+        {"w": meshinit.param((8, d, d), jax.nn.initializers.lecun_normal(), mesh=mesh)}, 0
+    )["w"]
+    assert abs(float(np.std(np.asarray(flat))) - 1 / np.sqrt(8 * d)) < 0.002
