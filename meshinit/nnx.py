@@ -1,0 +1,278 @@
+"""flax nnx adapter: spec-declared Modules, and existing Modules placed unchanged.
+
+Two ways in:
+
+- :func:`materialize`: a Module whose Variables hold ``ParamSpec``s
+  (``self.w = nnx.Param(meshinit.param(...))``) gets arrays in their place. The fast
+  path: values follow meshinit's value contract, compiled once per signature.
+- :func:`init`: an ordinary Module whose Variables carry flax sharding metadata
+  (``out_sharding``, or the older ``sharding``/``sharding_names``, with ``mesh`` and
+  ``sharding_rules``) comes back with exactly the shardings that metadata describes,
+  and the values its own ``nnx.Rngs`` produce. This compiles the whole constructor
+  once per mesh group, so it is no faster to compile than ``nnx.jit``.
+
+Paths are nnx state paths, dot-joined (``layers.0.w``), so a spec-declared Module
+gets the same values as ``meshinit.init`` on a dict with the same paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+try:
+    from flax import errors as flax_errors
+    from flax import nnx
+except ImportError as e:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from . import _materialize, _plan
+from ._errors import PlanError, Problem
+from ._spec import ParamSpec
+
+__all__ = ["materialize", "init"]
+
+
+def _path(path: tuple[Any, ...]) -> str:
+    return ".".join(map(str, path))
+
+
+def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
+    """``{("layers", 0, "w"): x}`` -> ``{"layers": {"0": {"w": x}}}``.
+
+    String keys, so the core's paths are exactly the dot-joined nnx paths, and paths
+    that join to the same string are reported as duplicates.
+    """
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(str(part), {})
+        node[str(path[-1])] = value
+    return tree
+
+
+def _get(tree: dict[str, Any], path: tuple[Any, ...]) -> Any:
+    for part in path:
+        tree = tree[str(part)]
+    return tree
+
+
+def _placed_metadata(entry: _plan.PlanEntry) -> dict[str, Any]:
+    """Metadata that makes flax's own tools report the placed PartitionSpec."""
+    meta: dict[str, Any] = {"out_sharding": tuple(entry.sharding.spec), "mesh": entry.mesh}
+    if entry.spec.rules is not None:
+        meta["logical_axes"] = entry.spec.axes  # the logical names, kept for readers
+    return meta
+
+
+def materialize(module: nnx.Module, key: Any) -> nnx.Module:
+    """Replaces every ``ParamSpec`` held by the Module's Variables with its placed array.
+
+    Args:
+      module: an nnx Module whose Variables hold ``ParamSpec``s; other Variables (RNG
+        state, arrays) pass through unchanged.
+      key: an int seed, a typed key or a legacy key, as for ``meshinit.materialize``.
+
+    Returns:
+      A new Module of the same graph; ``module`` itself is left as it was. Each placed
+      Variable carries ``out_sharding`` (mesh axes) and ``mesh`` metadata, so
+      ``nnx.get_partition_spec(nnx.state(model))`` gives exactly the placed spec, and
+      ``logical_axes`` with the spec's logical names.
+
+    Example:
+      >>> class MLP(nnx.Module):
+      ...     def __init__(self):
+      ...         self.up = nnx.Param(meshinit.param((d, 4 * d), init, axes=("embed", "mlp")))
+      >>> with meshinit.defaults(mesh=mesh, rules=rules):
+      ...     model = meshinit.nnx.materialize(MLP(), jax.random.key(0))
+    """
+    graphdef, state = nnx.split(module)
+    flat = list(nnx.to_flat_state(state))
+    specs = {path: var.get_value() for path, var in flat if isinstance(var.get_value(), ParamSpec)}
+    plan = _plan.plan(_nest(specs))
+    arrays = _materialize.materialize(plan, key)
+    entries = {e.path: e for e in plan.entries}
+    placed = []
+    for path, var in flat:
+        if path in specs:
+            entry = entries[_path(path)]
+            var = var.replace(_get(arrays, path), **_placed_metadata(entry))
+        placed.append((path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(placed))
+
+
+def _from_factory(key: Any, shape: Any, dtype: Any) -> Any:
+    """Stands in for the initializer of a Variable built by an nnx factory."""
+    raise TypeError("this parameter's value comes from its nnx factory; use meshinit.nnx.init")
+
+
+def _is_key(value: Any) -> bool:
+    return jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key)
+
+
+def _key_impl(struct: jax.ShapeDtypeStruct) -> Any:
+    """The implementation of an abstract key, read while tracing it."""
+    found = []
+
+    def read(key):
+        found.append(jax.random.key_impl(key))
+        return key
+
+    jax.eval_shape(read, struct)
+    return found[0]
+
+
+def _default_mesh() -> Mesh:
+    """The context mesh, else a mesh with no axes over the default device."""
+    mesh = jax.sharding.get_mesh()
+    if not mesh.empty:
+        return mesh
+    device = jax.config.jax_default_device or jax.devices()[0]
+    return Mesh(np.array(device), ())
+
+
+def _spec_for(var: nnx.Variable, value: Any, problems: list[Problem], path: str) -> ParamSpec:
+    """Translates flax's sharding metadata into a spec whose axes are mesh axes.
+
+    flax's own ``get_var_pspec`` does the translation, so flax's semantics hold: a
+    shorter sharding tuple pads with None, and names without a rule pass through as
+    mesh axis names (the core then checks they are axes of the mesh).
+    """
+    shape, dtype = value.shape, value.dtype
+    if _is_key(value):  # keys travel as their uint32 data; rewrapped after placement
+        data = jax.eval_shape(jax.random.key_data, value)
+        shape, dtype = data.shape, data.dtype
+    meta = var.get_metadata()
+    if meta.get("out_sharding"):
+        mesh = meta.get("mesh") or jax.sharding.get_mesh()
+        if mesh is None or (isinstance(mesh, Mesh) and mesh.empty):
+            problems.append(
+                Problem(
+                    path,
+                    "has sharding metadata but no mesh: pass mesh= to "
+                    "the Variable or build it under jax.set_mesh",
+                )
+            )
+            mesh = None
+        pspec = nnx.spmd.get_var_pspec(var)
+        entries = tuple(pspec) + (None,) * (len(value.shape) - len(pspec))
+        if any(e is PartitionSpec.UNCONSTRAINED for e in entries):
+            problems.append(
+                Problem(
+                    path,
+                    "UNCONSTRAINED in its sharding cannot be placed "
+                    "exactly; name mesh axes or None",
+                )
+            )
+            entries = tuple(None if e is PartitionSpec.UNCONSTRAINED else e for e in entries)
+        axes = entries + (None,) * (len(shape) - len(entries))
+    else:
+        mesh, axes = _default_mesh(), None
+    return ParamSpec(shape=shape, init=_from_factory, axes=axes, mesh=mesh, rules=None, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _clear_factory_errors() -> Iterator[None]:
+    """Turns jax's and flax's trace errors from a misbehaving factory into one clear error."""
+    try:
+        yield
+    except (jax.errors.UnexpectedTracerError, flax_errors.TraceContextError) as e:
+        raise ValueError(f"meshinit.nnx.init: {_FACTORY_RULES} ({type(e).__name__})") from e
+    except Exception as e:
+        if not str(e).startswith("Leaked trace"):  # jax.checking_leaks' plain Exception
+            raise
+        raise ValueError(f"meshinit.nnx.init: {_FACTORY_RULES}; it leaked a tracer") from e
+
+
+_FACTORY_RULES = (
+    "the factory is called more than once (abstractly, then once per mesh group), so "
+    "it must build its own nnx.Rngs and must not touch outside state"
+)
+
+
+def init(factory: Callable[[], nnx.Module]) -> nnx.Module:
+    """Builds an ordinary nnx Module with every Variable placed as its metadata says.
+
+    Every Variable with flax sharding metadata comes back on
+    ``NamedSharding(variable's mesh or the context mesh, flax's partition spec)``.
+    Variables without it (RNG state, unannotated arrays) are replicated on the context
+    mesh, or placed on the default device when no ``jax.set_mesh`` is active. Values
+    are exactly those the factory produces from its own ``nnx.Rngs``.
+
+    Per mesh group, the factory is jitted with flax's eager sharding off and returns
+    only that group's Variables, with exact out_shardings; XLA drops the rest. This
+    works where flax itself fails, such as Params on disjoint submeshes under an
+    active ``jax.set_mesh``, but it compiles the whole constructor once per group.
+    For fast compiles, declare parameters with ``meshinit.param`` and use
+    :func:`materialize`.
+
+    Args:
+      factory: a zero-argument callable returning an nnx Module. It is called more
+        than once (abstractly, then once per mesh group), so it must build its own
+        ``nnx.Rngs`` and must not mutate outside state.
+
+    Returns:
+      The Module, with flax's metadata kept as it was.
+
+    Raises:
+      PlanError: a sharding names an axis that is not in its mesh, a dimension does
+        not divide, or a sharded Variable has no mesh; each problem names its path.
+      ValueError: the factory leaks tracers or mutates state created outside it.
+
+    Example:
+      >>> model = meshinit.nnx.init(lambda: Model(rngs=nnx.Rngs(0)))
+    """
+    graphdefs = []
+
+    def abstract_state() -> nnx.State:
+        with nnx.use_eager_sharding(False):
+            graphdef, state = nnx.split(factory())
+        graphdefs.append(graphdef)  # static structure, no tracers in it
+        return state
+
+    # jax.eval_shape, not nnx.eval_shape: flax would resolve the sharding metadata
+    # itself and fail on the first bad name, where we want every problem with its path.
+    with _clear_factory_errors(), jax.checking_leaks():
+        state = jax.eval_shape(abstract_state)
+    (graphdef,) = graphdefs
+    flat = list(nnx.to_flat_state(state))
+    problems: list[Problem] = []
+    specs: dict[tuple[Any, ...], ParamSpec] = {}
+    for path, var in flat:
+        value = var.get_value()
+        if isinstance(value, jax.ShapeDtypeStruct):
+            specs[path] = _spec_for(var, value, problems, _path(path))
+    if problems:
+        raise PlanError(problems)
+    plan = _plan.build_plan(_nest(specs), check_inits=False)
+    order = [entry.path for entry in plan.entries]
+
+    def build() -> list[Any]:
+        with nnx.use_eager_sharding(False):
+            _, built = nnx.split(factory())
+        values = {_path(p): v.get_value() for p, v in nnx.to_flat_state(built)}
+        out = []
+        for path in order:
+            v = values[path]
+            out.append(jax.random.key_data(v) if _is_key(v) else v)
+        return out
+
+    with _clear_factory_errors():
+        arrays = _materialize.materialize_from(plan, build)
+    placed = []
+    for path, var in flat:
+        if path in specs:
+            array = _get(arrays, path)
+            value = var.get_value()
+            if _is_key(value):
+                array = jax.random.wrap_key_data(array, impl=_key_impl(value))
+            # Traced with eager sharding off; give back what the user's flax would record.
+            var = var.replace(array, eager_sharding=nnx.using_eager_sharding())
+        placed.append((path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(placed))

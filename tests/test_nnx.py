@@ -1,0 +1,286 @@
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshinit
+
+lecun = jax.nn.initializers.lecun_normal
+
+
+def meshes(explicit):
+    if explicit:
+        return jax.make_mesh
+    return lambda shape, names, devices=None: Mesh(
+        np.array(devices or jax.devices()).reshape(shape), names
+    )
+
+
+def issue_5127_model(explicit):
+    """The model from flax #5127, written the way flax users write it today."""
+    make = meshes(explicit)
+    mesh1, rules1 = make((2, 4), ("a", "b")), (("A", "a"), ("B", "b"))
+    mesh2, rules2 = make((2, 2, 2), ("x", "y", "z")), (("X", "x"), ("Y", "y"), ("Z", "z"))
+    mesh3, rules3 = make((8,), ("c",)), (("C", "c"),)
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.small_linear1 = nnx.Param(
+                jnp.ones((16, 16)), sharding=("A", "B"), mesh=mesh1, sharding_rules=rules1
+            )
+            self.small_linear2 = nnx.Param(
+                jnp.ones((16, 16, 16)), sharding=("X", "Y", "Z"), mesh=mesh2, sharding_rules=rules2
+            )
+            self.small_linear3 = nnx.Param(
+                jnp.ones((16, 16)), sharding=("C",), mesh=mesh3, sharding_rules=rules3
+            )
+
+    return Model
+
+
+NAMES = ["small_linear1", "small_linear2", "small_linear3"]
+
+
+def assert_same_placement(got, want):
+    """Same mesh object and an equivalent spec (meshinit pads specs to full length)."""
+    assert isinstance(got, NamedSharding), got
+    assert got.mesh is want.mesh, (got, want)
+    assert got.is_equivalent_to(want, len(want.spec) or 1), (got, want)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize("context", [False, True])
+def test_issue_5127_model_gets_flax_eager_shardings(explicit, context):
+    Model = issue_5127_model(explicit)
+    ref = Model()  # flax outside jit: the shardings it describes
+    if context:
+        with jax.set_mesh(meshes(explicit)((4, 2), ("data", "context"))):
+            model = meshinit.nnx.init(Model)
+    else:
+        model = meshinit.nnx.init(Model)
+    for name in NAMES:
+        got, want = getattr(model, name).get_value(), getattr(ref, name).get_value()
+        assert_same_placement(got.sharding, want.sharding)
+        np.testing.assert_array_equal(got, want)
+    spec = nnx.get_partition_spec(nnx.state(model))
+    assert spec["small_linear3"].get_value() == P("c")  # flax's own tools agree
+
+
+def stage_model(explicit):
+    make = meshes(explicit)
+    stage0 = make((2, 2), ("fsdp", "tensor"), devices=jax.devices()[:4])
+    stage1 = make((2, 2), ("fsdp", "tensor"), devices=jax.devices()[4:])
+
+    class Stages(nnx.Module):
+        def __init__(self, rngs):
+            meta = [{"out_sharding": ("fsdp", "tensor"), "mesh": m} for m in (stage0, stage1)]
+            self.first = nnx.Linear(32, 64, rngs=rngs, kernel_metadata=meta[0])
+            self.second = nnx.Linear(
+                64,
+                32,
+                rngs=rngs,
+                kernel_metadata=meta[1],
+                bias_metadata={"out_sharding": ("tensor",), "mesh": stage1},
+            )
+            self.plain = nnx.Param(jax.random.normal(rngs.params(), (8,)))  # no metadata
+
+    return Stages, stage0, stage1
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_disjoint_submeshes_with_random_init_equal_eager_construction(explicit):
+    Stages, stage0, stage1 = stage_model(explicit)
+    with nnx.use_eager_sharding(False):  # the values eager construction gives
+        ref = stage_model(explicit=True)[0](nnx.Rngs(7))  # (with Auto axes flax fails eagerly)
+    context = jax.make_mesh((8,), ("data",))
+    with jax.set_mesh(context):
+        # flax cannot build it under a context mesh
+        with pytest.raises(
+            (ValueError, AssertionError), match="incompatible devices|acts as an assert"
+        ):
+            Stages(nnx.Rngs(7))
+        model = meshinit.nnx.init(lambda: Stages(nnx.Rngs(7)))
+    k0, k1 = model.first.kernel.get_value(), model.second.kernel.get_value()
+    assert k0.sharding == NamedSharding(stage0, P("fsdp", "tensor"))
+    assert k1.sharding == NamedSharding(stage1, P("fsdp", "tensor"))
+    assert model.second.bias.get_value().sharding == NamedSharding(stage1, P("tensor"))
+    for got, want in [
+        (k0, ref.first.kernel),
+        (k1, ref.second.kernel),
+        (model.plain.get_value(), ref.plain),
+    ]:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.get_value()))
+    # Unannotated Variables are replicated on the context mesh.
+    assert model.plain.get_value().sharding == NamedSharding(context, P(None))
+    assert model.first.bias.get_value().sharding == NamedSharding(context, P(None))
+
+
+def test_unannotated_variables_go_to_the_default_device_without_a_context():
+    Stages, _, _ = stage_model(True)
+    model = meshinit.nnx.init(lambda: Stages(nnx.Rngs(0)))
+    sharding = model.plain.get_value().sharding
+    assert sharding.mesh.devices.shape == () and sharding.mesh.devices.item() == jax.devices()[0]
+
+
+def test_one_compiled_computation_per_mesh_group(count_compiles):
+    Stages, _, _ = stage_model(True)
+    with count_compiles() as c:
+        meshinit.nnx.init(lambda: Stages(nnx.Rngs(0)))
+    # stage0, stage1 and the default device; the abstract trace compiles nothing
+    assert c.count == 3
+
+
+def test_a_name_that_is_not_a_mesh_axis_is_a_plan_error_naming_the_variable():
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.inner = nnx.Dict(
+                w=nnx.Param(
+                    jnp.ones((8, 8)),
+                    out_sharding=("a", "B"),
+                    mesh=mesh,
+                    sharding_rules=(("A", "a"),),
+                )
+            )
+
+    with pytest.raises(meshinit.PlanError, match=r"inner.w: mesh axis name\(s\) 'B' not in"):
+        meshinit.nnx.init(Model)
+
+
+def test_a_factory_using_outside_rngs_gets_a_clear_error():
+    rngs = nnx.Rngs(0)
+    with pytest.raises(ValueError, match="must build its own nnx.Rngs"):
+        meshinit.nnx.init(lambda: nnx.Linear(4, 4, rngs=rngs))
+
+
+def test_a_factory_leaking_tracers_gets_a_clear_error():
+    leaked = []
+
+    def factory():
+        model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        leaked.append(model.kernel.get_value())
+        return model
+
+    with pytest.raises(ValueError, match="must build its own nnx.Rngs and must not touch"):
+        meshinit.nnx.init(factory)
+
+
+RULES = (("embed", "fsdp"), ("mlp", "tensor"), ("layers", None))
+
+
+class Block(nnx.Module):
+    def __init__(self):
+        self.up = nnx.Param(meshinit.param((64, 256), lecun(), axes=("embed", "mlp")))
+        self.norm = nnx.Param(meshinit.param((64,), jax.nn.initializers.ones, axes=("embed",)))
+
+
+class SpecModel(nnx.Module):
+    def __init__(self, mesh, n=2):
+        with meshinit.defaults(mesh=mesh, rules=RULES):
+            self.layers = nnx.List([Block() for _ in range(n)])
+            self.head = nnx.Param(meshinit.param((64, 128), lecun(), axes=("embed", None)))
+        self.rngs = nnx.Rngs(3)
+
+
+def test_spec_module_materializes_exactly_and_keeps_metadata():
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    before = len(jax.live_arrays())
+    module = SpecModel(mesh)
+    assert len(jax.live_arrays()) - before <= 2  # only the Rngs' key and count
+    model = meshinit.nnx.materialize(module, 0)
+    assert isinstance(module.head.get_value(), meshinit.ParamSpec)  # input left as it was
+    up = model.layers[1].up
+    assert up.get_value().sharding == NamedSharding(mesh, P("fsdp", "tensor"))
+    assert up.get_metadata()["logical_axes"] == ("embed", "mlp")
+    specs = nnx.get_partition_spec(nnx.state(model))
+    assert specs["layers"][1]["up"].get_value() == P("fsdp", "tensor")
+    assert specs["head"].get_value() == P("fsdp", None)
+    # RNG state passes through unchanged
+    assert np.array_equal(
+        jax.random.key_data(model.rngs.default.key.get_value()),
+        jax.random.key_data(module.rngs.default.key.get_value()),
+    )
+
+
+def test_spec_module_values_equal_a_dict_with_the_same_paths():
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    model = meshinit.nnx.materialize(SpecModel(mesh), 5)
+    with meshinit.defaults(mesh=jax.make_mesh((8,), ("fsdp",)), rules=RULES):
+        tree = {
+            "layers": [
+                {
+                    "up": meshinit.param((64, 256), lecun(), axes=("embed", "mlp")),
+                    "norm": meshinit.param((64,), jax.nn.initializers.ones, axes=("embed",)),
+                }
+                for _ in range(2)
+            ],
+            "head": meshinit.param((64, 128), lecun(), axes=("embed", None)),
+        }
+    values = meshinit.init(tree, 5)
+    for i in range(2):
+        assert np.array_equal(model.layers[i].up.get_value(), values["layers"][i]["up"])
+    assert np.array_equal(model.head.get_value(), values["head"])
+
+
+def test_optimizer_step_right_after_materialization_keeps_shardings():
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    model = meshinit.nnx.materialize(SpecModel(mesh), 0)
+    before = jax.tree.map(lambda x: x.sharding, nnx.state(model, nnx.Param))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x):
+        def loss_fn(model):
+            h = x @ model.layers[0].up.get_value()
+            return jnp.mean(h**2) + jnp.mean((x @ model.head.get_value()) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = jnp.ones((4, 64))
+    old = np.asarray(model.head.get_value())
+    loss = train_step(model, optimizer, x)
+    assert np.isfinite(float(loss))
+    assert not np.array_equal(np.asarray(model.head.get_value()), old)  # it trained
+    after = jax.tree.map(lambda x: x.sharding, nnx.state(model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        assert a == b
+
+
+def test_missing_flax_names_the_extra():
+    code = (
+        "import sys; sys.modules['flax'] = None\n"
+        "import meshinit\n"
+        "try:\n    meshinit.nnx\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install meshinit[nnx]" in r.stdout, r.stdout + r.stderr
+
+
+def test_importing_meshinit_does_not_import_flax():
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, meshinit; print('flax' in sys.modules, 'equinox' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.stdout.strip() == "False False", r.stdout + r.stderr
+
+
+warnings.filterwarnings("ignore", category=DeprecationWarning, module="flax")
