@@ -206,20 +206,6 @@ def materialize(plan: Plan, key: Any) -> Any:
             f"materialize takes a Plan from meshinit.plan(tree), got "
             f"{type(plan).__name__}; or call meshinit.init(tree, key)"
         )
-    abstract = [g for g in plan.groups if g.is_abstract]
-    if abstract:
-        raise PlanError(
-            [
-                Problem(
-                    g.entries[0].path,
-                    f"mesh {g.mesh} is abstract ({len(g.entries)} params); materialize "
-                    f"needs a concrete jax.sharding.Mesh. Plan on abstract meshes for "
-                    f"sizes, or use plan.abstract() as a restore target",
-                )
-                for g in abstract
-            ],
-            header="cannot materialize on an abstract mesh:",
-        )
     key_data, impl = _paths.host_key(key)
     strategy = STRATEGIES[DEFAULT_STRATEGY]
     return _run(plan, lambda group: strategy.prepare(group, impl), key_data)
@@ -263,7 +249,25 @@ def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any
     return _run(plan, prepare, *args)
 
 
+def _check_concrete(plan: Plan) -> None:
+    abstract = [g for g in plan.groups if g.is_abstract]
+    if abstract:
+        raise PlanError(
+            [
+                Problem(
+                    g.entries[0].path,
+                    f"mesh {g.mesh} is abstract ({len(g.entries)} params); materialize "
+                    f"needs a concrete jax.sharding.Mesh. Plan on abstract meshes for "
+                    f"sizes, or use plan.abstract() as a restore target",
+                )
+                for g in abstract
+            ],
+            header="cannot materialize on an abstract mesh:",
+        )
+
+
 def _run(plan: Plan, prepare: Callable[[MeshGroup], Runner], *args: Any) -> Any:
+    _check_concrete(plan)
     # Compile everything before allocating anything, so a compile error leaves nothing.
     runners = [prepare(g) for g in plan.groups]
     made: list[jax.Array] = []

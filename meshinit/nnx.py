@@ -184,10 +184,6 @@ def _clear_factory_errors() -> Iterator[None]:
         yield
     except (jax.errors.UnexpectedTracerError, flax_errors.TraceContextError) as e:
         raise ValueError(f"meshinit.nnx.init: {_FACTORY_RULES} ({type(e).__name__})") from e
-    except Exception as e:
-        if not str(e).startswith("Leaked trace"):  # jax.checking_leaks' plain Exception
-            raise
-        raise ValueError(f"meshinit.nnx.init: {_FACTORY_RULES}; it leaked a tracer") from e
 
 
 _FACTORY_RULES = (
@@ -229,16 +225,18 @@ def init(factory: Callable[[], nnx.Module]) -> nnx.Module:
       >>> model = meshinit.nnx.init(lambda: Model(rngs=nnx.Rngs(0)))
     """
     graphdefs = []
+    traced: list[nnx.Variable] = []  # held, so their ids stay unique while we compare
 
     def abstract_state() -> nnx.State:
         with nnx.use_eager_sharding(False):
             graphdef, state = nnx.split(factory())
         graphdefs.append(graphdef)  # static structure, no tracers in it
+        traced.extend(var for _, var in nnx.to_flat_state(state))
         return state
 
     # jax.eval_shape, not nnx.eval_shape: flax would resolve the sharding metadata
     # itself and fail on the first bad name, where we want every problem with its path.
-    with _clear_factory_errors(), jax.checking_leaks():
+    with _clear_factory_errors():
         state = jax.eval_shape(abstract_state)
     (graphdef,) = graphdefs
     flat = list(nnx.to_flat_state(state))
@@ -253,10 +251,19 @@ def init(factory: Callable[[], nnx.Module]) -> nnx.Module:
     plan = _plan.build_plan(_nest(specs), check_inits=False)
     order = [entry.path for entry in plan.entries]
 
+    seen = {id(var) for var in traced}
+
     def build() -> list[Any]:
         with nnx.use_eager_sharding(False):
             _, built = nnx.split(factory())
-        values = {_path(p): v.get_value() for p, v in nnx.to_flat_state(built)}
+        flat_built = list(nnx.to_flat_state(built))
+        reused = [_path(p) for p, v in flat_built if id(v) in seen]
+        if reused:  # its values are tracers of the abstract pass
+            raise ValueError(
+                f"meshinit.nnx.init: {_FACTORY_RULES}; it returned Variables it had built "
+                f"before ({', '.join(reused[:3])})"
+            )
+        values = {_path(p): v.get_value() for p, v in flat_built}
         out = []
         for path in order:
             v = values[path]

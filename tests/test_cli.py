@@ -32,7 +32,15 @@ def test_demo_rejects_a_device_count_it_cannot_lay_out():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "script", ["multi_mesh.py", "pipeline_stages.py", "nnx_multi_mesh.py", "nnx_stacked.py"]
+    "script",
+    [
+        "multi_mesh.py",
+        "pipeline_stages.py",
+        "nnx_multi_mesh.py",
+        "nnx_stacked.py",
+        "eqx_mlp.py",
+        "eqx_stacked.py",
+    ],
 )
 def test_examples_run(script):
     r = run(str(ROOT / "examples" / script))

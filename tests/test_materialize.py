@@ -349,7 +349,7 @@ def mesh_and_specs(draw):
 
 
 @pytest.mark.slow
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(mesh_and_specs(), st.integers(0, 2**31 - 1))
 def test_property_exact_placement_and_value_contract_on_random_meshes(mesh_specs, seed):
     mesh, specs = mesh_specs

@@ -1,0 +1,301 @@
+"""Equinox adapter: place the parameters of equinox Modules exactly on their meshes.
+
+Two ways in:
+
+- :func:`materialize` for modules that declare their parameters as specs
+  (``self.w = meshinit.param(...)`` in ``__init__``). Building such a module
+  allocates nothing; the core plans and materializes it like any other pytree, so a
+  module gets the same values as a dict with the same paths. This is the fast path.
+- :func:`init` for existing constructors (``eqx.nn.MLP(..., key=k)``), whose values
+  must stay exactly what the constructor makes. Placements pick each array leaf's
+  sharding by a regex on its path; the constructor is compiled once per mesh group,
+  with exact out_shardings, so no device ever holds what it does not own.
+
+Paths are the dot-joined pytree paths the core uses everywhere: ``layers.0.weight``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh
+
+try:
+    import equinox as eqx
+except ImportError as e:
+    raise ImportError("meshinit.eqx needs equinox: pip install meshinit[eqx]") from e
+
+from . import _paths
+from ._errors import PlanError, Problem
+from ._materialize import materialize as _materialize_plan
+from ._materialize import materialize_from
+from ._plan import build_plan, plan
+from ._spec import param
+
+__all__ = ["init", "materialize"]
+
+
+def materialize(module: Any, key: Any) -> Any:
+    """Replaces every :class:`~meshinit.ParamSpec` in ``module`` with a placed array.
+
+    ``meshinit.materialize(meshinit.plan(module), key)``: the module is a pytree, its
+    paths are its attribute names, indices and dict keys joined with dots, and the
+    arrays come back in a module of the same type. The value contract holds: the
+    same model declared as a dict, an nnx Module or an equinox Module gets
+    bit-identical values.
+
+    Args:
+      module: an equinox Module (or any pytree) whose fields hold specs. Other
+        leaves, arrays included, pass through untouched.
+      key: an int seed, a typed key or a legacy uint32 key; all three give the same
+        values.
+
+    Returns:
+      A module of the same type with a ready ``jax.Array`` in place of each spec,
+      each with exactly its planned ``NamedSharding``.
+
+    Raises:
+      PlanError: every problem in the module's specs, each naming its path.
+
+    Example:
+      >>> class Linear(eqx.Module):
+      ...     w: jax.Array
+      ...     def __init__(self, mesh):
+      ...         self.w = meshinit.param((256, 1024), lecun_normal(),
+      ...                                 axes=("fsdp", "tensor"), mesh=mesh)
+      >>> model = meshinit.eqx.materialize(Linear(mesh), jax.random.key(0))
+      >>> model.w.sharding
+      NamedSharding(mesh=Mesh('fsdp': 2, 'tensor': 4), spec=P('fsdp', 'tensor'))
+    """
+    return _materialize_plan(plan(module), key)
+
+
+Placement = tuple[Any, ...]
+"""``(regex, axes)`` or ``(regex, axes, mesh)``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    index: int
+    pattern: re.Pattern[str]
+    axes: Any
+    mesh: Mesh | AbstractMesh | None
+
+    @property
+    def name(self) -> str:
+        return f'placements[{self.index}] r"{self.pattern.pattern}"'
+
+
+def _parse_placements(placements: Any) -> tuple[list[_Placement], list[Problem]]:
+    if isinstance(placements, str | bytes) or not isinstance(placements, Sequence):
+        raise TypeError(
+            f"placements must be an ordered sequence of (regex, axes) or (regex, axes, "
+            f"mesh) tuples, first match wins; got {type(placements).__name__}"
+        )
+    parsed, problems = [], []
+    for i, p in enumerate(placements):
+        if not isinstance(p, tuple | list) or len(p) not in (2, 3):
+            problems.append(
+                Problem(
+                    "",
+                    f"placements[{i}] must be (regex, axes) or (regex, axes, mesh); got {p!r}",
+                )
+            )
+            continue
+        regex, axes, mesh = (*p, None) if len(p) == 2 else p
+        if isinstance(regex, re.Pattern):
+            pattern = regex
+        elif isinstance(regex, str):
+            try:
+                pattern = re.compile(regex)
+            except re.error as e:
+                problems.append(
+                    Problem("", f"placements[{i}]: regex {regex!r} does not compile: {e}")
+                )
+                continue
+        else:
+            problems.append(
+                Problem(
+                    "",
+                    f"placements[{i}]: the regex must be a str or re.Pattern, got "
+                    f"{type(regex).__name__} {regex!r}",
+                )
+            )
+            continue
+        parsed.append(_Placement(i, pattern, axes, mesh))
+    return parsed, problems
+
+
+def _values_come_from_the_factory(key: Any, shape: Any, dtype: Any) -> Any:
+    """The init of the specs ``meshinit.eqx.init`` plans; never meant to be called."""
+    raise TypeError(
+        "this spec was made by meshinit.eqx.init: its value comes from the module's "
+        "constructor, not from an initializer, so it cannot be materialized on its own; "
+        "call meshinit.eqx.init(factory, key, placements)"
+    )
+
+
+def _specs_from_placements(
+    abstract: Any,
+    placements: Sequence[Placement],
+    mesh: Mesh | AbstractMesh | None,
+    rules: Any,
+) -> tuple[Any, list[Problem]]:
+    """The abstract module with a spec in place of each array leaf, and the problems."""
+    parsed, problems = _parse_placements(placements)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    leaves: list[Any] = []
+    unmatched: list[Problem] = []
+    bad_placements: dict[int, Problem] = {}
+    for keypath, leaf in flat:
+        leaves.append(leaf)
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            continue  # activation functions and other non-array leaves stay as they are
+        path = _paths.path_str(keypath)
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            problems.append(
+                Problem(
+                    path,
+                    f"holds a {leaf.dtype} array (a PRNG key?), which meshinit cannot "
+                    f"place; make it a static field or create it after init",
+                )
+            )
+            continue
+        placement = next((p for p in parsed if p.pattern.fullmatch(path)), None)
+        if placement is None:
+            unmatched.append(
+                Problem(
+                    path,
+                    f"no placement matched this path (each regex must match the whole "
+                    f"path; the first match wins); add one, for example "
+                    f'(r"{re.escape(path)}", None) to replicate it',
+                )
+            )
+            continue
+        try:
+            leaves[-1] = param(
+                leaf.shape,
+                _values_come_from_the_factory,
+                axes=placement.axes,
+                mesh=placement.mesh if placement.mesh is not None else mesh,
+                rules=rules,
+                dtype=leaf.dtype,
+            )
+        except (TypeError, ValueError) as e:
+            # The same malformed axes would repeat for every leaf it matches: say it once.
+            bad_placements.setdefault(placement.index, Problem("", f"{placement.name}: {e}"))
+    problems += [*bad_placements.values(), *unmatched]
+    return jax.tree_util.tree_unflatten(treedef, leaves), problems
+
+
+def _key_builder(key: Any) -> tuple[np.ndarray, Callable[[Any], Any]]:
+    """Host key data, and the function that rebuilds the key from it inside a trace.
+
+    The data enters every computation as a numpy value, so a key placed on a context
+    mesh cannot clash with the group's mesh. A legacy uint32 key reaches the factory
+    as a legacy key, a typed key (or an int seed, as ``jax.random.key(seed)``) as a
+    typed key with its implementation.
+    """
+    data, impl = _paths.host_key(key)  # validates: a single, sharding-invariant key
+    legacy = isinstance(key, jax.Array | np.ndarray) and not jax.dtypes.issubdtype(
+        key.dtype, jax.dtypes.prng_key
+    )
+    if legacy:
+        return data, lambda d: d
+    return data, lambda d: jax.random.wrap_key_data(d, impl=impl)
+
+
+def _array_leaves(tree: Any) -> list[Any]:
+    # The same leaves filter_eval_shape turns into ShapeDtypeStructs, in flatten order.
+    return [leaf for leaf in jax.tree_util.tree_leaves(tree) if eqx.is_array(leaf)]
+
+
+def init(
+    factory: Callable[[Any], Any],
+    key: Any,
+    placements: Sequence[Placement],
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
+    rules: Any = None,
+) -> Any:
+    """Builds ``factory(key)`` with each array placed exactly, compiled once per mesh.
+
+    For existing equinox constructors, which make arrays themselves. The values are
+    those of ``factory(key)`` run eagerly (within float rounding: the constructor is
+    compiled, and XLA may fuse differently); each array leaf is placed by the first
+    placement whose regex matches its whole path.
+
+    The constructor is traced abstractly first (nothing is allocated) to find the
+    array leaves and their paths; then, per mesh group, it is compiled with exactly
+    that group's leaves as outputs and their shardings as out_shardings, so XLA drops
+    the rest and each device computes only its own shards. Spec-declared modules
+    (:func:`materialize`) compile much less; prefer them for large models.
+
+    Args:
+      factory: ``factory(key) -> Module`` (any pytree), traceable, for example
+        ``lambda k: eqx.nn.MLP(2, 3, 8, 2, key=k)``.
+      key: an int seed (the factory gets ``jax.random.key(seed)``), a typed key, or a
+        legacy uint32 key (the factory gets it as it is).
+      placements: ordered ``(regex, axes)`` or ``(regex, axes, mesh)``. Each regex
+        is full-matched (``re.fullmatch``) against the dot-joined path of each array
+        leaf, for example ``layers.0.weight``; the first match wins. ``axes`` is as
+        in :func:`meshinit.param`: one logical name (or mesh axis name without
+        rules) or None per dimension, or None for replicated. A placement's mesh
+        overrides ``mesh``.
+      mesh: the mesh of placements that name none; defaults to ``meshinit.defaults()``.
+      rules: the logical-to-mesh rule table, as in :func:`meshinit.param`.
+
+    Returns:
+      What ``factory(key)`` returns, with each array a ready ``jax.Array`` carrying
+      exactly its planned ``NamedSharding``. Non-array leaves (activation functions)
+      come from the abstract trace.
+
+    Raises:
+      PlanError: all problems at once: array leaves that no placement matches (one
+        per path), malformed placements or regexes, and what planning finds (unknown
+        logical axes, indivisible dimensions, a missing mesh, ...).
+      TypeError, ValueError: ``placements`` is not a sequence, or the key is not a
+        single sharding-invariant key.
+
+    Example:
+      >>> mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+      >>> mlp = meshinit.eqx.init(
+      ...     lambda k: eqx.nn.MLP(64, 10, 256, 2, key=k),
+      ...     jax.random.key(0),
+      ...     [(r"layers\\.\\d+\\.weight", ("tensor", "fsdp")),
+      ...      (r"layers\\.\\d+\\.bias", None)],
+      ...     mesh=mesh,
+      ... )
+      >>> mlp.layers[0].weight.sharding.spec
+      P('tensor', 'fsdp')
+    """
+    key_data, make_key = _key_builder(key)
+
+    def build(data: Any) -> Any:
+        return factory(make_key(data))
+
+    abstract = eqx.filter_eval_shape(build, key_data)
+    specs, problems = _specs_from_placements(abstract, placements, mesh, rules)
+    try:
+        plan_ = build_plan(specs, check_inits=False)
+    except PlanError as e:
+        problems += e.problems
+    if problems:
+        raise PlanError(problems)
+    expected = [(e.spec.shape, e.spec.dtype) for e in plan_.entries]
+
+    def arrays(data: Any) -> list[Any]:
+        values = _array_leaves(build(data))
+        if [(np.shape(v), np.dtype(v.dtype)) for v in values] != expected:
+            raise ValueError(
+                "the factory built a different module when traced again (its array "
+                "leaves changed); meshinit.eqx.init needs a deterministic factory"
+            )
+        return values
+
+    return materialize_from(plan_, arrays, key_data)
