@@ -286,3 +286,28 @@ def test_importing_meshinit_does_not_import_flax():
 
 
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="flax")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("key", ["out_sharding", "sharding", "sharding_names"])
+def test_every_flax_metadata_spelling_without_a_mesh_uses_the_context_mesh(key):
+    context = jax.make_mesh((2, 4), ("data", "model"))
+
+    class Model(nnx.Module):
+        def __init__(self):
+            # a shorter tuple: the last dimension pads with None, as in flax
+            self.w = nnx.Param(jnp.ones((8, 16, 3)), **{key: ("data", "model")})
+
+    with jax.set_mesh(context):
+        model = meshinit.nnx.init(Model)
+    assert model.w.get_value().sharding == NamedSharding(context, P("data", "model", None))
+    assert model.w.get_value().sharding.mesh is context
+
+
+def test_sharded_variable_without_any_mesh_is_a_plan_error():
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((8,)), out_sharding=("data",))
+
+    with pytest.raises(meshinit.PlanError, match="w: has sharding metadata but no mesh"):
+        meshinit.nnx.init(Model)
