@@ -145,6 +145,14 @@ class Plan:
         return table(self)
 
 
+@functools.lru_cache(maxsize=4096)
+def _partition(shape, axes, rules, mesh) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    # Memoized: a deep model repeats a handful of (shape, axes, rules, mesh) many times,
+    # and reading ``mesh.shape`` builds a new dict on every call.
+    entries, problems = partition(shape, axes, rules, mesh.shape)
+    return entries, tuple(problems)
+
+
 def _is_mesh(m: Any) -> bool:
     return isinstance(m, Mesh | AbstractMesh)
 
@@ -223,7 +231,7 @@ def build_plan(tree: Any, *, check_inits: bool = True) -> Plan:
                 f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {type(spec.mesh).__name__}"
             )
         else:
-            entries_, msgs = partition(spec.shape, spec.axes, spec.rules, spec.mesh.shape)
+            entries_, msgs = _partition(spec.shape, spec.axes, spec.rules, spec.mesh)
             mine += msgs
         fp = None
         if callable(spec.init):

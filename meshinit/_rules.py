@@ -29,6 +29,21 @@ def normalize_rules(rules: Any) -> Rules:
     Raises:
       TypeError: the table is not a sequence of ``(name, mesh_axes)`` pairs.
     """
+    if type(rules) is tuple:  # every spec under one defaults() passes the same table
+        try:
+            return _normalize_hashable(rules)
+        except TypeError as e:
+            if "unhashable" not in str(e):
+                raise
+    return _normalize(rules)
+
+
+@functools.lru_cache(maxsize=256)
+def _normalize_hashable(rules: tuple[Any, ...]) -> Rules:
+    return _normalize(rules)
+
+
+def _normalize(rules: Any) -> Rules:
     if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
         raise TypeError(
             f"rules must be a sequence of (logical_name, mesh_axes) pairs, got {rules!r}"

@@ -28,7 +28,12 @@ class _Unhashable(Exception):
     pass
 
 
+_SCALARS = frozenset({int, float, complex, bool, str, bytes, type(None), np.dtype})
+
+
 def _value(v: Any, depth: int) -> Hashable:
+    if type(v) in _SCALARS:
+        return (type(v), v)
     if isinstance(v, types.FunctionType | functools.partial | types.MethodType):
         return _callable(v, depth + 1)
     if isinstance(v, tuple | list):
@@ -47,13 +52,7 @@ def _callable(f: Any, depth: int) -> Hashable:
     if depth > _MAX_DEPTH:
         raise _Unhashable
     if isinstance(f, types.FunctionType):
-        cells = []
-        for cell in f.__closure__ or ():
-            try:
-                contents = cell.cell_contents
-            except ValueError:  # an empty cell
-                contents = _EMPTY
-            cells.append(_value(contents, depth))
+        cells = [_value(_cell(cell), depth) for cell in f.__closure__ or ()]
         kwdefaults = tuple(sorted((f.__kwdefaults__ or {}).items()))
         return (
             f.__code__,
@@ -79,6 +78,33 @@ _EMPTY = object()
 
 def fingerprint(init: Callable[..., Any]) -> Hashable:
     """A hashable value equal for initializers that compute the same thing."""
+    if isinstance(init, types.FunctionType):
+        # Fresh closures from one factory (``lecun_normal()``) usually hold the very
+        # same objects; key a memo on their identities, keeping the objects alive in
+        # the entry so the ids cannot be reused.
+        contents = (
+            *(_cell(c) for c in init.__closure__ or ()),
+            *(init.__defaults__ or ()),
+            *(init.__kwdefaults__ or {}).values(),
+        )
+        quick = (init.__code__, tuple(map(id, contents)))
+        hit = _QUICK.get(quick)
+        if hit is not None:
+            return hit[1]
+        fp = _fingerprint(init)
+        _QUICK.put(quick, (contents, fp))
+        return fp
+    return _fingerprint(init)
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _EMPTY
+
+
+def _fingerprint(init: Callable[..., Any]) -> Hashable:
     try:
         return ("fp", _callable(init, 0))
     except (_Unhashable, TypeError):  # TypeError: e.g. unorderable dict keys
@@ -98,6 +124,7 @@ class LRUCache(collections.OrderedDict):
 
 
 _CHECKS = LRUCache(4096)
+_QUICK = LRUCache(4096)
 
 
 def check_init(

@@ -45,6 +45,8 @@ name mesh axes directly, overriding any rules set by an enclosing ``defaults``."
 
 
 def _normalize_shape(shape: Any) -> tuple[int, ...]:
+    if type(shape) is tuple and all(type(d) is int and d >= 0 for d in shape):
+        return shape
     if not isinstance(shape, tuple | list):
         raise TypeError(
             f"shape must be a tuple of non-negative ints, got {type(shape).__name__} {shape!r}"
@@ -62,6 +64,8 @@ def _normalize_shape(shape: Any) -> tuple[int, ...]:
 def _normalize_axes(axes: Any) -> tuple[AxisEntry, ...] | None:
     if axes is None:
         return None
+    if type(axes) is tuple and all(a is None or type(a) is str for a in axes):
+        return axes  # the common case, without the slow Sequence check
     if isinstance(axes, str) or not isinstance(axes, Sequence):
         raise TypeError(
             f"axes must be a tuple with one entry per dimension (a name or None), got "

@@ -19,21 +19,23 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
-class CompileCounter:
-    """Counts XLA backend compilations inside ``with counter:`` blocks."""
+class CompileCount:
+    """How many XLA backend compilations ran inside one ``with`` block."""
 
-    def __init__(self):
-        self.count = 0
+    count = 0
 
-    @contextlib.contextmanager
-    def __call__(self):
-        start = len(_compiles)
-        try:
-            yield self
-        finally:
-            self.count = len(_compiles) - start
+
+@contextlib.contextmanager
+def _count_compiles():
+    counted = CompileCount()
+    start = len(_compiles)
+    try:
+        yield counted
+    finally:
+        counted.count = len(_compiles) - start
 
 
 @pytest.fixture
 def count_compiles():
-    return CompileCounter()
+    """``with count_compiles() as c: ...`` then ``c.count``; each block counts apart."""
+    return _count_compiles

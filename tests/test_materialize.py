@@ -184,12 +184,14 @@ def test_second_key_and_same_shaped_model_trigger_zero_compiles(count_compiles):
     meshinit.clear_cache()
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
     plan = meshinit.plan(model(mesh, 3, RULES))
+    keys = [jax.random.key(i) for i in range(3)]  # the user's own key ops compile outside
     with count_compiles() as first:
-        a = meshinit.materialize(plan, 0)
+        a = meshinit.materialize(plan, keys[0])
     assert first.count >= 1
     with count_compiles() as second:
-        b = meshinit.materialize(plan, jax.random.key(1))
+        b = meshinit.materialize(plan, keys[1])
         c = meshinit.materialize(meshinit.plan(model(mesh, 3, RULES)), 2)  # fresh closures
+        meshinit.materialize(plan, jax.random.PRNGKey(5))
     assert second.count == 0
     assert not np.array_equal(a["embed"], b["embed"])
     assert not np.array_equal(b["embed"], c["embed"])
@@ -197,14 +199,36 @@ def test_second_key_and_same_shaped_model_trigger_zero_compiles(count_compiles):
 
 def test_compiles_do_not_grow_with_depth(count_compiles):
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    counts = []
     for layers in (2, 16):
         meshinit.clear_cache()
         plan = meshinit.plan(model(mesh, layers, RULES))
         signatures = {e.signature for e in plan.entries}
         assert len(signatures) == 5  # embed, q, up, n, u: the same at any depth
-        with count_compiles() as c:
+        with count_compiles() as cold:
             meshinit.materialize(plan, 0)
-        assert c.count == len(signatures)
+        with count_compiles() as warm:
+            meshinit.materialize(plan, 1)
+        # at most one compile per distinct signature per mesh group; none when warm
+        assert 1 <= cold.count <= len(signatures)
+        assert warm.count == 0
+        counts.append(cold.count)
+    assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("strategy", sorted(_materialize.STRATEGIES))
+def test_every_strategy_compiles_at_most_once_per_signature(strategy, count_compiles):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    plan = meshinit.plan(model(mesh, 3, RULES))
+    meshinit.clear_cache()
+    key_data, impl = meshinit._paths.host_key(0)
+    s = _materialize.STRATEGIES[strategy]
+    with count_compiles() as cold:
+        _materialize._run(plan, lambda g: s.prepare(g, impl), key_data)
+    with count_compiles() as warm:
+        _materialize._run(plan, lambda g: s.prepare(g, impl), key_data)
+    assert 1 <= cold.count <= len({e.signature for e in plan.entries})
+    assert warm.count == 0
 
 
 def test_fused_group_strategy_grows_only_by_output_slices():
