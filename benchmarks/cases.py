@@ -1,0 +1,288 @@
+"""Measurements, each meant to run in a fresh process (``suite.py`` spawns them).
+
+Every case sets up 8 simulated CPU devices with the persistent compilation cache off,
+creates the (fsdp=2, tensor=4) mesh, and only then starts its clock. Each returns a
+JSON-serializable dict.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import recipes
+from recipes import Model
+
+
+def setup_cpu() -> Any:
+    """8 CPU devices, no persistent compilation cache; returns the reference mesh."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_enable_compilation_cache", False)
+    shape, names = recipes.CPU_MESH
+    return jax.make_mesh(shape, names)
+
+
+class CompileClock:
+    """Sums XLA backend compile time and counts compilations (a jax.monitoring listener)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        import jax
+
+        self.seconds = 0.0
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, duration: float, **_: Any) -> None:
+        if event == self.EVENT:
+            self.seconds += duration
+            self.count += 1
+
+    def reset(self) -> None:
+        self.seconds, self.count = 0.0, 0
+
+
+def _delete(tree: Any) -> None:
+    import jax
+
+    for array in jax.tree.leaves(tree):
+        array.delete()
+
+
+def cold(recipe: str, layers: int, width: int = 1, check_values: bool = False) -> dict:
+    """One cold init: from after imports and mesh creation until every array is ready."""
+    import jax
+
+    mesh = setup_cpu()
+    model = Model.cpu(layers, width)
+    recipes.preload(recipe)
+    strategy = recipes.use_strategy(recipe) if recipe.startswith("meshinit") else None
+    clock = CompileClock()
+    start = time.perf_counter()
+    out = recipes.run(recipe, model, mesh)
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+    result = {
+        "seconds": seconds,
+        "compile_s": clock.seconds,
+        "compiles": clock.count,
+        "strategy": strategy,
+        "nbytes": model.nbytes,
+        "problems": recipes.placement_problems(model, mesh, out),
+    }
+    if check_values and strategy is not None:
+        result["problems"] += recipes.value_problems(out, 0, model)
+    return result
+
+
+def _device_memory(plan: Any, strategy: str) -> dict:
+    """Per-device bytes of meshinit's executables against the device's parameter share.
+
+    ``share`` is one device's share of all parameters. Each call's outputs and
+    temporaries come from the compiled ``memory_analysis()`` (per device for SPMD
+    programs). While a call runs, a device holds at most every parameter made so far
+    (part of ``share``) plus that call's temporaries, so ``share + max temp`` bounds
+    the peak.
+    """
+    import meshinit._materialize as materialize
+    from meshinit import _paths
+
+    _, impl = _paths.host_key(0)
+    chosen = materialize.STRATEGIES[strategy]
+    calls = []
+    peak = allocated = 0
+    for group in plan.groups:
+        executables = chosen.executables(group, impl)
+        for exe, count in zip(executables, _call_counts(chosen, group), strict=True):
+            stats = exe.memory_analysis()
+            out, temp = stats.output_size_in_bytes, stats.temp_size_in_bytes
+            calls.append((out, temp))
+            for _ in range(count):  # replay the run order: made so far + this call
+                peak = max(peak, allocated + out + temp)
+                allocated += out
+    share = sum(group.device_bytes for group in plan.groups)
+    largest = max(calls, key=sum)
+    return {
+        "share": share,
+        "peak": peak,
+        "largest_call_output": largest[0],
+        "largest_call_temp": largest[1],
+        "max_temp": max(temp for _, temp in calls),
+        "executables": len(calls),
+    }
+
+
+def _call_counts(strategy: Any, group: Any) -> list[int]:
+    """How many times each of ``strategy.executables(group)`` is called, in run order."""
+    import meshinit._materialize as materialize
+
+    if isinstance(strategy, materialize.Rounds):
+        return [len(group.batches[bucket[0]]) for bucket in strategy._buckets(group)]
+    if isinstance(strategy, materialize.PerSignature):
+        return [len(batch) for batch in group.batches]
+    return [1]
+
+
+def warm(layers: int, meshinit_recipes: list[str], repeats: int, width: int = 1) -> dict:
+    """Re-init with a new key: meshinit's second ``materialize`` of the same plan vs a
+    second call of the compiled fused jit. Best of ``repeats`` calls, in this process.
+    ``meshinit_recipes``:  (``meshinit``, ``meshinit:<strategy>``).
+
+    Also returns the per-device memory of each strategy's executables and of the fused
+    jit's executable.
+    """
+    import jax
+
+    import meshinit
+
+    mesh = setup_cpu()
+    model = Model.cpu(layers, width)
+    clock = CompileClock()
+    result: dict[str, Any] = {"nbytes": model.nbytes, "meshinit": {}}
+    for recipe in meshinit_recipes:
+        strategy = recipes.use_strategy(recipe)
+        meshinit.clear_cache()
+        start = time.perf_counter()
+        plan = meshinit.plan(recipes.meshinit_specs(model, mesh))
+        _delete(meshinit.materialize(plan, 0))
+        first = time.perf_counter() - start
+        clock.reset()
+        times = []
+        for seed in range(1, repeats + 1):
+            start = time.perf_counter()
+            out = meshinit.materialize(plan, seed)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - start)
+            _delete(out)
+        entry: dict[str, Any] = {
+            "strategy": strategy,
+            "first": first,
+            "warm": min(times),
+            "compiles": clock.count,
+        }
+        try:
+            entry["memory"] = _device_memory(plan, strategy)
+        except Exception as e:  # the strategy API is internal and may change
+            entry["memory_error"] = f"{type(e).__name__}: {e}"
+        result["meshinit"][recipe] = entry
+
+    start = time.perf_counter()
+    compiled = recipes.fused_jit(model, mesh).lower(jax.random.key(0)).compile()
+    _delete(jax.block_until_ready(compiled(jax.random.key(0))))
+    first = time.perf_counter() - start
+    keys = jax.block_until_ready([jax.random.key(seed) for seed in range(1, repeats + 1)])
+    times = []
+    for key in keys:
+        start = time.perf_counter()
+        out = jax.block_until_ready(compiled(key))
+        times.append(time.perf_counter() - start)
+        _delete(out)
+    stats = compiled.memory_analysis()
+    result["fused"] = {
+        "first": first,
+        "warm": min(times),
+        "output": stats.output_size_in_bytes,
+        "temp": stats.temp_size_in_bytes,
+    }
+    return result
+
+
+def _rss_now() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmRSS")
+
+
+def _rss_peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM")
+
+
+def host_memory(recipe: str, layers: int, width: int) -> dict:
+    """Peak host RSS increase over the pre-init baseline during one cold init.
+
+    On Linux the high-water mark is reset right before the clock starts (writing 5 to
+    /proc/self/clear_refs), so the peak is that of the init alone. Otherwise the
+    baseline is ``ru_maxrss`` before, an underestimate only if something earlier in
+    the process peaked higher than the init.
+    """
+    import resource
+
+    import jax
+
+    mesh = setup_cpu()
+    model = Model.cpu(layers, width)
+    recipes.preload(recipe)
+    if recipe.startswith("meshinit"):
+        recipes.use_strategy(recipe)
+    jax.block_until_ready(jax.numpy.zeros(8))  # start the backend before the baseline
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        baseline, method = _rss_now(), "VmHWM after reset - VmRSS before"
+    except OSError:
+        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        method = "ru_maxrss after - ru_maxrss before"
+    start = time.perf_counter()
+    out = recipes.run(recipe, model, mesh)
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+    if method.startswith("VmHWM"):
+        peak = _rss_peak()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "seconds": seconds,
+        "increase": peak - baseline,
+        "nbytes": model.nbytes,
+        "method": method,
+        "problems": recipes.placement_problems(model, mesh, out),
+    }
+
+
+def planning(kind: str, specs: int = 10_000) -> dict:
+    """Time of ``meshinit.plan``: the first call in the process, and the best of 3 more.
+
+    ``kind="specs"``: the CPU reference model deep enough for ``specs`` specs, on the
+    8-device mesh. ``kind="405b"``: Llama-3-405B's shapes in bf16 on
+    ``AbstractMesh((16, 16, 8), ("data", "fsdp", "tensor"))``.
+    """
+    import meshinit
+
+    if kind == "405b":
+        from jax.sharding import AbstractMesh
+
+        mesh = AbstractMesh((16, 16, 8), ("data", "fsdp", "tensor"))
+        model = Model.llama3_405b()
+    else:
+        mesh = setup_cpu()
+        model = Model.cpu(-(-(specs - 2) // 9))
+    start = time.perf_counter()
+    tree = recipes.meshinit_specs(model, mesh)
+    build = time.perf_counter() - start
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        plan = meshinit.plan(tree)
+        times.append(time.perf_counter() - start)
+    return {
+        "specs": len(plan.entries),
+        "build_specs": build,
+        "first": times[0],
+        "best": min(times[1:]),
+        "nbytes": plan.nbytes,
+        "params": model.num_params,
+    }
+
+
+CASES = {"cold": cold, "warm": warm, "host_memory": host_memory, "planning": planning}

@@ -1,0 +1,432 @@
+"""Tables, goals, the markdown report and the plot, all from one run's results."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ANCHORS = ("nnx.jit", "eager-nnx", "jax.jit")
+
+
+def machine() -> dict[str, Any]:
+    """The machine and the versions; starts no jax backend."""
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "python": platform.python_version(),
+        "jax": version("jax"),
+        "jaxlib": version("jaxlib"),
+        "flax": version("flax"),
+        "meshinit": commit or version("meshinit"),
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+    }
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"
+
+
+def _s(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} s" if x >= 0.1 else f"{x * 1e3:.1f} ms"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cold(results: dict, recipe: str, layers: int) -> float | None:
+    r = results["cold"].get(recipe, {}).get(str(layers), {})
+    return r.get("seconds")
+
+
+def _label(recipe: str, by_layers: dict) -> str:
+    """``meshinit (rounds)`` for the default strategy; other recipes as they are."""
+    strategy = next((r.get("strategy") for r in by_layers.values() if r.get("strategy")), None)
+    return f"{recipe} ({strategy})" if recipe == "meshinit" and strategy else recipe
+
+
+def _layers(results: dict) -> list[int]:
+    return sorted({int(n) for by_layers in results["cold"].values() for n in by_layers})
+
+
+def _ref(layers: list[int], want: int, pick: Any) -> int | None:
+    return want if want in layers else (pick(layers) if layers else None)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def goals(results: dict) -> list[list[str]]:
+    """Rows: what, measured, goal, met."""
+    checks = {"<=": float.__le__, "<": float.__lt__, ">=": float.__ge__}
+    rows: list[list[str]] = []
+
+    def add(what: str, value: float | None, op: str, limit: float, fmt: str = ".3f") -> None:
+        if value is None:
+            rows.append([what, "n/a", f"{op} {limit}", "n/a"])
+        else:
+            met = "met" if checks[op](float(value), limit) else "NOT met"
+            rows.append([what, format(value, fmt), f"{op} {limit}", met])
+
+    layers = _layers(results)
+    ref = _ref(layers, 32, max)
+    for anchor, limit in (("nnx.jit", 0.1), ("eager-nnx", 0.5)):
+        value = _ratio(_cold(results, "meshinit", ref), _cold(results, anchor, ref))
+        add(f"cold meshinit / {anchor}, {ref} layers", value, "<=", limit)
+    hi, lo = _ref(layers, 32, max), _ref(layers, 8, min)
+    value = _ratio(_cold(results, "meshinit", hi), _cold(results, "meshinit", lo))
+    add(f"cold meshinit {hi} / {lo} layers", value if hi != lo else None, "<=", 1.3)
+
+    warm = results.get("warm", {})
+    default = warm.get("meshinit", {}).get("meshinit", {})
+    value = _ratio(warm.get("fused", {}).get("warm"), default.get("warm"))
+    add("warm re-init throughput: fused jit time / meshinit time", value, ">=", 0.6)
+    m = default.get("memory") or {}
+    share = m.get("share")
+    add(
+        "per device: peak over the run order (made so far + call's out + temp) / share",
+        _ratio(m.get("peak"), share),
+        "<=",
+        1.1,
+    )
+    host = results["host_memory"].get("meshinit", {})
+    value = _ratio(host.get("increase"), host.get("nbytes"))
+    add("host peak RSS increase / parameter bytes", value, "<=", 1.25)
+    for kind, limit in (("specs", 0.5), ("405b", 1.0)):
+        p = results["planning"].get(kind, {})
+        what = f"plan {p['specs']:,} specs" if "specs" in p else "plan the specs"
+        what = "plan Llama-3-405B" if kind == "405b" else what
+        add(f"{what}, first call (s)", p.get("first"), "<", limit)
+    return rows
+
+
+def _cold_tables(results: dict) -> str:
+    layers = _layers(results)
+    header = ["recipe", *[f"{n} layers" for n in layers]]
+    time_rows, compile_rows = [], []
+    for recipe, by_layers in results["cold"].items():
+        t, c = [_label(recipe, by_layers)], [_label(recipe, by_layers)]
+        for n in layers:
+            r = by_layers.get(str(n))
+            if r is None:
+                t.append(""), c.append("")
+            elif "error" in r:
+                t.append("failed"), c.append("failed")
+            else:
+                exact = "" if not r["problems"] else " (NOT exact)"
+                t.append(_s(r["seconds"]) + exact)
+                c.append(f"{_s(r['compile_s'])} ({r['compiles']})")
+        time_rows.append(t)
+        compile_rows.append(c)
+    ratio_rows = []
+    if "meshinit" in results["cold"]:
+        for anchor in [a for a in ANCHORS if a in results["cold"]]:
+            row = [f"meshinit / {anchor}"]
+            for n in layers:
+                a, b = _cold(results, "meshinit", n), _cold(results, anchor, n)
+                row.append(f"{a / b:.3f}" if a and b else "")
+            ratio_rows.append(row)
+    out = "Cold init, best of the processes:\n\n" + _table(header, time_rows)
+    if ratio_rows:
+        out += "\n\nRatios of the cold times:\n\n" + _table(["ratio", *header[1:]], ratio_rows)
+    out += "\n\nXLA backend compile time in that process (number of compilations):\n\n"
+    return out + _table(header, compile_rows)
+
+
+def _warm_tables(results: dict) -> str:
+    warm = results.get("warm")
+    if not warm:
+        return ""
+    if "error" in warm:
+        return f"Warm re-init: failed: {warm['error']}"
+    fused = warm["fused"]
+    rows = []
+    for name, w in warm["meshinit"].items():
+        rows.append(
+            [
+                _label(name, {"": w}),
+                _s(w["first"]),
+                _s(w["warm"]),
+                str(w["compiles"]),
+                f"{fused['warm'] / w['warm']:.2f}",
+            ]
+        )
+    rows.append(["jax.jit fused", _s(fused["first"]), _s(fused["warm"]), "", "1.00"])
+    header = ["recipe", "first (compile + run)", "re-init, new key", "compiles", "fused / this"]
+    out = _table(header, rows)
+    mem_rows = []
+    for name, w in warm["meshinit"].items():
+        m = w.get("memory")
+        if m is None:
+            mem_rows.append([name, w.get("memory_error", "n/a"), "", "", "", ""])
+            continue
+        peak = m["peak"]
+        largest = m["largest_call_output"] + m["largest_call_temp"]
+        mem_rows.append(
+            [
+                f"{_label(name, {'': w})}, {m['executables']} executables",
+                _mb(m["share"]),
+                f"{_mb(largest)} ({largest / m['share']:.3f})",
+                _mb(m["max_temp"]),
+                _mb(peak),
+                f"{peak / m['share']:.3f}",
+            ]
+        )
+    share = next((w["memory"]["share"] for w in warm["meshinit"].values() if "memory" in w), None)
+    if share:
+        peak = fused["output"] + fused["temp"]
+        mem_rows.append(
+            [
+                "jax.jit fused, 1 executable",
+                _mb(share),
+                f"{_mb(peak)} ({peak / share:.3f})",
+                _mb(fused["temp"]),
+                _mb(peak),
+                f"{peak / share:.3f}",
+            ]
+        )
+    header = [
+        "recipe",
+        "share / device",
+        "largest call: out + temp (/ share)",
+        "max temp",
+        "peak over the run",
+        "peak / share",
+    ]
+    return out + "\n\nPer-device memory from `memory_analysis()`:\n\n" + _table(header, mem_rows)
+
+
+def _host_table(results: dict) -> str:
+    rows = []
+    for recipe, r in results["host_memory"].items():
+        if "error" in r:
+            rows.append([recipe, "failed", r["error"][:120], "", ""])
+            continue
+        exact = "" if not r["problems"] else " (NOT exact)"
+        rows.append(
+            [
+                recipe + exact,
+                _mb(r["nbytes"]),
+                _mb(r["increase"]),
+                f"{r['increase'] / r['nbytes']:.3f}",
+                _s(r["seconds"]),
+            ]
+        )
+    if not rows:
+        return ""
+    header = ["recipe", "parameters", "peak RSS increase", "increase / parameters", "cold time"]
+    return _table(header, rows)
+
+
+def _planning_table(results: dict) -> str:
+    rows = []
+    for kind, p in results["planning"].items():
+        if "error" in p:
+            rows.append([kind, "failed", p["error"][:120], "", ""])
+            continue
+        name = "CPU reference stack" if kind == "specs" else "Llama-3-405B, bf16, (16, 16, 8)"
+        rows.append(
+            [
+                f"{name}: {p['specs']:,} specs, {p['params'] / 1e9:,.1f} B params",
+                _s(p["build_specs"]),
+                _s(p["first"]),
+                _s(p["best"]),
+            ]
+        )
+    header = ["model", "building the specs", "plan, first call", "plan, best of 3 more"]
+    return _table(header, rows)
+
+
+def _sections(results: dict) -> list[tuple[str, str]]:
+    return [
+        ("Goals", _table(["measure", "value", "goal", ""], goals(results))),
+        ("Cold init vs depth", _cold_tables(results)),
+        ("Warm re-init and per-device memory", _warm_tables(results)),
+        ("Host memory", _host_table(results)),
+        ("Planning", _planning_table(results)),
+    ]
+
+
+def notes(results: dict) -> list[str]:
+    """Anything unexpected in this run, as measured."""
+    found = []
+    for recipe, by_layers in results["cold"].items():
+        for n, r in by_layers.items():
+            if "error" in r:
+                found.append(f"`{recipe}` at {n} layers failed: {r['error']}")
+            elif r["problems"]:
+                found.append(f"`{recipe}` at {n} layers is not placed exactly: {r['problems']}")
+            if r.get("errors") and "error" not in r:
+                found.append(
+                    f"`{recipe}` at {n} layers: {len(r['errors'])} of {len(r['runs'])} "
+                    f"processes failed: {r['errors'][0]}"
+                )
+    for name, w in results.get("warm", {}).get("meshinit", {}).items():
+        if w["compiles"]:
+            found.append(f"{_label(name, {'': w})} compiled {w['compiles']} times on re-init")
+    return found
+
+
+def text(results: dict) -> str:
+    m = results["machine"]
+    out = [
+        f"{m['platform']}, {m['cpu_count']} CPUs ({m['cpu']}), jax {m['jax']}, "
+        f"flax {m['flax']}, meshinit {m['meshinit']}, load {m['load_avg'][0]:.2f}"
+    ]
+    if results["config"].get("smoke"):
+        out.append("--smoke: tiny sizes; the goals are meant for the full suite's sizes")
+    out += [f"\n## {title}\n\n{body}" for title, body in _sections(results) if body]
+    out += [f"note: {n}" for n in notes(results)]
+    return "\n".join(out)
+
+
+METHOD = """\
+The CPU reference model is a Llama-style stack in f32: `embed` (4096, 256), per layer
+`q` (256, 256), `k` and `v` (256, 64), `o` (256, 256), `gate` and `up` (256, 1024),
+`down` (1024, 256) (all lecun_normal), the norms `n1`, `n2` (256,) (ones), and `head`
+(256, 4096). It is placed on a (fsdp=2, tensor=4) mesh of 8 simulated CPU devices
+(`jax_num_cpu_devices=8`) with the rules `vocab, heads, kv, mlp -> tensor` and
+`embed -> fsdp`.
+
+Recipes, all producing the same tree of arrays:
+
+- `meshinit`: build the specs, `meshinit.plan`, `meshinit.materialize` (the default
+  strategy); `meshinit:<name>` selects another strategy through
+  `meshinit._materialize.DEFAULT_STRATEGY`.
+- `nnx.jit`: a flax nnx Module whose `__init__` makes each parameter as
+  `nnx.Param(init(rngs.params(), shape), out_sharding=<mesh axes>, mesh=mesh)`,
+  constructed inside `nnx.jit` under `jax.set_mesh(mesh)`.
+- `jax.jit`: MaxText's recipe, one `jax.jit(build, out_shardings=...)` with every
+  parameter as an output.
+- `eager-nnx`: the same Module constructed eagerly; flax's eager sharding (on by
+  default) places each array.
+
+Cold cases: each in a fresh process, persistent compilation cache off; the clock starts
+after imports and mesh creation and stops when `jax.block_until_ready` returns on every
+array; it includes building specs, plan and module. The best of the processes is
+shown. After the clock stops, every array's mesh, PartitionSpec and shards are checked
+against the exact expected placement (resolved without meshinit). Compile time is the
+sum of `/jax/core/compile/backend_compile_duration` events (a `jax.monitoring`
+listener) in that process.
+
+Warm re-init: in one process, meshinit's `materialize` of the same plan with a new
+key, against the fused jit recipe's already compiled executable called with a new key
+(keys made beforehand); the best of several calls each. The throughput ratio is
+fused time / meshinit time.
+
+Per-device memory: `memory_analysis()` of meshinit's compiled executables (per device,
+SPMD). Replaying meshinit's run order, each call's peak is the parameters made so far
+plus that call's outputs and temporaries; the goal compares the largest such peak with
+the device's share of all parameters. (meshinit runs the calls that make the most
+bytes first, so their temporaries come while little else is allocated.) The fused jit
+recipe's single executable is shown for comparison.
+
+Host memory: a cold init of the reference stack made wider, in a fresh process; the
+peak RSS high-water mark is reset right before the clock starts
+(`/proc/self/clear_refs`), and the increase is the peak (`VmHWM`) minus the RSS at the
+start. All 8 simulated devices share the host's memory.
+
+Planning: `meshinit.plan` of a tree of specs, the first call in a fresh process (which
+includes one abstract evaluation per distinct initializer and shape), and the best of
+three more calls. Building the specs is timed separately."""
+
+
+def markdown(results: dict, png: str | None) -> str:
+    m, cfg = results["machine"], results["config"]
+    lines = [
+        "# Performance",
+        "",
+        "Measured by `benchmarks/suite.py`; every number below comes from one run:",
+        "",
+        "```",
+        results["command"],
+        "```",
+        "",
+        f"- Machine: {m['platform']}, {m['cpu_count']} CPUs ({m['cpu']}); load average "
+        f"{m['load_avg'][0]:.2f} at the start (a shared machine: expect noise).",
+        f"- Python {m['python']}, jax {m['jax']}, jaxlib {m['jaxlib']}, flax {m['flax']}, "
+        f"meshinit at `{m['meshinit']}`; {m['date']}; the suite took "
+        f"{results['wall_s'] / 60:.1f} min.",
+        f"- Cold cases: best of {cfg['repeats']} processes; width x{cfg['width']}. Warm: "
+        f"{cfg['warm_layers']} layers, best of {cfg['warm_repeats']} calls. Host memory: "
+        f"{cfg['mem_layers']} layers, width x{cfg['mem_width']}.",
+        "",
+        "## Method",
+        "",
+        METHOD,
+    ]
+    for title, body in _sections(results):
+        if body:
+            lines += ["", f"## {title}", "", body]
+        if title == "Cold init vs depth" and png:
+            lines += ["", f"![cold init time vs depth]({png})"]
+    found = notes(results)
+    if found:
+        lines += ["", "## Notes from this run", ""] + [f"- {n}" for n in found]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str) -> str:
+    """Writes the cold-time-vs-depth plot; returns what happened."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib import ticker
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for recipe, by_layers in results["cold"].items():
+        points = sorted((int(n), r["seconds"]) for n, r in by_layers.items() if "seconds" in r)
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=_label(recipe, by_layers))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+    ax.tick_params(axis="y", which="minor", labelsize="x-small")
+    layers = _layers(results)
+    ax.set_xticks(layers, [str(n) for n in layers])
+    ax.set_xlabel("layers")
+    ax.set_ylabel("cold init time (s), best of processes")
+    ax.set_title("Cold init on 8 simulated CPU devices")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
