@@ -1,0 +1,43 @@
+"""CI runs the benchmark suite at smoke size: it must run and place everything exactly.
+
+Times are never asserted here (the machines are shared); the suite itself exits
+non-zero when a meshinit case crashes, misplaces an array or breaks the value contract.
+"""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_benchmark_suite_smoke_runs_and_places_exactly():
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "suite.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "meshinit" in r.stdout and "jax.jit" in r.stdout
+    assert (
+        not (ROOT / "docs" / "performance.md").exists()
+        or "smoke" not in (ROOT / "docs" / "performance.md").read_text()
+    )
+
+
+def test_gpu_script_exits_cleanly_without_a_gpu():
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "no GPU" in r.stdout + r.stderr
