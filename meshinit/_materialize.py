@@ -24,7 +24,7 @@ from jax.sharding import AxisType, Mesh
 
 from . import _paths
 from ._errors import PlanError, Problem
-from ._plan import MeshGroup, Plan
+from ._plan import MeshGroup, Plan, plan
 from ._signature import LRUCache
 
 
@@ -374,8 +374,6 @@ def init(tree: Any, key: Any) -> Any:
     Example:
       >>> params = meshinit.init({"w": meshinit.param((8, 8), init, mesh=m)}, 0)
     """
-    from ._plan import plan
-
     return materialize(plan(tree), key)
 
 
