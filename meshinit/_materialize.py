@@ -294,6 +294,19 @@ def materialize(plan: Plan, key: Any) -> Any:
     return _run(plan, lambda group: strategy.prepare(group, impl), key_data)
 
 
+def from_constructor(key: Any, shape: Any, dtype: Any) -> Any:
+    """The ``init`` of specs whose values come from a module's constructor.
+
+    ``meshinit.nnx.init`` and ``meshinit.eqx.init`` plan such specs and fill them with
+    :func:`materialize_from`; the initializer itself is never meant to be called.
+    """
+    raise TypeError(
+        "this spec's value comes from its module's constructor, not from an initializer, "
+        "so it cannot be materialized on its own; for nnx use meshinit.nnx.init(factory), "
+        "for equinox call meshinit.eqx.init(factory, key, placements)"
+    )
+
+
 def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any) -> Any:
     """Places the values that ``build(*args)`` computes, each on its planned sharding.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -178,11 +178,15 @@ def plan(tree: Any) -> Plan:
     return build_plan(tree)
 
 
-def build_plan(tree: Any, *, check_inits: bool = True) -> Plan:
-    """:func:`plan`; adapters whose values come from a constructor, not from the specs'
-    initializers (``materialize_from``), skip the abstract init check."""
+def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Problem] = ()) -> Plan:
+    """:func:`plan`, for adapters.
+
+    Adapters whose values come from a constructor, not from the specs' initializers
+    (``materialize_from``), skip the abstract init check, and pass the problems they
+    found themselves, so that everything is raised once, together.
+    """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    problems: list[Problem] = []
+    problems = list(problems)
     seen_paths: dict[str, int] = {}
     seen_digests: dict[tuple[int, int], str] = {}
     shardings: dict[tuple[Any, ...], NamedSharding] = {}

@@ -31,9 +31,9 @@ except ImportError as e:
     raise ImportError("meshinit.eqx needs equinox: pip install meshinit[eqx]") from e
 
 from . import _paths
-from ._errors import PlanError, Problem
+from ._errors import Problem
+from ._materialize import from_constructor, materialize_from
 from ._materialize import materialize as _materialize_plan
-from ._materialize import materialize_from
 from ._plan import build_plan, plan
 from ._spec import param
 
@@ -131,13 +131,8 @@ def _parse_placements(placements: Any) -> tuple[list[_Placement], list[Problem]]
     return parsed, problems
 
 
-def _values_come_from_the_factory(key: Any, shape: Any, dtype: Any) -> Any:
-    """The init of the specs ``meshinit.eqx.init`` plans; never meant to be called."""
-    raise TypeError(
-        "this spec was made by meshinit.eqx.init: its value comes from the module's "
-        "constructor, not from an initializer, so it cannot be materialized on its own; "
-        "call meshinit.eqx.init(factory, key, placements)"
-    )
+# The placeholder init of the specs ``init`` plans; kept under its old name.
+_values_come_from_the_factory = from_constructor
 
 
 def _specs_from_placements(
@@ -281,12 +276,7 @@ def init(
 
     abstract = eqx.filter_eval_shape(build, key_data)
     specs, problems = _specs_from_placements(abstract, placements, mesh, rules)
-    try:
-        plan_ = build_plan(specs, check_inits=False)
-    except PlanError as e:
-        problems += e.problems
-    if problems:
-        raise PlanError(problems)
+    plan_ = build_plan(specs, check_inits=False, problems=problems)
     expected = [(e.spec.shape, e.spec.dtype) for e in plan_.entries]
 
     def arrays(data: Any) -> list[Any]:

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from . import _materialize, _plan
-from ._errors import PlanError, Problem
+from ._errors import Problem
 from ._spec import ParamSpec
 
 __all__ = ["materialize", "init"]
@@ -107,11 +107,6 @@ def materialize(module: nnx.Module, key: Any) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
 
 
-def _from_factory(key: Any, shape: Any, dtype: Any) -> Any:
-    """Stands in for the initializer of a Variable built by an nnx factory."""
-    raise TypeError("this parameter's value comes from its nnx factory; use meshinit.nnx.init")
-
-
 def _is_key(value: Any) -> bool:
     return jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key)
 
@@ -137,7 +132,9 @@ def _default_mesh() -> Mesh:
     return Mesh(np.array(device), ())
 
 
-def _spec_for(var: nnx.Variable, value: Any, problems: list[Problem], path: str) -> ParamSpec:
+def _spec_for(
+    var: nnx.Variable, value: Any, problems: list[Problem], path: str
+) -> ParamSpec | None:
     """Translates flax's sharding metadata into a spec whose axes are mesh axes.
 
     flax's own ``get_var_pspec`` does the translation, so flax's semantics hold: a
@@ -159,7 +156,7 @@ def _spec_for(var: nnx.Variable, value: Any, problems: list[Problem], path: str)
                     "the Variable or build it under jax.set_mesh",
                 )
             )
-            mesh = None
+            return None
         pspec = nnx.spmd.get_var_pspec(var)
         entries = tuple(pspec) + (None,) * (len(value.shape) - len(pspec))
         if any(e is PartitionSpec.UNCONSTRAINED for e in entries):
@@ -170,11 +167,18 @@ def _spec_for(var: nnx.Variable, value: Any, problems: list[Problem], path: str)
                     "exactly; name mesh axes or None",
                 )
             )
-            entries = tuple(None if e is PartitionSpec.UNCONSTRAINED else e for e in entries)
+            return None
         axes = entries + (None,) * (len(shape) - len(entries))
     else:
         mesh, axes = _default_mesh(), None
-    return ParamSpec(shape=shape, init=_from_factory, axes=axes, mesh=mesh, rules=None, dtype=dtype)
+    return ParamSpec(
+        shape=shape,
+        init=_materialize.from_constructor,
+        axes=axes,
+        mesh=mesh,
+        rules=None,
+        dtype=dtype,
+    )
 
 
 @contextlib.contextmanager
@@ -245,10 +249,10 @@ def init(factory: Callable[[], nnx.Module]) -> nnx.Module:
     for path, var in flat:
         value = var.get_value()
         if isinstance(value, jax.ShapeDtypeStruct):
-            specs[path] = _spec_for(var, value, problems, _path(path))
-    if problems:
-        raise PlanError(problems)
-    plan = _plan.build_plan(_nest(specs), check_inits=False)
+            spec = _spec_for(var, value, problems, _path(path))
+            if spec is not None:
+                specs[path] = spec
+    plan = _plan.build_plan(_nest(specs), check_inits=False, problems=problems)
     order = [entry.path for entry in plan.entries]
 
     seen = {id(var) for var in traced}
