@@ -4,8 +4,9 @@ No computation ever mixes meshes, so jit never resolves outputs across meshes. W
 is deduplicated by signature (initializer fingerprint, shape, dtype, PartitionSpec),
 and the default strategy (``Rounds``) compiles one executable per bucket of
 signatures with equally many parameters, so compile time does not grow with depth.
-The key data and the path digests are inputs, so a new key, or another model with
-the same signatures, reuses the cached executables: zero compilations.
+Per-parameter keys are derived on the host (``_paths.fold_digests``, bit-identical to
+``param_key``) and passed in as key data, so a new key, or another model with the same
+signatures, reuses the cached executables: zero compilations.
 
 Every output carries its planned sharding as an out_sharding, and tracing happens
 under an all-Auto twin of the mesh, so XLA partitions the random generation itself
@@ -92,6 +93,12 @@ CPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 1}
 
 _KEY = jax.ShapeDtypeStruct((2,), np.uint32)
 
+
+def _make(spec: Any, key_data: Any, impl: str) -> Any:
+    """The spec's value from its own key's data (traced)."""
+    return spec.init(jax.random.wrap_key_data(key_data, impl=impl), spec.shape, spec.dtype)
+
+
 # A strategy turns a mesh group into a runner: ``prepare(group, impl)`` compiles (or
 # fetches) what the group needs, and the runner it returns maps host inputs (the key
 # data) to ``(position in group.entries, array)`` pairs. Strategies differ in compile and
@@ -115,26 +122,21 @@ class PerSignature:
         def build():
             spec = entry.spec
 
-            def program(key_data, digest):
-                key = jax.random.wrap_key_data(key_data, impl=impl)
-                return spec.init(
-                    _paths.fold_digest(key, digest[0], digest[1]), spec.shape, spec.dtype
-                )
+            def program(key_data):
+                return _make(spec, key_data, impl)
 
-            return program, entry.sharding, (_KEY, _KEY)
+            return program, entry.sharding, (_KEY,)
 
         return _compiled(("per_signature", group.mesh, entry.signature, impl), group, build)
 
     def prepare(self, group: MeshGroup, impl: str) -> Runner:
         exes = self.executables(group, impl)
-        digests = group.digests
 
         def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
-            row = 0
+            keys = iter(_paths.fold_digests(key_data, group.digests))
             for batch, exe in zip(group.batches, exes, strict=True):
                 for pos in batch:
-                    yield pos, exe(key_data, digests[row])
-                    row += 1
+                    yield pos, exe(next(keys))
 
         return run
 
@@ -168,19 +170,11 @@ class Rounds:
         entries = [group.entries[group.batches[i][0]] for i in bucket]
 
         def build():
-            def program(key_data, digests):
-                key = jax.random.wrap_key_data(key_data, impl=impl)
-                return [
-                    e.spec.init(
-                        _paths.fold_digest(key, digests[k, 0], digests[k, 1]),
-                        e.spec.shape,
-                        e.spec.dtype,
-                    )
-                    for k, e in enumerate(entries)
-                ]
+            def program(keys):
+                return [_make(e.spec, keys[k], impl) for k, e in enumerate(entries)]
 
-            digests = jax.ShapeDtypeStruct((len(entries), 2), np.uint32)
-            return program, [e.sharding for e in entries], (_KEY, digests)
+            keys = jax.ShapeDtypeStruct((len(entries), 2), np.uint32)
+            return program, [e.sharding for e in entries], (keys,)
 
         signatures = tuple(e.signature for e in entries)
         return _compiled(("rounds", group.mesh, signatures, impl), group, build)
@@ -192,16 +186,17 @@ class Rounds:
         buckets = self._buckets(group)
         exes = self.executables(group, impl)
         starts = np.cumsum([0, *(len(b) for b in group.batches)])
-        # digests[r, k] is the digest of the r-th parameter of the bucket's k-th signature
-        rounds = [
-            np.stack([group.digests[starts[i] : starts[i + 1]] for i in bucket], axis=1)
+        # rows[r, k]: the row in group.digests of the r-th parameter of the k-th signature
+        rows = [
+            np.stack([np.arange(starts[i], starts[i + 1]) for i in bucket], axis=1)
             for bucket in buckets
         ]
 
         def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
-            for bucket, exe, digests in zip(buckets, exes, rounds, strict=True):
-                for r in range(digests.shape[0]):
-                    for i, array in zip(bucket, exe(key_data, digests[r]), strict=True):
+            keys = _paths.fold_digests(key_data, group.digests)
+            for bucket, exe, index in zip(buckets, exes, rows, strict=True):
+                for r in range(index.shape[0]):
+                    for i, array in zip(bucket, exe(keys[index[r]]), strict=True):
                         yield group.batches[i][r], array
 
         return run
@@ -215,20 +210,18 @@ class FusedGroup:
     """
 
     def program(self, group: MeshGroup, impl: str) -> Callable[..., list[jax.Array]]:
-        """(key data, digests in batch order) -> one array per entry, in entry order."""
+        """(key data per parameter, in batch order) -> one array per entry, in entry order."""
 
-        def program(key_data, digests):
-            key = jax.random.wrap_key_data(key_data, impl=impl)
+        def program(keys):
             outs: list[Any] = [None] * len(group.entries)
             start = 0
             for batch in group.batches:
                 spec = group.entries[batch[0]].spec
 
-                def one(hl, spec=spec):
-                    k = _paths.fold_digest(key, hl[0], hl[1])
-                    return spec.init(k, spec.shape, spec.dtype)
+                def one(key_data, spec=spec):
+                    return _make(spec, key_data, impl)
 
-                stacked = jax.vmap(one)(digests[start : start + len(batch)])
+                stacked = jax.vmap(one)(keys[start : start + len(batch)])
                 start += len(batch)
                 for i, pos in enumerate(batch):
                     outs[pos] = stacked[i]
@@ -240,9 +233,9 @@ class FusedGroup:
         structure = tuple((group.entries[b[0]].signature, b) for b in group.batches)
 
         def build():
-            digests = jax.ShapeDtypeStruct(group.digests.shape, np.uint32)
+            keys = jax.ShapeDtypeStruct(group.digests.shape, np.uint32)
             shardings = [e.sharding for e in group.entries]
-            return self.program(group, impl), shardings, (_KEY, digests)
+            return self.program(group, impl), shardings, (keys,)
 
         return [_compiled(("fused_group", group.mesh, structure, impl), group, build)]
 
@@ -250,7 +243,8 @@ class FusedGroup:
         (exe,) = self.executables(group, impl)
 
         def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
-            yield from enumerate(exe(key_data, group.digests))  # in entry order
+            keys = _paths.fold_digests(key_data, group.digests)
+            yield from enumerate(exe(keys))  # in entry order
 
         return run
 

@@ -34,6 +34,22 @@ def test_param_key_folds_both_halves_of_the_digest():
     )
 
 
+def test_host_fold_equals_jax_fold_in_bit_for_bit():
+    # materialize derives every parameter's key on the host; a mismatch changes values.
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        key_data = rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32)
+        digests = rng.integers(0, 2**32, (16, 2), dtype=np.uint64).astype(np.uint32)
+        digests[0] = (0, 0xFFFFFFFF)  # both extremes of a half
+        host = _paths.fold_digests(key_data, digests)
+        key = jax.random.wrap_key_data(key_data)
+        expected = jax.vmap(lambda d: jax.random.key_data(_paths.fold_digest(key, d[0], d[1])))(
+            digests
+        )
+        np.testing.assert_array_equal(host, np.asarray(expected))
+    assert _paths.fold_digests(np.zeros(2, np.uint32), np.zeros((0, 2), np.uint32)).shape == (0, 2)
+
+
 def test_param_key_accepts_seed_typed_and_legacy_keys_alike():
     typed = meshinit.param_key(jax.random.key(3), "x.y")
     seed = meshinit.param_key(3, "x.y")
