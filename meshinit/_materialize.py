@@ -15,17 +15,19 @@ and each device computes only its own shard; no full copy exists anywhere.
 
 from __future__ import annotations
 
+import difflib
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from . import _paths
 from ._errors import PlanError, Problem
-from ._plan import MeshGroup, Plan, plan
+from ._plan import MeshGroup, Plan, PlanEntry, plan
+from ._report import describe_mesh, human_bytes
 from ._signature import LRUCache
 
 
@@ -63,9 +65,7 @@ def _compile(
             lowered = jax.jit(program, out_shardings=out_shardings).lower(*args)
             return lowered.compile(_compiler_options(group.mesh))
     except Exception as e:
-        paths = ", ".join(entry.path for entry in group.entries[:5])
-        more = f" and {len(group.entries) - 5} more" if len(group.entries) > 5 else ""
-        e.add_note(f"meshinit: while compiling for the mesh {group.mesh} ({paths}{more})")
+        e.add_note(f"meshinit: while compiling for the mesh {group.mesh} ({_some_paths(group)})")
         raise
 
 
@@ -150,21 +150,31 @@ class Rounds:
     bucket, never with depth.
     """
 
+    def __init__(self, max_bytes_per_call: int | None = None):
+        self.max_bytes_per_call = max_bytes_per_call
+
     def _buckets(self, group: MeshGroup) -> list[tuple[int, ...]]:
         """Indices into ``group.batches``, bucketed by batch size.
 
         Buckets whose calls make the most bytes run first: their temporaries (on CPU
         about 3x the output) then come while little else is allocated, which keeps
-        the peak near the device's share of the parameters.
+        the peak near the device's share of the parameters. With a
+        ``max_bytes_per_call``, a bucket whose call would make more bytes per device
+        is split (largest signatures first) into buckets that stay under it.
         """
         by_count: dict[int, list[int]] = {}
         for i, batch in enumerate(group.batches):
             by_count.setdefault(len(batch), []).append(i)
 
-        def call_bytes(bucket: list[int]) -> int:
-            return sum(group.entries[group.batches[i][0]].device_bytes for i in bucket)
+        def nbytes(i: int) -> int:
+            return group.entries[group.batches[i][0]].device_bytes
 
-        return [tuple(v) for v in sorted(by_count.values(), key=call_bytes, reverse=True)]
+        buckets = list(by_count.values())
+        if self.max_bytes_per_call is not None:
+            buckets = [
+                b for bucket in buckets for b in _pack(bucket, nbytes, self.max_bytes_per_call)
+            ]
+        return [tuple(b) for b in sorted(buckets, key=lambda b: sum(map(nbytes, b)), reverse=True)]
 
     def _executable(self, group: MeshGroup, bucket: tuple[int, ...], impl: str) -> Any:
         entries = [group.entries[group.batches[i][0]] for i in bucket]
@@ -200,6 +210,26 @@ class Rounds:
                         yield group.batches[i][r], array
 
         return run
+
+
+def _pack(items: list[int], size: Callable[[int], int], limit: int) -> list[list[int]]:
+    """First-fit decreasing: ``items`` in bins whose sizes sum to at most ``limit``.
+
+    An item larger than ``limit`` gets a bin of its own; materialize refuses such
+    plans before it gets here.
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for item in sorted(items, key=size, reverse=True):
+        for k, free in enumerate(room):
+            if size(item) <= free:
+                bins[k].append(item)
+                room[k] -= size(item)
+                break
+        else:
+            bins.append([item])
+            room.append(limit - size(item))
+    return bins
 
 
 class FusedGroup:
@@ -253,30 +283,54 @@ STRATEGIES = {"per_signature": PerSignature(), "rounds": Rounds(), "fused_group"
 DEFAULT_STRATEGY = "rounds"
 
 
-def materialize(plan: Plan, key: Any) -> Any:
+def materialize(
+    plan: Plan,
+    key: Any,
+    existing: Mapping[str, Any] | None = None,
+    *,
+    max_bytes_per_call: int | None = None,
+) -> Any:
     """Allocates every planned parameter with exactly its planned sharding.
 
     Every computation's out_shardings are the planned ``NamedSharding``s, so each
     device generates only its own shards, and no computation mixes meshes. Works with or
-    without an active ``jax.set_mesh``, on any mesh, including disjoint submeshes.
+    without an active ``jax.set_mesh``, on any mesh, including disjoint submeshes, and
+    unchanged under ``jax.distributed``: every process runs the same call and makes only
+    its addressable shards (an array on a mesh of other processes' devices has none).
 
     Args:
       plan: from :func:`meshinit.plan`.
       key: an int seed, a typed key or a legacy uint32 key; all three give the same
         values. The parameter at ``path`` is ``init(param_key(key, path), shape, dtype)``.
+      existing: maps dot-joined paths to arrays (``jax.Array`` or numpy) that are used
+        instead of generating those parameters, for example restored from a
+        checkpoint; each is placed on its planned sharding. Only the rest are
+        generated, with the values a full init gives them. Arrays passed here are never
+        deleted, not even on failure.
+      max_bytes_per_call: at most this many bytes of parameters made per device by one
+        compiled call (default: no bound beyond the strategy's own). Smaller bounds
+        mean more, smaller executables.
 
     Returns:
       The planned tree with a ready ``jax.Array`` in place of each spec.
 
     Raises:
-      PlanError: a group's mesh is an ``AbstractMesh``.
+      PlanError: (a ``ValueError``) before anything is allocated, with every problem:
+        a mesh is an ``AbstractMesh``; an ``existing`` path is not planned or its
+        array has the wrong shape or dtype; a parameter alone exceeds
+        ``max_bytes_per_call``; the parameters do not fit in the free memory of a
+        device that reports it (``device.memory_stats()``), naming the largest
+        parameters on the worst device.
       ValueError: the key's values would depend on the sharding (a non-threefry key,
         or ``jax_threefry_partitionable`` off).
 
-    If any group fails, arrays already made are deleted before the error propagates.
+    Atomic: if anything fails part-way (a runtime error, an out-of-memory, a
+    ``KeyboardInterrupt``), every array made so far is deleted, the error gets a note
+    naming the mesh group and its paths, and it propagates; nothing partial is returned.
 
     Example:
       >>> params = meshinit.materialize(meshinit.plan(specs), jax.random.key(0))
+      >>> params = meshinit.materialize(plan, 0, existing={"head": restored_head})
     """
     if not isinstance(plan, Plan):
         raise TypeError(
@@ -284,8 +338,138 @@ def materialize(plan: Plan, key: Any) -> Any:
             f"{type(plan).__name__}; or call meshinit.init(tree, key)"
         )
     key_data, impl = _paths.host_key(key)
-    strategy = STRATEGIES[DEFAULT_STRATEGY]
-    return _run(plan, lambda group: strategy.prepare(group, impl), key_data)
+    if max_bytes_per_call is None:
+        strategy = STRATEGIES[DEFAULT_STRATEGY]
+    else:
+        if isinstance(max_bytes_per_call, bool) or not isinstance(max_bytes_per_call, int):
+            raise TypeError(f"max_bytes_per_call must be an int, got {max_bytes_per_call!r}")
+        if max_bytes_per_call <= 0:
+            raise ValueError(f"max_bytes_per_call must be positive, got {max_bytes_per_call}")
+        strategy = Rounds(max_bytes_per_call)  # bounded calls always use rounds
+    given, problems = _given(plan, existing)
+    if problems:  # all at once, with the abstract-mesh and bound problems
+        todo = [e for e in plan.entries if id(e) not in given]
+        problems += _abstract_problems(plan) + _bound_problems(todo, max_bytes_per_call)
+        raise PlanError(problems, header="cannot materialize this plan:")
+    return _run(
+        plan,
+        lambda group: strategy.prepare(group, impl),
+        key_data,
+        given=given,
+        max_bytes_per_call=max_bytes_per_call,
+    )
+
+
+def _given(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[int, Any], list]:
+    """``existing`` keyed by ``id`` of its plan entry, and every problem found in it."""
+    if existing is None:
+        return {}, []
+    if not isinstance(existing, Mapping):
+        raise TypeError(
+            f"existing must map dot-joined paths to arrays, got {type(existing).__name__}"
+        )
+    by_path = {e.path: e for e in plan.entries}
+    problems: list[Problem] = []
+    given: dict[int, Any] = {}
+    for path, value in existing.items():
+        entry = by_path.get(path)
+        if entry is None:
+            close = difflib.get_close_matches(str(path), by_path, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(
+                Problem(
+                    str(path),
+                    f"not a planned parameter; existing maps the plan's dot-joined paths "
+                    f"(like {plan.entries[0].path!r}) to arrays{hint}"
+                    if plan.entries
+                    else "not a planned parameter: the plan has none",
+                )
+            )
+            continue
+        if not isinstance(value, jax.Array | np.ndarray) or isinstance(value, jax.core.Tracer):
+            problems.append(
+                Problem(
+                    path,
+                    f"existing value must be a jax.Array or numpy array, got "
+                    f"{type(value).__name__}",
+                )
+            )
+            continue
+        spec = entry.spec
+        if tuple(value.shape) != spec.shape:
+            problems.append(
+                Problem(
+                    path, f"existing array has shape {tuple(value.shape)}, planned {spec.shape}"
+                )
+            )
+        if np.dtype(value.dtype) != spec.dtype:
+            problems.append(
+                Problem(
+                    path,
+                    f"existing array has dtype {np.dtype(value.dtype).name}, planned "
+                    f"{spec.dtype.name}; cast it first (x.astype(jnp.{spec.dtype.name}))",
+                )
+            )
+        given[id(entry)] = value
+    return given, problems
+
+
+def _subplan(plan: Plan, keep: Sequence[PlanEntry]) -> Plan:
+    """The plan restricted to ``keep``, groups in the same order (empty ones dropped)."""
+    ids = {id(e) for e in keep}
+    groups = []
+    for g in plan.groups:
+        entries = tuple(e for e in g.entries if id(e) in ids)
+        if entries:
+            groups.append(MeshGroup(g.mesh, entries))
+    return Plan(tuple(keep), tuple(groups), plan.treedef, plan.leaves)
+
+
+def _memory_stats(device: Any) -> dict[str, int] | None:
+    """``device.memory_stats()``, or None where the backend reports nothing (CPU)."""
+    try:
+        return device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+
+
+def _memory_problems(entries: Sequence[PlanEntry]) -> list[Problem]:
+    """Problems if ``entries`` do not fit in the free memory of an addressable device.
+
+    Parameter bytes only: each call's temporaries come on top (a few shards' worth;
+    bound them with ``max_bytes_per_call``).
+    """
+    by_mesh: dict[Any, list[PlanEntry]] = {}
+    for e in entries:
+        by_mesh.setdefault(e.mesh, []).append(e)
+    on_device: dict[Any, list[PlanEntry]] = {}
+    local = jax.process_index()
+    for mesh, es in by_mesh.items():
+        for d in mesh.devices.flat:
+            if d.process_index == local:
+                on_device.setdefault(d, []).extend(es)
+    worst = None
+    for d, es in on_device.items():
+        stats = _memory_stats(d)
+        if not stats or "bytes_limit" not in stats:
+            continue
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        need = sum(e.device_bytes for e in es)
+        if need > free and (worst is None or need - free > worst[0]):
+            worst = (need - free, d, need, free, es)
+    if worst is None:
+        return []
+    _, d, need, free, es = worst
+    largest = sorted(es, key=lambda e: e.device_bytes, reverse=True)[:5]
+    return [
+        Problem(
+            "",
+            f"device {d} needs {human_bytes(need)} for its parameters but has "
+            f"{human_bytes(free)} free; shard the largest parameters over more devices, "
+            f"use a bigger mesh, or free memory first. Largest on it:",
+        ),
+        *(Problem(e.path, f"{human_bytes(e.device_bytes)} on this device") for e in largest),
+    ]
 
 
 def from_constructor(key: Any, shape: Any, dtype: Any) -> Any:
@@ -339,40 +523,105 @@ def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any
     return _run(plan, prepare, *args)
 
 
-def _check_concrete(plan: Plan) -> None:
-    abstract = [g for g in plan.groups if g.is_abstract]
-    if abstract:
-        raise PlanError(
-            [
-                Problem(
-                    g.entries[0].path,
-                    f"mesh {g.mesh} is abstract ({len(g.entries)} params); materialize "
-                    f"needs a concrete jax.sharding.Mesh. Plan on abstract meshes for "
-                    f"sizes, or use plan.abstract() as a restore target",
-                )
-                for g in abstract
-            ],
-            header="cannot materialize on an abstract mesh:",
+def _abstract_problems(plan: Plan) -> list[Problem]:
+    return [
+        Problem(
+            g.entries[0].path,
+            f"mesh {g.mesh} is abstract ({len(g.entries)} params); materialize "
+            f"needs a concrete jax.sharding.Mesh. Plan on abstract meshes for "
+            f"sizes, or use plan.abstract() as a restore target",
         )
+        for g in plan.groups
+        if g.is_abstract
+    ]
 
 
-def _run(plan: Plan, prepare: Callable[[MeshGroup], Runner], *args: Any) -> Any:
-    _check_concrete(plan)
+def _bound_problems(entries: Sequence[PlanEntry], bound: int | None) -> list[Problem]:
+    if bound is None:
+        return []
+    return [
+        Problem(
+            e.path,
+            f"makes {human_bytes(e.device_bytes)} per device in one call, more than "
+            f"max_bytes_per_call={bound}; raise the bound or shard it over more devices",
+        )
+        for e in entries
+        if e.device_bytes > bound
+    ]
+
+
+def _run(
+    plan: Plan,
+    prepare: Callable[[MeshGroup], Runner],
+    *args: Any,
+    given: Mapping[int, Any] | None = None,
+    max_bytes_per_call: int | None = None,
+) -> Any:
+    """Checks, compiles, then allocates; deletes everything it made if anything fails.
+
+    ``given`` maps ``id(entry)`` to the caller's array for that entry: it is placed,
+    not generated, and never deleted here.
+    """
+    given = given or {}
+    todo = _subplan(plan, [e for e in plan.entries if id(e) not in given]) if given else plan
+    problems = _abstract_problems(plan) + _bound_problems(todo.entries, max_bytes_per_call)
+    if problems:
+        raise PlanError(problems, header="cannot materialize this plan:")
+    moved = [
+        e
+        for e in plan.entries
+        if id(e) in given
+        and not (isinstance(given[id(e)], jax.Array) and given[id(e)].sharding == e.sharding)
+    ]
+    problems = _memory_problems([*todo.entries, *moved])
+    if problems:
+        raise PlanError(problems, header="the parameters do not fit in device memory:")
     # Compile everything before allocating anything, so a compile error leaves nothing.
-    runners = [prepare(g) for g in plan.groups]
+    runners = [prepare(g) for g in todo.groups]
+    callers = {id(a) for a in given.values()}
     made: list[jax.Array] = []
     values: dict[int, jax.Array] = {}
+    where = ""
     try:
-        for group, run in zip(plan.groups, runners, strict=True):
+        for entry in plan.entries:
+            if id(entry) in given:
+                where = f"placing existing[{entry.path!r}] on {describe_mesh(entry.mesh)}"
+                array = _place(given[id(entry)], entry.sharding)
+                if id(array) not in callers:
+                    made.append(array)
+                values[id(entry)] = array
+        for i, (group, run) in enumerate(zip(todo.groups, runners, strict=True)):
+            where = f"mesh group {i}, {describe_mesh(group.mesh)}, making {_some_paths(group)}"
             for pos, array in run(*args):
                 made.append(array)
                 values[id(group.entries[pos])] = array
+        where = "waiting for the arrays"
         jax.block_until_ready(made)
-    except BaseException:
+    except BaseException as e:
         for array in made:
             array.delete()
+        e.add_note(
+            f"meshinit: materialize failed while {where}; deleted the {len(made)} arrays it "
+            f"had made, and returned nothing"
+        )
         raise
     return plan.fill([values[id(e)] for e in plan.entries])
+
+
+def _some_paths(group: MeshGroup, n: int = 5) -> str:
+    paths = ", ".join(e.path for e in group.entries[:n])
+    more = len(group.entries) - n
+    return paths + (f" and {more} more" if more > 0 else "")
+
+
+def _place(value: Any, sharding: NamedSharding) -> jax.Array:
+    """``value`` with exactly ``sharding``; the same object if it already has it."""
+    if isinstance(value, jax.Array):
+        return value if value.sharding == sharding else jax.device_put(value, sharding)
+    # A host value: each process fills only its addressable shards, so this also works
+    # for meshes that span processes, where device_put of a numpy array fails.
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def init(tree: Any, key: Any) -> Any:

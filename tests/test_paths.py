@@ -43,9 +43,9 @@ def test_host_fold_equals_jax_fold_in_bit_for_bit():
         digests[0] = (0, 0xFFFFFFFF)  # both extremes of a half
         host = _paths.fold_digests(key_data, digests)
         key = jax.random.wrap_key_data(key_data)
-        expected = jax.vmap(lambda d: jax.random.key_data(_paths.fold_digest(key, d[0], d[1])))(
-            digests
-        )
+        expected = jax.vmap(
+            lambda d, key=key: jax.random.key_data(_paths.fold_digest(key, d[0], d[1]))
+        )(digests)
         np.testing.assert_array_equal(host, np.asarray(expected))
     assert _paths.fold_digests(np.zeros(2, np.uint32), np.zeros((0, 2), np.uint32)).shape == (0, 2)
 
