@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable, Sequence
+import math
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -62,6 +63,56 @@ class PlanEntry:
     def abstract(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(self.spec.shape, self.spec.dtype, sharding=self.sharding)
 
+    @property
+    def replicated_axes(self) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that shard no dimension, in mesh order.
+
+        Every device along such an axis holds the same copy of this parameter.
+
+        Example:
+          >>> m = AbstractMesh((2, 4), ("data", "tensor"))
+          >>> meshinit.plan(meshinit.param((8, 8), init, axes=(None, "tensor"),
+          ...                              mesh=m)).entries[0].replicated_axes
+          ('data',)
+        """
+        return tuple(a for a, _ in _shard_options(self.spec.shape, self.sharding.spec, self.mesh))
+
+    def shard_dims(self, axis: str) -> tuple[int, ...]:
+        """The dimensions that the replicated mesh axis ``axis`` could shard evenly.
+
+        The rule: dimension ``d`` qualifies when ``shape[d]`` is divisible by the
+        product of the sizes of the mesh axes already sharding it (1 if none) times
+        the size of ``axis``; so ``axis`` could shard a replicated dimension, or join
+        the axes of a sharded one. A parameter with no elements has none.
+
+        Args:
+          axis: a mesh axis name; axes that already shard this parameter, or have
+            size 1, have no dimensions to offer.
+
+        Returns:
+          The qualifying dimensions, in increasing order; empty if there are none.
+
+        Example:
+          >>> m = AbstractMesh((2, 4), ("data", "tensor"))
+          >>> e = meshinit.plan(meshinit.param((6, 8), init, axes=(None, "tensor"),
+          ...                                  mesh=m)).entries[0]
+          >>> e.shard_dims("data")  # 6 % 2 == 0 and 8 % (4 * 2) == 0
+          (0, 1)
+        """
+        options = _shard_options(self.spec.shape, self.sharding.spec, self.mesh)
+        return next((dims for a, dims in options if a == axis), ())
+
+    @property
+    def shardable_axes(self) -> tuple[str, ...]:
+        """The :attr:`replicated_axes` that could shard this parameter (see :meth:`shard_dims`).
+
+        Non-empty means each device holds more of it than it would need to: the
+        parameter is replicated across a mesh axis although that axis could shard it.
+        """
+        return tuple(
+            a for a, dims in _shard_options(self.spec.shape, self.sharding.spec, self.mesh) if dims
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshGroup:
@@ -81,8 +132,30 @@ class MeshGroup:
 
     @property
     def device_bytes(self) -> int:
-        """Bytes the group's parameters take on each device of the mesh."""
+        """Bytes the group's parameters take on each device of the mesh.
+
+        Every device of the mesh holds the same amount: planning only accepts shardings
+        that divide each dimension evenly.
+        """
         return sum(e.device_bytes for e in self.entries)
+
+    @functools.cached_property
+    def shardable_entries(self) -> tuple[PlanEntry, ...]:
+        """The entries replicated across a mesh axis that could shard them.
+
+        Those whose :attr:`PlanEntry.shardable_axes` is not empty, in entry order.
+        """
+        return tuple(e for e in self.entries if e.shardable_axes)
+
+    @property
+    def replicated_bytes(self) -> int:
+        """Bytes of :attr:`shardable_entries` on each device of the mesh.
+
+        How much of :attr:`device_bytes` sits on a device only because a parameter is
+        replicated across an axis that could shard it. Replicating across a data axis
+        may be deliberate (it saves gathers); this says what it costs.
+        """
+        return sum(e.device_bytes for e in self.shardable_entries)
 
     @functools.cached_property
     def batches(self) -> tuple[tuple[int, ...], ...]:
@@ -125,6 +198,82 @@ class Plan:
         """Total parameter bytes, unsharded."""
         return sum(e.spec.nbytes for e in self.entries)
 
+    def device_bytes(self) -> dict[Any, int]:
+        """Bytes of parameters each device holds, summed over all mesh groups.
+
+        Meshes over the same devices add up: a ``(2, 4)`` mesh and an ``(8,)`` mesh
+        over the same 8 devices put both groups' shards on each device. Devices of
+        other processes are counted too.
+
+        Returns:
+          A dict from device to bytes, with every device of every mesh (0 for a mesh
+          whose parameters have no elements). The keys are ``jax.Device`` objects for a
+          ``Mesh``; an ``AbstractMesh`` has no devices, so its keys are
+          ``(mesh, i)``, ``i`` the device's flat row-major position in the mesh.
+          Abstract meshes are taken to share no devices with any other mesh, even
+          with one of the same shape: nothing says which devices they will get.
+
+        Example:
+          >>> p = meshinit.plan({
+          ...     "a": meshinit.param((8, 8), init, axes=("x", "y"), mesh=mesh_2x4),
+          ...     "b": meshinit.param((8, 8), init, axes=("z", None), mesh=mesh_8)})
+          >>> p.device_bytes()[jax.devices()[0]]  # 4*2*4 bytes + 1*8*4 bytes
+          64
+        """
+        return self._per_device(lambda g: g.device_bytes)
+
+    def replicated_bytes(self) -> dict[Any, int]:
+        """Like :meth:`device_bytes`, counting only :attr:`MeshGroup.shardable_entries`.
+
+        The bytes each device holds because parameters are replicated across a mesh
+        axis that could shard them.
+
+        Returns:
+          A dict with the same keys as :meth:`device_bytes`.
+
+        Example:
+          >>> m = AbstractMesh((2, 4), ("data", "tensor"))
+          >>> p = meshinit.plan(meshinit.param((8, 8), init, axes=(None, "tensor"), mesh=m))
+          >>> p.replicated_bytes()[(m, 0)]  # 8*2 float32 on every device; data could halve it
+          64
+        """
+        return self._per_device(lambda g: g.replicated_bytes)
+
+    @property
+    def max_device_bytes(self) -> int:
+        """The most bytes of parameters on any one device (0 for an empty plan).
+
+        The largest value of :meth:`device_bytes`: meshes that share devices add up.
+
+        Example:
+          >>> meshinit.plan(specs).max_device_bytes / 2**30  # GiB a device needs
+        """
+        return max(self.device_bytes().values(), default=0)
+
+    def _per_device(self, per_group: Callable[[MeshGroup], int]) -> dict[Any, int]:
+        # Every device of a mesh holds the same bytes (shardings divide evenly), so one
+        # number per group is spread over its devices: O(groups * devices), not entries.
+        out: dict[Any, int] = {}
+        for g in self.groups:
+            n = per_group(g)
+            if g.is_abstract:
+                mesh = g.mesh
+                keys: Iterable[Any] = [(mesh, i) for i in range(mesh.size)]
+            else:
+                keys = g.mesh.devices.flat
+            for k in keys:
+                out[k] = out.get(k, 0) + n
+        return out
+
+    def summary(self) -> str:
+        """The table's totals without its per-parameter rows: per mesh, then overall.
+
+        For models with thousands of parameters, where ``print(plan)`` is long.
+        """
+        from ._report import summary
+
+        return summary(self)
+
     def abstract(self) -> Any:
         """The tree with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` for each spec.
 
@@ -143,6 +292,29 @@ class Plan:
         from ._report import table
 
         return table(self)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_options(shape, spec, mesh) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``(replicated axis, dimensions it could shard)`` pairs, in mesh order.
+
+    See ``PlanEntry.shard_dims`` for the rule. Memoized: a deep model repeats a handful
+    of (shape, spec, mesh) many times.
+    """
+    entries = (*spec, *(None,) * (len(shape) - len(spec)))
+    used: set[str] = set()
+    ways = []
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    for e in entries:
+        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        used.update(names)
+        ways.append(math.prod(sizes[a] for a in names))
+    empty = math.prod(shape) == 0
+    return tuple(
+        (axis, () if empty else tuple(d for d, n in enumerate(shape) if n % (ways[d] * size) == 0))
+        for axis, size in sizes.items()
+        if size > 1 and axis not in used
+    )
 
 
 @functools.lru_cache(maxsize=4096)

@@ -69,51 +69,102 @@ def _columns(rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
     return out
 
 
-def group_table(index: int, group: MeshGroup) -> list[str]:
-    head = ["path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device"]
-    rows = [head]
-    for e in group.entries:
-        s = e.spec
-        rows.append(
-            [
-                e.path or "<root>",
-                str(s.shape),
-                s.dtype.name,
-                _fmt_axes(s.axes) if s.rules is not None else "-",
-                _fmt_mesh_axes(e.sharding.spec, group.mesh.shape),
-                str(e.sharding.spec).removeprefix("PartitionSpec"),
-                human_bytes(e.device_bytes),
-            ]
-        )
+def _path_list(head: str, paths: Sequence[str], limit: int = 3, width: int = 100) -> str:
+    """``head``, then up to ``limit`` paths that fit in ``width`` columns, then a count."""
+    shown: list[str] = []
+    for i, path in enumerate(paths[:limit]):
+        rest = len(paths) - i - 1
+        line = head + ", ".join([*shown, path]) + (f", +{rest} more" if rest else "")
+        if shown and len(line) > width:
+            break
+        shown.append(path)
+    rest = len(paths) - len(shown)
+    return head + ", ".join(shown) + (f", +{rest} more" if rest else "")
+
+
+def group_summary(group: MeshGroup) -> list[str]:
+    """A group's totals: params, bytes in all and per device, and replicated bytes."""
     n = len(group.entries)
     lines = [
-        f"mesh {index}: {describe_mesh(group.mesh)}",
-        *_columns(rows, right={6}),
         f"  {n} param{'s' if n != 1 else ''}, {human_bytes(group.nbytes)} in all, "
-        f"{human_bytes(group.device_bytes)} per device",
+        f"{human_bytes(group.device_bytes)} per device"
     ]
+    flagged = group.shardable_entries
+    if not flagged:
+        return lines
+    k = len(flagged)
+    lines.append(
+        f"  ! {k} param{'s' if k != 1 else ''} replicated across an axis that could shard "
+        f"{'them' if k != 1 else 'it'}: {human_bytes(group.replicated_bytes)} per device"
+    )
+    for axis, size in group.mesh.shape.items():
+        entries = [e for e in flagged if axis in e.shardable_axes]
+        if entries:
+            per_device = human_bytes(sum(e.device_bytes for e in entries))
+            head = f"    {axis}={size} could shard {len(entries)} ({per_device} per device): "
+            lines.append(_path_list(head, [e.path or "<root>" for e in entries]))
     return lines
 
 
-def _max_device_bytes(plan: Plan) -> int:
-    """The most bytes any one device holds; meshes that share devices add up."""
-    per_device: dict[object, int] = {}
-    for i, g in enumerate(plan.groups):
-        devices = g.mesh.devices.flat if not g.is_abstract else ((i, None),)
-        for d in devices:
-            per_device[d] = per_device.get(d, 0) + g.device_bytes
-    return max(per_device.values(), default=0)
+def group_table(index: int, group: MeshGroup) -> list[str]:
+    head = ["path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device"]
+    flagged = {id(e) for e in group.shardable_entries}
+    if flagged:
+        head.append("")
+    rows = [head]
+    for e in group.entries:
+        s = e.spec
+        row = [
+            e.path or "<root>",
+            str(s.shape),
+            s.dtype.name,
+            _fmt_axes(s.axes) if s.rules is not None else "-",
+            _fmt_mesh_axes(e.sharding.spec, group.mesh.shape),
+            str(e.sharding.spec).removeprefix("PartitionSpec"),
+            human_bytes(e.device_bytes),
+        ]
+        if flagged:
+            row.append("!" if id(e) in flagged else "")
+        rows.append(row)
+    return [
+        f"mesh {index}: {describe_mesh(group.mesh)}",
+        *_columns(rows, right={6}),
+        *group_summary(group),
+    ]
+
+
+def _totals(plan: Plan) -> list[str]:
+    n, k = len(plan.entries), len(plan.groups)
+    lines = [
+        f"total: {n} param{'s' if n != 1 else ''}, {human_bytes(plan.nbytes)}, "
+        f"{k} mesh{'es' if k != 1 else ''}, most on one device "
+        f"{human_bytes(plan.max_device_bytes)}"
+    ]
+    if k > 1:
+        replicated = max(plan.replicated_bytes().values(), default=0)
+        if replicated:
+            lines.append(
+                f"! replicated across an axis that could shard them: up to "
+                f"{human_bytes(replicated)} on one device"
+            )
+    return lines
 
 
 def table(plan: Plan) -> str:
-    """The plan as a table: one block per mesh, every full path, totals per mesh."""
+    """The plan as a table: one block per mesh, every full path, totals per mesh.
+
+    A ``!`` marks a parameter replicated across a mesh axis that could shard it; the
+    block's footer names the axes, the bytes per device, and the first such paths.
+    """
     lines: list[str] = []
     for i, g in enumerate(plan.groups):
         lines += group_table(i, g) + [""]
-    per_device = _max_device_bytes(plan)
-    lines.append(
-        f"total: {len(plan.entries)} params, {human_bytes(plan.nbytes)}, "
-        f"{len(plan.groups)} mesh{'es' if len(plan.groups) != 1 else ''}, "
-        f"most on one device {human_bytes(per_device)}"
-    )
-    return "\n".join(lines)
+    return "\n".join(lines + _totals(plan))
+
+
+def summary(plan: Plan) -> str:
+    """:func:`table` without the per-parameter rows: each mesh's totals, then the plan's."""
+    lines: list[str] = []
+    for i, g in enumerate(plan.groups):
+        lines += [f"mesh {i}: {describe_mesh(g.mesh)}", *group_summary(g), ""]
+    return "\n".join(lines + _totals(plan))
