@@ -40,9 +40,26 @@ def test_demo_rejects_a_device_count_it_cannot_lay_out():
         "nnx_stacked.py",
         "eqx_mlp.py",
         "eqx_stacked.py",
+        "capacity_405b.py",
+        "checkpoint_restore.py",
     ],
 )
 def test_examples_run(script):
     r = run(str(ROOT / "examples" / script))
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip()  # each example prints what it placed and asserts it
+
+
+@pytest.mark.slow
+def test_checkpoint_example_runs_again_and_again_into_the_same_directory(tmp_path):
+    script = str(ROOT / "examples" / "checkpoint_restore.py")
+    first = run(script, str(tmp_path))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "initialized: no checkpoint" in first.stdout
+    assert "saved step 0; 4/4 exact" in first.stdout
+    # The second run restores step 0 into another layout and saves the next step.
+    second = run(script, str(tmp_path), "--mesh", "4x2")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "restored step 0" in second.stdout
+    assert "saved step 1; 4/4 exact" in second.stdout
+    assert "WRONG" not in first.stdout + second.stdout
