@@ -621,7 +621,10 @@ def _place(value: Any, sharding: NamedSharding) -> jax.Array:
     # A host value: each process fills only its addressable shards, so this also works
     # for meshes that span processes, where device_put of a numpy array fails.
     host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    # dtype given: on a mesh with no device here there is no shard to infer it from.
+    return jax.make_array_from_callback(
+        host.shape, sharding, lambda index: host[index], dtype=host.dtype
+    )
 
 
 def init(tree: Any, key: Any) -> Any:

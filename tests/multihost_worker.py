@@ -1,0 +1,194 @@
+"""One process of the two-process test in ``test_multihost.py``; not collected by pytest.
+
+Run: python tests/multihost_worker.py PROCESS_ID PORT REFERENCE_NPZ
+
+Each process joins ``jax.distributed`` on 127.0.0.1 with 4 CPU devices, plans and
+materializes the same tree on four meshes (two spanning both processes, one per
+process), and checks every addressable shard against single-process values from
+``REFERENCE_NPZ``. It prints one ``RESULT {json}`` line, and exits 0 only if every
+check passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+import meshinit
+
+NUM_PROCESSES = 2
+LOCAL_DEVICES = 4
+AXES = ("fsdp", "tensor")
+# The first materialize takes an int seed, the second a typed key of the next seed.
+SEEDS = (0, 1)
+MESH_NAMES = ("global_auto", "global_explicit", "stage0", "stage1")
+
+
+def layout(mesh: Any) -> dict[str, meshinit.ParamSpec]:
+    """The parameters declared on one mesh with axes ``("fsdp", "tensor")``."""
+    lecun = jax.nn.initializers.lecun_normal
+    return {
+        "w": meshinit.param((16, 32), lecun(), axes=("fsdp", "tensor"), mesh=mesh),
+        "embed": meshinit.param(
+            (64, 8), jax.nn.initializers.normal(0.02), axes=("tensor", None), mesh=mesh
+        ),
+        "bias": meshinit.param((32,), jax.nn.initializers.zeros, axes=("tensor",), mesh=mesh),
+        "scale": meshinit.param((8,), jax.nn.initializers.ones, mesh=mesh),  # replicated
+        "u": meshinit.param(
+            (8, 16),
+            jax.nn.initializers.uniform(),
+            axes=(None, "fsdp"),
+            mesh=mesh,
+            dtype=jnp.bfloat16,
+        ),
+        "layers": meshinit.stacked(
+            3, meshinit.param((16, 16), lecun(), axes=("tensor", "fsdp"), mesh=mesh), axis=None
+        ),
+    }
+
+
+def specs(meshes: Mapping[str, Any]) -> dict[str, dict[str, meshinit.ParamSpec]]:
+    """The whole tree: ``layout`` on each named mesh, so paths read ``stage1.w``."""
+    return {name: layout(meshes[name]) for name in MESH_NAMES}
+
+
+def meshes() -> dict[str, Mesh]:
+    """Two meshes over all 8 devices (Auto and Explicit) and one per process."""
+    devices = jax.devices()
+    own = [[d for d in devices if d.process_index == p] for p in range(NUM_PROCESSES)]
+    return {
+        "global_auto": Mesh(np.array(devices).reshape(2, 4), AXES),
+        "global_explicit": jax.make_mesh((2, 4), AXES, devices=devices),
+        "stage0": jax.make_mesh((2, 2), AXES, devices=own[0]),  # Explicit
+        "stage1": Mesh(np.array(own[1]).reshape(2, 2), AXES),  # Auto
+    }
+
+
+def check(
+    plan: meshinit.Plan, tree: Any, seed: int, reference: Any, named: Mapping[str, Mesh]
+) -> tuple[list[str], dict]:
+    """Compares every addressable shard with the single-process values.
+
+    Returns:
+      The failures, and counts of what was checked: shards per mesh, and arrays
+      with no addressable shard here.
+    """
+    me = jax.process_index()
+    names = {m: n for n, m in named.items()}
+    leaves = jax.tree_util.tree_leaves(tree)
+    failures: list[str] = []
+    shards_checked = dict.fromkeys(MESH_NAMES, 0)
+    remote = 0
+    for e in plan.entries:
+        a = leaves[e.leaf_index]
+        where = f"process {me}, seed {seed}, {e.path}"
+        if not isinstance(a, jax.Array):
+            failures.append(f"{where}: got {type(a).__name__}, not a jax.Array")
+            continue
+        if a.sharding != e.sharding:
+            failures.append(f"{where}: sharding {a.sharding} != planned {e.sharding}")
+        if a.shape != e.spec.shape or a.dtype != e.spec.dtype:
+            failures.append(f"{where}: {a.dtype}{a.shape} != planned {e.spec.dtype}{e.spec.shape}")
+        local = {d for d in e.sharding.mesh.devices.flat if d.process_index == me}
+        shards = a.addressable_shards
+        if {s.device for s in shards} != local or len(shards) != len(local):
+            failures.append(
+                f"{where}: shards on devices {sorted(s.device.id for s in shards)}, "
+                f"expected one on each of {sorted(d.id for d in local)}"
+            )
+        if not local:
+            remote += 1
+            if a.is_fully_addressable:
+                failures.append(f"{where}: no local device, but is_fully_addressable")
+            a.block_until_ready()  # must not raise for an array with no local shard
+            jax.block_until_ready(a)
+        single = reference[f"single-{seed}-{e.path}"]
+        jitted = reference[f"reference-{seed}-{e.path}"]
+        for s in shards:
+            got = np.asarray(s.data).astype(np.float32)
+            if got.shape != e.shard_shape or not np.array_equal(got, single[s.index]):
+                diff = np.max(np.abs(got - single[s.index])) if got.shape == e.shard_shape else "-"
+                failures.append(
+                    f"{where}: shard {s.index} on device {s.device.id} differs from the "
+                    f"single-process meshinit value (shape {got.shape}, max abs diff {diff})"
+                )
+                continue
+            try:
+                np.testing.assert_array_max_ulp(got, jitted[s.index], maxulp=2)
+            except AssertionError as err:
+                failures.append(
+                    f"{where}: shard {s.index} is more than 2 ulp from "
+                    f"init(param_key(key, path)): {err}"
+                )
+                continue
+            shards_checked[names[e.sharding.mesh]] += 1
+    return failures, {"shards": shards_checked, "remote_arrays": remote}
+
+
+def main(process_id: int, port: int, reference_path: str) -> int:
+    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}",
+        num_processes=NUM_PROCESSES,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    assert jax.process_count() == NUM_PROCESSES, jax.process_count()
+    assert len(jax.devices()) == NUM_PROCESSES * LOCAL_DEVICES, jax.devices()
+    reference = np.load(reference_path)
+    named = meshes()
+    plan = meshinit.plan(specs(named))
+    print(f"process {process_id}: devices {[(d.id, d.process_index) for d in jax.devices()]}")
+    print(plan, flush=True)
+    if [g.mesh for g in plan.groups] != [named[n] for n in MESH_NAMES]:
+        print(f"process {process_id}: expected one group per mesh", file=sys.stderr)
+        return 1
+
+    failures: list[str] = []
+    counts: dict[str, Any] = {}
+    for seed, key in zip(SEEDS, (SEEDS[0], jax.random.key(SEEDS[1])), strict=True):
+        tree = meshinit.materialize(plan, key)
+        found, counts[str(seed)] = check(plan, tree, seed, reference, named)
+        failures += found
+        for a in jax.tree_util.tree_leaves(tree):
+            a.delete()  # including arrays with no shard here
+            if not a.is_deleted():
+                failures.append(f"process {process_id}: an array survived delete()")
+    # Partial init: numpy values (what a host-side restore gives) for params on a global
+    # mesh and on each stage, the rest generated; all must equal the seed-0 init.
+    given = ("global_auto.w", "global_explicit.embed", "stage0.layers", "stage1.w")
+    existing = {p: np.asarray(reference[f"single-0-{p}"], dtype=np.float32) for p in given}
+    tree = meshinit.materialize(plan, SEEDS[0], existing=existing)
+    found, counts["existing"] = check(plan, tree, SEEDS[0], reference, named)
+    failures += found
+    jax.block_until_ready(tree)
+    print("RESULT " + json.dumps({"process": process_id, "counts": counts}), flush=True)
+    if failures:
+        print(f"process {process_id}: {len(failures)} checks failed", file=sys.stderr)
+        for f in failures[:20]:
+            print(f, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        # Skip jax.distributed's shutdown barrier, which would wait for the peer.
+        os._exit(code)
+    jax.distributed.shutdown()

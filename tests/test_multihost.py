@@ -1,0 +1,159 @@
+"""meshinit under jax.distributed: 2 processes x 4 CPU devices, gloo on 127.0.0.1.
+
+The test spawns ``multihost_worker.py`` twice. Each worker plans and materializes the
+same tree on a mesh over all 8 devices (Auto and Explicit), on a stage mesh of its own
+4 devices, and on the other process's stage mesh, which it does not address at all.
+It checks every addressable shard against values computed here, in one process on
+one device, so the value contract is checked across process boundaries.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import multihost_worker as worker
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import meshinit
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240
+# Once one worker fails, its peer waits in a barrier or a collective: stop it soon.
+PEER_GRACE_S = 10
+PARAMS_PER_MESH = len(worker.layout(None))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_reference(path: Path) -> None:
+    """Single-process values for every path and seed, as float32.
+
+    ``single``: meshinit on one device, which the workers must match bit for bit.
+    ``reference``: ``init(param_key(key, path), shape, dtype)`` jitted on one device.
+    """
+    one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), worker.AXES)
+    plan = meshinit.plan(worker.specs(dict.fromkeys(worker.MESH_NAMES, one)))
+    arrays = {}
+    jitted = {}  # one per parameter name: the four meshes declare the same six
+    for seed in worker.SEEDS:
+        leaves = jax.tree_util.tree_leaves(meshinit.materialize(plan, seed))
+        for e in plan.entries:
+            name = e.path.split(".", 1)[1]
+            fn = jitted.setdefault(name, jax.jit(lambda k, s=e.spec: s.init(k, s.shape, s.dtype)))
+            ref = fn(meshinit.param_key(seed, e.path))
+            arrays[f"single-{seed}-{e.path}"] = np.asarray(leaves[e.leaf_index], np.float32)
+            arrays[f"reference-{seed}-{e.path}"] = np.asarray(ref, np.float32)
+    # The second materialize must not just repeat the first.
+    assert not np.array_equal(arrays["single-0-stage1.w"], arrays["single-1-stage1.w"])
+    np.savez(path, **arrays)
+
+
+def run_workers(reference: Path, logs: Path) -> list[dict]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "JAX_PLATFORMS": "cpu",
+    }
+    procs, files = [], []
+    try:
+        for i in range(worker.NUM_PROCESSES):
+            out, err = open(logs / f"{i}.out", "w+"), open(logs / f"{i}.err", "w+")
+            files += [out, err]
+            cmd = [sys.executable, worker.__file__, str(i), str(port), str(reference)]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err))
+        deadline = time.monotonic() + TIMEOUT_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+    return [
+        {
+            "returncode": p.returncode,
+            "stdout": (logs / f"{i}.out").read_text(),
+            "stderr": (logs / f"{i}.err").read_text(),
+        }
+        for i, p in enumerate(procs)
+    ]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multihost")
+    start = time.monotonic()
+    write_reference(tmp / "reference.npz")
+    middle = time.monotonic()
+    results = run_workers(tmp / "reference.npz", tmp)
+    print(f"reference {middle - start:.1f} s, 2 workers {time.monotonic() - middle:.1f} s")
+    return results
+
+
+def describe(i: int, r: dict) -> str:
+    killed = "killed (timed out, or its peer had failed)"
+    status = killed if r["returncode"] == -9 else f"exit {r['returncode']}"
+    return (
+        f"worker {i}: {status}\n--- stderr (tail) ---\n{r['stderr'][-6000:]}"
+        f"\n--- stdout (tail) ---\n{r['stdout'][-1500:]}"
+    )
+
+
+def counts(i: int, r: dict) -> dict:
+    assert r["returncode"] == 0, describe(i, r)
+    lines = [line for line in r["stdout"].splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, describe(i, r)
+    result = json.loads(lines[0].removeprefix("RESULT "))
+    assert result["process"] == i
+    return result["counts"]
+
+
+def test_every_worker_materializes_and_checks_without_errors(workers):
+    assert len(workers) == worker.NUM_PROCESSES
+    # A worker that failed first, then a peer that was killed while waiting for it.
+    failed = sorted(
+        (i for i, r in enumerate(workers) if r["returncode"] != 0),
+        key=lambda i: workers[i]["returncode"] == -9,
+    )
+    assert not failed, "\n\n".join(describe(i, workers[i]) for i in failed)
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_each_process_checks_exactly_its_addressable_shards_for_both_keys(workers, process):
+    got = counts(process, workers[process])
+    local = PARAMS_PER_MESH * worker.LOCAL_DEVICES  # one shard per local device
+    want = {
+        "global_auto": local,
+        "global_explicit": local,
+        f"stage{process}": local,
+        f"stage{1 - process}": 0,  # the other process's stage: nothing addressable here
+    }
+    for seed in worker.SEEDS:
+        assert got[str(seed)]["shards"] == want, (seed, got)
+    # materialize(plan, 0, existing={4 paths: numpy}) equals the seed-0 init everywhere
+    assert got["existing"]["shards"] == want, got
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_the_other_process_stage_gives_arrays_with_zero_addressable_shards(workers, process):
+    got = counts(process, workers[process])
+    for seed in worker.SEEDS:
+        assert got[str(seed)]["remote_arrays"] == PARAMS_PER_MESH, (seed, got)
