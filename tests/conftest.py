@@ -5,6 +5,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import contextlib  # noqa: E402
+import gc  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -39,3 +40,24 @@ def _count_compiles():
 def count_compiles():
     """``with count_compiles() as c: ...`` then ``c.count``; each block counts apart."""
     return _count_compiles
+
+
+class NewArrays(list):
+    """The jax arrays created inside one ``with`` block and still alive at its end."""
+
+
+@contextlib.contextmanager
+def _new_arrays():
+    gc.collect()  # arrays earlier tests left to the cycle collector must not count
+    before = {id(a) for a in jax.live_arrays()}
+    made = NewArrays()
+    try:
+        yield made
+    finally:
+        made.extend(a for a in jax.live_arrays() if id(a) not in before)
+
+
+@pytest.fixture
+def new_arrays():
+    """``with new_arrays() as made: ...`` then ``made`` lists arrays the block allocated."""
+    return _new_arrays

@@ -120,11 +120,11 @@ def test_meshinit_imports_without_equinox_and_the_adapter_names_the_extra():
 # --- spec-declared modules -------------------------------------------------------------
 
 
-def test_building_a_spec_declared_module_allocates_nothing():
+def test_building_a_spec_declared_module_allocates_nothing(new_arrays):
     meshes = two_meshes()
-    before = len(jax.live_arrays())
-    model = Model(meshes)
-    assert len(jax.live_arrays()) == before
+    with new_arrays() as made:
+        model = Model(meshes)
+    assert made == []
     assert isinstance(model.layers[1].up, meshinit.ParamSpec)
 
 

@@ -194,11 +194,11 @@ class SpecModel(nnx.Module):
         self.rngs = nnx.Rngs(3)
 
 
-def test_spec_module_materializes_exactly_and_keeps_metadata():
+def test_spec_module_materializes_exactly_and_keeps_metadata(new_arrays):
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
-    before = len(jax.live_arrays())
-    module = SpecModel(mesh)
-    assert len(jax.live_arrays()) - before <= 2  # only the Rngs' key and count
+    with new_arrays() as made:
+        module = SpecModel(mesh)
+    assert len(made) <= 2  # only the Rngs' key and count
     model = meshinit.nnx.materialize(module, 0)
     assert isinstance(module.head.get_value(), meshinit.ParamSpec)  # input left as it was
     up = model.layers[1].up

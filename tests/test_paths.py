@@ -109,9 +109,9 @@ def test_host_key_rejects_non_partitionable_threefry():
         -(2**63),
     ],
 )
-def test_int_seeds_give_jax_random_key_data_without_a_device(seed):
-    before = len(jax.live_arrays())
-    data, impl = _paths.host_key(seed)
-    assert len(jax.live_arrays()) == before
+def test_int_seeds_give_jax_random_key_data_without_a_device(seed, new_arrays):
+    with new_arrays() as made:
+        data, impl = _paths.host_key(seed)
+    assert made == []
     assert impl == "threefry2x32"
     np.testing.assert_array_equal(data, jax.random.key_data(jax.random.key(seed)))
