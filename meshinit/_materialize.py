@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from . import _paths
+from . import _paths, _progress
 from ._errors import PlanError, Problem
 from ._plan import MeshGroup, Plan, PlanEntry, plan
 from ._report import describe_mesh, human_bytes
@@ -61,7 +62,7 @@ def _compile(
     context mesh the user set, and lets the out_shardings partition the generation.
     """
     try:
-        with jax.set_mesh(_auto_twin(group.mesh)):
+        with _progress.compiling(), jax.set_mesh(_auto_twin(group.mesh)):
             lowered = jax.jit(program, out_shardings=out_shardings).lower(*args)
             return lowered.compile(_compiler_options(group.mesh))
     except Exception as e:
@@ -69,16 +70,27 @@ def _compile(
         raise
 
 
-def _compiled(cache_key: Hashable, group: MeshGroup, build: Callable[[], Any]) -> Any:
-    """``_compile(group, *build())``, cached on ``cache_key``."""
-    cache_key = (
+def _full_key(cache_key: Hashable) -> Hashable:
+    """``cache_key`` with the global settings that change the compiled program."""
+    return (
         cache_key,
         jax.config.jax_threefry_partitionable,
         tuple(sorted(CPU_COMPILER_OPTIONS.items())),
     )
+
+
+def _is_cached(cache_key: Hashable) -> bool:
+    with _lock:
+        return _full_key(cache_key) in _executables
+
+
+def _compiled(cache_key: Hashable, group: MeshGroup, build: Callable[[], Any]) -> Any:
+    """``_compile(group, *build())``, cached on ``cache_key``."""
+    cache_key = _full_key(cache_key)
     with _lock:
         hit = _executables.get(cache_key)
     if hit is not None:
+        _progress.cache_hit()
         return hit
     compiled = _compile(group, *build())
     with _lock:
@@ -102,8 +114,11 @@ def _make(spec: Any, key_data: Any, impl: str) -> Any:
 # A strategy turns a mesh group into a runner: ``prepare(group, impl)`` compiles (or
 # fetches) what the group needs, and the runner it returns maps host inputs (the key
 # data) to ``(position in group.entries, array)`` pairs. Strategies differ in compile and
-# dispatch costs only; values and shardings are the same.
+# dispatch costs only; values and shardings are the same. ``work(group, impl)`` says,
+# without compiling, what ``prepare`` will need: a ``(cache key, calls)`` per executable,
+# which decides the progress bar and feeds the log line.
 Runner = Callable[..., Iterator[tuple[int, jax.Array]]]
+Needs = Sequence[tuple[Hashable | None, int]]  # None: compiled every time, never cached
 
 
 class PerSignature:
@@ -116,6 +131,12 @@ class PerSignature:
     def executables(self, group: MeshGroup, impl: str) -> list[Any]:
         return [self._executable(group, batch, impl) for batch in group.batches]
 
+    def work(self, group: MeshGroup, impl: str) -> Needs:
+        return [(self._key(group, batch, impl), len(batch)) for batch in group.batches]
+
+    def _key(self, group: MeshGroup, batch: tuple[int, ...], impl: str) -> Hashable:
+        return ("per_signature", group.mesh, group.entries[batch[0]].signature, impl)
+
     def _executable(self, group: MeshGroup, batch: tuple[int, ...], impl: str) -> Any:
         entry = group.entries[batch[0]]
 
@@ -127,7 +148,7 @@ class PerSignature:
 
             return program, entry.sharding, (_KEY,)
 
-        return _compiled(("per_signature", group.mesh, entry.signature, impl), group, build)
+        return _compiled(self._key(group, batch, impl), group, build)
 
     def prepare(self, group: MeshGroup, impl: str) -> Runner:
         exes = self.executables(group, impl)
@@ -186,11 +207,18 @@ class Rounds:
             keys = jax.ShapeDtypeStruct((len(entries), 2), np.uint32)
             return program, [e.sharding for e in entries], (keys,)
 
-        signatures = tuple(e.signature for e in entries)
-        return _compiled(("rounds", group.mesh, signatures, impl), group, build)
+        return _compiled(self._key(group, bucket, impl), group, build)
+
+    def _key(self, group: MeshGroup, bucket: tuple[int, ...], impl: str) -> Hashable:
+        signatures = tuple(group.entries[group.batches[i][0]].signature for i in bucket)
+        return ("rounds", group.mesh, signatures, impl)
 
     def executables(self, group: MeshGroup, impl: str) -> list[Any]:
         return [self._executable(group, b, impl) for b in self._buckets(group)]
+
+    def work(self, group: MeshGroup, impl: str) -> Needs:
+        # a bucket's executable is called once per parameter of each of its signatures
+        return [(self._key(group, b, impl), len(group.batches[b[0]])) for b in self._buckets(group)]
 
     def prepare(self, group: MeshGroup, impl: str) -> Runner:
         buckets = self._buckets(group)
@@ -259,15 +287,20 @@ class FusedGroup:
 
         return program
 
-    def executables(self, group: MeshGroup, impl: str) -> list[Any]:
+    def _key(self, group: MeshGroup, impl: str) -> Hashable:
         structure = tuple((group.entries[b[0]].signature, b) for b in group.batches)
+        return ("fused_group", group.mesh, structure, impl)
 
+    def work(self, group: MeshGroup, impl: str) -> Needs:
+        return [(self._key(group, impl), 1)]
+
+    def executables(self, group: MeshGroup, impl: str) -> list[Any]:
         def build():
             keys = jax.ShapeDtypeStruct(group.digests.shape, np.uint32)
             shardings = [e.sharding for e in group.entries]
             return self.program(group, impl), shardings, (keys,)
 
-        return [_compiled(("fused_group", group.mesh, structure, impl), group, build)]
+        return [_compiled(self._key(group, impl), group, build)]
 
     def prepare(self, group: MeshGroup, impl: str) -> Runner:
         (exe,) = self.executables(group, impl)
@@ -289,6 +322,7 @@ def materialize(
     existing: Mapping[str, Any] | None = None,
     *,
     max_bytes_per_call: int | None = None,
+    progress: bool | None = None,
 ) -> Any:
     """Allocates every planned parameter with exactly its planned sharding.
 
@@ -310,6 +344,14 @@ def materialize(
       max_bytes_per_call: at most this many bytes of parameters made per device by one
         compiled call (default: no bound beyond the strategy's own). Smaller bounds
         mean more, smaller executables.
+      progress: ``True`` always shows a progress bar (tqdm, on stderr) through the
+        compile and generate steps, ``False`` never does. ``None`` (default) decides
+        once, before compiling, from the plan: a bar is shown when stderr is a
+        terminal and the call will compile at least 2 executables, make at least 1000
+        compiled calls, or generate at least 1 GiB of parameters. Either way, one INFO
+        record on the ``"meshinit"`` logger sums the call up (params, groups,
+        executables compiled and cached, calls, bytes, seconds); DEBUG adds each
+        compile's time.
 
     Returns:
       The planned tree with a ready ``jax.Array`` in place of each spec.
@@ -328,7 +370,7 @@ def materialize(
     ``KeyboardInterrupt``), every array made so far is deleted, the error gets a note
     naming the mesh group and its paths, and it propagates; nothing partial is returned.
 
-    Example:
+    Examples:
       >>> params = meshinit.materialize(meshinit.plan(specs), jax.random.key(0))
       >>> params = meshinit.materialize(plan, 0, existing={"head": restored_head})
     """
@@ -346,17 +388,21 @@ def materialize(
         if max_bytes_per_call <= 0:
             raise ValueError(f"max_bytes_per_call must be positive, got {max_bytes_per_call}")
         strategy = Rounds(max_bytes_per_call)  # bounded calls always use rounds
+    _progress.check_progress(progress)
     given, problems = _given(plan, existing)
     if problems:  # all at once, with the abstract-mesh and bound problems
         todo = [e for e in plan.entries if id(e) not in given]
         problems += _abstract_problems(plan) + _bound_problems(todo, max_bytes_per_call)
         raise PlanError(problems, header="cannot materialize this plan:")
+    work = getattr(strategy, "work", None)  # a strategy without it: one compile per group
     return _run(
         plan,
         lambda group: strategy.prepare(group, impl),
         key_data,
         given=given,
         max_bytes_per_call=max_bytes_per_call,
+        work=None if work is None else lambda group: work(group, impl),
+        progress=progress,
     )
 
 
@@ -520,7 +566,7 @@ def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any
 
         return run
 
-    return _run(plan, prepare, *args)
+    return _run(plan, prepare, *args, what="materialize_from")
 
 
 def _abstract_problems(plan: Plan) -> list[Problem]:
@@ -556,12 +602,18 @@ def _run(
     *args: Any,
     given: Mapping[int, Any] | None = None,
     max_bytes_per_call: int | None = None,
+    work: Callable[[MeshGroup], Needs] | None = None,
+    progress: bool | None = None,
+    what: str = "materialize",
 ) -> Any:
     """Checks, compiles, then allocates; deletes everything it made if anything fails.
 
     ``given`` maps ``id(entry)`` to the caller's array for that entry: it is placed,
-    not generated, and never deleted here.
+    not generated, and never deleted here. ``work`` says what ``prepare`` will compile
+    and call (default: one uncached executable, called once, per group); with
+    ``progress`` it decides the progress bar (see :func:`materialize`).
     """
+    start = time.perf_counter()
     given = given or {}
     todo = _subplan(plan, [e for e in plan.entries if id(e) not in given]) if given else plan
     problems = _abstract_problems(plan) + _bound_problems(todo.entries, max_bytes_per_call)
@@ -576,36 +628,71 @@ def _run(
     problems = _memory_problems([*todo.entries, *moved])
     if problems:
         raise PlanError(problems, header="the parameters do not fit in device memory:")
-    # Compile everything before allocating anything, so a compile error leaves nothing.
-    runners = [prepare(g) for g in todo.groups]
-    callers = {id(a) for a in given.values()}
-    made: list[jax.Array] = []
-    values: dict[int, jax.Array] = {}
-    where = ""
-    try:
-        for entry in plan.entries:
-            if id(entry) in given:
-                where = f"placing existing[{entry.path!r}] on {describe_mesh(entry.mesh)}"
-                array = _place(given[id(entry)], entry.sharding)
-                if id(array) not in callers:
+    summary = _work(plan, todo, work)
+    # The bar is decided here, once; it draws on stderr only, and closes on any exit.
+    with _progress.Tracker(what, summary, _progress.show_bar(progress, summary), start) as t:
+        # Compile everything before allocating anything, so a compile error leaves nothing.
+        runners = []
+        for i, g in enumerate(todo.groups):
+            t.group(i, describe_mesh(g.mesh))
+            runners.append(prepare(g))
+        t.generating()
+        callers = {id(a) for a in given.values()}
+        made: list[jax.Array] = []
+        values: dict[int, jax.Array] = {}
+        where = ""
+        try:
+            for entry in plan.entries:
+                if id(entry) in given:
+                    where = f"placing existing[{entry.path!r}] on {describe_mesh(entry.mesh)}"
+                    array = _place(given[id(entry)], entry.sharding)
+                    if id(array) not in callers:
+                        made.append(array)
+                    values[id(entry)] = array
+            for i, (group, run) in enumerate(zip(todo.groups, runners, strict=True)):
+                where = f"mesh group {i}, {describe_mesh(group.mesh)}, making {_some_paths(group)}"
+                t.group(i, describe_mesh(group.mesh))
+                for pos, array in run(*args):
                     made.append(array)
-                values[id(entry)] = array
-        for i, (group, run) in enumerate(zip(todo.groups, runners, strict=True)):
-            where = f"mesh group {i}, {describe_mesh(group.mesh)}, making {_some_paths(group)}"
-            for pos, array in run(*args):
-                made.append(array)
-                values[id(group.entries[pos])] = array
-        where = "waiting for the arrays"
-        jax.block_until_ready(made)
-    except BaseException as e:
-        for array in made:
-            array.delete()
-        e.add_note(
-            f"meshinit: materialize failed while {where}; deleted the {len(made)} arrays it "
-            f"had made, and returned nothing"
-        )
-        raise
+                    values[id(group.entries[pos])] = array
+                    t.made()
+            where = "waiting for the arrays"
+            t.waiting()
+            jax.block_until_ready(made)
+        except BaseException as e:
+            for array in made:
+                array.delete()
+            e.add_note(
+                f"meshinit: materialize failed while {where}; deleted the {len(made)} arrays "
+                f"it had made, and returned nothing"
+            )
+            raise
+        t.finished()
     return plan.fill([values[id(e)] for e in plan.entries])
+
+
+def _work(plan: Plan, todo: Plan, work: Callable[[MeshGroup], Needs] | None) -> _progress.Work:
+    """What ``_run`` will compile, call and make, before it does any of it."""
+    keys: set[Hashable] = set()
+    executables = to_compile = calls = 0
+    for g in todo.groups:
+        for key, n in work(g) if work is not None else [(None, 1)]:
+            executables += 1
+            calls += n
+            if key is None:
+                to_compile += 1
+            elif key not in keys:
+                keys.add(key)
+                to_compile += not _is_cached(key)
+    return _progress.Work(
+        params=len(plan.entries),
+        placed=len(plan.entries) - len(todo.entries),
+        groups=len(todo.groups),
+        executables=executables,
+        to_compile=to_compile,
+        calls=calls,
+        nbytes=sum(e.spec.nbytes for e in todo.entries),
+    )
 
 
 def _some_paths(group: MeshGroup, n: int = 5) -> str:
@@ -627,16 +714,35 @@ def _place(value: Any, sharding: NamedSharding) -> jax.Array:
     )
 
 
-def init(tree: Any, key: Any) -> Any:
+def init(tree: Any, key: Any, *, progress: bool | None = None) -> Any:
     """``materialize(plan(tree), key)``: plans and allocates in one call.
 
-    Example:
+    Args:
+      tree: a tree whose leaves may be ``ParamSpec``s.
+      key: an int seed, a typed key or a legacy uint32 key.
+      progress: ``True`` or ``False`` forces the progress bar on or off; ``None``
+        (default) decides as :func:`materialize` describes.
+
+    Returns:
+      The tree with a ready ``jax.Array`` in place of each spec, as
+      :func:`materialize` returns it.
+
+    Raises:
+      PlanError: what :func:`meshinit.plan` or :func:`materialize` finds.
+
+    Examples:
       >>> params = meshinit.init({"w": meshinit.param((8, 8), init, mesh=m)}, 0)
     """
-    return materialize(plan(tree), key)
+    return materialize(plan(tree), key, progress=progress)
 
 
 def clear_cache() -> None:
-    """Drops cached executables (they are otherwise kept, LRU-bounded)."""
+    """Drops cached executables (they are otherwise kept, LRU-bounded).
+
+    The next :func:`materialize` compiles again; values do not change.
+
+    Examples:
+      >>> meshinit.clear_cache()  # e.g. to measure a cold materialize again
+    """
     with _lock:
         _executables.clear()

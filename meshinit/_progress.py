@@ -1,0 +1,237 @@
+"""Progress bar and log lines for materialization.
+
+Whether a call shows a bar is decided once, before it compiles anything, from what the
+plan says it will do (:class:`Work`); no timer or thread ever changes what a call does.
+The bar (tqdm, imported only when a bar is shown) writes to ``sys.stderr`` and never
+touches a device. Log records go to the ``"meshinit"`` logger, which has only a
+``NullHandler``: configuring logging is the application's business.
+
+Auto rule (``progress=None``): a bar is shown when ``sys.stderr`` is a terminal and the
+call will compile at least :data:`MIN_COMPILES` executables, or make at least
+:data:`MIN_CALLS` compiled calls, or generate at least :data:`MIN_BYTES` of parameters.
+Measured on CPU, each of these takes about two seconds or more; below all three a call
+usually ends before a bar would tell anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ._report import human_bytes
+
+logger = logging.getLogger("meshinit")
+logger.addHandler(logging.NullHandler())
+
+MIN_COMPILES = 2  # an XLA compile takes ~0.3-1 s
+MIN_CALLS = 1000  # a warm call takes ~1-2 ms
+MIN_BYTES = 1 << 30  # generating 1 GiB takes seconds on CPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What one materialization will do, known before it compiles anything.
+
+    Attributes:
+      params: planned parameters, generated or placed.
+      placed: parameters placed from ``existing`` instead of generated.
+      groups: mesh groups with something to generate.
+      executables: executables the groups need, cached or not.
+      to_compile: those not in the cache: each costs an XLA compile.
+      calls: calls of compiled executables.
+      nbytes: bytes of the parameters to generate (unsharded).
+    """
+
+    params: int
+    placed: int
+    groups: int
+    executables: int
+    to_compile: int
+    calls: int
+    nbytes: int
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
+
+
+def show_bar(progress: bool | None, work: Work) -> bool:
+    """The decision: ``progress`` if given, else the auto rule in the module docstring."""
+    if progress is not None:
+        return progress
+    if not _stderr_is_terminal():
+        return False
+    return work.to_compile >= MIN_COMPILES or work.calls >= MIN_CALLS or work.nbytes >= MIN_BYTES
+
+
+def check_progress(progress: Any) -> None:
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or None (auto), got {progress!r}")
+
+
+_current: contextvars.ContextVar[Tracker | None] = contextvars.ContextVar(
+    "meshinit_tracker", default=None
+)
+
+
+class Tracker:
+    """Counts, times and (if asked) draws one materialization.
+
+    Entered around compiling and generating; compilations anywhere below report to
+    it through :func:`compiling` and :func:`cache_hit`, so strategies need no extra
+    argument. Leaving it, even on failure, closes any bar.
+    """
+
+    def __init__(self, what: str, work: Work, bar: bool, start: float):
+        self.what = what
+        self.work = work
+        self.start = start
+        self.compiled = 0
+        self.cached = 0
+        self.label = ""
+        self._bar_wanted = bar
+        self._bar: Any = None
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> Tracker:
+        self._token = _current.set(self)
+        return self
+
+    def __exit__(self, error: Any, *exc: Any) -> None:
+        if error is not None:
+            self._draw(lambda bar: bar.set_postfix_str(f"failed: {self.label}", refresh=False))
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None
+        self._close()
+
+    # ------------------------------------------------------------------ steps
+
+    def group(self, index: int, name: str) -> None:
+        """Compiling or generating mesh group ``index`` from now on."""
+        self.label = f"mesh group {index}, {name}"
+        self._draw(lambda bar: bar.set_postfix_str(self.label))
+
+    def compile_started(self) -> None:
+        if self._bar_wanted and self._bar is None:
+            self._open("compiling", max(self.work.to_compile, 1), "exe")
+
+    def compile_done(self, seconds: float) -> None:
+        self.compiled += 1
+        logger.debug("compiled an executable for %s in %.2f s", self.label, seconds)
+        self._draw(self._advance)
+
+    def cache_hit(self) -> None:
+        self.cached += 1
+        logger.debug("reused a cached executable for %s", self.label)
+
+    def generating(self) -> None:
+        self._close()
+        self.label = ""
+        if self._bar_wanted:
+            self._open("generating", self.work.params - self.work.placed, "param")
+
+    def made(self) -> None:
+        self._draw(self._advance)
+
+    def waiting(self) -> None:
+        self._draw(lambda bar: bar.set_postfix_str("waiting for the arrays", refresh=True))
+
+    def finished(self) -> None:
+        """Ends the bar and logs one INFO line for the whole call."""
+        self._draw(lambda bar: bar.set_postfix_str("ready", refresh=False))
+        self._close()
+        if logger.isEnabledFor(logging.INFO):
+            w = self.work
+            seconds = time.perf_counter() - self.start
+            placed = f" ({w.placed} from existing)" if w.placed else ""
+            logger.info(
+                "%s: %d params%s, %d mesh groups, %d executables (%d compiled, %d cached), "
+                "%d calls, %s, %.2f s",
+                self.what,
+                w.params,
+                placed,
+                w.groups,
+                self.compiled + self.cached,
+                self.compiled,
+                self.cached,
+                w.calls,
+                human_bytes(w.nbytes),
+                seconds,
+                extra={
+                    "meshinit": {
+                        **dataclasses.asdict(w),
+                        "compiled": self.compiled,
+                        "cached": self.cached,
+                        "seconds": seconds,
+                    }
+                },
+            )
+
+    # ------------------------------------------------------------------ the bar
+
+    def _open(self, step: str, total: int, unit: str) -> None:
+        def make(_: Any) -> Any:
+            from tqdm import tqdm  # only here: no import when no bar is shown
+
+            return tqdm(
+                total=total, desc=f"meshinit: {step}", unit=unit, file=sys.stderr, leave=True
+            )
+
+        self._bar = self._guard(make, None)
+        self._draw(lambda bar: bar.set_postfix_str(self.label))
+
+    @staticmethod
+    def _advance(bar: Any) -> None:
+        if bar.total is not None and bar.n >= bar.total:  # more than planned: keep it honest
+            bar.total = bar.n + 1
+        bar.update()
+
+    def _draw(self, step: Any) -> None:
+        if self._bar is not None:
+            self._guard(step, self._bar)
+
+    def _close(self) -> None:
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            self._guard(lambda b: b.close(), bar)
+
+    def _guard(self, step: Any, bar: Any) -> Any:
+        # A bar is decoration: if drawing fails (a closed or broken stderr), drop the
+        # bar and carry on. Only Exception: an interrupt still propagates.
+        try:
+            return step(bar)
+        except Exception as e:
+            logger.debug("progress bar disabled: %s: %s", type(e).__name__, e)
+            self._bar_wanted = False
+            self._bar = None
+            return None
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """Around one XLA compile: counted, timed and drawn by the current tracker, if any."""
+    tracker = _current.get()
+    if tracker is None:
+        yield
+        return
+    tracker.compile_started()
+    start = time.perf_counter()
+    yield
+    tracker.compile_done(time.perf_counter() - start)
+
+
+def cache_hit() -> None:
+    """An executable came from the cache; told to the current tracker, if any."""
+    tracker = _current.get()
+    if tracker is not None:
+        tracker.cache_hit()
