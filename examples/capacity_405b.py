@@ -53,7 +53,7 @@ def layer() -> dict:
     }
 
 
-def specs(mesh: AbstractMesh, rules) -> dict:
+def specs(mesh: AbstractMesh | None, rules) -> dict:
     normal = jax.nn.initializers.normal(0.02)
     with meshinit.defaults(mesh=mesh, rules=rules, dtype=jnp.bfloat16):
         return {
@@ -62,6 +62,14 @@ def specs(mesh: AbstractMesh, rules) -> dict:
             "norm": meshinit.param((D,), jax.nn.initializers.ones, axes=("embed",)),
             "head": meshinit.param((D, VOCAB), normal, axes=("embed", "vocab")),
         }
+
+
+def model() -> dict:
+    """The FSDP specs with no mesh of their own, for the command line to supply one:
+
+    meshinit plan examples/capacity_405b.py:model --abstract-mesh data=16,fsdp=16,tensor=8
+    """
+    return specs(None, FSDP)
 
 
 def main() -> None:

@@ -1,10 +1,12 @@
-"""``python -m meshinit demo``: a multi-mesh model on simulated CPU devices."""
+"""``meshinit demo``: a multi-mesh model on simulated CPU devices.
+``meshinit plan MODULE:FACTORY``: the plan of a model's specs, allocating nothing."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _demo_specs(devices: Sequence) -> tuple[dict, object]:
@@ -136,14 +138,305 @@ def _short(sharding, meshes) -> str:
     return f"{label} {str(sharding.spec).removeprefix('PartitionSpec')}"
 
 
+class _BadInput(Exception):
+    """One line for stderr (more only for a PlanError's problems); exit status 2."""
+
+
+_MESH_FORMAT = "NAME=SIZE pairs joined by commas, e.g. data=16,fsdp=16,tensor=8"
+_RETURNS = (
+    "a tree of meshinit.param specs, an nnx Module whose Variables hold specs, "
+    "or an equinox Module holding specs"
+)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``"data=16,fsdp=16,tensor=8"`` -> ``((16, 16, 8), ("data", "fsdp", "tensor"))``."""
+    sizes: list[int] = []
+    names: list[str] = []
+    for part in text.split(","):
+        name, eq, size = (s.strip() for s in part.partition("="))
+        why = None
+        if not eq:
+            why = f"{part.strip()!r} is not NAME=SIZE"
+        elif not name.isidentifier():
+            why = f"{name!r} is not an axis name"
+        elif not (size.isdecimal() and int(size) > 0):
+            why = f"the size {size!r} of {name} is not a positive integer"
+        elif name in names:
+            why = f"axis {name!r} appears twice"
+        if why:
+            raise _BadInput(f"--abstract-mesh {text!r}: {why}; expected {_MESH_FORMAT}")
+        names.append(name)
+        sizes.append(int(size))
+    return tuple(sizes), tuple(names)
+
+
+def _import(source: str) -> Any:
+    """A module by import name, or by ``.py`` path, as ``python path`` would run it."""
+    import importlib
+    import importlib.util
+    import os
+    import pathlib
+
+    if source.endswith(".py") or os.sep in source or "/" in source:
+        path = pathlib.Path(source)
+        if not path.is_file():
+            raise _BadInput(f"no such file: {source}")
+        name = path.stem if path.stem.isidentifier() and path.stem not in sys.modules else None
+        name = name or "_meshinit_plan_target"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise _BadInput(f"cannot import {source}: not a Python source file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses (equinox Modules) look their module up
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # its sibling imports, as for a script
+        loader = spec.loader
+        run = lambda: loader.exec_module(module)  # noqa: E731
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # the console script does not add it
+        module = None
+
+        def run() -> None:
+            nonlocal module
+            module = importlib.import_module(source)
+
+    try:
+        run()
+    except ModuleNotFoundError as e:
+        if module is None and e.name and (source == e.name or source.startswith(e.name + ".")):
+            raise _BadInput(
+                f"no module named {e.name!r}; give an importable module name from the "
+                f"current directory or sys.path, or a .py file path"
+            ) from None
+        raise _BadInput(f"importing {source} failed: {_one_line(e)}") from None
+    except (Exception, SystemExit) as e:
+        raise _BadInput(f"importing {source} failed: {_one_line(e)}") from None
+    return module
+
+
+def _factory(target: str) -> Any:
+    import functools
+    import inspect
+
+    source, colon, attr = target.rpartition(":")
+    if not colon or not source or not attr:
+        raise _BadInput(
+            f"{target!r}: expected MODULE:FACTORY, e.g. examples/capacity_405b.py:model "
+            f"or mypackage.models:specs"
+        )
+    module = _import(source)
+    try:
+        factory = functools.reduce(getattr, attr.split("."), module)
+    except AttributeError:
+        defined = sorted(
+            k
+            for k, v in vars(module).items()
+            if callable(v)
+            and not k.startswith("_")
+            and getattr(v, "__module__", None) == module.__name__
+        )
+        hint = f"; it defines {', '.join(defined[:8])}" + (", ..." if len(defined) > 8 else "")
+        raise _BadInput(f"{source} has no attribute {attr!r}" + (hint if defined else "")) from None
+    if not callable(factory):
+        raise _BadInput(
+            f"{target} is not callable ({type(factory).__name__}); give a function that "
+            f"takes no arguments and returns {_RETURNS}"
+        )
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise _BadInput(
+            f"{target}{inspect.signature(factory)} needs arguments; meshinit plan calls it "
+            f"with none: wrap it in a function that takes none"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): let the call tell
+        pass
+    return factory
+
+
+def _problems(error: Exception, hint_mesh: bool, limit: int = 10) -> str:
+    """A PlanError's problems, repeated layers collapsed: ``layers.{0..3}.w: ...``."""
+    from ._report import collapse_paths
+
+    problems = error.problems  # type: ignore[attr-defined]
+    rows = collapse_paths([p.path for p in problems], [p.message for p in problems])
+    lines = [
+        f"{path}: {problems[ks[0]].message}" if problems[ks[0]].path else problems[ks[0]].message
+        for path, ks in rows
+    ]
+    n = len(problems)
+    head = f"{n} problem{'s' if n != 1 else ''} found while planning"
+    if len(rows) < n:
+        head += f" ({len(rows)} after collapsing repeated layers)"
+    shown = [f"  {line}" for line in lines[:limit]]
+    if len(lines) > limit:
+        shown.append(f"  +{len(lines) - limit} more")
+    if hint_mesh and any(p.message.startswith("no mesh given") for p in problems):
+        shown.append(
+            "hint: --abstract-mesh data=16,fsdp=16,tensor=8 gives specs without a mesh one"
+        )
+    return "\n".join([head + ":", *shown])
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """``meshinit plan MODULE:FACTORY``: prints the plan of the factory's specs."""
+    import contextlib
+    import pathlib
+
+    if args.png:
+        from ._plot import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as e:
+            raise _BadInput(str(e)) from None
+        png_dir = pathlib.Path(args.png).resolve().parent
+        if not png_dir.is_dir():
+            raise _BadInput(f"cannot write {args.png}: no directory {png_dir}")
+    mesh_shape = parse_mesh(args.abstract_mesh) if args.abstract_mesh is not None else None
+    if args.devices is not None:
+        if args.devices < 1:
+            raise _BadInput(f"--devices must be a positive number, got {args.devices}")
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+        try:
+            jax.config.update("jax_num_cpu_devices", args.devices)
+        except RuntimeError:
+            raise _BadInput(
+                f"--devices {args.devices}: jax already started its backend with "
+                f"{len(jax.devices())} devices in this process"
+            ) from None
+
+    factory = _factory(args.target)
+
+    from jax.sharding import AbstractMesh
+
+    import meshinit
+
+    from . import _records, _report
+
+    mesh = AbstractMesh(*mesh_shape) if mesh_shape is not None else None
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:
+            stack.enter_context(meshinit.defaults(mesh=mesh))
+        try:
+            made = factory()
+        except (Exception, SystemExit) as e:
+            raise _BadInput(f"{args.target}() raised {_one_line(e)}") from None
+    tree = made
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(made, nnx.Module):
+        from .nnx import _spec_tree
+
+        tree = _spec_tree(made)  # the tree meshinit.nnx.materialize plans, same paths
+    try:
+        plan = meshinit.plan(tree)
+    except meshinit.PlanError as e:
+        raise _BadInput(_problems(e, hint_mesh=mesh is None)) from None
+    except Exception as e:
+        raise _BadInput(f"planning what {args.target}() returned failed: {_one_line(e)}") from None
+    if not plan.entries:
+        raise _BadInput(
+            f"{args.target}() returned a {type(made).__name__} with no meshinit.param specs "
+            f"in it; return {_RETURNS}"
+        )
+
+    def source(group: meshinit.MeshGroup) -> str:
+        # jax interns AbstractMesh: a spec that binds an equal one binds this very mesh.
+        return "--abstract-mesh" if group.mesh is mesh else "spec"
+
+    sources = source if mesh is not None else None
+    if args.json:
+        print(_records.to_json(plan, source=sources))
+    elif args.compact:
+        print(_report.compact(plan, sources))
+    else:
+        print(_report.table(plan, sources))
+    if args.png:
+        from ._plot import heatmap
+
+        try:
+            heatmap(plan).savefig(args.png)
+        except OSError as e:
+            raise _BadInput(f"cannot write {args.png}: {e.strerror or e}") from None
+        print(f"meshinit plan: wrote {args.png}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``meshinit`` command line; returns the exit status.
+
+    Args:
+      argv: the arguments after the program name; None reads ``sys.argv``.
+
+    Returns:
+      0 on success, 1 if the demo finds a wrong placement, 2 on bad input (after
+      one line on stderr, never a traceback).
+
+    Examples:
+      >>> main(["plan", "examples/capacity_405b.py:model",
+      ...       "--abstract-mesh", "data=16,fsdp=16,tensor=8", "--compact"])
+      0
+    """
     parser = argparse.ArgumentParser(prog="meshinit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="build, plan and materialize a multi-mesh model")
     p_demo.add_argument("--devices", type=int, default=8, help="simulated CPU devices (8)")
+    p_plan = sub.add_parser(
+        "plan",
+        help="print where every parameter of a model goes, allocating nothing",
+        description=(
+            "Calls FACTORY() and prints the plan of what it returns: "
+            + _RETURNS
+            + ". Nothing is allocated."
+        ),
+    )
+    p_plan.add_argument(
+        "target",
+        metavar="MODULE:FACTORY",
+        help="an importable module or a .py file, and a function in it taking no arguments",
+    )
+    p_plan.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="simulate N CPU devices (sets jax_platforms=cpu) for factories that build meshes",
+    )
+    p_plan.add_argument(
+        "--abstract-mesh",
+        metavar="AXES",
+        help="give specs without a mesh an AbstractMesh, e.g. data=16,fsdp=16,tensor=8",
+    )
+    view = p_plan.add_mutually_exclusive_group()
+    view.add_argument("--json", action="store_true", help="print Plan.to_json()")
+    view.add_argument("--compact", action="store_true", help="collapse repeated layers")
+    p_plan.add_argument(
+        "--png", metavar="FILE", help="also draw per-device bytes over each mesh (matplotlib)"
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo(args.devices)
+    if args.command == "plan":
+        try:
+            return plan_command(args)
+        except _BadInput as e:
+            print(f"meshinit plan: {e}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:  # `meshinit plan ... | head`: the reader has gone
+            import os
+
+            # Python would flush stdout again at exit and print a traceback for that.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
     raise AssertionError(args.command)
 
 

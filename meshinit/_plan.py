@@ -34,6 +34,13 @@ class PlanEntry:
       signature: equal for entries that compile to the same work (initializer,
         shape, dtype and PartitionSpec); used to deduplicate compilation.
       leaf_index: the spec's position among the tree's leaves.
+
+    Examples:
+      >>> m = jax.make_mesh((2, 4), ("a", "b"))
+      >>> p = meshinit.plan({"w": meshinit.param((8, 8), init, axes=("a", "b"), mesh=m)})
+      >>> e = p.entries[0]
+      >>> e.path, e.sharding.spec, e.shard_shape, e.device_bytes
+      ('w', P('a', 'b'), (4, 2), 32)
     """
 
     path: str
@@ -44,6 +51,7 @@ class PlanEntry:
 
     @property
     def mesh(self) -> Mesh | AbstractMesh:
+        """The mesh this parameter is placed on: ``sharding.mesh``."""
         return self.sharding.mesh
 
     @property
@@ -61,6 +69,7 @@ class PlanEntry:
 
     @property
     def abstract(self) -> jax.ShapeDtypeStruct:
+        """``jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)``; allocates nothing."""
         return jax.ShapeDtypeStruct(self.spec.shape, self.spec.dtype, sharding=self.sharding)
 
     @property
@@ -69,7 +78,7 @@ class PlanEntry:
 
         Every device along such an axis holds the same copy of this parameter.
 
-        Example:
+        Examples:
           >>> m = AbstractMesh((2, 4), ("data", "tensor"))
           >>> meshinit.plan(meshinit.param((8, 8), init, axes=(None, "tensor"),
           ...                              mesh=m)).entries[0].replicated_axes
@@ -92,7 +101,7 @@ class PlanEntry:
         Returns:
           The qualifying dimensions, in increasing order; empty if there are none.
 
-        Example:
+        Examples:
           >>> m = AbstractMesh((2, 4), ("data", "tensor"))
           >>> e = meshinit.plan(meshinit.param((6, 8), init, axes=(None, "tensor"),
           ...                                  mesh=m)).entries[0]
@@ -116,13 +125,23 @@ class PlanEntry:
 
 @dataclasses.dataclass(frozen=True)
 class MeshGroup:
-    """All entries placed on one mesh; materialized by one compiled computation."""
+    """All entries placed on one mesh; materialized by one compiled computation.
+
+    Attributes:
+      mesh: the mesh every entry is placed on.
+      entries: the plan's entries on this mesh, in tree-flatten order.
+
+    Examples:
+      >>> for group in meshinit.plan(specs).groups:
+      ...     print(group.mesh.shape, len(group.entries), group.device_bytes)
+    """
 
     mesh: Mesh | AbstractMesh
     entries: tuple[PlanEntry, ...]
 
     @property
     def is_abstract(self) -> bool:
+        """Whether the mesh is an ``AbstractMesh`` (plannable, not materializable)."""
         return isinstance(self.mesh, AbstractMesh)
 
     @property
@@ -186,6 +205,11 @@ class Plan:
       groups: one :class:`MeshGroup` per mesh, in order of first appearance.
       treedef: the tree's structure.
       leaves: the tree's leaves; specs stand where arrays will go.
+
+    Examples:
+      >>> plan = meshinit.plan(specs)  # allocates nothing
+      >>> print(plan)  # one table per mesh: paths, shapes, axes, bytes per device
+      >>> params = meshinit.materialize(plan, jax.random.key(0))
     """
 
     entries: tuple[PlanEntry, ...]
@@ -213,7 +237,7 @@ class Plan:
           Abstract meshes are taken to share no devices with any other mesh, even
           with one of the same shape: nothing says which devices they will get.
 
-        Example:
+        Examples:
           >>> p = meshinit.plan({
           ...     "a": meshinit.param((8, 8), init, axes=("x", "y"), mesh=mesh_2x4),
           ...     "b": meshinit.param((8, 8), init, axes=("z", None), mesh=mesh_8)})
@@ -231,7 +255,7 @@ class Plan:
         Returns:
           A dict with the same keys as :meth:`device_bytes`.
 
-        Example:
+        Examples:
           >>> m = AbstractMesh((2, 4), ("data", "tensor"))
           >>> p = meshinit.plan(meshinit.param((8, 8), init, axes=(None, "tensor"), mesh=m))
           >>> p.replicated_bytes()[(m, 0)]  # 8*2 float32 on every device; data could halve it
@@ -245,7 +269,7 @@ class Plan:
 
         The largest value of :meth:`device_bytes`: meshes that share devices add up.
 
-        Example:
+        Examples:
           >>> meshinit.plan(specs).max_device_bytes / 2**30  # GiB a device needs
         """
         return max(self.device_bytes().values(), default=0)
@@ -269,20 +293,172 @@ class Plan:
         """The table's totals without its per-parameter rows: per mesh, then overall.
 
         For models with thousands of parameters, where ``print(plan)`` is long.
+
+        Returns:
+          The text: for each mesh its parameter count, bytes in all and per device,
+          and what replication costs; then the plan's totals.
+
+        Examples:
+          >>> m = jax.make_mesh((2, 4), ("a", "b"))
+          >>> p = meshinit.plan({"w": meshinit.param((8, 8), init, axes=("a", "b"), mesh=m)})
+          >>> print(p.summary())
+          mesh 0: Mesh(a=2, b=4; Explicit; devices 0-7)
+            1 param, 256 B in all, 32 B per device
+          <BLANKLINE>
+          total: 1 param, 256 B, 1 mesh, most on one device 32 B
         """
         from ._report import summary
 
         return summary(self)
 
+    def compact(self) -> str:
+        """The table with repeated layers collapsed into one row each.
+
+        Rows whose paths differ only in integer components (``layers.0.mlp.up``,
+        ``layers.1.mlp.up``, ...) and that share shape, dtype, logical axes and
+        sharding become one row, ``layers.{0..125}.mlp.up``, with the count ``n`` and
+        the bytes all of them take on each device. Rows are exact: indices that do not
+        form a full product (``stages.0.layers.{0..3}``, ``stages.1.layers.{4..7}``)
+        stay separate rows.
+
+        Returns:
+          The table as a string; its rows fit 100 columns for the usual models.
+
+        Examples:
+          >>> m = AbstractMesh((2, 4), ("fsdp", "tensor"))
+          >>> specs = {"layers": [{"up": meshinit.param((256, 1024), init,
+          ...     axes=("fsdp", "tensor"), mesh=m)} for _ in range(32)]}
+          >>> print(meshinit.plan(specs).compact())
+          mesh 0: AbstractMesh(fsdp=2, tensor=4; Auto)
+            path                n  array          logical  PartitionSpec  per device
+            layers.{0..31}.up  32  f32[256,1024]  -        fsdp,tensor       4.0 MiB
+            32 params, 32.0 MiB in all, 4.0 MiB per device
+          <BLANKLINE>
+          total: 32 params, 32.0 MiB, 1 mesh, most on one device 4.0 MiB
+        """
+        from ._report import compact
+
+        return compact(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain data, ready for ``json.dumps``.
+
+        Schema ``"meshinit.plan/1"``; sizes are in bytes, "per device" means on each
+        device of the parameter's mesh::
+
+            {"schema": "meshinit.plan/1",
+             "meshes": [{                  # one per MeshGroup, in plan order
+                "index": 0,                # what params[i]["mesh"] refers to
+                "description": "Mesh(fsdp=2, tensor=4; Explicit; devices 0-7)",
+                "axis_names": ["fsdp", "tensor"], "axis_sizes": [2, 4],
+                "axis_types": ["Explicit", "Explicit"],
+                "abstract": false,         # true for an AbstractMesh
+                "device_ids": [[0, 1, 2, 3], [4, 5, 6, 7]],  # mesh-shaped; null if abstract
+                "params": 3, "nbytes": ..., "device_bytes": ..., "replicated_bytes": ...}],
+             "params": [{                  # one per PlanEntry, in tree-flatten order
+                "path": "layers.0.mlp.up", "shape": [256, 1024], "dtype": "bfloat16",
+                "logical_axes": ["embed", "mlp"],  # null when the axes name mesh axes
+                "mesh": 0,                         # index into "meshes"
+                "partition_spec": ["fsdp", "tensor"],  # entries: name, [names] or null
+                "shard_shape": [128, 256], "nbytes": ..., "device_bytes": ...,
+                "replicated_axes": ["data"],       # axes of size > 1 sharding nothing
+                "shardable_axes": {"data": [0, 1]}}],  # those that could: their dims
+             "totals": {
+                "params": 3, "elements": ..., "nbytes": ..., "meshes": 1,
+                "device_bytes_per_mesh": [...],  # meshes[i]["device_bytes"]
+                "max_device_bytes": ...,         # Plan.max_device_bytes
+                "max_replicated_bytes": ...}}    # the most of Plan.replicated_bytes()
+
+        ``logical_axes`` lists one entry per dimension when the spec has rules (all
+        null for a replicated spec). ``replicated_bytes`` counts parameters with
+        ``shardable_axes``, as the table's ``!`` does.
+
+        Returns:
+          A dict of lists, dicts, strings, ints, bools and None.
+
+        Examples:
+          >>> d = meshinit.plan(specs).to_dict()  # the specs of the compact() example
+          >>> d["params"][0]["partition_spec"], d["totals"]["max_device_bytes"]
+          (['fsdp', 'tensor'], 4194304)
+        """
+        from ._records import to_dict
+
+        return to_dict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """:meth:`to_dict` as a JSON string.
+
+        Args:
+          indent: spaces before each mesh and param record, one record a line; None
+            puts everything on one line.
+
+        Returns:
+          The JSON text; ``json.loads`` gives back :meth:`to_dict`.
+
+        Examples:
+          >>> pathlib.Path("plan.json").write_text(meshinit.plan(specs).to_json())
+        """
+        from ._records import to_json
+
+        return to_json(self, indent)
+
+    def heatmap(self) -> Any:
+        """Draws each mesh's per-device bytes as a heatmap over the mesh grid.
+
+        One subplot per mesh group. Each cell is a device; its colour is the bytes of
+        parameters it holds from every mesh, so meshes over shared devices add up
+        (abstract meshes share none). Meshes with more than two axes are drawn with the
+        first axis as rows and the rest flattened row-major as columns, as the title
+        says. Built without pyplot, so it works headless.
+
+        Returns:
+          A ``matplotlib.figure.Figure``; ``fig.savefig("plan.png")`` writes it, and
+          notebooks display it.
+
+        Raises:
+          ImportError: matplotlib is not installed (``pip install 'meshinit[plot]'``).
+          ValueError: the plan has no parameters.
+
+        Examples:
+          >>> meshinit.plan(specs).heatmap().savefig("plan.png", dpi=120)
+        """
+        from ._plot import heatmap
+
+        return heatmap(self)
+
+    def _repr_html_(self) -> str:
+        """The table as HTML, for notebooks: one table per mesh, then the totals."""
+        from ._report import html
+
+        return html(self)
+
     def abstract(self) -> Any:
         """The tree with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` for each spec.
 
         Allocates nothing; a restore target for checkpoints.
+
+        Returns:
+          The planned tree, each spec replaced by its ``ShapeDtypeStruct``; other
+          leaves as they were.
+
+        Examples:
+          >>> restored = checkpointer.restore(path, meshinit.plan(specs).abstract())
         """
         return self.fill([e.abstract for e in self.entries])
 
     def fill(self, values: list[Any]) -> Any:
-        """The tree with ``values[i]`` in place of ``entries[i]``'s spec."""
+        """The tree with ``values[i]`` in place of ``entries[i]``'s spec.
+
+        Args:
+          values: one value per entry, in the order of :attr:`entries`.
+
+        Returns:
+          The planned tree with the values where the specs were; other leaves as
+          they were.
+
+        Examples:
+          >>> sizes = plan.fill([e.device_bytes for e in plan.entries])
+        """
         leaves = list(self.leaves)
         for entry, value in zip(self.entries, values, strict=True):
             leaves[entry.leaf_index] = value
@@ -342,10 +518,11 @@ def plan(tree: Any) -> Plan:
     Raises:
       PlanError: with one problem per bad spec or path, all gathered first.
 
-    Example:
+    Examples:
+      >>> m = jax.make_mesh((2, 4), ("a", "b"))
       >>> p = meshinit.plan({"w": meshinit.param((8, 8), init, axes=("a", "b"), mesh=m)})
-      >>> p.entries[0].sharding
-      NamedSharding(mesh=Mesh('a': 2, 'b': 4), spec=P('a', 'b'))
+      >>> p.entries[0].sharding.spec
+      P('a', 'b')
     """
     return build_plan(tree)
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from jax.sharding import AbstractMesh
 
 if TYPE_CHECKING:
-    from ._plan import MeshGroup, Plan
+    from ._plan import MeshGroup, Plan, PlanEntry
+
+MeshSource = Callable[["MeshGroup"], str]
+"""Says where a group's mesh came from, e.g. ``"--abstract-mesh"`` or ``"spec"``."""
 
 
 def human_bytes(n: int) -> str:
@@ -82,8 +86,13 @@ def _path_list(head: str, paths: Sequence[str], limit: int = 3, width: int = 100
     return head + ", ".join(shown) + (f", +{rest} more" if rest else "")
 
 
-def group_summary(group: MeshGroup) -> list[str]:
-    """A group's totals: params, bytes in all and per device, and replicated bytes."""
+def group_summary(
+    group: MeshGroup, paths: Callable[[Sequence[PlanEntry]], list[str]] | None = None
+) -> list[str]:
+    """A group's totals: params, bytes in all and per device, and replicated bytes.
+
+    ``paths`` names the flagged entries (default: their full paths).
+    """
     n = len(group.entries)
     lines = [
         f"  {n} param{'s' if n != 1 else ''}, {human_bytes(group.nbytes)} in all, "
@@ -102,11 +111,18 @@ def group_summary(group: MeshGroup) -> list[str]:
         if entries:
             per_device = human_bytes(sum(e.device_bytes for e in entries))
             head = f"    {axis}={size} could shard {len(entries)} ({per_device} per device): "
-            lines.append(_path_list(head, [e.path or "<root>" for e in entries]))
+            named = paths(entries) if paths else [e.path or "<root>" for e in entries]
+            lines.append(_path_list(head, named))
     return lines
 
 
-def group_table(index: int, group: MeshGroup) -> list[str]:
+def _mesh_line(index: int, group: MeshGroup, source: MeshSource | None) -> str:
+    """The group's heading, with where its mesh came from if ``source`` says."""
+    line = f"mesh {index}: {describe_mesh(group.mesh)}"
+    return f"{line}  (mesh from {source(group)})" if source else line
+
+
+def group_table(index: int, group: MeshGroup, source: MeshSource | None = None) -> list[str]:
     head = ["path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device"]
     flagged = {id(e) for e in group.shardable_entries}
     if flagged:
@@ -127,7 +143,7 @@ def group_table(index: int, group: MeshGroup) -> list[str]:
             row.append("!" if id(e) in flagged else "")
         rows.append(row)
     return [
-        f"mesh {index}: {describe_mesh(group.mesh)}",
+        _mesh_line(index, group, source),
         *_columns(rows, right={6}),
         *group_summary(group),
     ]
@@ -150,15 +166,16 @@ def _totals(plan: Plan) -> list[str]:
     return lines
 
 
-def table(plan: Plan) -> str:
+def table(plan: Plan, source: MeshSource | None = None) -> str:
     """The plan as a table: one block per mesh, every full path, totals per mesh.
 
     A ``!`` marks a parameter replicated across a mesh axis that could shard it; the
     block's footer names the axes, the bytes per device, and the first such paths.
+    ``source``, if given, says in each mesh's heading where the mesh came from.
     """
     lines: list[str] = []
     for i, g in enumerate(plan.groups):
-        lines += group_table(i, g) + [""]
+        lines += group_table(i, g, source) + [""]
     return "\n".join(lines + _totals(plan))
 
 
@@ -168,3 +185,206 @@ def summary(plan: Plan) -> str:
     for i, g in enumerate(plan.groups):
         lines += [f"mesh {i}: {describe_mesh(g.mesh)}", *group_summary(g), ""]
     return "\n".join(lines + _totals(plan))
+
+
+# Compact view: repeated layers collapsed into one row.
+
+
+def _is_index(part: str) -> bool:
+    # "07" stays a name: printing it back as 7 would show a path that does not exist.
+    return part.isascii() and part.isdigit() and (part == "0" or not part.startswith("0"))
+
+
+def _ranges(values: frozenset[int]) -> str:
+    """``{0, 1, 2, 5}`` -> ``"{0..2,5}"``; a single value stands alone."""
+    if len(values) == 1:
+        return str(next(iter(values)))
+    runs: list[list[int]] = []
+    for v in sorted(values):
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    parts = [f"{r[0]}..{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs]
+    return "{" + ",".join(parts) + "}"
+
+
+def _boxes(points: list[tuple[int, ...]]) -> list[tuple[frozenset[int], ...]]:
+    """Distinct index tuples as products of index sets whose union is exactly them.
+
+    One box when the tuples form a full product, as the layers of one stack do. Else
+    split on the first index and merge the values whose rest splits the same way, so
+    that ``stages.0.layers.{0..3}`` and ``stages.1.layers.{4..7}`` stay two rows
+    rather than claiming ``stages.{0,1}.layers.{0..7}``.
+    """
+    if not points[0]:
+        return [()]
+    sets = [frozenset(p[i] for p in points) for i in range(len(points[0]))]
+    if math.prod(map(len, sets)) == len(points):
+        return [tuple(sets)]
+    rests: dict[int, list[tuple[int, ...]]] = {}
+    for p in points:
+        rests.setdefault(p[0], []).append(p[1:])
+    merged: dict[tuple[tuple[frozenset[int], ...], ...], list[int]] = {}
+    for first, rest in rests.items():
+        merged.setdefault(tuple(_boxes(rest)), []).append(first)
+    return [(frozenset(firsts), *box) for boxes, firsts in merged.items() for box in boxes]
+
+
+def collapse_paths(paths: Sequence[str], keys: Sequence[Any]) -> list[tuple[str, list[int]]]:
+    """Paths that differ only in integer components and share a key, as one row each.
+
+    Args:
+      paths: dot-joined paths, distinct among those with the same key.
+      keys: one hashable per path; only paths with equal keys collapse.
+
+    Returns:
+      ``("layers.{0..125}.mlp.up", positions)`` pairs, ``positions`` indexing
+      ``paths``, in the order of each row's first position. Every row is exact: its
+      paths are the product of its index sets.
+    """
+    keyed: dict[Any, list[tuple[tuple[int, ...], int]]] = {}
+    for position, (path, key) in enumerate(zip(paths, keys, strict=True)):
+        parts = path.split(".") if path else []
+        template = tuple(None if _is_index(p) else p for p in parts)
+        index = tuple(int(p) for p in parts if _is_index(p))
+        keyed.setdefault((template, key), []).append((index, position))
+    rows: list[tuple[str, list[int]]] = []
+    for (template, _), members in keyed.items():
+        for box in _boxes([index for index, _ in members]):
+            chosen = [
+                k for index, k in members if all(v in b for v, b in zip(index, box, strict=True))
+            ]
+            sets = iter(box)
+            path = ".".join(_ranges(next(sets)) if p is None else p for p in template)
+            rows.append((path or "<root>", chosen))
+    rows.sort(key=lambda r: r[1][0])
+    return rows
+
+
+def collapse(entries: Sequence[PlanEntry]) -> list[tuple[str, list[PlanEntry]]]:
+    """Entries whose paths differ only in integer components, as one row each.
+
+    Entries collapse when they also share shape, dtype, logical axes and sharding.
+    Returns ``("layers.{0..125}.mlp.up", entries)`` pairs in the
+    order of each row's first entry.
+    """
+    keys = [
+        (
+            e.spec.shape,
+            e.spec.dtype,
+            e.spec.axes if e.spec.rules is not None else "-",
+            e.sharding,
+        )
+        for e in entries
+    ]
+    rows = collapse_paths([e.path for e in entries], keys)
+    return [(path, [entries[k] for k in positions]) for path, positions in rows]
+
+
+def _short_dtype(dtype) -> str:
+    """``bfloat16`` -> ``bf16``, ``float32`` -> ``f32``: jax's names in array types."""
+    name = dtype.name
+    for long, short in (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i")):
+        if name.startswith(long):
+            return short + name[len(long) :]
+    return name.replace("complex", "c")
+
+
+def _tight(entries) -> str:
+    """Axes or a PartitionSpec without quotes, spaces or outer parentheses.
+
+    ``P(("fsdp", "data"), "tensor")`` -> ``(fsdp,data),tensor``; all None -> ``replicated``.
+    """
+    one = [
+        "None" if a is None else a if isinstance(a, str) else "(" + ",".join(a) + ")"
+        for a in entries
+    ]
+    return "replicated" if all(a is None for a in entries) else ",".join(one)
+
+
+def group_compact(index: int, group: MeshGroup, source: MeshSource | None = None) -> list[str]:
+    """:func:`group_table` with the rows of :func:`collapse`.
+
+    ``n`` counts a row's parameters; ``per device`` is the bytes all ``n`` take on each
+    device, so the column sums to the group's per-device total.
+    """
+    flagged = {id(e) for e in group.shardable_entries}
+    head = ["path", "n", "array", "logical", "PartitionSpec", "per device"]
+    if flagged:
+        head.append("")
+    rows = [head]
+    for path, es in collapse(group.entries):
+        e, s = es[0], es[0].spec
+        logical = "-" if s.rules is None else "replicated" if s.axes is None else _tight(s.axes)
+        row = [
+            path,
+            str(len(es)),
+            f"{_short_dtype(s.dtype)}[{','.join(map(str, s.shape))}]",
+            logical,
+            _tight(e.sharding.spec),
+            human_bytes(e.device_bytes * len(es)),
+        ]
+        if flagged:
+            row.append("!" if id(e) in flagged else "")
+        rows.append(row)
+    return [
+        _mesh_line(index, group, source),
+        *_columns(rows, right={1, 5}),
+        *group_summary(group, lambda es: [p for p, _ in collapse(es)]),
+    ]
+
+
+def compact(plan: Plan, source: MeshSource | None = None) -> str:
+    """:func:`table` with repeated layers collapsed (see :func:`collapse`)."""
+    lines: list[str] = []
+    for i, g in enumerate(plan.groups):
+        lines += group_compact(i, g, source) + [""]
+    return "\n".join(lines + _totals(plan))
+
+
+def html(plan: Plan) -> str:
+    """The plan as HTML for notebooks: one table per mesh group, then the totals.
+
+    Every cell is escaped. A group with more than 64 rows starts folded.
+    """
+    import html as html_
+
+    def cells(tag: str, row: Sequence[str], right: set[int]) -> str:
+        return "".join(
+            f'<{tag} style="text-align:right">{html_.escape(c)}</{tag}>'
+            if i in right
+            else f"<{tag}>{html_.escape(c)}</{tag}>"
+            for i, c in enumerate(row)
+        )
+
+    head = ["path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device"]
+    out = ['<div class="meshinit-plan">']
+    for i, g in enumerate(plan.groups):
+        summary = group_summary(g)
+        out.append(
+            f"<details{' open' if len(g.entries) <= 64 else ''}><summary><b>mesh {i}</b>: "
+            f"{html_.escape(describe_mesh(g.mesh))}: {html_.escape(summary[0].strip())}"
+            "</summary>"
+        )
+        flagged = {id(e) for e in g.shardable_entries}
+        out.append(f"<table><thead><tr>{cells('th', [*head, ''], {6})}</tr></thead><tbody>")
+        for e in g.entries:
+            s = e.spec
+            row = [
+                e.path or "<root>",
+                str(s.shape),
+                s.dtype.name,
+                _fmt_axes(s.axes) if s.rules is not None else "-",
+                _fmt_mesh_axes(e.sharding.spec, g.mesh.shape),
+                str(e.sharding.spec).removeprefix("PartitionSpec"),
+                human_bytes(e.device_bytes),
+                "!" if id(e) in flagged else "",
+            ]
+            out.append(f"<tr>{cells('td', row, {6})}</tr>")
+        out.append("</tbody></table>")
+        out += [f"<p>{html_.escape(line.strip())}</p>" for line in summary[1:]]
+        out.append("</details>")
+    out += [f"<p><b>{html_.escape(line)}</b></p>" for line in _totals(plan)]
+    out.append("</div>")
+    return "\n".join(out)

@@ -71,6 +71,20 @@ def _placed_metadata(entry: _plan.PlanEntry) -> dict[str, Any]:
     return meta
 
 
+def _specs(flat: list[tuple[tuple[Any, ...], nnx.Variable]]) -> dict[tuple[Any, ...], ParamSpec]:
+    """The ``ParamSpec``s that a flat state's Variables hold, by nnx path."""
+    return {path: var.get_value() for path, var in flat if isinstance(var.get_value(), ParamSpec)}
+
+
+def _spec_tree(module: nnx.Module) -> dict[str, Any]:
+    """The specs a spec-declared Module holds, as the tree :func:`materialize` plans.
+
+    Paths in its plan are the Module's nnx paths (``layers.0.w``).
+    """
+    _, state = nnx.split(module)
+    return _nest(_specs(list(nnx.to_flat_state(state))))
+
+
 def materialize(module: nnx.Module, key: Any) -> nnx.Module:
     """Replaces every ``ParamSpec`` held by the Module's Variables with its placed array.
 
@@ -85,7 +99,7 @@ def materialize(module: nnx.Module, key: Any) -> nnx.Module:
       ``nnx.get_partition_spec(nnx.state(model))`` gives exactly the placed spec, and
       ``logical_axes`` with the spec's logical names.
 
-    Example:
+    Examples:
       >>> class MLP(nnx.Module):
       ...     def __init__(self):
       ...         self.up = nnx.Param(meshinit.param((d, 4 * d), init, axes=("embed", "mlp")))
@@ -94,7 +108,7 @@ def materialize(module: nnx.Module, key: Any) -> nnx.Module:
     """
     graphdef, state = nnx.split(module)
     flat = list(nnx.to_flat_state(state))
-    specs = {path: var.get_value() for path, var in flat if isinstance(var.get_value(), ParamSpec)}
+    specs = _specs(flat)
     plan = _plan.plan(_nest(specs))
     arrays = _materialize.materialize(plan, key)
     entries = {e.path: e for e in plan.entries}
@@ -225,7 +239,7 @@ def init(factory: Callable[[], nnx.Module]) -> nnx.Module:
         not divide, or a sharded Variable has no mesh; each problem names its path.
       ValueError: the factory leaks tracers or mutates state created outside it.
 
-    Example:
+    Examples:
       >>> model = meshinit.nnx.init(lambda: Model(rngs=nnx.Rngs(0)))
     """
     graphdefs = []

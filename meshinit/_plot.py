@@ -1,0 +1,104 @@
+"""Pictures of a plan: per-device bytes as a heatmap over each mesh's grid.
+
+matplotlib is optional (``pip install 'meshinit[plot]'``) and imported only here, only
+when a picture is asked for. Figures are built without pyplot, so they draw headless
+and never touch the global backend.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._report import describe_mesh, human_bytes
+
+if TYPE_CHECKING:
+    from ._plan import Plan
+
+MISSING = "drawing a plan needs matplotlib: pip install 'meshinit[plot]'"
+_ANNOTATE_UP_TO = 64  # cells; beyond that the numbers would not fit
+
+
+def require_matplotlib() -> None:
+    """Raises ImportError naming the ``plot`` extra when matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ImportError(MISSING) from e
+
+
+def _grid(values: np.ndarray, names: tuple[str, ...], sizes: tuple[int, ...]):
+    """A mesh's values as 2-D, with row and column labels and a note on flattening."""
+    if not sizes:
+        return values.reshape(1, 1), "", "", ""
+    if len(sizes) == 1:
+        return values.reshape(1, sizes[0]), "", names[0], ""
+    cols = "×".join(names[1:])
+    note = f"rows: {names[0]}; columns: {cols} flattened row-major" if len(sizes) > 2 else ""
+    return values.reshape(sizes[0], -1), names[0], cols, note
+
+
+def _byte_ticks(top: float, locator: Any) -> list[float]:
+    """Round ticks in the unit ``human_bytes`` shows (``0, 128 KiB, 256 KiB, ...``)."""
+    unit = 1024 ** max(0, min(4, int(np.log(max(top, 1)) // np.log(1024))))
+    ticks = locator(nbins=5, steps=[1, 2, 2.5, 4, 5, 8, 10]).tick_values(0, top / unit) * unit
+    return [float(t) for t in ticks if 0 <= t <= top]
+
+
+def heatmap(plan: Plan) -> Any:
+    """See ``Plan.heatmap``."""
+    require_matplotlib()
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    if not plan.groups:
+        raise ValueError("the plan has no parameters: there is nothing to draw")
+    per_device = plan.device_bytes()
+    n = len(plan.groups)
+    fig = Figure(figsize=(9, 0.6 + 3.0 * n), layout="constrained")
+    axes = fig.subplots(n, 1, squeeze=False)[:, 0]
+    fmt = FuncFormatter(lambda x, _: human_bytes(int(round(x))))
+    for i, (group, ax) in enumerate(zip(plan.groups, axes, strict=True)):
+        mesh = group.mesh
+        if group.is_abstract:
+            keys: list[Any] = [(mesh, k) for k in range(mesh.size)]
+        else:
+            keys = list(mesh.devices.flat)
+        values = np.array([per_device[k] for k in keys], dtype=np.float64)
+        grid, rows, cols, note = _grid(values, tuple(mesh.axis_names), tuple(mesh.axis_sizes))
+        top = max(float(values.max()), 1.0)
+        image = ax.imshow(
+            grid, cmap="viridis", vmin=0, vmax=top, aspect="auto", interpolation="nearest"
+        )
+        k = len(group.entries)
+        title = [
+            f"mesh {i}: {describe_mesh(mesh)}",
+            f"its {k} param{'s' if k != 1 else ''}: {human_bytes(group.device_bytes)} per device",
+        ]
+        if values.max() > group.device_bytes:
+            title[1] += f"; with other meshes' params: up to {human_bytes(int(values.max()))}"
+        if note:
+            title.append(note)
+        ax.set_title("\n".join(title), fontsize=9)
+        ax.set_ylabel(rows)
+        ax.set_xlabel(cols)
+        if grid.shape[1] <= 16:
+            ax.set_xticks(range(grid.shape[1]))
+        if grid.shape[0] <= 16:
+            ax.set_yticks(range(grid.shape[0]))
+        if not rows:
+            ax.set_yticks([])
+        if grid.size <= _ANNOTATE_UP_TO:
+            ids = None if group.is_abstract else np.asarray(mesh.device_ids).reshape(grid.shape)
+            for (r, c), v in np.ndenumerate(grid):
+                text = human_bytes(int(v))
+                if ids is not None:
+                    text = f"device {ids[r, c]}\n{text}"
+                color = "white" if v < top / 2 else "black"  # readable on viridis
+                ax.text(c, r, text, ha="center", va="center", fontsize=7, color=color)
+        bar = fig.colorbar(image, ax=ax, format=fmt)
+        bar.set_ticks(_byte_ticks(top, MaxNLocator))
+        bar.set_label("parameter bytes per device")
+    fig.suptitle("bytes each device holds, all meshes' parameters counted", fontsize=10)
+    return fig

@@ -1,0 +1,111 @@
+"""Factories for ``meshinit plan`` tests: ``meshinit plan tests/cli_factories.py:NAME``."""
+
+import jax
+from jax.sharding import AbstractMesh
+
+import meshinit
+
+RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"), ("norm", None))
+lecun = jax.nn.initializers.lecun_normal()
+ones = jax.nn.initializers.ones
+OWN = AbstractMesh((4,), ("tensor",))  # a mesh some specs bind themselves
+
+
+def layer() -> dict:
+    return {
+        "up": meshinit.param((64, 256), lecun, axes=("embed", "mlp")),
+        "down": meshinit.param((256, 64), lecun, axes=("mlp", "embed")),
+        "norm": meshinit.param((64,), ones, axes=("norm",)),
+    }
+
+
+def specs() -> dict:
+    """Four layers and an embedding with no mesh: give one with --abstract-mesh."""
+    with meshinit.defaults(rules=RULES):
+        return {
+            "embed": meshinit.param((512, 64), lecun, axes=("vocab", "embed")),
+            "layers": [layer() for _ in range(4)],
+        }
+
+
+def mixed() -> dict:
+    """:func:`specs` plus a head that binds its own mesh."""
+    tree = specs()
+    tree["head"] = meshinit.param((64, 512), lecun, axes=(None, "tensor"), mesh=OWN)
+    return tree
+
+
+def same_mesh_twice() -> dict:
+    """One spec takes the default mesh, one binds an equal mesh of its own."""
+    return {
+        "default": meshinit.param((8, 8), ones, axes=("x", None)),
+        "own": meshinit.param((8, 8), ones, axes=("x", None), mesh=AbstractMesh((2,), ("x",))),
+    }
+
+
+def stages() -> dict:
+    """Layers 0-3 on one concrete stage and 4-7 on another (needs 8 devices)."""
+    devices = jax.devices()
+    out = {}
+    for s in range(2):
+        mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=devices[4 * s : 4 * s + 4])
+        with meshinit.defaults(mesh=mesh, rules=RULES):
+            out[str(s)] = {"layers": {str(i): layer() for i in range(4 * s, 4 * s + 4)}}
+    return out
+
+
+def nnx_model():
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self):
+            self.up = nnx.Param(meshinit.param((64, 256), lecun, axes=("embed", "mlp")))
+
+    class Model(nnx.Module):
+        def __init__(self):
+            with meshinit.defaults(rules=RULES):
+                self.blocks = nnx.List([Block() for _ in range(3)])
+                self.head = nnx.Param(meshinit.param((64, 512), lecun, axes=("embed", "vocab")))
+
+    return Model()
+
+
+def eqx_model():
+    import equinox as eqx
+
+    class Model(eqx.Module):
+        layers: list
+        head: object
+
+        def __init__(self):
+            with meshinit.defaults(rules=RULES):
+                self.layers = [layer() for _ in range(2)]
+                self.head = meshinit.param((64, 512), lecun, axes=("embed", "vocab"))
+
+    return Model()
+
+
+def bad_axes() -> dict:
+    """Every layer names a logical axis with no rule, and one shape does not divide."""
+    with meshinit.defaults(rules=RULES):
+        return {
+            "layers": [
+                {"up": meshinit.param((64, 256), lecun, axes=("embed", "mlpp"))} for _ in range(6)
+            ],
+            "odd": meshinit.param((3, 64), lecun, axes=("vocab", None)),
+        }
+
+
+def raises():
+    raise ValueError("vocab size 1000 is not\na multiple of 128")
+
+
+def empty() -> dict:
+    return {"learning_rate": 3e-4}
+
+
+def needs_arguments(depth):
+    return depth
+
+
+NOT_A_FUNCTION = 3

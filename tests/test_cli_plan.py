@@ -1,0 +1,599 @@
+"""``meshinit plan MODULE:FACTORY`` and the reports it prints: compact, JSON, PNG, HTML."""
+
+import html.parser
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import AbstractMesh
+
+import meshinit
+from meshinit import _report
+from meshinit._cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+F = str(ROOT / "tests" / "cli_factories.py")
+MESH = ["--abstract-mesh", "fsdp=2,tensor=4"]
+ones = jax.nn.initializers.ones
+
+
+def plan_cli(capsys, *args):
+    """Runs ``meshinit plan ARGS`` in this process: (exit status, stdout, stderr)."""
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def run(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def factory_specs(name, mesh=None):
+    """What the CLI plans for ``cli_factories.NAME`` under ``--abstract-mesh``."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import cli_factories
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    with meshinit.defaults(mesh=mesh or AbstractMesh((2, 4), ("fsdp", "tensor"))):
+        return getattr(cli_factories, name)()
+
+
+# The plan command
+
+
+@pytest.mark.parametrize("view", [[], ["--compact"], ["--json"]])
+def test_plan_prints_the_plan_and_allocates_nothing(capsys, new_arrays, view):
+    with new_arrays() as made:
+        rc, out, err = plan_cli(capsys, f"{F}:mixed", *MESH, *view)
+    assert rc == 0, err
+    assert made == []  # planning only: no parameter, no key, nothing
+    assert err == ""
+    if view == ["--json"]:
+        assert json.loads(out)["totals"]["params"] == 14
+    else:
+        assert "mesh 0: AbstractMesh(fsdp=2, tensor=4; Auto)  (mesh from --abstract-mesh)" in out
+        assert "mesh 1: AbstractMesh(tensor=4; Auto)  (mesh from spec)" in out
+        assert out.rstrip().endswith(
+            "most on one device 81.0 KiB\n! replicated across an "
+            "axis that could shard them: up to 1.0 KiB on one device"
+        )
+
+
+def test_table_lists_every_path_and_equals_print_plan(capsys):
+    rc, out, _ = plan_cli(capsys, f"{F}:specs", *MESH)
+    assert rc == 0
+    plan = meshinit.plan(factory_specs("specs"))
+    # the same table print(plan) shows, with the mesh's source in its heading
+    assert out.rstrip("\n") == str(plan).replace(
+        "mesh 0: AbstractMesh(fsdp=2, tensor=4; Auto)",
+        "mesh 0: AbstractMesh(fsdp=2, tensor=4; Auto)  (mesh from --abstract-mesh)",
+    )
+    for e in plan.entries:
+        assert f"  {e.path}  " in out
+
+
+def test_a_spec_binding_an_equal_abstract_mesh_shares_the_group(capsys):
+    # jax interns AbstractMesh: AbstractMesh((2,), ("x",)) is the mesh --abstract-mesh x=2
+    # builds, so both specs land in one group, labelled as from --abstract-mesh.
+    rc, out, _ = plan_cli(capsys, f"{F}:same_mesh_twice", "--abstract-mesh", "x=2")
+    assert rc == 0
+    assert out.count("mesh 0: AbstractMesh(x=2; Auto)  (mesh from --abstract-mesh)") == 1
+    assert "mesh 1" not in out
+
+
+def test_without_abstract_mesh_concrete_meshes_print_unlabelled(capsys):
+    rc, out, _ = plan_cli(capsys, f"{F}:stages", "--compact")
+    assert rc == 0
+    assert "mesh 0: Mesh(fsdp=2, tensor=2; Explicit; devices 0-3)\n" in out
+    assert "mesh 1: Mesh(fsdp=2, tensor=2; Explicit; devices 4-7)\n" in out
+    assert "0.layers.{0..3}.up" in out and "1.layers.{4..7}.up" in out
+    assert "mesh from" not in out
+
+
+def test_module_name_form_imports_from_sys_path(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    rc, out, err = plan_cli(capsys, "cli_factories:specs", *MESH, "--compact")
+    assert rc == 0, err
+    assert "layers.{0..3}.up" in out
+
+
+def test_nnx_module_paths_are_those_materialize_uses(capsys):
+    rc, out, _ = plan_cli(capsys, f"{F}:nnx_model", *MESH, "--json")
+    assert rc == 0
+    params = json.loads(out)["params"]
+    assert [p["path"] for p in params] == ["blocks.0.up", "blocks.1.up", "blocks.2.up", "head"]
+    assert {p["path"]: p["partition_spec"] for p in params}["head"] == ["fsdp", "tensor"]
+    # meshinit.nnx.materialize places the same module at exactly these paths and specs
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    model = meshinit.nnx.materialize(factory_specs("nnx_model", mesh), 0)
+    assert model.blocks[1].up.get_value().sharding.spec == jax.sharding.PartitionSpec(
+        *params[1]["partition_spec"]
+    )
+
+
+def test_equinox_module_plans_directly(capsys):
+    rc, out, _ = plan_cli(capsys, f"{F}:eqx_model", *MESH, "--compact")
+    assert rc == 0
+    lines = out.splitlines()
+    assert any(line.split()[:2] == ["layers.{0,1}.up", "2"] for line in lines)
+    assert any(line.split()[:2] == ["head", "1"] for line in lines)
+
+
+# Bad input: one line on stderr, exit status 2, never a traceback
+
+
+def bad(name):
+    return f"{F}:{name}"
+
+
+BAD = [
+    (["nofile.py:model"], r"no such file: nofile\.py$"),
+    (["examples/nope.py:model"], r"no such file: examples/nope\.py$"),
+    (["no_such_module_xyz:model"], r"no module named 'no_such_module_xyz'; give an importable"),
+    (["cli_factories"], r"'cli_factories': expected MODULE:FACTORY, e\.g\. "),
+    (
+        [bad("nope")],
+        r"cli_factories\.py has no attribute 'nope'; it defines bad_axes, empty, .*, \.\.\.$",
+    ),
+    ([bad("NOT_A_FUNCTION")], r"NOT_A_FUNCTION is not callable \(int\); give a function"),
+    ([bad("needs_arguments")], r"needs_arguments\(depth\) needs arguments; meshinit plan "),
+    (
+        [bad("raises")],
+        r"cli_factories\.py:raises\(\) raised ValueError: vocab size 1000 is not a multiple "
+        r"of 128$",
+    ),
+    ([bad("empty")], r"empty\(\) returned a dict with no meshinit\.param specs in it; return "),
+    (
+        [bad("specs"), "--abstract-mesh", "data=x"],
+        r"--abstract-mesh 'data=x': the size 'x' of data is not a positive integer; "
+        r"expected NAME=SIZE pairs joined by commas, e\.g\. data=16,fsdp=16,tensor=8$",
+    ),
+    ([bad("specs"), "--abstract-mesh", "data=0"], r"the size '0' of data is not a positive"),
+    ([bad("specs"), "--abstract-mesh", "data"], r"'data' is not NAME=SIZE; expected NAME="),
+    ([bad("specs"), "--abstract-mesh", "1a=2"], r"'1a' is not an axis name; expected NAME="),
+    ([bad("specs"), "--abstract-mesh", "x=2,x=4"], r"axis 'x' appears twice; expected NAME="),
+    ([bad("specs"), "--abstract-mesh", ""], r"'' is not NAME=SIZE; expected NAME="),
+    ([bad("specs"), "--devices", "0"], r"--devices must be a positive number, got 0$"),
+    (
+        [bad("specs"), *MESH, "--png", "/no/such/dir/plan.png"],
+        r"cannot write /no/such/dir/plan\.png: no directory /no/such/dir$",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    rc, out, err = plan_cli(capsys, *argv)
+    assert rc == 2
+    assert out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("meshinit plan: ")
+    assert err.rstrip("\n") == err.strip()
+    assert re.search(message, err.rstrip("\n")), err
+
+
+def test_plan_error_prints_its_problems_collapsed(capsys):
+    rc, out, err = plan_cli(capsys, bad("bad_axes"), *MESH)
+    assert rc == 2 and out == ""
+    assert err.splitlines() == [
+        "meshinit plan: 7 problems found while planning (2 after collapsing repeated layers):",
+        "  layers.{0..5}.up: logical axis 'mlpp' has no rule; known: embed, mlp, norm, vocab; "
+        "add ('mlpp', None) to the rules to replicate it",
+        "  odd: dimension 0 (logical 'vocab') of size 3 is not divisible by mesh axes 'tensor' "
+        "of size 4; pad the dimension or map it to other mesh axes",
+    ]
+
+
+def test_specs_without_a_mesh_get_a_hint_about_abstract_mesh(capsys):
+    rc, _, err = plan_cli(capsys, bad("specs"))
+    assert rc == 2
+    lines = err.splitlines()
+    assert lines[0] == (
+        "meshinit plan: 13 problems found while planning (4 after collapsing repeated layers):"
+    )
+    assert lines[2].startswith("  layers.{0..3}.down: no mesh given and no default")
+    assert lines[-1] == (
+        "hint: --abstract-mesh data=16,fsdp=16,tensor=8 gives specs without a mesh one"
+    )
+
+
+def test_many_problems_are_capped(capsys, tmp_path):
+    source = tmp_path / "many.py"
+    source.write_text(
+        "import jax, meshinit\n"
+        "def model():\n"
+        "    return {f'p{i}': meshinit.param((3,), jax.nn.initializers.ones, axes=('x',))"
+        " for i in range(30)}\n"
+    )
+    rc, _, err = plan_cli(capsys, f"{source}:model", "--abstract-mesh", "x=2")
+    lines = err.splitlines()
+    assert rc == 2 and len(lines) == 12  # heading, 10 problems, the rest counted
+    assert lines[0] == "meshinit plan: 30 problems found while planning:"
+    assert lines[-1] == "  +20 more"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("raise RuntimeError('no config file')", "RuntimeError: no config file"),
+        ("import no_such_dependency_xyz", "ModuleNotFoundError: No module named 'no_such_"),
+        ("def broken(:\n    pass", "SyntaxError: "),
+        ("import sys\nsys.exit(3)", "SystemExit: 3"),
+    ],
+)
+def test_a_module_that_fails_to_import_is_one_line(capsys, tmp_path, body, message):
+    source = tmp_path / "failing.py"
+    source.write_text(body + "\n")
+    rc, _, err = plan_cli(capsys, f"{source}:model")
+    assert rc == 2
+    assert err.startswith(f"meshinit plan: importing {source} failed: {message}")
+    assert err.count("\n") == 1
+
+
+def test_devices_after_jax_started_is_an_error_not_a_crash(capsys):
+    n = len(jax.devices())  # the backend is up, with the suite's 8 devices
+    rc, _, err = plan_cli(capsys, bad("specs"), *MESH, "--devices", str(n + 1))
+    assert rc == 2
+    assert err == (
+        f"meshinit plan: --devices {n + 1}: jax already started its backend with {n} devices "
+        "in this process\n"
+    )
+    assert len(jax.devices()) == n
+
+
+def test_png_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    rc, out, err = plan_cli(capsys, bad("specs"), *MESH, "--png", str(tmp_path / "p.png"))
+    assert rc == 2 and out == ""
+    assert err == ("meshinit plan: drawing a plan needs matplotlib: pip install 'meshinit[plot]'\n")
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_json_and_compact_cannot_be_combined(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", bad("specs"), "--json", "--compact"])
+    assert e.value.code == 2
+    assert "argument --compact: not allowed with argument --json" in capsys.readouterr().err
+
+
+# As a new user runs it: a subprocess
+
+
+@pytest.mark.slow
+def test_subprocess_plans_405b_compactly_in_100_columns():
+    r = run(
+        "-m", "meshinit", "plan", "examples/capacity_405b.py:model",
+        "--abstract-mesh", "data=16,fsdp=16,tensor=8", "--compact",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == (
+        "mesh 0: AbstractMesh(data=16, fsdp=16, tensor=8; Auto)  (mesh from --abstract-mesh)"
+    )
+    up = next(line for line in lines if "layers.{0..125}.mlp.up" in line).split()
+    assert up == [
+        "layers.{0..125}.mlp.up", "126", "bf16[16384,53248]", "embed,mlp",
+        "(fsdp,data),tensor", "102.4", "MiB",
+    ]  # fmt: skip
+    assert lines[-1] == "total: 1137 params, 756.0 GiB, 1 mesh, most on one device 378.0 MiB"
+    assert len(lines) == 19  # 12 rows for 1137 params
+    assert all(len(line) <= 100 for line in lines)
+
+
+@pytest.mark.slow
+def test_subprocess_devices_sets_the_simulated_device_count():
+    # cli_factories.stages builds concrete meshes over 8 devices
+    ok = run("-m", "meshinit", "plan", "tests/cli_factories.py:stages", "--devices", "8")
+    assert ok.returncode == 0, ok.stderr
+    assert "mesh 1: Mesh(fsdp=2, tensor=2; Explicit; devices 4-7)" in ok.stdout
+    one = run("-m", "meshinit", "plan", "tests/cli_factories.py:stages")
+    assert one.returncode == 2
+    assert one.stderr.startswith(
+        "meshinit plan: tests/cli_factories.py:stages() raised ValueError: Number of devices 1"
+    )
+    assert one.stderr.count("\n") == 1 and "Traceback" not in one.stderr
+
+
+@pytest.mark.slow
+def test_subprocess_bad_input_has_no_traceback():
+    r = run("-m", "meshinit", "plan", "examples/capacity_405b.py:nope")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == (
+        "meshinit plan: examples/capacity_405b.py has no attribute 'nope'; it defines "
+        "layer, main, model, specs\n"
+    )
+
+
+@pytest.mark.slow
+def test_subprocess_piped_into_head_ends_quietly():
+    # the full 405B table (~130 KB) overflows the pipe once the reader stops reading
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshinit", "plan", "examples/capacity_405b.py:model"]
+        + ["--abstract-mesh", "data=16,fsdp=16,tensor=8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stdout.readline().startswith("mesh 0: AbstractMesh(data=16")
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert err == ""  # no BrokenPipeError traceback
+
+
+# Compact view
+
+
+def stacked_tree(mesh, indices):
+    """``stages.S.layers.L.w`` for each (S, L) in ``indices``."""
+    tree: dict = {"stages": {}}
+    for s, i in indices:
+        tree["stages"].setdefault(str(s), {"layers": {}})["layers"][str(i)] = {
+            "w": meshinit.param((8, 8), ones, axes=("x", None), mesh=mesh)
+        }
+    return tree
+
+
+def compact_rows(plan):
+    rows = [line.split() for line in plan.compact().splitlines()]
+    return {r[0]: r for r in rows if r and r[0].startswith("stages")}
+
+
+M2 = AbstractMesh((2,), ("x",))
+
+
+def test_compact_collapses_a_full_product_into_one_row():
+    plan = meshinit.plan(stacked_tree(M2, [(s, i) for s in range(2) for i in range(4)]))
+    assert list(compact_rows(plan)) == ["stages.{0,1}.layers.{0..3}.w"]
+    assert compact_rows(plan)["stages.{0,1}.layers.{0..3}.w"][1] == "8"
+
+
+def test_compact_keeps_indices_that_are_not_a_product_apart():
+    # stage 0 holds layers 0-3, stage 1 layers 4-7: not stages {0,1} x layers {0..7}
+    plan = meshinit.plan(
+        stacked_tree(M2, [(0, i) for i in range(4)] + [(1, i) for i in range(4, 8)])
+    )
+    rows = compact_rows(plan)
+    assert list(rows) == ["stages.0.layers.{0..3}.w", "stages.1.layers.{4..7}.w"]
+    assert [r[1] for r in rows.values()] == ["4", "4"]
+
+
+def test_compact_does_not_collapse_different_shardings_and_shows_gaps():
+    def w(i):
+        return meshinit.param((8, 8), ones, axes=(None, "x") if i == 3 else ("x", None), mesh=M2)
+
+    plan = meshinit.plan({"layers": [w(i) for i in (0, 1, 2, 3, 4, 5, 7)]})
+    rows = [line.split() for line in plan.compact().splitlines() if line.startswith("  layers")]
+    # list positions: 0..5 and 6; position 3 shards the other dimension
+    assert [(r[0], r[1], r[4]) for r in rows] == [
+        ("layers.{0..2,4..6}", "6", "x,None"),
+        ("layers.3", "1", "None,x"),
+    ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sets(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=20))
+def test_collapsed_rows_cover_each_path_exactly_once(points):
+    paths = [f"s.{a}.l.{b}.w" for a, b in sorted(points)]
+    rows = _report.collapse_paths(paths, [None] * len(paths))
+    covered = [k for _, positions in rows for k in positions]
+    assert sorted(covered) == list(range(len(paths)))  # every path in exactly one row
+    for path, positions in rows:
+        # each row's index sets multiply out to exactly its paths
+        expanded = _expand(path)
+        assert sorted(expanded) == sorted(paths[k] for k in positions)
+
+
+def _expand(path):
+    """``s.{0,1}.l.{2..4}.w`` -> every path it stands for."""
+    out = [""]
+    for part in re.findall(r"\{[^}]*\}|[^.]+", path):
+        if part.startswith("{"):
+            values = []
+            for run in part[1:-1].split(","):
+                lo, _, hi = run.partition("..")
+                values += range(int(lo), int(hi or lo) + 1)
+        else:
+            values = [part]
+        out = [f"{o}.{v}" if o else str(v) for o in out for v in values]
+    return out
+
+
+def test_compact_keeps_names_with_leading_zeros():
+    tree = {k: meshinit.param((2,), ones, mesh=M2) for k in ("07", "08", "7")}
+    text = meshinit.plan(tree).compact()
+    paths = [line.split()[0] for line in text.splitlines()[2:5]]
+    assert paths == ["07", "08", "7"]
+
+
+def test_compact_sums_to_the_group_total_and_counts_every_param():
+    plan = meshinit.plan(factory_specs("mixed"))
+    lines = plan.compact().splitlines()
+    assert lines[1].split() == ["path", "n", "array", "logical", "PartitionSpec", "per", "device"]
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith("  layers")}
+    assert rows["layers.{0..3}.up"][1:5] == ["4", "f32[64,256]", "embed,mlp", "fsdp,tensor"]
+    assert rows["layers.{0..3}.norm"][3:5] == ["norm", "replicated"]
+    assert rows["layers.{0..3}.norm"][-1] == "!"  # replicated where fsdp or tensor could shard
+    # the flagged paths are named collapsed too
+    assert "    fsdp=2 could shard 4 (1.0 KiB per device): layers.{0..3}.norm" in lines
+    group_lines = lines[2 : lines.index("  13 params, 641.0 KiB in all, 81.0 KiB per device")]
+    assert sum(int(line.split()[1]) for line in group_lines) == 13
+
+
+# JSON
+
+
+def test_to_dict_describes_every_param_and_the_totals():
+    devices = jax.devices()
+    main_mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), devices=devices)
+    stage = jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=devices[4:])
+    tree = {
+        "a": meshinit.param((16, 32), ones, axes=("fsdp", "tensor"), mesh=main_mesh),
+        "b": meshinit.param((8, 24), ones, axes=(None, "tensor"), mesh=main_mesh),
+        "c": meshinit.param((8, 8), ones, mesh=stage, dtype="bfloat16"),
+        "d": meshinit.param(
+            (4, 8), ones, axes=("embed", None), mesh=stage, rules=(("embed", "fsdp"),)
+        ),
+    }
+    plan = meshinit.plan(tree)
+    d = plan.to_dict()
+    assert d["schema"] == "meshinit.plan/1"
+    m0, m1 = d["meshes"]
+    assert m0["axis_names"] == ["fsdp", "tensor"] and m0["axis_sizes"] == [2, 4]
+    assert m0["axis_types"] == ["Explicit", "Explicit"] and m0["abstract"] is False
+    assert m0["device_ids"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert m1["device_ids"] == [[4, 5], [6, 7]]
+    assert [m["device_bytes"] for m in d["meshes"]] == [g.device_bytes for g in plan.groups]
+    assert [m["replicated_bytes"] for m in d["meshes"]] == [g.replicated_bytes for g in plan.groups]
+    a, b, c, dd = d["params"]
+    assert [p["path"] for p in d["params"]] == ["a", "b", "c", "d"]
+    assert a["partition_spec"] == ["fsdp", "tensor"] and a["shard_shape"] == [8, 8]
+    assert a["device_bytes"] == 8 * 8 * 4 and a["nbytes"] == 16 * 32 * 4
+    assert a["logical_axes"] is None  # its axes name mesh axes
+    assert b["replicated_axes"] == ["fsdp"] and b["shardable_axes"] == {"fsdp": [0, 1]}
+    assert c["dtype"] == "bfloat16" and c["mesh"] == 1 and c["partition_spec"] == [None, None]
+    assert c["shardable_axes"] == {"fsdp": [0, 1], "tensor": [0, 1]}
+    assert dd["logical_axes"] == ["embed", None] and dd["partition_spec"] == ["fsdp", None]
+    totals = d["totals"]
+    assert totals["params"] == 4 and totals["elements"] == 16 * 32 + 8 * 24 + 64 + 32
+    assert totals["nbytes"] == plan.nbytes and totals["meshes"] == 2
+    assert totals["device_bytes_per_mesh"] == [g.device_bytes for g in plan.groups]
+    assert totals["max_device_bytes"] == plan.max_device_bytes
+    # devices 4-7 hold both meshes' shards: the most is their sum
+    assert totals["max_device_bytes"] == sum(g.device_bytes for g in plan.groups)
+    assert totals["max_replicated_bytes"] == max(plan.replicated_bytes().values())
+    assert json.loads(plan.to_json()) == d
+    assert json.loads(plan.to_json(indent=None)) == d and "\n" not in plan.to_json(indent=None)
+
+
+def test_json_has_one_record_a_line_and_says_where_meshes_came_from(capsys):
+    rc, out, _ = plan_cli(capsys, f"{F}:mixed", *MESH, "--json")
+    assert rc == 0
+    d = json.loads(out)
+    assert [m["mesh_from"] for m in d["meshes"]] == ["--abstract-mesh", "spec"]
+    assert d["meshes"][0]["abstract"] is True and d["meshes"][0]["device_ids"] is None
+    lines = out.splitlines()
+    for p in d["params"]:
+        assert sum(f'{{"path": "{p["path"]}"' in line for line in lines) == 1
+    plan = meshinit.plan(factory_specs("mixed"))
+    assert [p["path"] for p in d["params"]] == [e.path for e in plan.entries]
+    del d["meshes"][0]["mesh_from"], d["meshes"][1]["mesh_from"]
+    assert d == plan.to_dict()
+
+
+# PNG
+
+
+def three_meshes():
+    devices = jax.devices()
+    return {
+        "a": meshinit.param(
+            (16, 32), ones, axes=("fsdp", "tensor"),
+            mesh=jax.make_mesh((2, 4), ("fsdp", "tensor"), devices=devices),
+        ),
+        "b": meshinit.param(
+            (8, 8, 8), ones, axes=("data", None, None),
+            mesh=jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), devices=devices),
+        ),
+        "c": meshinit.param(
+            (64,), ones, axes=("tensor",),
+            mesh=jax.make_mesh((2,), ("tensor",), devices=devices[6:]),
+        ),
+    }  # fmt: skip
+
+
+def test_heatmap_draws_each_mesh_grid_with_per_device_bytes():
+    pytest.importorskip("matplotlib")
+    plan = meshinit.plan(three_meshes())
+    fig = plan.heatmap()
+    per_device = plan.device_bytes()
+    images = [ax for ax in fig.axes if ax.get_images()]
+    assert len(images) == 3 and len(fig.axes) == 6  # one colorbar each
+    for ax, group in zip(images, plan.groups, strict=True):
+        grid = ax.get_images()[0].get_array()
+        expected = [per_device[d] for d in group.mesh.devices.flat]
+        assert grid.flatten().tolist() == expected
+        assert ax.get_title().startswith(f"mesh {plan.groups.index(group)}: Mesh(")
+    # (2, 2, 2): data as rows, fsdp x tensor flattened into 4 columns, and the title says so
+    assert images[1].get_images()[0].get_array().shape == (2, 4)
+    assert "rows: data; columns: fsdp×tensor flattened row-major" in images[1].get_title()
+    assert images[1].get_xlabel() == "fsdp×tensor" and images[1].get_ylabel() == "data"
+    assert images[2].get_images()[0].get_array().shape == (1, 2)  # one axis: one row
+    # devices 6 and 7 hold all three meshes' shards
+    assert per_device[jax.devices()[7]] == sum(g.device_bytes for g in plan.groups)
+
+
+def test_heatmap_of_an_empty_plan_says_so():
+    pytest.importorskip("matplotlib")
+    with pytest.raises(ValueError, match="the plan has no parameters"):
+        meshinit.plan({}).heatmap()
+
+
+def test_png_is_written_headless(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.delenv("DISPLAY", raising=False)
+    target = tmp_path / "plan.png"
+    rc, out, err = plan_cli(capsys, f"{F}:mixed", *MESH, "--compact", "--png", str(target))
+    assert rc == 0
+    assert err == f"meshinit plan: wrote {target}\n"
+    assert "layers.{0..3}.up" in out  # the table still prints
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# HTML
+
+
+class _Tags(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.stack: list[str] = []
+        self.tables: list[list[list[str]]] = []
+        self.texts: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.stack.append(tag)
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self.tables[-1][-1].append("")
+
+    def handle_endtag(self, tag):
+        assert self.stack.pop() == tag, f"</{tag}> closes something else"
+
+    def handle_data(self, data):
+        if self.stack and self.stack[-1] in ("td", "th"):
+            self.tables[-1][-1][-1] += data
+        self.texts.append(data)
+
+
+def test_repr_html_has_one_table_per_mesh_with_escaped_paths_and_the_totals():
+    tree = three_meshes()
+    tree["<b>&x"] = meshinit.param((4,), ones, mesh=AbstractMesh((2,), ("x",)))
+    plan = meshinit.plan(tree)
+    text = plan._repr_html_()
+    assert "<b>&x" not in text and "&lt;b&gt;&amp;x" in text
+    parser = _Tags()
+    parser.feed(text)
+    parser.close()
+    assert parser.stack == []  # every tag closed, in order
+    assert len(parser.tables) == len(plan.groups) == 4
+    for table, group in zip(parser.tables, plan.groups, strict=True):
+        head, *rows = table
+        assert head[:7] == [
+            "path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device",
+        ]  # fmt: skip
+        assert [r[0] for r in rows] == [e.path for e in group.entries]
+    assert any(t.startswith("total: 4 params") for t in parser.texts)
+    assert "<b>mesh 0</b>: AbstractMesh(x=2; Auto): 1 param, 16 B in all" in text
