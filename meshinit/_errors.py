@@ -8,7 +8,16 @@ from collections.abc import Iterable
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One thing wrong with one parameter (or with the tree, when ``path`` is empty)."""
+    """One thing wrong with one parameter (or with the tree, when ``path`` is empty).
+
+    Attributes:
+      path: the parameter's dot-joined path, or ``""`` for a problem with the tree.
+      message: what is wrong, and what would fix it.
+
+    Examples:
+      >>> str(meshinit.Problem("layers.3.mlp.up", "logical axis 'mlpp' has no rule"))
+      "layers.3.mlp.up: logical axis 'mlpp' has no rule"
+    """
 
     path: str
     message: str
@@ -20,9 +29,22 @@ class Problem:
 class PlanError(ValueError):
     """Raised once for all problems found while planning or materializing.
 
+    A ``ValueError``: code that catches ``ValueError`` keeps working.
+
+    Args:
+      problems: the problems, in the order they were found.
+      header: the first line of the message; by default ``"N problems found while
+        planning:"``.
+
     Attributes:
       problems: one :class:`Problem` per problem, each naming its path. ``str(p)``
         reads ``"layers.3.mlp.up: logical axis 'mlpp' has no rule; ..."``.
+
+    Examples:
+      >>> try:
+      ...     meshinit.plan(specs)
+      ... except meshinit.PlanError as e:
+      ...     bad_paths = [p.path for p in e.problems]
     """
 
     def __init__(self, problems: Iterable[Problem], header: str | None = None):

@@ -107,7 +107,7 @@ def param_key(key: Any, path: str) -> jax.Array:
     Returns:
       A key of the same kind as ``key`` (a typed key for an int seed).
 
-    Example:
+    Examples:
       >>> k = meshinit.param_key(0, "layers.0.w")
       >>> w = init(k, (4, 4), jnp.float32)  # equals meshinit.init(...)["layers"][0]["w"]
     """

@@ -83,11 +83,16 @@ def logical_to_mesh_axes(
 
     Args:
       axes: one logical name (or None) per dimension, without duplicates.
-      rules: a normalized rule table.
+      rules: a rule table, as a tuple of ``(logical_name, mesh_axes)`` tuples
+        (hashable: results are cached).
       mesh_axis_names: when given, rules naming an axis outside it are skipped.
 
-    Example:
-      >>> logical_to_mesh_axes(("embed", "mlp"),
+    Returns:
+      One PartitionSpec entry per dimension: a mesh axis name, a tuple of them, or
+      None (replicated).
+
+    Examples:
+      >>> meshinit.logical_to_mesh_axes(("embed", "mlp"),
       ...     (("mlp", "tensor"), ("embed", "tensor"), ("embed", "fsdp")))
       ('fsdp', 'tensor')
     """

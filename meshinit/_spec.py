@@ -98,6 +98,11 @@ class ParamSpec:
       rules: the logical-to-mesh rule table, or None when ``axes`` name mesh axes.
       dtype: the array dtype.
       metadata: free-form extra keyword arguments given to :func:`param`.
+
+    Examples:
+      >>> spec = meshinit.param((1024, 4096), lecun_normal(), axes=("embed", "mlp"))
+      >>> spec.shape, spec.dtype, spec.nbytes
+      ((1024, 4096), dtype('float32'), 16777216)
     """
 
     shape: tuple[int, ...]
@@ -156,7 +161,14 @@ def defaults(
     switches rules off again inside an outer rules context. Values are read when
     ``param`` is called, not when the plan is made.
 
-    Example:
+    Args:
+      mesh: the mesh of the specs made inside; None keeps the enclosing one.
+      rules: the rule table of the specs made inside; None keeps the enclosing one,
+        and ``MESH_AXES`` means none (axes name mesh axes).
+      dtype: the dtype of the specs made inside; None keeps the enclosing one
+        (float32 outside any context).
+
+    Examples:
       >>> with meshinit.defaults(mesh=mesh, rules=(("embed", "fsdp"), ("mlp", "tensor"))):
       ...     w = meshinit.param((256, 1024), lecun_normal(), axes=("embed", "mlp"))
     """
@@ -208,10 +220,11 @@ def param(
       A :class:`ParamSpec`.
 
     Raises:
-      TypeError, ValueError: at once, for a malformed shape, axes, rules or dtype.
-      Everything that depends on the mesh is checked by :func:`meshinit.plan`.
+      TypeError, ValueError: at once, for a malformed shape, axes, rules or dtype;
+        everything that depends on the mesh is checked later, by
+        :func:`meshinit.plan`.
 
-    Example:
+    Examples:
       >>> mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
       >>> w = meshinit.param((256, 1024), jax.nn.initializers.lecun_normal(),
       ...                    axes=("fsdp", "tensor"), mesh=mesh)
@@ -269,7 +282,7 @@ def stacked(n: int, spec: ParamSpec, axis: str | None = "layers") -> ParamSpec:
     Returns:
       A spec of shape ``(n, *spec.shape)`` with ``axis`` prepended to its axes.
 
-    Example:
+    Examples:
       >>> layer = meshinit.param((d, d), lecun_normal(), axes=("embed", "mlp"))
       >>> w = meshinit.stacked(32, layer)   # shape (32, d, d), axes ("layers", "embed", "mlp")
     """

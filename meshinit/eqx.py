@@ -62,7 +62,7 @@ def materialize(module: Any, key: Any) -> Any:
     Raises:
       PlanError: every problem in the module's specs, each naming its path.
 
-    Example:
+    Examples:
       >>> class Linear(eqx.Module):
       ...     w: jax.Array
       ...     def __init__(self, mesh):
@@ -257,7 +257,7 @@ def init(
       TypeError, ValueError: ``placements`` is not a sequence, or the key is not a
         single sharding-invariant key.
 
-    Example:
+    Examples:
       >>> mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
       >>> mlp = meshinit.eqx.init(
       ...     lambda k: eqx.nn.MLP(64, 10, 256, 2, key=k),

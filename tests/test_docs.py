@@ -1,0 +1,425 @@
+"""The docs site: it builds strictly, every public name is documented, every page is in
+the nav, and the runnable scripts on the guide pages run."""
+
+import ast
+import dataclasses
+import functools
+import importlib.util
+import inspect
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import meshinit
+import meshinit.eqx
+import meshinit.nnx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+# Google-style section headers that griffe (mkdocstrings' parser) renders as sections.
+# "Example:" (singular) is not one of them: griffe makes it an admonition, and the
+# ``>>>`` lines inside turn into block quotes. Write "Examples:".
+EXAMPLES = re.compile(r"^\s*Examples:\s*$", re.M)
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def test_mkdocs_build_strict_passes_and_renders_every_public_name(tmp_path):
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("mkdocs is not installed: pip install -e '.[docs]' (CI installs it)")
+    site = tmp_path / "site"
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml")]
+        + ["-d", str(site)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout}\n{r.stderr}"
+    assert "WARNING" not in r.stderr, r.stderr
+    # mkdocstrings gives each rendered object an anchor named by its full path; a name
+    # missing here is missing from the API reference.
+    html = "".join(p.read_text() for p in (site / "api").rglob("*.html"))
+    missing = [name for name in _reference_names() if f'id="{name}"' not in html]
+    assert not missing, f"not in the API reference: {missing}"
+
+
+def _reference_names() -> list[str]:
+    names = [f"meshinit.{n}" for n in _top_level_names()]
+    names += [f"meshinit.nnx.{n}" for n in meshinit.nnx.__all__]
+    names += [f"meshinit.eqx.{n}" for n in meshinit.eqx.__all__]
+    for cls in CLASSES:
+        names += [f"meshinit.{cls.__name__}.{n}" for n in _public_members(cls)]
+    return names
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def _top_level_names() -> list[str]:
+    """The names ``meshinit/__init__.py`` re-exports, without a leading underscore."""
+    tree = ast.parse((ROOT / "meshinit" / "__init__.py").read_text())
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            names += [a.asname or a.name for a in node.names]
+    return [n for n in names if not n.startswith("_")]
+
+
+CLASSES = (meshinit.Plan, meshinit.PlanEntry, meshinit.MeshGroup, meshinit.ParamSpec)
+
+
+def _public_members(cls: type) -> list[str]:
+    """Public methods and properties defined by ``cls`` itself (not dataclass fields)."""
+    kinds = (property, functools.cached_property)
+    return [
+        name
+        for name, value in vars(cls).items()
+        if not name.startswith("_") and (isinstance(value, kinds) or inspect.isfunction(value))
+    ]
+
+
+def _documented_objects() -> list[tuple[str, object]]:
+    objects = [(f"meshinit.{n}", getattr(meshinit, n)) for n in _top_level_names()]
+    objects += [(f"meshinit.nnx.{n}", getattr(meshinit.nnx, n)) for n in meshinit.nnx.__all__]
+    objects += [(f"meshinit.eqx.{n}", getattr(meshinit.eqx, n)) for n in meshinit.eqx.__all__]
+    for cls in CLASSES:
+        objects += [(f"meshinit.{cls.__name__}.{n}", vars(cls)[n]) for n in _public_members(cls)]
+    return objects
+
+
+def test_the_public_surface_is_what_the_docs_cover():
+    """Guards the lists below: a new public name shows up here and in the API pages."""
+    assert "plan" in _top_level_names() and "materialize" in _top_level_names()
+    assert sorted(meshinit.nnx.__all__) == ["init", "materialize"]
+    assert sorted(meshinit.eqx.__all__) == ["init", "materialize"]
+    assert "device_bytes" in _public_members(meshinit.Plan)
+    assert "shard_dims" in _public_members(meshinit.PlanEntry)
+    assert "replicated_bytes" in _public_members(meshinit.MeshGroup)
+    assert "nbytes" in _public_members(meshinit.ParamSpec)
+    assert not any(n.startswith("_") for n in _top_level_names())
+
+
+# ----------------------------------------------------------------------------- docstrings
+
+
+def _section(doc: str, header: str) -> str | None:
+    """The indented body under ``header:`` in a Google-style docstring, or None."""
+    m = re.search(rf"^([ \t]*){header}:[ \t]*\n((?:\1[ \t]+\S.*\n|[ \t]*\n)*)", doc + "\n", re.M)
+    return m.group(2) if m else None
+
+
+def _parameters(fn) -> list[inspect.Parameter]:
+    sig = inspect.signature(fn)
+    return [p for name, p in sig.parameters.items() if name not in ("self", "cls")]
+
+
+def _returns_something(fn) -> bool:
+    annotation = inspect.signature(fn).return_annotation
+    if annotation is inspect.Signature.empty:
+        return False
+    # A generator-based context manager (``with meshinit.defaults(...):``) yields None.
+    return str(annotation) not in ("None", "Iterator[None]", "<class 'NoneType'>")
+
+
+def _own_doc(obj) -> str:
+    """``obj``'s own docstring: not inherited, and not a dataclass's generated one."""
+    if isinstance(obj, property):
+        obj = obj.fget
+    elif isinstance(obj, functools.cached_property):
+        obj = obj.func
+    doc = obj.__dict__.get("__doc__") if isinstance(obj, type) else obj.__doc__
+    if doc and isinstance(obj, type) and doc.startswith(f"{obj.__name__}("):
+        return ""  # dataclasses write "Name(field: type, ...)" when there is no docstring
+    return inspect.cleandoc(doc or "")
+
+
+def _constant_has_docstring(name: str) -> bool:
+    """Whether ``name = ...`` in meshinit's source is followed by a string literal."""
+    for source in (ROOT / "meshinit").glob("*.py"):
+        body = ast.parse(source.read_text()).body
+        for node, after in zip(body, body[1:], strict=False):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+    return False
+
+
+def _lists(section: str, name: str) -> bool:
+    """Whether a Google-style section lists ``name`` as ``name:`` or ``name (type):``."""
+    return re.search(rf"^[ \t]+{re.escape(name)}( \(.*\))?:", section, re.M) is not None
+
+
+def _args_problems(qualname: str, doc: str, fn) -> list[str]:
+    args = _section(doc, "Args")
+    params = _parameters(fn)
+    if params and args is None:
+        return [f"{qualname}: has parameters but no Args: section"]
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return [
+        f"{qualname}: parameter {p.name!r} not under Args:"
+        for p in params
+        if not _lists(args, stars.get(p.kind, "") + p.name)
+    ]
+
+
+def _problems(qualname: str, obj) -> list[str]:
+    if not (callable(obj) or isinstance(obj, property | functools.cached_property)):
+        ok = _constant_has_docstring(qualname.rsplit(".", 1)[1])
+        return [] if ok else [f"{qualname}: no docstring after its assignment"]
+    doc = _own_doc(obj)
+    if not doc:
+        return [f"{qualname}: no docstring"]
+    if isinstance(obj, property | functools.cached_property):
+        return []  # a property reads like an attribute: its docstring says what it is
+    problems = []
+    if dataclasses.is_dataclass(obj):
+        # Fields go under Attributes:, not Args: (the dataclass writes __init__).
+        attributes = _section(doc, "Attributes") or ""
+        for field in dataclasses.fields(obj):
+            if not _lists(attributes, field.name):
+                problems.append(f"{qualname}: field {field.name!r} not under Attributes:")
+    elif isinstance(obj, type):
+        if "__init__" in vars(obj):  # its own __init__: documented in the class docstring
+            problems += _args_problems(qualname, doc, obj.__init__)
+    else:
+        problems += _args_problems(qualname, doc, obj)
+        if _returns_something(obj) and _section(doc, "Returns") is None:
+            problems.append(f"{qualname}: returns a value but has no Returns: section")
+    if not EXAMPLES.search(doc):
+        problems.append(f"{qualname}: no Examples: section")
+    elif ">>>" not in doc.split("Examples:", 1)[1]:
+        problems.append(f"{qualname}: its Examples: section has no >>> line")
+    return problems
+
+
+def test_every_public_name_has_a_google_style_docstring_with_an_example():
+    """Functions: Args (each parameter), Returns (when they return), Examples.
+    Classes: Attributes (each dataclass field), Examples. Properties: a docstring.
+    Constants: a docstring string after the assignment."""
+    problems = [p for name, obj in _documented_objects() for p in _problems(name, obj)]
+    assert not problems, "docstrings to fix:\n" + "\n".join(problems)
+
+
+def test_the_docstring_checker_catches_what_it_should():
+    def undocumented(x):
+        return x
+
+    def documented(x: int) -> int:
+        """Adds one.
+
+        Args:
+          x: a number.
+
+        Returns:
+          ``x + 1``.
+
+        Examples:
+          >>> documented(1)
+          2
+        """
+        return x + 1
+
+    def no_example(x: int) -> int:
+        """Adds one.
+
+        Args:
+          x: a number.
+
+        Returns:
+          ``x + 1``.
+
+        Example:
+          >>> no_example(1)
+        """
+        return x + 1
+
+    def missing_arg(x: int, *, y: int = 0) -> None:
+        """Does nothing.
+
+        Args:
+          x: a number.
+
+        Examples:
+          >>> missing_arg(1)
+        """
+
+    assert _problems("undocumented", undocumented) == ["undocumented: no docstring"]
+    assert _problems("documented", documented) == []
+    assert _problems("no_example", no_example) == ["no_example: no Examples: section"]
+    assert _problems("missing_arg", missing_arg) == ["missing_arg: parameter 'y' not under Args:"]
+
+    @dataclasses.dataclass
+    class Point:
+        x: int
+
+    @dataclasses.dataclass
+    class HalfDocumented:
+        """A point.
+
+        Attributes:
+          x: across.
+
+        Examples:
+          >>> HalfDocumented(1, 2)
+        """
+
+        x: int
+        y: int
+
+    class Error(ValueError):
+        """An error.
+
+        Examples:
+          >>> raise Error("bad")
+        """
+
+        def __init__(self, message: str):
+            super().__init__(message)
+
+    assert _problems("Point", Point) == ["Point: no docstring"]
+    assert _problems("HalfDocumented", HalfDocumented) == [
+        "HalfDocumented: field 'y' not under Attributes:"
+    ]
+    assert _problems("Error", Error) == ["Error: has parameters but no Args: section"]
+
+
+# ----------------------------------------------------------------------------- nav
+
+
+def _nav_pages() -> list[str]:
+    """The .md paths listed under ``nav:`` in mkdocs.yml, in order."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = re.search(r"^nav:\n((?:[ \t]+.*\n|\n)*)", text, re.M)
+    assert nav, "mkdocs.yml has no nav"
+    return re.findall(r":\s*([\w./-]+\.md)\s*$", nav.group(1), re.M)
+
+
+def test_every_nav_page_exists_and_every_page_is_in_the_nav():
+    nav = _nav_pages()
+    assert nav[0] == "index.md", "the home page comes first"
+    assert len(nav) == len(set(nav)), f"pages listed twice: {nav}"
+    missing = [p for p in nav if not (DOCS / p).is_file()]
+    assert not missing, f"in the nav but not in docs/: {missing}"
+    pages = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+    orphans = [p for p in pages if p not in nav]
+    assert not orphans, f"in docs/ but not in the nav: {orphans}"
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+def _scripts(page: str) -> list[tuple[str, str | None, list[str]]]:
+    """The page's complete scripts: python blocks that set up the simulated devices.
+
+    Each comes with what the page says it does, up to the next script:
+    - the text block right after it, when that block shows a traceback: the script is
+      the "before" of a migration, and must fail the way the page says;
+    - the text blocks that show a plan table (``mesh 0: ...``): the script must print
+      them exactly, so the page cannot drift from meshinit's output.
+    """
+    text = (DOCS / page).read_text()
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)
+    starts = [
+        i
+        for i, (lang, code) in enumerate(blocks)
+        if lang == "python" and "jax_num_cpu_devices" in code
+    ]
+    out = []
+    for start, end in zip(starts, [*starts[1:], len(blocks)], strict=True):
+        shown = [code for lang, code in blocks[start + 1 : end] if lang == "text"]
+        error = shown[0] if start + 1 < end and blocks[start + 1][0] == "text" else None
+        error = error if error and error.startswith("Traceback") else None
+        tables = [t for t in shown if t.startswith("mesh 0: ")]
+        out.append((blocks[start][1], error, tables))
+    return out
+
+
+# The pages whose complete scripts run in the tests, and how many each has at least.
+SCRIPT_PAGES = {"getting-started.md": 1, "migrating.md": 9}
+
+
+@pytest.mark.parametrize("page", SCRIPT_PAGES)
+def test_each_guide_page_keeps_its_complete_scripts(page):
+    found = len(_scripts(page))
+    assert found >= SCRIPT_PAGES[page], f"{page}: {found} complete scripts, want all of them"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "page,index",
+    [(page, i) for page in SCRIPT_PAGES for i in range(len(_scripts(page)))],
+)
+def test_guide_scripts_run_as_shown(page, index, tmp_path):
+    code, shown_error, tables = _scripts(page)[index]
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    if shown_error is None:
+        assert r.returncode == 0, f"{page} script {index} failed:\n{code}\n{r.stderr}"
+        for table in tables:
+            assert table in r.stdout, f"{page}: the page shows\n{table}\nbut it printed\n{r.stdout}"
+        return
+    # The page shows a traceback: the script must fail with the exception it shows.
+    raised = re.findall(r"^([\w.]+(?:Error|Exception)):", shown_error, re.M)
+    assert raised, f"{page} script {index}: the traceback shown names no exception"
+    error = raised[-1].rsplit(".", 1)[-1]
+    assert r.returncode != 0, f"{page} script {index} should fail with {error}, but ran"
+    assert error in r.stderr, f"{page} script {index}: expected {error}, got:\n{r.stderr}"
+
+
+def _cli_sessions() -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The command line page's files (python blocks headed ``# NAME.py``) and its
+    sessions (text blocks starting with ``$ meshinit ...``, then the output shown)."""
+    text = (DOCS / "api" / "cli.md").read_text()
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)
+    files = {}
+    for lang, code in blocks:
+        first = code.splitlines()[0]
+        if lang == "python" and re.fullmatch(r"# [\w]+\.py", first):
+            files[first[2:]] = code
+    sessions = []
+    for lang, code in blocks:
+        if lang == "text" and code.startswith("$ meshinit "):
+            command, _, output = code.partition("\n")
+            sessions.append((command[2:], output))
+    return files, sessions
+
+
+def test_the_command_line_page_has_sessions():
+    files, sessions = _cli_sessions()
+    assert "myspecs.py" in files and len(sessions) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(_cli_sessions()[1])))
+def test_command_line_sessions_print_what_the_page_shows(index, tmp_path):
+    files, sessions = _cli_sessions()
+    for name, code in files.items():
+        (tmp_path / name).write_text(code)
+    command, shown = sessions[index]
+    r = subprocess.run(
+        [sys.executable, "-m", *command.split()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    printed = r.stdout + r.stderr
+    assert printed.strip() == shown.strip(), f"$ {command}\nprinted:\n{printed}\nshown:\n{shown}"
