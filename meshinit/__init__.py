@@ -16,6 +16,7 @@ from ._plan import Plan as Plan
 from ._plan import PlanEntry as PlanEntry
 from ._plan import plan as plan
 from ._rules import logical_to_mesh_axes as logical_to_mesh_axes
+from ._shardings import shardings as shardings
 from ._spec import MESH_AXES as MESH_AXES
 from ._spec import ParamSpec as ParamSpec
 from ._spec import defaults as defaults
@@ -24,7 +25,7 @@ from ._spec import stacked as stacked
 
 __version__ = "0.1.0"
 
-_ADAPTERS = ("nnx", "eqx")
+_ADAPTERS = ("nnx", "eqx", "optax", "linen")
 
 
 def __getattr__(name: str):

@@ -1,0 +1,379 @@
+"""optax adapter: optimizer state made directly with its parameters' exact shardings.
+
+``init(tx, params)`` builds ``tx.init(params)`` without ever gathering a parameter or
+a state leaf onto one device, for parameters on one mesh or on several, disjoint ones
+included. Every state leaf that *mirrors* a parameter (Adam's ``mu`` and ``nu``,
+momentum, a copy of the parameters) gets exactly that parameter's sharding; the rest
+(step counts, scalars) are replicated on one mesh, ``scalars_on``.
+
+A leaf mirrors a parameter when its dot-joined path ends with the parameter's path
+and their shapes match; the longest such path wins. So ``mu.layers.0.w`` mirrors
+``layers.0.w``, and ``inner_states.a.inner_state.0.nu.w`` mirrors ``w``. Failing a
+whole-path match, the parameter of that shape sharing the most trailing path
+components wins (the first in tree order on ties): lookahead's ``fast_state.0.mu.w``
+mirrors ``fast.w``.
+
+One computation per mesh group of parameters makes the leaves on that group's mesh.
+It takes only that group's arrays as inputs, and stands zeros in for the other
+groups' parameters inside the traced function, so no computation mixes meshes.
+Executables are cached per transformation and parameter structure: a second
+``init`` with the same ``tx`` and the same shapes, dtypes and shardings compiles
+nothing.
+
+Importing meshinit does not import optax; this module loads on first use of
+``meshinit.optax``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Hashable
+from typing import Any
+
+try:
+    import optax as _optax
+except ImportError as e:  # pragma: no cover - exercised only without optax
+    raise ImportError("meshinit.optax needs optax: pip install optax") from e
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Literal
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import _materialize, _paths
+from ._plan import MeshGroup, Plan
+from ._report import describe_mesh
+
+__all__ = ["abstract", "init"]
+
+
+def _flat_params(params: Any) -> tuple[list[str], list[Any], Any]:
+    """Paths, leaves and treedef of ``params``; every leaf must carry a NamedSharding."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [_paths.path_str(p) for p, _ in flat]
+    leaves = [leaf for _, leaf in flat]
+    bad = [
+        f"{path or '<root>'}: {type(leaf).__name__} with sharding "
+        f"{getattr(leaf, 'sharding', None)!r}"
+        for path, leaf in zip(paths, leaves, strict=True)
+        if not isinstance(getattr(leaf, "sharding", None), NamedSharding)
+    ]
+    if bad:
+        raise TypeError(
+            "meshinit.optax needs every parameter placed with a NamedSharding (a mesh); "
+            "place them with meshinit.materialize or jax.device_put first:\n  " + "\n  ".join(bad)
+        )
+    if not leaves:
+        raise ValueError("params has no array leaves: there is no mesh to put the state on")
+    return paths, leaves, treedef
+
+
+def _common_tail(a: list[str], b: list[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def _mirrors(param_paths: list[str], param_shapes: list[tuple[int, ...]], state: Any) -> list[int]:
+    """For each state leaf (flatten order), the index of the parameter it mirrors, or -1.
+
+    Among parameters of the leaf's shape: one whose whole path ends the leaf's path
+    (longest first); failing that, the one sharing the most trailing path components,
+    at least the last (first in tree order on ties). The fallback covers wrappers that
+    rename the parameters' root: lookahead's ``fast_state.0.mu.w`` mirrors ``fast.w``.
+    """
+    params = [p.split(".") if p else [] for p in param_paths]
+    # Candidates share the leaf's shape and last path component (a root parameter,
+    # path "", matches any leaf of its shape), so this stays linear in the tree size.
+    candidates: dict[tuple[Any, ...], list[int]] = {}
+    for i, (p, s) in enumerate(zip(params, param_shapes, strict=True)):
+        candidates.setdefault((s, p[-1] if p else None), []).append(i)
+    out = []
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        path = _paths.path_str(keypath).split(".")
+        shape = tuple(np.shape(leaf))
+        best, best_score = -1, (0, 0)
+        found = candidates.get((shape, path[-1]), []) + candidates.get((shape, None), [])
+        for i in sorted(found):
+            p = params[i]
+            tail = _common_tail(path, p)
+            score = (1, len(p)) if tail == len(p) else (0, tail)
+            if score > best_score:
+                best, best_score = i, score
+        out.append(best)
+    return out
+
+
+def _scalars_mesh(leaves: list[Any], scalars_on: Mesh | None) -> Mesh:
+    if scalars_on is None:
+        return leaves[0].sharding.mesh
+    if not isinstance(scalars_on, Mesh | jax.sharding.AbstractMesh):
+        raise TypeError(f"scalars_on must be a jax.sharding.Mesh; got {type(scalars_on).__name__}")
+    return scalars_on
+
+
+def _assign(
+    param_paths: list[str], leaves: list[Any], state: Any, scalars_on: Mesh | None
+) -> tuple[list[NamedSharding], list[int]]:
+    """Each state leaf's sharding, and the parameter it mirrors (-1: on ``scalars_on``)."""
+    shapes = [tuple(np.shape(x)) for x in leaves]
+    mirrors = _mirrors(param_paths, shapes, state)
+    replicated = NamedSharding(_scalars_mesh(leaves, scalars_on), PartitionSpec())
+    shardings = [leaves[m].sharding if m >= 0 else replicated for m in mirrors]
+    return shardings, mirrors
+
+
+def _abstract_params(tree: Any) -> Any:
+    if isinstance(tree, Plan):
+        tree = tree.abstract()
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)),
+        tree,
+    )
+
+
+def abstract(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
+    """The state :func:`init` would make, as ``jax.ShapeDtypeStruct``s; allocates nothing.
+
+    Each struct carries the sharding :func:`init` gives that leaf, so the result is an
+    Orbax restore target for the optimizer state.
+
+    Args:
+      tx: an ``optax.GradientTransformation``.
+      params: a :class:`meshinit.Plan` (its :meth:`~meshinit.Plan.abstract` tree is
+        used), or a tree of ``jax.ShapeDtypeStruct``s with shardings, or of placed
+        arrays.
+      scalars_on: the mesh for leaves that mirror no parameter, as in :func:`init`.
+
+    Returns:
+      ``tx.init``'s state tree with a ``jax.ShapeDtypeStruct(shape, dtype,
+      sharding=...)`` for each leaf.
+
+    Raises:
+      TypeError: a parameter has no ``NamedSharding``.
+
+    Examples:
+      >>> target = meshinit.optax.abstract(optax.adamw(1e-3), meshinit.plan(specs))
+      >>> opt_state = checkpointer.restore(path, target)
+    """
+    params = _abstract_params(params)
+    paths, leaves, _ = _flat_params(params)
+    state = jax.eval_shape(tx.init, params)
+    shardings, _ = _assign(paths, leaves, state, scalars_on)
+    flat, treedef = jax.tree_util.tree_flatten(state)
+    return jax.tree_util.tree_unflatten(
+        treedef,
+        [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            for x, s in zip(flat, shardings, strict=True)
+        ],
+    )
+
+
+# tx.init -> {structure key: (state treedef, [(group, input positions, output
+# positions, executable)])}. Weak on tx.init, so a dropped transformation frees its
+# executables and a recycled id() can never hit a stale entry.
+_cache: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+_PER_TX = 64  # structures kept per transformation, oldest dropped first
+
+
+def _cached(fn: Any, key: Hashable) -> Any:
+    with _lock:
+        try:
+            return _cache.get(fn, {}).get(key)
+        except TypeError:  # tx.init cannot be weakly referenced: never cached
+            return None
+
+
+def _store(fn: Any, key: Hashable, value: Any) -> None:
+    with _lock:
+        try:
+            entries = _cache.setdefault(fn, {})
+        except TypeError:
+            return
+        entries[key] = value
+        while len(entries) > _PER_TX:
+            del entries[next(iter(entries))]
+
+
+def _structure_key(treedef: Any, leaves: list[Any], scalars_on: Mesh) -> Hashable:
+    return (
+        treedef,
+        tuple((x.shape, x.dtype, x.sharding) for x in leaves),
+        scalars_on,
+        _materialize._full_key(None),
+    )
+
+
+def _reads(tx: Any, params_def: Any, specs: list[Any]) -> tuple[Any, list[frozenset[int]]]:
+    """The abstract state, and for each of its leaves the parameters its value reads.
+
+    Read off ``tx.init``'s jaxpr: an equation's outputs read everything its inputs
+    read, so the answer may say too much, never too little. Calls (``jit``,
+    ``custom_jvp``) are followed inside, so a jitted helper over the whole tree does
+    not make every leaf read every parameter.
+    """
+    closed, state = jax.make_jaxpr(
+        lambda *xs: tx.init(jax.tree_util.tree_unflatten(params_def, xs)), return_shape=True
+    )(*specs)
+    jaxpr = closed.jaxpr
+    outs = _flow(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))])
+    return state, outs
+
+
+def _flow(jaxpr: Any, reads: list[frozenset[int]]) -> list[frozenset[int]]:
+    env: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, reads, strict=True))
+
+    def get(v: Any) -> frozenset[int]:
+        return frozenset() if isinstance(v, Literal) else env.get(v, frozenset())
+
+    for eqn in jaxpr.eqns:
+        ins = [get(v) for v in eqn.invars]
+        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if (
+            sub is not None
+            and hasattr(sub, "eqns")
+            and len(sub.invars) == len(ins)
+            and len(sub.outvars) == len(eqn.outvars)
+        ):
+            outs = _flow(sub, ins)
+        else:
+            outs = [frozenset().union(*ins)] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [get(v) for v in jaxpr.outvars]
+
+
+def _build(tx: Any, params: Any, paths: list[str], leaves: list[Any], scalars_on: Mesh | None):
+    """The state's treedef and one compiled step per mesh that holds state leaves.
+
+    Compiles every step before anything is allocated, so a compile error leaves
+    nothing behind.
+    """
+    _, params_def = jax.tree_util.tree_flatten(params)
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    state, reads = _reads(tx, params_def, specs)
+    shardings, _ = _assign(paths, leaves, state, scalars_on)
+    state_def = jax.tree_util.tree_structure(state)
+    state_paths = [_paths.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    # A leaf is made on its own mesh, from that mesh's parameters only; one that reads
+    # a parameter on another mesh would see the zeros standing in for it.
+    problems = [
+        f"{state_paths[j] or '<root>'}: placed on {describe_mesh(s.mesh)} but reads "
+        + ", ".join(
+            paths[i] or "<root>" for i in sorted(reads[j]) if leaves[i].sharding.mesh != s.mesh
+        )
+        for j, s in enumerate(shardings)
+        if any(leaves[i].sharding.mesh != s.mesh for i in reads[j])
+    ]
+    if problems:
+        raise ValueError(
+            "meshinit.optax cannot make these state leaves: each is made on one mesh "
+            "from that mesh's parameters, and these read parameters on another mesh. "
+            "Place the parameters they combine on one mesh, or pass scalars_on= the "
+            "mesh they live on:\n  " + "\n  ".join(problems)
+        )
+
+    meshes: list[Mesh] = []
+    for m in [x.sharding.mesh for x in leaves] + [s.mesh for s in shardings]:
+        if m not in meshes:
+            meshes.append(m)
+    steps = []
+    for mesh in meshes:
+        inputs = [i for i, x in enumerate(leaves) if x.sharding.mesh == mesh]
+        outputs = [j for j, s in enumerate(shardings) if s.mesh == mesh]
+        if not outputs:
+            continue
+
+        def program(*real, inputs=inputs, outputs=outputs):
+            # This mesh's real arrays, and zeros for the other meshes' parameters:
+            # none of this mesh's leaves reads them (checked above), so XLA drops them.
+            given = dict(zip(inputs, real, strict=True))
+            full = [
+                given[i] if i in given else jnp.zeros(x.shape, x.dtype) for i, x in enumerate(specs)
+            ]
+            out = jax.tree_util.tree_leaves(tx.init(jax.tree_util.tree_unflatten(params_def, full)))
+            return [out[j] for j in outputs]
+
+        args = [
+            jax.ShapeDtypeStruct(
+                leaves[i].shape, leaves[i].dtype, sharding=_auto(leaves[i].sharding)
+            )
+            for i in inputs
+        ]
+        exe = _materialize._compile(
+            MeshGroup(mesh, ()), program, [shardings[j] for j in outputs], args
+        )
+        steps.append((mesh, inputs, outputs, exe))
+    return state_def, steps
+
+
+def _auto(sharding: NamedSharding) -> NamedSharding:
+    return NamedSharding(_materialize._auto_twin(sharding.mesh), sharding.spec)
+
+
+def init(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
+    """``tx.init(params)``, with each state leaf made directly on its parameter's shards.
+
+    A state leaf that mirrors a parameter (its dot-joined path ends with the
+    parameter's path and the shapes match, the longest match winning; failing that,
+    the parameter of that shape sharing the most trailing path components) gets
+    exactly that parameter's sharding. Every other leaf is replicated on
+    ``scalars_on``. One computation per mesh makes that mesh's leaves from that
+    mesh's parameters only, so no device ever holds a full copy of a sharded leaf,
+    and parameters on disjoint meshes work. Values equal ``tx.init(params)`` computed on one device.
+
+    Args:
+      tx: an ``optax.GradientTransformation``.
+      params: a tree of placed ``jax.Array``s, each with a ``NamedSharding``, on one
+        mesh or several.
+      scalars_on: the mesh on which leaves that mirror no parameter (step counts,
+        scalars) are replicated. Default: the mesh of the first parameter in tree
+        order (``jax.tree.leaves(params)[0]``).
+
+    Returns:
+      The optimizer state, as ``tx.init`` structures it.
+
+    Raises:
+      TypeError: a parameter is not placed with a ``NamedSharding``.
+      ValueError: ``params`` has no leaves.
+
+    Examples:
+      >>> params = meshinit.materialize(meshinit.plan(specs), 0)
+      >>> opt_state = meshinit.optax.init(optax.adamw(1e-3), params)
+    """
+    paths, leaves, treedef = _flat_params(params)
+    mesh = _scalars_mesh(leaves, scalars_on)
+    key = _structure_key(treedef, leaves, mesh)
+    hit = _cached(tx.init, key)
+    if hit is None:
+        hit = _build(tx, params, paths, leaves, scalars_on)
+        _store(tx.init, key, hit)
+    state_def, steps = hit
+    values: dict[int, jax.Array] = {}
+    made: list[jax.Array] = []
+    try:
+        for step_mesh, inputs, outputs, exe in steps:
+            try:
+                out = exe(*[leaves[i] for i in inputs])
+            except Exception as e:
+                e.add_note(f"meshinit.optax: while making the state leaves on the mesh {step_mesh}")
+                raise
+            made.extend(out)
+            values.update(zip(outputs, out, strict=True))
+        jax.block_until_ready(made)
+    except BaseException as e:
+        for array in made:
+            array.delete()
+        e.add_note(f"meshinit.optax: deleted the {len(made)} state arrays it had made")
+        raise
+    return jax.tree_util.tree_unflatten(state_def, [values[j] for j in range(len(values))])
+
+
+del _optax
