@@ -56,6 +56,7 @@ def _reference_names() -> list[str]:
     names = [f"meshinit.{n}" for n in _top_level_names()]
     names += [f"meshinit.nnx.{n}" for n in meshinit.nnx.__all__]
     names += [f"meshinit.eqx.{n}" for n in meshinit.eqx.__all__]
+    names += [f"meshinit.{m}.{n}" for m in ("optax", "linen") for n in _adapter(m).__all__]
     for cls in CLASSES:
         names += [f"meshinit.{cls.__name__}.{n}" for n in _public_members(cls)]
     return names
@@ -87,10 +88,16 @@ def _public_members(cls: type) -> list[str]:
     ]
 
 
+def _adapter(name: str):
+    return getattr(meshinit, name)  # lazily imported adapter modules
+
+
 def _documented_objects() -> list[tuple[str, object]]:
     objects = [(f"meshinit.{n}", getattr(meshinit, n)) for n in _top_level_names()]
     objects += [(f"meshinit.nnx.{n}", getattr(meshinit.nnx, n)) for n in meshinit.nnx.__all__]
     objects += [(f"meshinit.eqx.{n}", getattr(meshinit.eqx, n)) for n in meshinit.eqx.__all__]
+    for m in ("optax", "linen"):
+        objects += [(f"meshinit.{m}.{n}", getattr(_adapter(m), n)) for n in _adapter(m).__all__]
     for cls in CLASSES:
         objects += [(f"meshinit.{cls.__name__}.{n}", vars(cls)[n]) for n in _public_members(cls)]
     return objects
@@ -101,6 +108,8 @@ def test_the_public_surface_is_what_the_docs_cover():
     assert "plan" in _top_level_names() and "materialize" in _top_level_names()
     assert sorted(meshinit.nnx.__all__) == ["init", "materialize"]
     assert sorted(meshinit.eqx.__all__) == ["init", "materialize"]
+    assert sorted(meshinit.optax.__all__) == ["abstract", "init"]
+    assert sorted(meshinit.linen.__all__) == ["init"]
     assert "device_bytes" in _public_members(meshinit.Plan)
     assert "shard_dims" in _public_members(meshinit.PlanEntry)
     assert "replicated_bytes" in _public_members(meshinit.MeshGroup)

@@ -1,0 +1,366 @@
+"""flax linen adapter: existing linen Modules, placed as their partitioning annotations say.
+
+:func:`init` takes an ordinary linen Module whose parameters are annotated with
+``nn.with_logical_partitioning`` (logical axis names, resolved with rule tables in
+the linen/MaxText pair format) or ``nn.with_partitioning`` (mesh axis names), each
+optionally with its own ``mesh=``. It traces ``module.init`` abstractly, plans every
+annotated leaf to an exact ``NamedSharding``, and compiles ``module.init`` once per
+mesh group with exactly that group's leaves as outputs, so the values are those of
+``module.init`` and no device computes what it does not own.
+
+Paths are the dot-joined variable paths: ``params.layers_0.mlp.wi.kernel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+try:
+    import flax.linen as nn
+    from flax.core import meta
+except ImportError as e:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError("meshinit.linen needs flax: pip install meshinit[nnx]") from e
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from . import _materialize, _paths, _plan
+from ._errors import Problem
+from ._spec import ParamSpec
+
+__all__ = ["init"]
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, meta.AxisMetadata)
+
+
+def _value(x: Any) -> Any:
+    """A box's value, without the sharding constraint linen's ``unbox`` would add."""
+    if isinstance(x, meta.Partitioned):
+        return x.unbox(apply_constraint=False)
+    return x.unbox() if _is_box(x) else x
+
+
+def _unconstrained_unbox(self: Any, apply_constraint: bool = True) -> Any:
+    return self.value
+
+
+@contextlib.contextmanager
+def _no_unbox_constraints() -> Iterator[None]:
+    """While meshinit traces ``module.init``, boxes unbox to their bare values.
+
+    linen's ``Partitioned.unbox`` constrains each parameter to its box's mesh (or the
+    context mesh) as the module uses it. Inside one group's computation that pins
+    values to other groups' meshes ("incompatible devices" for disjoint submeshes)
+    and, on Explicit axes, fails outright. Placement is meshinit's job here: the
+    out_shardings of each group say exactly where each variable goes. The classes
+    are restored on exit; do not run other linen code on another thread meanwhile.
+    """
+    classes = (meta.Partitioned, nn.LogicallyPartitioned)
+    saved = [cls.__dict__["unbox"] for cls in classes]
+    for cls in classes:
+        cls.unbox = _unconstrained_unbox  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, unbox in zip(classes, saved, strict=True):
+            cls.unbox = unbox  # type: ignore[method-assign]
+
+
+def _host_keys(key: Any) -> tuple[list[np.ndarray], Callable[[list[Any]], Any]]:
+    """Host key data, and the function that rebuilds ``module.init``'s rngs from it.
+
+    A dict of keys (``{"params": k1, "dropout": k2}``) becomes a dict again. A legacy
+    uint32 key reaches ``module.init`` as a legacy key, a typed key (or an int seed, as
+    ``jax.random.key(seed)``) as a typed key of its implementation.
+    """
+    names = list(key) if isinstance(key, Mapping) else None
+    keys = [key[n] for n in names] if names is not None else [key]
+    data, makers = [], []
+    for k in keys:
+        d, impl = _paths.host_key(k)  # validates: one key, sharding-invariant values
+        legacy = isinstance(k, jax.Array | np.ndarray) and not jax.dtypes.issubdtype(
+            k.dtype, jax.dtypes.prng_key
+        )
+        data.append(d)
+        makers.append(
+            (lambda x: x) if legacy else (lambda x, i=impl: jax.random.wrap_key_data(x, impl=i))
+        )
+
+    def rebuild(values: list[Any]) -> Any:
+        rebuilt = [make(v) for make, v in zip(makers, values, strict=True)]
+        return dict(zip(names, rebuilt, strict=True)) if names is not None else rebuilt[0]
+
+    return data, rebuild
+
+
+def _host_inputs(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """The array leaves of the example inputs, as host values, and how to put them back.
+
+    Arrays enter each group's computation as numpy values (an array on another mesh
+    must not pin the computation to it); a ``jax.ShapeDtypeStruct`` stands for zeros
+    of its shape, made inside the computation. Everything else (``train=False``,
+    ``method=``) stays static.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    data: list[Any] = []
+    slots: list[tuple[str, Any]] = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            slots.append(("zeros", leaf))
+        elif isinstance(leaf, jax.Array | np.ndarray):
+            slots.append(("arg", len(data)))
+            data.append(np.asarray(leaf))
+        else:
+            slots.append(("static", leaf))
+
+    def rebuild(values: list[Any]) -> Any:
+        out = []
+        for kind, x in slots:
+            if kind == "zeros":
+                out.append(jax.numpy.zeros(x.shape, x.dtype))
+            elif kind == "arg":
+                out.append(values[x])
+            else:
+                out.append(x)
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    return data, rebuild
+
+
+def _context_mesh() -> Mesh | AbstractMesh | None:
+    mesh = jax.sharding.get_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def _fallback_mesh(mesh: Any) -> Mesh | AbstractMesh:
+    """``mesh``, else the context mesh, else a mesh with no axes over the default device."""
+    if mesh is not None:
+        return mesh
+    found = _context_mesh()
+    if found is not None:
+        return found
+    device = jax.config.jax_default_device or jax.devices()[0]
+    return Mesh(np.array(device), ())
+
+
+def _default_placement(default: Any, mesh: Any) -> tuple[Any, Any] | None:
+    """``(mesh, spec entries or None)`` for leaves without an annotation, or None."""
+    if default is None:
+        return None
+    if isinstance(default, str):
+        if default != "replicated":
+            raise ValueError(
+                f'default must be "replicated", a Mesh or a NamedSharding; got {default!r}'
+            )
+        return _fallback_mesh(mesh), None
+    if isinstance(default, Mesh | AbstractMesh):
+        return default, None
+    if isinstance(default, NamedSharding):
+        return default.mesh, tuple(default.spec)
+    raise TypeError(
+        f'default must be "replicated", a Mesh or a NamedSharding; got {type(default).__name__}'
+    )
+
+
+_NO_ANNOTATION = (
+    "has no partitioning annotation; wrap its initializer with "
+    "nn.with_logical_partitioning(init, names) or nn.with_partitioning(init, names), "
+    'or pass default="replicated" to replicate every unannotated variable'
+)
+
+
+def _spec_for(
+    path: str,
+    leaf: Any,
+    mesh: Any,
+    rules: Any,
+    default: tuple[Any, Any] | None,
+    problems: list[Problem],
+) -> ParamSpec | None:
+    """Translates one variable (boxed or not) into a spec; records what is wrong."""
+    boxed = isinstance(leaf, meta.Partitioned)
+    value = _value(leaf)
+    if not isinstance(value, jax.ShapeDtypeStruct):
+        problems.append(
+            Problem(path, f"holds {type(value).__name__}, not an array; meshinit cannot place it")
+        )
+        return None
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
+        problems.append(
+            Problem(path, f"holds a {value.dtype} array (a PRNG key?), which meshinit cannot place")
+        )
+        return None
+    ndim = len(value.shape)
+    spec_rules = None
+    if boxed:
+        names = tuple(leaf.names)
+        if any(n is PartitionSpec.UNCONSTRAINED for n in names):
+            problems.append(
+                Problem(
+                    path, "UNCONSTRAINED in its names cannot be placed exactly; name axes or None"
+                )
+            )
+            return None
+        if len(names) > ndim:
+            problems.append(
+                Problem(path, f"names {names} have more entries than its {ndim} dimensions")
+            )
+            return None
+        axes = names + (None,) * (ndim - len(names))  # as PartitionSpec pads
+        where = leaf.mesh if leaf.mesh is not None else mesh
+        where = where if where is not None else _context_mesh()
+        if where is None:
+            problems.append(
+                Problem(
+                    path,
+                    "is annotated but has no mesh: pass mesh= to meshinit.linen.init or "
+                    "to its annotation, or call under jax.set_mesh",
+                )
+            )
+            return None
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            spec_rules = leaf.rules if leaf.rules is not None else rules
+            if spec_rules is None:
+                spec_rules = nn.get_logical_axis_rules() or None
+            if spec_rules is None:
+                problems.append(
+                    Problem(
+                        path,
+                        f"has logical axis names {names} but no rules: pass rules= to "
+                        f"meshinit.linen.init or to its annotation, or call under "
+                        f"nn.logical_axis_rules(...)",
+                    )
+                )
+                return None
+    elif default is not None:
+        where, entries = default
+        axes = None if entries is None else entries + (None,) * (ndim - len(entries))
+    else:
+        problems.append(Problem(path, _NO_ANNOTATION))
+        return None
+    try:
+        return ParamSpec(
+            shape=value.shape,
+            init=_materialize.from_constructor,
+            axes=axes,
+            mesh=where,
+            rules=spec_rules,
+            dtype=value.dtype,
+        )
+    except (TypeError, ValueError) as e:
+        problems.append(Problem(path, str(e)))
+        return None
+
+
+def init(
+    module: nn.Module,
+    key: Any,
+    *example_args: Any,
+    mesh: Mesh | AbstractMesh | None = None,
+    rules: Any = None,
+    default: str | Mesh | NamedSharding | None = None,
+    **example_kwargs: Any,
+) -> Any:
+    """Runs ``module.init(key, *example_args, **example_kwargs)`` with every variable placed.
+
+    Each variable annotated with ``nn.with_logical_partitioning`` or
+    ``nn.with_partitioning`` comes back on exactly the ``NamedSharding`` its
+    annotation describes: on the annotation's own ``mesh=`` if it has one, else on
+    ``mesh``, else on the ``jax.set_mesh`` context mesh. Logical names resolve with the
+    annotation's own ``rules=``, else ``rules``, else the rules of an active
+    ``nn.logical_axis_rules``, by linen's algorithm (see
+    :func:`meshinit.logical_to_mesh_axes`), strictly: a logical name without a rule is
+    an error, not silently replicated. Values are those of ``module.init`` run eagerly
+    (within float rounding; it is compiled, and XLA may fuse differently).
+
+    ``module.init`` is traced once abstractly (nothing allocated), then compiled once
+    per mesh group, returning only that group's variables with exact out_shardings;
+    XLA drops the rest.
+
+    Args:
+      module: a linen Module.
+      key: what ``module.init`` takes as rngs: a legacy key (``jax.random.PRNGKey``),
+        a typed key, or a dict of them (``{"params": k1, "dropout": k2}``); an int
+        seed means ``jax.random.key(seed)``. Keys must be threefry.
+      *example_args: the example inputs of ``module.init``. Arrays enter the compiled
+        computation as host values (so they must be fully addressable); a
+        ``jax.ShapeDtypeStruct`` stands for zeros of its shape and allocates nothing
+        outside it; other values stay static.
+      mesh: the mesh of annotations that name none.
+      rules: ``(logical_name, mesh_axes)`` pairs, as in flax linen and MaxText, for
+        ``nn.with_logical_partitioning`` annotations that carry no rules.
+      default: where variables without an annotation go. None (the default) makes
+        each of them an error. ``"replicated"`` replicates them on ``mesh`` (else
+        the context mesh, else the default device); a ``Mesh`` replicates them on
+        that mesh; a ``NamedSharding`` places each on its mesh with its spec.
+      **example_kwargs: keyword arguments of ``module.init`` (``train=False``,
+        ``method=...``, ``mutable=...``).
+
+    Returns:
+      The variables ``module.init`` returns, in the same structure: annotated
+      variables stay in their ``nn.Partitioned`` / ``nn.LogicallyPartitioned`` boxes,
+      with a placed ``jax.Array`` inside. Unbox with ``nn.unbox(variables)`` (or
+      ``flax.core.meta.unbox``) before ``module.apply`` if your code does not.
+
+    Raises:
+      PlanError: all problems at once, each naming its variable path: variables
+        without an annotation (when no ``default``), names that are not mesh axes or
+        have no rule, dimensions that do not divide, a missing mesh or rules.
+      TypeError, ValueError: a malformed ``default``, or a key that is not a single
+        threefry key (or a dict of them).
+
+    Examples:
+      >>> mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+      >>> rules = (("embed", "fsdp"), ("mlp", "tensor"))
+      >>> dense = nn.Dense(64, kernel_init=nn.with_logical_partitioning(
+      ...     nn.initializers.lecun_normal(), ("embed", "mlp")), use_bias=False)
+      >>> variables = meshinit.linen.init(dense, jax.random.PRNGKey(0),
+      ...     jnp.ones((1, 16)), mesh=mesh, rules=rules)
+      >>> variables["params"]["kernel"].value.sharding.spec
+      P('fsdp', 'tensor')
+    """
+    placement = _default_placement(default, mesh)
+    key_data, make_rngs = _host_keys(key)
+    input_data, make_inputs = _host_inputs((example_args, example_kwargs))
+    n_keys = len(key_data)
+
+    def run_init(*values: Any) -> Any:
+        args, kwargs = make_inputs(list(values[n_keys:]))
+        with _no_unbox_constraints():
+            return module.init(make_rngs(list(values[:n_keys])), *args, **kwargs)
+
+    host = [*key_data, *input_data]
+    abstract = jax.eval_shape(run_init, *host)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_box)
+    problems: list[Problem] = []
+    specs = []
+    for keypath, leaf in flat:
+        specs.append(_spec_for(_paths.path_str(keypath), leaf, mesh, rules, placement, problems))
+    plan = _plan.build_plan(
+        jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
+    )
+    position = {_paths.path_str(kp): i for i, (kp, _) in enumerate(flat)}
+    order = [position[e.path] for e in plan.entries]
+    expected = [(leaf.shape, leaf.dtype) for leaf in specs]
+
+    def build(*values: Any) -> list[Any]:
+        leaves = jax.tree_util.tree_leaves(run_init(*values), is_leaf=_is_box)
+        leaves = [_value(x) for x in leaves]
+        if [(np.shape(v), np.dtype(v.dtype)) for v in leaves] != expected:
+            raise ValueError(
+                "module.init built different variables when traced again; "
+                "meshinit.linen.init needs a deterministic module"
+            )
+        return [leaves[i] for i in order]
+
+    placed = jax.tree_util.tree_leaves(_materialize.materialize_from(plan, build, *host))
+    boxes = [
+        leaf.replace_boxed(array) if _is_box(leaf) else array
+        for (_, leaf), array in zip(flat, placed, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, boxes)
