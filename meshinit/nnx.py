@@ -11,6 +11,9 @@ Two ways in:
   and the values its own ``nnx.Rngs`` produce. This compiles the whole constructor
   once per mesh group, so it is no faster to compile than ``nnx.jit``.
 
+And for training, :func:`optimizer`: an ordinary ``nnx.Optimizer`` whose state is
+placed exactly like the params it mirrors, by ``meshinit.optax.init``.
+
 Paths are nnx state paths, dot-joined (``layers.0.w``), so a spec-declared Module
 gets the same values as ``meshinit.init`` on a dict with the same paths.
 """
@@ -18,6 +21,8 @@ gets the same values as ``meshinit.init`` on a dict with the same paths.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,7 +40,7 @@ from . import _materialize, _plan
 from ._errors import Problem
 from ._spec import ParamSpec
 
-__all__ = ["materialize", "init"]
+__all__ = ["materialize", "init", "optimizer"]
 
 
 def _path(path: tuple[Any, ...]) -> str:
@@ -301,3 +306,123 @@ def init(factory: Callable[[], nnx.Module]) -> nnx.Module:
             var = var.replace(array, eager_sharding=nnx.using_eager_sharding())
         placed.append((path, var))
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
+
+
+class _Prebuilt:
+    """A transformation whose ``init`` hands back state made beforehand.
+
+    ``nnx.Optimizer`` calls ``tx.init`` itself, eagerly, on every parameter at once;
+    given this instead, it wraps the placed state in its own Variables (``OptArray``,
+    ``OptVariable`` with the parameter's metadata) and computes nothing.
+    """
+
+    def __init__(self, tx: Any, state: Any):
+        self.update = tx.update
+        self._state = state
+
+    def init(self, params: Any) -> Any:
+        return self._state
+
+
+def optimizer(model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param) -> nnx.Optimizer:
+    """``nnx.Optimizer(model, tx, wrt=wrt)``, with its state placed exactly like the params.
+
+    Every state leaf that mirrors a parameter (Adam's ``mu`` and ``nu``, momentum)
+    gets that parameter's sharding, and the step counts (``opt.step`` and the
+    transformation's own counts) are replicated on the mesh of the first ``wrt``
+    Variable in nnx state order, all made by :func:`meshinit.optax.init`: one
+    computation per mesh, values equal to ``tx.init`` on one device. This works for
+    Params on several meshes, disjoint submeshes included, where
+    ``nnx.Optimizer(model, tx, wrt=...)`` puts the counts on one default device, and
+    fails with "incompatible devices" under ``nnx.jit`` or an Auto ``jax.set_mesh``.
+
+    flax's own constructor builds the object, so it is an ordinary ``nnx.Optimizer``
+    with the same Variable types, metadata and tree structure as flax's. It is handed
+    a transformation whose ``init`` returns the placed state, so flax computes no
+    state and re-applies no sharding; ``opt.tx`` is then set to ``tx``, and
+    ``opt.step`` to the placed count. The model is read, never moved or resharded.
+
+    One ``opt.update(model, grads)`` spans every parameter, so it runs only where
+    one computation may: Auto meshes over the same devices. Params on disjoint
+    meshes, or on different Explicit meshes, are trained per stage: one optimizer per
+    stage's sub-Module.
+
+    Args:
+      model: an nnx Module whose ``wrt`` Variables hold arrays placed with a
+        ``NamedSharding``, as :func:`init` and :func:`materialize` leave them.
+      tx: an ``optax.GradientTransformation``.
+      wrt: the nnx filter of the Variables to optimize, as for ``nnx.Optimizer``.
+
+    Returns:
+      An ``nnx.Optimizer`` whose ``opt_state`` and ``step`` are placed as above.
+
+    Raises:
+      TypeError: a ``wrt`` Variable is not placed with a ``NamedSharding``.
+      ValueError: ``wrt`` selects no Variable, or a state leaf would combine
+        parameters on different meshes.
+
+    Examples:
+      >>> model = meshinit.nnx.init(lambda: Model(rngs=nnx.Rngs(0)))
+      >>> opt = meshinit.nnx.optimizer(model, optax.adamw(1e-3))
+      >>> opt.opt_state[0].mu["w"].get_value().sharding == model.w.get_value().sharding
+      True
+    """
+    from . import optax as meshinit_optax  # imports optax only when asked for
+
+    params = nnx.state(model, wrt)
+    step, state = meshinit_optax.init(_WithStep(tx), params)
+    flags = [_eager_flag(v) for v in jax.tree.leaves(state, is_leaf=_is_variable)]
+    # flax's to_opt_state rebuilds each mirror as an OptVariable with its Param's
+    # metadata, which re-applies the sharding the array already has; under an Auto
+    # jax.set_mesh over other devices that fails. Off while it builds, then restored.
+    state = jax.tree.map(
+        lambda v: v.replace(eager_sharding=False) if _is_variable(v) else v,
+        state,
+        is_leaf=_is_variable,
+    )
+    opt = nnx.Optimizer(model, _Prebuilt(tx, state), wrt=wrt)
+    for var, flag in zip(jax.tree.leaves(opt.opt_state, is_leaf=_is_variable), flags, strict=True):
+        if flag is not None:
+            var.set_metadata("eager_sharding", flag)
+    opt.tx = tx
+    opt.step.set_value(step)
+    return opt
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _eager_flag(x: Any) -> bool | None:
+    return x.get_metadata("eager_sharding", None) if _is_variable(x) else None
+
+
+# tx.init -> the init of (step, tx's state). It holds tx.init weakly, so meshinit.optax's
+# cache, weak on the init it is given, keeps working and frees with the transformation.
+_step_inits: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+class _WithStep:
+    """``tx`` with flax's step count in front of its state, so one call makes both."""
+
+    def __init__(self, tx: Any):
+        try:
+            self.init = _step_inits[tx.init]
+        except (KeyError, TypeError):
+            ref = _weak_or_strong(tx.init)
+
+            def init(params: Any) -> Any:
+                return jax.numpy.zeros((), jax.numpy.uint32), ref()(params)
+
+            self.init = init
+            with contextlib.suppress(TypeError):  # not weakly referable: never cached
+                _step_inits[tx.init] = init
+
+
+def _weak_or_strong(fn: Any) -> Callable[[], Any]:
+    if inspect.ismethod(fn):  # a fresh bound method each access: a weak ref would die now
+        return lambda: fn
+    try:
+        return weakref.ref(fn)
+    except TypeError:
+        return lambda: fn
