@@ -43,6 +43,7 @@ def test_demo_rejects_a_device_count_it_cannot_lay_out():
         "eqx_stacked.py",
         "capacity_405b.py",
         "checkpoint_restore.py",
+        "train_state.py",
     ],
 )
 def test_examples_run(script):
@@ -64,3 +65,21 @@ def test_checkpoint_example_runs_again_and_again_into_the_same_directory(tmp_pat
     assert "restored step 0" in second.stdout
     assert "saved step 1; 4/4 exact" in second.stdout
     assert "WRONG" not in first.stdout + second.stdout
+
+
+@pytest.mark.slow
+def test_train_state_example_runs_again_and_again_into_the_same_directory(tmp_path):
+    script = str(ROOT / "examples" / "train_state.py")
+    first = run(script, str(tmp_path))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "initialized params and adamw state: no checkpoint" in first.stdout
+    assert "train step 0:" in first.stdout and "saved step 0" in first.stdout
+    # The second run restores params and optimizer state, trains one more step and
+    # saves the next step number.
+    second = run(script, str(tmp_path))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "restored step 0 from" in second.stdout
+    assert "adam count 2" in second.stdout and "saved step 1" in second.stdout
+    for r in (first, second):
+        assert "WRONG" not in r.stdout and "DIFFER" not in r.stdout
+        assert "all shardings exact" in r.stdout
