@@ -122,6 +122,20 @@ def _mesh_line(index: int, group: MeshGroup, source: MeshSource | None) -> str:
     return f"{line}  (mesh from {source(group)})" if source else line
 
 
+def _row(e: PlanEntry, mesh) -> list[str]:
+    """One parameter's cells: path, shape, dtype, logical axes, mesh axes, spec, bytes."""
+    s = e.spec
+    return [
+        e.path or "<root>",
+        str(s.shape),
+        s.dtype.name,
+        _fmt_axes(s.axes) if s.rules is not None else "-",
+        _fmt_mesh_axes(e.sharding.spec, mesh.shape),
+        str(e.sharding.spec).removeprefix("PartitionSpec"),
+        human_bytes(e.device_bytes),
+    ]
+
+
 def group_table(index: int, group: MeshGroup, source: MeshSource | None = None) -> list[str]:
     head = ["path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device"]
     flagged = {id(e) for e in group.shardable_entries}
@@ -129,16 +143,7 @@ def group_table(index: int, group: MeshGroup, source: MeshSource | None = None) 
         head.append("")
     rows = [head]
     for e in group.entries:
-        s = e.spec
-        row = [
-            e.path or "<root>",
-            str(s.shape),
-            s.dtype.name,
-            _fmt_axes(s.axes) if s.rules is not None else "-",
-            _fmt_mesh_axes(e.sharding.spec, group.mesh.shape),
-            str(e.sharding.spec).removeprefix("PartitionSpec"),
-            human_bytes(e.device_bytes),
-        ]
+        row = _row(e, group.mesh)
         if flagged:
             row.append("!" if id(e) in flagged else "")
         rows.append(row)
@@ -370,17 +375,7 @@ def html(plan: Plan) -> str:
         flagged = {id(e) for e in g.shardable_entries}
         out.append(f"<table><thead><tr>{cells('th', [*head, ''], {6})}</tr></thead><tbody>")
         for e in g.entries:
-            s = e.spec
-            row = [
-                e.path or "<root>",
-                str(s.shape),
-                s.dtype.name,
-                _fmt_axes(s.axes) if s.rules is not None else "-",
-                _fmt_mesh_axes(e.sharding.spec, g.mesh.shape),
-                str(e.sharding.spec).removeprefix("PartitionSpec"),
-                human_bytes(e.device_bytes),
-                "!" if id(e) in flagged else "",
-            ]
+            row = [*_row(e, g.mesh), "!" if id(e) in flagged else ""]
             out.append(f"<tr>{cells('td', row, {6})}</tr>")
         out.append("</tbody></table>")
         out += [f"<p>{html_.escape(line.strip())}</p>" for line in summary[1:]]
