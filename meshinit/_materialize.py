@@ -222,7 +222,7 @@ class Rounds:
 
     def prepare(self, group: MeshGroup, impl: str) -> Runner:
         buckets = self._buckets(group)
-        exes = self.executables(group, impl)
+        exes = [self._executable(group, b, impl) for b in buckets]
         starts = np.cumsum([0, *(len(b) for b in group.batches)])
         # rows[r, k]: the row in group.digests of the r-th parameter of the k-th signature
         rows = [
