@@ -79,6 +79,33 @@ def cold(recipe: str, layers: int, width: int = 1, check_values: bool = False) -
     return result
 
 
+def restart(layers: int, cache_dir: str, width: int = 1) -> dict:
+    """A cold meshinit init with jax's persistent compilation cache on, in ``cache_dir``.
+
+    The first process in a fresh directory fills the cache; the next ones read it, as a
+    restarted job would. Timed like :func:`cold`.
+    """
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    mesh = setup_cpu()
+    jax.config.update("jax_enable_compilation_cache", True)
+    model = Model.cpu(layers, width)
+    recipes.preload("meshinit")
+    clock = CompileClock()
+    start = time.perf_counter()
+    out = recipes.run("meshinit", model, mesh)
+    jax.block_until_ready(out)
+    return {
+        "seconds": time.perf_counter() - start,
+        "compile_s": clock.seconds,
+        "compiles": clock.count,
+        "problems": recipes.placement_problems(model, mesh, out),
+    }
+
+
 def _device_memory(plan: Any, strategy: str) -> dict:
     """Per-device bytes of meshinit's executables against the device's parameter share.
 
@@ -128,9 +155,15 @@ def _call_counts(strategy: Any, group: Any) -> list[int]:
 
 
 def warm(layers: int, meshinit_recipes: list[str], repeats: int, width: int = 1) -> dict:
-    """Re-init with a new key: meshinit's second ``materialize`` of the same plan vs a
-    second call of the compiled fused jit. Best of ``repeats`` calls, in this process.
-    ``meshinit_recipes``:  (``meshinit``, ``meshinit:<strategy>``).
+    """Re-init with a new key: meshinit's ``materialize`` of an already materialized plan
+    vs a call of the compiled fused jit. ``meshinit_recipes``: (``meshinit``,
+    ``meshinit:<strategy>``).
+
+    The calls are interleaved (for each new key: every meshinit recipe, then the fused
+    jit), so a change in the machine's load hits every recipe alike; each gets the best
+    of ``repeats`` calls. The fused jit is timed twice: compiled with XLA's defaults (the
+    anchor of the goal) and with meshinit's CPU compiler options, which separates the
+    cost of the optimization level from the cost of meshinit's extra dispatches.
 
     Also returns the per-device memory of each strategy's executables and of the fused
     jit's executable.
@@ -142,51 +175,70 @@ def warm(layers: int, meshinit_recipes: list[str], repeats: int, width: int = 1)
     mesh = setup_cpu()
     model = Model.cpu(layers, width)
     clock = CompileClock()
-    result: dict[str, Any] = {"nbytes": model.nbytes, "meshinit": {}}
+    result: dict[str, Any] = {"nbytes": model.nbytes, "meshinit": {}, "repeats": repeats}
+    plans = {}
     for recipe in meshinit_recipes:
         strategy = recipes.use_strategy(recipe)
         meshinit.clear_cache()
         start = time.perf_counter()
-        plan = meshinit.plan(recipes.meshinit_specs(model, mesh))
+        plans[recipe] = plan = meshinit.plan(recipes.meshinit_specs(model, mesh))
         _delete(meshinit.materialize(plan, 0))
-        first = time.perf_counter() - start
-        clock.reset()
-        times = []
-        for seed in range(1, repeats + 1):
+        result["meshinit"][recipe] = {"strategy": strategy, "first": time.perf_counter() - start}
+    for recipe in meshinit_recipes:  # clear_cache above dropped the earlier recipes'
+        recipes.use_strategy(recipe)
+        _delete(meshinit.materialize(plans[recipe], 0))
+
+    lowered = recipes.fused_jit(model, mesh).lower(jax.random.key(0))
+    start = time.perf_counter()
+    fused = lowered.compile()
+    _delete(jax.block_until_ready(fused(jax.random.key(0))))
+    fused_first = time.perf_counter() - start
+    options = recipes.meshinit_options()
+    fused_alike = lowered.compile(options or None)
+    _delete(jax.block_until_ready(fused_alike(jax.random.key(0))))
+
+    def meshinit_call(recipe: str) -> Any:
+        def call(seed: int) -> Any:
+            recipes.use_strategy(recipe)
+            return meshinit.materialize(plans[recipe], seed)
+
+        return call
+
+    keys = jax.block_until_ready([jax.random.key(seed) for seed in range(1, repeats + 1)])
+    calls = {recipe: meshinit_call(recipe) for recipe in meshinit_recipes}
+    calls["fused"] = lambda seed: fused(keys[seed - 1])
+    calls["fused_alike"] = lambda seed: fused_alike(keys[seed - 1])
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    clock.reset()
+    for seed in range(1, repeats + 1):
+        for name, call in calls.items():
             start = time.perf_counter()
-            out = meshinit.materialize(plan, seed)
-            jax.block_until_ready(out)
-            times.append(time.perf_counter() - start)
+            out = jax.block_until_ready(call(seed))
+            times[name].append(time.perf_counter() - start)
             _delete(out)
-        entry: dict[str, Any] = {
-            "strategy": strategy,
-            "first": first,
-            "warm": min(times),
-            "compiles": clock.count,
-        }
+    for recipe in meshinit_recipes:
+        entry = result["meshinit"][recipe]
+        entry["warm"] = min(times[recipe])
+        entry["warm_median"] = sorted(times[recipe])[len(times[recipe]) // 2]
+        entry["compiles"] = clock.count  # of every meshinit recipe together: must be 0
         try:
-            entry["memory"] = _device_memory(plan, strategy)
+            recipes.use_strategy(recipe)  # its compiler options: the cached executables
+            entry["memory"] = _device_memory(plans[recipe], entry["strategy"])
         except Exception as e:  # the strategy API is internal and may change
             entry["memory_error"] = f"{type(e).__name__}: {e}"
-        result["meshinit"][recipe] = entry
 
-    start = time.perf_counter()
-    compiled = recipes.fused_jit(model, mesh).lower(jax.random.key(0)).compile()
-    _delete(jax.block_until_ready(compiled(jax.random.key(0))))
-    first = time.perf_counter() - start
-    keys = jax.block_until_ready([jax.random.key(seed) for seed in range(1, repeats + 1)])
-    times = []
-    for key in keys:
-        start = time.perf_counter()
-        out = jax.block_until_ready(compiled(key))
-        times.append(time.perf_counter() - start)
-        _delete(out)
-    stats = compiled.memory_analysis()
+    stats = fused.memory_analysis()
     result["fused"] = {
-        "first": first,
-        "warm": min(times),
+        "first": fused_first,
+        "warm": min(times["fused"]),
+        "warm_median": sorted(times["fused"])[repeats // 2],
         "output": stats.output_size_in_bytes,
         "temp": stats.temp_size_in_bytes,
+    }
+    result["fused_alike"] = {
+        "options": options,
+        "warm": min(times["fused_alike"]),
+        "warm_median": sorted(times["fused_alike"])[repeats // 2],
     }
     return result
 
@@ -285,4 +337,10 @@ def planning(kind: str, specs: int = 10_000) -> dict:
     }
 
 
-CASES = {"cold": cold, "warm": warm, "host_memory": host_memory, "planning": planning}
+CASES = {
+    "cold": cold,
+    "restart": restart,
+    "warm": warm,
+    "host_memory": host_memory,
+    "planning": planning,
+}

@@ -43,6 +43,7 @@ RECIPES = (
     "meshinit",
     "meshinit:per_signature",
     "meshinit:fused_group",
+    "meshinit+xla-defaults",
     "nnx.jit",
     "jax.jit",
     "eager-nnx",
@@ -268,7 +269,7 @@ def run(recipe: str, model: Model, mesh: Any, seed: int = 0) -> Any:
     """Initializes ``model`` with ``recipe``; the arrays may still be in flight."""
     import jax
 
-    if recipe.split(":")[0] == "meshinit":
+    if recipe.split(":")[0].split("+")[0] == "meshinit":
         return meshinit_init(model, mesh, seed)
     if recipe == "jax.jit":
         return fused_jit(model, mesh)(jax.random.key(seed))
@@ -289,18 +290,41 @@ def preload(recipe: str) -> None:
         from flax import nnx  # noqa: F401
 
 
-def use_strategy(recipe: str) -> str:
-    """Sets meshinit's strategy for ``meshinit:<name>`` (the default for ``meshinit``).
+_MESHINIT_OPTIONS: dict[str, Any] | None = None
 
-    Returns the strategy's name.
+
+def meshinit_options() -> dict[str, Any]:
+    """meshinit's own CPU compiler options (as shipped, whatever a recipe set since)."""
+    import meshinit._materialize as materialize
+
+    global _MESHINIT_OPTIONS
+    if _MESHINIT_OPTIONS is None:
+        _MESHINIT_OPTIONS = dict(materialize.CPU_COMPILER_OPTIONS)
+    return dict(_MESHINIT_OPTIONS)
+
+
+def use_strategy(recipe: str) -> str:
+    """Sets meshinit's strategy for ``meshinit[:<name>][+xla-defaults]``.
+
+    ``meshinit`` is the default strategy, ``meshinit:<name>`` another one; with
+    ``+xla-defaults`` meshinit compiles with XLA's default options instead of its own
+    CPU compiler options (executables are cached per options, so recipes can alternate
+    in one process). Returns the strategy's name.
     """
     import meshinit._materialize as materialize
 
-    name = recipe.partition(":")[2] or materialize.DEFAULT_STRATEGY
+    options = meshinit_options()
+    base, _, flag = recipe.partition("+")
+    if flag not in ("", "xla-defaults"):
+        raise ValueError(f"unknown meshinit recipe flag {flag!r} in {recipe!r}")
+    name = base.partition(":")[2] or materialize.DEFAULT_STRATEGY
     if name not in materialize.STRATEGIES:
         known = ", ".join(materialize.STRATEGIES)
         raise ValueError(f"meshinit has no strategy {name!r}; known: {known}")
     materialize.DEFAULT_STRATEGY = name
+    materialize.CPU_COMPILER_OPTIONS.clear()
+    if flag != "xla-defaults":
+        materialize.CPU_COMPILER_OPTIONS.update(options)
     return name
 
 

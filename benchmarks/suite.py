@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ def log(message: str) -> None:
 
 def measure(args: argparse.Namespace) -> dict:
     keys = ("smoke", "layers", "recipes", "repeats", "width", "warm_layers", "warm_repeats")
+    keys += ("restart_layers",)
     keys += ("mem_recipes", "mem_layers", "mem_width", "plan_specs")
     results: dict[str, Any] = {
         "config": {k: getattr(args, k) for k in keys},
@@ -102,6 +104,25 @@ def measure(args: argparse.Namespace) -> dict:
             repeats=args.warm_repeats,
             width=args.width,
         )
+    if args.restart_layers:
+        log(f"restarts with the persistent compilation cache at {args.restart_layers} layers ...")
+        with tempfile.TemporaryDirectory(prefix="meshinit-cache-") as cache_dir:
+            runs = [
+                spawn(
+                    "restart",
+                    args.timeout,
+                    layers=args.restart_layers,
+                    cache_dir=cache_dir,
+                    width=args.width,
+                )
+                for _ in range(3)
+            ]
+        reads = [r for r in runs[1:] if "error" not in r]
+        results["restart"] = {
+            "layers": args.restart_layers,
+            "fill": runs[0],
+            "read": min(reads, key=lambda r: r["seconds"]) if reads else runs[-1],
+        }
     results["host_memory"] = {}
     for recipe in args.mem_recipes:
         log(f"host memory {recipe} ({args.mem_layers} layers, width {args.mem_width}) ...")
@@ -124,6 +145,9 @@ def failures(results: dict, strict: bool) -> list[str]:
         for layers, r in by_layers.items()
     ]
     cases.append(("warm re-init", "meshinit", results.get("warm", {})))
+    for which, r in results.get("restart", {}).items():
+        if isinstance(r, dict):
+            cases.append((f"restart ({which} the cache)", "meshinit", r))
     cases += [(f"host memory {k}", k, r) for k, r in results["host_memory"].items()]
     cases += [(f"planning {k}", "meshinit", r) for k, r in results["planning"].items()]
     found = []
@@ -145,7 +169,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2, help="processes per cold case (best of)")
     ap.add_argument("--width", type=int, default=1, help="width multiplier of the cold cases")
     ap.add_argument("--warm-layers", type=int, default=32, help="0 skips the warm case")
-    ap.add_argument("--warm-repeats", type=int, default=5)
+    ap.add_argument("--warm-repeats", type=int, default=15)
+    ap.add_argument(
+        "--restart-layers", type=int, default=32, help="0 skips the persistent-cache case"
+    )
     ap.add_argument("--mem-recipes", nargs="*", default=["meshinit", "eager-nnx"])
     ap.add_argument("--mem-layers", type=int, default=18)
     ap.add_argument("--mem-width", type=int, default=4, help="18 layers x4: 1.13 GB of f32")
@@ -164,6 +191,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.layers, args.recipes, args.repeats, args.width = [2], ["meshinit", "jax.jit"], 1, 1
         args.warm_layers, args.warm_repeats, args.mem_recipes = 2, 3, []
+        args.restart_layers = 0
         args.plan_specs = 1000
         if args.out or args.png or args.json:
             log("--smoke writes nothing: ignoring --out, --png and --json")
