@@ -61,3 +61,36 @@ def _new_arrays():
 def new_arrays():
     """``with new_arrays() as made: ...`` then ``made`` lists arrays the block allocated."""
     return _new_arrays
+
+
+@pytest.fixture
+def fail_group(monkeypatch):
+    """``made = fail_group(plan, error)``: the default strategy raises ``error("injected
+    fault")`` when it reaches ``plan.groups[1]``, while generating (default) or, with
+    ``when="compile"``, while preparing it; ``made`` lists every array it made before."""
+    from meshinit import _materialize
+
+    def inject(plan, error, *, when="generate"):
+        strategy = _materialize.STRATEGIES[_materialize.DEFAULT_STRATEGY]
+        real = strategy.prepare
+        target = plan.groups[1].mesh
+        made = []
+
+        def prepare(group, impl):
+            if when == "compile" and group.mesh is target:
+                raise error("injected fault")
+            run = real(group, impl)
+
+            def wrapped(*args):
+                if group.mesh is target:
+                    raise error("injected fault")
+                for pos, array in run(*args):
+                    made.append(array)
+                    yield pos, array
+
+            return wrapped
+
+        monkeypatch.setattr(strategy, "prepare", prepare)
+        return made
+
+    return inject

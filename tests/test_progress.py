@@ -171,31 +171,13 @@ def test_the_bar_allocates_no_device_memory(new_arrays):
 
 @pytest.mark.parametrize("phase", ["compile", "generate"])
 def test_on_failure_the_bar_closes_and_the_error_propagates_with_its_notes(
-    monkeypatch, capsys, caplog, phase
+    capsys, caplog, fail_group, phase
 ):
     tqdm = pytest.importorskip("tqdm")
     caplog.set_level(logging.INFO, logger="meshinit")
     plan = meshinit.plan(two_stage_specs())
     meshinit.clear_cache()
-    strategy = _materialize.STRATEGIES[_materialize.DEFAULT_STRATEGY]
-    real = strategy.prepare
-    made = []
-
-    def prepare(group, impl):
-        if phase == "compile" and group.mesh is plan.groups[1].mesh:
-            raise Boom("injected fault")
-        run = real(group, impl)
-
-        def wrapped(*args):
-            if group.mesh is plan.groups[1].mesh:
-                raise Boom("injected fault")
-            for pos, array in run(*args):
-                made.append(array)
-                yield pos, array
-
-        return wrapped
-
-    monkeypatch.setattr(strategy, "prepare", prepare)
+    made = fail_group(plan, Boom, when=phase)
     with pytest.raises(Boom, match="injected fault") as info:
         meshinit.materialize(plan, 1, progress=True)
     assert type(info.value) is Boom and info.value.args == ("injected fault",)  # unchanged

@@ -178,27 +178,11 @@ class Boom(RuntimeError):
 
 
 @pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
-def test_a_failure_in_the_second_group_deletes_everything_made_but_not_existing(monkeypatch, error):
+def test_a_failure_in_the_second_group_deletes_everything_made_but_not_existing(fail_group, error):
     plan = meshinit.plan(two_stage_specs())
     given = flat(meshinit.materialize(plan, 0))["stage0.scale"]  # already exactly placed
     moved = np.ones((64, 32), np.float32)  # a host value: placed by a copy meshinit makes
-    strategy = _materialize.STRATEGIES[_materialize.DEFAULT_STRATEGY]
-    real = strategy.prepare
-    made = []
-
-    def prepare(group, impl):
-        run = real(group, impl)
-
-        def wrapped(*args):
-            if group.mesh is plan.groups[1].mesh:
-                raise error("injected fault")
-            for pos, array in run(*args):
-                made.append(array)
-                yield pos, array
-
-        return wrapped
-
-    monkeypatch.setattr(strategy, "prepare", prepare)
+    made = fail_group(plan, error)
     with pytest.raises(error) as info:
         meshinit.materialize(plan, 1, existing={"stage0.scale": given, "stage1.down": moved})
     assert len(made) == 2  # group 0 ran: stage0.embed and stage0.up

@@ -77,6 +77,14 @@ def on_one_device(tree):
     return jax.tree.map(lambda a: jax.device_put(np.asarray(a), jax.devices()[0]), tree)
 
 
+def sharded_step(params, opt_state):
+    """``train_step`` under one jit whose out_shardings keep every leaf where it is."""
+    return jax.jit(
+        train_step,
+        out_shardings=(meshinit.shardings(params), meshinit.shardings(opt_state), None),
+    )
+
+
 def reference_step(params):
     """The same step, params and state on one device."""
     params = on_one_device(params)
@@ -110,10 +118,7 @@ def assert_close(got, want):
 def test_one_jit_step_on_auto_meshes_over_shared_devices_keeps_every_sharding():
     params = meshinit.materialize(meshinit.plan(model_specs(*shared_meshes(AxisType.Auto))), 0)
     opt_state = meshinit.optax.init(TX, params)
-    step = jax.jit(
-        train_step,
-        out_shardings=(meshinit.shardings(params), meshinit.shardings(opt_state), None),
-    )
+    step = sharded_step(params, opt_state)
 
     # The batch goes in placed, as docs/train_state.md advises.
     placed = jax.device_put(batch(), NamedSharding(params["stage0"]["w"].sharding.mesh, P("fsdp")))
@@ -145,10 +150,7 @@ def test_one_jit_step_without_out_shardings_moves_parameters_off_their_mesh():
 def test_one_jit_step_on_explicit_meshes_is_rejected_even_over_shared_devices():
     params = meshinit.materialize(meshinit.plan(model_specs(*shared_meshes(AxisType.Explicit))), 0)
     opt_state = meshinit.optax.init(TX, params)
-    step = jax.jit(
-        train_step,
-        out_shardings=(meshinit.shardings(params), meshinit.shardings(opt_state), None),
-    )
+    step = sharded_step(params, opt_state)
     with pytest.raises(ValueError, match="Mesh for all inputs should be equal"):
         step(params, opt_state, *batch())
 
@@ -166,10 +168,7 @@ def test_one_jit_step_on_explicit_meshes_is_rejected_even_over_shared_devices():
 def test_one_jit_step_over_disjoint_meshes_fails(axis_type, message):
     params = meshinit.materialize(meshinit.plan(model_specs(*disjoint_meshes(axis_type))), 0)
     opt_state = meshinit.optax.init(TX, params)  # init works on disjoint meshes
-    step = jax.jit(
-        train_step,
-        out_shardings=(meshinit.shardings(params), meshinit.shardings(opt_state), None),
-    )
+    step = sharded_step(params, opt_state)
     with pytest.raises(ValueError, match=message):
         step(params, opt_state, *batch())
 
