@@ -53,11 +53,25 @@ def _delete(tree: Any) -> None:
         array.delete()
 
 
-def cold(recipe: str, layers: int, width: int = 1, check_values: bool = False) -> dict:
-    """One cold init: from after imports and mesh creation until every array is ready."""
+def cold(
+    recipe: str,
+    layers: int,
+    width: int = 1,
+    check_values: bool = False,
+    cache_dir: str | None = None,
+) -> dict:
+    """One cold init: from after imports and mesh creation until every array is ready.
+
+    With ``cache_dir``, jax's persistent compilation cache is on, in that directory.
+    """
     import jax
 
     mesh = setup_cpu()
+    if cache_dir is not None:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        jax.config.update("jax_enable_compilation_cache", True)
     model = Model.cpu(layers, width)
     recipes.preload(recipe)
     strategy = recipes.use_strategy(recipe) if recipe.startswith("meshinit") else None
@@ -85,25 +99,7 @@ def restart(layers: int, cache_dir: str, width: int = 1) -> dict:
     The first process in a fresh directory fills the cache; the next ones read it, as a
     restarted job would. Timed like :func:`cold`.
     """
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    mesh = setup_cpu()
-    jax.config.update("jax_enable_compilation_cache", True)
-    model = Model.cpu(layers, width)
-    recipes.preload("meshinit")
-    clock = CompileClock()
-    start = time.perf_counter()
-    out = recipes.run("meshinit", model, mesh)
-    jax.block_until_ready(out)
-    return {
-        "seconds": time.perf_counter() - start,
-        "compile_s": clock.seconds,
-        "compiles": clock.count,
-        "problems": recipes.placement_problems(model, mesh, out),
-    }
+    return cold("meshinit", layers, width, cache_dir=cache_dir)
 
 
 def _device_memory(plan: Any, strategy: str) -> dict:
