@@ -60,3 +60,22 @@ def test_gpu_script_code_path_runs_on_cpu_and_places_exactly():
     assert "| jax.jit fused warm re-init (new key) |" in r.stdout
     assert ", re-init 0;" in r.stdout  # the warm re-init compiled nothing
     assert "NOT exact" not in r.stdout
+
+
+def test_launches_script_runs_every_case():
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "launches.py"), "--params", "4"]
+        + ["--outputs", "1", "2", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "ms |" in line]
+    assert [row.split(" | ")[:2] for row in rows] == [
+        ["| 4", "1"],
+        ["| 2", "2"],
+        ["| 32 single-device", "1 shard"],
+    ]
