@@ -162,7 +162,10 @@ def _cold_tables(results: dict) -> str:
     out = "Cold init, best of the processes:\n\n" + _table(header, time_rows)
     if ratio_rows:
         out += "\n\nRatios of the cold times:\n\n" + _table(["ratio", *header[1:]], ratio_rows)
-    out += "\n\nXLA backend compile time in that process (number of compilations):\n\n"
+    out += (
+        "\n\nXLA backend compile time in that process, summed over compiles (number of "
+        "compilations):\n\n"
+    )
     return out + _table(header, compile_rows)
 
 
@@ -407,7 +410,8 @@ array; it includes building specs, plan and module. The best of the processes is
 shown. After the clock stops, every array's mesh, PartitionSpec and shards are checked
 against the exact expected placement (resolved without meshinit). Compile time is the
 sum of `/jax/core/compile/backend_compile_duration` events (a `jax.monitoring`
-listener) in that process.
+listener) in that process; meshinit compiles its executables in parallel threads (one
+per core), so its sum can exceed the time the compiles took.
 
 Warm re-init: in one process, meshinit's `materialize` of the same plan with a new
 key, against the fused jit recipe's already compiled executable called with a new key

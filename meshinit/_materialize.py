@@ -16,9 +16,11 @@ and each device computes only its own shard; no full copy exists anywhere.
 from __future__ import annotations
 
 import difflib
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -53,20 +55,36 @@ def _compiler_options(mesh: Mesh) -> dict[str, Any] | None:
     return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" and CPU_COMPILER_OPTIONS else None
 
 
-def _compile(
+def _lower(
     group: MeshGroup, program: Callable[..., Any], out_shardings: Any, args: Sequence[Any]
 ) -> Any:
-    """Compiles ``program`` for ``group`` with exact ``out_shardings``.
+    """Traces and lowers ``program`` for ``group`` with exact ``out_shardings``.
 
     Tracing happens under an all-Auto twin of the group's mesh: it overrides any
     context mesh the user set, and lets the out_shardings partition the generation.
     """
+    with jax.set_mesh(_auto_twin(group.mesh)):
+        return jax.jit(program, out_shardings=out_shardings).lower(*args)
+
+
+def _compile_note(e: BaseException, group: MeshGroup) -> None:
+    e.add_note(f"meshinit: while compiling for the mesh {group.mesh} ({_some_paths(group)})")
+
+
+def _compile(
+    group: MeshGroup,
+    program: Callable[..., Any],
+    out_shardings: Any,
+    args: Sequence[Any],
+    key: Hashable | None = None,
+) -> Any:
+    """Lowers (:func:`_lower`) and compiles ``program`` for ``group``, here and now."""
     try:
-        with _progress.compiling(), jax.set_mesh(_auto_twin(group.mesh)):
-            lowered = jax.jit(program, out_shardings=out_shardings).lower(*args)
+        with _progress.compiling(key):
+            lowered = _lower(group, program, out_shardings, args)
             return lowered.compile(_compiler_options(group.mesh))
     except Exception as e:
-        e.add_note(f"meshinit: while compiling for the mesh {group.mesh} ({_some_paths(group)})")
+        _compile_note(e, group)
         raise
 
 
@@ -84,18 +102,84 @@ def _is_cached(cache_key: Hashable) -> bool:
         return _full_key(cache_key) in _executables
 
 
-def _compiled(cache_key: Hashable, group: MeshGroup, build: Callable[[], Any]) -> Any:
+Build = Callable[[], tuple[Callable[..., Any], Any, Sequence[Any]]]  # program, outs, args
+
+
+def _compiled(cache_key: Hashable, group: MeshGroup, build: Build) -> Any:
     """``_compile(group, *build())``, cached on ``cache_key``."""
     cache_key = _full_key(cache_key)
     with _lock:
         hit = _executables.get(cache_key)
     if hit is not None:
-        _progress.cache_hit()
+        _progress.cache_hit(cache_key)
         return hit
-    compiled = _compile(group, *build())
+    compiled = _compile(group, *build(), key=cache_key)
     with _lock:
         _executables.put(cache_key, compiled)
     return compiled
+
+
+def _compile_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _precompile(jobs: Sequence[tuple[int, MeshGroup, Hashable, Build]]) -> None:
+    """Compiles, in parallel, the executables of ``jobs`` that are not cached yet.
+
+    XLA compiles in threads, at most one per core: each program is traced and lowered
+    here (that needs the mesh context, and holds the GIL), and its compile starts at
+    once, while the next one is lowered. Measured on the 2-core CPU reference (3
+    executables, 6 alternating fresh processes each): cold init median 2.82 s against
+    3.10 s compiling one after the other, and 2.89 s with 3 threads. Each finished
+    compile is cached and reported to the progress tracker from this thread.
+
+    On any error, compiles not yet started are cancelled and running ones are waited
+    for, so nothing compiles after this returns; the first error propagates, with its
+    mesh group named. With fewer than two executables to compile this does nothing:
+    :func:`_compiled` compiles a lone one where it is needed.
+    """
+    pending: dict[Hashable, tuple[int, MeshGroup, Build]] = {}
+    for index, group, key, build in jobs:
+        full = _full_key(key)
+        if full not in pending and not _is_cached(key):
+            pending[full] = (index, group, build)
+    if len(pending) < 2:
+        return
+
+    def compile_one(lowered: Any, opts: dict[str, Any] | None) -> tuple[Any, float]:
+        start = time.perf_counter()
+        return lowered.compile(opts), time.perf_counter() - start
+
+    _progress.compile_started()
+    workers = min(len(pending), _compile_threads())
+    with ThreadPoolExecutor(workers, thread_name_prefix="meshinit-compile") as pool:
+        futures: list[tuple[Future, Hashable, int, MeshGroup]] = []
+        try:
+            for full, (index, group, build) in pending.items():
+                try:
+                    lowered = _lower(group, *build())
+                except Exception as e:
+                    _compile_note(e, group)
+                    raise
+                future = pool.submit(compile_one, lowered, _compiler_options(group.mesh))
+                futures.append((future, full, index, group))
+            for future, full, index, group in futures:  # reported in order
+                try:
+                    compiled, seconds = future.result()
+                except Exception as e:
+                    _compile_note(e, group)
+                    raise
+                with _lock:
+                    _executables.put(full, compiled)
+                label = _progress.group_label(index, describe_mesh(group.mesh))
+                _progress.compile_done(seconds, full, label)
+        except BaseException:
+            for future, *_ in futures:
+                future.cancel()
+            raise
 
 
 # XLA CPU's backend optimization level 1 instead of the default: measured on the
@@ -116,20 +200,29 @@ def _make(spec: Any, key_data: Any, impl: str) -> Any:
 # data) to ``(position in group.entries, array)`` pairs. Strategies differ in compile and
 # dispatch costs only; values and shardings are the same. ``work(group, impl)`` says,
 # without compiling, what ``prepare`` will need: a ``(cache key, calls)`` per executable,
-# which decides the progress bar and feeds the log line.
+# which decides the progress bar and feeds the log line. ``builds(group, impl)`` gives,
+# also without compiling, a ``(cache key, build)`` per executable: materialize compiles
+# the uncached ones of every group in parallel (``_precompile``) before ``prepare``.
 Runner = Callable[..., Iterator[tuple[int, jax.Array]]]
 Needs = Sequence[tuple[Hashable | None, int]]  # None: compiled every time, never cached
 
 
-class PerSignature:
+class _Cached:
+    """Executables from ``self.builds(group, impl)``, each compiled once and cached."""
+
+    def executables(self, group: MeshGroup, impl: str) -> list[Any]:
+        return [_compiled(key, group, build) for key, build in self.builds(group, impl)]
+
+
+class PerSignature(_Cached):
     """One small executable per distinct signature, called once per parameter.
 
     Compile cost is one small program per (mesh, signature), whatever the depth and
     however many groups share it; dispatch costs one call per parameter.
     """
 
-    def executables(self, group: MeshGroup, impl: str) -> list[Any]:
-        return [self._executable(group, batch, impl) for batch in group.batches]
+    def builds(self, group: MeshGroup, impl: str) -> list[tuple[Hashable, Build]]:
+        return [(self._key(group, b, impl), self._build(group, b, impl)) for b in group.batches]
 
     def work(self, group: MeshGroup, impl: str) -> Needs:
         return [(self._key(group, batch, impl), len(batch)) for batch in group.batches]
@@ -137,7 +230,7 @@ class PerSignature:
     def _key(self, group: MeshGroup, batch: tuple[int, ...], impl: str) -> Hashable:
         return ("per_signature", group.mesh, group.entries[batch[0]].signature, impl)
 
-    def _executable(self, group: MeshGroup, batch: tuple[int, ...], impl: str) -> Any:
+    def _build(self, group: MeshGroup, batch: tuple[int, ...], impl: str) -> Build:
         entry = group.entries[batch[0]]
 
         def build():
@@ -148,7 +241,7 @@ class PerSignature:
 
             return program, entry.sharding, (_KEY,)
 
-        return _compiled(self._key(group, batch, impl), group, build)
+        return build
 
     def prepare(self, group: MeshGroup, impl: str) -> Runner:
         exes = self.executables(group, impl)
@@ -162,7 +255,7 @@ class PerSignature:
         return run
 
 
-class Rounds:
+class Rounds(_Cached):
     """Signatures with the same number of parameters share one executable.
 
     Call ``r`` of a bucket's executable makes the ``r``-th parameter of each of its
@@ -197,7 +290,7 @@ class Rounds:
             ]
         return [tuple(b) for b in sorted(buckets, key=lambda b: sum(map(nbytes, b)), reverse=True)]
 
-    def _executable(self, group: MeshGroup, bucket: tuple[int, ...], impl: str) -> Any:
+    def _build(self, group: MeshGroup, bucket: tuple[int, ...], impl: str) -> Build:
         entries = [group.entries[group.batches[i][0]] for i in bucket]
 
         def build():
@@ -207,14 +300,15 @@ class Rounds:
             keys = jax.ShapeDtypeStruct((len(entries), 2), np.uint32)
             return program, [e.sharding for e in entries], (keys,)
 
-        return _compiled(self._key(group, bucket, impl), group, build)
+        return build
 
     def _key(self, group: MeshGroup, bucket: tuple[int, ...], impl: str) -> Hashable:
         signatures = tuple(group.entries[group.batches[i][0]].signature for i in bucket)
         return ("rounds", group.mesh, signatures, impl)
 
-    def executables(self, group: MeshGroup, impl: str) -> list[Any]:
-        return [self._executable(group, b, impl) for b in self._buckets(group)]
+    def builds(self, group: MeshGroup, impl: str) -> list[tuple[Hashable, Build]]:
+        buckets = self._buckets(group)
+        return [(self._key(group, b, impl), self._build(group, b, impl)) for b in buckets]
 
     def work(self, group: MeshGroup, impl: str) -> Needs:
         # a bucket's executable is called once per parameter of each of its signatures
@@ -222,7 +316,7 @@ class Rounds:
 
     def prepare(self, group: MeshGroup, impl: str) -> Runner:
         buckets = self._buckets(group)
-        exes = [self._executable(group, b, impl) for b in buckets]
+        exes = self.executables(group, impl)
         starts = np.cumsum([0, *(len(b) for b in group.batches)])
         # rows[r, k]: the row in group.digests of the r-th parameter of the k-th signature
         rows = [
@@ -260,7 +354,7 @@ def _pack(items: list[int], size: Callable[[int], int], limit: int) -> list[list
     return bins
 
 
-class FusedGroup:
+class FusedGroup(_Cached):
     """One executable per mesh group, one ``vmap`` per signature inside it.
 
     One dispatch per group, but XLA's compile time grows with the number of outputs
@@ -294,13 +388,13 @@ class FusedGroup:
     def work(self, group: MeshGroup, impl: str) -> Needs:
         return [(self._key(group, impl), 1)]
 
-    def executables(self, group: MeshGroup, impl: str) -> list[Any]:
+    def builds(self, group: MeshGroup, impl: str) -> list[tuple[Hashable, Build]]:
         def build():
             keys = jax.ShapeDtypeStruct(group.digests.shape, np.uint32)
             shardings = [e.sharding for e in group.entries]
             return self.program(group, impl), shardings, (keys,)
 
-        return [_compiled(self._key(group, impl), group, build)]
+        return [(self._key(group, impl), build)]
 
     def prepare(self, group: MeshGroup, impl: str) -> Runner:
         (exe,) = self.executables(group, impl)
@@ -394,7 +488,9 @@ def materialize(
         todo = [e for e in plan.entries if id(e) not in given]
         problems += _abstract_problems(plan) + _bound_problems(todo, max_bytes_per_call)
         raise PlanError(problems, header="cannot materialize this plan:")
-    work = getattr(strategy, "work", None)  # a strategy without it: one compile per group
+    # A strategy without these (tests inject some): one compile per group, in prepare.
+    work = getattr(strategy, "work", None)
+    builds = getattr(strategy, "builds", None)
     return _run(
         plan,
         lambda group: strategy.prepare(group, impl),
@@ -402,6 +498,7 @@ def materialize(
         given=given,
         max_bytes_per_call=max_bytes_per_call,
         work=None if work is None else lambda group: work(group, impl),
+        builds=None if builds is None else lambda group: builds(group, impl),
         progress=progress,
     )
 
@@ -603,6 +700,7 @@ def _run(
     given: Mapping[int, Any] | None = None,
     max_bytes_per_call: int | None = None,
     work: Callable[[MeshGroup], Needs] | None = None,
+    builds: Callable[[MeshGroup], Sequence[tuple[Hashable, Build]]] | None = None,
     progress: bool | None = None,
     what: str = "materialize",
 ) -> Any:
@@ -611,7 +709,8 @@ def _run(
     ``given`` maps ``id(entry)`` to the caller's array for that entry: it is placed,
     not generated, and never deleted here. ``work`` says what ``prepare`` will compile
     and call (default: one uncached executable, called once, per group); with
-    ``progress`` it decides the progress bar (see :func:`materialize`).
+    ``progress`` it decides the progress bar (see :func:`materialize`). ``builds``, if
+    given, lists each group's cached executables, which are compiled in parallel first.
     """
     start = time.perf_counter()
     given = given or {}
@@ -632,6 +731,8 @@ def _run(
     # The bar is decided here, once; it draws on stderr only, and closes on any exit.
     with _progress.Tracker(what, summary, _progress.show_bar(progress, summary), start) as t:
         # Compile everything before allocating anything, so a compile error leaves nothing.
+        if builds is not None:
+            _precompile([(i, g, *job) for i, g in enumerate(todo.groups) for job in builds(g)])
         runners = []
         for i, g in enumerate(todo.groups):
             t.group(i, describe_mesh(g.mesh))

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 from ._report import human_bytes
@@ -78,6 +78,10 @@ def check_progress(progress: Any) -> None:
         raise TypeError(f"progress must be True, False or None (auto), got {progress!r}")
 
 
+def group_label(index: int, name: str) -> str:
+    return f"mesh group {index}, {name}"
+
+
 _current: contextvars.ContextVar[Tracker | None] = contextvars.ContextVar(
     "meshinit_tracker", default=None
 )
@@ -97,6 +101,7 @@ class Tracker:
         self.start = start
         self.compiled = 0
         self.cached = 0
+        self._keys: set[Hashable] = set()  # each executable counts once per call
         self.label = ""
         self._bar_wanted = bar
         self._bar: Any = None
@@ -118,19 +123,24 @@ class Tracker:
 
     def group(self, index: int, name: str) -> None:
         """Compiling or generating mesh group ``index`` from now on."""
-        self.label = f"mesh group {index}, {name}"
+        self.label = group_label(index, name)
         self._draw(lambda bar: bar.set_postfix_str(self.label))
 
     def compile_started(self) -> None:
         if self._bar_wanted and self._bar is None:
             self._open("compiling", max(self.work.to_compile, 1), "exe")
 
-    def compile_done(self, seconds: float) -> None:
+    def compile_done(self, seconds: float, key: Hashable | None, label: str | None = None) -> None:
+        if key is not None:
+            self._keys.add(key)
         self.compiled += 1
-        logger.debug("compiled an executable for %s in %.2f s", self.label, seconds)
+        logger.debug("compiled an executable for %s in %.2f s", label or self.label, seconds)
         self._draw(self._advance)
 
-    def cache_hit(self) -> None:
+    def cache_hit(self, key: Hashable) -> None:
+        if key in self._keys:  # compiled (or reused) earlier in this call
+            return
+        self._keys.add(key)
         self.cached += 1
         logger.debug("reused a cached executable for %s", self.label)
 
@@ -218,8 +228,11 @@ class Tracker:
 
 
 @contextlib.contextmanager
-def compiling() -> Iterator[None]:
-    """Around one XLA compile: counted, timed and drawn by the current tracker, if any."""
+def compiling(key: Hashable | None = None) -> Iterator[None]:
+    """Around one XLA compile: counted, timed and drawn by the current tracker, if any.
+
+    ``key``: the executable's cache key (None: never cached).
+    """
     tracker = _current.get()
     if tracker is None:
         yield
@@ -227,11 +240,25 @@ def compiling() -> Iterator[None]:
     tracker.compile_started()
     start = time.perf_counter()
     yield
-    tracker.compile_done(time.perf_counter() - start)
+    tracker.compile_done(time.perf_counter() - start, key)
 
 
-def cache_hit() -> None:
+def compile_started() -> None:
+    """Compiles are about to start elsewhere (threads); told to the current tracker."""
+    tracker = _current.get()
+    if tracker is not None:
+        tracker.compile_started()
+
+
+def compile_done(seconds: float, key: Hashable | None, label: str) -> None:
+    """A compile that ran elsewhere (a thread) finished; ``label`` names its mesh group."""
+    tracker = _current.get()
+    if tracker is not None:
+        tracker.compile_done(seconds, key, label)
+
+
+def cache_hit(key: Hashable) -> None:
     """An executable came from the cache; told to the current tracker, if any."""
     tracker = _current.get()
     if tracker is not None:
-        tracker.cache_hit()
+        tracker.cache_hit(key)

@@ -1,4 +1,5 @@
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -223,8 +224,10 @@ def test_every_strategy_compiles_at_most_once_per_signature(strategy, count_comp
     meshinit.clear_cache()
     key_data, impl = meshinit._paths.host_key(0)
     s = _materialize.STRATEGIES[strategy]
-    with count_compiles() as cold:
-        _materialize._run(plan, lambda g: s.prepare(g, impl), key_data)
+    with count_compiles() as cold:  # builds: compiled in parallel first, as materialize does
+        _materialize._run(
+            plan, lambda g: s.prepare(g, impl), key_data, builds=lambda g: s.builds(g, impl)
+        )
     with count_compiles() as warm:
         _materialize._run(plan, lambda g: s.prepare(g, impl), key_data)
     assert 1 <= cold.count <= len({e.signature for e in plan.entries})
@@ -324,6 +327,97 @@ def test_failure_in_a_later_group_frees_earlier_arrays(monkeypatch):
         meshinit.materialize(plan, 1)
     leaked = [a for a in jax.live_arrays() if id(a) not in before]
     assert leaked == []
+
+
+def two_stage_plan():
+    stages = [submesh(range(0, 4), (2, 2), ("x", "y")), submesh(range(4, 8), (2, 2), ("x", "y"))]
+    return meshinit.plan(
+        {
+            f"s{i}": {
+                "w": meshinit.param((64, 32), lecun(), axes=("x", "y"), mesh=m),
+                "b": meshinit.param((32,), jax.nn.initializers.ones, axes=("y",), mesh=m),
+            }
+            for i, m in enumerate(stages)
+        }
+    )
+
+
+@pytest.fixture
+def compile_threads(monkeypatch):
+    """The names of the threads that ran each XLA compile of a ``Lowered``."""
+    names = []
+    real = jax.stages.Lowered.compile
+
+    def compile(self, *args, **kwargs):
+        names.append(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile)
+    monkeypatch.setattr(_materialize, "_compile_threads", lambda: 2)
+    return names
+
+
+def test_uncached_executables_compile_in_parallel_threads_once_each(
+    compile_threads, count_compiles
+):
+    plan = two_stage_plan()  # 2 meshes: one rounds executable each
+    meshinit.clear_cache()
+    with count_compiles() as cold:
+        out = meshinit.materialize(plan, 0)
+    assert cold.count == len(compile_threads) == 2
+    assert all(name.startswith("meshinit-compile") for name in compile_threads)
+    assert not any(t.name.startswith("meshinit-compile") for t in threading.enumerate())
+    by_path = assert_exact(plan, out)
+    for e in plan.entries:
+        np.testing.assert_array_max_ulp(
+            np.asarray(by_path[e.path]), reference(e.spec, jax.random.key(0), e.path), maxulp=2
+        )
+    with count_compiles() as warm:
+        meshinit.materialize(plan, 1)
+    assert warm.count == 0
+
+
+def test_a_compile_failing_in_a_thread_names_its_group_and_leaves_nothing(
+    compile_threads, monkeypatch, new_arrays
+):
+    plan = two_stage_plan()
+    meshinit.clear_cache()
+    bad = plan.groups[1].mesh
+    real = _materialize._compiler_options
+    monkeypatch.setattr(
+        _materialize,
+        "_compiler_options",
+        lambda mesh: {"xla_no_such_option_here": 1} if mesh is bad else real(mesh),
+    )
+    with new_arrays() as made, pytest.raises(Exception, match="xla_no_such_option_here") as e:
+        meshinit.materialize(plan, 0)
+    assert made == []
+    notes = "\n".join(e.value.__notes__)
+    assert "while compiling for the mesh" in notes and "s1.w" in notes and "s0.w" not in notes
+    assert not any(t.name.startswith("meshinit-compile") for t in threading.enumerate())
+    monkeypatch.setattr(_materialize, "_compiler_options", real)
+    assert_exact(plan, meshinit.materialize(plan, 0))  # nothing broken was cached
+
+
+def test_a_lowering_failure_waits_for_the_compiles_already_running(
+    compile_threads, monkeypatch, new_arrays
+):
+    plan = two_stage_plan()
+    meshinit.clear_cache()
+    real = _materialize._lower
+
+    def lower(group, *args):
+        if group is plan.groups[1]:
+            raise KeyboardInterrupt  # e.g. Ctrl-C while tracing the second group
+        return real(group, *args)
+
+    monkeypatch.setattr(_materialize, "_lower", lower)
+    with new_arrays() as made, pytest.raises(KeyboardInterrupt):
+        meshinit.materialize(plan, 0)
+    assert made == []
+    # the first group's compile had started; it finished before materialize returned
+    assert len(compile_threads) == 1
+    assert not any(t.name.startswith("meshinit-compile") for t in threading.enumerate())
 
 
 def test_materialize_rejects_non_plans_with_the_fix():
