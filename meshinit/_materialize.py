@@ -144,7 +144,9 @@ def _precompile(jobs: Sequence[tuple[int, MeshGroup, Hashable, Build]]) -> None:
     pending: dict[Hashable, tuple[int, MeshGroup, Build]] = {}
     for index, group, key, build in jobs:
         full = _full_key(key)
-        if full not in pending and not _is_cached(key):
+        with _lock:
+            cached = full in _executables
+        if not cached and full not in pending:
             pending[full] = (index, group, build)
     if len(pending) < 2:
         return
@@ -207,11 +209,15 @@ Runner = Callable[..., Iterator[tuple[int, jax.Array]]]
 Needs = Sequence[tuple[Hashable | None, int]]  # None: compiled every time, never cached
 
 
+def _executables_of(group: MeshGroup, builds: Sequence[tuple[Hashable, Build]]) -> list[Any]:
+    return [_compiled(key, group, build) for key, build in builds]
+
+
 class _Cached:
     """Executables from ``self.builds(group, impl)``, each compiled once and cached."""
 
     def executables(self, group: MeshGroup, impl: str) -> list[Any]:
-        return [_compiled(key, group, build) for key, build in self.builds(group, impl)]
+        return _executables_of(group, self.builds(group, impl))
 
 
 class PerSignature(_Cached):
@@ -307,7 +313,11 @@ class Rounds(_Cached):
         return ("rounds", group.mesh, signatures, impl)
 
     def builds(self, group: MeshGroup, impl: str) -> list[tuple[Hashable, Build]]:
-        buckets = self._buckets(group)
+        return self._builds(group, self._buckets(group), impl)
+
+    def _builds(
+        self, group: MeshGroup, buckets: list[tuple[int, ...]], impl: str
+    ) -> list[tuple[Hashable, Build]]:
         return [(self._key(group, b, impl), self._build(group, b, impl)) for b in buckets]
 
     def work(self, group: MeshGroup, impl: str) -> Needs:
@@ -316,7 +326,7 @@ class Rounds(_Cached):
 
     def prepare(self, group: MeshGroup, impl: str) -> Runner:
         buckets = self._buckets(group)
-        exes = self.executables(group, impl)
+        exes = _executables_of(group, self._builds(group, buckets, impl))
         starts = np.cumsum([0, *(len(b) for b in group.batches)])
         # rows[r, k]: the row in group.digests of the r-th parameter of the k-th signature
         rows = [

@@ -13,6 +13,20 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def run_script(name, *args, timeout=600):
+    """``benchmarks/<name>`` in a subprocess on CPU only; asserts it exits 0."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
 @pytest.mark.slow
 def test_benchmark_suite_smoke_runs_and_places_exactly():
     r = subprocess.run(
@@ -31,15 +45,7 @@ def test_benchmark_suite_smoke_runs_and_places_exactly():
 
 
 def test_gpu_script_exits_cleanly_without_a_gpu():
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_script("gpu.py", timeout=300)
     assert "no GPU" in r.stdout + r.stderr
 
 
@@ -47,15 +53,7 @@ def test_gpu_script_code_path_runs_on_cpu_and_places_exactly():
     # The GPU comparison's own code (specs, plan, fused recipe, warm re-inits, the
     # table) on 8 simulated CPU devices with a tiny model: a GPU run only swaps the
     # model and the devices.
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--cpu-check", "--repeats", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_script("gpu.py", "--cpu-check", "--repeats", "2")
     assert "| meshinit cold (specs + plan + materialize) |" in r.stdout
     assert "| jax.jit fused warm re-init (new key) |" in r.stdout
     assert ", re-init 0;" in r.stdout  # the warm re-init compiled nothing
@@ -63,16 +61,7 @@ def test_gpu_script_code_path_runs_on_cpu_and_places_exactly():
 
 
 def test_launches_script_runs_every_case():
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "launches.py"), "--params", "4"]
-        + ["--outputs", "1", "2", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_script("launches.py", "--params", "4", "--outputs", "1", "2", "--repeats", "1")
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "ms |" in line]
     assert [row.split(" | ")[:2] for row in rows] == [
         ["| 4", "1"],
