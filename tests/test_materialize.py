@@ -420,6 +420,26 @@ def test_a_lowering_failure_waits_for_the_compiles_already_running(
     assert not any(t.name.startswith("meshinit-compile") for t in threading.enumerate())
 
 
+def test_an_option_this_jaxlib_lacks_is_dropped_not_fatal(monkeypatch, caplog):
+    monkeypatch.setitem(_materialize.CPU_COMPILER_OPTIONS, "xla_meshinit_no_such_option", 1)
+    mesh = submesh(range(4), (2, 2), ("x", "y"))
+    lone = meshinit.plan({"w": meshinit.param((48, 16), lecun(), axes=("x", "y"), mesh=mesh)})
+    for plan in (two_stage_plan(), lone):  # compiles in threads, then a lone compile
+        meshinit.clear_cache()
+        monkeypatch.setattr(_materialize, "_unknown_options", set())
+        caplog.clear()
+        with caplog.at_level("INFO", logger="meshinit"):
+            assert_exact(plan, meshinit.materialize(plan, 0))
+        assert _materialize._unknown_options == {"xla_meshinit_no_such_option"}
+        said = [r for r in caplog.records if "xla_meshinit_no_such_option" in r.getMessage()]
+        assert len(said) == 1
+    assert _materialize._compiler_options(mesh) == {
+        k: v
+        for k, v in _materialize.CPU_COMPILER_OPTIONS.items()
+        if k != "xla_meshinit_no_such_option"
+    }
+
+
 def test_materialize_rejects_non_plans_with_the_fix():
     with pytest.raises(TypeError, match=r"call meshinit.init\(tree, key\)"):
         meshinit.materialize({"w": 1}, 0)
