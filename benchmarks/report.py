@@ -419,8 +419,8 @@ key, against the fused jit recipe's already compiled executable called with a ne
 a change in the machine's load hits all of them alike; each gets the best of its
 calls, and the median is shown too. The throughput ratio is fused time / meshinit
 time. The fused jit is also compiled with meshinit's CPU compiler options (XLA
-backend optimization level 1) and timed the same way: its ratio is the part of the
-gap that comes from the optimization level, which meshinit chose for cold time.
+backend optimization level 1, classic emitters) and timed the same way: its ratio is
+the part of the gap that comes from those options, which meshinit chose for cold time.
 
 Per-device memory: `memory_analysis()` of meshinit's compiled executables (per device,
 SPMD). Replaying meshinit's run order, each call's peak is the parameters made so far
