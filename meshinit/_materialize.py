@@ -683,7 +683,8 @@ def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any
     For existing constructors, whose values must stay exactly what the constructor
     makes: per mesh group, ``build`` is jitted to return only that group's values,
     with exact out_shardings, and XLA drops the rest. The specs' ``init`` is not used.
-    This compiles the whole constructor once per group.
+    This compiles the whole constructor once per group, every call; the groups compile
+    in parallel threads, as in :func:`materialize`, and nothing of them stays cached.
 
     Args:
       plan: the plan; ``build`` must return one value per entry, in entry order.
@@ -695,24 +696,45 @@ def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any
       The planned tree with a ready array in place of each spec.
     """
     index = {id(e): i for i, e in enumerate(plan.entries)}
+    structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in args]
+    token = object()  # this call's executables are cached for this call only
 
-    def prepare(group: MeshGroup) -> Runner:
+    def key(group: MeshGroup) -> Hashable:
+        return ("materialize_from", token, id(group))
+
+    def group_build(group: MeshGroup) -> Build:
         wanted = [index[id(e)] for e in group.entries]
 
-        def program(*a):
-            values = build(*a)
-            return [values[i] for i in wanted]
+        def make():
+            def program(*a):
+                values = build(*a)
+                return [values[i] for i in wanted]
 
-        shardings = [e.sharding for e in group.entries]
-        structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in args]
-        exe = _compile(group, program, shardings, structs)
+            return program, [e.sharding for e in group.entries], structs
+
+        return make
+
+    def prepare(group: MeshGroup) -> Runner:
+        exe = _compiled(key(group), group, group_build(group))
 
         def run(*a: Any) -> Iterator[tuple[int, jax.Array]]:
             yield from enumerate(exe(*a))
 
         return run
 
-    return _run(plan, prepare, *args, what="materialize_from")
+    try:
+        return _run(
+            plan,
+            prepare,
+            *args,
+            what="materialize_from",
+            work=lambda group: [(key(group), 1)],
+            builds=lambda group: [(key(group), group_build(group))],
+        )
+    finally:
+        with _lock:
+            for group in plan.groups:
+                _executables.pop(_full_key(key(group)), None)
 
 
 def _abstract_problems(plan: Plan) -> list[Problem]:

@@ -377,6 +377,37 @@ def test_uncached_executables_compile_in_parallel_threads_once_each(
     assert warm.count == 0
 
 
+def test_materialize_from_compiles_its_groups_in_parallel_and_keeps_none(
+    compile_threads, count_compiles, monkeypatch
+):
+    plan = two_stage_plan()
+
+    def build(fill):
+        return [jnp.full(e.spec.shape, fill, e.spec.dtype) for e in plan.entries]
+
+    cached = dict(_materialize._executables)
+    for fill in (2.0, 3.0):  # every call compiles the constructor again: nothing is kept
+        compile_threads.clear()
+        with count_compiles() as made:
+            out = _materialize.materialize_from(plan, build, np.float32(fill))
+        assert made.count == len(compile_threads) == 2
+        assert all(name.startswith("meshinit-compile") for name in compile_threads)
+        for array in assert_exact(plan, out).values():
+            assert np.all(np.asarray(array) == fill)
+        assert dict(_materialize._executables) == cached
+
+    real = _materialize._compiler_options
+    bad = plan.groups[1].mesh
+    monkeypatch.setattr(
+        _materialize,
+        "_compiler_options",
+        lambda mesh: {"xla_no_such_option_here": 1} if mesh is bad else real(mesh),
+    )
+    with pytest.raises(Exception, match="xla_no_such_option_here"):
+        _materialize.materialize_from(plan, build, np.float32(1.0))
+    assert dict(_materialize._executables) == cached  # the other group's is gone too
+
+
 def test_a_compile_failing_in_a_thread_names_its_group_and_leaves_nothing(
     compile_threads, monkeypatch, new_arrays
 ):
