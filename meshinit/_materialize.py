@@ -67,8 +67,8 @@ def _compile_lowered(lowered: Any, mesh: Mesh) -> Any:
 
     An option of :data:`CPU_COMPILER_OPTIONS` that this jaxlib does not know (XLA
     renames and retires its debug options) is dropped for the rest of the process,
-    with an INFO record, instead of failing every compile: the options change compile
-    and run time, never values.
+    with an INFO record, instead of failing every compile: meshinit's options change
+    compile and run time, never values (a test compares them with XLA's defaults).
     """
     tried: set[str] = set()
     while True:

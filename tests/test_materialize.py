@@ -471,6 +471,34 @@ def test_an_option_this_jaxlib_lacks_is_dropped_not_fatal(monkeypatch, caplog):
     }
 
 
+def test_meshinit_compiler_options_change_no_value(monkeypatch):
+    # The options trade compile time for run time; values must not move (XLA's level 0
+    # does move the bits of lecun_normal, which is why meshinit does not use it).
+    init = jax.nn.initializers
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    inits = [
+        init.lecun_normal(),
+        init.truncated_normal(0.02),
+        init.uniform(),
+        init.orthogonal(),
+        init.he_normal(),
+        init.variance_scaling(2.0, "fan_avg", "uniform"),
+    ]
+    plan = meshinit.plan(
+        {
+            f"p{i}": meshinit.param((64, 128), f, axes=("a", "b"), mesh=mesh)
+            for i, f in enumerate(inits)
+        }
+    )
+    shipped = dict(_materialize.CPU_COMPILER_OPTIONS)
+    assert shipped  # else this compares XLA's defaults with themselves
+    ours = flat_values(meshinit.materialize(plan, 3))
+    monkeypatch.setattr(_materialize, "CPU_COMPILER_OPTIONS", {})
+    xla_defaults = flat_values(meshinit.materialize(plan, 3))
+    for path, value in ours.items():
+        assert np.array_equal(value, xla_defaults[path]), path
+
+
 def test_materialize_rejects_non_plans_with_the_fix():
     with pytest.raises(TypeError, match=r"call meshinit.init\(tree, key\)"):
         meshinit.materialize({"w": 1}, 0)
