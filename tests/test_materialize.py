@@ -377,6 +377,18 @@ def test_uncached_executables_compile_in_parallel_threads_once_each(
     assert warm.count == 0
 
 
+def break_compiles_on(monkeypatch, bad):
+    """Every compile for the mesh ``bad`` fails, naming an XLA option that does not
+    exist (not one of meshinit's, so it is not dropped); returns the real options."""
+    real = _materialize._compiler_options
+    monkeypatch.setattr(
+        _materialize,
+        "_compiler_options",
+        lambda mesh: {"xla_no_such_option_here": 1} if mesh is bad else real(mesh),
+    )
+    return real
+
+
 def test_materialize_from_compiles_its_groups_in_parallel_and_keeps_none(
     compile_threads, count_compiles, monkeypatch
 ):
@@ -396,13 +408,7 @@ def test_materialize_from_compiles_its_groups_in_parallel_and_keeps_none(
             assert np.all(np.asarray(array) == fill)
         assert dict(_materialize._executables) == cached
 
-    real = _materialize._compiler_options
-    bad = plan.groups[1].mesh
-    monkeypatch.setattr(
-        _materialize,
-        "_compiler_options",
-        lambda mesh: {"xla_no_such_option_here": 1} if mesh is bad else real(mesh),
-    )
+    break_compiles_on(monkeypatch, plan.groups[1].mesh)
     with pytest.raises(Exception, match="xla_no_such_option_here"):
         _materialize.materialize_from(plan, build, np.float32(1.0))
     assert dict(_materialize._executables) == cached  # the other group's is gone too
@@ -413,13 +419,7 @@ def test_a_compile_failing_in_a_thread_names_its_group_and_leaves_nothing(
 ):
     plan = two_stage_plan()
     meshinit.clear_cache()
-    bad = plan.groups[1].mesh
-    real = _materialize._compiler_options
-    monkeypatch.setattr(
-        _materialize,
-        "_compiler_options",
-        lambda mesh: {"xla_no_such_option_here": 1} if mesh is bad else real(mesh),
-    )
+    real = break_compiles_on(monkeypatch, plan.groups[1].mesh)
     with new_arrays() as made, pytest.raises(Exception, match="xla_no_such_option_here") as e:
         meshinit.materialize(plan, 0)
     assert made == []
