@@ -139,17 +139,21 @@ def _is_cached(cache_key: Hashable) -> bool:
 Build = Callable[[], tuple[Callable[..., Any], Any, Sequence[Any]]]  # program, outs, args
 
 
-def _compiled(cache_key: Hashable, group: MeshGroup, build: Build) -> Any:
-    """``_compile(group, *build())``, cached on ``cache_key``."""
+def _compiled(
+    cache_key: Hashable, group: MeshGroup, build: Build, cache: LRUCache | None = None
+) -> Any:
+    """``_compile(group, *build())``, cached on ``cache_key`` in ``cache`` (default: the
+    process-wide cache of executables)."""
+    cache = _executables if cache is None else cache
     cache_key = _full_key(cache_key)
     with _lock:
-        hit = _executables.get(cache_key)
+        hit = cache.get(cache_key)
     if hit is not None:
         _progress.cache_hit(cache_key)
         return hit
     compiled = _compile(group, *build(), key=cache_key)
     with _lock:
-        _executables.put(cache_key, compiled)
+        cache.put(cache_key, compiled)
     return compiled
 
 
@@ -160,8 +164,11 @@ def _compile_threads() -> int:
         return os.cpu_count() or 1
 
 
-def _precompile(jobs: Sequence[tuple[int, MeshGroup, Hashable, Build]]) -> None:
-    """Compiles, in parallel, the executables of ``jobs`` that are not cached yet.
+def _precompile(
+    jobs: Sequence[tuple[int, MeshGroup, Hashable, Build]], cache: LRUCache | None = None
+) -> None:
+    """Compiles, in parallel, the executables of ``jobs`` that ``cache`` (default: the
+    process-wide cache of executables) does not hold yet, into ``cache``.
 
     XLA compiles in threads, at most one per core: each program is traced and lowered
     here (that needs the mesh context, and holds the GIL), and its compile starts at
@@ -175,11 +182,12 @@ def _precompile(jobs: Sequence[tuple[int, MeshGroup, Hashable, Build]]) -> None:
     mesh group named. With fewer than two executables to compile this does nothing:
     :func:`_compiled` compiles a lone one where it is needed.
     """
+    cache = _executables if cache is None else cache
     pending: dict[Hashable, tuple[int, MeshGroup, Build]] = {}
     for index, group, key, build in jobs:
         full = _full_key(key)
         with _lock:
-            cached = full in _executables
+            cached = full in cache
         if not cached and full not in pending:
             pending[full] = (index, group, build)
     if len(pending) < 2:
@@ -209,7 +217,7 @@ def _precompile(jobs: Sequence[tuple[int, MeshGroup, Hashable, Build]]) -> None:
                     _compile_note(e, group)
                     raise
                 with _lock:
-                    _executables.put(full, compiled)
+                    cache.put(full, compiled)
                 label = _progress.group_label(index, describe_mesh(group.mesh))
                 _progress.compile_done(seconds, full, label)
         except BaseException:
@@ -684,7 +692,8 @@ def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any
     makes: per mesh group, ``build`` is jitted to return only that group's values,
     with exact out_shardings, and XLA drops the rest. The specs' ``init`` is not used.
     This compiles the whole constructor once per group, every call; the groups compile
-    in parallel threads, as in :func:`materialize`, and nothing of them stays cached.
+    in parallel threads, as in :func:`materialize`, into a cache of this call's own:
+    nothing of them stays cached, and nothing cached is pushed out by them.
 
     Args:
       plan: the plan; ``build`` must return one value per entry, in entry order.
@@ -697,10 +706,10 @@ def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any
     """
     index = {id(e): i for i, e in enumerate(plan.entries)}
     structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in args]
-    token = object()  # this call's executables are cached for this call only
+    executables = LRUCache(len(plan.groups))  # this call's, and only for this call
 
     def key(group: MeshGroup) -> Hashable:
-        return ("materialize_from", token, id(group))
+        return ("materialize_from", id(group))
 
     def group_build(group: MeshGroup) -> Build:
         wanted = [index[id(e)] for e in group.entries]
@@ -715,26 +724,21 @@ def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any
         return make
 
     def prepare(group: MeshGroup) -> Runner:
-        exe = _compiled(key(group), group, group_build(group))
+        exe = _compiled(key(group), group, group_build(group), executables)
 
         def run(*a: Any) -> Iterator[tuple[int, jax.Array]]:
             yield from enumerate(exe(*a))
 
         return run
 
-    try:
-        return _run(
-            plan,
-            prepare,
-            *args,
-            what="materialize_from",
-            work=lambda group: [(key(group), 1)],
-            builds=lambda group: [(key(group), group_build(group))],
-        )
-    finally:
-        with _lock:
-            for group in plan.groups:
-                _executables.pop(_full_key(key(group)), None)
+    return _run(
+        plan,
+        prepare,
+        *args,
+        what="materialize_from",
+        builds=lambda group: [(key(group), group_build(group))],
+        cache=executables,
+    )
 
 
 def _abstract_problems(plan: Plan) -> list[Problem]:
@@ -772,6 +776,7 @@ def _run(
     max_bytes_per_call: int | None = None,
     work: Callable[[MeshGroup], Needs] | None = None,
     builds: Callable[[MeshGroup], Sequence[tuple[Hashable, Build]]] | None = None,
+    cache: LRUCache | None = None,
     progress: bool | None = None,
     what: str = "materialize",
 ) -> Any:
@@ -781,7 +786,8 @@ def _run(
     not generated, and never deleted here. ``work`` says what ``prepare`` will compile
     and call (default: one uncached executable, called once, per group); with
     ``progress`` it decides the progress bar (see :func:`materialize`). ``builds``, if
-    given, lists each group's cached executables, which are compiled in parallel first.
+    given, lists each group's cached executables, which are compiled in parallel first,
+    into ``cache`` (default: the process-wide cache of executables).
     """
     start = time.perf_counter()
     given = given or {}
@@ -803,7 +809,8 @@ def _run(
     with _progress.Tracker(what, summary, _progress.show_bar(progress, summary), start) as t:
         # Compile everything before allocating anything, so a compile error leaves nothing.
         if builds is not None:
-            _precompile([(i, g, *job) for i, g in enumerate(todo.groups) for job in builds(g)])
+            jobs = [(i, g, *job) for i, g in enumerate(todo.groups) for job in builds(g)]
+            _precompile(jobs, cache)
         runners = []
         for i, g in enumerate(todo.groups):
             t.group(i, describe_mesh(g.mesh))

@@ -12,6 +12,7 @@ from test_plan import three_mesh_specs
 
 import meshinit
 from meshinit import _materialize
+from meshinit._signature import LRUCache
 
 lecun = jax.nn.initializers.lecun_normal
 
@@ -397,6 +398,10 @@ def test_materialize_from_compiles_its_groups_in_parallel_and_keeps_none(
     def build(fill):
         return [jnp.full(e.spec.shape, fill, e.spec.dtype) for e in plan.entries]
 
+    # A full process-wide cache: materialize_from must not push anything out of it.
+    full = LRUCache(1)
+    full.put("an executable of an earlier materialize", object())
+    monkeypatch.setattr(_materialize, "_executables", full)
     cached = dict(_materialize._executables)
     for fill in (2.0, 3.0):  # every call compiles the constructor again: nothing is kept
         compile_threads.clear()
