@@ -136,21 +136,24 @@ def goals(results: dict) -> list[list[str]]:
 def _cold_tables(results: dict) -> str:
     layers = _layers(results)
     header = ["recipe", *[f"{n} layers" for n in layers]]
-    time_rows, compile_rows = [], []
+    time_rows, compile_rows, spread_rows = [], [], []
     for recipe, by_layers in results["cold"].items():
         t, c = [_label(recipe, by_layers)], [_label(recipe, by_layers)]
+        spread = [_label(recipe, by_layers)]
         for n in layers:
             r = by_layers.get(str(n))
             if r is None:
-                t.append(""), c.append("")
+                t.append(""), c.append(""), spread.append("")
             elif "error" in r:
-                t.append("failed"), c.append("failed")
+                t.append("failed"), c.append("failed"), spread.append("failed")
             else:
                 exact = "" if not r["problems"] else " (NOT exact)"
                 t.append(_s(r["seconds"]) + exact)
                 c.append(f"{_s(r['compile_s'])} ({r['compiles']})")
+                spread.append(_spread(r.get("runs") or [r["seconds"]]))
         time_rows.append(t)
         compile_rows.append(c)
+        spread_rows.append(spread)
     ratio_rows = []
     if "meshinit" in results["cold"]:
         for anchor in [a for a in ANCHORS if a in results["cold"]]:
@@ -163,10 +166,22 @@ def _cold_tables(results: dict) -> str:
     if ratio_rows:
         out += "\n\nRatios of the cold times:\n\n" + _table(["ratio", *header[1:]], ratio_rows)
     out += (
-        "\n\nXLA backend compile time in that process, summed over compiles (number of "
-        "compilations):\n\n"
+        "\n\nEvery process of each case, fastest first (the same code each time: the spread "
+        "is the shared machine's noise):\n\n" + _table(header, spread_rows)
+    )
+    out += (
+        "\n\nXLA backend compile time in the fastest process, summed over compiles "
+        "(number of compilations):\n\n"
     )
     return out + _table(header, compile_rows)
+
+
+def _spread(runs: list[float | None]) -> str:
+    """``1.42, 1.56, 1.70 s``: every process's time, fastest first; failed ones last."""
+    done = sorted(x for x in runs if x is not None)
+    failed = len(runs) - len(done)
+    text = ", ".join(f"{x:.2f}" for x in done) + " s" if done else ""
+    return text + (f" ({failed} failed)" if failed else "")
 
 
 def _warm_tables(results: dict) -> str:
