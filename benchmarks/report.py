@@ -136,24 +136,14 @@ def goals(results: dict) -> list[list[str]]:
 def _cold_tables(results: dict) -> str:
     layers = _layers(results)
     header = ["recipe", *[f"{n} layers" for n in layers]]
-    time_rows, compile_rows, spread_rows = [], [], []
+    time_rows, spread_rows, compile_rows = [], [], []
     for recipe, by_layers in results["cold"].items():
-        t, c = [_label(recipe, by_layers)], [_label(recipe, by_layers)]
-        spread = [_label(recipe, by_layers)]
-        for n in layers:
-            r = by_layers.get(str(n))
-            if r is None:
-                t.append(""), c.append(""), spread.append("")
-            elif "error" in r:
-                t.append("failed"), c.append("failed"), spread.append("failed")
-            else:
-                exact = "" if not r["problems"] else " (NOT exact)"
-                t.append(_s(r["seconds"]) + exact)
-                c.append(f"{_s(r['compile_s'])} ({r['compiles']})")
-                spread.append(_spread(r.get("runs") or [r["seconds"]]))
-        time_rows.append(t)
-        compile_rows.append(c)
-        spread_rows.append(spread)
+        label = _label(recipe, by_layers)
+        cells = [_cold_cells(by_layers.get(str(n))) for n in layers]
+        for rows, column in zip(
+            (time_rows, spread_rows, compile_rows), zip(*cells, strict=True), strict=True
+        ):
+            rows.append([label, *column])
     ratio_rows = []
     if "meshinit" in results["cold"]:
         for anchor in [a for a in ANCHORS if a in results["cold"]]:
@@ -174,6 +164,20 @@ def _cold_tables(results: dict) -> str:
         "(number of compilations):\n\n"
     )
     return out + _table(header, compile_rows)
+
+
+def _cold_cells(r: dict | None) -> tuple[str, str, str]:
+    """One cold case's cells: best time, every process's time, compile time."""
+    if r is None:
+        return "", "", ""
+    if "error" in r:
+        return "failed", "failed", "failed"
+    exact = "" if not r["problems"] else " (NOT exact)"
+    return (
+        _s(r["seconds"]) + exact,
+        _spread(r.get("runs") or [r["seconds"]]),
+        f"{_s(r['compile_s'])} ({r['compiles']})",
+    )
 
 
 def _spread(runs: list[float | None]) -> str:
