@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from . import _paths, _progress
+from . import _paths, _progress, _threefry
 from ._errors import PlanError, Problem
 from ._plan import MeshGroup, Plan, PlanEntry, plan
 from ._report import describe_mesh, human_bytes
@@ -51,8 +51,15 @@ _executables = LRUCache(512)
 _lock = threading.Lock()
 
 
+KeyImpl = Any  # what jax.random.wrap_key_data takes as impl: a name or a PRNGSpec
+
+
+def _on_cpu(mesh: Mesh) -> bool:
+    return mesh.devices.flat[0].platform == "cpu"
+
+
 def _compiler_options(mesh: Mesh) -> dict[str, Any] | None:
-    if mesh.devices.flat[0].platform != "cpu":
+    if not _on_cpu(mesh):
         return None
     options = {k: v for k, v in CPU_COMPILER_OPTIONS.items() if k not in _unknown_options}
     return options or None
@@ -239,7 +246,22 @@ CPU_COMPILER_OPTIONS: dict[str, Any] = {
 _KEY = jax.ShapeDtypeStruct((2,), np.uint32)
 
 
-def _make(spec: Any, key_data: Any, impl: str) -> Any:
+def _key_impl(group: MeshGroup, impl: str) -> KeyImpl:
+    """The key implementation that ``group``'s programs wrap their key data with.
+
+    On CPU, jax's threefry2x32 with its hash emitted straight-line
+    (:data:`_threefry.STRAIGHT_LINE`): the same bits, and XLA fuses the hash into the
+    initializer. On the 32-layer reference (3 alternating pairs of fresh processes)
+    cold init took 1.36-1.61 s against 1.59-1.94 s, and a warm re-init 0.21 s against
+    0.38-0.42 s (benchmarks/README.md). Other platforms already get a straight-line
+    hash from jax and keep its implementation.
+    """
+    if impl == _paths.SHARDING_INVARIANT_IMPL and _on_cpu(group.mesh):
+        return _threefry.STRAIGHT_LINE
+    return impl
+
+
+def _make(spec: Any, key_data: Any, impl: KeyImpl) -> Any:
     """The spec's value from its own key's data (traced)."""
     return spec.init(jax.random.wrap_key_data(key_data, impl=impl), spec.shape, spec.dtype)
 
@@ -263,7 +285,7 @@ def _executables_of(group: MeshGroup, builds: Sequence[tuple[Hashable, Build]]) 
 class _Cached:
     """Executables from ``self.builds(group, impl)``, each compiled once and cached."""
 
-    def executables(self, group: MeshGroup, impl: str) -> list[Any]:
+    def executables(self, group: MeshGroup, impl: KeyImpl) -> list[Any]:
         return _executables_of(group, self.builds(group, impl))
 
 
@@ -274,16 +296,16 @@ class PerSignature(_Cached):
     however many groups share it; dispatch costs one call per parameter.
     """
 
-    def builds(self, group: MeshGroup, impl: str) -> list[tuple[Hashable, Build]]:
+    def builds(self, group: MeshGroup, impl: KeyImpl) -> list[tuple[Hashable, Build]]:
         return [(self._key(group, b, impl), self._build(group, b, impl)) for b in group.batches]
 
-    def work(self, group: MeshGroup, impl: str) -> Needs:
+    def work(self, group: MeshGroup, impl: KeyImpl) -> Needs:
         return [(self._key(group, batch, impl), len(batch)) for batch in group.batches]
 
-    def _key(self, group: MeshGroup, batch: tuple[int, ...], impl: str) -> Hashable:
+    def _key(self, group: MeshGroup, batch: tuple[int, ...], impl: KeyImpl) -> Hashable:
         return ("per_signature", group.mesh, group.entries[batch[0]].signature, impl)
 
-    def _build(self, group: MeshGroup, batch: tuple[int, ...], impl: str) -> Build:
+    def _build(self, group: MeshGroup, batch: tuple[int, ...], impl: KeyImpl) -> Build:
         entry = group.entries[batch[0]]
 
         def build():
@@ -296,7 +318,7 @@ class PerSignature(_Cached):
 
         return build
 
-    def prepare(self, group: MeshGroup, impl: str) -> Runner:
+    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
         exes = self.executables(group, impl)
 
         def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
@@ -343,7 +365,7 @@ class Rounds(_Cached):
             ]
         return [tuple(b) for b in sorted(buckets, key=lambda b: sum(map(nbytes, b)), reverse=True)]
 
-    def _build(self, group: MeshGroup, bucket: tuple[int, ...], impl: str) -> Build:
+    def _build(self, group: MeshGroup, bucket: tuple[int, ...], impl: KeyImpl) -> Build:
         entries = [group.entries[group.batches[i][0]] for i in bucket]
 
         def build():
@@ -355,23 +377,23 @@ class Rounds(_Cached):
 
         return build
 
-    def _key(self, group: MeshGroup, bucket: tuple[int, ...], impl: str) -> Hashable:
+    def _key(self, group: MeshGroup, bucket: tuple[int, ...], impl: KeyImpl) -> Hashable:
         signatures = tuple(group.entries[group.batches[i][0]].signature for i in bucket)
         return ("rounds", group.mesh, signatures, impl)
 
-    def builds(self, group: MeshGroup, impl: str) -> list[tuple[Hashable, Build]]:
+    def builds(self, group: MeshGroup, impl: KeyImpl) -> list[tuple[Hashable, Build]]:
         return self._builds(group, self._buckets(group), impl)
 
     def _builds(
-        self, group: MeshGroup, buckets: list[tuple[int, ...]], impl: str
+        self, group: MeshGroup, buckets: list[tuple[int, ...]], impl: KeyImpl
     ) -> list[tuple[Hashable, Build]]:
         return [(self._key(group, b, impl), self._build(group, b, impl)) for b in buckets]
 
-    def work(self, group: MeshGroup, impl: str) -> Needs:
+    def work(self, group: MeshGroup, impl: KeyImpl) -> Needs:
         # a bucket's executable is called once per parameter of each of its signatures
         return [(self._key(group, b, impl), len(group.batches[b[0]])) for b in self._buckets(group)]
 
-    def prepare(self, group: MeshGroup, impl: str) -> Runner:
+    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
         buckets = self._buckets(group)
         exes = _executables_of(group, self._builds(group, buckets, impl))
         starts = np.cumsum([0, *(len(b) for b in group.batches)])
@@ -418,7 +440,7 @@ class FusedGroup(_Cached):
     (measured on CPU), so this suits shallow groups.
     """
 
-    def program(self, group: MeshGroup, impl: str) -> Callable[..., list[jax.Array]]:
+    def program(self, group: MeshGroup, impl: KeyImpl) -> Callable[..., list[jax.Array]]:
         """(key data per parameter, in batch order) -> one array per entry, in entry order."""
 
         def program(keys):
@@ -438,14 +460,14 @@ class FusedGroup(_Cached):
 
         return program
 
-    def _key(self, group: MeshGroup, impl: str) -> Hashable:
+    def _key(self, group: MeshGroup, impl: KeyImpl) -> Hashable:
         structure = tuple((group.entries[b[0]].signature, b) for b in group.batches)
         return ("fused_group", group.mesh, structure, impl)
 
-    def work(self, group: MeshGroup, impl: str) -> Needs:
+    def work(self, group: MeshGroup, impl: KeyImpl) -> Needs:
         return [(self._key(group, impl), 1)]
 
-    def builds(self, group: MeshGroup, impl: str) -> list[tuple[Hashable, Build]]:
+    def builds(self, group: MeshGroup, impl: KeyImpl) -> list[tuple[Hashable, Build]]:
         def build():
             keys = jax.ShapeDtypeStruct(group.digests.shape, np.uint32)
             shardings = [e.sharding for e in group.entries]
@@ -453,7 +475,7 @@ class FusedGroup(_Cached):
 
         return [(self._key(group, impl), build)]
 
-    def prepare(self, group: MeshGroup, impl: str) -> Runner:
+    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
         (exe,) = self.executables(group, impl)
 
         def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
@@ -550,12 +572,12 @@ def materialize(
     builds = getattr(strategy, "builds", None)
     return _run(
         plan,
-        lambda group: strategy.prepare(group, impl),
+        lambda group: strategy.prepare(group, _key_impl(group, impl)),
         key_data,
         given=given,
         max_bytes_per_call=max_bytes_per_call,
-        work=None if work is None else lambda group: work(group, impl),
-        builds=None if builds is None else lambda group: builds(group, impl),
+        work=None if work is None else lambda group: work(group, _key_impl(group, impl)),
+        builds=None if builds is None else lambda group: builds(group, _key_impl(group, impl)),
         progress=progress,
     )
 

@@ -252,7 +252,9 @@ def test_strategies_give_identical_values_and_exact_shardings(explicit):
     plan = meshinit.plan(model(mesh, 2, RULES))
     key_data, impl = meshinit._paths.host_key(3)
     results = {
-        name: _materialize._run(plan, lambda g, s=strategy: s.prepare(g, impl), key_data)
+        name: _materialize._run(
+            plan, lambda g, s=strategy: s.prepare(g, _materialize._key_impl(g, impl)), key_data
+        )
         for name, strategy in _materialize.STRATEGIES.items()
     }
     base = flat_values(results.pop(_materialize.DEFAULT_STRATEGY))

@@ -1,0 +1,117 @@
+"""A threefry2x32 key implementation whose hash XLA can fuse, for CPU programs.
+
+On CPU, jax lowers the Threefry-2x32 hash as a rolled loop of 5 steps of 4 rounds (a
+while loop in the compiled program), which keeps the program small. Each step writes
+the whole counter array back to memory, and nothing fuses across the loop: the hash,
+the conversion to floats and the initializer's arithmetic run as separate passes over
+the parameter. On GPU and TPU, jax emits the 20 rounds straight-line.
+
+:data:`STRAIGHT_LINE` is jax's own threefry2x32 implementation (its key data, seed,
+``split``, ``fold_in`` and ``random_bits``, so the same counters and the same bits)
+with one change: each hash inside them is emitted straight-line, by
+:func:`threefry2x32`. XLA then fuses counters, hash and arithmetic into one loop per
+parameter. On the 32-layer CPU reference this made both the compile and the run of
+meshinit's programs faster (see benchmarks/README.md).
+
+meshinit uses it for the programs it compiles for CPU meshes; its keys never leave
+them. Values are those of jax's threefry2x32 keys, bit for bit, which the tests check
+against jax's own hash and initializers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core
+from jax.extend.random import define_prng_impl, threefry2x32_p, threefry_prng_impl
+
+# Threefry-2x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011):
+# the rotation constants of its two alternating groups of 4 rounds, and the constant
+# that its key schedule's third word is derived with.
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_KEY_PARITY = np.uint32(0x1BD11BDA)
+
+
+def threefry2x32(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[jax.Array, jax.Array]:
+    """The Threefry-2x32 hash with 20 rounds, as straight-line elementwise uint32 ops.
+
+    Computes what jax's ``threefry2x32`` primitive computes: the key ``(k1, k2)``
+    hashes the counters ``(x1, x2)``; all four broadcast together.
+    """
+    shape = np.broadcast_shapes(*(np.shape(a) for a in (k1, k2, x1, x2)))
+    ks = [jnp.asarray(k1, np.uint32), jnp.asarray(k2, np.uint32)]
+    ks.append(ks[0] ^ ks[1] ^ _KEY_PARITY)
+    x = [jnp.broadcast_to(x1, shape) + ks[0], jnp.broadcast_to(x2, shape) + ks[1]]
+    for step in range(5):
+        for r in _ROTATIONS[step % 2]:
+            x[0] = x[0] + x[1]
+            x[1] = (x[1] << np.uint32(r)) | (x[1] >> np.uint32(32 - r))
+            x[1] = x[0] ^ x[1]
+        # the key schedule: inject the next two key words and the step count
+        x[0] = x[0] + ks[(step + 1) % 3]
+        x[1] = x[1] + ks[(step + 2) % 3] + np.uint32(step + 1)
+    return x[0], x[1]
+
+
+def _eval(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Evaluates ``jaxpr`` with each threefry2x32 hash replaced by :func:`threefry2x32`.
+
+    Nested ``jit`` calls are inlined so that their hashes are replaced too; every other
+    equation is bound as it is. Only ever applied to jax's threefry functions.
+    """
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        inner = eqn.params.get("jaxpr")
+        if eqn.primitive is threefry2x32_p:
+            outs = threefry2x32(*ins)
+        elif eqn.primitive.name in ("jit", "pjit") and isinstance(inner, core.ClosedJaxpr):
+            outs = _eval(inner.jaxpr, inner.consts, ins)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, out in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, core.DropVar):
+                env[v] = out
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _straight_line(fun: Callable[..., Any], *args: Any) -> Any:
+    """``fun(*args)`` (one array out), with every threefry hash in it straight-line."""
+    closed = jax.make_jaxpr(fun)(*(jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in args))
+    (out,) = _eval(closed.jaxpr, closed.consts, args)
+    return out
+
+
+def _split(key: Any, shape: tuple[int, ...]) -> Any:
+    return _straight_line(lambda k: threefry_prng_impl.split(k, shape), key)
+
+
+def _fold_in(key: Any, data: Any) -> Any:
+    return _straight_line(threefry_prng_impl.fold_in, key, data)
+
+
+def _random_bits(key: Any, bit_width: int, shape: tuple[int, ...]) -> Any:
+    return _straight_line(lambda k: threefry_prng_impl.random_bits(k, bit_width, shape), key)
+
+
+STRAIGHT_LINE = define_prng_impl(
+    key_shape=threefry_prng_impl.key_shape,
+    seed=threefry_prng_impl.seed,
+    split=_split,
+    random_bits=_random_bits,
+    fold_in=_fold_in,
+    name="threefry2x32 (straight-line hash, meshinit)",
+    tag="fry",
+)

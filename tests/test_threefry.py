@@ -1,0 +1,130 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from jax.extend.random import threefry2x32_p
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshinit
+from meshinit import _materialize, _threefry
+
+u32 = st.integers(0, 2**32 - 1)
+
+
+def jax_hash(k1, k2, x1, x2):
+    return [np.asarray(a) for a in jax.jit(threefry2x32_p.bind)(k1, k2, x1, x2)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    k1=u32,
+    k2=u32,
+    counters=hnp.arrays(np.uint32, hnp.array_shapes(min_dims=0, max_dims=3), elements=u32),
+)
+def test_straight_line_hash_is_jaxs_threefry_bit_for_bit(k1, k2, counters):
+    k1, k2 = np.uint32(k1), np.uint32(k2)
+    x2 = counters[::-1].copy() if counters.ndim else counters ^ np.uint32(0x9E3779B9)
+    got = [np.asarray(a) for a in jax.jit(_threefry.threefry2x32)(k1, k2, counters, x2)]
+    want = jax_hash(k1, k2, counters, x2)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_straight_line_hash_at_the_extremes_of_uint32():
+    top = np.uint32(2**32 - 1)
+    counters = np.array([0, 1, 2**31, 2**32 - 1], np.uint32)
+    for k1, k2 in [(0, 0), (top, top), (0, top), (12345, 67890)]:
+        k1, k2 = np.uint32(k1), np.uint32(k2)
+        got = jax.jit(_threefry.threefry2x32)(k1, k2, counters, counters[::-1].copy())
+        want = jax_hash(k1, k2, counters, counters[::-1].copy())
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), w)
+
+
+init = jax.nn.initializers
+USES = {
+    "normal": lambda k: jax.random.normal(k, (64, 48)),
+    "uniform": lambda k: jax.random.uniform(k, (64, 48), minval=-2.0, maxval=3.0),
+    "lecun_normal": lambda k: init.lecun_normal()(k, (64, 48)),
+    "orthogonal": lambda k: init.orthogonal()(k, (48, 48)),
+    "bernoulli": lambda k: jax.random.bernoulli(k, 0.3, (64, 48)),
+    "bits8": lambda k: jax.random.bits(k, (64, 48), jnp.uint8),
+    "bits16": lambda k: jax.random.bits(k, (64, 48), jnp.uint16),
+    "permutation": lambda k: jax.random.permutation(k, 100),
+    "split": lambda k: jax.random.key_data(jax.random.split(k, (3, 5))),
+    "fold_in": lambda k: jax.random.key_data(jax.random.fold_in(k, 2**31 + 7)),
+    "split_then_normal": lambda k: jax.random.normal(jax.random.split(k)[1], (8, 16)),
+}
+
+
+@pytest.mark.parametrize("use", sorted(USES))
+@pytest.mark.parametrize("sharded", [False, True])
+def test_straight_line_keys_give_jax_threefry_values(use, sharded):
+    fn = USES[use]
+    data = np.array([2024, 11], np.uint32)
+    out = None
+    if sharded and use not in ("permutation", "split", "fold_in"):
+        mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        out = NamedSharding(mesh, P("a", "b"))
+
+    def value(impl):
+        f = jax.jit(lambda d: fn(jax.random.wrap_key_data(d, impl=impl)), out_shardings=out)
+        return np.asarray(f(data))
+
+    np.testing.assert_array_equal(value(_threefry.STRAIGHT_LINE), value("threefry2x32"))
+
+
+def test_meshinit_cpu_programs_hash_without_a_loop_and_jax_would_loop():
+    # jax's CPU lowering of threefry is a while loop; meshinit's programs have none.
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    plan = meshinit.plan(
+        {"w": meshinit.param((64, 128), init.lecun_normal(), axes=("a", "b"), mesh=mesh)}
+    )
+    group = plan.groups[0]
+    strategy = _materialize.Rounds()
+
+    def lowered_text(impl):
+        ((_, build),) = strategy.builds(group, impl)
+        return _materialize._lower(group, *build()).as_text()
+
+    ours = _materialize._key_impl(group, "threefry2x32")
+    assert ours is _threefry.STRAIGHT_LINE
+    assert "while" not in lowered_text(ours)
+    assert "while" in lowered_text("threefry2x32")
+
+
+@pytest.mark.parametrize("strategy", sorted(_materialize.STRATEGIES))
+def test_every_strategy_makes_the_values_of_jaxs_own_threefry(strategy):
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    inits = [
+        init.lecun_normal(),
+        init.truncated_normal(0.02),
+        init.uniform(),
+        init.orthogonal(),
+        init.normal(1.0),
+        init.variance_scaling(2.0, "fan_avg", "uniform"),
+    ]
+    tree = {
+        f"p{i}": [meshinit.param((64, 128), f, axes=("a", "b"), mesh=mesh) for _ in range(3)]
+        for i, f in enumerate(inits)
+    }
+    plan = meshinit.plan(tree)
+    key_data, name = meshinit._paths.host_key(5)
+    assert _materialize._key_impl(plan.groups[0], name) is _threefry.STRAIGHT_LINE
+    s = _materialize.STRATEGIES[strategy]
+
+    def values(impl_of):
+        made = _materialize._run(plan, lambda g: s.prepare(g, impl_of(g)), key_data)
+        flat, _ = jax.tree_util.tree_flatten_with_path(made)
+        return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
+
+    ours = values(lambda g: _materialize._key_impl(g, name))
+    jaxs = values(lambda g: name)
+    assert ours.keys() == jaxs.keys() and len(ours) == 18
+    for path, value in jaxs.items():
+        np.testing.assert_array_equal(ours[path], value, err_msg=path)
