@@ -187,10 +187,12 @@ def meshinit_init(model: Model, mesh: Any, seed: int = 0) -> Any:
     return meshinit.materialize(meshinit.plan(meshinit_specs(model, mesh)), seed)
 
 
-def fused_jit(model: Model, mesh: Any) -> Any:
+def fused_jit(model: Model, mesh: Any, key_impl: Any = None) -> Any:
     """MaxText's recipe: ``jax.jit(build, out_shardings=...)``, every parameter an output.
 
-    Returns the jitted function of a key.
+    Returns the jitted function of a key. With ``key_impl``, the key's data is traced
+    under that implementation instead (the same values for meshinit's straight-line
+    threefry, see :func:`meshinit_key_impl`).
     """
     import jax
 
@@ -199,6 +201,8 @@ def fused_jit(model: Model, mesh: Any) -> Any:
     dtype = model.jnp_dtype
 
     def build(key):
+        if key_impl is not None:
+            key = jax.random.wrap_key_data(jax.random.key_data(key), impl=key_impl)
         keys = jax.random.split(key, len(flat))
         return treedef.unflatten(
             [leaf.init()(k, leaf.shape, dtype) for k, leaf in zip(keys, flat, strict=True)]
@@ -301,6 +305,14 @@ def meshinit_options() -> dict[str, Any]:
     if _MESHINIT_OPTIONS is None:
         _MESHINIT_OPTIONS = dict(materialize.CPU_COMPILER_OPTIONS)
     return dict(_MESHINIT_OPTIONS)
+
+
+def meshinit_key_impl() -> Any:
+    """The key implementation meshinit traces its CPU programs with: jax's threefry2x32
+    with a straight-line hash (the same bits)."""
+    from meshinit import _threefry
+
+    return _threefry.STRAIGHT_LINE
 
 
 def use_strategy(recipe: str) -> str:

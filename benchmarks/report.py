@@ -215,9 +215,10 @@ def _warm_tables(results: dict) -> str:
     alike = warm.get("fused_alike")
     if alike:
         options = ", ".join(f"{k}={v}" for k, v in alike["options"].items()) or "defaults"
+        hashed = " and its straight-line threefry hash" if alike.get("straight_line_hash") else ""
         rows.append(
             [
-                f"jax.jit fused, compiled with meshinit's options ({options})",
+                f"jax.jit fused, compiled with meshinit's options ({options}){hashed}",
                 "",
                 _s(alike["warm"]),
                 median(alike),
