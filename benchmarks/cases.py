@@ -119,7 +119,7 @@ def _device_memory(plan: Any, strategy: str) -> dict:
     calls = []
     peak = allocated = 0
     for group in plan.groups:
-        executables = chosen.executables(group, impl)
+        executables = chosen.executables(group, materialize._key_impl(group, impl))
         for exe, count in zip(executables, _call_counts(chosen, group), strict=True):
             stats = exe.memory_analysis()
             out, temp = stats.output_size_in_bytes, stats.temp_size_in_bytes

@@ -345,9 +345,11 @@ class Rounds(_Cached):
     def _buckets(self, group: MeshGroup) -> list[tuple[int, ...]]:
         """Indices into ``group.batches``, bucketed by batch size.
 
-        Buckets whose calls make the most bytes run first: their temporaries (on CPU
-        about 3x the output) then come while little else is allocated, which keeps
-        the peak near the device's share of the parameters. With a
+        Buckets whose calls make the most bytes run first: any temporaries they need
+        then come while little else is allocated, which keeps the peak near the
+        device's share of the parameters. (With jax's rolled CPU hash they needed
+        about 2x their output on the reference model; with the straight-line hash of
+        :func:`_key_impl`, none.) With a
         ``max_bytes_per_call``, a bucket whose call would make more bytes per device
         is split (largest signatures first) into buckets that stay under it.
         """
