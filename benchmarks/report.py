@@ -438,15 +438,18 @@ key, against the fused jit recipe's already compiled executable called with a ne
 (keys made beforehand). The calls are interleaved, one of each recipe per new key, so
 a change in the machine's load hits all of them alike; each gets the best of its
 calls, and the median is shown too. The throughput ratio is fused time / meshinit
-time. The fused jit is also compiled with meshinit's CPU compiler options (XLA
-backend optimization level 1, classic emitters) and timed the same way: its ratio is
-the part of the gap that comes from those options, which meshinit chose for cold time.
+time. A second fused jit is built the way meshinit builds its CPU programs: traced
+with meshinit's straight-line threefry hash (jax's threefry2x32 bits, without jax's
+rolled CPU loop) and compiled with meshinit's CPU compiler options (XLA backend
+optimization level 1, classic emitters), and timed the same way. It runs meshinit's
+kernels in one launch, so meshinit's time against it is what meshinit's launches
+cost, and its time against the first is what the hash and the options change.
 
 Per-device memory: `memory_analysis()` of meshinit's compiled executables (per device,
 SPMD). Replaying meshinit's run order, each call's peak is the parameters made so far
 plus that call's outputs and temporaries; the goal compares the largest such peak with
 the device's share of all parameters. (meshinit runs the calls that make the most
-bytes first, so their temporaries come while little else is allocated.) The fused jit
+bytes first, so any temporaries come while little else is allocated.) The fused jit
 recipe's single executable is shown for comparison.
 
 Host memory: a cold init of the reference stack made wider, in a fresh process; the
