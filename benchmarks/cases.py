@@ -157,10 +157,10 @@ def warm(layers: int, meshinit_recipes: list[str], repeats: int, width: int = 1)
 
     The calls are interleaved (for each new key: every meshinit recipe, then the fused
     jit), so a change in the machine's load hits every recipe alike; each gets the best
-    of ``repeats`` calls. The fused jit is timed twice: compiled with XLA's defaults (the
-    anchor of the goal) and as meshinit compiles its own programs (its CPU compiler options and
-    its straight-line threefry hash): the same kernels in one launch, which separates
-    the cost of meshinit's extra launches from the rest.
+    of ``repeats`` calls. The fused jit is timed twice: with jax's hash and XLA's
+    defaults (the anchor of the goal), and built as meshinit builds its CPU programs
+    (its straight-line threefry hash and its compiler options): the same kernels in one
+    launch, which separates the cost of meshinit's extra launches from the rest.
 
     Also returns the per-device memory of each strategy's executables and of the fused
     jit's executable.
