@@ -57,8 +57,8 @@ def fold_digest(key: jax.Array, hi: Any, lo: Any) -> jax.Array:
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
-def _threefry2x32(k1: np.ndarray, k2: np.ndarray, x1: np.ndarray, x2: np.ndarray):
-    """jax's Threefry-2x32 hash (20 rounds), elementwise over numpy uint32 arrays."""
+def _threefry2x32(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[Any, Any]:
+    """jax's Threefry-2x32 hash (20 rounds), elementwise over uint32 arrays (numpy or jax)."""
     ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
     x = [x1 + ks[0], x2 + ks[1]]
     for block in range(5):

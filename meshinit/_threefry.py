@@ -29,32 +29,19 @@ import numpy as np
 from jax.extend import core
 from jax.extend.random import define_prng_impl, threefry2x32_p, threefry_prng_impl
 
-# Threefry-2x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011):
-# the rotation constants of its two alternating groups of 4 rounds, and the constant
-# that its key schedule's third word is derived with.
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-_KEY_PARITY = np.uint32(0x1BD11BDA)
+from ._paths import _threefry2x32
 
 
 def threefry2x32(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[jax.Array, jax.Array]:
     """The Threefry-2x32 hash with 20 rounds, as straight-line elementwise uint32 ops.
 
     Computes what jax's ``threefry2x32`` primitive computes: the key ``(k1, k2)``
-    hashes the counters ``(x1, x2)``; all four broadcast together.
+    hashes the counters ``(x1, x2)``; all four broadcast together. The rounds are
+    :mod:`meshinit._paths`' host hash, which works on traced jax arrays alike.
     """
     shape = np.broadcast_shapes(*(np.shape(a) for a in (k1, k2, x1, x2)))
-    ks = [jnp.asarray(k1, np.uint32), jnp.asarray(k2, np.uint32)]
-    ks.append(ks[0] ^ ks[1] ^ _KEY_PARITY)
-    x = [jnp.broadcast_to(x1, shape) + ks[0], jnp.broadcast_to(x2, shape) + ks[1]]
-    for step in range(5):
-        for r in _ROTATIONS[step % 2]:
-            x[0] = x[0] + x[1]
-            x[1] = (x[1] << np.uint32(r)) | (x[1] >> np.uint32(32 - r))
-            x[1] = x[0] ^ x[1]
-        # the key schedule: inject the next two key words and the step count
-        x[0] = x[0] + ks[(step + 1) % 3]
-        x[1] = x[1] + ks[(step + 2) % 3] + np.uint32(step + 1)
-    return x[0], x[1]
+    k1, k2 = jnp.asarray(k1, np.uint32), jnp.asarray(k2, np.uint32)
+    return _threefry2x32(k1, k2, jnp.broadcast_to(x1, shape), jnp.broadcast_to(x2, shape))
 
 
 def _eval(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
