@@ -343,29 +343,7 @@ class Rounds(_Cached):
         self.max_bytes_per_call = max_bytes_per_call
 
     def _buckets(self, group: MeshGroup) -> list[tuple[int, ...]]:
-        """Indices into ``group.batches``, bucketed by batch size.
-
-        Buckets whose calls make the most bytes run first: any temporaries they need
-        then come while little else is allocated, which keeps the peak near the
-        device's share of the parameters. (With jax's rolled CPU hash they needed
-        about 2x their output on the reference model; with the straight-line hash of
-        :func:`_key_impl`, none.) With a
-        ``max_bytes_per_call``, a bucket whose call would make more bytes per device
-        is split (largest signatures first) into buckets that stay under it.
-        """
-        by_count: dict[int, list[int]] = {}
-        for i, batch in enumerate(group.batches):
-            by_count.setdefault(len(batch), []).append(i)
-
-        def nbytes(i: int) -> int:
-            return group.entries[group.batches[i][0]].device_bytes
-
-        buckets = list(by_count.values())
-        if self.max_bytes_per_call is not None:
-            buckets = [
-                b for bucket in buckets for b in _pack(bucket, nbytes, self.max_bytes_per_call)
-            ]
-        return [tuple(b) for b in sorted(buckets, key=lambda b: sum(map(nbytes, b)), reverse=True)]
+        return bucket_batches(group, self.max_bytes_per_call)
 
     def _build(self, group: MeshGroup, bucket: tuple[int, ...], impl: KeyImpl) -> Build:
         entries = [group.entries[group.batches[i][0]] for i in bucket]
@@ -413,6 +391,32 @@ class Rounds(_Cached):
                         yield group.batches[i][r], array
 
         return run
+
+
+def bucket_batches(group: MeshGroup, max_bytes_per_call: int | None) -> list[tuple[int, ...]]:
+    """Indices into ``group.batches``, bucketed by batch size.
+
+    Buckets whose calls make the most bytes run first: any temporaries they need
+    then come while little else is allocated, which keeps the peak near the
+    device's share of the parameters. (With jax's rolled CPU hash they needed
+    about 2x their output on the reference model; with the straight-line hash of
+    :func:`_key_impl`, none.) With a
+    ``max_bytes_per_call``, a bucket whose call would make more bytes per device
+    is split (largest signatures first) into buckets that stay under it.
+    """
+    by_count: dict[int, list[int]] = {}
+    for i, batch in enumerate(group.batches):
+        by_count.setdefault(len(batch), []).append(i)
+
+    def nbytes(i: int) -> int:
+        return group.entries[group.batches[i][0]].device_bytes
+
+    buckets = list(by_count.values())
+    if max_bytes_per_call is not None:
+        buckets = [
+            b for bucket in buckets for b in _pack(bucket, nbytes, max_bytes_per_call)
+        ]
+    return [tuple(b) for b in sorted(buckets, key=lambda b: sum(map(nbytes, b)), reverse=True)]
 
 
 def _pack(items: list[int], size: Callable[[int], int], limit: int) -> list[list[int]]:
@@ -954,3 +958,11 @@ def clear_cache() -> None:
     """
     with _lock:
         _executables.clear()
+
+
+# Package-internal names for the constructor engine (meshinit._constructor).
+place = _place
+auto_twin = _auto_twin
+on_cpu = _on_cpu
+compiled = _compiled
+run_plan = _run

@@ -21,9 +21,11 @@ gets the same values as ``meshinit.init`` on a dict with the same paths.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import re
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 try:
@@ -34,13 +36,13 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from . import _materialize, _plan
-from ._errors import Problem
+from . import _constructor, _materialize, _plan
+from ._errors import PlanError, Problem
 from ._spec import ParamSpec
 
-__all__ = ["materialize", "init", "optimizer"]
+__all__ = ["materialize", "init", "plan", "optimizer"]
 
 
 def _path(path: tuple[Any, ...]) -> str:
@@ -130,7 +132,7 @@ def _is_key(value: Any) -> bool:
     return jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key)
 
 
-def _key_impl(struct: jax.ShapeDtypeStruct) -> Any:
+def _key_impl(aval: Any) -> Any:
     """The implementation of an abstract key, read while tracing it."""
     found = []
 
@@ -138,46 +140,53 @@ def _key_impl(struct: jax.ShapeDtypeStruct) -> Any:
         found.append(jax.random.key_impl(key))
         return key
 
-    jax.eval_shape(read, struct)
+    jax.eval_shape(read, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
     return found[0]
 
 
-def _default_mesh() -> Mesh:
-    """The context mesh, else a mesh with no axes over the default device."""
-    mesh = jax.sharding.get_mesh()
-    if not mesh.empty:
-        return mesh
-    device = jax.config.jax_default_device or jax.devices()[0]
-    return Mesh(np.array(device), ())
+def _has_sharding(meta: dict[str, Any]) -> bool:
+    """Whether flax metadata names a sharding; the empty ``P()`` counts (replicated)."""
+    return any(meta.get(k) is not None for k in ("out_sharding", "sharding", "sharding_names"))
 
 
 def _spec_for(
-    var: nnx.Variable, value: Any, problems: list[Problem], path: str
+    var: nnx.Variable,
+    value: Any,
+    problems: list[Problem],
+    path: str,
+    meshes: Sequence[tuple[re.Pattern[str], Any]],
 ) -> ParamSpec | None:
     """Translates flax's sharding metadata into a spec whose axes are mesh axes.
 
     flax's own ``get_var_pspec`` does the translation, so flax's semantics hold: a
     shorter sharding tuple pads with None, and names without a rule pass through as
-    mesh axis names (the core then checks they are axes of the mesh).
+    mesh axis names (the core then checks they are axes of the mesh). The mesh is the
+    first ``meshes`` pattern that matches ``path``, else the Variable's ``mesh=``, else
+    the context mesh (else the default device).
     """
     shape, dtype = value.shape, value.dtype
     if _is_key(value):  # keys travel as their uint32 data; rewrapped after placement
         data = jax.eval_shape(jax.random.key_data, value)
         shape, dtype = data.shape, data.dtype
     meta = var.get_metadata()
-    if meta.get("out_sharding"):
-        mesh = meta.get("mesh") or jax.sharding.get_mesh()
-        if mesh is None or (isinstance(mesh, Mesh) and mesh.empty):
+    mesh = next((m for pattern, m in meshes if pattern.fullmatch(path)), None)
+    if mesh is None:
+        mesh = meta.get("mesh")
+    if mesh is None or (isinstance(mesh, Mesh) and mesh.empty):
+        mesh = _context_mesh()
+    axes = None
+    if _has_sharding(meta):
+        if mesh is None:
             problems.append(
                 Problem(
                     path,
-                    "has sharding metadata but no mesh: pass mesh= to "
-                    "the Variable or build it under jax.set_mesh",
+                    "has sharding metadata but no mesh: pass mesh= to the Variable, "
+                    "build it under jax.set_mesh, or give it one with meshes=",
                 )
             )
             return None
-        pspec = nnx.spmd.get_var_pspec(var)
-        entries = tuple(pspec) + (None,) * (len(value.shape) - len(pspec))
+        pspec = tuple(nnx.spmd.get_var_pspec(var))
+        entries = pspec + (None,) * (len(value.shape) - len(pspec))
         if any(e is PartitionSpec.UNCONSTRAINED for e in entries):
             problems.append(
                 Problem(
@@ -188,8 +197,8 @@ def _spec_for(
             )
             return None
         axes = entries + (None,) * (len(shape) - len(entries))
-    else:
-        mesh, axes = _default_mesh(), None
+    if mesh is None:
+        mesh = _default_mesh()
     return ParamSpec(
         shape=shape,
         init=_materialize.from_constructor,
@@ -200,6 +209,54 @@ def _spec_for(
     )
 
 
+def _context_mesh() -> Mesh | None:
+    mesh = jax.sharding.get_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def _default_mesh() -> Mesh:
+    """A mesh with no axes over the default device."""
+    device = jax.config.jax_default_device or jax.devices()[0]
+    return Mesh(np.array(device), ())
+
+
+def _parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
+    """``meshes`` as compiled ``(pattern, mesh)`` pairs, every problem raised at once."""
+    if meshes is None:
+        return []
+    if isinstance(meshes, str | bytes | Mapping) or not isinstance(meshes, Sequence):
+        raise TypeError(
+            f"meshes must be an ordered sequence of (regex, mesh) pairs, first full match "
+            f"wins; got {type(meshes).__name__}"
+        )
+    parsed, problems = [], []
+    for i, pair in enumerate(meshes):
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            problems.append(Problem("", f"meshes[{i}] must be a (regex, mesh) pair; got {pair!r}"))
+            continue
+        regex, mesh = pair
+        if not isinstance(mesh, Mesh | AbstractMesh):
+            problems.append(
+                Problem(
+                    "",
+                    f"meshes[{i}]: the mesh must be a jax.sharding.Mesh or AbstractMesh, got "
+                    f"{type(mesh).__name__}",
+                )
+            )
+            continue
+        try:
+            parsed.append((re.compile(regex) if isinstance(regex, str) else regex, mesh))
+        except re.error as e:
+            problems.append(Problem("", f"meshes[{i}]: regex {regex!r} does not compile: {e}"))
+        if not isinstance(parsed[-1][0] if parsed else None, re.Pattern):
+            problems.append(
+                Problem("", f"meshes[{i}]: the regex must be a str or re.Pattern, got {regex!r}")
+            )
+    if problems:
+        raise PlanError(problems, header="meshes= is malformed:")
+    return parsed
+
+
 @contextlib.contextmanager
 def _clear_factory_errors() -> Iterator[None]:
     """Turns jax's and flax's trace errors from a misbehaving factory into one clear error."""
@@ -207,34 +264,118 @@ def _clear_factory_errors() -> Iterator[None]:
         yield
     except (jax.errors.UnexpectedTracerError, flax_errors.TraceContextError) as e:
         raise ValueError(f"meshinit.nnx.init: {_FACTORY_RULES} ({type(e).__name__})") from e
+    except ValueError as e:
+        if "set_mesh" in str(e) and "outside of `jax.jit`" in str(e):
+            raise ValueError(
+                "meshinit.nnx.init traces the factory, and jax.set_mesh cannot be called "
+                "while tracing: call jax.set_mesh around meshinit.nnx.init instead, or "
+                "give each Variable its mesh with meshes=[(regex, mesh), ...]"
+            ) from e
+        raise
 
 
 _FACTORY_RULES = (
-    "the factory is called more than once (abstractly, then once per mesh group), so "
-    "it must build its own nnx.Rngs and must not touch outside state"
+    "the factory is traced (abstractly, once), so it must build its own nnx.Rngs and "
+    "must not touch outside state"
 )
 
 
-def init(factory: Callable[[], nnx.Module]) -> nnx.Module:
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    plan: _plan.Plan
+    traced: Any
+    outputs: list[int]
+    graphdef: Any
+    flat: list[tuple[tuple[Any, ...], nnx.Variable]]
+    specs: dict[tuple[Any, ...], ParamSpec]
+    avals: dict[tuple[Any, ...], Any]
+
+
+def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> _Prepared:
+    """Traces ``factory`` once and plans its Variables; compiles and allocates nothing."""
+    patterns = _parse_meshes(meshes)
+    if not callable(factory):
+        raise TypeError(
+            f"factory must be a zero-argument callable returning an nnx Module, got "
+            f"{type(factory).__name__}; write meshinit.nnx.init(lambda: Model(...))"
+        )
+    found: list[Any] = []
+
+    def build() -> list[Any]:
+        with nnx.use_eager_sharding(False):
+            graphdef, state = nnx.split(factory())
+        flat = list(nnx.to_flat_state(state))
+        arrays = [(p, v.get_value()) for p, v in flat]
+        arrays = [(p, x) for p, x in arrays if isinstance(x, jax.Array)]
+        found.append((graphdef, flat, [p for p, _ in arrays]))
+        return [jax.random.key_data(x) if _is_key(x) else x for _, x in arrays]
+
+    with _clear_factory_errors():
+        traced = _constructor.trace(build, evaluate=evaluate)
+    graphdef, flat, paths = found[0]
+    avals = dict(zip(paths, traced.out_avals, strict=True))
+    problems: list[Problem] = []
+    specs: dict[tuple[Any, ...], ParamSpec] = {}
+    by_path = dict(flat)
+    for p in paths:
+        struct = jax.ShapeDtypeStruct(avals[p].shape, avals[p].dtype)
+        spec = _spec_for(by_path[p], struct, problems, _path(p), patterns)
+        if spec is not None:
+            specs[p] = spec
+    plan = _plan.build_plan(_nest(specs), check_inits=False, problems=problems)
+    position = {_path(p): i for i, p in enumerate(paths)}
+    outputs = [position[e.path] for e in plan.entries]
+    return _Prepared(plan, traced, outputs, graphdef, flat, specs, avals)
+
+
+def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> _plan.Plan:
+    """The plan :func:`init` would follow, without compiling or allocating anything.
+
+    The factory is traced abstractly once; every Variable's placement is resolved as
+    :func:`init` resolves it. Its paths are the dot-joined nnx paths
+    (``layers.3.attn.q_norm.scale``), as in :func:`init`'s plan.
+
+    Args:
+      factory: as for :func:`init`.
+      meshes: as for :func:`init`; ``AbstractMesh`` es work, for planning before the
+        hardware exists.
+
+    Returns:
+      A :class:`meshinit.Plan`.
+
+    Raises:
+      PlanError: as for :func:`init`.
+
+    Examples:
+      >>> print(meshinit.nnx.plan(lambda: Model(rngs=nnx.Rngs(0))).compact())
+    """
+    return _prepare(factory, meshes, evaluate=False).plan
+
+
+def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module:
     """Builds an ordinary nnx Module with every Variable placed as its metadata says.
 
     Every Variable with flax sharding metadata comes back on
-    ``NamedSharding(variable's mesh or the context mesh, flax's partition spec)``.
-    Variables without it (RNG state, unannotated arrays) are replicated on the context
-    mesh, or placed on the default device when no ``jax.set_mesh`` is active. Values
-    are exactly those the factory produces from its own ``nnx.Rngs``.
+    ``NamedSharding(mesh, flax's partition spec)``, Variables without it (RNG state,
+    unannotated arrays, or the empty ``P()``) replicated on that mesh. The mesh is the
+    first ``meshes`` pattern that full-matches the Variable's dot-joined path, else
+    its ``mesh=`` metadata, else the ``jax.set_mesh`` context mesh, else the default
+    device. Values are the factory's own, from its own ``nnx.Rngs``.
 
-    Per mesh group, the factory is jitted with flax's eager sharding off and returns
-    only that group's Variables, with exact out_shardings; XLA drops the rest. This
-    works where flax itself fails, such as Params on disjoint submeshes under an
-    active ``jax.set_mesh``, but it compiles the whole constructor once per group.
-    For fast compiles, declare parameters with ``meshinit.param`` and use
-    :func:`materialize`.
+    The factory is traced once, abstractly, and compiled by meshinit's constructor
+    engine: the keys, counters and small values are computed once on the host, and
+    each large Variable's own computation is compiled once per (mesh, computation,
+    sharding) and run per Variable, so a 32-layer model compiles what an 8-layer one
+    does, and no device computes what it does not own. Params on disjoint submeshes
+    work, under an active ``jax.set_mesh`` too.
 
     Args:
-      factory: a zero-argument callable returning an nnx Module. It is called more
-        than once (abstractly, then once per mesh group), so it must build its own
-        ``nnx.Rngs`` and must not mutate outside state.
+      factory: a zero-argument callable returning an nnx Module. It is traced, so it
+        must build its own ``nnx.Rngs``, must not mutate outside state, and must not
+        call ``jax.set_mesh``.
+      meshes: ordered ``(regex, mesh)`` pairs. The first regex that full-matches a
+        Variable's path puts it on that mesh, overriding its ``mesh=`` metadata and
+        the context mesh: how existing code is split into pipeline stages unchanged.
 
     Returns:
       The Module, with flax's metadata kept as it was.
@@ -242,70 +383,29 @@ def init(factory: Callable[[], nnx.Module]) -> nnx.Module:
     Raises:
       PlanError: a sharding names an axis that is not in its mesh, a dimension does
         not divide, or a sharded Variable has no mesh; each problem names its path.
-      ValueError: the factory leaks tracers or mutates state created outside it.
+      ValueError: the factory leaks tracers, mutates outside state or sets a mesh.
 
     Examples:
       >>> model = meshinit.nnx.init(lambda: Model(rngs=nnx.Rngs(0)))
+      >>> staged = meshinit.nnx.init(
+      ...     lambda: Model(rngs=nnx.Rngs(0)),
+      ...     meshes=[(r"layers\.[0-3]\..*", stage0), (r".*", stage1)])
     """
-    graphdefs = []
-    traced: list[nnx.Variable] = []  # held, so their ids stay unique while we compare
-
-    def abstract_state() -> nnx.State:
-        with nnx.use_eager_sharding(False):
-            graphdef, state = nnx.split(factory())
-        graphdefs.append(graphdef)  # static structure, no tracers in it
-        traced.extend(var for _, var in nnx.to_flat_state(state))
-        return state
-
-    # jax.eval_shape, not nnx.eval_shape: flax would resolve the sharding metadata
-    # itself and fail on the first bad name, where we want every problem with its path.
-    with _clear_factory_errors():
-        state = jax.eval_shape(abstract_state)
-    (graphdef,) = graphdefs
-    flat = list(nnx.to_flat_state(state))
-    problems: list[Problem] = []
-    specs: dict[tuple[Any, ...], ParamSpec] = {}
-    for path, var in flat:
-        value = var.get_value()
-        if isinstance(value, jax.ShapeDtypeStruct):
-            spec = _spec_for(var, value, problems, _path(path))
-            if spec is not None:
-                specs[path] = spec
-    plan = _plan.build_plan(_nest(specs), check_inits=False, problems=problems)
-    order = [entry.path for entry in plan.entries]
-
-    seen = {id(var) for var in traced}
-
-    def build() -> list[Any]:
-        with nnx.use_eager_sharding(False):
-            _, built = nnx.split(factory())
-        flat_built = list(nnx.to_flat_state(built))
-        reused = [_path(p) for p, v in flat_built if id(v) in seen]
-        if reused:  # its values are tracers of the abstract pass
-            raise ValueError(
-                f"meshinit.nnx.init: {_FACTORY_RULES}; it returned Variables it had built "
-                f"before ({', '.join(reused[:3])})"
-            )
-        values = {_path(p): v.get_value() for p, v in flat_built}
-        out = []
-        for path in order:
-            v = values[path]
-            out.append(jax.random.key_data(v) if _is_key(v) else v)
-        return out
-
-    with _clear_factory_errors():
-        arrays = _materialize.materialize_from(plan, build)
+    prep = _prepare(factory, meshes, evaluate=True)
+    arrays = _constructor.materialize(
+        prep.plan, prep.traced, prep.outputs, what="meshinit.nnx.init"
+    )
     placed = []
-    for path, var in flat:
-        if path in specs:
+    for path, var in prep.flat:
+        if path in prep.specs:
             array = _get(arrays, path)
-            value = var.get_value()
-            if _is_key(value):
-                array = jax.random.wrap_key_data(array, impl=_key_impl(value))
+            aval = prep.avals[path]
+            if _is_key(aval):
+                array = jax.random.wrap_key_data(array, impl=_key_impl(aval))
             # Traced with eager sharding off; give back what the user's flax would record.
             var = var.replace(array, eager_sharding=nnx.using_eager_sharding())
         placed.append((path, var))
-    return nnx.merge(graphdef, nnx.from_flat_state(placed))
+    return nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
 
 
 class _Prebuilt:

@@ -1,0 +1,473 @@
+"""The constructor engine: unchanged model code, compiled once per signature.
+
+``meshinit.nnx.init``, ``meshinit.linen.init`` and ``meshinit.eqx.init`` hand their
+framework's constructor here as a function of host values (key data, example inputs)
+that returns one array per variable. The engine:
+
+1. **traces it once** to a jaxpr (:func:`trace`), abstractly: nothing is allocated;
+2. **flattens** nested calls (:func:`meshinit._jaxpr.flatten`): jitted initializers,
+   ``custom_jvp``/``custom_vjp``, ``checkpoint``; control flow stays one unit;
+3. **evaluates the small part on the host** (:mod:`meshinit._host`): keys, RNG
+   counters, scalars and arrays of at most :data:`SMALL_BYTES`, with numpy, exactly;
+4. **cuts one slice per remaining variable**: the equations between its small
+   inputs and its value, fingerprinted structurally (:func:`meshinit._jaxpr.fingerprint`);
+5. **compiles once per (mesh, fingerprint, sharding)**, with exact out_shardings,
+   through the spec path's rounds (``_materialize.bucket_batches``): a bucket's
+   executable makes one variable of each of its signatures per call, so a 32-layer
+   model compiles what an 8-layer one does, and runs each slice with its own inputs.
+
+Small variables (a norm's ones, an RNG counter) are placed from their host values;
+captured constants (a pretrained embedding as a numpy array) are placed shard by shard
+from the host, never as a full copy on one device. A slice the engine cannot
+fingerprint or must not run as a unit (a Python callback, a side effect) falls back
+to the whole-constructor program for just those variables, with an INFO record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from . import _host, _jaxpr, _materialize, _progress, _threefry
+from ._jaxpr import Lit, Program
+from ._plan import MeshGroup, Plan, PlanEntry
+from ._signature import LRUCache
+
+SMALL_BYTES = 1 << 14
+"""Values of at most this many bytes are evaluated on the host when they can be.
+
+Keys (8 bytes), counters and scalars are far below it; the reference stack's norms
+(1 KiB) are below it, its smallest weight (64 KiB) above. Larger host values would
+only be copied into every call; see benchmarks/README.md for the measurement.
+"""
+
+
+def _nbytes(aval: Any) -> int:
+    dtype = aval.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return math.prod(aval.shape) * 8  # threefry key data: two uint32
+    return math.prod(aval.shape) * np.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A constructor traced once: its flat program and its host-evaluated part.
+
+    Attributes:
+      program: the flat program (:class:`meshinit._jaxpr.Program`).
+      host: value number -> its host value (numpy array or ``_host.HostKey``).
+      args: the host arguments the constructor was traced with.
+    """
+
+    program: Program
+    host: dict[int, Any]
+    args: tuple[Any, ...]
+
+    @property
+    def out_avals(self) -> list[Any]:
+        """The abstract value of each output, in order."""
+        prog = self.program
+        return [o.aval if isinstance(o, Lit) else prog.avals[o] for o in prog.outputs]
+
+
+def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -> Traced:
+    """Traces ``fn(*args)`` once and evaluates its small part on the host.
+
+    The trace runs under the all-Auto twin of the context mesh, if one is set (so no
+    value records an explicit sharding of a mesh the variables may not live on), and
+    allocates nothing.
+
+    Args:
+      fn: returns a flat sequence of arrays, one per variable.
+      *args: host values (numpy arrays), passed abstractly.
+      evaluate: evaluate the small part (False for plan previews, which need only
+        the shapes).
+
+    Returns:
+      The :class:`Traced` constructor.
+    """
+    structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in args]
+    context = jax.sharding.get_mesh()
+    twin = None if context is None or context.empty else _materialize.auto_twin(context)
+    with jax.set_mesh(twin):
+        closed = jax.make_jaxpr(fn)(*structs)
+    prog = _jaxpr.flatten(closed)
+    host: dict[int, Any] = {}
+    if not evaluate:
+        return Traced(prog, host, tuple(args))
+    for n, a in zip(prog.inputs, args, strict=True):
+        host[n] = np.asarray(a)
+    for n, c in prog.consts.items():
+        if _nbytes(prog.avals[n]) <= SMALL_BYTES:
+            try:
+                host[n] = _host.as_host(c, prog.avals[n])
+            except _host.NotHost:
+                pass
+    for i, node in enumerate(prog.nodes):
+        if not _host.is_host(node):
+            continue
+        if any(n >= 0 and _nbytes(prog.avals[n]) > SMALL_BYTES for n in node.outs):
+            continue
+        if all(isinstance(x, Lit) or x in host for x in node.ins):
+            _host.evaluate_one(prog, i, host)
+    return Traced(prog, host, tuple(args))
+
+
+# ------------------------------------------------------------------------- slices
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slice:
+    """What makes one output from host values: ``nodes`` evaluated on ``inputs``."""
+
+    nodes: tuple[int, ...]
+    inputs: tuple[int, ...]
+    out: int | Lit
+    digest: str
+    units: bool  # holds control flow, whose bodies must keep jax's key implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fallback:
+    reason: str
+
+
+def _cut(traced: Traced, out: int | Lit, memo: dict[int, Any]) -> _Slice | _Fallback | None:
+    """The slice of ``out``; None if it is a host value or a captured constant."""
+    prog, host = traced.program, traced.host
+    if isinstance(out, Lit) or out in host or out in prog.consts:
+        return None
+    nodes: set[int] = set()
+    inputs: set[int] = set()
+    stack = [out]
+    seen: set[int] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in host or n in prog.consts:
+            inputs.add(n)
+            continue
+        i = prog.producer[n]
+        if i in nodes:
+            continue
+        nodes.add(i)
+        node = prog.nodes[i]
+        if node.effects:
+            return _Fallback(
+                f"{node.primitive.name} has side effects ({', '.join(map(str, node.effects))})"
+            )
+        stack.extend(x for x in node.ins if not isinstance(x, Lit))
+    order = tuple(sorted(nodes))
+    ins = tuple(sorted(inputs))
+    try:
+        digest = _jaxpr.fingerprint(prog, order, ins, out, memo)
+    except _jaxpr.Unfingerprintable as e:
+        names = sorted({prog.nodes[i].primitive.name for i in order})
+        return _Fallback(
+            f"a parameter of {'/'.join(names)} is {e}, which has no structural fingerprint"
+        )
+    units = any(_has_body(prog.nodes[i]) for i in order)
+    return _Slice(order, ins, out, digest, units)
+
+
+def _has_body(node: _jaxpr.Node) -> bool:
+    def body(p: Any) -> bool:
+        if isinstance(p, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
+            return True
+        return isinstance(p, tuple | list) and any(body(q) for q in p)
+
+    return any(body(p) for p in node.params.values())
+
+
+def _input_value(traced: Traced, n: int, sharding: NamedSharding | None) -> Any:
+    """The argument for value ``n``: host data, or a large constant placed shard by shard."""
+    if n in traced.host:
+        v = traced.host[n]
+        return v.data if isinstance(v, _host.HostKey) else v
+    const = traced.program.consts[n]
+    if sharding is None:
+        return np.asarray(const)
+    return _materialize.place(const, sharding)
+
+
+def _input_struct(traced: Traced, n: int, sharding: NamedSharding | None) -> Any:
+    aval = traced.program.avals[n]
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return jax.ShapeDtypeStruct((*aval.shape, 2), np.uint32)
+    if n in traced.host:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+
+
+def _const_sharding(traced: Traced, n: int, entry: PlanEntry) -> NamedSharding | None:
+    """How a large captured constant enters ``entry``'s program: on the entry's sharding
+    when it has the entry's shape (no full copy anywhere), else replicated (None)."""
+    if n in traced.host:
+        return None
+    if tuple(traced.program.avals[n].shape) == entry.spec.shape:
+        return entry.sharding
+    return None
+
+
+def _evaluator(traced: Traced, s: _Slice, key_impl: Any, straight: bool) -> Callable[..., Any]:
+    """``s`` as a traceable function of its inputs' values (keys as their data)."""
+    prog = traced.program
+
+    def bind(node: _jaxpr.Node, ins: list[Any]) -> Sequence[Any]:
+        name = node.primitive.name
+        if straight and name == "threefry2x32":
+            return _threefry.threefry2x32(*ins)
+        if straight and name == "random_wrap" and _is_threefry(node.params["impl"]):
+            return [jax.random.wrap_key_data(ins[0], impl=key_impl)]
+        if straight and name == "random_seed" and _is_threefry(node.params["impl"]):
+            return [jax.random.key(ins[0], impl=key_impl)]
+        return _jaxpr.bind_node(node, ins)
+
+    keys = [jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended) for n in s.inputs]
+
+    def run(*values: Any) -> Any:
+        env: dict[int, Any] = {}
+        for n, v, is_key in zip(s.inputs, values, keys, strict=True):
+            env[n] = jax.random.wrap_key_data(v, impl=key_impl) if is_key else v
+        _jaxpr.evaluate(prog, s.nodes, env, bind)
+        return s.out.value if isinstance(s.out, Lit) else env[s.out]
+
+    return run
+
+
+_THREEFRY = "threefry2x32"
+
+
+def _is_threefry(impl: Any) -> bool:
+    return getattr(impl, "name", None) == _THREEFRY
+
+
+# ------------------------------------------------------------------------ running
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """One group's share: how each of its entries is made."""
+
+    host: tuple[tuple[int, Any], ...]  # (position, host value)
+    consts: tuple[tuple[int, Any], ...]  # (position, captured constant)
+    group: MeshGroup  # the sliced entries, with slice signatures
+    positions: tuple[int, ...]  # position in the plan group of each sliced entry
+    slices: tuple[_Slice, ...]
+    fallback: tuple[tuple[int, int], ...]  # (position, output index)
+
+
+def materialize(
+    plan: Plan, traced: Traced, outputs: Sequence[int], *, what: str, progress: bool | None = None
+) -> Any:
+    """Places every output of ``traced`` on its planned sharding.
+
+    Args:
+      plan: the plan of the variables; entry ``i`` is output ``outputs[i]``.
+      traced: from :func:`trace`.
+      outputs: one output index per plan entry, in entry order.
+      what: the name the progress bar and the log use.
+
+    Returns:
+      The planned tree with a ready array in place of each spec.
+    """
+    prog = traced.program
+    index = {id(e): outputs[i] for i, e in enumerate(plan.entries)}
+    memo: dict[int, Any] = {}
+    works: dict[int, _Work] = {}
+    fallen: list[tuple[str, str]] = []
+    for group in plan.groups:
+        host, consts, sliced, positions, slices, fallback = [], [], [], [], [], []
+        for pos, entry in enumerate(group.entries):
+            j = index[id(entry)]
+            out = prog.outputs[j]
+            if isinstance(out, Lit) or out in traced.host:
+                value = out.value if isinstance(out, Lit) else traced.host[out]
+                value = value.data if isinstance(value, _host.HostKey) else value
+                host.append((pos, np.broadcast_to(np.asarray(value), entry.spec.shape)))
+                continue
+            if out in prog.consts:
+                consts.append((pos, prog.consts[out]))
+                continue
+            s = _cut(traced, out, memo)
+            if isinstance(s, _Fallback):
+                fallback.append((pos, j))
+                fallen.append((entry.path, s.reason))
+                continue
+            signature = (s.digest, entry.spec.shape, entry.spec.dtype, tuple(entry.sharding.spec))
+            sliced.append(dataclasses.replace(entry, signature=signature))
+            positions.append(pos)
+            slices.append(s)
+        works[id(group)] = _Work(
+            tuple(host),
+            tuple(consts),
+            MeshGroup(group.mesh, tuple(sliced)),
+            tuple(positions),
+            tuple(slices),
+            tuple(fallback),
+        )
+    if fallen:
+        shown = "; ".join(f"{p} ({r})" for p, r in fallen[:10])
+        more = f" and {len(fallen) - 10} more" if len(fallen) > 10 else ""
+        _progress.logger.info(
+            "meshinit: %s builds %d variables with the whole-constructor program, "
+            "which the engine cannot cut: %s%s",
+            what,
+            len(fallen),
+            shown,
+            more,
+        )
+    local = LRUCache(max(1, len(plan.groups)))  # the fallback programs: this call's only
+
+    def rounds(group: MeshGroup) -> _Rounds:
+        return _Rounds(traced, works[id(group)])
+
+    def prepare(group: MeshGroup) -> _materialize.Runner:
+        work = works[id(group)]
+        runner = rounds(group).prepare()
+        fallback_exe = _fallback_exe(traced, group, work, local) if work.fallback else None
+
+        def run() -> Iterator[tuple[int, jax.Array]]:
+            for pos, value in work.host:
+                yield pos, _materialize.place(value, group.entries[pos].sharding)
+            for pos, value in work.consts:
+                yield pos, _materialize.place(value, group.entries[pos].sharding)
+            for k, array in runner():
+                yield work.positions[k], array
+            if fallback_exe is not None:
+                for (pos, _), array in zip(work.fallback, fallback_exe(*traced.args), strict=True):
+                    yield pos, array
+
+        return run
+
+    def work_of(group: MeshGroup) -> _materialize.Needs:
+        needs = rounds(group).work()
+        return [*needs, (None, 1)] if works[id(group)].fallback else needs
+
+    return _materialize.run_plan(
+        plan,
+        prepare,
+        what=what,
+        work=work_of,
+        builds=lambda group: rounds(group).builds(),
+        progress=progress,
+    )
+
+
+class _Rounds:
+    """The spec path's rounds over one group's sliced entries.
+
+    Signatures (slice digest, shape, dtype, PartitionSpec) with equally many entries
+    share one executable; call ``r`` makes the ``r``-th entry of each.
+    """
+
+    def __init__(self, traced: Traced, work: _Work):
+        self.traced, self.work_ = traced, work
+        self.group = work.group
+        mesh = self.group.mesh
+        self.on_cpu = bool(self.group.entries) and _materialize.on_cpu(mesh)
+        self.buckets = _materialize.bucket_batches(self.group, None) if self.group.entries else []
+
+    def _entries(self, bucket: tuple[int, ...]) -> list[int]:
+        """The first sliced entry of each signature of ``bucket``."""
+        return [self.group.batches[i][0] for i in bucket]
+
+    def _shardings(self, k: int) -> list[NamedSharding | None]:
+        s, entry = self.work_.slices[k], self.group.entries[k]
+        return [_const_sharding(self.traced, n, entry) for n in s.inputs]
+
+    def _key(self, bucket: tuple[int, ...]) -> Hashable:
+        signatures = []
+        for k in self._entries(bucket):
+            shardings = tuple(None if s is None else s.spec for s in self._shardings(k))
+            signatures.append((self.group.entries[k].signature, shardings))
+        return ("constructor", self.group.mesh, tuple(signatures), self.on_cpu)
+
+    def _build(self, bucket: tuple[int, ...]) -> _materialize.Build:
+        firsts = self._entries(bucket)
+
+        def build():
+            fns, structs = [], []
+            for k in firsts:
+                s = self.work_.slices[k]
+                straight = self.on_cpu and not s.units
+                impl = _threefry.STRAIGHT_LINE if straight else _THREEFRY
+                fns.append((_evaluator(self.traced, s, impl, straight), len(s.inputs)))
+                structs += [
+                    _input_struct(self.traced, n, sh)
+                    for n, sh in zip(s.inputs, self._shardings(k), strict=True)
+                ]
+
+            def program(*values):
+                outs, start = [], 0
+                for fn, n in fns:
+                    outs.append(fn(*values[start : start + n]))
+                    start += n
+                return outs
+
+            return program, [self.group.entries[k].sharding for k in firsts], structs
+
+        return build
+
+    def builds(self) -> list[tuple[Hashable, _materialize.Build]]:
+        return [(self._key(b), self._build(b)) for b in self.buckets]
+
+    def work(self) -> _materialize.Needs:
+        return [(self._key(b), len(self.group.batches[b[0]])) for b in self.buckets]
+
+    def prepare(self) -> Callable[[], Iterator[tuple[int, jax.Array]]]:
+        exes = [_materialize.compiled(key, self.group, build) for key, build in self.builds()]
+        batches = self.group.batches
+
+        def run() -> Iterator[tuple[int, jax.Array]]:
+            for bucket, exe in zip(self.buckets, exes, strict=True):
+                for r in range(len(batches[bucket[0]])):
+                    ks = [batches[i][r] for i in bucket]
+                    args = []
+                    for k in ks:
+                        s = self.work_.slices[k]
+                        args += [
+                            _input_value(self.traced, n, sh)
+                            for n, sh in zip(s.inputs, self._shardings(k), strict=True)
+                        ]
+                    for k, array in zip(ks, exe(*args), strict=True):
+                        yield k, array
+
+        return run
+
+
+def _fallback_exe(traced: Traced, group: MeshGroup, work: _Work, cache: LRUCache) -> Any:
+    """Today's whole-constructor program, returning just the fallback variables."""
+    prog = traced.program
+    outs = [prog.outputs[j] for _, j in work.fallback]
+    needed: set[int] = set()
+    stack = [o for o in outs if not isinstance(o, Lit)]
+    while stack:
+        n = stack.pop()
+        i = prog.producer.get(n)
+        if i is None or i in needed:
+            continue
+        needed.add(i)
+        stack.extend(x for x in prog.nodes[i].ins if not isinstance(x, Lit))
+    order = sorted(needed)
+    entries = [group.entries[pos] for pos, _ in work.fallback]
+
+    def build():
+        def program(*args):
+            env = dict(zip(prog.inputs, args, strict=True))
+            env.update(prog.consts)
+            _jaxpr.evaluate(prog, order, env)
+            return [o.value if isinstance(o, Lit) else env[o] for o in outs]
+
+        structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in traced.args]
+        return program, [e.sharding for e in entries], structs
+
+    return _materialize.compiled(("constructor_fallback", id(work)), group, build, cache)

@@ -1,0 +1,417 @@
+"""The small part of a constructor, evaluated on the host with numpy, exactly.
+
+What a constructor computes besides its large arrays is keys, RNG counters, scalars
+and small arrays: ``nnx.Rngs`` folding a counter into its key for every parameter,
+``sqrt(1 / fan_in)``, a norm's ones. The engine evaluates that part once, here, with
+numpy: no compile, no dispatch, and the same bits on every process of a multi-host run.
+
+Only primitives whose numpy twin gives jax's bits are evaluated here: integer and
+bitwise arithmetic, IEEE-exact float arithmetic (``add``, ``sub``, ``mul``, ``div``,
+``sqrt``, ``max``, ``min``), moves and broadcasts, and jax's threefry2x32 keys (the hash
+is :func:`meshinit._paths._threefry2x32`). Anything else (``erf``, ``exp``, a float
+to int conversion, another key implementation) raises :class:`NotHost`, and the value
+is computed inside the compiled program of each variable that needs it instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.random import threefry_prng_impl
+
+from . import _jaxpr
+from ._paths import SHARDING_INVARIANT_IMPL, _threefry2x32
+
+
+class NotHost(Exception):
+    """This equation is not evaluated on the host; compute it in the program."""
+
+
+class HostKey:
+    """A batch of threefry keys on the host: ``data`` is uint32[*shape, 2]."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: np.ndarray):
+        self.data = data
+
+
+_FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
+def _exact_float(dtype: Any) -> None:
+    if np.dtype(dtype).kind == "f" and np.dtype(dtype) not in _FLOATS:
+        raise NotHost(f"{dtype} arithmetic")  # numpy rounds bf16/f16 ops differently
+
+
+def _elementwise(fn: Callable[..., Any], floats: bool = True) -> Callable[..., Any]:
+    def rule(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+        if node.params.get("out_dtype") is not None or node.params.get("accuracy") is not None:
+            raise NotHost(f"{node.primitive.name} with out_dtype or accuracy")
+        dtype = np.dtype(_out_aval(node).dtype)
+        if dtype.kind == "f":
+            if not floats:
+                raise NotHost(node.primitive.name)
+            _exact_float(dtype)
+        return [fn(*ins)]
+
+    return rule
+
+
+def _out_aval(node: _jaxpr.Node) -> Any:
+    return node.params["_aval"]
+
+
+def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if np.dtype(a.dtype).kind == "f":
+        return a / b
+    if np.any(b == 0):
+        raise NotHost("integer division by zero")
+    q = np.abs(a) // np.abs(b)
+    return np.where((a < 0) != (b < 0), -q, q).astype(a.dtype)
+
+
+def _int_rem(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if np.dtype(a.dtype).kind == "f" or np.any(b == 0):
+        raise NotHost("rem")
+    return (a - _int_div(a, b) * b).astype(a.dtype)
+
+
+def _shift(kind: str) -> Callable[..., Any]:
+    """XLA's shifts: an amount outside [0, bits) gives 0, or the sign for arithmetic."""
+
+    def shifted(a: np.ndarray, s: np.ndarray) -> np.ndarray:
+        a, s = np.broadcast_arrays(a, s)
+        bits = a.dtype.itemsize * 8
+        unsigned = np.dtype(f"u{a.dtype.itemsize}")
+        amount = s.astype(unsigned)
+        inside = amount < bits
+        safe = np.where(inside, amount, 0).astype(unsigned)
+        if kind == "left":
+            out = (a.view(unsigned) << safe).view(a.dtype)
+            return np.where(inside, out, 0).astype(a.dtype)
+        if kind == "logical":
+            out = (a.view(unsigned) >> safe).view(a.dtype)
+            return np.where(inside, out, 0).astype(a.dtype)
+        out = a >> safe.astype(a.dtype)  # numpy's >> is arithmetic on signed types
+        sign = np.where(a < 0, -1, 0).astype(a.dtype)
+        return np.where(inside, out, sign).astype(a.dtype)
+
+    return shifted
+
+
+_RULES: dict[str, Callable[[_jaxpr.Node, list[Any]], list[Any]]] = {
+    "add": _elementwise(np.add),
+    "sub": _elementwise(np.subtract),
+    "mul": _elementwise(np.multiply),
+    "div": _elementwise(_int_div),
+    "rem": _elementwise(_int_rem),
+    "neg": _elementwise(np.negative),
+    "max": _elementwise(np.maximum),
+    "min": _elementwise(np.minimum),
+    "sqrt": _elementwise(np.sqrt),
+    "abs": _elementwise(np.abs),
+    "and": _elementwise(np.bitwise_and, floats=False),
+    "or": _elementwise(np.bitwise_or, floats=False),
+    "xor": _elementwise(np.bitwise_xor, floats=False),
+    "not": _elementwise(np.invert, floats=False),
+    "shift_left": _elementwise(_shift("left"), floats=False),
+    "shift_right_arithmetic": _elementwise(_shift("arithmetic"), floats=False),
+    "shift_right_logical": _elementwise(_shift("logical"), floats=False),
+    "eq": lambda n, i: [np.equal(*i)],
+    "ne": lambda n, i: [np.not_equal(*i)],
+    "lt": lambda n, i: [np.less(*i)],
+    "le": lambda n, i: [np.less_equal(*i)],
+    "gt": lambda n, i: [np.greater(*i)],
+    "ge": lambda n, i: [np.greater_equal(*i)],
+}
+
+
+def _rule(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _RULES[name] = fn
+        return fn
+
+    return register
+
+
+@_rule("convert_element_type")
+def _convert(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    (x,) = ins
+    new = np.dtype(node.params["new_dtype"])
+    if x.dtype.kind == "f" and new.kind in "iub":
+        raise NotHost("float to integer conversion")  # numpy and XLA saturate differently
+    return [x.astype(new)]
+
+
+@_rule("bitcast_convert_type")
+def _bitcast(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    (x,) = ins
+    new = np.dtype(node.params["new_dtype"])
+    if new.itemsize != x.dtype.itemsize:
+        raise NotHost("bitcast to another width")
+    return [x.view(new)]
+
+
+@_rule("broadcast_in_dim")
+def _broadcast(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    x = ins[0]
+    shape, dims = node.params["shape"], node.params["broadcast_dimensions"]
+    expanded = [1] * len(shape)
+    for d, size in zip(dims, x.shape, strict=True):
+        expanded[d] = size
+    return [np.broadcast_to(x.reshape(expanded), shape).copy()]
+
+
+@_rule("reshape")
+def _reshape(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    if node.params.get("dimensions") is not None:
+        raise NotHost("reshape with dimensions")
+    return [ins[0].reshape(node.params["new_sizes"])]
+
+
+@_rule("squeeze")
+def _squeeze(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    return [np.squeeze(ins[0], axis=tuple(node.params["dimensions"]))]
+
+
+@_rule("expand_dims")
+def _expand_dims(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    return [np.expand_dims(ins[0], tuple(node.params["dimensions"]))]
+
+
+@_rule("transpose")
+def _transpose(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    return [np.transpose(ins[0], node.params["permutation"]).copy()]
+
+
+@_rule("slice")
+def _slice(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    p = node.params
+    strides = p["strides"] or (1,) * len(p["start_indices"])
+    index = tuple(
+        slice(a, b, s)
+        for a, b, s in zip(p["start_indices"], p["limit_indices"], strides, strict=True)
+    )
+    return [ins[0][index].copy()]
+
+
+@_rule("concatenate")
+def _concatenate(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    return [np.concatenate(ins, axis=node.params["dimension"])]
+
+
+@_rule("stack")
+def _stack(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    return [np.stack(ins, axis=node.params["axis"])]
+
+
+@_rule("split")
+def _split(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    sizes, axis = node.params["sizes"], node.params["axis"]
+    return list(np.split(ins[0], np.cumsum(sizes)[:-1], axis=axis))
+
+
+@_rule("iota")
+def _iota(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    p = node.params
+    shape, dim = p["shape"], p["dimension"]
+    line = np.arange(shape[dim], dtype=np.dtype(p["dtype"]))
+    return [
+        np.broadcast_to(
+            line.reshape([-1 if d == dim else 1 for d in range(len(shape))]), shape
+        ).copy()
+    ]
+
+
+@_rule("select_n")
+def _select_n(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    which, *cases = ins
+    return [np.choose(which.astype(np.int32), cases)]
+
+
+@_rule("copy")
+def _copy(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    return [ins[0]]
+
+
+_RULES["copy_p"] = _copy
+for _name in _jaxpr.IDENTITY:
+    _RULES[_name] = lambda node, ins: list(ins)
+
+
+@_rule("iota_2x32_shape")
+def _iota_2x32(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    shape = node.params["shape"]
+    flat = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint64).reshape(shape)
+    return [(flat >> np.uint64(32)).astype(np.uint32), flat.astype(np.uint32)]
+
+
+@_rule("threefry2x32")
+def _threefry(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    shape = np.broadcast_shapes(*(np.shape(a) for a in ins))
+    k1, k2, x1, x2 = (np.broadcast_to(np.asarray(a, np.uint32), shape) for a in ins)
+    return list(_threefry2x32(k1, k2, x1, x2))
+
+
+def _threefry_impl(impl: Any) -> None:
+    if getattr(impl, "name", None) != SHARDING_INVARIANT_IMPL:
+        raise NotHost(f"key implementation {getattr(impl, 'name', impl)!r}")
+
+
+@_rule("random_wrap")
+def _random_wrap(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    _threefry_impl(node.params["impl"])
+    return [HostKey(np.asarray(ins[0], np.uint32))]
+
+
+@_rule("random_unwrap")
+def _random_unwrap(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    return [_key(ins[0]).data]
+
+
+def _key(x: Any) -> HostKey:
+    if not isinstance(x, HostKey):
+        raise NotHost("not a host key")
+    return x
+
+
+@functools.lru_cache(maxsize=256)
+def _impl_program(op: str, batch: tuple[int, ...], arg_shapes: tuple[Any, ...], static: Any):
+    """jax's threefry function ``op``, vmapped over ``batch``, as a flat program."""
+    impl = threefry_prng_impl
+    fns = {
+        "seed": lambda s: impl.seed(s),
+        "fold_in": lambda k, m: impl.fold_in(k, m),
+        "split": lambda k: impl.split(k, static),
+        "random_bits": lambda k: impl.random_bits(k, *static),
+    }
+    fn = fns[op]
+    for _ in batch:
+        fn = jax.vmap(fn)
+    structs = [jax.ShapeDtypeStruct(s, d) for s, d in arg_shapes]
+    return _jaxpr.flatten(jax.make_jaxpr(fn)(*structs))
+
+
+def _run_impl(op: str, batch: tuple[int, ...], args: list[np.ndarray], static: Any = None):
+    prog = _impl_program(op, batch, tuple((a.shape, a.dtype) for a in args), static)
+    env = dict(zip(prog.inputs, args, strict=True))
+    env.update(prog.consts)
+    evaluate(prog, range(len(prog.nodes)), env)
+    (out,) = [o.value if isinstance(o, _jaxpr.Lit) else env[o] for o in prog.outputs]
+    return np.asarray(out)
+
+
+@_rule("random_seed")
+def _random_seed(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    _threefry_impl(node.params["impl"])
+    seeds = np.asarray(ins[0])
+    return [HostKey(_run_impl("seed", seeds.shape, [seeds]))]
+
+
+@_rule("random_fold_in")
+def _random_fold_in(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    key, msgs = _key(ins[0]), np.asarray(ins[1], np.uint32)
+    batch = np.broadcast_shapes(key.data.shape[:-1], msgs.shape)
+    data = np.broadcast_to(key.data, (*batch, 2))
+    return [
+        HostKey(
+            _run_impl(
+                "fold_in", batch, [np.ascontiguousarray(data), np.broadcast_to(msgs, batch).copy()]
+            )
+        )
+    ]
+
+
+@_rule("random_split")
+def _random_split(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    key = _key(ins[0])
+    shape = tuple(node.params["shape"])
+    return [HostKey(_run_impl("split", key.data.shape[:-1], [key.data], shape))]
+
+
+@_rule("random_bits")
+def _random_bits(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    key = _key(ins[0])
+    static = (node.params["bit_width"], tuple(node.params["shape"]))
+    return [_run_impl("random_bits", key.data.shape[:-1], [key.data], static)]
+
+
+def _bind(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    rule = _RULES.get(node.primitive.name)
+    if rule is None or node.effects:
+        raise NotHost(node.primitive.name)
+    return rule(node, ins)
+
+
+def evaluate(prog: _jaxpr.Program, nodes: Any, env: dict[int, Any]) -> dict[int, Any]:
+    """Every node of ``nodes`` on the host; raises :class:`NotHost` at the first miss."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        for i in nodes:
+            node = prog.nodes[i]
+            ins = [_operand(x, env) for x in node.ins]
+            outs = _bind(_with_aval(node, prog), ins)
+            for n, out in zip(node.outs, outs, strict=True):
+                if n >= 0:
+                    env[n] = _cast(out, prog.avals[n])
+    return env
+
+
+def _operand(x: Any, env: dict[int, Any]) -> Any:
+    if isinstance(x, _jaxpr.Lit):
+        return as_host(x.value, x.aval)
+    return env[x]
+
+
+def _with_aval(node: _jaxpr.Node, prog: _jaxpr.Program) -> _jaxpr.Node:
+    if not node.outs or node.outs[0] < 0:
+        return node
+    params = {**node.params, "_aval": prog.avals[node.outs[0]]}
+    return _jaxpr.Node(node.primitive, params, node.ins, node.outs, node.effects)
+
+
+def _cast(out: Any, aval: Any) -> Any:
+    if isinstance(out, HostKey):
+        return out
+    out = np.asarray(out)
+    if out.shape != tuple(aval.shape):
+        raise NotHost("shape mismatch")  # a rule that disagrees with jax: never guess
+    return out if out.dtype == aval.dtype else out.astype(aval.dtype)
+
+
+def as_host(value: Any, aval: Any) -> Any:
+    """A literal or captured constant as a host value (a numpy array or a HostKey)."""
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        if not isinstance(value, jax.Array):
+            raise NotHost("an extended-dtype constant")
+        _threefry_impl(jax.random.key_impl(value))
+        return HostKey(np.asarray(jax.random.key_data(value)))
+    if isinstance(value, jax.core.Tracer):
+        raise NotHost("a tracer")
+    return np.asarray(value, dtype=aval.dtype)
+
+
+def is_host(node: _jaxpr.Node) -> bool:
+    """Whether ``node``'s primitive has a host rule at all (it may still refuse)."""
+    return node.primitive.name in _RULES and not node.effects
+
+
+def evaluate_one(prog: _jaxpr.Program, i: int, env: dict[int, Any]) -> bool:
+    """Evaluates node ``i`` on the host into ``env``; False (env unchanged) if it can't."""
+    try:
+        results: dict[int, Any] = {}
+        node = prog.nodes[i]
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            ins = [_operand(x, env) for x in node.ins]
+            outs = _bind(_with_aval(node, prog), ins)
+            for n, out in zip(node.outs, outs, strict=True):
+                if n >= 0:
+                    results[n] = _cast(out, prog.avals[n])
+    except NotHost:
+        return False
+    env.update(results)
+    return True

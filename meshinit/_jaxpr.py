@@ -1,0 +1,286 @@
+"""A traced constructor as a flat program: nested calls inlined, values numbered.
+
+The constructor engine (:mod:`meshinit._constructor`) cuts a constructor's jaxpr per
+variable. It needs every equation at one level, so that a value made inside a nested
+``jit`` (jax's initializers are jitted), a ``custom_jvp``/``custom_vjp`` (truncated
+normal, gelu, relu) or a ``checkpoint`` can be cut like any other. :func:`flatten`
+inlines those calls. Control flow (``scan``, ``while``, ``cond``: what ``nnx.scan`` and
+``nn.scan`` produce for stacked layers) stays one :class:`Node`, evaluated as a unit.
+``vmap`` needs nothing: it leaves batched primitives in the jaxpr.
+
+The same inner jaxpr may be inlined many times (one per layer), so values are
+renumbered: a :class:`Program`'s values are ints, not jax's ``Var`` objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core
+from jax.extend.random import threefry_prng_impl
+
+PRNGImpl = type(threefry_prng_impl)  # jax's key implementations; not exported by name
+
+# Calls whose body is the whole of their forward meaning: inlined.
+_INLINE = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lit:
+    """A literal operand: its value and abstract value."""
+
+    value: Any
+    aval: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Node:
+    """One equation: ``outs = primitive.bind(*ins, **params)``.
+
+    ``ins`` are value numbers or :class:`Lit`; ``outs`` are value numbers (-1 for an
+    output nobody reads).
+    """
+
+    primitive: Any
+    params: dict[str, Any]
+    ins: tuple[int | Lit, ...]
+    outs: tuple[int, ...]
+    effects: Any
+
+
+@dataclasses.dataclass
+class Program:
+    """A flat program over numbered values.
+
+    Attributes:
+      avals: the abstract value of every value number.
+      inputs: the numbers of the traced function's arguments, in order.
+      consts: value number -> the constant the jaxpr captured there.
+      nodes: the equations in order; a value is made before it is read.
+      outputs: one operand per output of the traced function.
+      producer: value number -> index of the node that makes it.
+    """
+
+    avals: list[Any]
+    inputs: list[int]
+    consts: dict[int, Any]
+    nodes: list[Node]
+    outputs: list[int | Lit]
+    producer: dict[int, int]
+
+
+def flatten(closed: core.ClosedJaxpr) -> Program:
+    """The program of ``closed``, with every call of :data:`_INLINE` inlined."""
+    prog = Program([], [], {}, [], [], {})
+
+    def new(aval: Any) -> int:
+        prog.avals.append(aval)
+        return len(prog.avals) - 1
+
+    def walk(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[int | Lit]) -> list:
+        env: dict[Any, int | Lit] = {}
+
+        def read(v: Any) -> int | Lit:
+            return Lit(v.val, v.aval) if isinstance(v, core.Literal) else env[v]
+
+        for var, value in zip(jaxpr.constvars, consts, strict=True):
+            n = new(var.aval)
+            prog.consts[n] = value
+            env[var] = n
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            inner = _INLINE.get(eqn.primitive.name)
+            body = eqn.params.get(inner) if inner else None
+            if body is not None:
+                if isinstance(body, core.ClosedJaxpr):
+                    outs = walk(body.jaxpr, body.consts, ins)
+                else:
+                    outs = walk(body, (), ins)
+                for v, out in zip(eqn.outvars, outs, strict=True):
+                    if not isinstance(v, core.DropVar):
+                        env[v] = out
+                continue
+            numbers = []
+            for v in eqn.outvars:
+                n = new(v.aval)
+                numbers.append(-1 if isinstance(v, core.DropVar) else n)
+                if not isinstance(v, core.DropVar):
+                    env[v] = n
+            prog.producer.update((n, len(prog.nodes)) for n in numbers if n >= 0)
+            prog.nodes.append(
+                Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(numbers), eqn.effects)
+            )
+        return [read(v) for v in jaxpr.outvars]
+
+    prog.inputs = [new(v.aval) for v in closed.jaxpr.invars]
+    prog.outputs = walk(closed.jaxpr, closed.consts, prog.inputs)
+    return prog
+
+
+# Equations that only constrain or move a value: the same value, placed by whoever
+# places the output. Inside a group's program they would pin values to the meshes of
+# other groups (or to a context mesh), so they are evaluated as the identity.
+IDENTITY = frozenset({"sharding_constraint", "mesh_cast", "reshard", "device_put", "pvary"})
+
+
+def evaluate(
+    prog: Program,
+    nodes: Sequence[int],
+    env: dict[int, Any],
+    bind: Callable[[Node, list[Any]], Sequence[Any]] | None = None,
+) -> dict[int, Any]:
+    """Evaluates ``prog.nodes[i]`` for ``i`` in ``nodes``, in order, reading ``env``.
+
+    ``env`` must hold every value the nodes read that they do not make; it is updated
+    in place and returned. ``bind(node, ins)`` evaluates one node (default: bind its
+    primitive), so that callers can substitute primitives.
+    """
+    bind = bind or bind_node
+
+    def read(x: int | Lit) -> Any:
+        return x.value if isinstance(x, Lit) else env[x]
+
+    for i in nodes:
+        node = prog.nodes[i]
+        outs = bind(node, [read(x) for x in node.ins])
+        for n, out in zip(node.outs, outs, strict=True):
+            if n >= 0:
+                env[n] = out
+    return env
+
+
+def bind_node(node: Node, ins: list[Any]) -> Sequence[Any]:
+    """``node``'s primitive bound to ``ins``; the identity for :data:`IDENTITY`."""
+    if node.primitive.name in IDENTITY and len(ins) == len(node.outs):
+        return ins
+    prim = node.primitive
+    out = prim.bind(*ins, **prim.get_bind_params(node.params))
+    return out if prim.multiple_results else [out]
+
+
+class Unfingerprintable(Exception):
+    """A parameter that a structural fingerprint cannot describe (a Python callable)."""
+
+
+def _canon(x: Any, memo: dict[int, Any]) -> Any:
+    """A structural, hashable, repr-stable description of a primitive's parameter."""
+    if x is None or isinstance(x, bool | int | float | complex | str | bytes):
+        return (type(x).__name__, x)
+    if isinstance(x, PRNGImpl):
+        return ("prng", x.name, x.tag)
+    if isinstance(x, core.ClosedJaxpr):
+        return ("closed", _canon(x.jaxpr, memo), tuple(_canon_const(c) for c in x.consts))
+    if isinstance(x, core.Jaxpr):
+        hit = memo.get(id(x))
+        if hit is None:
+            hit = memo[id(x)] = (x, _canon_jaxpr(x, memo))  # x kept: its id stays unique
+        return hit[1]
+    if isinstance(x, tuple | list):
+        return (type(x).__name__, tuple(_canon(y, memo) for y in x))
+    if isinstance(x, dict):
+        return ("dict", tuple(sorted((str(k), _canon(v, memo)) for k, v in x.items())))
+    if isinstance(x, np.dtype) or _is_dtype(x):
+        return ("dtype", str(x))
+    if isinstance(x, np.ndarray | np.generic):
+        return _canon_const(x)
+    if callable(x) and not isinstance(x, type):
+        raise Unfingerprintable(f"{type(x).__name__} {getattr(x, '__name__', x)!r}")
+    try:
+        hash(x)
+    except TypeError:
+        raise Unfingerprintable(type(x).__name__) from None
+    return (type(x).__name__, repr(x))
+
+
+def _is_dtype(x: Any) -> bool:
+    try:
+        return isinstance(x, type) and np.dtype(x) is not None
+    except TypeError:
+        return False
+
+
+def _canon_const(c: Any) -> Any:
+    a = np.asarray(c) if not jax.dtypes.issubdtype(np.result_type(c), jax.dtypes.extended) else c
+    if isinstance(a, np.ndarray):
+        return (
+            "const",
+            str(a.dtype),
+            a.shape,
+            hashlib.blake2b(a.tobytes(), digest_size=16).digest(),
+        )
+    raise Unfingerprintable("an extended-dtype constant")
+
+
+def _canon_aval(aval: Any) -> Any:
+    return (str(aval.dtype), tuple(aval.shape), bool(getattr(aval, "weak_type", False)))
+
+
+def _canon_jaxpr(jaxpr: core.Jaxpr, memo: dict[int, Any]) -> Any:
+    names: dict[Any, int] = {}
+
+    def ref(v: Any) -> Any:
+        if isinstance(v, core.Literal):
+            return ("lit", _canon_aval(v.aval), _canon_const(v.val))
+        return names.setdefault(v, len(names))
+
+    header = (tuple(ref(v) for v in jaxpr.constvars), tuple(ref(v) for v in jaxpr.invars))
+    eqns = []
+    for e in jaxpr.eqns:
+        ins = tuple(ref(v) for v in e.invars)
+        outs = tuple(_canon_aval(v.aval) for v in e.outvars)
+        for v in e.outvars:
+            ref(v)
+        params = tuple(sorted((k, _canon(p, memo)) for k, p in e.params.items()))
+        eqns.append((e.primitive.name, params, ins, outs))
+    return ("jaxpr", header, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars))
+
+
+def fingerprint(
+    prog: Program, nodes: Sequence[int], inputs: Sequence[int], out: int | Lit, memo: dict[int, Any]
+) -> str:
+    """A digest of the computation ``nodes`` make of ``inputs`` up to ``out``.
+
+    Structural: primitives, parameters (nested jaxprs included), shapes, dtypes and
+    literal values, never Python identity; two slices with equal digests compute the
+    same function of their inputs.
+
+    Raises:
+      Unfingerprintable: a parameter is a Python callable.
+    """
+    names: dict[int, int] = {}
+    for n in inputs:
+        names[n] = len(names)
+
+    def ref(x: int | Lit) -> Any:
+        if isinstance(x, Lit):
+            return ("lit", _canon_aval(x.aval), _canon_const(x.value))
+        return names[x]
+
+    parts: list[Any] = [tuple(_canon_aval(prog.avals[n]) for n in inputs)]
+    for i in nodes:
+        node = prog.nodes[i]
+        ins = tuple(ref(x) for x in node.ins)
+        for n in node.outs:
+            if n >= 0:
+                names[n] = len(names)
+        outs = tuple(_canon_aval(prog.avals[n]) if n >= 0 else None for n in node.outs)
+        params = tuple(sorted((k, _canon(p, memo)) for k, p in node.params.items()))
+        parts.append((node.primitive.name, params, ins, outs))
+    parts.append(ref(out))
+    return hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=16).hexdigest()
