@@ -98,6 +98,11 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
     with jax.set_mesh(twin):
         closed = jax.make_jaxpr(fn)(*structs)
     prog = _jaxpr.flatten(closed)
+    if any(isinstance(c, jax.core.Tracer) for c in prog.consts.values()):
+        raise jax.errors.UnexpectedTracerError(
+            "the constructor returned values of an earlier trace (it keeps what it built "
+            "in outside state); it must build everything anew each call"
+        )
     host: dict[int, Any] = {}
     if not evaluate:
         return Traced(prog, host, tuple(args))

@@ -341,11 +341,41 @@ def _random_bits(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     return [_run_impl("random_bits", key.data.shape[:-1], [key.data], static)]
 
 
+def _on_key_data(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    """A structural equation on keys: the same equation on their data, whose trailing
+    dimension (the key's two words) comes along untouched."""
+    name, p = node.primitive.name, dict(node.params)
+    data = [x.data if isinstance(x, HostKey) else x for x in ins]
+    ndim = data[0].ndim - 1
+    if name == "slice":
+        p["start_indices"] = (*p["start_indices"], 0)
+        p["limit_indices"] = (*p["limit_indices"], 2)
+        p["strides"] = None if p["strides"] is None else (*p["strides"], 1)
+    elif name == "reshape":
+        p["new_sizes"] = (*p["new_sizes"], 2)
+    elif name == "broadcast_in_dim":
+        p["shape"] = (*p["shape"], 2)
+        p["broadcast_dimensions"] = (*p["broadcast_dimensions"], len(p["shape"]) - 1)
+    elif name == "transpose":
+        p["permutation"] = (*p["permutation"], ndim)
+    elif name == "select_n":
+        data[0] = np.asarray(data[0])[..., None]
+    elif name not in ("squeeze", "expand_dims", "concatenate", "copy", "copy_p", *_jaxpr.IDENTITY):
+        raise NotHost(f"{name} on keys")
+    moved = _jaxpr.Node(node.primitive, p, node.ins, node.outs, node.effects)
+    return [HostKey(np.asarray(out, np.uint32)) for out in _RULES[name](moved, data)]
+
+
 def _bind(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     rule = _RULES.get(node.primitive.name)
     if rule is None or node.effects:
         raise NotHost(node.primitive.name)
+    if node.primitive.name not in _KEY_RULES and any(isinstance(x, HostKey) for x in ins):
+        return _on_key_data(node, ins)
     return rule(node, ins)
+
+
+_KEY_RULES = frozenset({"random_fold_in", "random_split", "random_bits", "random_unwrap"})
 
 
 def evaluate(prog: _jaxpr.Program, nodes: Any, env: dict[int, Any]) -> dict[int, Any]:
@@ -376,6 +406,8 @@ def _with_aval(node: _jaxpr.Node, prog: _jaxpr.Program) -> _jaxpr.Node:
 
 def _cast(out: Any, aval: Any) -> Any:
     if isinstance(out, HostKey):
+        if out.data.shape != (*aval.shape, 2):
+            raise NotHost("key shape mismatch")
         return out
     out = np.asarray(out)
     if out.shape != tuple(aval.shape):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -510,13 +511,17 @@ def plan(tree: Any) -> Plan:
 
     Args:
       tree: any pytree. ``ParamSpec`` leaves are planned; every other leaf passes
-        through untouched.
+        through untouched. A flax nnx Module whose Variables hold specs
+        (``nnx.Param(meshinit.param(...))``) is a pytree too.
 
     Returns:
       A :class:`Plan`. ``print(plan)`` shows the table.
 
     Raises:
-      PlanError: with one problem per bad spec or path, all gathered first.
+      PlanError: with one problem per bad spec or path, all gathered first. Also when
+        ``tree`` holds no spec but holds a flax nnx Module whose Variables hold arrays
+        (ordinary nnx code, built already): plan its constructor with
+        ``meshinit.nnx.plan(lambda: Model(...))`` instead.
 
     Examples:
       >>> m = jax.make_mesh((2, 4), ("a", "b"))
@@ -608,6 +613,9 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
             )
         )
 
+    if not entries:
+        # An empty plan is what a built Module gives: say why, instead of planning nothing.
+        problems += _built_nnx_modules(tree)
     if problems:
         raise PlanError(problems)
     groups: dict[Any, list[PlanEntry]] = {}
@@ -619,3 +627,68 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
         treedef=treedef,
         leaves=tuple(leaf for _, leaf in flat),
     )
+
+
+_FLAX_SHARDING = ("out_sharding", "sharding", "sharding_names", "mesh")
+
+
+def _built_nnx_modules(tree: Any) -> list[Problem]:
+    """One problem per flax nnx Module in ``tree`` whose Variables hold arrays, no spec.
+
+    Such a Module is built already (or abstractly, by ``nnx.eval_shape``): its arrays
+    are leaves like any other, so planning it would silently find nothing. Its
+    constructor is what can be planned, by ``meshinit.nnx.plan``. flax is imported
+    only if the caller already did: an nnx Module implies it.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return []
+    problems = []
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Module))
+    for keypath, leaf in found[0]:
+        if not isinstance(leaf, nnx.Module):
+            continue
+        variables = [
+            (".".join(map(str, p)), v.get_value(), v.get_metadata())
+            for p, v in nnx.to_flat_state(nnx.state(leaf))
+        ]
+        if any(isinstance(value, ParamSpec) for _, value, _ in variables):
+            continue  # spec-declared: its specs were planned (or their problems reported)
+        arrays = [(p, x, m) for p, x, m in variables if hasattr(x, "shape") and hasattr(x, "dtype")]
+        if not arrays:
+            continue
+        name = type(leaf).__name__
+        abstract = all(isinstance(x, jax.ShapeDtypeStruct) for _, x, _ in arrays)
+        what = "abstract arrays (jax.ShapeDtypeStruct)" if abstract else "arrays"
+        tagged = [
+            f"{p}: {', '.join(k for k in _FLAX_SHARDING if m.get(k) is not None)}"
+            for p, _, m in arrays
+            if any(m.get(k) is not None for k in _FLAX_SHARDING)
+        ]
+        if tagged:
+            held = f"{what} with flax sharding metadata ({_some(tagged)}), not meshinit specs"
+            build = f"meshinit.nnx.init(lambda: {name}(...)) builds it placed as that metadata says"
+        else:
+            held = (
+                f"{what} ({_some([p for p, _, _ in arrays])}) with no flax sharding metadata, "
+                f"not meshinit specs"
+            )
+            build = (
+                "Variables without metadata are replicated; or declare specs: "
+                "nnx.Param(meshinit.param(...))"
+            )
+        problems.append(
+            Problem(
+                _paths.path_str(keypath),
+                f"{name} is an nnx Module whose Variables hold {held}, so there is nothing "
+                f"to plan; plan its constructor instead, which allocates nothing: "
+                f"meshinit.nnx.plan(lambda: {name}(...)); {build}",
+            )
+        )
+    return problems
+
+
+def _some(items: list[str], n: int = 2) -> str:
+    """``"a, b and 3 more"``."""
+    shown = ", ".join(items[:n])
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")

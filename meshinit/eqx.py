@@ -30,14 +30,15 @@ try:
 except ImportError as e:
     raise ImportError("meshinit.eqx needs equinox: pip install meshinit[eqx]") from e
 
-from . import _paths
+from . import _constructor, _paths
 from ._errors import Problem
-from ._materialize import from_constructor, materialize_from
+from ._materialize import from_constructor
 from ._materialize import materialize as _materialize_plan
-from ._plan import build_plan, plan
+from ._plan import build_plan
+from ._plan import plan as _plan_tree
 from ._spec import param
 
-__all__ = ["init", "materialize"]
+__all__ = ["init", "materialize", "plan"]
 
 
 def materialize(module: Any, key: Any) -> Any:
@@ -72,7 +73,7 @@ def materialize(module: Any, key: Any) -> Any:
       >>> model.w.sharding
       NamedSharding(mesh=Mesh('fsdp': 2, 'tensor': 4), spec=P('fsdp', 'tensor'))
     """
-    return _materialize_plan(plan(module), key)
+    return _materialize_plan(_plan_tree(module), key)
 
 
 Placement = tuple[Any, ...]
@@ -210,6 +211,74 @@ def _array_leaves(tree: Any) -> list[Any]:
     return [leaf for leaf in jax.tree_util.tree_leaves(tree) if eqx.is_array(leaf)]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    plan: Any
+    traced: Any
+    outputs: list[int]
+
+
+def _prepare(
+    factory: Callable[[Any], Any],
+    key: Any,
+    placements: Sequence[Placement],
+    mesh: Mesh | AbstractMesh | None,
+    rules: Any,
+    evaluate: bool,
+) -> _Prepared:
+    """Traces ``factory(key)`` once and plans its arrays; compiles and allocates nothing."""
+    key_data, make_key = _key_builder(key)
+    found: list[Any] = []
+
+    def build(data: Any) -> list[Any]:
+        module = factory(make_key(data))
+        found.append(module)
+        return _array_leaves(module)
+
+    traced = _constructor.trace(build, key_data, evaluate=evaluate)
+    avals = iter(traced.out_avals)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(next(avals).shape, x.dtype) if eqx.is_array(x) else x,
+        found[0],
+    )
+    specs, problems = _specs_from_placements(abstract, placements, mesh, rules)
+    plan_ = build_plan(specs, check_inits=False, problems=problems)
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    arrays = [_paths.path_str(kp) for kp, leaf in flat if isinstance(leaf, jax.ShapeDtypeStruct)]
+    position = {path: i for i, path in enumerate(arrays)}
+    return _Prepared(plan_, traced, [position[e.path] for e in plan_.entries])
+
+
+def plan(
+    factory: Callable[[Any], Any],
+    key: Any,
+    placements: Sequence[Placement],
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
+    rules: Any = None,
+) -> Any:
+    """The plan :func:`init` would follow, without compiling or allocating anything.
+
+    The factory is traced abstractly once. Paths are the dot-joined pytree paths
+    (``layers.0.weight``), as in :func:`init`.
+
+    Args:
+      factory, key, placements, mesh, rules: as for :func:`init`; meshes may be
+        ``AbstractMesh`` es, for planning before the hardware exists.
+
+    Returns:
+      A :class:`meshinit.Plan`.
+
+    Raises:
+      PlanError: as for :func:`init`.
+
+    Examples:
+      >>> p = meshinit.eqx.plan(lambda k: eqx.nn.MLP(64, 10, 256, 2, key=k), 0,
+      ...                       [(r".*weight", ("tensor", None)), (r".*", None)], mesh=mesh)
+    """
+    return _prepare(factory, key, placements, mesh, rules, evaluate=False).plan
+
+
 def init(
     factory: Callable[[Any], Any],
     key: Any,
@@ -221,15 +290,14 @@ def init(
     """Builds ``factory(key)`` with each array placed exactly, compiled once per mesh.
 
     For existing equinox constructors, which make arrays themselves. The values are
-    those of ``factory(key)`` run eagerly (within float rounding: the constructor is
-    compiled, and XLA may fuse differently); each array leaf is placed by the first
+    those of ``factory(key)`` run eagerly (within 2 ulp; usually bit for bit); each array leaf is placed by the first
     placement whose regex matches its whole path.
 
-    The constructor is traced abstractly first (nothing is allocated) to find the
-    array leaves and their paths; then, per mesh group, it is compiled with exactly
-    that group's leaves as outputs and their shardings as out_shardings, so XLA drops
-    the rest and each device computes only its own shards. Spec-declared modules
-    (:func:`materialize`) compile much less; prefer them for large models.
+    The constructor is traced once, abstractly (nothing is allocated), and compiled
+    by meshinit's constructor engine: keys and small values are computed once on the
+    host, and each array's own computation is compiled once per (mesh, computation,
+    sharding) and run per array, so a deep stack compiles what a shallow one does,
+    and each device computes only its own shards.
 
     Args:
       factory: ``factory(key) -> Module`` (any pytree), traceable, for example
@@ -269,23 +337,5 @@ def init(
       >>> mlp.layers[0].weight.sharding.spec
       P('tensor', 'fsdp')
     """
-    key_data, make_key = _key_builder(key)
-
-    def build(data: Any) -> Any:
-        return factory(make_key(data))
-
-    abstract = eqx.filter_eval_shape(build, key_data)
-    specs, problems = _specs_from_placements(abstract, placements, mesh, rules)
-    plan_ = build_plan(specs, check_inits=False, problems=problems)
-    expected = [(e.spec.shape, e.spec.dtype) for e in plan_.entries]
-
-    def arrays(data: Any) -> list[Any]:
-        values = _array_leaves(build(data))
-        if [(np.shape(v), np.dtype(v.dtype)) for v in values] != expected:
-            raise ValueError(
-                "the factory built a different module when traced again (its array "
-                "leaves changed); meshinit.eqx.init needs a deterministic factory"
-            )
-        return values
-
-    return materialize_from(plan_, arrays, key_data)
+    prep = _prepare(factory, key, placements, mesh, rules, evaluate=True)
+    return _constructor.materialize(prep.plan, prep.traced, prep.outputs, what="meshinit.eqx.init")

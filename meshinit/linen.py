@@ -14,7 +14,9 @@ Paths are the dot-joined variable paths: ``params.layers_0.mlp.wi.kernel``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 try:
@@ -27,11 +29,11 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import _materialize, _paths, _plan
-from ._errors import Problem
+from . import _constructor, _materialize, _paths, _plan
+from ._errors import PlanError, Problem
 from ._spec import ParamSpec
 
-__all__ = ["init"]
+__all__ = ["init", "plan"]
 
 
 def _is_box(x: Any) -> bool:
@@ -181,8 +183,12 @@ def _spec_for(
     rules: Any,
     default: tuple[Any, Any] | None,
     problems: list[Problem],
+    override: Any = None,
 ) -> ParamSpec | None:
-    """Translates one variable (boxed or not) into a spec; records what is wrong."""
+    """Translates one variable (boxed or not) into a spec; records what is wrong.
+
+    ``override`` (a ``meshes=`` match) wins over the annotation's own mesh.
+    """
     boxed = isinstance(leaf, meta.Partitioned)
     value = _value(leaf)
     if not isinstance(value, jax.ShapeDtypeStruct):
@@ -212,7 +218,8 @@ def _spec_for(
             )
             return None
         axes = names + (None,) * (ndim - len(names))  # as PartitionSpec pads
-        where = leaf.mesh if leaf.mesh is not None else mesh
+        where = override if override is not None else leaf.mesh
+        where = where if where is not None else mesh
         where = where if where is not None else _context_mesh()
         if where is None:
             problems.append(
@@ -257,6 +264,150 @@ def _spec_for(
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    plan: _plan.Plan
+    traced: Any
+    outputs: list[int]
+    flat: list[tuple[Any, Any]]  # (key path, box or value) of every variable, traced
+    treedef: Any
+
+
+def _parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
+    if meshes is None:
+        return []
+    if isinstance(meshes, str | bytes | Mapping) or not isinstance(meshes, Sequence):
+        raise TypeError(
+            f"meshes must be an ordered sequence of (regex, mesh) pairs, first full match "
+            f"wins; got {type(meshes).__name__}"
+        )
+    parsed, problems = [], []
+    for i, pair in enumerate(meshes):
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            problems.append(Problem("", f"meshes[{i}] must be a (regex, mesh) pair; got {pair!r}"))
+            continue
+        regex, where = pair
+        if not isinstance(where, Mesh | AbstractMesh):
+            problems.append(
+                Problem(
+                    "",
+                    f"meshes[{i}]: the mesh must be a jax.sharding.Mesh or AbstractMesh, "
+                    f"got {type(where).__name__}",
+                )
+            )
+        elif isinstance(regex, re.Pattern):
+            parsed.append((regex, where))
+        elif not isinstance(regex, str):
+            problems.append(
+                Problem("", f"meshes[{i}]: the regex must be a str or re.Pattern, got {regex!r}")
+            )
+        else:
+            try:
+                parsed.append((re.compile(regex), where))
+            except re.error as e:
+                problems.append(Problem("", f"meshes[{i}]: regex {regex!r} does not compile: {e}"))
+    if problems:
+        raise PlanError(problems, header="meshes= is malformed:")
+    return parsed
+
+
+def _abstract(leaf: Any, aval: Any) -> Any:
+    struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    return leaf.replace_boxed(struct) if _is_box(leaf) else struct
+
+
+def _prepare(
+    module: nn.Module,
+    key: Any,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any],
+    *,
+    mesh: Any,
+    rules: Any,
+    default: Any,
+    meshes: Any,
+    evaluate: bool,
+) -> _Prepared:
+    """Traces ``module.init`` once and plans its variables; compiles and allocates nothing."""
+    patterns = _parse_meshes(meshes)
+    placement = _default_placement(default, mesh)
+    key_data, make_rngs = _host_keys(key)
+    input_data, make_inputs = _host_inputs((example_args, example_kwargs))
+    n_keys = len(key_data)
+    found: list[Any] = []
+
+    def run_init(*values: Any) -> list[Any]:
+        args, kwargs = make_inputs(list(values[n_keys:]))
+        with _no_unbox_constraints():
+            variables = module.init(make_rngs(list(values[:n_keys])), *args, **kwargs)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(variables, is_leaf=_is_box)
+        found.append((flat, treedef))
+        leaves = [_value(leaf) for _, leaf in flat]
+        return [x for x in leaves if isinstance(x, jax.Array)]
+
+    host = [*key_data, *input_data]
+    traced = _constructor.trace(run_init, *host, evaluate=evaluate)
+    flat, treedef = found[0]
+    avals = iter(traced.out_avals)
+    problems: list[Problem] = []
+    specs, outputs_of, count = [], {}, 0
+    for keypath, leaf in flat:
+        path = _paths.path_str(keypath)
+        value = _value(leaf)
+        if isinstance(value, jax.Array):
+            leaf = _abstract(leaf, next(avals))
+            outputs_of[path] = count
+            count += 1
+        # A meshes= match wins over every other mesh; an unannotated variable it
+        # matches is replicated there (or laid out as default= says).
+        override = next((m for pattern, m in patterns if pattern.fullmatch(path)), None)
+        fallback = placement
+        if override is not None:
+            fallback = (override, None if placement is None else placement[1])
+        specs.append(_spec_for(path, leaf, mesh, rules, fallback, problems, override=override))
+    plan = _plan.build_plan(
+        jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
+    )
+    outputs = [outputs_of[e.path] for e in plan.entries]
+    return _Prepared(plan, traced, outputs, flat, treedef)
+
+
+def plan(
+    module: nn.Module,
+    key: Any,
+    *example_args: Any,
+    mesh: Mesh | AbstractMesh | None = None,
+    rules: Any = None,
+    default: str | Mesh | NamedSharding | None = None,
+    meshes: Any = None,
+    **example_kwargs: Any,
+) -> _plan.Plan:
+    """The plan :func:`init` would follow, without compiling or allocating anything.
+
+    ``module.init`` is traced abstractly once, and every variable is resolved as
+    :func:`init` resolves it. Paths are the dot-joined variable paths
+    (``params.layers_0.mlp.wi.kernel``), as in :func:`init`.
+
+    Args:
+      module, key, example_args, mesh, rules, default, meshes, example_kwargs: as for
+        :func:`init`. Meshes may be ``AbstractMesh`` es, for planning before the
+        hardware exists.
+
+    Returns:
+      A :class:`meshinit.Plan`.
+
+    Raises:
+      PlanError: as for :func:`init`.
+
+    Examples:
+      >>> print(meshinit.linen.plan(model, 0, tokens, mesh=mesh, rules=rules).compact())
+    """
+    return _prepare(
+        module, key, example_args, example_kwargs, mesh=mesh, rules=rules,
+        default=default, meshes=meshes, evaluate=False,
+    ).plan
+
+
 def init(
     module: nn.Module,
     key: Any,
@@ -264,33 +415,36 @@ def init(
     mesh: Mesh | AbstractMesh | None = None,
     rules: Any = None,
     default: str | Mesh | NamedSharding | None = None,
+    meshes: Any = None,
     **example_kwargs: Any,
 ) -> Any:
     """Runs ``module.init(key, *example_args, **example_kwargs)`` with every variable placed.
 
     Each variable annotated with ``nn.with_logical_partitioning`` or
     ``nn.with_partitioning`` comes back on exactly the ``NamedSharding`` its
-    annotation describes: on the annotation's own ``mesh=`` if it has one, else on
-    ``mesh``, else on the ``jax.set_mesh`` context mesh. Logical names resolve with the
-    annotation's own ``rules=``, else ``rules``, else the rules of an active
-    ``nn.logical_axis_rules``, by linen's algorithm (see
-    :func:`meshinit.logical_to_mesh_axes`), strictly: a logical name without a rule is
-    an error, not silently replicated. Values are those of ``module.init`` run eagerly
-    (within float rounding; it is compiled, and XLA may fuse differently).
+    annotation describes: on the first ``meshes`` mesh whose regex full-matches its
+    path, else on the annotation's own ``mesh=``, else on ``mesh``, else on the
+    ``jax.set_mesh`` context mesh. Logical names resolve with the annotation's own
+    ``rules=``, else ``rules``, else the rules of an active ``nn.logical_axis_rules``,
+    by linen's algorithm (see :func:`meshinit.logical_to_mesh_axes`), strictly: a
+    logical name without a rule is an error, not silently replicated. Values are
+    those of ``module.init`` run eagerly (within 2 ulp; usually bit for bit).
 
-    ``module.init`` is traced once abstractly (nothing allocated), then compiled once
-    per mesh group, returning only that group's variables with exact out_shardings;
-    XLA drops the rest.
+    ``module.init`` is traced once, abstractly (nothing allocated), and compiled by
+    meshinit's constructor engine: keys and small values are computed once on the
+    host, and each large variable's own computation is compiled once per (mesh,
+    computation, sharding), so compile time does not grow with depth, and no device
+    computes what it does not own.
 
     Args:
       module: a linen Module.
       key: what ``module.init`` takes as rngs: a legacy key (``jax.random.PRNGKey``),
         a typed key, or a dict of them (``{"params": k1, "dropout": k2}``); an int
         seed means ``jax.random.key(seed)``. Keys must be threefry.
-      *example_args: the example inputs of ``module.init``. Arrays enter the compiled
-        computation as host values (so they must be fully addressable); a
-        ``jax.ShapeDtypeStruct`` stands for zeros of its shape and allocates nothing
-        outside it; other values stay static.
+      *example_args: the example inputs of ``module.init``. Arrays enter as host
+        values (so they must be fully addressable); a ``jax.ShapeDtypeStruct``
+        stands for zeros of its shape and allocates nothing outside the trace;
+        other values stay static.
       mesh: the mesh of annotations that name none.
       rules: ``(logical_name, mesh_axes)`` pairs, as in flax linen and MaxText, for
         ``nn.with_logical_partitioning`` annotations that carry no rules.
@@ -298,6 +452,10 @@ def init(
         each of them an error. ``"replicated"`` replicates them on ``mesh`` (else
         the context mesh, else the default device); a ``Mesh`` replicates them on
         that mesh; a ``NamedSharding`` places each on its mesh with its spec.
+      meshes: ordered ``(regex, mesh)`` pairs over the dot-joined variable paths
+        (``params.layer_0.up.kernel``); the first full match puts the variable on
+        that mesh, overriding its annotation's mesh, ``mesh`` and the context mesh:
+        how an existing model is split into pipeline stages unchanged.
       **example_kwargs: keyword arguments of ``module.init`` (``train=False``,
         ``method=...``, ``mutable=...``).
 
@@ -310,7 +468,8 @@ def init(
     Raises:
       PlanError: all problems at once, each naming its variable path: variables
         without an annotation (when no ``default``), names that are not mesh axes or
-        have no rule, dimensions that do not divide, a missing mesh or rules.
+        have no rule, dimensions that do not divide, a missing mesh or rules, a
+        malformed ``meshes``.
       TypeError, ValueError: a malformed ``default``, or a key that is not a single
         threefry key (or a dict of them).
 
@@ -324,43 +483,15 @@ def init(
       >>> variables["params"]["kernel"].value.sharding.spec
       P('fsdp', 'tensor')
     """
-    placement = _default_placement(default, mesh)
-    key_data, make_rngs = _host_keys(key)
-    input_data, make_inputs = _host_inputs((example_args, example_kwargs))
-    n_keys = len(key_data)
-
-    def run_init(*values: Any) -> Any:
-        args, kwargs = make_inputs(list(values[n_keys:]))
-        with _no_unbox_constraints():
-            return module.init(make_rngs(list(values[:n_keys])), *args, **kwargs)
-
-    host = [*key_data, *input_data]
-    abstract = jax.eval_shape(run_init, *host)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_box)
-    problems: list[Problem] = []
-    specs = []
-    for keypath, leaf in flat:
-        specs.append(_spec_for(_paths.path_str(keypath), leaf, mesh, rules, placement, problems))
-    plan = _plan.build_plan(
-        jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
+    prep = _prepare(
+        module, key, example_args, example_kwargs, mesh=mesh, rules=rules,
+        default=default, meshes=meshes, evaluate=True,
     )
-    position = {_paths.path_str(kp): i for i, (kp, _) in enumerate(flat)}
-    order = [position[e.path] for e in plan.entries]
-    expected = [(leaf.shape, leaf.dtype) for leaf in specs]
-
-    def build(*values: Any) -> list[Any]:
-        leaves = jax.tree_util.tree_leaves(run_init(*values), is_leaf=_is_box)
-        leaves = [_value(x) for x in leaves]
-        if [(np.shape(v), np.dtype(v.dtype)) for v in leaves] != expected:
-            raise ValueError(
-                "module.init built different variables when traced again; "
-                "meshinit.linen.init needs a deterministic module"
-            )
-        return [leaves[i] for i in order]
-
-    placed = jax.tree_util.tree_leaves(_materialize.materialize_from(plan, build, *host))
+    placed = jax.tree_util.tree_leaves(
+        _constructor.materialize(prep.plan, prep.traced, prep.outputs, what="meshinit.linen.init")
+    )
     boxes = [
         leaf.replace_boxed(array) if _is_box(leaf) else array
-        for (_, leaf), array in zip(flat, placed, strict=True)
+        for (_, leaf), array in zip(prep.flat, placed, strict=True)
     ]
-    return jax.tree_util.tree_unflatten(treedef, boxes)
+    return jax.tree_util.tree_unflatten(prep.treedef, boxes)

@@ -133,10 +133,15 @@ def test_unannotated_variables_go_to_the_default_device_without_a_context():
 
 def test_one_compiled_computation_per_mesh_group(count_compiles):
     Stages, _, _ = stage_model(True)
+    meshinit.clear_cache()
     with count_compiles() as c:
         meshinit.nnx.init(lambda: Stages(nnx.Rngs(0)))
-    # stage0, stage1 and the default device; the abstract trace compiles nothing
+    # stage0's kernel, stage1's kernel and the default device's random `plain`; the
+    # biases (zeros) come from the host, and the trace compiles nothing
     assert c.count == 3
+    with count_compiles() as again:
+        meshinit.nnx.init(lambda: Stages(nnx.Rngs(1)))
+    assert again.count == 0  # the same computations with other keys: all cached
 
 
 def test_a_name_that_is_not_a_mesh_axis_is_a_plan_error_naming_the_variable():
@@ -164,8 +169,7 @@ def test_a_factory_using_outside_rngs_gets_a_clear_error():
 
 
 def test_a_factory_reusing_a_module_it_built_before_gets_a_clear_error():
-    # Caching the Module in outside state leaks the abstract pass's tracers into the
-    # per-group computation.
+    # Caching the Module in outside state leaks the first trace's tracers into the next.
     cache = []
 
     def factory():
@@ -173,6 +177,7 @@ def test_a_factory_reusing_a_module_it_built_before_gets_a_clear_error():
             cache.append(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
         return cache[0]
 
+    meshinit.nnx.init(factory)
     with pytest.raises(ValueError, match="must build its own nnx.Rngs and must not touch"):
         meshinit.nnx.init(factory)
 
