@@ -25,6 +25,7 @@ to the whole-constructor program for just those variables, with an INFO record.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -76,6 +77,41 @@ class Traced:
         return [o.aval if isinstance(o, Lit) else prog.avals[o] for o in prog.outputs]
 
 
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("meshinit_tracing", default=False)
+_quiet_installed = False
+
+
+def _install_quiet_origin_messages() -> None:
+    """While meshinit traces a constructor, jax's tracers skip their origin message.
+
+    ``nnx.Rngs`` compares ``getattr(count, "sharding", None)`` on every draw; on a
+    tracer that raises an AttributeError whose message jax builds by walking every
+    equation traced so far, so tracing a constructor is quadratic in its size (1.1-1.4
+    s of a 32-layer trace, guide). One wrapper, installed once, returns an empty
+    origin message while :data:`_TRACING` is set in this context and defers to jax's
+    own method everywhere else, so no other code or thread sees a difference. Where
+    jax has no such method (another version), nothing is installed.
+    """
+    global _quiet_installed
+    if _quiet_installed:
+        return
+    _quiet_installed = True
+    try:
+        from jax._src.interpreters.partial_eval import DynamicJaxprTracer
+    except ImportError:  # pragma: no cover - another jax layout
+        return
+    original = DynamicJaxprTracer.__dict__.get("_origin_msg")
+    if original is None:  # pragma: no cover
+        return
+
+    def _origin_msg(self: Any) -> str:
+        if _TRACING.get():
+            return ""
+        return original(self)
+
+    DynamicJaxprTracer._origin_msg = _origin_msg  # type: ignore[method-assign]
+
+
 def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -> Traced:
     """Traces ``fn(*args)`` once and evaluates its small part on the host.
 
@@ -95,8 +131,13 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
     structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in args]
     context = jax.sharding.get_mesh()
     twin = None if context is None or context.empty else _materialize.auto_twin(context)
-    with jax.set_mesh(twin):
-        closed = jax.make_jaxpr(fn)(*structs)
+    _install_quiet_origin_messages()
+    token = _TRACING.set(True)
+    try:
+        with jax.set_mesh(twin):
+            closed = jax.make_jaxpr(fn)(*structs)
+    finally:
+        _TRACING.reset(token)
     prog = _jaxpr.flatten(closed)
     if any(isinstance(c, jax.core.Tracer) for c in prog.consts.values()):
         raise jax.errors.UnexpectedTracerError(

@@ -73,6 +73,55 @@ def meshes() -> dict[str, Mesh]:
     }
 
 
+def nnx_model() -> Any:
+    """Ordinary nnx code (flax metadata, no specs) for ``meshinit.nnx.init``'s check."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.up = nnx.Linear(16, 32, rngs=rngs, kernel_metadata={"out_sharding": AXES})
+            self.scale = nnx.Param(jnp.ones((32,)))  # no metadata: replicated
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(64, 16, rngs=rngs)
+            self.layers = nnx.List([Block(rngs) for _ in range(3)])
+
+    return Model
+
+
+# Where each Variable goes: spanning both processes, and on each process's own stage.
+NNX_MESHES = (("embed\\..*", "global_explicit"), ("layers\\.0\\..*", "stage0"), (".*", "stage1"))
+
+
+def check_nnx(named: Mapping[str, Mesh], reference: Any) -> tuple[list[str], dict]:
+    """``meshinit.nnx.init`` under jax.distributed: every addressable shard against the
+    single-process eager values, and a digest of the host part of the trace."""
+    import hashlib
+
+    from flax import nnx
+
+    model = nnx_model()
+    meshes = [(p, named[n]) for p, n in NNX_MESHES]
+    factory = lambda: model(nnx.Rngs(3))  # noqa: E731
+    out = meshinit.nnx.init(factory, meshes=meshes)
+    traced = meshinit.nnx._prepare(factory, meshes, evaluate=True).traced
+    digest = hashlib.blake2b(digest_size=8)
+    for n in sorted(traced.host):
+        v = traced.host[n]
+        digest.update(np.asarray(getattr(v, "data", v)).tobytes())
+    failures, shards = [], 0
+    for path, var in nnx.to_flat_state(nnx.state(out)):
+        name = ".".join(map(str, path))
+        a = var.get_value()
+        want = reference[f"nnx-{name}"]
+        for s in a.addressable_shards:
+            if not np.array_equal(np.asarray(s.data), want[s.index]):
+                failures.append(f"process {jax.process_index()}, nnx {name}: shard {s.index}")
+            shards += 1
+    return failures, {"nnx_shards": shards, "nnx_host_digest": digest.hexdigest()}
+
+
 def check(
     plan: meshinit.Plan, tree: Any, seed: int, reference: Any, named: Mapping[str, Mesh]
 ) -> tuple[list[str], dict]:
@@ -172,6 +221,8 @@ def main(process_id: int, port: int, reference_path: str) -> int:
     found, counts["existing"] = check(plan, tree, SEEDS[0], reference, named)
     failures += found
     jax.block_until_ready(tree)
+    found, counts["nnx"] = check_nnx(named, reference)
+    failures += found
     print("RESULT " + json.dumps({"process": process_id, "counts": counts}), flush=True)
     if failures:
         print(f"process {process_id}: {len(failures)} checks failed", file=sys.stderr)

@@ -58,6 +58,12 @@ def write_reference(path: Path) -> None:
             arrays[f"reference-{seed}-{e.path}"] = np.asarray(ref, np.float32)
     # The second materialize must not just repeat the first.
     assert not np.array_equal(arrays["single-0-stage1.w"], arrays["single-1-stage1.w"])
+    from flax import nnx
+
+    with nnx.use_eager_sharding(False):  # eager construction on one device
+        eager = worker.nnx_model()(nnx.Rngs(3))
+    for p, var in nnx.to_flat_state(nnx.state(eager)):
+        arrays["nnx-" + ".".join(map(str, p))] = np.asarray(var.get_value())
     np.savez(path, **arrays)
 
 
@@ -157,3 +163,15 @@ def test_the_other_process_stage_gives_arrays_with_zero_addressable_shards(worke
     got = counts(process, workers[process])
     for seed in worker.SEEDS:
         assert got[str(seed)]["remote_arrays"] == PARAMS_PER_MESH, (seed, got)
+
+
+def test_nnx_init_places_every_shard_with_eager_values_and_one_host_part(workers):
+    # meshinit.nnx.init on unchanged nnx code across two processes: each process checks
+    # its addressable shards against eager construction, and both computed the same
+    # host part (keys, counters, small values) of the trace.
+    got = [counts(i, r)["nnx"] for i, r in enumerate(workers)]
+    assert got[0]["nnx_host_digest"] == got[1]["nnx_host_digest"], got
+    # embed: 4 local shards each; layer 0 on stage0, layers 1-2 on stage1 (3 Variables
+    # a layer: kernel, bias, scale), 4 devices each: only their own process sees them.
+    assert got[0]["nnx_shards"] == 4 + 3 * 4, got
+    assert got[1]["nnx_shards"] == 4 + 6 * 4, got
