@@ -39,6 +39,7 @@ def test_demo_rejects_a_device_count_it_cannot_lay_out():
         "nnx_multi_mesh.py",
         "nnx_stacked.py",
         "nnx_llama.py",
+        "stages_unchanged.py",
         "eqx_mlp.py",
         "eqx_stacked.py",
         "capacity_405b.py",
