@@ -1,5 +1,6 @@
 """``meshinit demo``: a multi-mesh model on simulated CPU devices.
-``meshinit plan MODULE:FACTORY``: the plan of a model's specs, allocating nothing."""
+``meshinit plan MODULE:FACTORY``: the plan of a model's specs, or of ordinary nnx code,
+allocating nothing."""
 
 from __future__ import annotations
 
@@ -145,6 +146,7 @@ class _BadInput(Exception):
 _MESH_FORMAT = "NAME=SIZE pairs joined by commas, e.g. data=16,fsdp=16,tensor=8"
 _RETURNS = (
     "a tree of meshinit.param specs, an nnx Module whose Variables hold specs, "
+    "an ordinary nnx Module (with flax sharding metadata or none), "
     "or an equinox Module holding specs"
 )
 
@@ -283,7 +285,85 @@ def _problems(error: Exception, hint_mesh: bool, limit: int = 10) -> str:
         shown.append(
             "hint: --abstract-mesh data=16,fsdp=16,tensor=8 gives specs without a mesh one"
         )
+    if hint_mesh and any("sharding metadata but no mesh" in p.message for p in problems):
+        shown.append(
+            "hint: --abstract-mesh data=16,fsdp=16,tensor=8 gives nnx Variables without a "
+            "mesh one, as jax.set_mesh would"
+        )
     return "\n".join([head + ":", *shown])
+
+
+def _ordinary_nnx(made: Any) -> tuple[str, ...] | None:
+    """For an nnx Module none of whose Variables holds a spec (ordinary nnx code): the
+    dot-joined paths of the Variables whose metadata names no mesh. None otherwise.
+
+    flax is read from ``sys.modules`` only: an nnx Module implies it was imported.
+    """
+    from jax.sharding import Mesh
+
+    from ._spec import ParamSpec
+
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None or not isinstance(made, nnx.Module):
+        return None
+    flat = list(nnx.to_flat_state(nnx.state(made)))
+    if any(isinstance(v.get_value(), ParamSpec) for _, v in flat):
+        return None
+    meshes = [(".".join(map(str, p)), v.get_metadata().get("mesh")) for p, v in flat]
+    # As meshinit.nnx reads it: no mesh, or the empty Mesh(), leaves it to the context.
+    return tuple(p for p, m in meshes if m is None or (isinstance(m, Mesh) and m.empty))
+
+
+def _traced_nnx(factory: Any) -> tuple[str, ...] | None:
+    """:func:`_ordinary_nnx` of what ``factory()`` builds, found by tracing it once.
+
+    The trace is abstract: ordinary nnx code, whose constructor makes arrays, is seen
+    without allocating any. None where flax is not installed, where the factory builds
+    something else, or where it cannot be traced (a spec factory may read concrete
+    values): such factories are then called as they always were.
+    """
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("flax") is None:
+            return None
+        from flax import nnx
+    except ImportError:
+        return None
+    import jax
+
+    found: list[tuple[str, ...] | None] = []
+
+    def probe() -> tuple[()]:
+        with nnx.use_eager_sharding(False):  # placing a tracer means nothing; and no mesh
+            found.append(_ordinary_nnx(factory()))
+        return ()
+
+    try:
+        jax.eval_shape(probe)
+    except (Exception, SystemExit):
+        return None  # called eagerly next; that call reports what it raises
+    return found[0]
+
+
+def _plan_nnx(factory: Any, target: str, mesh: Any, meshless: tuple[str, ...]) -> Any:
+    """``meshinit.nnx.plan(factory)``; ``mesh`` (from --abstract-mesh) goes to the
+    ``meshless`` Variables, as a ``jax.set_mesh`` around the factory would give it them."""
+    import re
+
+    from . import nnx as meshinit_nnx
+    from ._errors import PlanError
+
+    meshes = None
+    if mesh is not None and meshless:
+        # one pattern for all of them: meshinit.nnx tries each pattern on each path
+        meshes = [("|".join(map(re.escape, meshless)), mesh)]
+    try:
+        return meshinit_nnx.plan(factory, meshes=meshes)
+    except PlanError as e:
+        raise _BadInput(_problems(e, hint_mesh=mesh is None)) from None
+    except Exception as e:
+        raise _BadInput(f"meshinit.nnx.plan({target}) failed: {_one_line(e)}") from None
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -325,34 +405,51 @@ def plan_command(args: argparse.Namespace) -> int:
     from . import _records, _report
 
     mesh = AbstractMesh(*mesh_shape) if mesh_shape is not None else None
+    made: Any = None  # what factory() returned, if it was called
     with contextlib.ExitStack() as stack:
         if mesh is not None:
             stack.enter_context(meshinit.defaults(mesh=mesh))
-        try:
-            made = factory()
-        except (Exception, SystemExit) as e:
-            raise _BadInput(f"{args.target}() raised {_one_line(e)}") from None
-    tree = made
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is not None and isinstance(made, nnx.Module):
-        from .nnx import _spec_tree
+        # Ordinary nnx code makes its arrays as it is built: it is traced, never called,
+        # and planned as meshinit.nnx.plan plans it.
+        meshless = _traced_nnx(factory)
+        if meshless is None:
+            try:
+                made = factory()
+            except (Exception, SystemExit) as e:
+                raise _BadInput(f"{args.target}() raised {_one_line(e)}") from None
+            meshless = _ordinary_nnx(made)  # one that cannot be traced: nnx.plan says why
+        if meshless is not None:
+            made = None
+            plan = _plan_nnx(factory, args.target, mesh, meshless)
+    ordinary_nnx = meshless is not None
+    if not ordinary_nnx:
+        tree = made
+        nnx = sys.modules.get("flax.nnx")
+        if nnx is not None and isinstance(made, nnx.Module):
+            from .nnx import _spec_tree
 
-        tree = _spec_tree(made)  # the tree meshinit.nnx.materialize plans, same paths
-    try:
-        plan = meshinit.plan(tree)
-    except meshinit.PlanError as e:
-        raise _BadInput(_problems(e, hint_mesh=mesh is None)) from None
-    except Exception as e:
-        raise _BadInput(f"planning what {args.target}() returned failed: {_one_line(e)}") from None
+            tree = _spec_tree(made)  # the tree meshinit.nnx.materialize plans, same paths
+        try:
+            plan = meshinit.plan(tree)
+        except meshinit.PlanError as e:
+            raise _BadInput(_problems(e, hint_mesh=mesh is None)) from None
+        except Exception as e:
+            raise _BadInput(
+                f"planning what {args.target}() returned failed: {_one_line(e)}"
+            ) from None
     if not plan.entries:
-        raise _BadInput(
-            f"{args.target}() returned a {type(made).__name__} with no meshinit.param specs "
-            f"in it; return {_RETURNS}"
+        what = (
+            "an nnx Module whose Variables hold no arrays"
+            if ordinary_nnx
+            else f"a {type(made).__name__} with no meshinit.param specs in it"
         )
+        raise _BadInput(f"{args.target}() returned {what}; return {_RETURNS}")
 
     def source(group: meshinit.MeshGroup) -> str:
         # jax interns AbstractMesh: a spec that binds an equal one binds this very mesh.
-        return "--abstract-mesh" if group.mesh is mesh else "spec"
+        if group.mesh is mesh:
+            return "--abstract-mesh"
+        return "metadata" if ordinary_nnx else "spec"
 
     sources = source if mesh is not None else None
     if args.json:
@@ -395,9 +492,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "plan",
         help="print where every parameter of a model goes, allocating nothing",
         description=(
-            "Calls FACTORY() and prints the plan of what it returns: "
+            "Prints the plan of what FACTORY() builds: "
             + _RETURNS
-            + ". Nothing is allocated."
+            + ". Nothing is allocated. FACTORY is first traced once, abstractly: an "
+            "ordinary nnx Module, whose constructor makes arrays, is never called but "
+            "planned as meshinit.nnx.plan(FACTORY) plans it, with nnx paths. Anything "
+            "else (or a factory that cannot be traced) is then called, and what it "
+            "returns is planned."
         ),
     )
     p_plan.add_argument(
@@ -414,7 +515,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_plan.add_argument(
         "--abstract-mesh",
         metavar="AXES",
-        help="give specs without a mesh an AbstractMesh, e.g. data=16,fsdp=16,tensor=8",
+        help=(
+            "give specs without a mesh an AbstractMesh, e.g. data=16,fsdp=16,tensor=8; "
+            "for ordinary nnx code, the Variables whose metadata names no mesh get it, as "
+            "a jax.set_mesh around the factory would give it them"
+        ),
     )
     view = p_plan.add_mutually_exclusive_group()
     view.add_argument("--json", action="store_true", help="print Plan.to_json()")

@@ -259,7 +259,8 @@ def _const_sharding(traced: Traced, n: int, entry: PlanEntry) -> NamedSharding |
     if n in traced.host:
         return None
     if tuple(traced.program.avals[n].shape) == entry.spec.shape:
-        return entry.sharding
+        # on the all-Auto twin that the program is traced under: the same devices
+        return NamedSharding(_materialize.auto_twin(entry.mesh), entry.sharding.spec)
     return None
 
 

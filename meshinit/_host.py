@@ -104,17 +104,24 @@ def _shift(kind: str) -> Callable[..., Any]:
     return shifted
 
 
+def _integer(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # Float arithmetic stays in the compiled programs: XLA contracts a multiply and an
+    # add into one fused multiply-add inside a jitted initializer (jax.random.uniform),
+    # and numpy's two roundings would differ from it, by thousands of ulp near zero.
+    return _elementwise(fn, floats=False)
+
+
 _RULES: dict[str, Callable[[_jaxpr.Node, list[Any]], list[Any]]] = {
-    "add": _elementwise(np.add),
-    "sub": _elementwise(np.subtract),
-    "mul": _elementwise(np.multiply),
-    "div": _elementwise(_int_div),
+    "add": _integer(np.add),
+    "sub": _integer(np.subtract),
+    "mul": _integer(np.multiply),
+    "div": _integer(_int_div),
     "rem": _elementwise(_int_rem),
-    "neg": _elementwise(np.negative),
-    "max": _elementwise(np.maximum),
-    "min": _elementwise(np.minimum),
-    "sqrt": _elementwise(np.sqrt),
-    "abs": _elementwise(np.abs),
+    "neg": _integer(np.negative),
+    "max": _integer(np.maximum),
+    "min": _integer(np.minimum),
+    "abs": _integer(np.abs),
+    "sign": _integer(np.sign),
     "and": _elementwise(np.bitwise_and, floats=False),
     "or": _elementwise(np.bitwise_or, floats=False),
     "xor": _elementwise(np.bitwise_xor, floats=False),

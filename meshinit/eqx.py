@@ -290,8 +290,8 @@ def init(
     """Builds ``factory(key)`` with each array placed exactly, compiled once per mesh.
 
     For existing equinox constructors, which make arrays themselves. The values are
-    those of ``factory(key)`` run eagerly (within 2 ulp; usually bit for bit); each array leaf is placed by the first
-    placement whose regex matches its whole path.
+    those of ``factory(key)`` run eagerly (within 2 ulp; usually bit for bit); each
+    array leaf is placed by the first placement whose regex matches its whole path.
 
     The constructor is traced once, abstractly (nothing is allocated), and compiled
     by meshinit's constructor engine: keys and small values are computed once on the

@@ -403,8 +403,15 @@ def plan(
       >>> print(meshinit.linen.plan(model, 0, tokens, mesh=mesh, rules=rules).compact())
     """
     return _prepare(
-        module, key, example_args, example_kwargs, mesh=mesh, rules=rules,
-        default=default, meshes=meshes, evaluate=False,
+        module,
+        key,
+        example_args,
+        example_kwargs,
+        mesh=mesh,
+        rules=rules,
+        default=default,
+        meshes=meshes,
+        evaluate=False,
     ).plan
 
 
@@ -484,8 +491,15 @@ def init(
       P('fsdp', 'tensor')
     """
     prep = _prepare(
-        module, key, example_args, example_kwargs, mesh=mesh, rules=rules,
-        default=default, meshes=meshes, evaluate=True,
+        module,
+        key,
+        example_args,
+        example_kwargs,
+        mesh=mesh,
+        rules=rules,
+        default=default,
+        meshes=meshes,
+        evaluate=True,
     )
     placed = jax.tree_util.tree_leaves(
         _constructor.materialize(prep.plan, prep.traced, prep.outputs, what="meshinit.linen.init")
