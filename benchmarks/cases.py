@@ -62,6 +62,9 @@ def cold(
 ) -> dict:
     """One cold init: from after imports and mesh creation until every array is ready.
 
+    The placement check is ``recipe``'s (:func:`recipes.expected`); the value contract
+    (``check_values``) is the spec path's, so it is checked for those recipes only.
+
     With ``cache_dir``, jax's persistent compilation cache is on, in that directory.
     """
     import jax
@@ -74,7 +77,7 @@ def cold(
         jax.config.update("jax_enable_compilation_cache", True)
     model = Model.cpu(layers, width)
     recipes.preload(recipe)
-    strategy = recipes.use_strategy(recipe) if recipe.startswith("meshinit") else None
+    strategy = recipes.use_strategy(recipe) if recipes.is_spec_path(recipe) else None
     clock = CompileClock()
     start = time.perf_counter()
     out = recipes.run(recipe, model, mesh)
@@ -86,7 +89,7 @@ def cold(
         "compiles": clock.count,
         "strategy": strategy,
         "nbytes": model.nbytes,
-        "problems": recipes.placement_problems(model, mesh, out),
+        "problems": recipes.placement_problems(model, mesh, out, recipe=recipe),
     }
     if check_values and strategy is not None:
         result["problems"] += recipes.value_problems(out, 0, model)
@@ -274,7 +277,7 @@ def host_memory(recipe: str, layers: int, width: int) -> dict:
     mesh = setup_cpu()
     model = Model.cpu(layers, width)
     recipes.preload(recipe)
-    if recipe.startswith("meshinit"):
+    if recipes.is_spec_path(recipe):
         recipes.use_strategy(recipe)
     jax.block_until_ready(jax.numpy.zeros(8))  # start the backend before the baseline
     gc.collect()
@@ -298,7 +301,7 @@ def host_memory(recipe: str, layers: int, width: int) -> dict:
         "increase": peak - baseline,
         "nbytes": model.nbytes,
         "method": method,
-        "problems": recipes.placement_problems(model, mesh, out),
+        "problems": recipes.placement_problems(model, mesh, out, recipe=recipe),
     }
 
 

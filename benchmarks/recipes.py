@@ -6,7 +6,7 @@ then ``head`` (embed, vocab). Every recipe returns the same tree,
 ``{"embed": ..., "layers": [{"q": ..., ...}, ...], "head": ...}``, so the placements of
 all recipes are checked the same way.
 
-Recipes:
+Recipes on specs (meshinit's own declarations) and their anchors:
   meshinit   specs + ``meshinit.plan`` + ``meshinit.materialize``.
   nnx.jit    a flax nnx Module built inside ``nnx.jit``, each ``nnx.Param`` annotated
              with ``out_sharding`` and ``mesh``.
@@ -14,14 +14,29 @@ Recipes:
              ``out_shardings``.
   eager-nnx  the same Module built eagerly; flax's eager sharding places each array.
 
+Unchanged constructors (meshinit's constructor engine) and their anchors, the same
+stack written as ordinary framework code:
+  meshinit.nnx         ``meshinit.nnx.init`` of the ``nnx.jit`` recipe's Module.
+  meshinit.nnx:2mesh   the same Module split over two disjoint stage meshes with
+                       ``meshes=`` (see :func:`stage_meshes`).
+  linen.jit            a linen Module (``nn.with_logical_partitioning`` params) by flax's
+                       recipe: ``jax.jit(model.init, out_shardings=...)``.
+  meshinit.linen       ``meshinit.linen.init`` of that Module.
+  meshinit.linen:2mesh the same, split over the two stage meshes with ``meshes=``.
+  eqx.filter_jit       an equinox stack of ``eqx.nn.Linear`` built in ``eqx.filter_jit``,
+                       placed by ``eqx.filter_shard`` inside.
+  meshinit.eqx         ``meshinit.eqx.init`` of that constructor with regex placements.
+
 The recipes resolve logical axes with :func:`mesh_axes`, not with meshinit, so the
-anchors do not depend on the library under test.
+anchors do not depend on the library under test. Equinox stores a Linear's weight as
+(out, in), so its leaves are checked against the transposed layout (:func:`expected`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,7 +54,7 @@ RULES = (
     ("mlp", "tensor"),
 )
 CPU_MESH = ((2, 4), ("fsdp", "tensor"))
-RECIPES = (
+SPEC_RECIPES = (
     "meshinit",
     "meshinit:per_signature",
     "meshinit:fused_group",
@@ -48,6 +63,21 @@ RECIPES = (
     "jax.jit",
     "eager-nnx",
 )
+CONSTRUCTOR_RECIPES = (
+    "meshinit.nnx",
+    "meshinit.nnx:2mesh",
+    "linen.jit",
+    "meshinit.linen",
+    "meshinit.linen:2mesh",
+    "eqx.filter_jit",
+    "meshinit.eqx",
+)
+RECIPES = SPEC_RECIPES + CONSTRUCTOR_RECIPES
+
+
+def is_spec_path(recipe: str) -> bool:
+    """``meshinit``, ``meshinit:<strategy>``, ``meshinit+xla-defaults``: specs + plan."""
+    return recipe.split(":")[0].split("+")[0] == "meshinit"
 
 
 def mesh_axes(axes: tuple[str, ...]) -> tuple[str | None, ...]:
@@ -151,12 +181,18 @@ class Model:
         return jnp.dtype(self.dtype)
 
 
+def path_str(keypath: Any) -> str:
+    """A ``jax.tree_util`` key path, dot-joined: ``layers.0.q`` (dict keys, indices, fields)."""
+    parts = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in keypath)
+    return ".".join(map(str, parts))
+
+
 def leaves(model: Model) -> list[tuple[str, Leaf]]:
     """(dot-joined path, leaf) in ``jax.tree`` flatten order."""
     import jax
 
     flat, _ = jax.tree_util.tree_flatten_with_path(model.tree())
-    return [(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p), x) for p, x in flat]
+    return [(path_str(p), x) for p, x in flat]
 
 
 def sharding_of(mesh: Any, leaf: Leaf) -> Any:
@@ -269,18 +305,318 @@ def eager_nnx_init(model: Model, mesh: Any) -> Any:
     return nnx_arrays(model, module)
 
 
-def run(recipe: str, model: Model, mesh: Any, seed: int = 0) -> Any:
-    """Initializes ``model`` with ``recipe``; the arrays may still be in flight."""
+# ------------------------------------------------------- unchanged constructors
+
+
+def stage_meshes(mesh: Any) -> tuple[Any, Any]:
+    """Two disjoint (fsdp=2, tensor=2) meshes: devices 0-3 and 4-7, ``mesh``'s axis types.
+
+    The axis names are ``mesh``'s, so the Module's own ``out_sharding`` metadata still
+    resolves on either stage.
+    """
     import jax
 
-    if recipe.split(":")[0].split("+")[0] == "meshinit":
+    devices = list(mesh.devices.flat)
+    half = len(devices) // 2
+    types = tuple(mesh.axis_types)
+    return tuple(
+        jax.make_mesh((2, half // 2), mesh.axis_names, axis_types=types, devices=part)
+        for part in (devices[:half], devices[half:])
+    )
+
+
+def stage_split(model: Model) -> int:
+    """Layers ``0 .. stage_split - 1`` (and ``embed``) go on stage 0, the rest and ``head``
+    on stage 1."""
+    return (model.layers + 1) // 2
+
+
+def stage_of(model: Model, mesh: Any) -> Any:
+    """The mesh of each dot-joined path in the two-stage split of ``model``."""
+    first, second = stage_meshes(mesh)
+    split = stage_split(model)
+
+    def of(path: str) -> Any:
+        head, _, rest = path.partition(".")
+        if head == "embed" or (head == "layers" and int(rest.partition(".")[0]) < split):
+            return first
+        return second
+
+    return of
+
+
+def stage_patterns(model: Model, mesh: Any, prefix: str = "", layer: str = "layers.") -> list:
+    """``meshes=`` for the two-stage split: ordered (regex, mesh), first match wins.
+
+    Paths are nnx's (``embed``, ``layers.3.q``) by default; linen's with
+    ``prefix="params."`` and ``layer="layers_"`` (``params.layers_3.q``).
+    """
+    first, second = stage_meshes(mesh)
+    layers = "|".join(str(i) for i in range(stage_split(model)))
+    start = re.escape(prefix)
+    return [
+        (rf"{start}embed", first),
+        (rf"{start}{re.escape(layer)}(?:{layers})\..*", first),
+        (r".*", second),
+    ]
+
+
+def meshinit_nnx_init(model: Model, mesh: Any, two_stages: bool = False) -> Any:
+    """``meshinit.nnx.init`` of the ``nnx.jit`` recipe's Module, its code unchanged."""
+    from flax import nnx
+
+    import meshinit.nnx
+
+    Transformer = nnx_module(model, mesh)
+    meshes = stage_patterns(model, mesh) if two_stages else None
+    module = meshinit.nnx.init(lambda: Transformer(nnx.Rngs(0)), meshes=meshes)
+    return nnx_arrays(model, module)
+
+
+def linen_module(model: Model) -> Any:
+    """A linen Module (an instance) that declares ``model``'s params as linen code does.
+
+    Params are ``self.param(name, nn.with_logical_partitioning(init, axes), shape,
+    dtype)``, named ``params.embed``, ``params.layers_<i>.<name>``, ``params.head``; its
+    ``__call__`` looks up the embedding of int tokens.
+    """
+    import flax.linen as nn
+
+    dtype = model.jnp_dtype
+
+    def param(module: nn.Module, name: str, leaf: Leaf) -> Any:
+        init = nn.with_logical_partitioning(leaf.init(), leaf.axes)
+        return module.param(name, init, leaf.shape, dtype)
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            for name, leaf in model.layer().items():
+                param(self, name, leaf)
+            return x
+
+    class Transformer(nn.Module):
+        @nn.compact
+        def __call__(self, tokens: Any) -> Any:
+            tree = model.tree()
+            x = param(self, "embed", tree["embed"])[tokens]
+            for i in range(model.layers):
+                x = Layer(name=f"layers_{i}")(x)
+            param(self, "head", tree["head"])
+            return x
+
+    return Transformer()
+
+
+def linen_tokens() -> Any:
+    """The example input of :func:`linen_module`'s ``init``."""
+    import numpy as np
+
+    return np.zeros((1, 4), np.int32)
+
+
+def linen_arrays(model: Model, variables: Any) -> dict[str, Any]:
+    """The linen variables' param arrays (unboxed) in the common tree shape."""
+    import flax.linen as nn
+
+    params = nn.unbox(variables)["params"]
+    return {
+        "embed": params["embed"],
+        "layers": [
+            {n: params[f"layers_{i}"][n] for n in model.layer()} for i in range(model.layers)
+        ],
+        "head": params["head"],
+    }
+
+
+def linen_jit_init(model: Model, mesh: Any) -> Any:
+    """flax's recipe: ``jax.eval_shape`` of ``module.init``, ``nn.get_partition_spec``,
+    ``nn.logical_to_mesh_sharding``, then ``jax.jit(module.init, out_shardings=...)``.
+
+    No mesh context: on Explicit axes the boxes' ``with_sharding_constraint`` would be
+    an assertion (the arrays are made replicated and placed by the out_shardings).
+    """
+    import flax.linen as nn
+    import jax
+
+    module = linen_module(model)
+    tokens = linen_tokens()
+    key = jax.random.key(0)
+    with nn.logical_axis_rules(RULES):
+        abstract = jax.eval_shape(module.init, key, tokens)
+        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, RULES)
+        variables = jax.jit(module.init, out_shardings=shardings)(key, tokens)
+    return linen_arrays(model, variables)
+
+
+def meshinit_linen_init(model: Model, mesh: Any, two_stages: bool = False) -> Any:
+    """``meshinit.linen.init`` of :func:`linen_module`; ``two_stages`` splits it as
+    ``meshinit.nnx:2mesh`` does, with ``meshes=``."""
+    import jax
+
+    import meshinit.linen
+
+    module = linen_module(model)
+    staged = {}
+    if two_stages:
+        staged["meshes"] = stage_patterns(model, mesh, prefix="params.", layer="layers_")
+    variables = meshinit.linen.init(
+        module, jax.random.key(0), linen_tokens(), mesh=mesh, rules=RULES, **staged
+    )
+    return linen_arrays(model, variables)
+
+
+def eqx_factory(model: Model) -> Any:
+    """``factory(key) -> module``: the stack as equinox code, ``eqx.nn.Linear`` without
+    bias for each matrix (weights (out, in)), ``eqx.nn.Embedding``, and ones for the norms.
+    """
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    dtype = model.jnp_dtype
+    matrices = [n for n, leaf in model.layer().items() if leaf.ndim == 2]
+
+    class Layer(eqx.Module):
+        q: eqx.nn.Linear
+        k: eqx.nn.Linear
+        v: eqx.nn.Linear
+        o: eqx.nn.Linear
+        gate: eqx.nn.Linear
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+        n1: jax.Array
+        n2: jax.Array
+
+        def __init__(self, key: Any):
+            keys = jax.random.split(key, len(matrices))
+            for name, k in zip(matrices, keys, strict=True):
+                fan_in, fan_out = model.layer()[name].shape
+                setattr(self, name, eqx.nn.Linear(fan_in, fan_out, False, dtype, key=k))
+            self.n1 = jnp.ones((model.d,), dtype)
+            self.n2 = jnp.ones((model.d,), dtype)
+
+    class Transformer(eqx.Module):
+        embed: eqx.nn.Embedding
+        layers: list[Layer]
+        head: eqx.nn.Linear
+
+        def __init__(self, key: Any):
+            keys = jax.random.split(key, model.layers + 2)
+            self.embed = eqx.nn.Embedding(model.vocab, model.d, dtype=dtype, key=keys[0])
+            self.layers = [Layer(k) for k in keys[1:-1]]
+            self.head = eqx.nn.Linear(model.d, model.vocab, False, dtype, key=keys[-1])
+
+    return Transformer
+
+
+def eqx_layout(path: str, leaf: Leaf) -> Leaf:
+    """The leaf as the equinox stack stores it: a Linear's weight is (out, in)."""
+    if leaf.ndim == 2 and path != "embed":
+        return Leaf(leaf.shape[::-1], leaf.axes[::-1])
+    return leaf
+
+
+def eqx_placements(model: Model) -> list[tuple[str, tuple[str, ...]]]:
+    """``meshinit.eqx.init``'s placements: (regex over pytree paths, logical axes)."""
+    tree = model.tree()
+    out = [(r"embed\.weight", tree["embed"].axes)]
+    for name, leaf in model.layer().items():
+        if leaf.ndim == 2:
+            out.append((rf"layers\.\d+\.{name}\.weight", eqx_layout(name, leaf).axes))
+        else:
+            out.append((rf"layers\.\d+\.{name}", leaf.axes))
+    out.append((r"head\.weight", eqx_layout("head", tree["head"]).axes))
+    return out
+
+
+def eqx_arrays(model: Model, module: Any) -> dict[str, Any]:
+    """The stack's arrays in the common tree shape, as stored (see :func:`eqx_layout`)."""
+    return {
+        "embed": module.embed.weight,
+        "layers": [
+            {
+                n: getattr(layer, n).weight if leaf.ndim == 2 else getattr(layer, n)
+                for n, leaf in model.layer().items()
+            }
+            for layer in module.layers
+        ],
+        "head": module.head.weight,
+    }
+
+
+def eqx_jit_init(model: Model, mesh: Any) -> Any:
+    """How equinox users shard at init: ``eqx.filter_jit`` of the constructor, with
+    ``eqx.filter_shard`` on every array inside (equinox's parallelism example), or
+    ``jax.sharding.reshard`` where the mesh's axes are Explicit."""
+    import equinox as eqx
+    import jax
+
+    factory = eqx_factory(model)
+    key = jax.random.key(0)
+    layouts = {path: eqx_layout(path, leaf) for path, leaf in leaves(model)}
+    # A shardings tree of the module's structure: the weight of ``layers.0.q`` (a
+    # Linear) is the model's ``layers.0.q``.
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda p, _: sharding_of(mesh, layouts[path_str(p).removesuffix(".weight")]),
+        eqx.filter_eval_shape(factory, key),
+    )
+
+    explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+
+    @eqx.filter_jit
+    def create(key: Any) -> Any:
+        module = factory(key)
+        if not explicit:
+            return eqx.filter_shard(module, shardings)
+        # filter_shard is with_sharding_constraint, which jax rejects on Explicit axes
+        # ("use reshard"): the same, through reshard.
+        arrays, static = eqx.partition(module, eqx.is_array)
+        return eqx.combine(jax.sharding.reshard(arrays, shardings), static)
+
+    with jax.set_mesh(mesh):  # Explicit shardings inside a jit need the mesh in context
+        module = create(key)
+    return eqx_arrays(model, module)
+
+
+def meshinit_eqx_init(model: Model, mesh: Any) -> Any:
+    import jax
+
+    import meshinit.eqx
+
+    module = meshinit.eqx.init(
+        eqx_factory(model), jax.random.key(0), eqx_placements(model), mesh=mesh, rules=RULES
+    )
+    return eqx_arrays(model, module)
+
+
+_RUN = {
+    "nnx.jit": nnx_jit_init,
+    "eager-nnx": eager_nnx_init,
+    "meshinit.nnx": meshinit_nnx_init,
+    "meshinit.nnx:2mesh": lambda model, mesh: meshinit_nnx_init(model, mesh, two_stages=True),
+    "linen.jit": linen_jit_init,
+    "meshinit.linen": meshinit_linen_init,
+    "meshinit.linen:2mesh": lambda model, mesh: meshinit_linen_init(model, mesh, two_stages=True),
+    "eqx.filter_jit": eqx_jit_init,
+    "meshinit.eqx": meshinit_eqx_init,
+}
+
+
+def run(recipe: str, model: Model, mesh: Any, seed: int = 0) -> Any:
+    """Initializes ``model`` with ``recipe``; the arrays may still be in flight.
+
+    ``seed`` is the spec path's and ``jax.jit``'s; the constructors use their own
+    (``nnx.Rngs(0)``, ``jax.random.key(0)``).
+    """
+    import jax
+
+    if is_spec_path(recipe):
         return meshinit_init(model, mesh, seed)
     if recipe == "jax.jit":
         return fused_jit(model, mesh)(jax.random.key(seed))
-    if recipe == "nnx.jit":
-        return nnx_jit_init(model, mesh)
-    if recipe == "eager-nnx":
-        return eager_nnx_init(model, mesh)
+    if recipe in _RUN:
+        return _RUN[recipe](model, mesh)
     raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
 
 
@@ -290,8 +626,16 @@ def preload(recipe: str) -> None:
 
     if recipe.startswith("meshinit"):
         import meshinit._materialize  # noqa: F401
-    elif "nnx" in recipe:
+    if "nnx" in recipe:
         from flax import nnx  # noqa: F401
+    if "linen" in recipe:
+        import flax.linen  # noqa: F401
+    if "eqx" in recipe:
+        import equinox  # noqa: F401
+    if recipe.startswith("meshinit."):  # the adapter: meshinit.nnx, .linen, .eqx
+        import importlib
+
+        importlib.import_module(recipe.partition(":")[0])
 
 
 _MESHINIT_OPTIONS: dict[str, Any] | None = None
@@ -351,34 +695,51 @@ def _normalized(spec: Any, ndim: int) -> tuple[tuple[str, ...] | None, ...]:
     return tuple(out)
 
 
-def placement_problems(model: Model, mesh: Any, arrays: Any, limit: int = 5) -> list[str]:
+def expected(model: Model, mesh: Any, recipe: str = "meshinit") -> list[tuple[str, Leaf, Any]]:
+    """(path, leaf as the recipe stores it, exact sharding) in ``jax.tree`` flatten order.
+
+    For ``meshinit.nnx:2mesh`` each path's mesh is its stage's (:func:`stage_of`); for
+    the equinox recipes a Linear's weight is (out, in) (:func:`eqx_layout`).
+    """
+    mesh_of = stage_of(model, mesh) if recipe.endswith(":2mesh") else (lambda path: mesh)
+    layout = eqx_layout if "eqx" in recipe else (lambda path, leaf: leaf)
+    out = []
+    for path, leaf in leaves(model):
+        stored = layout(path, leaf)
+        out.append((path, stored, sharding_of(mesh_of(path), stored)))
+    return out
+
+
+def placement_problems(
+    model: Model, mesh: Any, arrays: Any, limit: int = 5, recipe: str = "meshinit"
+) -> list[str]:
     """Where ``arrays`` differ from the exact planned placement (empty if none).
 
     Checks each array's shape, dtype, mesh (devices, names, axis types), PartitionSpec,
-    and the index and shape of every addressable shard.
+    and the index and shape of every addressable shard, against :func:`expected` for
+    ``recipe``.
     """
     import jax
     from jax.sharding import NamedSharding
 
     problems: list[str] = []
     got = jax.tree.leaves(arrays)
-    want = leaves(model)
+    want = expected(model, mesh, recipe)
     if len(got) != len(want):
         return [f"{len(got)} arrays for {len(want)} parameters"]
-    for (path, leaf), array in zip(want, got, strict=True):
-        expected = sharding_of(mesh, leaf)
+    for (path, leaf, sharding), array in zip(want, got, strict=True):
         s = getattr(array, "sharding", None)
         if not isinstance(array, jax.Array):
             problems.append(f"{path}: a {type(array).__name__}, not a jax.Array")
         elif array.shape != leaf.shape or array.dtype != model.jnp_dtype:
             problems.append(f"{path}: {array.dtype}{array.shape}, want {leaf.shape}")
-        elif not isinstance(s, NamedSharding) or s.mesh != mesh:
-            problems.append(f"{path}: placed by {s}, want {expected}")
-        elif _normalized(s.spec, leaf.ndim) != _normalized(expected.spec, leaf.ndim):
-            problems.append(f"{path}: {s.spec}, want {expected.spec}")
+        elif not isinstance(s, NamedSharding) or s.mesh != sharding.mesh:
+            problems.append(f"{path}: placed by {s}, want {sharding}")
+        elif _normalized(s.spec, leaf.ndim) != _normalized(sharding.spec, leaf.ndim):
+            problems.append(f"{path}: {s.spec}, want {sharding.spec}")
         else:
-            indices = expected.devices_indices_map(leaf.shape)
-            shard_shape = expected.shard_shape(leaf.shape)
+            indices = sharding.devices_indices_map(leaf.shape)
+            shard_shape = sharding.shard_shape(leaf.shape)
             for shard in array.addressable_shards:
                 if shard.index != indices[shard.device] or shard.data.shape != shard_shape:
                     problems.append(f"{path}: shard on {shard.device} is {shard.index}")
