@@ -1,4 +1,5 @@
-"""Llama-3-8B-shaped init on NVIDIA GPUs: meshinit against the fused jax.jit recipe.
+"""Llama-3-8B-shaped init on NVIDIA GPUs: meshinit (its spec path, and an unchanged nnx
+Module through ``meshinit.nnx.init``) against the fused jax.jit recipe.
 
 The model: 32 layers, d=4096, ffn=14336, vocab=128256, 32 query heads and 8 kv heads of
 128, bf16 (16 GB). The mesh is (fsdp=1, tensor=n) over all local GPUs (or ``--devices
@@ -9,6 +10,10 @@ lazy start-up.
 - cold: from after ``jax.devices()`` returned until every array is ready; meshinit
   includes building the specs and the plan, jax.jit its compile. Run once each,
   meshinit first; each result is deleted before the next.
+- cold, unchanged nnx: ``meshinit.nnx.init`` of an ordinary nnx Module with the same
+  shapes (each ``nnx.Param`` annotated with ``out_sharding`` and ``mesh``; the CPU
+  suite's ``meshinit.nnx`` recipe). Run last, after meshinit's cache is emptied
+  (``meshinit.clear_cache()``), so it compiles everything it runs.
 - warm: re-init with a new key, best of ``--repeats``: meshinit's ``materialize`` of
   the same plan, and the compiled fused executable called again.
 
@@ -86,6 +91,15 @@ def measure(model: Model, devices: list[Any], repeats: int) -> dict[str, Any]:
     keys = jax.block_until_ready([jax.random.key(s) for s in range(1, repeats + 1)])
     key_iter = iter(keys)
     r["fused_warm"] = _best(lambda: fused(next(key_iter)), repeats)
+
+    meshinit.clear_cache()  # the spec path's executables are not the engine's to reuse
+    clock.reset()
+    start = time.perf_counter()
+    out = jax.block_until_ready(recipes.meshinit_nnx_init(model, mesh))
+    r["nnx_cold"] = time.perf_counter() - start
+    r["nnx_compile"], r["nnx_compiles"] = clock.seconds, clock.count
+    r["nnx_problems"] = recipes.placement_problems(model, mesh, out, recipe="meshinit.nnx")
+    _delete(out)
     r["nbytes"] = model.nbytes
     r["mesh"] = dict(zip(mesh.axis_names, np.shape(mesh.devices), strict=True))
     return r
@@ -95,6 +109,7 @@ def table(r: dict[str, Any], device: str) -> str:
     gb = r["nbytes"] / 1e9
     rows = [
         ("meshinit cold (specs + plan + materialize)", r["meshinit_cold"], r["meshinit_compile"]),
+        ("meshinit.nnx.init cold (unchanged nnx Module)", r["nnx_cold"], r["nnx_compile"]),
         ("jax.jit fused cold (compile + run)", r["fused_cold"], r["fused_compile"]),
         ("meshinit warm re-init (new key)", r["meshinit_warm"], None),
         ("jax.jit fused warm re-init (new key)", r["fused_warm"], None),
@@ -111,12 +126,14 @@ def table(r: dict[str, Any], device: str) -> str:
     lines += [
         "",
         f"cold: meshinit / jax.jit = {r['meshinit_cold'] / r['fused_cold']:.3f}",
+        f"cold: meshinit.nnx.init / jax.jit = {r['nnx_cold'] / r['fused_cold']:.3f}",
         f"warm throughput: jax.jit time / meshinit time = "
         f"{r['fused_warm'] / r['meshinit_warm']:.3f}",
         f"compilations: meshinit cold {r['meshinit_compiles']}, re-init "
-        f"{r['meshinit_warm_compiles']}; jax.jit {r['fused_compiles']}",
+        f"{r['meshinit_warm_compiles']}; meshinit.nnx.init {r['nnx_compiles']}; "
+        f"jax.jit {r['fused_compiles']}",
     ]
-    for who in ("meshinit", "fused"):
+    for who in ("meshinit", "nnx", "fused"):
         if r[f"{who}_problems"]:
             lines.append(f"{who} placements NOT exact: {r[f'{who}_problems']}")
     return "\n".join(lines)
@@ -148,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     device = f"{len(devices)} x {devices[0].device_kind}, jax {jax.__version__}"
     print(table(r, device))
     print(f"(the whole measurement took {time.perf_counter() - start:.0f} s)")
-    return 1 if r["meshinit_problems"] else 0
+    return 1 if r["meshinit_problems"] or r["nnx_problems"] else 0
 
 
 if __name__ == "__main__":
