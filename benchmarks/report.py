@@ -12,6 +12,37 @@ from typing import Any
 
 ANCHORS = ("nnx.jit", "eager-nnx", "jax.jit")
 
+# The constructor engine's cases (at the deep end; meshinit.nnx at the shallow end too)
+# and its goals: (ours, anchor, ours' depth, anchor's depth, limit), where a depth is
+# "hi" (32 layers, else the deepest measured) or "lo" (8, else the shallowest).
+CONSTRUCTOR_CASES = (
+    "nnx.jit",
+    "eager-nnx",
+    "meshinit",
+    "meshinit.nnx",
+    "meshinit.nnx:2mesh",
+    "linen.jit",
+    "meshinit.linen",
+    "meshinit.linen:2mesh",
+    "eqx.filter_jit",
+    "meshinit.eqx",
+)
+CONSTRUCTOR_GOALS = (
+    ("meshinit.nnx", "nnx.jit", "hi", "hi", 0.10),
+    ("meshinit.nnx", "eager-nnx", "hi", "hi", 0.5),
+    ("meshinit.nnx", "meshinit", "hi", "hi", 2.0),
+    ("meshinit.nnx", "meshinit.nnx", "hi", "lo", 1.5),
+    ("meshinit.linen", "linen.jit", "hi", "hi", 0.10),
+    ("meshinit.eqx", "eqx.filter_jit", "hi", "hi", 0.10),
+    ("meshinit.nnx:2mesh", "meshinit.nnx", "hi", "hi", 1.6),
+)
+# Ratios shown per depth beside the goals (same depth on both sides); no goal of their own.
+CONSTRUCTOR_RATIOS = (
+    *((ours, anchor) for ours, anchor, a, b, _ in CONSTRUCTOR_GOALS if a == b),
+    ("meshinit.linen:2mesh", "meshinit.linen"),
+)
+_NAMES = {"meshinit": "meshinit (spec path)"}
+
 
 def machine() -> dict[str, Any]:
     """The machine and the versions; starts no jax backend."""
@@ -89,18 +120,54 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def goals(results: dict) -> list[list[str]]:
-    """Rows: what, measured, goal, met."""
-    checks = {"<=": float.__le__, "<": float.__lt__, ">=": float.__ge__}
-    rows: list[list[str]] = []
+class _Goals:
+    """Rows of the goals table: what, measured, goal, met."""
 
-    def add(what: str, value: float | None, op: str, limit: float, fmt: str = ".3f") -> None:
+    CHECKS = {"<=": float.__le__, "<": float.__lt__, ">=": float.__ge__}
+
+    def __init__(self) -> None:
+        self.rows: list[list[str]] = []
+
+    def add(self, what: str, value: float | None, op: str, limit: float, fmt: str = ".3f"):
         if value is None:
-            rows.append([what, "n/a", f"{op} {limit}", "n/a"])
+            self.rows.append([what, "n/a", f"{op} {limit}", "n/a"])
         else:
-            met = "met" if checks[op](float(value), limit) else "NOT met"
-            rows.append([what, format(value, fmt), f"{op} {limit}", met])
+            met = "met" if self.CHECKS[op](float(value), limit) else "NOT met"
+            self.rows.append([what, format(value, fmt), f"{op} {limit}", met])
 
+
+def _constructor_run(results: dict) -> bool:
+    return results.get("config", {}).get("only") == "constructor"
+
+
+def goals(results: dict) -> list[list[str]]:
+    """Rows: what, measured, goal, met. The spec path's goals (unless only the
+    constructor cases ran), then the constructor engine's (if any of its recipes ran)."""
+    rows = [] if _constructor_run(results) else _spec_goals(results)
+    if _constructor_run(results) or any(r in results["cold"] for r, *_ in CONSTRUCTOR_GOALS):
+        rows += constructor_goals(results)
+    return rows
+
+
+def constructor_goals(results: dict) -> list[list[str]]:
+    """The constructor engine's goals: each ratio of two cold cases (best of processes)."""
+    table = _Goals()
+    layers = _layers(results)
+    depth = {"hi": _ref(layers, 32, max), "lo": _ref(layers, 8, min)}
+    for ours, anchor, a, b, limit in CONSTRUCTOR_GOALS:
+        value = _ratio(_cold(results, ours, depth[a]), _cold(results, anchor, depth[b]))
+        if ours == anchor:
+            what = f"cold {ours} {depth[a]} / {depth[b]} layers"
+            value = value if depth[a] != depth[b] else None
+        else:
+            what = f"cold {ours} / {_NAMES.get(anchor, anchor)}, {depth[a]} layers"
+        table.add(what, value, "<=", limit)
+    return table.rows
+
+
+def _spec_goals(results: dict) -> list[list[str]]:
+    table = _Goals()
+    add = table.add
     layers = _layers(results)
     ref = _ref(layers, 32, max)
     for anchor, limit in (("nnx.jit", 0.1), ("eager-nnx", 0.5)):
@@ -130,7 +197,7 @@ def goals(results: dict) -> list[list[str]]:
         what = f"plan {p['specs']:,} specs" if "specs" in p else "plan the specs"
         what = "plan Llama-3-405B" if kind == "405b" else what
         add(f"{what}, first call (s)", p.get("first"), "<", limit)
-    return rows
+    return table.rows
 
 
 def _cold_tables(results: dict) -> str:
@@ -144,12 +211,14 @@ def _cold_tables(results: dict) -> str:
             (time_rows, spread_rows, compile_rows), zip(*cells, strict=True), strict=True
         ):
             rows.append([label, *column])
+    pairs = [("meshinit", anchor) for anchor in ANCHORS]
+    pairs += [pair for pair in CONSTRUCTOR_RATIOS if pair not in pairs]
     ratio_rows = []
-    if "meshinit" in results["cold"]:
-        for anchor in [a for a in ANCHORS if a in results["cold"]]:
-            row = [f"meshinit / {anchor}"]
+    for ours, anchor in pairs:
+        if ours in results["cold"] and anchor in results["cold"]:
+            row = [f"{ours} / {_NAMES.get(anchor, anchor)}"]
             for n in layers:
-                a, b = _cold(results, "meshinit", n), _cold(results, anchor, n)
+                a, b = _cold(results, ours, n), _cold(results, anchor, n)
                 row.append(f"{a / b:.3f}" if a and b else "")
             ratio_rows.append(row)
     out = "Cold init, best of the processes:\n\n" + _table(header, time_rows)
@@ -279,7 +348,7 @@ def _warm_tables(results: dict) -> str:
 
 def _host_table(results: dict) -> str:
     rows = []
-    for recipe, r in results["host_memory"].items():
+    for recipe, r in results.get("host_memory", {}).items():
         if "error" in r:
             rows.append([recipe, "failed", r["error"][:120], "", ""])
             continue
@@ -326,7 +395,7 @@ def _restart_table(results: dict) -> str:
 
 def _planning_table(results: dict) -> str:
     rows = []
-    for kind, p in results["planning"].items():
+    for kind, p in results.get("planning", {}).items():
         if "error" in p:
             rows.append([kind, "failed", p["error"][:120], "", ""])
             continue
@@ -340,7 +409,7 @@ def _planning_table(results: dict) -> str:
             ]
         )
     header = ["model", "building the specs", "plan, first call", "plan, best of 3 more"]
-    return _table(header, rows)
+    return _table(header, rows) if rows else ""
 
 
 GPU = """\
@@ -363,7 +432,7 @@ def _sections(results: dict) -> list[tuple[str, str]]:
         ("Host memory", _host_table(results)),
         ("Restarts", _restart_table(results)),
         ("Planning", _planning_table(results)),
-        ("GPU", GPU),
+        ("GPU", "" if _constructor_run(results) else GPU),
     ]
 
 
@@ -424,6 +493,32 @@ Recipes, all producing the same tree of arrays:
 - `eager-nnx`: the same Module constructed eagerly; flax's eager sharding (on by
   default) places each array.
 
+Unchanged constructors (meshinit's constructor engine), the same stack written as
+ordinary framework code, against the framework's own sharded-init recipe:
+
+- `meshinit.nnx`: `meshinit.nnx.init(lambda: Transformer(nnx.Rngs(0)))` of the
+  `nnx.jit` recipe's Module, unchanged.
+- `meshinit.nnx:2mesh`: the same with `meshes=`, split over two disjoint
+  (fsdp=2, tensor=2) stage meshes: `embed` and the first half of the layers on
+  devices 0-3, the rest and `head` on devices 4-7; each array is checked against its
+  stage's mesh.
+- `linen.jit`: a linen Module whose params are `self.param(name,
+  nn.with_logical_partitioning(init, axes), shape, dtype)`, initialized by flax's
+  recipe: `jax.eval_shape(module.init, ...)`, `nn.get_partition_spec`,
+  `nn.logical_to_mesh_sharding(..., mesh, rules)`, then `jax.jit(module.init,
+  out_shardings=...)`. It runs without a mesh context: on the reference mesh's
+  Explicit axes, the boxes' `with_sharding_constraint` would be an assertion.
+- `meshinit.linen`: `meshinit.linen.init(module, key, tokens, mesh=mesh,
+  rules=rules)` of that Module; `meshinit.linen:2mesh` adds `meshes=` with the
+  two-stage split.
+- `eqx.filter_jit`: an equinox stack (`eqx.nn.Embedding`, `eqx.nn.Linear` without
+  bias, whose weights are (out, in), ones for the norms) built by
+  `eqx.filter_jit` of its constructor, every array placed inside: `eqx.filter_shard`
+  on Auto axes, `jax.sharding.reshard` on Explicit ones (jax rejects
+  `with_sharding_constraint`, which `filter_shard` is, there).
+- `meshinit.eqx`: `meshinit.eqx.init(factory, key, placements, mesh=mesh,
+  rules=rules)` of that constructor, with one regex per parameter name.
+
 Cold cases: each in a fresh process, persistent compilation cache off; the clock starts
 after imports and mesh creation and stops when `jax.block_until_ready` returns on every
 array; it includes building specs, plan and module. The best of the processes is
@@ -478,9 +573,13 @@ def markdown(results: dict, png: str | None) -> str:
         f"- Python {m['python']}, jax {m['jax']}, jaxlib {m['jaxlib']}, flax {m['flax']}, "
         f"meshinit at `{m['meshinit']}`; {m['date']}; the suite took "
         f"{results['wall_s'] / 60:.1f} min.",
-        f"- Cold cases: best of {cfg['repeats']} processes; width x{cfg['width']}. Warm: "
-        f"{cfg['warm_layers']} layers, best of {cfg['warm_repeats']} calls. Host memory: "
-        f"{cfg['mem_layers']} layers, width x{cfg['mem_width']}.",
+        f"- Cold cases: best of {cfg['repeats']} processes; width x{cfg['width']}. "
+        + (
+            "Only the constructor engine's cases ran."
+            if _constructor_run(results)
+            else f"Warm: {cfg['warm_layers']} layers, best of {cfg['warm_repeats']} calls. "
+            f"Host memory: {cfg['mem_layers']} layers, width x{cfg['mem_width']}."
+        ),
         "",
         "## Method",
         "",

@@ -8,7 +8,14 @@ Run:
   python benchmarks/suite.py                       # everything; prints the tables
   python benchmarks/suite.py --out docs/performance.md --png docs/cold_vs_depth.png
   python benchmarks/suite.py --layers 8 32 --recipes meshinit jax.jit --repeats 3
+  python benchmarks/suite.py --only constructor    # the unchanged constructors' cases
   python benchmarks/suite.py --smoke               # < 60 s, for CI; writes nothing
+
+The full run (no --recipes, --layers or --only) measures the spec path's cold cases at
+every depth and the constructor engine's cases (``--only constructor``: meshinit.nnx
+at 8 and 32 layers; at 32 layers nnx.jit, eager-nnx, the spec path, meshinit.nnx:2mesh,
+linen.jit, meshinit.linen, meshinit.linen:2mesh, eqx.filter_jit, meshinit.eqx; no warm,
+restart, host-memory or planning case).
 
 Exits non-zero if a meshinit case crashes or places an array anywhere but exactly on
 its planned sharding (in ``--smoke``: if any case fails).
@@ -58,31 +65,48 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def constructor_cases(hi: int = 32, lo: int = 8) -> list[tuple[str, int]]:
+    """The constructor engine's cold cases, (recipe, layers): every recipe of its goals
+    at ``hi`` layers, and ``meshinit.nnx`` at ``lo`` too (the depth goal)."""
+    return [("meshinit.nnx", lo), *((recipe, hi) for recipe in report.CONSTRUCTOR_CASES)]
+
+
+def cold_cases(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(recipe, layers) of every cold case, in the order each repeat runs them."""
+    if args.only == "constructor":
+        return constructor_cases(*((2, 1) if args.smoke else (32, 8)))
+    found = [(recipe, layers) for layers in args.layers for recipe in args.recipes]
+    if args.with_constructor:
+        found += [case for case in constructor_cases() if case not in found]
+    return found
+
+
 def measure(args: argparse.Namespace) -> dict:
-    keys = ("smoke", "layers", "recipes", "repeats", "width", "warm_layers", "warm_repeats")
-    keys += ("restart_layers",)
+    keys = ("smoke", "only", "layers", "recipes", "repeats", "width")
+    keys += ("warm_layers", "warm_repeats", "restart_layers")
     keys += ("mem_recipes", "mem_layers", "mem_width", "plan_specs")
     results: dict[str, Any] = {
-        "config": {k: getattr(args, k) for k in keys},
+        "config": {k: getattr(args, k) for k in keys} | {"cold_cases": cold_cases(args)},
         "machine": report.machine(),
         "cold": {},
+        "host_memory": {},
+        "planning": {},
     }
     # Repeats are the outer loop, so slow drifts in the machine's load hit every case.
     runs: dict[tuple[str, int], list[dict]] = {}
     for repeat in range(args.repeats):
-        for layers in args.layers:
-            for recipe in args.recipes:
-                r = spawn(
-                    "cold",
-                    args.timeout,
-                    recipe=recipe,
-                    layers=layers,
-                    width=args.width,
-                    check_values=args.smoke and recipe.startswith("meshinit"),
-                )
-                runs.setdefault((recipe, layers), []).append(r)
-                shown = r["error"] if "error" in r else f"{r['seconds']:.2f} s"
-                log(f"cold {recipe:24s} layers={layers:3d} run {repeat + 1}: {shown}")
+        for recipe, layers in cold_cases(args):
+            r = spawn(
+                "cold",
+                args.timeout,
+                recipe=recipe,
+                layers=layers,
+                width=args.width,
+                check_values=args.smoke and recipes.is_spec_path(recipe),
+            )
+            runs.setdefault((recipe, layers), []).append(r)
+            shown = r["error"] if "error" in r else f"{r['seconds']:.2f} s"
+            log(f"cold {recipe:24s} layers={layers:3d} run {repeat + 1}: {shown}")
     for (recipe, layers), rs in runs.items():
         ok = [r for r in rs if "error" not in r]
         best = min(ok, key=lambda r: r["seconds"]) if ok else rs[-1]
@@ -92,8 +116,10 @@ def measure(args: argparse.Namespace) -> dict:
             "problems": next((r["problems"] for r in ok if r["problems"]), []),
         }
         results["cold"].setdefault(recipe, {})[str(layers)] = best
+    if args.only == "constructor":
+        return results
 
-    meshinit_recipes = [r for r in args.recipes if r.startswith("meshinit")] or ["meshinit"]
+    meshinit_recipes = [r for r in args.recipes if recipes.is_spec_path(r)] or ["meshinit"]
     if args.warm_layers:
         log(f"warm re-init at {args.warm_layers} layers ...")
         results["warm"] = spawn(
@@ -123,7 +149,6 @@ def measure(args: argparse.Namespace) -> dict:
             "fill": runs[0],
             "read": min(reads, key=lambda r: r["seconds"]) if reads else runs[-1],
         }
-    results["host_memory"] = {}
     for recipe in args.mem_recipes:
         log(f"host memory {recipe} ({args.mem_layers} layers, width {args.mem_width}) ...")
         results["host_memory"][recipe] = spawn(
@@ -164,8 +189,13 @@ def failures(results: dict, strict: bool) -> list[str]:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny and quick, for CI; writes nothing")
-    ap.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32, 64])
-    ap.add_argument("--recipes", nargs="+", default=list(recipes.RECIPES))
+    ap.add_argument(
+        "--only",
+        choices=["constructor"],
+        help="constructor: only the constructor engine's cold cases (see above)",
+    )
+    ap.add_argument("--layers", type=int, nargs="+", help="default: 8 16 32 64")
+    ap.add_argument("--recipes", nargs="+", help=f"default: {' '.join(recipes.SPEC_RECIPES)}")
     ap.add_argument("--repeats", type=int, default=2, help="processes per cold case (best of)")
     ap.add_argument("--width", type=int, default=1, help="width multiplier of the cold cases")
     ap.add_argument("--warm-layers", type=int, default=32, help="0 skips the warm case")
@@ -184,11 +214,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--from-json", help="measure nothing: report the results in this file")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.only and (args.layers or args.recipes):
+        ap.error("--only chooses the cases itself: leave out --layers and --recipes")
+    # The full run (no cases chosen) includes the constructor engine's cases.
+    args.with_constructor = not (args.layers or args.recipes or args.smoke)
+    args.layers = args.layers or [8, 16, 32, 64]
+    args.recipes = args.recipes or list(recipes.SPEC_RECIPES)
     unknown = [r for r in args.recipes if r not in recipes.RECIPES]
     unknown += [r for r in args.mem_recipes if r not in recipes.RECIPES]
     if unknown:
         ap.error(f"unknown recipes {unknown}; known: {', '.join(recipes.RECIPES)}")
-    if args.smoke:
+    if args.smoke:  # with --only constructor: its cases at 2 and 1 layers
         args.layers, args.recipes, args.repeats, args.width = [2], ["meshinit", "jax.jit"], 1, 1
         args.warm_layers, args.warm_repeats, args.mem_recipes = 2, 3, []
         args.restart_layers = 0

@@ -4,6 +4,7 @@ Times are never asserted here (the machines are shared); the suite itself exits
 non-zero when a meshinit case crashes, misplaces an array or breaks the value contract.
 """
 
+import functools
 import pathlib
 import subprocess
 import sys
@@ -55,6 +56,7 @@ def test_gpu_script_code_path_runs_on_cpu_and_places_exactly():
     # model and the devices.
     r = run_script("gpu.py", "--cpu-check", "--repeats", "2")
     assert "| meshinit cold (specs + plan + materialize) |" in r.stdout
+    assert "| meshinit.nnx.init cold (unchanged nnx Module) |" in r.stdout
     assert "| jax.jit fused warm re-init (new key) |" in r.stdout
     assert ", re-init 0;" in r.stdout  # the warm re-init compiled nothing
     assert "NOT exact" not in r.stdout
@@ -88,3 +90,235 @@ def test_report_lists_every_process_of_a_cold_case_fastest_first():
     text = report._cold_tables(results)
     assert "| meshinit (rounds) | 1.40 s | 2.00 s |" in text  # the best of each case
     assert "| meshinit (rounds) | 1.40, 1.70 s (1 failed) | 2.00 s |" in text
+
+
+# ----------------------------------------- the unchanged-constructor recipes, in-process
+
+
+def _bench(name):
+    """``benchmarks/<name>.py`` as a module (they import each other by plain name)."""
+    import importlib
+
+    folder = str(ROOT / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
+TINY = dict(d=64, q=64, kv=32, ffn=128, vocab=256)
+
+
+@functools.cache
+def _built(recipe, layers):
+    """(model, mesh, arrays) of ``recipe`` on a tiny stack and the (2, 4) reference mesh."""
+    import jax
+
+    recipes = _bench("recipes")
+    model = recipes.Model(layers, **TINY)
+    mesh = jax.make_mesh(*recipes.CPU_MESH)
+    return model, mesh, jax.block_until_ready(recipes.run(recipe, model, mesh))
+
+
+@pytest.mark.parametrize(
+    "recipe, layers",
+    [
+        ("meshinit.nnx", 2),
+        ("meshinit.nnx:2mesh", 2),
+        ("meshinit.nnx:2mesh", 1),  # stage 1 holds only the head
+        ("linen.jit", 2),
+        ("meshinit.linen", 2),
+        ("meshinit.linen:2mesh", 2),
+        ("meshinit.linen:2mesh", 1),
+        ("eqx.filter_jit", 2),
+        ("meshinit.eqx", 2),
+    ],
+)
+def test_constructor_recipes_place_every_array_exactly(recipe, layers):
+    recipes = _bench("recipes")
+    model, mesh, arrays = _built(recipe, layers)
+    assert recipes.placement_problems(model, mesh, arrays, recipe=recipe) == []
+
+
+@pytest.mark.parametrize("recipe", ["linen.jit", "eqx.filter_jit"])
+def test_framework_anchors_place_exactly_on_auto_axes_too(recipe):
+    # The reference mesh's axes are Explicit; on Auto axes the eqx anchor takes its
+    # other branch (eqx.filter_shard, a sharding constraint).
+    import jax
+
+    recipes = _bench("recipes")
+    model = recipes.Model(1, **TINY)
+    shape, names = recipes.CPU_MESH
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    arrays = jax.block_until_ready(recipes.run(recipe, model, mesh))
+    assert recipes.placement_problems(model, mesh, arrays, recipe=recipe) == []
+
+
+def test_two_stage_check_uses_the_stage_meshes():
+    # One-mesh arrays fail the two-stage check (and the reverse), path by path: the
+    # check compares each array with its own stage's mesh, not the reference mesh.
+    recipes = _bench("recipes")
+    model, mesh, one = _built("meshinit.nnx", 2)
+    _, _, two = _built("meshinit.nnx:2mesh", 2)
+    problems = recipes.placement_problems(model, mesh, one, limit=100, recipe="meshinit.nnx:2mesh")
+    assert len(problems) == model.num_specs and problems[0].startswith("embed: placed by")
+    assert recipes.placement_problems(model, mesh, two, recipe="meshinit.nnx") != []
+    first, second = recipes.stage_meshes(mesh)
+    assert set(first.devices.flat).isdisjoint(second.devices.flat)
+    assert two["embed"].sharding.mesh == first and two["head"].sharding.mesh == second
+    assert two["layers"][0]["q"].sharding.mesh == first  # 2 layers: layer 0 on stage 0
+    assert two["layers"][1]["q"].sharding.mesh == second
+
+
+def test_eqx_check_expects_linear_weights_as_out_by_in():
+    recipes = _bench("recipes")
+    model, mesh, arrays = _built("eqx.filter_jit", 2)
+    assert arrays["layers"][0]["gate"].shape == (model.ffn, model.d)  # eqx.nn.Linear: (out, in)
+    problems = recipes.placement_problems(model, mesh, arrays, limit=100, recipe="meshinit")
+    assert "layers.0.gate: float32(128, 64), want (64, 128)" in problems
+
+
+@pytest.mark.parametrize(
+    "ours, anchor, exact",
+    [
+        ("meshinit.nnx", "eager-nnx", True),  # the engine promises eager's bits
+        ("meshinit.nnx:2mesh", "eager-nnx", True),
+        ("meshinit.linen", "linen.jit", False),  # compiled both ways: within rounding
+        ("meshinit.eqx", "eqx.filter_jit", False),
+    ],
+)
+def test_constructor_recipes_build_their_anchors_values(ours, anchor, exact):
+    # The recipes compare like with like: the same constructor, the same keys.
+    import jax
+    import numpy as np
+
+    *_, got = _built(ours, 2)
+    *_, want = _built(anchor, 2)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        if exact:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------- the constructor cases in suite and report
+
+
+def test_only_constructor_runs_the_issue_cases_and_nothing_else():
+    suite = _bench("suite")
+    cases = suite.cold_cases(suite.parse(["--only", "constructor"]))
+    assert cases[0] == ("meshinit.nnx", 8)
+    assert sorted(cases[1:]) == sorted(
+        (r, 32)
+        for r in (
+            "nnx.jit",
+            "eager-nnx",
+            "meshinit",
+            "meshinit.nnx",
+            "meshinit.nnx:2mesh",
+            "linen.jit",
+            "meshinit.linen",
+            "meshinit.linen:2mesh",
+            "eqx.filter_jit",
+            "meshinit.eqx",
+        )
+    )
+    full = suite.cold_cases(suite.parse([]))
+    assert set(cases) <= set(full) and len(full) == len(set(full))  # included once each
+    chosen = suite.cold_cases(suite.parse(["--layers", "8", "--recipes", "meshinit"]))
+    assert chosen == [("meshinit", 8)]
+    with pytest.raises(SystemExit):
+        suite.parse(["--only", "constructor", "--layers", "8"])
+
+
+def test_only_constructor_measures_best_of_fresh_processes_and_reports(monkeypatch, capsys):
+    suite = _bench("suite")
+    calls = []
+
+    def spawn(case, timeout, **kwargs):
+        calls.append((case, kwargs["recipe"], kwargs["layers"]))
+        slow = 1.0 if len(calls) <= 11 else 2.0  # the second repeat is slower
+        seconds = {"nnx.jit": 30.0, "eager-nnx": 4.0, "linen.jit": 20.0}.get(kwargs["recipe"])
+        return {
+            "seconds": (seconds or 1.0) * slow,
+            "compile_s": 0.5,
+            "compiles": 3,
+            "strategy": None,
+            "nbytes": 1,
+            "problems": [],
+        }
+
+    monkeypatch.setattr(suite, "spawn", spawn)
+    monkeypatch.setattr(suite.report, "machine", lambda: {})
+    args = suite.parse(["--only", "constructor", "--repeats", "2"])
+    results = suite.measure(args)
+    assert {case for case, *_ in calls} == {"cold"}  # no warm, restart, memory, planning
+    assert len(calls) == 2 * 11
+    assert results["cold"]["meshinit.nnx"]["32"]["runs"] == [1.0, 2.0]
+    assert results["cold"]["meshinit.nnx"]["32"]["seconds"] == 1.0  # the best
+    assert suite.failures(results, strict=True) == []
+
+
+def _constructor_results(seconds):
+    """Results of a ``--only constructor`` run: ``{(recipe, layers): best seconds}``."""
+    case = {"compile_s": 1.0, "compiles": 9, "problems": [], "strategy": None}
+    cold = {}
+    for (recipe, layers), s in seconds.items():
+        cold.setdefault(recipe, {})[str(layers)] = case | {"seconds": s, "runs": [s]}
+    return {"config": {"only": "constructor"}, "cold": cold}
+
+
+def test_report_computes_and_prints_the_constructor_goals():
+    report = _bench("report")
+    results = _constructor_results(
+        {
+            ("meshinit.nnx", 8): 1.0,
+            ("meshinit.nnx", 32): 1.6,
+            ("meshinit.nnx:2mesh", 32): 2.4,
+            ("nnx.jit", 32): 32.0,
+            ("eager-nnx", 32): 3.0,
+            ("meshinit", 32): 1.0,
+            ("linen.jit", 32): 10.0,
+            ("meshinit.linen", 32): 1.5,
+            ("eqx.filter_jit", 32): 20.0,
+        }
+    )
+    rows = {row[0]: row[1:] for row in report.goals(results)}
+    assert rows == {
+        "cold meshinit.nnx / nnx.jit, 32 layers": ["0.050", "<= 0.1", "met"],
+        "cold meshinit.nnx / eager-nnx, 32 layers": ["0.533", "<= 0.5", "NOT met"],
+        "cold meshinit.nnx / meshinit (spec path), 32 layers": ["1.600", "<= 2.0", "met"],
+        "cold meshinit.nnx 32 / 8 layers": ["1.600", "<= 1.5", "NOT met"],
+        "cold meshinit.linen / linen.jit, 32 layers": ["0.150", "<= 0.1", "NOT met"],
+        "cold meshinit.eqx / eqx.filter_jit, 32 layers": ["n/a", "<= 0.1", "n/a"],  # not run
+        "cold meshinit.nnx:2mesh / meshinit.nnx, 32 layers": ["1.500", "<= 1.6", "met"],
+    }
+    tables = report._cold_tables(results)
+    assert "| meshinit.nnx / nnx.jit |  | 0.050 |" in tables  # no 8-layer anchor: no ratio
+    assert "| meshinit.nnx:2mesh / meshinit.nnx |  | 1.500 |" in tables
+    assert "| meshinit.nnx | 1.00 s | 1.60 s |" in tables
+    text = report.text(results | {"machine": _MACHINE})
+    assert "cold meshinit / nnx.jit" not in text  # the spec path's goals: not this run's
+    assert "## GPU" not in text and "## Planning" not in text
+
+
+def test_full_report_shows_the_constructor_goals_after_the_spec_goals():
+    report = _bench("report")
+    results = _constructor_results(
+        {("meshinit.nnx", 32): 1.6, ("nnx.jit", 32): 32.0, ("meshinit", 32): 1.0}
+    )
+    results |= {"config": {}, "host_memory": {}, "planning": {}}
+    what = [row[0] for row in report.goals(results)]
+    assert what[0] == "cold meshinit / nnx.jit, 32 layers"
+    ours = what.index("cold meshinit.nnx / nnx.jit, 32 layers")
+    assert ours > what.index("plan Llama-3-405B, first call (s)")
+
+
+_MACHINE = {
+    "platform": "Linux",
+    "cpu_count": 2,
+    "cpu": "cpu",
+    "jax": "0",
+    "flax": "0",
+    "meshinit": "abc",
+    "load_avg": (0.0, 0.0, 0.0),
+}
