@@ -70,6 +70,59 @@ def nnx_model():
     return Model()
 
 
+def nnx_ordinary():
+    """Ordinary nnx code, no meshinit in it: kernels carry ``out_sharding`` and no mesh,
+    as flax code run under ``jax.set_mesh`` writes them; the head binds its own mesh.
+
+    Called eagerly it fails (flax has no mesh to place the kernels on): ``meshinit plan``
+    must only trace it.
+    """
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(
+                64, 256, kernel_metadata={"out_sharding": ("fsdp", "tensor")}, rngs=rngs
+            )
+            self.down = nnx.Linear(
+                256, 64, kernel_metadata={"out_sharding": ("tensor", "fsdp")}, rngs=rngs
+            )
+            self.norm = nnx.RMSNorm(64, rngs=rngs)  # no metadata: replicated
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(3)])
+            self.head = nnx.Param(
+                lecun(rngs.params(), (64, 512)), out_sharding=(None, "tensor"), mesh=OWN
+            )
+            self.dropout = nnx.Dropout(0.1, rngs=rngs)  # RNG state: a key and a count
+
+    return Model(nnx.Rngs(0))
+
+
+def nnx_ordinary_on_mesh():
+    """Ordinary nnx code on a real (2, 4) mesh (needs 8 devices), every kernel sharded.
+
+    It stands for a model too large to allocate: called eagerly (its kernels arrays,
+    not tracers), it raises.
+    """
+    from flax import nnx
+
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            meta = {"out_sharding": ("fsdp", "tensor"), "mesh": mesh}
+            self.layers = nnx.List(
+                [nnx.Linear(64, 256, kernel_metadata=meta, rngs=rngs) for _ in range(4)]
+            )
+
+    model = Model(nnx.Rngs(0))
+    if not isinstance(model.layers[0].kernel.get_value(), jax.core.Tracer):
+        raise MemoryError("nnx_ordinary_on_mesh was called, not traced: it allocated")
+    return model
+
+
 def eqx_model():
     import equinox as eqx
 

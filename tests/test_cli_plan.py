@@ -128,6 +128,148 @@ def test_equinox_module_plans_directly(capsys):
     assert any(line.split()[:2] == ["head", "1"] for line in lines)
 
 
+# Ordinary nnx code: traced, never called, planned as meshinit.nnx.plan plans it
+
+
+def factory(name):
+    """``cli_factories.NAME`` itself, uncalled."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import cli_factories
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    return getattr(cli_factories, name)
+
+
+NNX_PATHS = [
+    *(
+        f"blocks.{i}.{name}"
+        for i in range(3)
+        for name in ("down.bias", "down.kernel", "norm.scale", "up.bias", "up.kernel")
+    ),
+    "dropout.rngs.count",
+    "dropout.rngs.key",
+]
+
+
+@pytest.mark.parametrize("view", [[], ["--compact"], ["--json"]])
+def test_ordinary_nnx_code_is_planned_without_calling_it(capsys, new_arrays, view):
+    with pytest.raises(ValueError, match="mesh context or metadata is required"):
+        factory("nnx_ordinary")()  # called eagerly, flax has no mesh for the kernels
+    with new_arrays() as made:
+        rc, out, err = plan_cli(capsys, f"{F}:nnx_ordinary", *MESH, *view)
+    assert rc == 0, err
+    assert made == []  # traced only: no parameter, no key, nothing
+    assert err == ""
+    if view == ["--json"]:
+        d = json.loads(out)
+        assert [m["mesh_from"] for m in d["meshes"]] == ["--abstract-mesh", "metadata"]
+        specs = {p["path"]: (p["mesh"], p["partition_spec"]) for p in d["params"]}
+        assert list(specs) == [*NNX_PATHS, "head"]  # nnx paths, as meshinit.nnx.init's
+        assert specs["blocks.1.up.kernel"] == (0, ["fsdp", "tensor"])
+        assert specs["blocks.2.down.kernel"] == (0, ["tensor", "fsdp"])
+        assert specs["blocks.0.norm.scale"] == (0, [None])  # no metadata: replicated
+        assert specs["head"] == (1, [None, "tensor"])  # its own mesh=
+    else:
+        heads = [line for line in out.splitlines() if line.startswith("mesh ")]
+        assert heads == [
+            "mesh 0: AbstractMesh(fsdp=2, tensor=4; Auto)  (mesh from --abstract-mesh)",
+            "mesh 1: AbstractMesh(tensor=4; Auto)  (mesh from metadata)",
+        ]
+        rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line[:3] == "  b"}
+        if view == ["--compact"]:
+            assert rows["blocks.{0..2}.up.kernel"][1:5] == ["3", "f32[64,256]", "-", "fsdp,tensor"]
+        else:
+            assert rows["blocks.0.up.kernel"][1:6] == [
+                "(64,", "256)", "float32", "-", "fsdp=2,tensor=4"
+            ]  # fmt: skip
+
+
+def test_abstract_mesh_goes_where_jax_set_mesh_would_and_matches_nnx_plan(capsys):
+    rc, out, _ = plan_cli(capsys, f"{F}:nnx_ordinary", *MESH, "--json")
+    assert rc == 0
+    d = json.loads(out)
+    for m in d["meshes"]:
+        del m["mesh_from"]
+    # every Variable whose metadata names no mesh gets --abstract-mesh; head keeps its own
+    mesh = AbstractMesh((2, 4), ("fsdp", "tensor"))
+    expected = meshinit.nnx.plan(factory("nnx_ordinary"), meshes=[(r"(?!head$).*", mesh)])
+    assert d == expected.to_dict()
+
+
+def test_ordinary_nnx_code_on_a_real_mesh_allocates_nothing(capsys, new_arrays):
+    with pytest.raises(MemoryError, match="was called, not traced"):
+        factory("nnx_ordinary_on_mesh")()  # it stands for a model too large to allocate
+    with new_arrays() as made:
+        rc, out, err = plan_cli(capsys, f"{F}:nnx_ordinary_on_mesh", "--json")
+    assert rc == 0, err
+    assert made == []  # called, it would have allocated every layer
+    d = json.loads(out)
+    assert "mesh_from" not in d["meshes"][0]  # no --abstract-mesh: no labels
+    kernels = [p for p in d["params"] if p["path"].endswith("kernel")]
+    assert [p["path"] for p in kernels] == [f"layers.{i}.kernel" for i in range(4)]
+    assert {(p["partition_spec"][0], p["partition_spec"][1]) for p in kernels} == {
+        ("fsdp", "tensor")
+    }
+    assert d["meshes"][kernels[0]["mesh"]]["device_ids"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert d == meshinit.nnx.plan(factory("nnx_ordinary_on_mesh")).to_dict()
+
+
+def test_ordinary_nnx_code_without_a_mesh_names_each_variable_and_the_option(capsys, new_arrays):
+    with new_arrays() as made:
+        rc, out, err = plan_cli(capsys, f"{F}:nnx_ordinary", "--compact")
+    assert rc == 2 and out == "" and made == []
+    assert err.splitlines() == [
+        "meshinit plan: 6 problems found while planning (2 after collapsing repeated layers):",
+        "  blocks.{0..2}.down.kernel: has sharding metadata but no mesh: pass mesh= to the "
+        "Variable, build it under jax.set_mesh, or give it one with meshes=",
+        "  blocks.{0..2}.up.kernel: has sharding metadata but no mesh: pass mesh= to the "
+        "Variable, build it under jax.set_mesh, or give it one with meshes=",
+        "hint: --abstract-mesh data=16,fsdp=16,tensor=8 gives nnx Variables without a mesh "
+        "one, as jax.set_mesh would",
+    ]
+
+
+ODD_FACTORIES = """
+import jax, jax.numpy as jnp
+import meshinit
+from flax import nnx
+
+RNGS = nnx.Rngs(0)
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs):
+        self.l = nnx.Linear(4, 8, rngs=rngs)
+
+
+def outside_rngs():
+    return Model(RNGS)
+
+
+def reads_a_value():
+    n = int(jnp.sum(jnp.ones(4)))  # concrete only when called, not when traced
+    return {"w": meshinit.param((n, 8), jax.nn.initializers.ones,
+                                mesh=jax.sharding.AbstractMesh((2,), ("x",)))}
+"""
+
+
+def test_a_spec_factory_that_cannot_be_traced_is_called_as_before(capsys, tmp_path):
+    (tmp_path / "odd.py").write_text(ODD_FACTORIES)
+    rc, out, err = plan_cli(capsys, f"{tmp_path / 'odd.py'}:reads_a_value", "--json")
+    assert rc == 0, err
+    assert [(p["path"], p["shape"]) for p in json.loads(out)["params"]] == [("w", [4, 8])]
+
+
+def test_nnx_code_that_cannot_be_traced_says_why(capsys, tmp_path):
+    (tmp_path / "odd.py").write_text(ODD_FACTORIES)
+    rc, out, err = plan_cli(capsys, f"{tmp_path / 'odd.py'}:outside_rngs")
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1
+    assert err.startswith(f"meshinit plan: meshinit.nnx.plan({tmp_path / 'odd.py'}:outside_rngs)")
+    assert "must build its own nnx.Rngs" in err
+
+
 # Bad input: one line on stderr, exit status 2, never a traceback
 
 
