@@ -708,69 +708,14 @@ def _memory_problems(entries: Sequence[PlanEntry]) -> list[Problem]:
 def from_constructor(key: Any, shape: Any, dtype: Any) -> Any:
     """The ``init`` of specs whose values come from a module's constructor.
 
-    ``meshinit.nnx.init`` and ``meshinit.eqx.init`` plan such specs and fill them with
-    :func:`materialize_from`; the initializer itself is never meant to be called.
+    ``meshinit.nnx.init``, ``meshinit.linen.init`` and ``meshinit.eqx.init`` plan such
+    specs and fill them with the constructor engine (:mod:`meshinit._constructor`); the
+    initializer itself is never meant to be called.
     """
     raise TypeError(
         "this spec's value comes from its module's constructor, not from an initializer, "
         "so it cannot be materialized on its own; for nnx use meshinit.nnx.init(factory), "
         "for equinox call meshinit.eqx.init(factory, key, placements)"
-    )
-
-
-def materialize_from(plan: Plan, build: Callable[..., Sequence[Any]], *args: Any) -> Any:
-    """Places the values that ``build(*args)`` computes, each on its planned sharding.
-
-    For existing constructors, whose values must stay exactly what the constructor
-    makes: per mesh group, ``build`` is jitted to return only that group's values,
-    with exact out_shardings, and XLA drops the rest. The specs' ``init`` is not used.
-    This compiles the whole constructor once per group, every call; the groups compile
-    in parallel threads, as in :func:`materialize`, into a cache of this call's own:
-    nothing of them stays cached, and nothing cached is pushed out by them.
-
-    Args:
-      plan: the plan; ``build`` must return one value per entry, in entry order.
-      build: a traceable function of ``args``.
-      *args: host values (numpy arrays); never device arrays, which could sit on a
-        mesh that the group's computation does not span.
-
-    Returns:
-      The planned tree with a ready array in place of each spec.
-    """
-    index = {id(e): i for i, e in enumerate(plan.entries)}
-    structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in args]
-    executables = LRUCache(len(plan.groups))  # this call's, and only for this call
-
-    def key(group: MeshGroup) -> Hashable:
-        return ("materialize_from", id(group))
-
-    def group_build(group: MeshGroup) -> Build:
-        wanted = [index[id(e)] for e in group.entries]
-
-        def make():
-            def program(*a):
-                values = build(*a)
-                return [values[i] for i in wanted]
-
-            return program, [e.sharding for e in group.entries], structs
-
-        return make
-
-    def prepare(group: MeshGroup) -> Runner:
-        exe = _compiled(key(group), group, group_build(group), executables)
-
-        def run(*a: Any) -> Iterator[tuple[int, jax.Array]]:
-            yield from enumerate(exe(*a))
-
-        return run
-
-    return _run(
-        plan,
-        prepare,
-        *args,
-        what="materialize_from",
-        builds=lambda group: [(key(group), group_build(group))],
-        cache=executables,
     )
 
 

@@ -536,8 +536,8 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
     """:func:`plan`, for adapters.
 
     Adapters whose values come from a constructor, not from the specs' initializers
-    (``materialize_from``), skip the abstract init check, and pass the problems they
-    found themselves, so that everything is raised once, together.
+    (the constructor engine, ``meshinit._constructor``), skip the abstract init check,
+    and pass the problems they found themselves, so that everything is raised once.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     problems = list(problems)

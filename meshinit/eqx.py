@@ -263,8 +263,11 @@ def plan(
     (``layers.0.weight``), as in :func:`init`.
 
     Args:
-      factory, key, placements, mesh, rules: as for :func:`init`; meshes may be
-        ``AbstractMesh`` es, for planning before the hardware exists.
+      factory: as for :func:`init`.
+      key: as for :func:`init`.
+      placements: as for :func:`init`; their meshes may be ``AbstractMesh`` es.
+      mesh: as for :func:`init`; an ``AbstractMesh`` plans before hardware exists.
+      rules: as for :func:`init`.
 
     Returns:
       A :class:`meshinit.Plan`.

@@ -389,9 +389,14 @@ def plan(
     (``params.layers_0.mlp.wi.kernel``), as in :func:`init`.
 
     Args:
-      module, key, example_args, mesh, rules, default, meshes, example_kwargs: as for
-        :func:`init`. Meshes may be ``AbstractMesh`` es, for planning before the
-        hardware exists.
+      module: as for :func:`init`.
+      key: as for :func:`init`.
+      *example_args: as for :func:`init`.
+      mesh: as for :func:`init`; an ``AbstractMesh`` plans before hardware exists.
+      rules: as for :func:`init`.
+      default: as for :func:`init`.
+      meshes: as for :func:`init`; its meshes may be ``AbstractMesh`` es.
+      **example_kwargs: as for :func:`init`.
 
     Returns:
       A :class:`meshinit.Plan`.

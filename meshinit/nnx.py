@@ -353,7 +353,7 @@ def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> _plan.Plan
 
 
 def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module:
-    """Builds an ordinary nnx Module with every Variable placed as its metadata says.
+    r"""Builds an ordinary nnx Module with every Variable placed as its metadata says.
 
     Every Variable with flax sharding metadata comes back on
     ``NamedSharding(mesh, flax's partition spec)``, Variables without it (RNG state,

@@ -428,8 +428,16 @@ def test_what_cannot_be_cut_falls_back_with_an_info_record(caplog):
             )
             self.odd = nnx.Param(host_init(rngs.params(), (64, 64)) * 2, mesh=mesh)
 
+    from meshinit import _materialize
+
     with caplog.at_level(logging.INFO, logger="meshinit"):
         model = meshinit.nnx.init(lambda: Model(nnx.Rngs(0)))
+    # the whole-constructor program is this call's own: nothing of it stays cached
+    assert not any("constructor_fallback" in str(k) for k in _materialize._executables)
+    summary = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("meshinit.nnx.init:")
+    ]
+    assert len(summary) == 1 and "2 params" in summary[0], summary
     records = [r.getMessage() for r in caplog.records if "whole-constructor" in r.getMessage()]
     assert len(records) == 1 and "odd" in records[0] and "pure_callback" in records[0], records
     assert "w (" not in records[0]  # only the variable that needed it

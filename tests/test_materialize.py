@@ -12,7 +12,6 @@ from test_plan import three_mesh_specs
 
 import meshinit
 from meshinit import _materialize
-from meshinit._signature import LRUCache
 
 lecun = jax.nn.initializers.lecun_normal
 
@@ -390,35 +389,6 @@ def break_compiles_on(monkeypatch, bad):
         lambda mesh: {"xla_no_such_option_here": 1} if mesh is bad else real(mesh),
     )
     return real
-
-
-def test_materialize_from_compiles_its_groups_in_parallel_and_keeps_none(
-    compile_threads, count_compiles, monkeypatch
-):
-    plan = two_stage_plan()
-
-    def build(fill):
-        return [jnp.full(e.spec.shape, fill, e.spec.dtype) for e in plan.entries]
-
-    # A full process-wide cache: materialize_from must not push anything out of it.
-    full = LRUCache(1)
-    full.put("an executable of an earlier materialize", object())
-    monkeypatch.setattr(_materialize, "_executables", full)
-    cached = dict(_materialize._executables)
-    for fill in (2.0, 3.0):  # every call compiles the constructor again: nothing is kept
-        compile_threads.clear()
-        with count_compiles() as made:
-            out = _materialize.materialize_from(plan, build, np.float32(fill))
-        assert made.count == len(compile_threads) == 2
-        assert all(name.startswith("meshinit-compile") for name in compile_threads)
-        for array in assert_exact(plan, out).values():
-            assert np.all(np.asarray(array) == fill)
-        assert dict(_materialize._executables) == cached
-
-    break_compiles_on(monkeypatch, plan.groups[1].mesh)
-    with pytest.raises(Exception, match="xla_no_such_option_here"):
-        _materialize.materialize_from(plan, build, np.float32(1.0))
-    assert dict(_materialize._executables) == cached  # nor after a failed call
 
 
 def test_a_compile_failing_in_a_thread_names_its_group_and_leaves_nothing(

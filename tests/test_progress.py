@@ -5,14 +5,13 @@ import logging
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_materialize import assert_exact
 from test_safety import Boom, two_stage_specs
 
 import meshinit
-from meshinit import _materialize, _progress
+from meshinit import _progress
 
 # two_stage_specs: 5 params in 2 mesh groups; the rounds strategy needs one executable
 # per group (each group's signatures have one parameter each), called once.
@@ -241,22 +240,6 @@ def test_debug_logs_each_compile_with_its_mesh_group_and_time(caplog):
     assert len(compiled) == 2
     assert "mesh group 1, Mesh(fsdp=2, tensor=2; Auto; devices 4-7) in " in compiled[1]
     assert sum(m.startswith("reused a cached executable") for m in messages) == 2
-
-
-def test_materialize_from_logs_its_own_line(caplog):
-    caplog.set_level(logging.INFO, logger="meshinit")
-    plan = meshinit.plan(two_stage_specs())
-
-    def build(fill):
-        return [jnp.full(e.spec.shape, fill, e.spec.dtype) for e in plan.entries]
-
-    out = _materialize.materialize_from(plan, build, np.float32(2.0))
-    assert_exact(plan, out)
-    (record,) = info_records(caplog)
-    # the constructor is compiled once per group, never cached
-    assert record.getMessage().startswith(
-        "materialize_from: 5 params, 2 mesh groups, 2 executables (2 compiled, 0 cached), 2 calls"
-    )
 
 
 def test_the_library_adds_no_handler_that_prints():
