@@ -1,10 +1,11 @@
 """An existing equinox constructor, placed exactly with regex placements.
 
 ``eqx.nn.MLP`` makes its own arrays, so there are no specs to declare. Instead,
-``meshinit.eqx.init`` traces the constructor abstractly, gives each array leaf the
-sharding of the first placement whose regex matches its whole path, and compiles the
-constructor once per mesh with exact out_shardings: each device builds only its shards,
-and the values are exactly what ``eqx.nn.MLP(..., key=key)`` makes.
+``meshinit.eqx.init`` traces the constructor once, abstractly, gives each array leaf
+the sharding of the first placement whose regex matches its whole path, and compiles
+each leaf's own computation once per (mesh, computation, sharding) with exact
+out_shardings: each device builds only its shards, and the values are exactly what
+``eqx.nn.MLP(..., key=key)`` makes.
 
 Run: python examples/eqx_mlp.py
 """
