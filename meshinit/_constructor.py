@@ -28,14 +28,16 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Hashable, Iterator, Sequence
+import re
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from . import _host, _jaxpr, _materialize, _progress, _threefry
+from ._errors import PlanError, Problem
 from ._jaxpr import Lit, Program
 from ._plan import MeshGroup, Plan, PlanEntry
 from ._signature import LRUCache
@@ -163,6 +165,46 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
         if all(isinstance(x, Lit) or x in host for x in node.ins):
             _host.evaluate_one(prog, i, host)
     return Traced(prog, host, tuple(args))
+
+
+def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
+    """The adapters' ``meshes=``: ordered ``(regex, mesh)`` pairs, compiled; every
+    malformed pair is one problem of a single :class:`PlanError`."""
+    if meshes is None:
+        return []
+    if isinstance(meshes, str | bytes | Mapping) or not isinstance(meshes, Sequence):
+        raise TypeError(
+            f"meshes must be an ordered sequence of (regex, mesh) pairs, first full match "
+            f"wins; got {type(meshes).__name__}"
+        )
+    parsed, problems = [], []
+    for i, pair in enumerate(meshes):
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            problems.append(Problem("", f"meshes[{i}] must be a (regex, mesh) pair; got {pair!r}"))
+            continue
+        regex, where = pair
+        if not isinstance(where, Mesh | AbstractMesh):
+            problems.append(
+                Problem(
+                    "",
+                    f"meshes[{i}]: the mesh must be a jax.sharding.Mesh or AbstractMesh, "
+                    f"got {type(where).__name__}",
+                )
+            )
+        elif isinstance(regex, re.Pattern):
+            parsed.append((regex, where))
+        elif not isinstance(regex, str):
+            problems.append(
+                Problem("", f"meshes[{i}]: the regex must be a str or re.Pattern, got {regex!r}")
+            )
+        else:
+            try:
+                parsed.append((re.compile(regex), where))
+            except re.error as e:
+                problems.append(Problem("", f"meshes[{i}]: regex {regex!r} does not compile: {e}"))
+    if problems:
+        raise PlanError(problems, header="meshes= is malformed:")
+    return parsed
 
 
 # ------------------------------------------------------------------------- slices

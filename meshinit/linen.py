@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 try:
@@ -30,7 +29,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from . import _constructor, _materialize, _paths, _plan
-from ._errors import PlanError, Problem
+from ._errors import Problem
 from ._spec import ParamSpec
 
 __all__ = ["init", "plan"]
@@ -273,44 +272,6 @@ class _Prepared:
     treedef: Any
 
 
-def _parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
-    if meshes is None:
-        return []
-    if isinstance(meshes, str | bytes | Mapping) or not isinstance(meshes, Sequence):
-        raise TypeError(
-            f"meshes must be an ordered sequence of (regex, mesh) pairs, first full match "
-            f"wins; got {type(meshes).__name__}"
-        )
-    parsed, problems = [], []
-    for i, pair in enumerate(meshes):
-        if not isinstance(pair, tuple | list) or len(pair) != 2:
-            problems.append(Problem("", f"meshes[{i}] must be a (regex, mesh) pair; got {pair!r}"))
-            continue
-        regex, where = pair
-        if not isinstance(where, Mesh | AbstractMesh):
-            problems.append(
-                Problem(
-                    "",
-                    f"meshes[{i}]: the mesh must be a jax.sharding.Mesh or AbstractMesh, "
-                    f"got {type(where).__name__}",
-                )
-            )
-        elif isinstance(regex, re.Pattern):
-            parsed.append((regex, where))
-        elif not isinstance(regex, str):
-            problems.append(
-                Problem("", f"meshes[{i}]: the regex must be a str or re.Pattern, got {regex!r}")
-            )
-        else:
-            try:
-                parsed.append((re.compile(regex), where))
-            except re.error as e:
-                problems.append(Problem("", f"meshes[{i}]: regex {regex!r} does not compile: {e}"))
-    if problems:
-        raise PlanError(problems, header="meshes= is malformed:")
-    return parsed
-
-
 def _abstract(leaf: Any, aval: Any) -> Any:
     struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
     return leaf.replace_boxed(struct) if _is_box(leaf) else struct
@@ -329,7 +290,7 @@ def _prepare(
     evaluate: bool,
 ) -> _Prepared:
     """Traces ``module.init`` once and plans its variables; compiles and allocates nothing."""
-    patterns = _parse_meshes(meshes)
+    patterns = _constructor.parse_meshes(meshes)
     placement = _default_placement(default, mesh)
     key_data, make_rngs = _host_keys(key)
     input_data, make_inputs = _host_inputs((example_args, example_kwargs))

@@ -25,7 +25,7 @@ import dataclasses
 import inspect
 import re
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 try:
@@ -36,10 +36,10 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from . import _constructor, _materialize, _plan
-from ._errors import PlanError, Problem
+from ._errors import Problem
 from ._spec import ParamSpec
 
 __all__ = ["materialize", "init", "plan", "optimizer"]
@@ -220,43 +220,6 @@ def _default_mesh() -> Mesh:
     return Mesh(np.array(device), ())
 
 
-def _parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
-    """``meshes`` as compiled ``(pattern, mesh)`` pairs, every problem raised at once."""
-    if meshes is None:
-        return []
-    if isinstance(meshes, str | bytes | Mapping) or not isinstance(meshes, Sequence):
-        raise TypeError(
-            f"meshes must be an ordered sequence of (regex, mesh) pairs, first full match "
-            f"wins; got {type(meshes).__name__}"
-        )
-    parsed, problems = [], []
-    for i, pair in enumerate(meshes):
-        if not isinstance(pair, tuple | list) or len(pair) != 2:
-            problems.append(Problem("", f"meshes[{i}] must be a (regex, mesh) pair; got {pair!r}"))
-            continue
-        regex, mesh = pair
-        if not isinstance(mesh, Mesh | AbstractMesh):
-            problems.append(
-                Problem(
-                    "",
-                    f"meshes[{i}]: the mesh must be a jax.sharding.Mesh or AbstractMesh, got "
-                    f"{type(mesh).__name__}",
-                )
-            )
-            continue
-        try:
-            parsed.append((re.compile(regex) if isinstance(regex, str) else regex, mesh))
-        except re.error as e:
-            problems.append(Problem("", f"meshes[{i}]: regex {regex!r} does not compile: {e}"))
-        if not isinstance(parsed[-1][0] if parsed else None, re.Pattern):
-            problems.append(
-                Problem("", f"meshes[{i}]: the regex must be a str or re.Pattern, got {regex!r}")
-            )
-    if problems:
-        raise PlanError(problems, header="meshes= is malformed:")
-    return parsed
-
-
 @contextlib.contextmanager
 def _clear_factory_errors() -> Iterator[None]:
     """Turns jax's and flax's trace errors from a misbehaving factory into one clear error."""
@@ -293,7 +256,7 @@ class _Prepared:
 
 def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> _Prepared:
     """Traces ``factory`` once and plans its Variables; compiles and allocates nothing."""
-    patterns = _parse_meshes(meshes)
+    patterns = _constructor.parse_meshes(meshes)
     if not callable(factory):
         raise TypeError(
             f"factory must be a zero-argument callable returning an nnx Module, got "

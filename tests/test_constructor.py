@@ -499,3 +499,17 @@ def test_fingerprints_are_structural_not_by_identity():
     with pytest.raises(_jaxpr.Unfingerprintable):
         _jaxpr._canon(lambda: 0, {})
     assert isinstance(_host.HostKey(np.zeros(2, np.uint32)), _host.HostKey)
+
+
+def test_malformed_meshes_are_one_error_naming_each_pair():
+    mesh = mesh24()
+    bad = [("(", mesh), (3, mesh), ("a", "mesh"), (r".*", mesh)]
+    with pytest.raises(meshinit.PlanError, match=r"meshes= is malformed") as e:
+        meshinit.nnx.init(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)), meshes=bad)
+    assert [str(p).split(":")[0] for p in e.value.problems] == [
+        "meshes[0]",
+        "meshes[1]",
+        "meshes[2]",
+    ]
+    with pytest.raises(TypeError, match="ordered sequence of \\(regex, mesh\\) pairs"):
+        meshinit.linen.plan(LinenStack(1), 0, TOKENS, mesh=mesh, rules=LINEN_RULES, meshes="x")
