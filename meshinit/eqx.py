@@ -8,8 +8,10 @@ Two ways in:
   module gets the same values as a dict with the same paths. This is the fast path.
 - :func:`init` for existing constructors (``eqx.nn.MLP(..., key=k)``), whose values
   must stay exactly what the constructor makes. Placements pick each array leaf's
-  sharding by a regex on its path; the constructor is compiled once per mesh group,
+  sharding by a regex on its path; the constructor is traced once and compiled by
+  meshinit's constructor engine, once per (mesh, per-array computation, sharding),
   with exact out_shardings, so no device ever holds what it does not own.
+  :func:`plan` previews it without compiling.
 
 Paths are the dot-joined pytree paths the core uses everywhere: ``layers.0.weight``.
 """

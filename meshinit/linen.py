@@ -3,10 +3,12 @@
 :func:`init` takes an ordinary linen Module whose parameters are annotated with
 ``nn.with_logical_partitioning`` (logical axis names, resolved with rule tables in
 the linen/MaxText pair format) or ``nn.with_partitioning`` (mesh axis names), each
-optionally with its own ``mesh=``. It traces ``module.init`` abstractly, plans every
-annotated leaf to an exact ``NamedSharding``, and compiles ``module.init`` once per
-mesh group with exactly that group's leaves as outputs, so the values are those of
-``module.init`` and no device computes what it does not own.
+optionally with its own ``mesh=``. It traces ``module.init`` once, abstractly, plans
+every annotated leaf to an exact ``NamedSharding``, and hands the trace to meshinit's
+constructor engine (:mod:`meshinit._constructor`), which compiles each variable's own
+computation once per (mesh, computation, sharding): the values are those of
+``module.init``, and no device computes what it does not own. :func:`plan` previews
+it without compiling.
 
 Paths are the dot-joined variable paths: ``params.layers_0.mlp.wi.kernel``.
 """

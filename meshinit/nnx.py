@@ -8,8 +8,10 @@ Two ways in:
 - :func:`init`: an ordinary Module whose Variables carry flax sharding metadata
   (``out_sharding``, or the older ``sharding``/``sharding_names``, with ``mesh`` and
   ``sharding_rules``) comes back with exactly the shardings that metadata describes,
-  and the values its own ``nnx.Rngs`` produce. This compiles the whole constructor
-  once per mesh group, so it is no faster to compile than ``nnx.jit``.
+  and the values its own ``nnx.Rngs`` produce. The factory is traced once and
+  compiled by meshinit's constructor engine (:mod:`meshinit._constructor`): once per
+  (mesh, per-variable computation, sharding), so depth adds no compile.
+  :func:`plan` previews it without compiling.
 
 And for training, :func:`optimizer`: an ordinary ``nnx.Optimizer`` whose state is
 placed exactly like the params it mirrors, by ``meshinit.optax.init``.
