@@ -227,10 +227,18 @@ class _Fallback:
 
 
 def _cut(traced: Traced, out: int | Lit, memo: dict[int, Any]) -> _Slice | _Fallback | None:
-    """The slice of ``out``; None if it is a host value or a captured constant."""
+    """The slice of ``out``; None if it is a literal or a captured constant.
+
+    A value made on the host gets the empty slice: its program takes the value as its
+    input and returns it on its sharding. It then rides along in the launches of its
+    bucket (a norm's ones beside the layer's weights), instead of being one host
+    placement of its own.
+    """
     prog, host = traced.program, traced.host
-    if isinstance(out, Lit) or out in host or out in prog.consts:
+    if isinstance(out, Lit) or out in prog.consts:
         return None
+    if out in host:  # a small value made on the host: its program only places it
+        return _Slice((), (out,), out, _jaxpr.fingerprint(prog, (), (out,), out, memo), False)
     nodes: set[int] = set()
     inputs: set[int] = set()
     stack = [out]
@@ -262,17 +270,24 @@ def _cut(traced: Traced, out: int | Lit, memo: dict[int, Any]) -> _Slice | _Fall
         return _Fallback(
             f"a parameter of {'/'.join(names)} is {e}, which has no structural fingerprint"
         )
-    units = any(_has_body(prog.nodes[i]) for i in order)
+    units = any(_has_body(prog.nodes[i], memo) for i in order)
     return _Slice(order, ins, out, digest, units)
 
 
-def _has_body(node: _jaxpr.Node) -> bool:
+def _has_body(node: _jaxpr.Node, memo: dict[int, Any]) -> bool:
+    """Whether ``node`` is control flow (a parameter holds a jaxpr); memoized per
+    source equation, as fingerprints are."""
+
     def body(p: Any) -> bool:
         if isinstance(p, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
             return True
         return isinstance(p, tuple | list) and any(body(q) for q in p)
 
-    return any(body(p) for p in node.params.values())
+    key = ("body", id(node.source))
+    hit = memo.get(key)
+    if hit is None or node.source is None:
+        hit = memo[key] = (node.source, any(body(p) for p in node.params.values()))
+    return hit[1]
 
 
 def _input_value(traced: Traced, n: int, sharding: NamedSharding | None) -> Any:
@@ -378,9 +393,8 @@ def materialize(
         for pos, entry in enumerate(group.entries):
             j = index[id(entry)]
             out = prog.outputs[j]
-            if isinstance(out, Lit) or out in traced.host:
-                value = out.value if isinstance(out, Lit) else traced.host[out]
-                value = value.data if isinstance(value, _host.HostKey) else value
+            if isinstance(out, Lit) or isinstance(traced.host.get(out), _host.HostKey):
+                value = out.value if isinstance(out, Lit) else traced.host[out].data
                 host.append((pos, np.broadcast_to(np.asarray(value), entry.spec.shape)))
                 continue
             if out in prog.consts:
@@ -480,29 +494,70 @@ class _Rounds:
             signatures.append((self.group.entries[k].signature, shardings))
         return ("constructor", self.group.mesh, tuple(signatures), self.on_cpu)
 
+    def _layout(self, bucket: tuple[int, ...]) -> tuple[list[np.dtype], list[list[Any]]]:
+        """How one call's inputs travel: host values packed into one flat buffer per
+        dtype (a launch with 7 signatures then takes 2 arguments, not 40), captured
+        constants as arguments of their own, already placed.
+
+        Returns:
+          The buffers' dtypes, and per signature of the bucket, per input of its slice,
+          ``("host", dtype, start, shape)`` or ``("arg", position)``.
+        """
+        sizes: dict[np.dtype, int] = {}
+        layout, args = [], 0
+        for k in self._entries(bucket):
+            items = []
+            for n in self.work_.slices[k].inputs:
+                struct = _input_struct(self.traced, n, None)
+                if n in self.traced.host:
+                    dtype = np.dtype(struct.dtype)
+                    start = sizes.get(dtype, 0)
+                    sizes[dtype] = start + math.prod(struct.shape)
+                    items.append(("host", dtype, start, tuple(struct.shape)))
+                else:
+                    items.append(("arg", args))
+                    args += 1
+            layout.append(items)
+        return sorted(sizes, key=str), layout
+
     def _build(self, bucket: tuple[int, ...]) -> _materialize.Build:
         firsts = self._entries(bucket)
 
         def build():
+            dtypes, layout = self._layout(bucket)
             fns, structs = [], []
-            for k in firsts:
+            totals = dict.fromkeys(dtypes, 0)
+            for k, items in zip(firsts, layout, strict=True):
                 s = self.work_.slices[k]
                 straight = self.on_cpu and not s.units
                 impl = _threefry.STRAIGHT_LINE if straight else _THREEFRY
-                fns.append((_evaluator(self.traced, s, impl, straight), len(s.inputs)))
-                structs += [
-                    _input_struct(self.traced, n, sh)
-                    for n, sh in zip(s.inputs, self._shardings(k), strict=True)
-                ]
+                fns.append(_evaluator(self.traced, s, impl, straight))
+                for item, n, sh in zip(items, s.inputs, self._shardings(k), strict=True):
+                    if item[0] == "host":
+                        totals[item[1]] = max(totals[item[1]], item[2] + math.prod(item[3]))
+                    else:
+                        structs.append(_input_struct(self.traced, n, sh))
+            buffers = [jax.ShapeDtypeStruct((totals[d],), d) for d in dtypes]
 
             def program(*values):
-                outs, start = [], 0
-                for fn, n in fns:
-                    outs.append(fn(*values[start : start + n]))
-                    start += n
+                packed = dict(zip(dtypes, values[: len(dtypes)], strict=True))
+                rest = values[len(dtypes) :]
+                outs = []
+                for fn, items in zip(fns, layout, strict=True):
+                    ins = []
+                    for item in items:
+                        if item[0] == "host":
+                            _, dtype, start, shape = item
+                            flat = packed[dtype][start : start + math.prod(shape)]
+                            # Replicated, as it arrived: else the partitioner may shard
+                            # the buffer and move pieces between devices to cut it.
+                            ins.append(_replicated(flat.reshape(shape), self.group.mesh))
+                        else:
+                            ins.append(rest[item[1]])
+                    outs.append(fn(*ins))
                 return outs
 
-            return program, [self.group.entries[k].sharding for k in firsts], structs
+            return program, [self.group.entries[k].sharding for k in firsts], [*buffers, *structs]
 
         return build
 
@@ -518,19 +573,31 @@ class _Rounds:
 
         def run() -> Iterator[tuple[int, jax.Array]]:
             for bucket, exe in zip(self.buckets, exes, strict=True):
+                dtypes, _ = self._layout(bucket)
                 for r in range(len(batches[bucket[0]])):
                     ks = [batches[i][r] for i in bucket]
+                    parts: dict[np.dtype, list[np.ndarray]] = {d: [] for d in dtypes}
                     args = []
                     for k in ks:
                         s = self.work_.slices[k]
-                        args += [
-                            _input_value(self.traced, n, sh)
-                            for n, sh in zip(s.inputs, self._shardings(k), strict=True)
-                        ]
-                    for k, array in zip(ks, exe(*args), strict=True):
+                        for n, sh in zip(s.inputs, self._shardings(k), strict=True):
+                            value = _input_value(self.traced, n, sh)
+                            if n in self.traced.host:
+                                parts[np.dtype(value.dtype)].append(np.ravel(value))
+                            else:
+                                args.append(value)
+                    buffers = [np.concatenate(parts[d]) for d in dtypes]
+                    for k, array in zip(ks, exe(*buffers, *args), strict=True):
                         yield k, array
 
         return run
+
+
+def _replicated(x: Any, mesh: Any) -> Any:
+    if mesh.size == 1:
+        return x
+    twin = NamedSharding(_materialize.auto_twin(mesh), jax.sharding.PartitionSpec())
+    return jax.lax.with_sharding_constraint(x, twin)
 
 
 def _fallback_exe(traced: Traced, group: MeshGroup, work: _Work, cache: LRUCache) -> Any:

@@ -322,16 +322,18 @@ def _random_seed(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 
 @_rule("random_fold_in")
 def _random_fold_in(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    key, msgs = _key(ins[0]), np.asarray(ins[1], np.uint32)
+    key, msgs = _key(ins[0]), np.asarray(ins[1])
     batch = np.broadcast_shapes(key.data.shape[:-1], msgs.shape)
     data = np.broadcast_to(key.data, (*batch, 2))
-    return [
-        HostKey(
-            _run_impl(
-                "fold_in", batch, [np.ascontiguousarray(data), np.broadcast_to(msgs, batch).copy()]
-            )
-        )
-    ]
+    if msgs.dtype == np.uint32:
+        # jax's threefry fold_in hashes the count (0, msg) with the key: the hash
+        # directly, without running its program (nnx.Rngs folds once per draw).
+        zero = np.zeros(batch, np.uint32)
+        k1, k2 = data[..., 0], data[..., 1]
+        h1, h2 = _threefry2x32(k1, k2, zero, np.broadcast_to(msgs, batch))
+        return [HostKey(np.stack([np.asarray(h1), np.asarray(h2)], axis=-1).astype(np.uint32))]
+    msgs = np.broadcast_to(msgs, batch).copy()
+    return [HostKey(_run_impl("fold_in", batch, [np.ascontiguousarray(data), msgs]))]
 
 
 @_rule("random_split")

@@ -61,6 +61,7 @@ class Node:
     ins: tuple[int | Lit, ...]
     outs: tuple[int, ...]
     effects: Any
+    source: Any = None  # the jaxpr equation it came from; one per inlined copy of it
 
 
 @dataclasses.dataclass
@@ -124,7 +125,7 @@ def flatten(closed: core.ClosedJaxpr) -> Program:
                     env[v] = n
             prog.producer.update((n, len(prog.nodes)) for n in numbers if n >= 0)
             prog.nodes.append(
-                Node(eqn.primitive, dict(eqn.params), tuple(ins), tuple(numbers), eqn.effects)
+                Node(eqn.primitive, eqn.params, tuple(ins), tuple(numbers), eqn.effects, eqn)
             )
         return [read(v) for v in jaxpr.outvars]
 
@@ -266,21 +267,40 @@ def fingerprint(
     names: dict[int, int] = {}
     for n in inputs:
         names[n] = len(names)
-
-    def ref(x: int | Lit) -> Any:
-        if isinstance(x, Lit):
-            return ("lit", _canon_aval(x.aval), _canon_const(x.value))
-        return names[x]
-
-    parts: list[Any] = [tuple(_canon_aval(prog.avals[n]) for n in inputs)]
+    parts: list[Any] = [tuple(_aval_key(prog.avals[n], memo) for n in inputs)]
     for i in nodes:
         node = prog.nodes[i]
-        ins = tuple(ref(x) for x in node.ins)
+        ins = tuple(-1 if isinstance(x, Lit) else names[x] for x in node.ins)
         for n in node.outs:
             if n >= 0:
                 names[n] = len(names)
-        outs = tuple(_canon_aval(prog.avals[n]) if n >= 0 else None for n in node.outs)
-        params = tuple(sorted((k, _canon(p, memo)) for k, p in node.params.items()))
-        parts.append((node.primitive.name, params, ins, outs))
-    parts.append(ref(out))
+        parts.append((_node_key(node, prog, memo), ins))
+    parts.append(("lit", _canon_const(out.value)) if isinstance(out, Lit) else names[out])
     return hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=16).hexdigest()
+
+
+def _aval_key(aval: Any, memo: dict[int, Any]) -> Any:
+    hit = memo.get(id(aval))
+    if hit is None:
+        hit = memo[id(aval)] = (aval, _canon_aval(aval))  # aval kept: its id stays unique
+    return hit[1]
+
+
+def _node_key(node: Node, prog: Program, memo: dict[int, Any]) -> str:
+    """What one equation computes, apart from which values it reads: its primitive,
+    parameters, literal operands and output avals. Memoized per source equation, which
+    every inlined copy of one jitted initializer shares."""
+    source = node.source if node.source is not None else node
+    hit = memo.get(id(source))
+    if hit is None:
+        lits = tuple(
+            ("lit", k, _canon_aval(x.aval), _canon_const(x.value))
+            for k, x in enumerate(node.ins)
+            if isinstance(x, Lit)
+        )
+        outs = tuple(_aval_key(prog.avals[n], memo) if n >= 0 else None for n in node.outs)
+        params = tuple(sorted((k, _canon(p, memo)) for k, p in node.params.items()))
+        text = repr((node.primitive.name, params, lits, outs)).encode()
+        key = hashlib.blake2b(text, digest_size=16).hexdigest()
+        hit = memo[id(source)] = (source, key)
+    return hit[1]

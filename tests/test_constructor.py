@@ -513,3 +513,19 @@ def test_malformed_meshes_are_one_error_naming_each_pair():
     ]
     with pytest.raises(TypeError, match="ordered sequence of \\(regex, mesh\\) pairs"):
         meshinit.linen.plan(LinenStack(1), 0, TOKENS, mesh=mesh, rules=LINEN_RULES, meshes="x")
+
+
+def test_the_engine_programs_move_nothing_between_devices():
+    # Each device computes its own shards from replicated host inputs; a collective in
+    # these programs would mean the partitioner split an input and shipped pieces (it
+    # did, for host-made norms cut from a packed buffer, before they were constrained
+    # replicated; on CPU such programs can also stall in flight).
+    from meshinit import _materialize
+
+    meshinit.clear_cache()
+    mesh = mesh24()
+    meshinit.nnx.init(lambda: nnx_stack(3, mesh)(nnx.Rngs(0)))
+    texts = [exe.as_text() for k, exe in _materialize._executables.items() if k[0][0] == "constructor"]
+    assert texts
+    for op in ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter"):
+        assert not any(op in t for t in texts), op
