@@ -25,10 +25,13 @@ to the whole-constructor program for just those variables, with an INFO record.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
+import gc
 import math
 import re
+import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -77,6 +80,36 @@ class Traced:
         """The abstract value of each output, in order."""
         prog = self.program
         return [o.aval if isinstance(o, Lit) else prog.avals[o] for o in prog.outputs]
+
+
+_gc_lock = threading.Lock()
+_gc_holders = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cycle collector is paused while a constructor is traced and placed.
+
+    A trace makes hundreds of thousands of short-lived objects, and each collection
+    walks the whole heap: 0.08 s of a 32-layer ``nnx.init`` (0.82 s against 0.73 s on
+    the reference stack), growing with depth. Nothing is freed later than it would be
+    after the call; the collector resumes, as it was, when the last concurrent call
+    ends (a count, so threads can nest).
+    """
+    global _gc_holders, _gc_was_enabled
+    with _gc_lock:
+        if _gc_holders == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holders += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_holders -= 1
+            if _gc_holders == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("meshinit_tracing", default=False)
@@ -270,24 +303,8 @@ def _cut(traced: Traced, out: int | Lit, memo: dict[int, Any]) -> _Slice | _Fall
         return _Fallback(
             f"a parameter of {'/'.join(names)} is {e}, which has no structural fingerprint"
         )
-    units = any(_has_body(prog.nodes[i], memo) for i in order)
+    units = any(prog.nodes[i].control for i in order)
     return _Slice(order, ins, out, digest, units)
-
-
-def _has_body(node: _jaxpr.Node, memo: dict[int, Any]) -> bool:
-    """Whether ``node`` is control flow (a parameter holds a jaxpr); memoized per
-    source equation, as fingerprints are."""
-
-    def body(p: Any) -> bool:
-        if isinstance(p, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
-            return True
-        return isinstance(p, tuple | list) and any(body(q) for q in p)
-
-    key = ("body", id(node.source))
-    hit = memo.get(key)
-    if hit is None or node.source is None:
-        hit = memo[key] = (node.source, any(body(p) for p in node.params.values()))
-    return hit[1]
 
 
 def _input_value(traced: Traced, n: int, sharding: NamedSharding | None) -> Any:

@@ -62,6 +62,7 @@ class Node:
     outs: tuple[int, ...]
     effects: Any
     source: Any = None  # the jaxpr equation it came from; one per inlined copy of it
+    control: bool = False  # a parameter holds a jaxpr: scan, while, cond
 
 
 @dataclasses.dataclass
@@ -88,6 +89,7 @@ class Program:
 def flatten(closed: core.ClosedJaxpr) -> Program:
     """The program of ``closed``, with every call of :data:`_INLINE` inlined."""
     prog = Program([], [], {}, [], [], {})
+    bodies: dict[int, bool] = {}  # per equation (alive in ``closed``): control flow?
 
     def new(aval: Any) -> int:
         prog.avals.append(aval)
@@ -124,14 +126,25 @@ def flatten(closed: core.ClosedJaxpr) -> Program:
                 if not isinstance(v, core.DropVar):
                     env[v] = n
             prog.producer.update((n, len(prog.nodes)) for n in numbers if n >= 0)
+            control = bodies.get(id(eqn))
+            if control is None:
+                control = bodies[id(eqn)] = any(_holds_jaxpr(p) for p in eqn.params.values())
             prog.nodes.append(
-                Node(eqn.primitive, eqn.params, tuple(ins), tuple(numbers), eqn.effects, eqn)
+                Node(
+                    eqn.primitive, eqn.params, tuple(ins), tuple(numbers), eqn.effects, eqn, control
+                )
             )
         return [read(v) for v in jaxpr.outvars]
 
     prog.inputs = [new(v.aval) for v in closed.jaxpr.invars]
     prog.outputs = walk(closed.jaxpr, closed.consts, prog.inputs)
     return prog
+
+
+def _holds_jaxpr(p: Any) -> bool:
+    if isinstance(p, core.ClosedJaxpr | core.Jaxpr):
+        return True
+    return isinstance(p, tuple | list) and any(_holds_jaxpr(q) for q in p)
 
 
 # Equations that only constrain or move a value: the same value, placed by whoever

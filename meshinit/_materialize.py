@@ -413,9 +413,7 @@ def bucket_batches(group: MeshGroup, max_bytes_per_call: int | None) -> list[tup
 
     buckets = list(by_count.values())
     if max_bytes_per_call is not None:
-        buckets = [
-            b for bucket in buckets for b in _pack(bucket, nbytes, max_bytes_per_call)
-        ]
+        buckets = [b for bucket in buckets for b in _pack(bucket, nbytes, max_bytes_per_call)]
     return [tuple(b) for b in sorted(buckets, key=lambda b: sum(map(nbytes, b)), reverse=True)]
 
 

@@ -342,5 +342,8 @@ def init(
       >>> mlp.layers[0].weight.sharding.spec
       P('tensor', 'fsdp')
     """
-    prep = _prepare(factory, key, placements, mesh, rules, evaluate=True)
-    return _constructor.materialize(prep.plan, prep.traced, prep.outputs, what="meshinit.eqx.init")
+    with _constructor.paused_gc():
+        prep = _prepare(factory, key, placements, mesh, rules, evaluate=True)
+        return _constructor.materialize(
+            prep.plan, prep.traced, prep.outputs, what="meshinit.eqx.init"
+        )

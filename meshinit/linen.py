@@ -458,20 +458,23 @@ def init(
       >>> variables["params"]["kernel"].value.sharding.spec
       P('fsdp', 'tensor')
     """
-    prep = _prepare(
-        module,
-        key,
-        example_args,
-        example_kwargs,
-        mesh=mesh,
-        rules=rules,
-        default=default,
-        meshes=meshes,
-        evaluate=True,
-    )
-    placed = jax.tree_util.tree_leaves(
-        _constructor.materialize(prep.plan, prep.traced, prep.outputs, what="meshinit.linen.init")
-    )
+    with _constructor.paused_gc():
+        prep = _prepare(
+            module,
+            key,
+            example_args,
+            example_kwargs,
+            mesh=mesh,
+            rules=rules,
+            default=default,
+            meshes=meshes,
+            evaluate=True,
+        )
+        placed = jax.tree_util.tree_leaves(
+            _constructor.materialize(
+                prep.plan, prep.traced, prep.outputs, what="meshinit.linen.init"
+            )
+        )
     boxes = [
         leaf.replace_boxed(array) if _is_box(leaf) else array
         for (_, leaf), array in zip(prep.flat, placed, strict=True)

@@ -356,10 +356,11 @@ def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module
       ...     lambda: Model(rngs=nnx.Rngs(0)),
       ...     meshes=[(r"layers\.[0-3]\..*", stage0), (r".*", stage1)])
     """
-    prep = _prepare(factory, meshes, evaluate=True)
-    arrays = _constructor.materialize(
-        prep.plan, prep.traced, prep.outputs, what="meshinit.nnx.init"
-    )
+    with _constructor.paused_gc():
+        prep = _prepare(factory, meshes, evaluate=True)
+        arrays = _constructor.materialize(
+            prep.plan, prep.traced, prep.outputs, what="meshinit.nnx.init"
+        )
     placed = []
     for path, var in prep.flat:
         if path in prep.specs:

@@ -525,7 +525,33 @@ def test_the_engine_programs_move_nothing_between_devices():
     meshinit.clear_cache()
     mesh = mesh24()
     meshinit.nnx.init(lambda: nnx_stack(3, mesh)(nnx.Rngs(0)))
-    texts = [exe.as_text() for k, exe in _materialize._executables.items() if k[0][0] == "constructor"]
+    texts = [
+        exe.as_text() for k, exe in _materialize._executables.items() if k[0][0] == "constructor"
+    ]
     assert texts
     for op in ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter"):
         assert not any(op in t for t in texts), op
+
+
+def test_the_cycle_collector_is_paused_during_init_and_restored_after():
+    import gc
+
+    seen = []
+
+    def factory():
+        seen.append(gc.isenabled())
+        return nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+    assert gc.isenabled()
+    meshinit.nnx.init(factory)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()  # a caller that disabled it keeps it disabled
+    try:
+        with _constructor.paused_gc(), _constructor.paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError, match="must build its own"), _constructor.paused_gc():
+        raise ValueError("must build its own")
+    assert gc.isenabled()  # restored after a failure too
