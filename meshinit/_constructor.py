@@ -16,8 +16,8 @@ that returns one array per variable. The engine:
    executable makes one variable of each of its signatures per call, so a 32-layer
    model compiles what an 8-layer one does, and runs each slice with its own inputs.
 
-Small variables (a norm's ones, an RNG counter) are placed from their host values;
-captured constants (a pretrained embedding as a numpy array) are placed shard by shard
+Small variables the host made (a norm's ones, an RNG counter) ride in the launches of
+their bucket, with an empty slice that only places the value; captured constants (a pretrained embedding as a numpy array) are placed shard by shard
 from the host, never as a full copy on one device. A slice the engine cannot
 fingerprint or must not run as a unit (a Python callback, a side effect) falls back
 to the whole-constructor program for just those variables, with an INFO record.

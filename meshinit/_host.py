@@ -1,16 +1,17 @@
 """The small part of a constructor, evaluated on the host with numpy, exactly.
 
 What a constructor computes besides its large arrays is keys, RNG counters, scalars
-and small arrays: ``nnx.Rngs`` folding a counter into its key for every parameter,
-``sqrt(1 / fan_in)``, a norm's ones. The engine evaluates that part once, here, with
-numpy: no compile, no dispatch, and the same bits on every process of a multi-host run.
+and small arrays: ``nnx.Rngs`` folding a counter into its key for every parameter, a
+norm's ones. The engine evaluates that part once, here, with numpy: no compile, no
+dispatch, and the same bits on every process of a multi-host run.
 
 Only primitives whose numpy twin gives jax's bits are evaluated here: integer and
-bitwise arithmetic, IEEE-exact float arithmetic (``add``, ``sub``, ``mul``, ``div``,
-``sqrt``, ``max``, ``min``), moves and broadcasts, and jax's threefry2x32 keys (the hash
-is :func:`meshinit._paths._threefry2x32`). Anything else (``erf``, ``exp``, a float
-to int conversion, another key implementation) raises :class:`NotHost`, and the value
-is computed inside the compiled program of each variable that needs it instead.
+bitwise arithmetic, moves, casts and broadcasts, and jax's threefry2x32 keys (the hash
+is :func:`meshinit._paths._threefry2x32`). Float arithmetic is not: XLA contracts a
+multiply and an add inside a jitted initializer into one fused multiply-add, which
+numpy's two roundings miss. That, and anything else (``erf``, ``exp``, a float to int
+conversion, another key implementation), raises :class:`NotHost`, and the value is
+computed inside the compiled program of each variable that needs it instead.
 """
 
 from __future__ import annotations
