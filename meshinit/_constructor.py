@@ -69,11 +69,13 @@ class Traced:
       program: the flat program (:class:`meshinit._jaxpr.Program`).
       host: value number -> its host value (numpy array or ``_host.HostKey``).
       args: the host arguments the constructor was traced with.
+      dynamic: the values that depend on those arguments (key data, example inputs).
     """
 
     program: Program
     host: dict[int, Any]
     args: tuple[Any, ...]
+    dynamic: frozenset[int] = frozenset()
 
     @property
     def out_avals(self) -> list[Any]:
@@ -197,7 +199,11 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
             continue
         if all(isinstance(x, Lit) or x in host for x in node.ins):
             _host.evaluate_one(prog, i, host)
-    return Traced(prog, host, tuple(args))
+    dynamic = set(prog.inputs)
+    for node in prog.nodes:
+        if any(not isinstance(x, Lit) and x in dynamic for x in node.ins):
+            dynamic.update(n for n in node.outs if n >= 0)
+    return Traced(prog, host, tuple(args), frozenset(dynamic))
 
 
 def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
@@ -262,15 +268,19 @@ class _Fallback:
 def _cut(traced: Traced, out: int | Lit, memo: dict[int, Any]) -> _Slice | _Fallback | None:
     """The slice of ``out``; None if it is a literal or a captured constant.
 
-    A value made on the host gets the empty slice: its program takes the value as its
-    input and returns it on its sharding. It then rides along in the launches of its
-    bucket (a norm's ones beside the layer's weights), instead of being one host
-    placement of its own.
+    The slice stops at host values, which enter as arguments. A value the host made
+    itself (a norm's ones) is the exception: its slice recomputes it in the program
+    from its own equations, down to the values that depend on the constructor's
+    arguments. Those equations are all exact (host rules only exist for exact ones),
+    so XLA computes, or folds, the same bits; and computing a 1 KiB ones in the program
+    was faster than shipping it into every launch (benchmarks/README.md).
     """
     prog, host = traced.program, traced.host
     if isinstance(out, Lit) or out in prog.consts:
         return None
-    if out in host:  # a small value made on the host: its program only places it
+    recompute = out in host
+    if recompute and out in traced.dynamic and out not in prog.producer:
+        # an argument itself: its program only places it
         return _Slice((), (out,), out, _jaxpr.fingerprint(prog, (), (out,), out, memo), False)
     nodes: set[int] = set()
     inputs: set[int] = set()
@@ -281,7 +291,7 @@ def _cut(traced: Traced, out: int | Lit, memo: dict[int, Any]) -> _Slice | _Fall
         if n in seen:
             continue
         seen.add(n)
-        if n in host or n in prog.consts:
+        if n in prog.consts or (n in host and (not recompute or n in traced.dynamic)):
             inputs.add(n)
             continue
         i = prog.producer[n]
