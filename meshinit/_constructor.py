@@ -16,9 +16,10 @@ that returns one array per variable. The engine:
    executable makes one variable of each of its signatures per call, so a 32-layer
    model compiles what an 8-layer one does, and runs each slice with its own inputs.
 
-Small variables the host made (a norm's ones, an RNG counter) ride in the launches of
-their bucket, with an empty slice that only places the value; captured constants (a pretrained embedding as a numpy array) are placed shard by shard
-from the host, never as a full copy on one device. A slice the engine cannot
+Small variables the host made (a norm's ones, an RNG counter) are recomputed in their
+bucket's program from their exact equations, riding in its launches; captured
+constants (a pretrained embedding as a numpy array) are placed shard by shard from the
+host, never as a full copy on one device. A slice the engine cannot
 fingerprint or must not run as a unit (a Python callback, a side effect) falls back
 to the whole-constructor program for just those variables, with an INFO record.
 """
