@@ -555,3 +555,45 @@ def test_the_cycle_collector_is_paused_during_init_and_restored_after():
     with pytest.raises(ValueError, match="must build its own"), _constructor.paused_gc():
         raise ValueError("must build its own")
     assert gc.isenabled()  # restored after a failure too
+
+
+def test_a_model_written_like_bonsai_qwen3_under_a_context_mesh():
+    # Metadata names PartitionSpecs and no mesh (the context mesh supplies it), norms
+    # carry the empty P(), the embedding and head tie nothing: bonsai's style.
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"))
+
+    class Attention(nnx.Module):
+        def __init__(self, rngs):
+            meta = {"out_sharding": P("tp", "fsdp", None)}
+            self.q_proj = nnx.LinearGeneral(
+                32, (4, 8), use_bias=False, rngs=rngs, kernel_metadata=meta
+            )
+            self.q_norm = nnx.RMSNorm(8, rngs=rngs, scale_metadata={"out_sharding": P()})
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embedder = nnx.Embed(
+                64, 32, rngs=rngs, embedding_metadata={"out_sharding": P("tp", "fsdp")}
+            )
+            self.layers = nnx.List([Attention(rngs) for _ in range(3)])
+
+    stage = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=jax.devices()[4:])
+    with jax.set_mesh(mesh):
+        model = meshinit.nnx.init(lambda: Model(nnx.Rngs(0)))
+        eager_model = Model(nnx.Rngs(0))  # flax's own eager placement, as reference
+        split = meshinit.nnx.init(lambda: Model(nnx.Rngs(0)), meshes=[(r"layers\.2\..*", stage)])
+    got, want = flat(model), flat(eager_model)
+    for path, array in got.items():
+        assert array.sharding.is_equivalent_to(want[path].sharding, array.ndim), path
+        assert_close(array, want[path], path)
+    # nnx.Embed's default init scales a normal by sqrt(1/32): as in jax.jit of that
+    # initializer, XLA fuses the scaling, 1 ulp off eager in some elements. The rest
+    # is eager's bits.
+    np.testing.assert_array_equal(
+        np.asarray(got["layers.1.q_proj.kernel"]), np.asarray(want["layers.1.q_proj.kernel"])
+    )
+    assert got["layers.0.q_norm.scale"].sharding.mesh == mesh
+    parts = flat(split)
+    assert parts["layers.2.q_norm.scale"].sharding == NamedSharding(stage, P(None))
+    assert parts["layers.2.q_proj.kernel"].sharding == NamedSharding(stage, P("tp", "fsdp", None))
+    assert parts["layers.1.q_proj.kernel"].sharding.mesh == mesh
