@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from . import _constructor, _materialize, _plan
-from ._errors import Problem
+from ._errors import PlanError, Problem
 from ._spec import ParamSpec
 
 __all__ = ["materialize", "init", "plan", "optimizer"]
@@ -223,16 +223,16 @@ def _default_mesh() -> Mesh:
 
 
 @contextlib.contextmanager
-def _clear_factory_errors() -> Iterator[None]:
+def _clear_factory_errors(what: str = "meshinit.nnx.init") -> Iterator[None]:
     """Turns jax's and flax's trace errors from a misbehaving factory into one clear error."""
     try:
         yield
     except (jax.errors.UnexpectedTracerError, flax_errors.TraceContextError) as e:
-        raise ValueError(f"meshinit.nnx.init: {_FACTORY_RULES} ({type(e).__name__})") from e
+        raise ValueError(f"{what}: {_FACTORY_RULES} ({type(e).__name__})") from e
     except ValueError as e:
         if "set_mesh" in str(e) and "outside of `jax.jit`" in str(e):
             raise ValueError(
-                "meshinit.nnx.init traces the factory, and jax.set_mesh cannot be called "
+                f"{what} traces the factory, and jax.set_mesh cannot be called "
                 "while tracing: call jax.set_mesh around meshinit.nnx.init instead, or "
                 "give each Variable its mesh with meshes=[(regex, mesh), ...]"
             ) from e
@@ -275,9 +275,24 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
         found.append((graphdef, flat, [p for p, _ in arrays]))
         return [jax.random.key_data(x) if _is_key(x) else x for _, x in arrays]
 
-    with _clear_factory_errors():
+    what = "meshinit.nnx.init" if evaluate else "meshinit.nnx.plan"
+    with _clear_factory_errors(what):
         traced = _constructor.trace(build, evaluate=evaluate)
     graphdef, flat, paths = found[0]
+    declared = [_path(p) for p, v in flat if isinstance(v.get_value(), ParamSpec)]
+    if declared:
+        raise PlanError(
+            [
+                Problem(p, "holds a meshinit.param spec, which this Module declares")
+                for p in declared
+            ],
+            header=(
+                f"{what} is for Modules whose constructors make arrays; this one "
+                f"declares specs (nnx.Param(meshinit.param(...))): place it with "
+                f"meshinit.nnx.materialize(Model(...), key), or preview it with "
+                f"meshinit.plan(Model(...)):"
+            ),
+        )
     avals = dict(zip(paths, traced.out_avals, strict=True))
     problems: list[Problem] = []
     specs: dict[tuple[Any, ...], ParamSpec] = {}

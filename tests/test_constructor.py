@@ -597,3 +597,21 @@ def test_a_model_written_like_bonsai_qwen3_under_a_context_mesh():
     assert parts["layers.2.q_norm.scale"].sharding == NamedSharding(stage, P(None))
     assert parts["layers.2.q_proj.kernel"].sharding == NamedSharding(stage, P("tp", "fsdp", None))
     assert parts["layers.1.q_proj.kernel"].sharding.mesh == mesh
+
+
+def test_nnx_init_and_plan_refuse_a_spec_declared_module_and_point_to_materialize():
+    mesh = mesh24()
+
+    class Declared(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(meshinit.param((8, 8), lecun(), axes=("fsdp", "tensor"), mesh=mesh))
+
+    for fn, name in [(meshinit.nnx.init, "init"), (meshinit.nnx.plan, "plan")]:
+        with pytest.raises(
+            meshinit.PlanError, match=rf"meshinit.nnx.{name} is for .*materialize"
+        ) as e:
+            fn(Declared)
+        assert [p.path for p in e.value.problems] == ["w"]
+    with pytest.raises(ValueError, match="meshinit.nnx.plan: the factory is traced"):
+        rngs = nnx.Rngs(0)
+        meshinit.nnx.plan(lambda: nnx.Linear(4, 4, rngs=rngs))
