@@ -49,9 +49,11 @@ from ._signature import LRUCache
 SMALL_BYTES = 1 << 14
 """Values of at most this many bytes are evaluated on the host when they can be.
 
-Keys (8 bytes), counters and scalars are far below it; the reference stack's norms
-(1 KiB) are below it, its smallest weight (64 KiB) above. Larger host values would
-only be copied into every call; see benchmarks/README.md for the measurement.
+What the host part is for: keys (8 bytes), counters and scalars, which then enter each
+variable's program as arguments. A variable the host made itself is recomputed in its
+program anyway (``_cut``), so the bound only decides which intermediate values travel
+into the launches. Measured (benchmarks/README.md): 512 B against 64 KiB made no
+difference on the reference stack beyond the machine's noise.
 """
 
 
