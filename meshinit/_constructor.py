@@ -195,13 +195,23 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
                 host[n] = _host.as_host(c, prog.avals[n])
             except _host.NotHost:
                 pass
-    for i, node in enumerate(prog.nodes):
-        if not _host.is_host(node):
-            continue
-        if any(n >= 0 and _nbytes(prog.avals[n]) > SMALL_BYTES for n in node.outs):
-            continue
-        if all(isinstance(x, Lit) or x in host for x in node.ins):
-            _host.evaluate_one(prog, i, host)
+    sizes: dict[int, int] = {}  # per aval object: inlined initializers repeat theirs
+
+    def small(n: int) -> bool:
+        aval = prog.avals[n]
+        size = sizes.get(id(aval))
+        if size is None:
+            size = sizes[id(aval)] = _nbytes(aval)
+        return size <= SMALL_BYTES
+
+    with _host.quiet():
+        for i, node in enumerate(prog.nodes):
+            if not _host.is_host(node):
+                continue
+            if not all(n < 0 or small(n) for n in node.outs):
+                continue
+            if all(isinstance(x, Lit) or x in host for x in node.ins):
+                _host.evaluate_one(prog, i, host)
     dynamic = set(prog.inputs)
     for node in prog.nodes:
         if any(not isinstance(x, Lit) and x in dynamic for x in node.ins):

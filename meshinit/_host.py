@@ -321,14 +321,41 @@ def _random_seed(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     return [HostKey(_run_impl("seed", seeds.shape, [seeds]))]
 
 
+_MASK = 0xFFFFFFFF
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry_ints(k1: int, k2: int, x1: int, x2: int) -> tuple[int, int]:
+    """jax's Threefry-2x32 hash of one counter pair, on Python ints (uint32 values).
+
+    The rounds of :func:`meshinit._paths._threefry2x32`, masked to 32 bits by hand
+    (a test compares the two).
+    """
+    ks = (k1, k2, k1 ^ k2 ^ 0x1BD11BDA)
+    a, b = (x1 + k1) & _MASK, (x2 + k2) & _MASK
+    for block in range(5):
+        for r in _ROTATIONS[block % 2]:
+            a = (a + b) & _MASK
+            b = ((b << r) & _MASK) | (b >> (32 - r))
+            b ^= a
+        a = (a + ks[(block + 1) % 3]) & _MASK
+        b = (b + ks[(block + 2) % 3] + block + 1) & _MASK
+    return a, b
+
+
 @_rule("random_fold_in")
 def _random_fold_in(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     key, msgs = _key(ins[0]), np.asarray(ins[1])
     batch = np.broadcast_shapes(key.data.shape[:-1], msgs.shape)
     data = np.broadcast_to(key.data, (*batch, 2))
+    if msgs.dtype == np.uint32 and batch == ():
+        # one key (nnx.Rngs folds once per draw): the hash on Python ints, 20x faster
+        # than numpy's scalar arithmetic
+        h1, h2 = threefry_ints(int(data[0]), int(data[1]), 0, int(msgs))
+        return [HostKey(np.array([h1, h2], np.uint32))]
     if msgs.dtype == np.uint32:
         # jax's threefry fold_in hashes the count (0, msg) with the key: the hash
-        # directly, without running its program (nnx.Rngs folds once per draw).
+        # directly, without running its program.
         zero = np.zeros(batch, np.uint32)
         k1, k2 = data[..., 0], data[..., 1]
         h1, h2 = _threefry2x32(k1, k2, zero, np.broadcast_to(msgs, batch))
@@ -385,6 +412,29 @@ def _bind(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     return rule(node, ins)
 
 
+# The rules that read their output's aval (to refuse float arithmetic).
+_ARITHMETIC = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "rem",
+        "neg",
+        "max",
+        "min",
+        "abs",
+        "sign",
+        "and",
+        "or",
+        "xor",
+        "not",
+        "shift_left",
+        "shift_right_arithmetic",
+        "shift_right_logical",
+    }
+)
+
 _KEY_RULES = frozenset({"random_fold_in", "random_split", "random_bits", "random_unwrap"})
 
 
@@ -408,7 +458,7 @@ def _operand(x: Any, env: dict[int, Any]) -> Any:
 
 
 def _with_aval(node: _jaxpr.Node, prog: _jaxpr.Program) -> _jaxpr.Node:
-    if not node.outs or node.outs[0] < 0:
+    if not node.outs or node.outs[0] < 0 or node.primitive.name not in _ARITHMETIC:
         return node
     params = {**node.params, "_aval": prog.avals[node.outs[0]]}
     return _jaxpr.Node(node.primitive, params, node.ins, node.outs, node.effects)
@@ -442,17 +492,23 @@ def is_host(node: _jaxpr.Node) -> bool:
     return node.primitive.name in _RULES and not node.effects
 
 
+def quiet() -> Any:
+    """numpy's wrap-around (uint32 hashing), x / 0 and 0 / 0 without warnings: what
+    :func:`evaluate_one` expects around it, entered once for many nodes."""
+    return np.errstate(over="ignore", divide="ignore", invalid="ignore")
+
+
 def evaluate_one(prog: _jaxpr.Program, i: int, env: dict[int, Any]) -> bool:
-    """Evaluates node ``i`` on the host into ``env``; False (env unchanged) if it can't."""
+    """Evaluates node ``i`` on the host into ``env``; False (env unchanged) if it can't.
+
+    Call it inside :func:`quiet`.
+    """
+    node = prog.nodes[i]
     try:
-        results: dict[int, Any] = {}
-        node = prog.nodes[i]
-        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-            ins = [_operand(x, env) for x in node.ins]
-            outs = _bind(_with_aval(node, prog), ins)
-            for n, out in zip(node.outs, outs, strict=True):
-                if n >= 0:
-                    results[n] = _cast(out, prog.avals[n])
+        ins = [_operand(x, env) for x in node.ins]
+        outs = _bind(_with_aval(node, prog), ins)
+        pairs = zip(node.outs, outs, strict=True)
+        results = [(n, _cast(out, prog.avals[n])) for n, out in pairs if n >= 0]
     except NotHost:
         return False
     env.update(results)

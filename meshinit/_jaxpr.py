@@ -91,23 +91,26 @@ def flatten(closed: core.ClosedJaxpr) -> Program:
     prog = Program([], [], {}, [], [], {})
     bodies: dict[int, bool] = {}  # per equation (alive in ``closed``): control flow?
 
+    avals, nodes, producer, consts_of = prog.avals, prog.nodes, prog.producer, prog.consts
+    Literal, DropVar = core.Literal, core.DropVar
+
     def new(aval: Any) -> int:
-        prog.avals.append(aval)
-        return len(prog.avals) - 1
+        avals.append(aval)
+        return len(avals) - 1
 
     def walk(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[int | Lit]) -> list:
         env: dict[Any, int | Lit] = {}
 
         def read(v: Any) -> int | Lit:
-            return Lit(v.val, v.aval) if isinstance(v, core.Literal) else env[v]
+            return Lit(v.val, v.aval) if type(v) is Literal else env[v]
 
         for var, value in zip(jaxpr.constvars, consts, strict=True):
             n = new(var.aval)
-            prog.consts[n] = value
+            consts_of[n] = value
             env[var] = n
         env.update(zip(jaxpr.invars, args, strict=True))
         for eqn in jaxpr.eqns:
-            ins = [read(v) for v in eqn.invars]
+            ins = tuple([read(v) for v in eqn.invars])
             inner = _INLINE.get(eqn.primitive.name)
             body = eqn.params.get(inner) if inner else None
             if body is not None:
@@ -116,23 +119,25 @@ def flatten(closed: core.ClosedJaxpr) -> Program:
                 else:
                     outs = walk(body, (), ins)
                 for v, out in zip(eqn.outvars, outs, strict=True):
-                    if not isinstance(v, core.DropVar):
+                    if type(v) is not DropVar:
                         env[v] = out
                 continue
+            index = len(nodes)
             numbers = []
             for v in eqn.outvars:
-                n = new(v.aval)
-                numbers.append(-1 if isinstance(v, core.DropVar) else n)
-                if not isinstance(v, core.DropVar):
+                n = len(avals)
+                avals.append(v.aval)
+                if type(v) is DropVar:
+                    numbers.append(-1)
+                else:
+                    numbers.append(n)
                     env[v] = n
-            prog.producer.update((n, len(prog.nodes)) for n in numbers if n >= 0)
+                    producer[n] = index
             control = bodies.get(id(eqn))
             if control is None:
                 control = bodies[id(eqn)] = any(_holds_jaxpr(p) for p in eqn.params.values())
-            prog.nodes.append(
-                Node(
-                    eqn.primitive, eqn.params, tuple(ins), tuple(numbers), eqn.effects, eqn, control
-                )
+            nodes.append(
+                Node(eqn.primitive, eqn.params, ins, tuple(numbers), eqn.effects, eqn, control)
             )
         return [read(v) for v in jaxpr.outvars]
 

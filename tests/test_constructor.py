@@ -14,11 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit import _constructor, _host, _jaxpr
+from meshinit import _constructor, _host, _jaxpr, _paths
 
 lecun = jax.nn.initializers.lecun_normal
 
@@ -466,6 +468,14 @@ def test_host_part_computes_keys_and_counters_bit_for_bit(seed):
     for o, want in zip(outs, jax.jit(fn)(), strict=True):
         got = traced.host[o]
         np.testing.assert_array_equal(np.asarray(getattr(got, "data", got)), np.asarray(want))
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=4, max_size=4))
+def test_the_host_hash_on_ints_is_the_numpy_hash(words):
+    k1, k2, x1, x2 = words
+    with np.errstate(over="ignore"):  # uint32 wrap-around is the hash
+        want = _paths._threefry2x32(*(np.uint32(w) for w in words))
+    assert _host.threefry_ints(k1, k2, x1, x2) == tuple(int(w) for w in want)
 
 
 def test_host_part_leaves_float_arithmetic_to_the_program():
