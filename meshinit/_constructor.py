@@ -4,11 +4,11 @@
 framework's constructor here as a function of host values (key data, example inputs)
 that returns one array per variable. The engine:
 
-1. **traces it once** to a jaxpr (:func:`trace`), abstractly: nothing is allocated;
+1. **traces it once** to a jaxpr (:func:`meshinit._trace.trace`), abstractly;
 2. **flattens** nested calls (:func:`meshinit._jaxpr.flatten`): jitted initializers,
    ``custom_jvp``/``custom_vjp``, ``checkpoint``; control flow stays one unit;
 3. **evaluates the small part on the host** (:mod:`meshinit._host`): keys, RNG
-   counters, scalars and arrays of at most :data:`SMALL_BYTES`, with numpy, exactly;
+   counters, scalars and arrays of at most ``_trace.SMALL_BYTES``, with numpy, exactly;
 4. **cuts one slice per remaining variable**: the equations between its small
    inputs and its value, fingerprinted structurally (:func:`meshinit._jaxpr.fingerprint`);
 5. **compiles once per (mesh, fingerprint, sharding)**, with exact out_shardings,
@@ -26,238 +26,20 @@ to the whole-constructor program for just those variables, with an INFO record.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import gc
 import math
-import re
-import threading
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 from . import _host, _jaxpr, _materialize, _progress, _threefry
-from ._errors import PlanError, Problem
-from ._jaxpr import Lit, Program
+from ._jaxpr import Lit
 from ._plan import MeshGroup, Plan, PlanEntry
 from ._signature import LRUCache
-
-SMALL_BYTES = 1 << 14
-"""Values of at most this many bytes are evaluated on the host when they can be.
-
-What the host part is for: keys (8 bytes), counters and scalars, which then enter each
-variable's program as arguments. A variable the host made itself is recomputed in its
-program anyway (``_cut``), so the bound only decides which intermediate values travel
-into the launches. Measured (benchmarks/README.md): 512 B against 64 KiB made no
-difference on the reference stack beyond the machine's noise.
-"""
-
-
-def _nbytes(aval: Any) -> int:
-    dtype = aval.dtype
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return math.prod(aval.shape) * 8  # threefry key data: two uint32
-    return math.prod(aval.shape) * np.dtype(dtype).itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class Traced:
-    """A constructor traced once: its flat program and its host-evaluated part.
-
-    Attributes:
-      program: the flat program (:class:`meshinit._jaxpr.Program`).
-      host: value number -> its host value (numpy array or ``_host.HostKey``).
-      args: the host arguments the constructor was traced with.
-      dynamic: the values that depend on those arguments (key data, example inputs).
-    """
-
-    program: Program
-    host: dict[int, Any]
-    args: tuple[Any, ...]
-    dynamic: frozenset[int] = frozenset()
-
-    @property
-    def out_avals(self) -> list[Any]:
-        """The abstract value of each output, in order."""
-        prog = self.program
-        return [o.aval if isinstance(o, Lit) else prog.avals[o] for o in prog.outputs]
-
-
-_gc_lock = threading.Lock()
-_gc_holders = 0
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Python's cycle collector is paused while a constructor is traced and placed.
-
-    A trace makes hundreds of thousands of short-lived objects, and each collection
-    walks the whole heap: 0.08 s of a 32-layer ``nnx.init`` (0.82 s against 0.73 s on
-    the reference stack), growing with depth. Nothing is freed later than it would be
-    after the call; the collector resumes, as it was, when the last concurrent call
-    ends (a count, so threads can nest).
-    """
-    global _gc_holders, _gc_was_enabled
-    with _gc_lock:
-        if _gc_holders == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_holders += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_holders -= 1
-            if _gc_holders == 0 and _gc_was_enabled:
-                gc.enable()
-
-
-_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("meshinit_tracing", default=False)
-_quiet_installed = False
-
-
-def _install_quiet_origin_messages() -> None:
-    """While meshinit traces a constructor, jax's tracers skip their origin message.
-
-    ``nnx.Rngs`` compares ``getattr(count, "sharding", None)`` on every draw; on a
-    tracer that raises an AttributeError whose message jax builds by walking every
-    equation traced so far, so tracing a constructor is quadratic in its size (1.1-1.4
-    s of a 32-layer trace, guide). One wrapper, installed once, returns an empty
-    origin message while :data:`_TRACING` is set in this context and defers to jax's
-    own method everywhere else, so no other code or thread sees a difference. Where
-    jax has no such method (another version), nothing is installed.
-    """
-    global _quiet_installed
-    if _quiet_installed:
-        return
-    _quiet_installed = True
-    try:
-        from jax._src.interpreters.partial_eval import DynamicJaxprTracer
-    except ImportError:  # pragma: no cover - another jax layout
-        return
-    original = DynamicJaxprTracer.__dict__.get("_origin_msg")
-    if original is None:  # pragma: no cover
-        return
-
-    def _origin_msg(self: Any) -> str:
-        if _TRACING.get():
-            return ""
-        return original(self)
-
-    DynamicJaxprTracer._origin_msg = _origin_msg  # type: ignore[method-assign]
-
-
-def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -> Traced:
-    """Traces ``fn(*args)`` once and evaluates its small part on the host.
-
-    The trace runs under the all-Auto twin of the context mesh, if one is set (so no
-    value records an explicit sharding of a mesh the variables may not live on), and
-    allocates nothing.
-
-    Args:
-      fn: returns a flat sequence of arrays, one per variable.
-      *args: host values (numpy arrays), passed abstractly.
-      evaluate: evaluate the small part (False for plan previews, which need only
-        the shapes).
-
-    Returns:
-      The :class:`Traced` constructor.
-    """
-    structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in args]
-    context = jax.sharding.get_mesh()
-    twin = None if context is None or context.empty else _materialize.auto_twin(context)
-    _install_quiet_origin_messages()
-    token = _TRACING.set(True)
-    try:
-        with jax.set_mesh(twin):
-            closed = jax.make_jaxpr(fn)(*structs)
-    finally:
-        _TRACING.reset(token)
-    prog = _jaxpr.flatten(closed)
-    if any(isinstance(c, jax.core.Tracer) for c in prog.consts.values()):
-        raise jax.errors.UnexpectedTracerError(
-            "the constructor returned values of an earlier trace (it keeps what it built "
-            "in outside state); it must build everything anew each call"
-        )
-    host: dict[int, Any] = {}
-    if not evaluate:
-        return Traced(prog, host, tuple(args))
-    for n, a in zip(prog.inputs, args, strict=True):
-        host[n] = np.asarray(a)
-    for n, c in prog.consts.items():
-        if _nbytes(prog.avals[n]) <= SMALL_BYTES:
-            try:
-                host[n] = _host.as_host(c, prog.avals[n])
-            except _host.NotHost:
-                pass
-    sizes: dict[int, int] = {}  # per aval object: inlined initializers repeat theirs
-
-    def small(n: int) -> bool:
-        aval = prog.avals[n]
-        size = sizes.get(id(aval))
-        if size is None:
-            size = sizes[id(aval)] = _nbytes(aval)
-        return size <= SMALL_BYTES
-
-    with _host.quiet():
-        for i, node in enumerate(prog.nodes):
-            if not _host.is_host(node):
-                continue
-            if not all(n < 0 or small(n) for n in node.outs):
-                continue
-            if all(isinstance(x, Lit) or x in host for x in node.ins):
-                _host.evaluate_one(prog, i, host)
-    dynamic = set(prog.inputs)
-    for node in prog.nodes:
-        if any(not isinstance(x, Lit) and x in dynamic for x in node.ins):
-            dynamic.update(n for n in node.outs if n >= 0)
-    return Traced(prog, host, tuple(args), frozenset(dynamic))
-
-
-def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
-    """The adapters' ``meshes=``: ordered ``(regex, mesh)`` pairs, compiled; every
-    malformed pair is one problem of a single :class:`PlanError`."""
-    if meshes is None:
-        return []
-    if isinstance(meshes, str | bytes | Mapping) or not isinstance(meshes, Sequence):
-        raise TypeError(
-            f"meshes must be an ordered sequence of (regex, mesh) pairs, first full match "
-            f"wins; got {type(meshes).__name__}"
-        )
-    parsed, problems = [], []
-    for i, pair in enumerate(meshes):
-        if not isinstance(pair, tuple | list) or len(pair) != 2:
-            problems.append(Problem("", f"meshes[{i}] must be a (regex, mesh) pair; got {pair!r}"))
-            continue
-        regex, where = pair
-        if not isinstance(where, Mesh | AbstractMesh):
-            problems.append(
-                Problem(
-                    "",
-                    f"meshes[{i}]: the mesh must be a jax.sharding.Mesh or AbstractMesh, "
-                    f"got {type(where).__name__}",
-                )
-            )
-        elif isinstance(regex, re.Pattern):
-            parsed.append((regex, where))
-        elif not isinstance(regex, str):
-            problems.append(
-                Problem("", f"meshes[{i}]: the regex must be a str or re.Pattern, got {regex!r}")
-            )
-        else:
-            try:
-                parsed.append((re.compile(regex), where))
-            except re.error as e:
-                problems.append(Problem("", f"meshes[{i}]: regex {regex!r} does not compile: {e}"))
-    if problems:
-        raise PlanError(problems, header="meshes= is malformed:")
-    return parsed
-
+from ._trace import Traced
 
 # ------------------------------------------------------------------------- slices
 
@@ -470,8 +252,12 @@ def materialize(
         )
     local = LRUCache(max(1, len(plan.groups)))  # the fallback programs: this call's only
 
+    planned: dict[int, _Rounds] = {}  # made on first use: after the plan's checks
+
     def rounds(group: MeshGroup) -> _Rounds:
-        return _Rounds(traced, works[id(group)])
+        if id(group) not in planned:
+            planned[id(group)] = _Rounds(traced, works[id(group)])
+        return planned[id(group)]
 
     def prepare(group: MeshGroup) -> _materialize.Runner:
         work = works[id(group)]

@@ -60,6 +60,7 @@ def _elementwise(fn: Callable[..., Any], floats: bool = True) -> Callable[..., A
             _exact_float(dtype)
         return [fn(*ins)]
 
+    rule.reads_aval = True  # type: ignore[attr-defined]
     return rule
 
 
@@ -412,43 +413,22 @@ def _bind(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     return rule(node, ins)
 
 
-# The rules that read their output's aval (to refuse float arithmetic).
-_ARITHMETIC = frozenset(
-    {
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "rem",
-        "neg",
-        "max",
-        "min",
-        "abs",
-        "sign",
-        "and",
-        "or",
-        "xor",
-        "not",
-        "shift_left",
-        "shift_right_arithmetic",
-        "shift_right_logical",
-    }
-)
-
 _KEY_RULES = frozenset({"random_fold_in", "random_split", "random_bits", "random_unwrap"})
 
 
 def evaluate(prog: _jaxpr.Program, nodes: Any, env: dict[int, Any]) -> dict[int, Any]:
     """Every node of ``nodes`` on the host; raises :class:`NotHost` at the first miss."""
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+    with quiet():
         for i in nodes:
-            node = prog.nodes[i]
-            ins = [_operand(x, env) for x in node.ins]
-            outs = _bind(_with_aval(node, prog), ins)
-            for n, out in zip(node.outs, outs, strict=True):
-                if n >= 0:
-                    env[n] = _cast(out, prog.avals[n])
+            env.update(_results(prog, prog.nodes[i], env))
     return env
+
+
+def _results(prog: _jaxpr.Program, node: _jaxpr.Node, env: dict[int, Any]) -> list:
+    """``(value number, host value)`` of each output of ``node``; raises NotHost."""
+    outs = _bind(_with_aval(node, prog), [_operand(x, env) for x in node.ins])
+    pairs = zip(node.outs, outs, strict=True)
+    return [(n, _cast(out, prog.avals[n])) for n, out in pairs if n >= 0]
 
 
 def _operand(x: Any, env: dict[int, Any]) -> Any:
@@ -458,7 +438,8 @@ def _operand(x: Any, env: dict[int, Any]) -> Any:
 
 
 def _with_aval(node: _jaxpr.Node, prog: _jaxpr.Program) -> _jaxpr.Node:
-    if not node.outs or node.outs[0] < 0 or node.primitive.name not in _ARITHMETIC:
+    reads = getattr(_RULES.get(node.primitive.name), "reads_aval", False)
+    if not reads or not node.outs or node.outs[0] < 0:
         return node
     params = {**node.params, "_aval": prog.avals[node.outs[0]]}
     return _jaxpr.Node(node.primitive, params, node.ins, node.outs, node.effects)
@@ -503,12 +484,8 @@ def evaluate_one(prog: _jaxpr.Program, i: int, env: dict[int, Any]) -> bool:
 
     Call it inside :func:`quiet`.
     """
-    node = prog.nodes[i]
     try:
-        ins = [_operand(x, env) for x in node.ins]
-        outs = _bind(_with_aval(node, prog), ins)
-        pairs = zip(node.outs, outs, strict=True)
-        results = [(n, _cast(out, prog.avals[n])) for n, out in pairs if n >= 0]
+        results = _results(prog, prog.nodes[i], env)
     except NotHost:
         return False
     env.update(results)

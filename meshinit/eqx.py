@@ -32,7 +32,7 @@ try:
 except ImportError as e:
     raise ImportError("meshinit.eqx needs equinox: pip install meshinit[eqx]") from e
 
-from . import _constructor, _paths
+from . import _constructor, _paths, _trace
 from ._errors import Problem
 from ._materialize import from_constructor
 from ._materialize import materialize as _materialize_plan
@@ -237,7 +237,7 @@ def _prepare(
         found.append(module)
         return _array_leaves(module)
 
-    traced = _constructor.trace(build, key_data, evaluate=evaluate)
+    traced = _trace.trace(build, key_data, evaluate=evaluate)
     avals = iter(traced.out_avals)
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(next(avals).shape, x.dtype) if eqx.is_array(x) else x,
@@ -342,7 +342,7 @@ def init(
       >>> mlp.layers[0].weight.sharding.spec
       P('tensor', 'fsdp')
     """
-    with _constructor.paused_gc():
+    with _trace.paused_gc():
         prep = _prepare(factory, key, placements, mesh, rules, evaluate=True)
         return _constructor.materialize(
             prep.plan, prep.traced, prep.outputs, what="meshinit.eqx.init"

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import _constructor, _materialize, _paths, _plan
+from . import _adapters, _constructor, _materialize, _paths, _plan, _trace
 from ._errors import Problem
 from ._spec import ParamSpec
 
@@ -135,20 +135,12 @@ def _host_inputs(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     return data, rebuild
 
 
-def _context_mesh() -> Mesh | AbstractMesh | None:
-    mesh = jax.sharding.get_mesh()
-    return None if mesh is None or mesh.empty else mesh
-
-
 def _fallback_mesh(mesh: Any) -> Mesh | AbstractMesh:
     """``mesh``, else the context mesh, else a mesh with no axes over the default device."""
     if mesh is not None:
         return mesh
-    found = _context_mesh()
-    if found is not None:
-        return found
-    device = jax.config.jax_default_device or jax.devices()[0]
-    return Mesh(np.array(device), ())
+    found = _adapters.context_mesh()
+    return found if found is not None else _adapters.default_mesh()
 
 
 def _default_placement(default: Any, mesh: Any) -> tuple[Any, Any] | None:
@@ -221,7 +213,7 @@ def _spec_for(
         axes = names + (None,) * (ndim - len(names))  # as PartitionSpec pads
         where = override if override is not None else leaf.mesh
         where = where if where is not None else mesh
-        where = where if where is not None else _context_mesh()
+        where = where if where is not None else _adapters.context_mesh()
         if where is None:
             problems.append(
                 Problem(
@@ -292,7 +284,7 @@ def _prepare(
     evaluate: bool,
 ) -> _Prepared:
     """Traces ``module.init`` once and plans its variables; compiles and allocates nothing."""
-    patterns = _constructor.parse_meshes(meshes)
+    patterns = _adapters.parse_meshes(meshes)
     placement = _default_placement(default, mesh)
     key_data, make_rngs = _host_keys(key)
     input_data, make_inputs = _host_inputs((example_args, example_kwargs))
@@ -309,7 +301,7 @@ def _prepare(
         return [x for x in leaves if isinstance(x, jax.Array)]
 
     host = [*key_data, *input_data]
-    traced = _constructor.trace(run_init, *host, evaluate=evaluate)
+    traced = _trace.trace(run_init, *host, evaluate=evaluate)
     flat, treedef = found[0]
     avals = iter(traced.out_avals)
     problems: list[Problem] = []
@@ -458,7 +450,7 @@ def init(
       >>> variables["params"]["kernel"].value.sharding.spec
       P('fsdp', 'tensor')
     """
-    with _constructor.paused_gc():
+    with _trace.paused_gc():
         prep = _prepare(
             module,
             key,

@@ -37,10 +37,9 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from . import _constructor, _materialize, _plan
+from . import _adapters, _constructor, _materialize, _plan, _trace
 from ._errors import PlanError, Problem
 from ._spec import ParamSpec
 
@@ -175,7 +174,7 @@ def _spec_for(
     if mesh is None:
         mesh = meta.get("mesh")
     if mesh is None or (isinstance(mesh, Mesh) and mesh.empty):
-        mesh = _context_mesh()
+        mesh = _adapters.context_mesh()
     axes = None
     if _has_sharding(meta):
         if mesh is None:
@@ -200,7 +199,7 @@ def _spec_for(
             return None
         axes = entries + (None,) * (len(shape) - len(entries))
     if mesh is None:
-        mesh = _default_mesh()
+        mesh = _adapters.default_mesh()
     return ParamSpec(
         shape=shape,
         init=_materialize.from_constructor,
@@ -209,17 +208,6 @@ def _spec_for(
         rules=None,
         dtype=dtype,
     )
-
-
-def _context_mesh() -> Mesh | None:
-    mesh = jax.sharding.get_mesh()
-    return None if mesh is None or mesh.empty else mesh
-
-
-def _default_mesh() -> Mesh:
-    """A mesh with no axes over the default device."""
-    device = jax.config.jax_default_device or jax.devices()[0]
-    return Mesh(np.array(device), ())
 
 
 @contextlib.contextmanager
@@ -258,7 +246,7 @@ class _Prepared:
 
 def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> _Prepared:
     """Traces ``factory`` once and plans its Variables; compiles and allocates nothing."""
-    patterns = _constructor.parse_meshes(meshes)
+    patterns = _adapters.parse_meshes(meshes)
     if not callable(factory):
         raise TypeError(
             f"factory must be a zero-argument callable returning an nnx Module, got "
@@ -277,7 +265,7 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
 
     what = "meshinit.nnx.init" if evaluate else "meshinit.nnx.plan"
     with _clear_factory_errors(what):
-        traced = _constructor.trace(build, evaluate=evaluate)
+        traced = _trace.trace(build, evaluate=evaluate)
     graphdef, flat, paths = found[0]
     declared = [_path(p) for p, v in flat if isinstance(v.get_value(), ParamSpec)]
     if declared:
@@ -371,7 +359,7 @@ def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module
       ...     lambda: Model(rngs=nnx.Rngs(0)),
       ...     meshes=[(r"layers\.[0-3]\..*", stage0), (r".*", stage1)])
     """
-    with _constructor.paused_gc():
+    with _trace.paused_gc():
         prep = _prepare(factory, meshes, evaluate=True)
         arrays = _constructor.materialize(
             prep.plan, prep.traced, prep.outputs, what="meshinit.nnx.init"

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit import _constructor, _host, _jaxpr, _paths
+from meshinit import _constructor, _host, _jaxpr, _paths, _trace
 
 lecun = jax.nn.initializers.lecun_normal
 
@@ -462,7 +462,7 @@ def test_host_part_computes_keys_and_counters_bit_for_bit(seed):
         shifted = jnp.right_shift(jnp.int32(-8), jnp.int32(40))  # XLA: out of range
         return [jax.random.key_data(keys), counter, bits, shifted, jnp.int32(-7) // jnp.int32(2)]
 
-    traced = _constructor.trace(lambda: fn())
+    traced = _trace.trace(lambda: fn())
     outs = traced.program.outputs
     assert all(o in traced.host for o in outs)  # all of it on the host
     for o, want in zip(outs, jax.jit(fn)(), strict=True):
@@ -486,7 +486,7 @@ def test_host_part_leaves_float_arithmetic_to_the_program():
         scale = jnp.float32(2.0) / 3
         return [jnp.exp(jnp.float32(1.5)), scale, jnp.ones((8,), jnp.bfloat16), scale * 3 + 1]
 
-    traced = _constructor.trace(fn)
+    traced = _trace.trace(fn)
     exp, div, ones, fma = traced.program.outputs
     assert exp not in traced.host and div not in traced.host and fma not in traced.host
     np.testing.assert_array_equal(traced.host[ones], np.ones(8, jnp.bfloat16))
@@ -497,9 +497,7 @@ def test_fingerprints_are_structural_not_by_identity():
         return lambda key: jax.random.normal(key, (64, 64)) * scale
 
     def digests(fn):
-        traced = _constructor.trace(
-            lambda d: [fn(jax.random.wrap_key_data(d))], np.zeros(2, np.uint32)
-        )
+        traced = _trace.trace(lambda d: [fn(jax.random.wrap_key_data(d))], np.zeros(2, np.uint32))
         s = _constructor._cut(traced, traced.program.outputs[0], {})
         return s.digest
 
@@ -557,12 +555,12 @@ def test_the_cycle_collector_is_paused_during_init_and_restored_after():
     assert seen == [False] and gc.isenabled()
     gc.disable()  # a caller that disabled it keeps it disabled
     try:
-        with _constructor.paused_gc(), _constructor.paused_gc():
+        with _trace.paused_gc(), _trace.paused_gc():
             assert not gc.isenabled()
         assert not gc.isenabled()
     finally:
         gc.enable()
-    with pytest.raises(ValueError, match="must build its own"), _constructor.paused_gc():
+    with pytest.raises(ValueError, match="must build its own"), _trace.paused_gc():
         raise ValueError("must build its own")
     assert gc.isenabled()  # restored after a failure too
 
@@ -625,3 +623,32 @@ def test_nnx_init_and_plan_refuse_a_spec_declared_module_and_point_to_materializ
     with pytest.raises(ValueError, match="meshinit.nnx.plan: the factory is traced"):
         rngs = nnx.Rngs(0)
         meshinit.nnx.plan(lambda: nnx.Linear(4, 4, rngs=rngs))
+
+
+def test_tracing_skips_tracer_origin_messages_only_inside_the_engine(monkeypatch):
+    # nnx.Rngs reads getattr(count, "sharding", None) on every draw; the message jax
+    # builds for it walks every equation traced so far (find_progenitors), which made
+    # tracing quadratic. The engine's trace skips that walk; other traces keep it.
+    walks = []
+
+    def probe(x):
+        y = x
+        for _ in range(50):
+            y = y + 1
+        frame = type(y._trace.frame)
+        if not hasattr(frame, "_counted"):
+            real = frame.find_progenitors
+
+            def counted(self, tracer):
+                walks.append(1)
+                return real(self, tracer)
+
+            monkeypatch.setattr(frame, "find_progenitors", counted)
+            monkeypatch.setattr(frame, "_counted", True, raising=False)
+        assert getattr(y, "sharding", None) is None
+        return [y]
+
+    _trace.trace(probe, np.float32(0), evaluate=False)
+    assert walks == []
+    jax.make_jaxpr(probe)(np.float32(0))  # outside the engine: jax's own message
+    assert walks == [1]

@@ -1,0 +1,66 @@
+"""What the framework adapters (nnx, linen, eqx) share: ``meshes=`` and default meshes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh
+
+from ._errors import PlanError, Problem
+
+
+def context_mesh() -> Mesh | None:
+    """The ``jax.set_mesh`` context mesh, or None when none is set."""
+    mesh = jax.sharding.get_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def default_mesh() -> Mesh:
+    """A mesh with no axes over the default device: where the adapters put what has
+    neither a mesh of its own nor a context mesh."""
+    device = jax.config.jax_default_device or jax.devices()[0]
+    return Mesh(np.array(device), ())
+
+
+def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
+    """The adapters' ``meshes=``: ordered ``(regex, mesh)`` pairs, compiled; every
+    malformed pair is one problem of a single :class:`PlanError`."""
+    if meshes is None:
+        return []
+    if isinstance(meshes, str | bytes | Mapping) or not isinstance(meshes, Sequence):
+        raise TypeError(
+            f"meshes must be an ordered sequence of (regex, mesh) pairs, first full match "
+            f"wins; got {type(meshes).__name__}"
+        )
+    parsed, problems = [], []
+    for i, pair in enumerate(meshes):
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            problems.append(Problem("", f"meshes[{i}] must be a (regex, mesh) pair; got {pair!r}"))
+            continue
+        regex, where = pair
+        if not isinstance(where, Mesh | AbstractMesh):
+            problems.append(
+                Problem(
+                    "",
+                    f"meshes[{i}]: the mesh must be a jax.sharding.Mesh or AbstractMesh, "
+                    f"got {type(where).__name__}",
+                )
+            )
+        elif isinstance(regex, re.Pattern):
+            parsed.append((regex, where))
+        elif not isinstance(regex, str):
+            problems.append(
+                Problem("", f"meshes[{i}]: the regex must be a str or re.Pattern, got {regex!r}")
+            )
+        else:
+            try:
+                parsed.append((re.compile(regex), where))
+            except re.error as e:
+                problems.append(Problem("", f"meshes[{i}]: regex {regex!r} does not compile: {e}"))
+    if problems:
+        raise PlanError(problems, header="meshes= is malformed:")
+    return parsed
