@@ -60,7 +60,7 @@ class _Fallback:
     reason: str
 
 
-def _cut(traced: Traced, out: int | Lit, memo: dict[int, Any]) -> _Slice | _Fallback | None:
+def _cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> _Slice | _Fallback | None:
     """The slice of ``out``; None if it is a literal or a captured constant.
 
     The slice stops at host values, which enter as arguments. A value the host made
@@ -81,24 +81,25 @@ def _cut(traced: Traced, out: int | Lit, memo: dict[int, Any]) -> _Slice | _Fall
     inputs: set[int] = set()
     stack = [out]
     seen: set[int] = set()
+    consts, dynamic, producer, all_nodes = prog.consts, traced.dynamic, prog.producer, prog.nodes
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
-        if n in prog.consts or (n in host and (not recompute or n in traced.dynamic)):
+        if n in consts or (n in host and (not recompute or n in dynamic)):
             inputs.add(n)
             continue
-        i = prog.producer[n]
+        i = producer[n]
         if i in nodes:
             continue
         nodes.add(i)
-        node = prog.nodes[i]
+        node = all_nodes[i]
         if node.effects:
             return _Fallback(
                 f"{node.primitive.name} has side effects ({', '.join(map(str, node.effects))})"
             )
-        stack.extend(x for x in node.ins if not isinstance(x, Lit))
+        stack.extend([x for x in node.ins if type(x) is not Lit])
     order = tuple(sorted(nodes))
     ins = tuple(sorted(inputs))
     try:
@@ -207,7 +208,7 @@ def materialize(
     """
     prog = traced.program
     index = {id(e): outputs[i] for i, e in enumerate(plan.entries)}
-    memo: dict[int, Any] = {}
+    memo: dict[Any, Any] = {}
     works: dict[int, _Work] = {}
     fallen: list[tuple[str, str]] = []
     for group in plan.groups:
@@ -313,6 +314,10 @@ class _Rounds:
         s, entry = self.work_.slices[k], self.group.entries[k]
         return [_const_sharding(self.traced, n, entry) for n in s.inputs]
 
+    def _inputs(self, k: int) -> list[tuple[int, NamedSharding | None]]:
+        """Each input of entry ``k``'s slice, with how it enters (:meth:`_shardings`)."""
+        return list(zip(self.work_.slices[k].inputs, self._shardings(k), strict=True))
+
     def _key(self, bucket: tuple[int, ...]) -> Hashable:
         signatures = []
         for k in self._entries(bucket):
@@ -399,24 +404,33 @@ class _Rounds:
 
         def run() -> Iterator[tuple[int, jax.Array]]:
             for bucket, exe in zip(self.buckets, exes, strict=True):
-                dtypes, _ = self._layout(bucket)
-                for r in range(len(batches[bucket[0]])):
-                    ks = [batches[i][r] for i in bucket]
-                    parts: dict[np.dtype, list[np.ndarray]] = {d: [] for d in dtypes}
-                    args = []
-                    for k in ks:
-                        s = self.work_.slices[k]
-                        for n, sh in zip(s.inputs, self._shardings(k), strict=True):
-                            value = _input_value(self.traced, n, sh)
-                            if n in self.traced.host:
-                                parts[np.dtype(value.dtype)].append(np.ravel(value))
-                            else:
-                                args.append(value)
-                    buffers = [np.concatenate(parts[d]) for d in dtypes]
-                    for k, array in zip(ks, exe(*buffers, *args), strict=True):
-                        yield k, array
+                rounds = [[batches[i][r] for i in bucket] for r in range(len(batches[bucket[0]]))]
+                buffers = self._host_buffers(bucket, rounds)
+                for r, ks in enumerate(rounds):
+                    args = [  # large captured constants: placed one call at a time
+                        _input_value(self.traced, n, sh)
+                        for k in ks
+                        for n, sh in self._inputs(k)
+                        if n not in self.traced.host
+                    ]
+                    yield from zip(ks, exe(*(b[r] for b in buffers), *args), strict=True)
 
         return run
+
+    def _host_buffers(self, bucket: tuple[int, ...], rounds: list[list[int]]) -> list[np.ndarray]:
+        """Every call's packed host inputs at once: per dtype of :meth:`_layout`, one
+        row per call (a call's inputs all have the same layout)."""
+        dtypes, _ = self._layout(bucket)
+        host = self.traced.host
+        parts: dict[np.dtype, list[np.ndarray]] = {d: [] for d in dtypes}
+        for ks in rounds:
+            for k in ks:
+                for n in self.work_.slices[k].inputs:
+                    if n in host:
+                        value = _input_value(self.traced, n, None)
+                        parts[np.dtype(value.dtype)].append(np.ravel(value))
+        flat = [np.concatenate(parts[d]) for d in dtypes]
+        return [f.reshape(len(rounds), f.size // len(rounds)) for f in flat]
 
 
 def _replicated(x: Any, mesh: Any) -> Any:

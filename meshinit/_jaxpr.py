@@ -48,21 +48,39 @@ class Lit:
     aval: Any
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Node:
     """One equation: ``outs = primitive.bind(*ins, **params)``.
 
     ``ins`` are value numbers or :class:`Lit`; ``outs`` are value numbers (-1 for an
-    output nobody reads).
+    output nobody reads). ``source`` is the jaxpr equation it came from (one per
+    inlined copy of it); ``control``: a parameter holds a jaxpr (scan, while, cond).
+    Not to be modified once made. A plain class with slots: a flat program makes one
+    per equation, and a frozen dataclass's ``__init__`` took a third of
+    :func:`flatten`.
     """
 
-    primitive: Any
-    params: dict[str, Any]
-    ins: tuple[int | Lit, ...]
-    outs: tuple[int, ...]
-    effects: Any
-    source: Any = None  # the jaxpr equation it came from; one per inlined copy of it
-    control: bool = False  # a parameter holds a jaxpr: scan, while, cond
+    __slots__ = ("primitive", "params", "ins", "outs", "effects", "source", "control")
+
+    def __init__(
+        self,
+        primitive: Any,
+        params: dict[str, Any],
+        ins: tuple[int | Lit, ...],
+        outs: tuple[int, ...],
+        effects: Any,
+        source: Any = None,
+        control: bool = False,
+    ):
+        self.primitive = primitive
+        self.params = params
+        self.ins = ins
+        self.outs = outs
+        self.effects = effects
+        self.source = source
+        self.control = control
+
+    def __repr__(self) -> str:
+        return f"Node({self.primitive.name}, ins={self.ins}, outs={self.outs})"
 
 
 @dataclasses.dataclass
@@ -89,30 +107,40 @@ class Program:
 def flatten(closed: core.ClosedJaxpr) -> Program:
     """The program of ``closed``, with every call of :data:`_INLINE` inlined."""
     prog = Program([], [], {}, [], [], {})
-    bodies: dict[int, bool] = {}  # per equation (alive in ``closed``): control flow?
-
+    # Per equation and per literal of ``closed`` (alive throughout, so ids are unique),
+    # what every inlined copy shares: (inlined body or None, holds control flow), and
+    # the Lit.
+    kinds: dict[int, tuple[Any, bool]] = {}
+    lits: dict[int, Lit] = {}
     avals, nodes, producer, consts_of = prog.avals, prog.nodes, prog.producer, prog.consts
     Literal, DropVar = core.Literal, core.DropVar
 
-    def new(aval: Any) -> int:
-        avals.append(aval)
-        return len(avals) - 1
+    def kind(eqn: Any) -> tuple[Any, bool]:
+        inner = _INLINE.get(eqn.primitive.name)
+        body = eqn.params.get(inner) if inner else None
+        if body is not None:
+            return body, False
+        return None, any(_holds_jaxpr(p) for p in eqn.params.values())
+
+    def lit(v: Any) -> Lit:
+        hit = lits.get(id(v))
+        if hit is None:
+            hit = lits[id(v)] = Lit(v.val, v.aval)
+        return hit
 
     def walk(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[int | Lit]) -> list:
         env: dict[Any, int | Lit] = {}
-
-        def read(v: Any) -> int | Lit:
-            return Lit(v.val, v.aval) if type(v) is Literal else env[v]
-
         for var, value in zip(jaxpr.constvars, consts, strict=True):
-            n = new(var.aval)
+            env[var] = n = len(avals)
+            avals.append(var.aval)
             consts_of[n] = value
-            env[var] = n
         env.update(zip(jaxpr.invars, args, strict=True))
         for eqn in jaxpr.eqns:
-            ins = tuple([read(v) for v in eqn.invars])
-            inner = _INLINE.get(eqn.primitive.name)
-            body = eqn.params.get(inner) if inner else None
+            ins = tuple([lit(v) if type(v) is Literal else env[v] for v in eqn.invars])
+            known = kinds.get(id(eqn))
+            if known is None:
+                known = kinds[id(eqn)] = kind(eqn)
+            body, control = known
             if body is not None:
                 if isinstance(body, core.ClosedJaxpr):
                     outs = walk(body.jaxpr, body.consts, ins)
@@ -133,16 +161,16 @@ def flatten(closed: core.ClosedJaxpr) -> Program:
                     numbers.append(n)
                     env[v] = n
                     producer[n] = index
-            control = bodies.get(id(eqn))
-            if control is None:
-                control = bodies[id(eqn)] = any(_holds_jaxpr(p) for p in eqn.params.values())
             nodes.append(
                 Node(eqn.primitive, eqn.params, ins, tuple(numbers), eqn.effects, eqn, control)
             )
-        return [read(v) for v in jaxpr.outvars]
+        return [lit(v) if type(v) is Literal else env[v] for v in jaxpr.outvars]
 
-    prog.inputs = [new(v.aval) for v in closed.jaxpr.invars]
+    prog.inputs = list(range(len(closed.jaxpr.invars)))
+    avals.extend(v.aval for v in closed.jaxpr.invars)
     prog.outputs = walk(closed.jaxpr, closed.consts, prog.inputs)
+    walk = None  # noqa: F841  (a recursive closure is a cycle: break it, so that the
+    # program is freed by reference counting, not by the next collection)
     return prog
 
 
@@ -197,7 +225,7 @@ class Unfingerprintable(Exception):
     """A parameter that a structural fingerprint cannot describe (a Python callable)."""
 
 
-def _canon(x: Any, memo: dict[int, Any]) -> Any:
+def _canon(x: Any, memo: dict[Any, Any]) -> Any:
     """A structural, hashable, repr-stable description of a primitive's parameter."""
     if x is None or isinstance(x, bool | int | float | complex | str | bytes):
         return (type(x).__name__, x)
@@ -250,7 +278,7 @@ def _canon_aval(aval: Any) -> Any:
     return (str(aval.dtype), tuple(aval.shape), bool(getattr(aval, "weak_type", False)))
 
 
-def _canon_jaxpr(jaxpr: core.Jaxpr, memo: dict[int, Any]) -> Any:
+def _canon_jaxpr(jaxpr: core.Jaxpr, memo: dict[Any, Any]) -> Any:
     names: dict[Any, int] = {}
 
     def ref(v: Any) -> Any:
@@ -271,7 +299,7 @@ def _canon_jaxpr(jaxpr: core.Jaxpr, memo: dict[int, Any]) -> Any:
 
 
 def fingerprint(
-    prog: Program, nodes: Sequence[int], inputs: Sequence[int], out: int | Lit, memo: dict[int, Any]
+    prog: Program, nodes: Sequence[int], inputs: Sequence[int], out: int | Lit, memo: dict[Any, Any]
 ) -> str:
     """A digest of the computation ``nodes`` make of ``inputs`` up to ``out``.
 
@@ -282,29 +310,34 @@ def fingerprint(
     Raises:
       Unfingerprintable: a parameter is a Python callable.
     """
-    names: dict[int, int] = {}
-    for n in inputs:
-        names[n] = len(names)
-    parts: list[Any] = [tuple(_aval_key(prog.avals[n], memo) for n in inputs)]
+    names: dict[int, int] = {n: k for k, n in enumerate(inputs)}
+    parts: list[Any] = [tuple([_aval_key(prog.avals[n], memo) for n in inputs])]
+    all_nodes = prog.nodes
     for i in nodes:
-        node = prog.nodes[i]
-        ins = tuple(-1 if isinstance(x, Lit) else names[x] for x in node.ins)
+        node = all_nodes[i]
+        ins = tuple([-1 if type(x) is Lit else names[x] for x in node.ins])
         for n in node.outs:
             if n >= 0:
                 names[n] = len(names)
-        parts.append((_node_key(node, prog, memo), ins))
+        source = node.source
+        hit = memo.get(id(source)) if source is not None else None
+        parts.append((hit[1] if hit is not None else _node_key(node, prog, memo), ins))
     parts.append(("lit", _canon_const(out.value)) if isinstance(out, Lit) else names[out])
-    return hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=16).hexdigest()
+    whole = ("slice", tuple(parts))  # equal tuples, equal digests: one repr per structure
+    digest = memo.get(whole)
+    if digest is None:
+        digest = memo[whole] = hashlib.blake2b(repr(whole[1]).encode(), digest_size=16).hexdigest()
+    return digest
 
 
-def _aval_key(aval: Any, memo: dict[int, Any]) -> Any:
+def _aval_key(aval: Any, memo: dict[Any, Any]) -> Any:
     hit = memo.get(id(aval))
     if hit is None:
         hit = memo[id(aval)] = (aval, _canon_aval(aval))  # aval kept: its id stays unique
     return hit[1]
 
 
-def _node_key(node: Node, prog: Program, memo: dict[int, Any]) -> str:
+def _node_key(node: Node, prog: Program, memo: dict[Any, Any]) -> str:
     """What one equation computes, apart from which values it reads: its primitive,
     parameters, literal operands and output avals. Memoized per source equation, which
     every inlined copy of one jitted initializer shares."""
@@ -318,7 +351,10 @@ def _node_key(node: Node, prog: Program, memo: dict[int, Any]) -> str:
         )
         outs = tuple(_aval_key(prog.avals[n], memo) if n >= 0 else None for n in node.outs)
         params = tuple(sorted((k, _canon(p, memo)) for k, p in node.params.items()))
-        text = repr((node.primitive.name, params, lits, outs)).encode()
-        key = hashlib.blake2b(text, digest_size=16).hexdigest()
+        described = ("node", node.primitive.name, params, lits, outs)
+        key = memo.get(described)  # the same equation elsewhere (another layer's copy)
+        if key is None:
+            text = repr(described[1:]).encode()
+            key = memo[described] = hashlib.blake2b(text, digest_size=16).hexdigest()
         hit = memo[id(source)] = (source, key)
     return hit[1]

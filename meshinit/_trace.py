@@ -182,16 +182,16 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
             size = sizes[id(aval)] = _nbytes(aval)
         return size <= SMALL_BYTES
 
+    dynamic = set(prog.inputs)
     with _host.quiet():
         for i, node in enumerate(prog.nodes):
+            ins = [x for x in node.ins if type(x) is not Lit]
+            if dynamic and not dynamic.isdisjoint(ins):
+                dynamic.update([n for n in node.outs if n >= 0])
             if not _host.is_host(node):
                 continue
-            if not all(n < 0 or small(n) for n in node.outs):
+            if not all([n < 0 or small(n) for n in node.outs]):
                 continue
-            if all(isinstance(x, Lit) or x in host for x in node.ins):
+            if all([x in host for x in ins]):
                 _host.evaluate_one(prog, i, host)
-    dynamic = set(prog.inputs)
-    for node in prog.nodes:
-        if any(not isinstance(x, Lit) and x in dynamic for x in node.ins):
-            dynamic.update(n for n in node.outs if n >= 0)
     return Traced(prog, host, tuple(args), frozenset(dynamic))

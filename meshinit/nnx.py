@@ -364,17 +364,19 @@ def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module
         arrays = _constructor.materialize(
             prep.plan, prep.traced, prep.outputs, what="meshinit.nnx.init"
         )
-    placed = []
-    for path, var in prep.flat:
-        if path in prep.specs:
-            array = _get(arrays, path)
-            aval = prep.avals[path]
-            if _is_key(aval):
-                array = jax.random.wrap_key_data(array, impl=_key_impl(aval))
-            # Traced with eager sharding off; give back what the user's flax would record.
-            var = var.replace(array, eager_sharding=nnx.using_eager_sharding())
-        placed.append((path, var))
-    return nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
+        placed = []
+        for path, var in prep.flat:
+            if path in prep.specs:
+                array = _get(arrays, path)
+                aval = prep.avals[path]
+                if _is_key(aval):
+                    array = jax.random.wrap_key_data(array, impl=_key_impl(aval))
+                # Traced with eager sharding off; give back what the user's flax would record.
+                var = var.replace(array, eager_sharding=nnx.using_eager_sharding())
+            placed.append((path, var))
+        module = nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
+        del prep, arrays, placed
+    return module
 
 
 class _Prebuilt:
