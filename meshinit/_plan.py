@@ -545,6 +545,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
     seen_digests: dict[tuple[int, int], str] = {}
     shardings: dict[tuple[Any, ...], NamedSharding] = {}
     entries: list[PlanEntry] = []
+    local: dict[int, Any] = {}  # identity fingerprints: shared within this plan only
 
     for index, (keypath, leaf) in enumerate(flat):
         if not isinstance(leaf, ParamSpec):
@@ -593,7 +594,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
             mine += msgs
         fp = None
         if callable(spec.init):
-            fp = fingerprint(spec.init)
+            fp = fingerprint(spec.init, local)
             msg = check_init(spec.init, fp, spec.shape, spec.dtype) if check_inits else None
             if msg:
                 mine.append(msg)

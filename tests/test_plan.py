@@ -245,8 +245,12 @@ def test_fingerprint_tells_apart_initializers_that_compute_differently():
     assert fp(jax.nn.initializers.normal(1)) != fp(jax.nn.initializers.normal(1.0))
     assert fp(lecun()) != fp(jax.nn.initializers.he_normal())
     arr = np.ones(3)
-    f = lambda k, s, d: arr  # noqa: E731  (closure over an unhashable array)
-    assert fp(f) == ("id", f)
+    f = lambda k, s, d: arr  # noqa: E731  (closure over an array: by its contents)
+    g = lambda k, s, d: arr + 0  # noqa: E731
+    assert fp(f)[0] == "fp" and fp(f) != fp(g)
+    big = np.ones(1 << 19)  # over _MAX_ARRAY_BYTES: identity, never equal to another call's
+    h = lambda k, s, d: big  # noqa: E731
+    assert fp(h)[:2] == ("call", h) and fp(h) != fp(h)
 
 
 def test_plan_error_is_a_value_error_with_problems():

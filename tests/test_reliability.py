@@ -1,0 +1,118 @@
+"""Reliability: no silently wrong value, no abort, no global patching (docs/reliability.md).
+
+Each test names the guarantee it checks; each failed before the change that made it hold.
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import meshinit
+from meshinit import _signature
+
+fp = _signature.fingerprint
+
+
+@pytest.fixture
+def mesh():
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+
+
+def first(tree, path="w"):
+    return float(np.asarray(tree[path]).flat[0])
+
+
+# ---------------------------------------------------------------- sound fingerprints
+
+
+def test_a_closure_over_a_dict_mutated_between_calls_is_not_served_stale_values(mesh):
+    cfg = {"scale": 1.0}
+
+    def make():
+        def init(key, shape, dtype):
+            return jnp.full(shape, cfg["scale"], dtype)
+
+        return init
+
+    assert first(meshinit.init({"w": meshinit.param((8, 4), make(), mesh=mesh)}, 0)) == 1.0
+    cfg["scale"] = 2.0
+    assert first(meshinit.init({"w": meshinit.param((8, 4), make(), mesh=mesh)}, 0)) == 2.0
+
+
+def _module(name, scale):
+    source = (
+        "import jax.numpy as jnp\n"
+        f"SCALE = {scale}\n"
+        "def init(key, shape, dtype):\n"
+        "    return jnp.full(shape, SCALE, dtype)\n"
+    )
+    module = types.ModuleType(name)
+    exec(compile(source, "same_source.py", "exec"), module.__dict__)
+    return module
+
+
+def test_the_same_source_in_two_modules_with_different_globals_is_not_deduplicated(mesh):
+    a, b = _module("a", 3.0), _module("b", 5.0)
+    assert a.init.__code__ == b.init.__code__  # what fooled the old fingerprint
+    out = meshinit.init(
+        {
+            "a": meshinit.param((8, 4), a.init, mesh=mesh),
+            "b": meshinit.param((8, 4), b.init, mesh=mesh),
+        },
+        0,
+    )
+    assert (first(out, "a"), first(out, "b")) == (3.0, 5.0)
+    assert fp(a.init) != fp(b.init)
+
+
+def test_a_global_rebound_between_calls_changes_the_fingerprint(mesh):
+    m = _module("c", 1.0)
+    before = fp(m.init)
+    assert first(meshinit.init({"w": meshinit.param((8, 4), m.init, mesh=mesh)}, 0)) == 1.0
+    m.SCALE = 4.0
+    assert fp(m.init) != before
+    assert first(meshinit.init({"w": meshinit.param((8, 4), m.init, mesh=mesh)}, 0)) == 4.0
+
+
+def test_a_closure_over_a_numpy_array_counts_by_its_contents(mesh):
+    table = np.ones((8, 4), np.float32)
+
+    def init(key, shape, dtype):
+        return jnp.asarray(table, dtype)
+
+    assert fp(init)[0] == "fp"
+    before = fp(init)
+    assert first(meshinit.init({"w": meshinit.param((8, 4), init, mesh=mesh)}, 0)) == 1.0
+    table[:] = 7.0  # in place: the same object, other values
+    assert fp(init) != before
+    assert first(meshinit.init({"w": meshinit.param((8, 4), init, mesh=mesh)}, 0)) == 7.0
+
+
+def test_what_has_no_value_fingerprint_is_shared_within_a_plan_and_never_across(mesh):
+    class Config:  # hashed by identity, attributes mutable
+        scale = 1.0
+
+    cfg = Config()
+
+    def init(key, shape, dtype):
+        return jnp.full(shape, cfg.scale, dtype)
+
+    specs = {f"w{i}": meshinit.param((8, 4), init, mesh=mesh) for i in range(3)}
+    plan = meshinit.plan(specs)
+    assert len({e.signature for e in plan.entries}) == 1  # one compile for the three
+    assert plan.entries[0].signature != meshinit.plan(specs).entries[0].signature
+    assert first(meshinit.materialize(plan, 0), "w0") == 1.0
+    cfg.scale = 3.0
+    assert first(meshinit.init(specs, 0), "w2") == 3.0
+
+
+def test_library_initializers_keep_their_quick_fingerprint():
+    lecun = jax.nn.initializers.lecun_normal
+    _signature._QUICK.clear()
+    assert fp(lecun()) == fp(lecun())
+    assert len(_signature._QUICK) == 1  # the second fresh closure hit the memo
+    assert fp(jax.nn.initializers.normal(0.1)) != fp(jax.nn.initializers.normal(0.2))
