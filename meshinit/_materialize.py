@@ -626,6 +626,15 @@ def _given(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[int, An
                 )
             )
             continue
+        if isinstance(value, jax.Array) and value.is_deleted():
+            problems.append(
+                Problem(
+                    path,
+                    "existing array was deleted (x.delete(), or donated to a jitted call); "
+                    "pass a live array, or leave the path out to generate it",
+                )
+            )
+            continue
         spec = entry.spec
         if tuple(value.shape) != spec.shape:
             problems.append(

@@ -532,6 +532,22 @@ def plan(tree: Any) -> Plan:
     return build_plan(tree)
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _overflow(spec: ParamSpec) -> str | None:
+    """Why ``spec`` cannot exist: its element or byte count overflows int64, which
+    XLA's extents must fit (it aborts the process, not raises, past that)."""
+    elements = math.prod(spec.shape)
+    if elements > _INT64_MAX or elements * spec.dtype.itemsize > _INT64_MAX:
+        return (
+            f"shape {spec.shape} has {elements:.3e} elements ({spec.dtype.name}): more "
+            f"than an array can hold (the element and byte counts must fit in int64); "
+            f"check the shape"
+        )
+    return None
+
+
 def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Problem] = ()) -> Plan:
     """:func:`plan`, for adapters.
 
@@ -593,7 +609,10 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
             entries_, msgs = _partition(spec.shape, spec.axes, spec.rules, spec.mesh)
             mine += msgs
         fp = None
-        if callable(spec.init):
+        too_big = _overflow(spec)
+        if too_big:
+            mine.append(too_big)
+        elif callable(spec.init):
             fp = fingerprint(spec.init, local)
             msg = check_init(spec.init, fp, spec.shape, spec.dtype) if check_inits else None
             if msg:

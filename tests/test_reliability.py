@@ -116,3 +116,44 @@ def test_library_initializers_keep_their_quick_fingerprint():
     assert fp(lecun()) == fp(lecun())
     assert len(_signature._QUICK) == 1  # the second fresh closure hit the memo
     assert fp(jax.nn.initializers.normal(0.1)) != fp(jax.nn.initializers.normal(0.2))
+
+
+# ------------------------------------------------------------- refused before allocating
+
+
+def test_a_deleted_existing_array_is_refused_with_its_path(mesh):
+    specs = {"w": meshinit.param((8, 4), jax.nn.initializers.ones, mesh=mesh)}
+    plan = meshinit.plan(specs)
+    gone = jnp.zeros((8, 4))
+    gone.delete()
+    with pytest.raises(meshinit.PlanError, match=r"w: existing array was deleted"):
+        meshinit.materialize(plan, 0, existing={"w": gone})
+
+
+def test_an_element_count_past_int64_is_a_plan_error_not_an_abort(mesh):
+    zeros = jax.nn.initializers.zeros
+    specs = {
+        "w": meshinit.param((2**40, 2**40), zeros, mesh=mesh),
+        "v": meshinit.param((2**62, 4), zeros, mesh=mesh),  # bytes past int64 too
+        "ok": meshinit.param((8, 4), zeros, mesh=mesh),
+    }
+    with pytest.raises(meshinit.PlanError) as e:
+        meshinit.plan(specs)
+    assert [p.path for p in e.value.problems] == ["v", "w"]
+    assert all("must fit in int64" in p.message for p in e.value.problems)
+
+
+def test_the_cli_exits_nonzero_for_an_overflowing_shape(tmp_path, capsys):
+    from meshinit._cli import main
+
+    module = tmp_path / "huge_model.py"
+    module.write_text(
+        "import jax, meshinit\n"
+        "def specs():\n"
+        "    return {'w': meshinit.param((2**40, 2**40), jax.nn.initializers.zeros,\n"
+        "                                axes=('embed', 'mlp'))}\n"
+    )
+    rc = main(["plan", f"{module}:specs", "--abstract-mesh", "embed=2,mlp=4"])
+    out, err = capsys.readouterr()
+    assert rc != 0
+    assert "TiB" not in out and "must fit in int64" in err
