@@ -5,6 +5,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on or cannot show escaped.
+
+    Control characters (ESC, newline, NUL) and lone surrogates become Python escapes
+    (``\\x1b``, ``\\n``, ``\\udcff``), so that a path cannot recolour, break or
+    truncate a table or a message; everything else is left as it is.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _ESCAPES.get(c) or repr(c)[1:-1] for c in text)
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -23,7 +37,7 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.message}" if self.path else self.message
+        return f"{printable(self.path)}: {self.message}" if self.path else self.message
 
 
 class PlanError(ValueError):

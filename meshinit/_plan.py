@@ -535,6 +535,63 @@ def plan(tree: Any) -> Plan:
 _INT64_MAX = 2**63 - 1
 
 
+def _encodable(path: str) -> bool:
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """``tree_flatten_with_path``, with what makes jax fail there as a PlanError.
+
+    jax raises a nanobind ``SystemError`` past the recursion limit and "Comparator
+    raised exception" for a dict whose keys cannot be sorted; both are found again
+    here, by a walk that needs no recursion, and named by path.
+    """
+    try:
+        return jax.tree_util.tree_flatten_with_path(tree)
+    except (RecursionError, SystemError, ValueError, TypeError) as e:
+        problem = _tree_problem(tree)
+        if problem is None:
+            raise
+        raise PlanError([problem], header="cannot plan this tree:") from e
+
+
+def _tree_problem(tree: Any) -> Problem | None:
+    """The first dict with unsortable keys, else the deepest path if jax cannot reach it."""
+    limit = sys.getrecursionlimit()
+    deepest: tuple[str, ...] = ()
+    stack: list[tuple[tuple[str, ...], Any]] = [((), tree)]
+    while stack:
+        keys, node = stack.pop()
+        if len(keys) > len(deepest):
+            deepest = keys
+        if isinstance(node, dict):
+            try:
+                items = sorted(node.items())
+            except TypeError:
+                kinds = sorted({type(k).__name__ for k in node})
+                where = "" if keys else "the top-level dict: "
+                return Problem(
+                    ".".join(keys),
+                    f"{where}a dict whose keys mix types ({', '.join(kinds)}), which jax "
+                    f"cannot order; use keys of one type (all str, say)",
+                )
+            stack.extend(((*keys, str(k)), v) for k, v in reversed(items))
+        elif isinstance(node, list | tuple):
+            stack.extend(((*keys, str(i)), v) for i, v in reversed(list(enumerate(node))))
+    if len(deepest) < limit // 2:
+        return None
+    return Problem(
+        ".".join(deepest[:8]) + ".<...>",
+        f"the tree is nested {len(deepest)} levels deep here, too deep for jax to flatten "
+        f"under Python's recursion limit ({limit}); flatten the structure (a list of "
+        f"layers, not a chain of nested dicts)",
+    )
+
+
 def _overflow(spec: ParamSpec) -> str | None:
     """Why ``spec`` cannot exist: its element or byte count overflows int64, which
     XLA's extents must fit (it aborts the process, not raises, past that)."""
@@ -555,7 +612,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
     (the constructor engine, ``meshinit._constructor``), skip the abstract init check,
     and pass the problems they found themselves, so that everything is raised once.
     """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    flat, treedef = _flatten(tree)
     problems = list(problems)
     seen_paths: dict[str, int] = {}
     seen_digests: dict[tuple[int, int], str] = {}
@@ -577,6 +634,16 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
                 )
             )
         if seen_paths[path] > 1:
+            continue
+        if not _encodable(path):
+            problems.append(
+                Problem(
+                    path,
+                    "has a character that UTF-8 cannot encode (a lone surrogate, as from "
+                    "undecodable bytes in a file name); keys are hashed as UTF-8, so "
+                    "rename it",
+                )
+            )
             continue
         digest = _paths.path_digest(path)
         if digest in seen_digests:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import AbstractMesh
 
+from ._errors import printable
+
 if TYPE_CHECKING:
     from ._plan import MeshGroup, Plan, PlanEntry
 
@@ -112,7 +114,7 @@ def group_summary(
             per_device = human_bytes(sum(e.device_bytes for e in entries))
             head = f"    {axis}={size} could shard {len(entries)} ({per_device} per device): "
             named = paths(entries) if paths else [e.path or "<root>" for e in entries]
-            lines.append(_path_list(head, named))
+            lines.append(_path_list(head, [printable(p) for p in named]))
     return lines
 
 
@@ -126,7 +128,7 @@ def _row(e: PlanEntry, mesh) -> list[str]:
     """One parameter's cells: path, shape, dtype, logical axes, mesh axes, spec, bytes."""
     s = e.spec
     return [
-        e.path or "<root>",
+        printable(e.path) or "<root>",
         str(s.shape),
         s.dtype.name,
         _fmt_axes(s.axes) if s.rules is not None else "-",
@@ -323,7 +325,7 @@ def group_compact(index: int, group: MeshGroup, source: MeshSource | None = None
         e, s = es[0], es[0].spec
         logical = "-" if s.rules is None else "replicated" if s.axes is None else _tight(s.axes)
         row = [
-            path,
+            printable(path),
             str(len(es)),
             f"{_short_dtype(s.dtype)}[{','.join(map(str, s.shape))}]",
             logical,

@@ -157,3 +157,46 @@ def test_the_cli_exits_nonzero_for_an_overflowing_shape(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert rc != 0
     assert "TiB" not in out and "must fit in int64" in err
+
+
+# ----------------------------------------------------------- inputs that used to crash
+
+
+def _zeros_spec(m):
+    return meshinit.param((8,), jax.nn.initializers.zeros, mesh=m)
+
+
+def test_a_tree_nested_past_the_recursion_limit_is_a_plan_error(mesh):
+    import sys
+
+    deep = _zeros_spec(mesh)
+    for _ in range(sys.getrecursionlimit() + 100):
+        deep = {"x": deep}
+    with pytest.raises(meshinit.PlanError, match=r"x\.x\.x.*nested \d+ levels deep") as e:
+        meshinit.plan(deep)
+    assert e.value.problems[0].path.startswith("x.x.x")
+
+
+def test_a_lone_surrogate_in_a_path_is_a_plan_error_naming_it(mesh):
+    with pytest.raises(meshinit.PlanError, match=r"UTF-8 cannot encode") as e:
+        meshinit.plan({"ok": _zeros_spec(mesh), "bad\udcff": _zeros_spec(mesh)})
+    assert [p.path for p in e.value.problems] == ["bad\udcff"]
+    assert "bad\\udcff" in str(e.value)  # escaped: the message itself can be printed
+    str(e.value).encode("utf-8")
+
+
+def test_a_dict_with_mixed_key_types_is_a_plan_error_naming_it(mesh):
+    tree = {"layers": {"a": _zeros_spec(mesh), 1: _zeros_spec(mesh)}}
+    with pytest.raises(meshinit.PlanError, match=r"layers: a dict whose keys mix types"):
+        meshinit.plan(tree)
+
+
+def test_control_characters_in_paths_are_escaped_in_the_text_tables():
+    m = jax.sharding.AbstractMesh((2, 4), ("a", "b"))
+    plan = meshinit.plan({"x\x1b[31m\nnew\x00": _zeros_spec(m)})
+    for text in (str(plan), plan.compact()):
+        assert "\x1b" not in text and "\x00" not in text
+        assert "x\\x1b[31m\\nnew\\x00" in text
+        # each row is one line: the newline in the path did not break the table
+        assert len([line for line in text.splitlines() if "x\\x1b" in line]) >= 1
+        assert not any(line.startswith("new") for line in text.splitlines())
