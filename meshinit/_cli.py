@@ -198,12 +198,14 @@ def _import(source: str) -> Any:
         sys.modules[name] = module  # dataclasses (equinox Modules) look their module up
         folder = str(path.resolve().parent)
         if folder not in sys.path:
-            sys.path.insert(0, folder)  # its sibling imports, as for a script
+            # Its sibling imports work, as for a script; appended, so that a file next
+            # to it named like a standard module (plistlib.py) never shadows that module.
+            sys.path.append(folder)
         loader = spec.loader
         run = lambda: loader.exec_module(module)  # noqa: E731
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())  # the console script does not add it
+            sys.path.append(os.getcwd())  # the console script does not add it; appended too
         module = None
 
         def run() -> None:

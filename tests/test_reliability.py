@@ -200,3 +200,32 @@ def test_control_characters_in_paths_are_escaped_in_the_text_tables():
         # each row is one line: the newline in the path did not break the table
         assert len([line for line in text.splitlines() if "x\\x1b" in line]) >= 1
         assert not any(line.startswith("new") for line in text.splitlines())
+
+
+# ------------------------------------------------------------------------- boundaries
+
+
+def test_the_cli_imports_only_the_module_it_names(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "model.py").write_text(
+        "import jax, meshinit\n"
+        "from helper import AXES\n"  # a sibling import still works
+        "def specs():\n"
+        "    return {'w': meshinit.param((8, 4), jax.nn.initializers.zeros, axes=AXES)}\n"
+    )
+    (tmp_path / "helper.py").write_text("AXES = ('embed', 'mlp')\n")
+    (tmp_path / "plistlib.py").write_text(
+        "raise SystemExit('the model folder shadowed plistlib')\n"
+    )
+    code = (
+        "import sys; from meshinit._cli import main\n"
+        f"rc = main(['plan', {str(tmp_path / 'model.py')!r} + ':specs', "
+        "'--abstract-mesh', 'embed=2,mlp=4'])\n"
+        "import plistlib\n"  # what matplotlib imports for --png
+        "print('rc', rc, plistlib.__file__)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rc 0" in r.stdout and str(tmp_path) not in r.stdout.splitlines()[-1]
