@@ -16,7 +16,10 @@ Paths are the dot-joined variable paths: ``params.layers_0.mlp.wi.kernel``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import functools
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -48,8 +51,36 @@ def _value(x: Any) -> Any:
     return x.unbox() if _is_box(x) else x
 
 
-def _unconstrained_unbox(self: Any, apply_constraint: bool = True) -> Any:
-    return self.value
+_UNCONSTRAINED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "meshinit_linen_unconstrained", default=False
+)
+_switch_lock = threading.Lock()
+_switch_installed = False
+
+
+def _install_unbox_switch() -> None:
+    """One wrapper per box class, installed once: a bare value inside meshinit's trace.
+
+    Each wrapper returns the box's value while :data:`_UNCONSTRAINED` is set in the
+    calling context (a thread's own, so other threads never see it) and otherwise calls
+    linen's own ``unbox``, unchanged. Nothing is swapped per call, so concurrent
+    ``init`` calls and plain flax code on other threads behave as if each ran alone.
+    """
+    global _switch_installed
+    with _switch_lock:
+        if _switch_installed:
+            return
+        for cls in (meta.Partitioned, nn.LogicallyPartitioned):
+            original = cls.__dict__["unbox"]
+
+            def unbox(self: Any, apply_constraint: bool = True, _original: Any = original) -> Any:
+                if _UNCONSTRAINED.get():
+                    return self.value
+                return _original(self, apply_constraint)
+
+            functools.update_wrapper(unbox, original)
+            cls.unbox = unbox  # type: ignore[method-assign]
+        _switch_installed = True
 
 
 @contextlib.contextmanager
@@ -60,18 +91,15 @@ def _no_unbox_constraints() -> Iterator[None]:
     context mesh) as the module uses it. Inside one group's computation that pins
     values to other groups' meshes ("incompatible devices" for disjoint submeshes)
     and, on Explicit axes, fails outright. Placement is meshinit's job here: the
-    out_shardings of each group say exactly where each variable goes. The classes
-    are restored on exit; do not run other linen code on another thread meanwhile.
+    out_shardings of each group say exactly where each variable goes. Only this
+    context sees it (:func:`_install_unbox_switch`).
     """
-    classes = (meta.Partitioned, nn.LogicallyPartitioned)
-    saved = [cls.__dict__["unbox"] for cls in classes]
-    for cls in classes:
-        cls.unbox = _unconstrained_unbox  # type: ignore[method-assign]
+    _install_unbox_switch()
+    token = _UNCONSTRAINED.set(True)
     try:
         yield
     finally:
-        for cls, unbox in zip(classes, saved, strict=True):
-            cls.unbox = unbox  # type: ignore[method-assign]
+        _UNCONSTRAINED.reset(token)
 
 
 def _host_keys(key: Any) -> tuple[list[np.ndarray], Callable[[list[Any]], Any]]:

@@ -229,3 +229,47 @@ def test_the_cli_imports_only_the_module_it_names(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "rc 0" in r.stdout and str(tmp_path) not in r.stdout.splitlines()[-1]
+
+
+# ------------------------------------------------------------ no global patch of flax
+
+
+def test_linen_init_leaves_flax_alone_on_other_threads_and_afterwards(mesh):
+    import threading
+
+    import flax.linen as nn
+    from flax.core import meta
+
+    import meshinit.linen
+
+    inside, checked = threading.Event(), threading.Event()
+
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), ("a", "b"))
+            w = self.param("w", init, (x.shape[-1], 8))
+            inside.set()  # meshinit's trace is running now, in this thread
+            checked.wait(60)
+            return x @ w
+
+    def constrained() -> bool:
+        def use(x):
+            return meta.Partitioned(x, names=("a", "b"), mesh=mesh).unbox()
+
+        return "sharding_constraint" in str(jax.make_jaxpr(use)(jnp.zeros((8, 8))))
+
+    seen = []
+
+    def plain_flax_elsewhere():
+        inside.wait(60)
+        seen.append(constrained())
+        checked.set()
+
+    other = threading.Thread(target=plain_flax_elsewhere)
+    other.start()
+    out = meshinit.linen.init(Dense(), jax.random.key(0), jnp.ones((2, 8)), mesh=mesh)
+    other.join()
+    assert seen == [True]  # flax on another thread kept its constraint meanwhile
+    assert constrained()  # and this thread has flax's own unbox back
+    assert out["params"]["w"].value.sharding.spec == jax.sharding.PartitionSpec("a", "b")
