@@ -739,6 +739,37 @@ def _abstract_problems(plan: Plan) -> list[Problem]:
     ]
 
 
+def _stale_problems(plan: Plan) -> list[Problem]:
+    """Groups whose mesh holds devices of a backend that was cleared since it was made.
+
+    Arrays would land on the discarded backend and fail later, far from here, with
+    "incompatible devices"; the live backend's devices are other objects.
+    """
+    live: dict[str, set[Any]] = {}
+    problems = []
+    for g in plan.groups:
+        if g.is_abstract:
+            continue
+        device = g.mesh.devices.flat[0]
+        platform = device.platform
+        if platform not in live:
+            try:
+                live[platform] = set(jax.devices(platform))
+            except RuntimeError:  # the platform itself is gone
+                live[platform] = set()
+        if device not in live[platform]:
+            problems.append(
+                Problem(
+                    g.entries[0].path,
+                    f"mesh {describe_mesh(g.mesh)} ({len(g.entries)} params) holds devices "
+                    f"of a {platform} backend that has been cleared since "
+                    f"(jax.extend.backend.clear_backends()); build the mesh again from "
+                    f"jax.devices() and plan again",
+                )
+            )
+    return problems
+
+
 def _bound_problems(entries: Sequence[PlanEntry], bound: int | None) -> list[Problem]:
     if bound is None:
         return []
@@ -777,7 +808,11 @@ def _run(
     start = time.perf_counter()
     given = given or {}
     todo = _subplan(plan, [e for e in plan.entries if id(e) not in given]) if given else plan
-    problems = _abstract_problems(plan) + _bound_problems(todo.entries, max_bytes_per_call)
+    problems = (
+        _abstract_problems(plan)
+        + _stale_problems(plan)
+        + _bound_problems(todo.entries, max_bytes_per_call)
+    )
     if problems:
         raise PlanError(problems, header="cannot materialize this plan:")
     moved = [

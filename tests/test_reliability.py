@@ -273,3 +273,30 @@ def test_linen_init_leaves_flax_alone_on_other_threads_and_afterwards(mesh):
     assert seen == [True]  # flax on another thread kept its constraint meanwhile
     assert constrained()  # and this thread has flax's own unbox back
     assert out["params"]["w"].value.sharding.spec == jax.sharding.PartitionSpec("a", "b")
+
+
+def test_a_plan_on_a_cleared_backend_is_refused_before_allocating():
+    import subprocess
+    import sys
+
+    code = """
+import jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 8)
+import meshinit
+from jax.extend.backend import clear_backends
+from jax.sharding import Mesh
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+plan = meshinit.plan({"w": meshinit.param((8, 4), jax.nn.initializers.ones, mesh=mesh)})
+clear_backends()
+try:
+    meshinit.materialize(plan, 0)
+except meshinit.PlanError as e:
+    print("REFUSED", e.problems[0].path, "cleared" in e.problems[0].message)
+live = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+spec = meshinit.param((8, 4), jax.nn.initializers.ones, mesh=live)
+again = meshinit.materialize(meshinit.plan({"w": spec}), 0)
+print("LIVE", again["w"].sharding.mesh.devices.flat[0] in jax.devices())
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "REFUSED w True" in r.stdout and "LIVE True" in r.stdout
