@@ -178,6 +178,17 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return tuple(sizes), tuple(names)
 
 
+def _unused_axes(plan: Any, mesh: Any) -> list[str]:
+    """The axes of ``mesh`` that no entry on it is sharded over and no rule names."""
+    used: set[str] = set()
+    for e in plan.entries:
+        if e.mesh is not mesh:
+            continue
+        for part in (*e.sharding.spec, *(t for _, t in e.spec.rules or ())):
+            used.update((part,) if isinstance(part, str) else part or ())
+    return [a for a in mesh.axis_names if a not in used]
+
+
 def _import(source: str) -> Any:
     """A module by import name, or by ``.py`` path, as ``python path`` would run it."""
     import importlib
@@ -446,6 +457,16 @@ def plan_command(args: argparse.Namespace) -> int:
             else f"a {type(made).__name__} with no meshinit.param specs in it"
         )
         raise _BadInput(f"{args.target}() returned {what}; return {_RETURNS}")
+
+    if mesh is not None:
+        unused = _unused_axes(plan, mesh)
+        if unused:
+            print(
+                f"meshinit plan: warning: --abstract-mesh axis "
+                f"{', '.join(map(repr, unused))} is used by no spec or rule, so every "
+                f"parameter is replicated over it (check the rules for a typo)",
+                file=sys.stderr,
+            )
 
     def source(group: meshinit.MeshGroup) -> str:
         # jax interns AbstractMesh: a spec that binds an equal one binds this very mesh.

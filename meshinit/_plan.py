@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from . import _paths
 from ._errors import PlanError, Problem
-from ._rules import partition
+from ._rules import partition, typo_problems
 from ._signature import check_init, fingerprint
 from ._spec import ParamSpec
 
@@ -700,6 +700,10 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
             )
         )
 
+    uses = [(e.path, e.spec.axes, e.spec.rules) for e in entries if e.spec.rules and e.spec.axes]
+    if uses:
+        axes = [a for m in {id(e.mesh): e.mesh for e in entries}.values() for a in m.axis_names]
+        problems += [Problem(p, m) for p, m in typo_problems(uses, axes)]
     if not entries:
         # An empty plan is what a built Module gives: say why, instead of planning nothing.
         problems += _built_nnx_modules(tree)

@@ -10,6 +10,7 @@ mesh axes are not all in the mesh is skipped, so one table can serve several mes
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from collections import Counter
@@ -191,3 +192,42 @@ def partition(
                 f"{entry!r} of size {ways}; pad the dimension or map it to other mesh axes"
             )
     return entries, problems
+
+
+def typo_problems(
+    uses: Sequence[tuple[str, tuple[AxisEntry, ...], Rules]], mesh_axes: Sequence[str]
+) -> list[tuple[str, str]]:
+    """Rules that a spec uses whose mesh axis is in no mesh but looks like one that is.
+
+    Such a rule is skipped, so its dimension is silently replicated: ``("heads",
+    "tensr")`` against a ``tensor`` axis. Axes unlike every mesh axis (MaxText's
+    ``expert`` or ``stage`` on a mesh without them) are a table serving other meshes,
+    and pass.
+
+    Args:
+      uses: ``(path, axes, rules)`` of each spec planned with rules.
+      mesh_axes: every axis name of every mesh of the plan.
+
+    Returns:
+      ``(path, message)`` per rule, once, at the first spec whose axes name it.
+    """
+    known = list(dict.fromkeys(mesh_axes))
+    found: dict[tuple[Rule, str], tuple[str, str]] = {}
+    for path, axes, rules in uses:
+        names = {n for e in axes if e is not None for n in _as_tuple(e)}
+        for rule in rules:
+            name, target = rule
+            if name not in names or target is None:
+                continue
+            for axis in _as_tuple(target):
+                if axis in known or (rule, axis) in found:
+                    continue
+                close = difflib.get_close_matches(axis, known, n=1, cutoff=0.75)
+                if close:
+                    found[(rule, axis)] = (
+                        path,
+                        f"rule {rule!r} names mesh axis {axis!r}, which is in none of the "
+                        f"plan's meshes (axes: {', '.join(known)}), so the rule would be "
+                        f"skipped and {name!r} replicated; did you mean {close[0]!r}?",
+                    )
+    return list(found.values())

@@ -300,3 +300,39 @@ print("LIVE", again["w"].sharding.mesh.devices.flat[0] in jax.devices())
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "REFUSED w True" in r.stdout and "LIVE True" in r.stdout
+
+
+def test_a_rule_whose_mesh_axis_looks_like_a_typo_is_a_plan_error():
+    m = jax.sharding.AbstractMesh((2, 4), ("fsdp", "tensor"))
+    zeros = jax.nn.initializers.zeros
+    rules = (("embed", "fsdp"), ("heads", "tensr"), ("exp", "expert"), ("stage", "stage"))
+    with pytest.raises(meshinit.PlanError) as e:
+        meshinit.plan(
+            {"q": meshinit.param((8, 8), zeros, axes=("embed", "heads"), mesh=m, rules=rules)}
+        )
+    (problem,) = e.value.problems
+    assert problem.path == "q"
+    assert "('heads', 'tensr')" in problem.message and "did you mean 'tensor'?" in problem.message
+    # MaxText-style tables naming axes this mesh lacks still plan
+    ok = meshinit.plan(
+        {"e": meshinit.param((8, 8), zeros, axes=("exp", "embed"), mesh=m, rules=rules)}
+    )
+    assert ok.entries[0].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+
+
+def test_the_cli_warns_once_about_abstract_mesh_axes_nothing_uses(tmp_path, capsys):
+    from meshinit._cli import main
+
+    module = tmp_path / "model_axes.py"
+    module.write_text(
+        "import jax, meshinit\n"
+        "RULES = (('embed', 'fsdp'), ('mlp', 'tensor'))\n"
+        "def specs():\n"
+        "    z = jax.nn.initializers.zeros\n"
+        "    return {'w': meshinit.param((8, 8), z, axes=('embed', 'mlp'), rules=RULES)}\n"
+    )
+    rc = main(["plan", f"{module}:specs", "--abstract-mesh", "data=2,fsdp=2,tensor=2"])
+    _, err = capsys.readouterr()
+    assert rc == 0
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "'data'" in warnings[0] and "'fsdp'" not in warnings[0]
