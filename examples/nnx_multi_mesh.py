@@ -44,7 +44,7 @@ def main() -> None:
     wanted = {
         "small_linear1": (mesh1, ("a", "b")),
         "small_linear2": (mesh2, ("x", "y", "z")),
-        "small_linear3": (mesh3, ("c", None)),
+        "small_linear3": (mesh3, ("c",)),  # spelled as flax spells it: one entry per name
     }
     for name, (mesh, spec) in wanted.items():
         sharding = getattr(model, name).get_value().sharding

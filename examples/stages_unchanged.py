@@ -24,6 +24,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import meshinit  # noqa: E402
@@ -117,9 +118,10 @@ def main() -> int:
         in_first = path[0] == "embed" or (path[0] == "layers" and int(path[1]) < half)
         want = stage0 if in_first else stage1
         # The sharding the metadata names, on the stage's mesh; none (or P()) is replicated.
-        axes = tuple(var.get_metadata().get("out_sharding") or ())
-        axes = axes + (None,) * (value.ndim - len(axes))
-        exact = value.sharding.mesh == want and tuple(value.sharding.spec) == axes
+        axes = P(*(var.get_metadata().get("out_sharding") or ()))
+        exact = value.sharding.mesh == want and value.sharding.is_equivalent_to(
+            NamedSharding(want, axes), value.ndim
+        )
         same = np.array_equal(np.asarray(value), np.asarray(reference[path].get_value()))
         bad += not (exact and same)
         if name in shown:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from ._errors import PlanError, Problem
+from ._plan import MeshGroup, Plan
 
 
 def context_mesh() -> Mesh | None:
@@ -64,3 +66,29 @@ def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
     if problems:
         raise PlanError(problems, header="meshes= is malformed:")
     return parsed
+
+
+def respell(plan: Plan, lengths: Mapping[str, int]) -> Plan:
+    """``plan`` with each entry's PartitionSpec spelled as its framework spells it.
+
+    jax compares PartitionSpecs entry by entry, so ``P("fsdp", None)`` and
+    ``P("fsdp", None, None)`` differ under ``==`` though they place alike. flax spells a
+    spec with as many entries as the annotation has (``nnx.get_partition_spec``,
+    ``nn.logical_to_mesh_sharding``); ``lengths[path]`` is that count, and the entries
+    past it, all None, are dropped. The placement is the same.
+    """
+    new: dict[int, Any] = {}
+    for e in plan.entries:
+        n = lengths.get(e.path)
+        spec = tuple(e.sharding.spec)
+        if n is None or n >= len(spec) or any(x is not None for x in spec[n:]):
+            continue
+        sharding = NamedSharding(e.mesh, PartitionSpec(*spec[:n]))
+        new[id(e)] = dataclasses.replace(e, sharding=sharding)
+    if not new:
+        return plan
+    entries = tuple(new.get(id(e), e) for e in plan.entries)
+    groups = tuple(
+        MeshGroup(g.mesh, tuple(new.get(id(e), e) for e in g.entries)) for g in plan.groups
+    )
+    return Plan(entries, groups, plan.treedef, plan.leaves)

@@ -5,6 +5,8 @@ allocating nothing."""
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -176,6 +178,27 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
         names.append(name)
         sizes.append(int(size))
     return tuple(sizes), tuple(names)
+
+
+_TOO_FEW = (
+    re.compile(r"Number of devices (\d+) must be >= the product of mesh_shape \(([\d, ]+)\)"),
+    re.compile(r"cannot reshape array of size (\d+) into shape \(([\d, ]+)\)"),
+)
+
+
+def _devices_hint(e: BaseException) -> str:
+    """A hint when ``e`` says the factory's mesh needs more devices than exist."""
+    for pattern in _TOO_FEW:
+        found = pattern.search(str(e))
+        if found:
+            have = int(found.group(1))
+            need = math.prod(int(d) for d in found.group(2).replace(" ", "").split(",") if d)
+            if need > have:
+                return (
+                    f"\nhint: this mesh needs {need} devices and there are {have}; simulate "
+                    f"more CPU devices with --devices N (N >= {need}, or what all meshes need)"
+                )
+    return ""
 
 
 def _unused_axes(plan: Any, mesh: Any) -> list[str]:
@@ -376,7 +399,9 @@ def _plan_nnx(factory: Any, target: str, mesh: Any, meshless: tuple[str, ...]) -
     except PlanError as e:
         raise _BadInput(_problems(e, hint_mesh=mesh is None)) from None
     except Exception as e:
-        raise _BadInput(f"meshinit.nnx.plan({target}) failed: {_one_line(e)}") from None
+        raise _BadInput(
+            f"meshinit.nnx.plan({target}) failed: {_one_line(e)}{_devices_hint(e)}"
+        ) from None
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -429,7 +454,9 @@ def plan_command(args: argparse.Namespace) -> int:
             try:
                 made = factory()
             except (Exception, SystemExit) as e:
-                raise _BadInput(f"{args.target}() raised {_one_line(e)}") from None
+                raise _BadInput(
+                    f"{args.target}() raised {_one_line(e)}{_devices_hint(e)}"
+                ) from None
             meshless = _ordinary_nnx(made)  # one that cannot be traced: nnx.plan says why
         if meshless is not None:
             made = None

@@ -111,6 +111,11 @@ def param_key(key: Any, path: str) -> jax.Array:
       >>> k = meshinit.param_key(0, "layers.0.w")
       >>> w = init(k, (4, 4), jnp.float32)  # equals meshinit.init(...)["layers"][0]["w"]
     """
+    if not isinstance(path, str):
+        raise TypeError(
+            f'path must be the parameter\'s dot-joined path as a str ("layers.0.w"), got '
+            f"{type(path).__name__} {path!r}"
+        )
     if isinstance(key, int | np.integer) and not isinstance(key, bool):
         key = jax.random.key(int(key))
     hi, lo = path_digest(path)

@@ -460,6 +460,12 @@ class Plan:
         Examples:
           >>> sizes = plan.fill([e.device_bytes for e in plan.entries])
         """
+        values = list(values)
+        if len(values) != len(self.entries):
+            raise TypeError(
+                f"plan.fill takes one value per entry, in the order of plan.entries: "
+                f"{len(self.entries)} values, got {len(values)}"
+            )
         leaves = list(self.leaves)
         for entry, value in zip(self.entries, values, strict=True):
             leaves[entry.leaf_index] = value
@@ -533,6 +539,24 @@ def plan(tree: Any) -> Plan:
 
 
 _INT64_MAX = 2**63 - 1
+
+
+_NO_MESH = (
+    "no mesh given and no default; pass mesh= to param() or build it inside "
+    "meshinit.defaults(mesh=...)"
+)
+
+
+def _context_mesh_hint() -> str:
+    """What to say when a ``jax.set_mesh`` mesh is active: specs do not read it."""
+    context = jax.sharding.get_abstract_mesh()
+    if context is None or context.empty:
+        return ""
+    return (
+        f" (a jax.set_mesh context mesh is active, "
+        f"{', '.join(f'{a}={n}' for a, n in context.shape.items())}, but specs never "
+        f"use the context mesh: pass it, meshinit.defaults(mesh=jax.sharding.get_mesh()))"
+    )
 
 
 def _encodable(path: str) -> bool:
@@ -664,10 +688,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
                 f"init(key, shape, dtype), for example jax.nn.initializers.normal()"
             )
         if spec.mesh is None:
-            mine.append(
-                "no mesh given and no default; pass mesh= to param() or build it "
-                "inside meshinit.defaults(mesh=...)"
-            )
+            mine.append(_NO_MESH + _context_mesh_hint())
         elif not _is_mesh(spec.mesh):
             mine.append(
                 f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {type(spec.mesh).__name__}"

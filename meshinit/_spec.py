@@ -15,6 +15,7 @@ import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax import numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
@@ -37,6 +38,24 @@ class _MeshAxes:
 
     def __reduce__(self) -> str:
         return "MESH_AXES"
+
+
+def _normalize_dtype(dtype: Any) -> np.dtype:
+    """A numeric dtype; key dtypes (``jax.dtypes.prng_key``) and non-dtypes: TypeError."""
+    try:
+        extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+    except TypeError:
+        extended = False
+    if extended:
+        raise TypeError(
+            f"dtype must be a numeric dtype (jnp.float32, jnp.bfloat16, ...), got {dtype!r}: "
+            f"meshinit makes arrays of numbers; keep a key as its data "
+            f"(jax.random.key_data, uint32) and wrap it after placing"
+        )
+    try:
+        return np.dtype(jnp.dtype(dtype))
+    except TypeError as e:
+        raise TypeError(f"dtype must be a numeric dtype (jnp.float32, ...), got {dtype!r}") from e
 
 
 MESH_AXES = _MeshAxes()
@@ -118,7 +137,7 @@ class ParamSpec:
         set_(self, "shape", _normalize_shape(self.shape))
         set_(self, "axes", _normalize_axes(self.axes))
         set_(self, "rules", None if self.rules is None else normalize_rules(self.rules))
-        set_(self, "dtype", np.dtype(jnp.dtype(self.dtype)))
+        set_(self, "dtype", _normalize_dtype(self.dtype))
         set_(self, "metadata", types.MappingProxyType(dict(self.metadata)))
 
     @property
@@ -182,7 +201,7 @@ def defaults(
         _Defaults(
             mesh=outer.mesh if mesh is None else mesh,
             rules=new_rules,
-            dtype=outer.dtype if dtype is None else np.dtype(jnp.dtype(dtype)),
+            dtype=outer.dtype if dtype is None else _normalize_dtype(dtype),
         )
     )
     try:

@@ -150,6 +150,8 @@ def _specs_from_placements(
     leaves: list[Any] = []
     unmatched: list[Problem] = []
     bad_placements: dict[int, Problem] = {}
+    used: set[int] = set()
+    paths: list[str] = []
     for keypath, leaf in flat:
         leaves.append(leaf)
         if not isinstance(leaf, jax.ShapeDtypeStruct):
@@ -164,7 +166,10 @@ def _specs_from_placements(
                 )
             )
             continue
-        placement = next((p for p in parsed if p.pattern.fullmatch(path)), None)
+        paths.append(path)
+        matching = [p for p in parsed if p.pattern.fullmatch(path)]
+        used.update(p.index for p in matching)
+        placement = matching[0] if matching else None
         if placement is None:
             unmatched.append(
                 Problem(
@@ -176,7 +181,7 @@ def _specs_from_placements(
             )
             continue
         try:
-            leaves[-1] = param(
+            spec = param(
                 leaf.shape,
                 _values_come_from_the_factory,
                 axes=placement.axes,
@@ -187,6 +192,36 @@ def _specs_from_placements(
         except (TypeError, ValueError) as e:
             # The same malformed axes would repeat for every leaf it matches: say it once.
             bad_placements.setdefault(placement.index, Problem("", f"{placement.name}: {e}"))
+            continue
+        if spec.mesh is None:
+            bad_placements.setdefault(
+                placement.index,
+                Problem(
+                    "",
+                    f"{placement.name}: no mesh for the leaves it places ({path}, ...); pass "
+                    f"mesh= to meshinit.eqx.init, or give the placement its own as "
+                    f"(regex, axes, mesh)",
+                ),
+            )
+            continue
+        leaves[-1] = spec
+    idle = [p for p in parsed if p.index not in used]
+    for p in idle:
+        example = f"; the paths are like {', '.join(map(repr, paths[:3]))}" if paths else ""
+        problems.append(
+            Problem(
+                "",
+                f"{p.name} matched no array leaf. Each regex "
+                f"must match a whole path (re.fullmatch): r'.*weight' matches every path "
+                f"ending in weight{example}",
+            )
+        )
+    if idle and unmatched:  # the leaves a mistyped regex missed: one line, not one each
+        shown = ", ".join(u.path for u in unmatched[:5])
+        more = f" and {len(unmatched) - 5} more" if len(unmatched) > 5 else ""
+        unmatched = [
+            Problem("", f"{len(unmatched)} array leaves matched no placement: {shown}{more}")
+        ]
     problems += [*bad_placements.values(), *unmatched]
     return jax.tree_util.tree_unflatten(treedef, leaves), problems
 

@@ -351,6 +351,13 @@ def _prepare(
     plan = _plan.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
     )
+    # flax's spelling (nn.logical_to_mesh_sharding: one entry per name), so == holds
+    lengths = {
+        _paths.path_str(k): len(leaf.names)
+        for k, leaf in flat
+        if isinstance(leaf, meta.Partitioned)
+    }
+    plan = _adapters.respell(plan, lengths)
     outputs = [outputs_of[e.path] for e in plan.entries]
     return _Prepared(plan, traced, outputs, flat, treedef)
 

@@ -33,6 +33,7 @@ from typing import Any
 try:
     from flax import errors as flax_errors
     from flax import nnx
+    from flax.core import spmd as flax_spmd
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
 
@@ -114,6 +115,12 @@ def materialize(module: nnx.Module, key: Any) -> nnx.Module:
       >>> with meshinit.defaults(mesh=mesh, rules=rules):
       ...     model = meshinit.nnx.materialize(MLP(), jax.random.key(0))
     """
+    if not isinstance(module, nnx.Module):
+        raise TypeError(
+            f"meshinit.nnx.materialize takes an nnx Module whose Variables hold "
+            f"meshinit.param specs, got {type(module).__name__}; for a tree of specs use "
+            f"meshinit.init(tree, key)"
+        )
     graphdef, state = nnx.split(module)
     flat = list(nnx.to_flat_state(state))
     specs = _specs(flat)
@@ -148,6 +155,29 @@ def _key_impl(aval: Any) -> Any:
 def _has_sharding(meta: dict[str, Any]) -> bool:
     """Whether flax metadata names a sharding; the empty ``P()`` counts (replicated)."""
     return any(meta.get(k) is not None for k in ("out_sharding", "sharding", "sharding_names"))
+
+
+def _unruled_names(meta: dict[str, Any], mesh: Any) -> str | None:
+    """With ``sharding_rules`` (or flax's context rules), the names in the sharding
+    that no rule maps and the mesh does not have: flax would pass them through as mesh
+    axes, and the core would then say only that the mesh lacks them."""
+    local = meta.get("sharding_rules")
+    context = flax_spmd.get_logical_axis_rules()
+    if not local and not context:
+        return None
+    raw = next((meta[k] for k in ("out_sharding", "sharding", "sharding_names") if meta.get(k)), ())
+    names = [n for e in raw for n in (e if isinstance(e, tuple) else (e,)) if isinstance(n, str)]
+    ruled = {r[0] for r in (*(context or ()), *(local or ()))}
+    missing = [n for n in dict.fromkeys(names) if n not in ruled and n not in mesh.axis_names]
+    if not missing:
+        return None
+    given = "its sharding_rules" if local else "flax's logical axis rules"
+    return (
+        f"logical axis name(s) {', '.join(map(repr, missing))} in its sharding "
+        f"{tuple(raw)} have no rule in {given}, which were searched (rules for "
+        f"{', '.join(map(repr, sorted(ruled)))}), and are not axes of the mesh "
+        f"({', '.join(mesh.axis_names)}); add a rule or fix the name"
+    )
 
 
 def _spec_for(
@@ -185,6 +215,10 @@ def _spec_for(
                     "build it under jax.set_mesh, or give it one with meshes=",
                 )
             )
+            return None
+        unruled = _unruled_names(meta, mesh)
+        if unruled:
+            problems.append(Problem(path, unruled))
             return None
         pspec = tuple(nnx.spmd.get_var_pspec(var))
         entries = pspec + (None,) * (len(value.shape) - len(pspec))
@@ -253,17 +287,23 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
             f"{type(factory).__name__}; write meshinit.nnx.init(lambda: Model(...))"
         )
     found: list[Any] = []
+    what = "meshinit.nnx.init" if evaluate else "meshinit.nnx.plan"
 
     def build() -> list[Any]:
         with nnx.use_eager_sharding(False):
-            graphdef, state = nnx.split(factory())
+            made = factory()
+            if not isinstance(made, nnx.Module):
+                raise TypeError(
+                    f"{what}: the factory returned {type(made).__name__}, not an nnx Module; "
+                    f"it must build and return the Module (lambda: Model(rngs=nnx.Rngs(0)))"
+                )
+            graphdef, state = nnx.split(made)
         flat = list(nnx.to_flat_state(state))
         arrays = [(p, v.get_value()) for p, v in flat]
         arrays = [(p, x) for p, x in arrays if isinstance(x, jax.Array)]
         found.append((graphdef, flat, [p for p, _ in arrays]))
         return [jax.random.key_data(x) if _is_key(x) else x for _, x in arrays]
 
-    what = "meshinit.nnx.init" if evaluate else "meshinit.nnx.plan"
     with _clear_factory_errors(what):
         traced = _trace.trace(build, evaluate=evaluate)
     graphdef, flat, paths = found[0]
@@ -291,6 +331,13 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
         if spec is not None:
             specs[p] = spec
     plan = _plan.build_plan(_nest(specs), check_inits=False, problems=problems)
+    # flax's spelling of each annotated spec (nnx.get_partition_spec), so == holds
+    lengths = {
+        _path(p): len(nnx.spmd.get_var_pspec(by_path[p]))
+        for p in specs
+        if not _is_key(avals[p]) and _has_sharding(by_path[p].get_metadata())
+    }
+    plan = _adapters.respell(plan, lengths)
     position = {_path(p): i for i, p in enumerate(paths)}
     outputs = [position[e.path] for e in plan.entries]
     return _Prepared(plan, traced, outputs, graphdef, flat, specs, avals)

@@ -135,6 +135,14 @@ def _abstract_params(tree: Any) -> Any:
     )
 
 
+def _check_tx(tx: Any, what: str) -> None:
+    if not callable(getattr(tx, "init", None)):
+        raise TypeError(
+            f"meshinit.optax.{what} takes an optax GradientTransformation as tx, such as "
+            f"optax.adam(1e-3), got {type(tx).__name__} {tx!r:.60}"
+        )
+
+
 def abstract(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
     """The state :func:`init` would make, as ``jax.ShapeDtypeStruct``s; allocates nothing.
 
@@ -159,6 +167,7 @@ def abstract(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
       >>> target = meshinit.optax.abstract(optax.adamw(1e-3), meshinit.plan(specs))
       >>> opt_state = checkpointer.restore(path, target)
     """
+    _check_tx(tx, "abstract")
     params = _abstract_params(params)
     paths, leaves, _ = _flat_params(params)
     state = jax.eval_shape(tx.init, params)
@@ -348,6 +357,7 @@ def init(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
       >>> params = meshinit.materialize(meshinit.plan(specs), 0)
       >>> opt_state = meshinit.optax.init(optax.adamw(1e-3), params)
     """
+    _check_tx(tx, "init")
     paths, leaves, treedef = _flat_params(params)
     mesh = _scalars_mesh(leaves, scalars_on)
     key = _structure_key(treedef, leaves, mesh)

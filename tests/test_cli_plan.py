@@ -442,7 +442,9 @@ def test_subprocess_devices_sets_the_simulated_device_count():
     assert one.stderr.startswith(
         "meshinit plan: tests/cli_factories.py:stages() raised ValueError: Number of devices 1"
     )
-    assert one.stderr.count("\n") == 1 and "Traceback" not in one.stderr
+    # the error, then one hint line naming --devices
+    assert one.stderr.count("\n") == 2 and "Traceback" not in one.stderr
+    assert "--devices N (N >= 4" in one.stderr
 
 
 @pytest.mark.slow

@@ -135,8 +135,8 @@ def test_an_empty_partition_spec_keeps_the_variable_mesh_and_mesh_alone_replicat
 
     with jax.set_mesh(stage0):
         model = meshinit.nnx.init(Norms)
-    assert model.q_norm.get_value().sharding == NamedSharding(stage1, P(None))
-    assert model.k_norm.get_value().sharding == NamedSharding(stage1, P(None))
+    assert model.q_norm.get_value().sharding == NamedSharding(stage1, P())  # flax's spelling
+    assert model.k_norm.get_value().sharding == NamedSharding(stage1, P(None))  # no annotation
 
 
 def test_set_mesh_inside_the_factory_says_what_to_do_instead():
@@ -602,7 +602,7 @@ def test_a_model_written_like_bonsai_qwen3_under_a_context_mesh():
     )
     assert got["layers.0.q_norm.scale"].sharding.mesh == mesh
     parts = flat(split)
-    assert parts["layers.2.q_norm.scale"].sharding == NamedSharding(stage, P(None))
+    assert parts["layers.2.q_norm.scale"].sharding == NamedSharding(stage, P())
     assert parts["layers.2.q_proj.kernel"].sharding == NamedSharding(stage, P("tp", "fsdp", None))
     assert parts["layers.1.q_proj.kernel"].sharding.mesh == mesh
 

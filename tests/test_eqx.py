@@ -312,9 +312,15 @@ def test_first_matching_placement_wins():
 
 def test_regexes_match_the_whole_path():
     mesh = jax.make_mesh((8,), ("x",))
-    # "weight" alone would be a search hit in every weight path, but not a full match.
-    with pytest.raises(meshinit.PlanError, match=r"layers\.0\.weight: no placement matched"):
+    # "weight" alone would be a search hit in every weight path, but not a full match:
+    # one line for the regex, with the fix, and one for the leaves it missed.
+    with pytest.raises(meshinit.PlanError) as info:
         meshinit.eqx.init(mlp, 0, [(r"weight", None), (r".*bias", None)], mesh=mesh)
+    lines = str(info.value).splitlines()[1:]
+    assert len(lines) == 2
+    assert 'placements[0] r"weight" matched no array leaf' in lines[0]
+    assert "re.fullmatch" in lines[0] and "r'.*weight'" in lines[0]
+    assert "3 array leaves matched no placement: layers.0.weight" in lines[1]
 
 
 def test_unmatched_leaves_are_all_listed_with_the_fix():
@@ -366,8 +372,9 @@ def test_logical_axes_rules_and_default_mesh():
 
 
 def test_no_mesh_anywhere_is_a_plan_error():
-    with pytest.raises(meshinit.PlanError, match=r"layers\.0\.weight: no mesh given"):
+    with pytest.raises(meshinit.PlanError, match=r'placements\[0\] r".\*": no mesh for') as e:
         meshinit.eqx.init(mlp, 0, [(r".*", None)])
+    assert "pass mesh= to meshinit.eqx.init" in str(e.value) and "param()" not in str(e.value)
 
 
 def test_abstract_mesh_cannot_be_initialized():

@@ -336,3 +336,165 @@ def test_the_cli_warns_once_about_abstract_mesh_axes_nothing_uses(tmp_path, caps
     assert rc == 0
     warnings = [line for line in err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "'data'" in warnings[0] and "'fsdp'" not in warnings[0]
+
+
+# ------------------------------------------------------------- errors a new user hit
+
+
+def test_a_context_mesh_is_named_when_a_spec_has_no_mesh():
+    explicit = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    with jax.set_mesh(explicit), pytest.raises(meshinit.PlanError) as e:
+        meshinit.plan({"w": meshinit.param((8, 8), jax.nn.initializers.zeros, axes=("fsdp", None))})
+    message = e.value.problems[0].message
+    assert "jax.set_mesh context mesh is active, fsdp=2, tensor=4" in message
+    assert "meshinit.defaults(mesh=jax.sharding.get_mesh())" in message
+
+
+def test_nnx_init_of_something_that_is_not_a_module_factory_is_a_type_error():
+    from flax import nnx
+
+    import meshinit.nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros((4,)))
+
+    with pytest.raises(TypeError, match=r"zero-argument callable.*lambda: Model"):
+        meshinit.nnx.init(Model())
+    with pytest.raises(TypeError, match=r"the factory returned int, not an nnx Module"):
+        meshinit.nnx.init(lambda: 3)
+    with pytest.raises(TypeError, match=r"takes an nnx Module.*got dict"):
+        meshinit.nnx.materialize({"w": 1}, 0)
+
+
+def test_a_name_missing_from_sharding_rules_says_the_rules_were_searched():
+    from flax import nnx
+
+    import meshinit.nnx
+
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    rules = (("embed", "fsdp"), ("mlp", "tensor"))
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(
+                jnp.zeros((8, 8)), out_sharding=("embed", "mlpp"), sharding_rules=rules, mesh=mesh
+            )
+
+    with pytest.raises(meshinit.PlanError) as e:
+        meshinit.nnx.init(Model)
+    (problem,) = e.value.problems
+    assert problem.path == "w"
+    assert "'mlpp'" in problem.message and "sharding_rules, which were searched" in problem.message
+    assert "'embed', 'mlp'" in problem.message
+
+
+def test_equinox_errors_speak_of_its_own_api():
+    import equinox as eqx
+
+    import meshinit.eqx
+
+    def linear(k):
+        return eqx.nn.Linear(8, 8, key=k)
+
+    key = jax.random.key(0)
+    with pytest.raises(meshinit.PlanError) as e:
+        meshinit.eqx.init(linear, key, [(r".*weight", ("fsdp", None)), (r".*bias", None)])
+    text = str(e.value)
+    assert "pass mesh= to meshinit.eqx.init" in text and "param()" not in text
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    with pytest.raises(meshinit.PlanError) as e:
+        meshinit.eqx.init(
+            linear, key, [(r"lin.weight", ("fsdp", None)), (r"bias", None)], mesh=mesh
+        )
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == 2
+    assert 'r"lin.weight" matched no array leaf' in lines[0] and "r'.*weight'" in lines[0]
+    assert lines[1].strip() == "1 array leaves matched no placement: weight"
+
+
+def test_the_cli_suggests_devices_when_the_mesh_needs_more(tmp_path, capsys):
+    from meshinit._cli import main
+
+    module = tmp_path / "wide.py"
+    module.write_text(
+        "import jax, meshinit\n"
+        "def specs():\n"
+        "    mesh = jax.make_mesh((4, 4), ('a', 'b'))\n"
+        "    return {'w': meshinit.param((8, 8), jax.nn.initializers.zeros, axes=('a', 'b'),\n"
+        "                                mesh=mesh)}\n"
+    )
+    rc = main(["plan", f"{module}:specs"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "--devices N (N >= 16" in err
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: meshinit.optax.init("adam", {"w": jnp.zeros(3)}), r"optax GradientTransformation"),
+        (lambda: meshinit.param_key(0, 5), r"path must be .* str"),
+        (
+            lambda: meshinit.plan(
+                {
+                    "w": meshinit.param(
+                        (8,), jax.nn.initializers.zeros, mesh=jax.make_mesh((8,), ("x",))
+                    )
+                }
+            ).fill([1, 2]),
+            r"one value per entry.*1 values, got 2",
+        ),
+        (
+            lambda: meshinit.param((8,), jax.nn.initializers.zeros, dtype=jax.dtypes.prng_key),
+            r"numeric dtype",
+        ),
+    ],
+    ids=["optax-str", "param_key-int", "fill-length", "param-key-dtype"],
+)
+def test_unclear_errors_are_type_errors(call, match):
+    import meshinit.optax  # noqa: F401
+
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+# ---------------------------------------------------- shardings equal to flax's own
+
+
+def test_nnx_and_linen_spell_partition_specs_as_flax_does():
+    import flax.linen as nn
+    from flax import nnx
+
+    import meshinit.linen
+    import meshinit.nnx
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))  # Auto axes
+
+    class Attention(nnx.Module):
+        def __init__(self, rngs):
+            init = jax.nn.initializers.lecun_normal()
+            self.k = nnx.Param(
+                init(rngs.params(), (8, 4, 4)), out_sharding=("fsdp", None), mesh=mesh
+            )
+
+    eager = Attention(nnx.Rngs(0))
+    ours = meshinit.nnx.init(lambda: Attention(nnx.Rngs(0)))
+    assert ours.k.get_value().sharding == eager.k.get_value().sharding  # P('fsdp', None)
+    assert (
+        ours.k.get_value().sharding.spec
+        == nnx.get_partition_spec(nnx.state(eager))["k"].get_value()
+    )
+
+    class DenseGeneral(nn.Module):  # lm1b's 3-D attention kernels
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "heads"))
+            self.param("kernel", init, (8, 4, 4))
+            return x
+
+    rules = (("embed", "fsdp"), ("heads", "tensor"))
+    x = jnp.ones((2, 8))
+    abstract = jax.eval_shape(DenseGeneral().init, jax.random.key(0), x)
+    flax_sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    out = meshinit.linen.init(DenseGeneral(), jax.random.key(0), x, mesh=mesh, rules=rules)
+    assert out["params"]["kernel"].value.sharding == flax_sharding["params"]["kernel"]
