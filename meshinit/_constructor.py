@@ -413,7 +413,9 @@ class _Rounds:
                         for n, sh in self._inputs(k)
                         if n not in self.traced.host
                     ]
-                    yield from zip(ks, exe(*(b[r] for b in buffers), *args), strict=True)
+                    inputs = [*(b[r] for b in buffers), *args]
+                    outs = _materialize.call(exe, inputs, self.group, ks)
+                    yield from zip(ks, outs, strict=True)
 
         return run
 

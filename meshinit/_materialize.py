@@ -278,6 +278,22 @@ Runner = Callable[..., Iterator[tuple[int, jax.Array]]]
 Needs = Sequence[tuple[Hashable | None, int]]  # None: compiled every time, never cached
 
 
+def call(exe: Any, args: Sequence[Any], group: MeshGroup, positions: Sequence[int]) -> Any:
+    """``exe(*args)``; an error (an out-of-memory, say) gets a note naming what the call
+    makes: the entries of ``group`` at ``positions``."""
+    try:
+        return exe(*args)
+    except Exception as e:
+        e.add_note(f"meshinit: in the call that makes {_paths_of(group, positions)}")
+        raise
+
+
+def _paths_of(group: MeshGroup, positions: Sequence[int], n: int = 8) -> str:
+    paths = [group.entries[p].path for p in positions]
+    more = f" and {len(paths) - n} more" if len(paths) > n else ""
+    return ", ".join(paths[:n]) + more
+
+
 def _executables_of(group: MeshGroup, builds: Sequence[tuple[Hashable, Build]]) -> list[Any]:
     return [_compiled(key, group, build) for key, build in builds]
 
@@ -325,7 +341,7 @@ class PerSignature(_Cached):
             keys = iter(_paths.fold_digests(key_data, group.digests))
             for batch, exe in zip(group.batches, exes, strict=True):
                 for pos in batch:
-                    yield pos, exe(next(keys))
+                    yield pos, call(exe, (next(keys),), group, (pos,))
 
         return run
 
@@ -387,8 +403,8 @@ class Rounds(_Cached):
             keys = _paths.fold_digests(key_data, group.digests)
             for bucket, exe, index in zip(buckets, exes, rows, strict=True):
                 for r in range(index.shape[0]):
-                    for i, array in zip(bucket, exe(keys[index[r]]), strict=True):
-                        yield group.batches[i][r], array
+                    made = [group.batches[i][r] for i in bucket]
+                    yield from zip(made, call(exe, (keys[index[r]],), group, made), strict=True)
 
         return run
 
@@ -489,7 +505,8 @@ class FusedGroup(_Cached):
 
         def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
             keys = _paths.fold_digests(key_data, group.digests)
-            yield from enumerate(exe(keys))  # in entry order
+            everything = range(len(group.entries))
+            yield from enumerate(call(exe, (keys,), group, everything))  # in entry order
 
         return run
 
@@ -857,7 +874,11 @@ def _run(
                     t.made()
             where = "waiting for the arrays"
             t.waiting()
-            jax.block_until_ready(made)
+            try:
+                jax.block_until_ready(made)
+            except Exception:
+                where = f"waiting for the arrays: {_failed(plan, values, made)} failed"
+                raise
         except BaseException as e:
             for array in made:
                 array.delete()
@@ -892,6 +913,20 @@ def _work(plan: Plan, todo: Plan, work: Callable[[MeshGroup], Needs] | None) -> 
         calls=calls,
         nbytes=sum(e.spec.nbytes for e in todo.entries),
     )
+
+
+def _failed(plan: Plan, values: Mapping[int, jax.Array], made: Sequence[jax.Array]) -> str:
+    """The paths whose arrays fail when waited for: the failed call's parameters
+    (an array of a call that failed at run time, an out-of-memory, raises its error)."""
+    path_of = {id(values[id(e)]): e.path for e in plan.entries if id(e) in values}
+    failed = []
+    for array in made:
+        try:
+            array.block_until_ready()
+        except Exception:
+            failed.append(path_of.get(id(array), "?"))
+    shown = ", ".join(failed[:8]) + (f" and {len(failed) - 8} more" if len(failed) > 8 else "")
+    return f"the arrays of {shown}" if failed else "an array"
 
 
 def _some_paths(group: MeshGroup, n: int = 5) -> str:

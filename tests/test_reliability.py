@@ -498,3 +498,57 @@ def test_nnx_and_linen_spell_partition_specs_as_flax_does():
     flax_sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
     out = meshinit.linen.init(DenseGeneral(), jax.random.key(0), x, mesh=mesh, rules=rules)
     assert out["params"]["kernel"].value.sharding == flax_sharding["params"]["kernel"]
+
+
+# ------------------------------------------------------------ out of memory, named
+
+
+def _failing_calls(monkeypatch, *, at_wait: bool):
+    """Every compiled call after the first fails as an out-of-memory would: at once,
+    or (``at_wait``) asynchronously, when its arrays are waited for."""
+    from meshinit import _materialize
+
+    real = _materialize._compiled
+    calls = []
+
+    class Failed:  # an array whose computation failed on the device
+        def block_until_ready(self):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected)")
+
+        def delete(self):
+            pass
+
+    def compiled(*args, **kwargs):
+        exe = real(*args, **kwargs)
+
+        def run(*a):
+            calls.append(1)
+            if len(calls) == 1:
+                return exe(*a)
+            if not at_wait:
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected)")
+            return [Failed() for _ in exe(*a)]
+
+        return run
+
+    monkeypatch.setattr(_materialize, "_compiled", compiled)
+
+
+@pytest.mark.parametrize("at_wait", [False, True], ids=["at-dispatch", "at-wait"])
+def test_an_out_of_memory_names_the_parameters_of_the_failed_call(monkeypatch, mesh, at_wait):
+    ones = jax.nn.initializers.ones
+    # calls: one that makes "a" (the largest first), then one per layer's q
+    specs = {
+        "a": meshinit.param((64, 64), ones, mesh=mesh),
+        "layers": [{"q": meshinit.param((16, 16), ones, mesh=mesh)} for _ in range(2)],
+    }
+    plan = meshinit.plan(specs)
+    _failing_calls(monkeypatch, at_wait=at_wait)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED") as e:
+        meshinit.materialize(plan, 0)
+    notes = "\n".join(e.value.__notes__)
+    if at_wait:  # both layer calls failed on the device; the call that made "a" did not
+        assert "waiting for the arrays: the arrays of layers.0.q, layers.1.q failed" in notes
+    else:
+        assert "meshinit: in the call that makes layers.0.q" in notes
+    assert "deleted the" in notes
