@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from . import _paths, _progress, _threefry
+from . import _agree, _paths, _progress, _threefry
 from ._errors import PlanError, Problem
 from ._plan import MeshGroup, Plan, PlanEntry, plan
 from ._report import describe_mesh, human_bytes
@@ -592,7 +592,9 @@ def materialize(
     if problems:  # all at once, with the abstract-mesh and bound problems
         todo = [e for e in plan.entries if id(e) not in given]
         problems += _abstract_problems(plan) + _bound_problems(todo, max_bytes_per_call)
-        raise PlanError(problems, header="cannot materialize this plan:")
+        error = PlanError(problems, header="cannot materialize this plan:")
+        _agree.agree("materialize", error)  # a collective call: the others must know
+        raise error
     # A strategy without these (tests inject some): one compile per group, in prepare.
     work = getattr(strategy, "work", None)
     builds = getattr(strategy, "builds", None)
@@ -801,7 +803,29 @@ def _bound_problems(entries: Sequence[PlanEntry], bound: int | None) -> list[Pro
     ]
 
 
-def _run(
+def _run(plan: Plan, prepare: Callable[[MeshGroup], Runner], *args: Any, **kwargs: Any) -> Any:
+    """:func:`_run_here`, agreed between processes (:mod:`meshinit._agree`).
+
+    Under ``jax.distributed`` it returns only when every process succeeded; when any
+    failed, every process raises (its own error, or ``PeerFailure`` naming the failed
+    process) with every array it made deleted. Alone, it is :func:`_run_here`.
+    """
+    what = kwargs.get("what", "materialize")
+    try:
+        tree, made = _run_here(plan, prepare, *args, **kwargs)
+    except BaseException as e:
+        _agree.agree(what, e)
+        raise
+    try:
+        _agree.agree(what, None)
+    except _agree.PeerFailure:
+        for array in made:
+            array.delete()
+        raise
+    return tree
+
+
+def _run_here(
     plan: Plan,
     prepare: Callable[[MeshGroup], Runner],
     *args: Any,
@@ -888,7 +912,7 @@ def _run(
             )
             raise
         t.finished()
-    return plan.fill([values[id(e)] for e in plan.entries])
+    return plan.fill([values[id(e)] for e in plan.entries]), made
 
 
 def _work(plan: Plan, todo: Plan, work: Callable[[MeshGroup], Needs] | None) -> _progress.Work:

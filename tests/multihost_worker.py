@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -183,6 +184,51 @@ def check(
     return failures, {"shards": shards_checked, "remote_arrays": remote}
 
 
+def check_agreement(process_id: int, plan: Any) -> tuple[list[str], dict]:
+    """Process 1 fails two materialize calls, each in its own way; both processes must
+    raise, process 0 naming process 1, within a bounded time, keeping no array. Then
+    one more call must succeed on both (the processes still agree on the call count)."""
+    from meshinit import _agree, _materialize
+
+    failures: list[str] = []
+    outcomes: dict[str, Any] = {}
+    real_stats, real_call = _materialize._memory_stats, _materialize.call
+
+    def no_memory(device: Any) -> dict[str, int]:
+        return {"bytes_limit": 1024, "bytes_in_use": 0}  # a local memory check fails
+
+    def out_of_memory(*args: Any) -> Any:
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected)")
+
+    for case, patch in (
+        ("memory_check", ("_memory_stats", no_memory)),
+        ("oom", ("call", out_of_memory)),
+    ):
+        if process_id == 1:
+            setattr(_materialize, *patch)
+        before = len(jax.live_arrays())
+        start = time.monotonic()
+        try:
+            meshinit.materialize(plan, 7)
+            outcome = "returned"
+        except _agree.PeerFailure as e:
+            outcome = "PeerFailure: " + str(e)
+        except Exception as e:
+            outcome = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        finally:
+            _materialize._memory_stats, _materialize.call = real_stats, real_call
+        outcomes[case] = {
+            "outcome": outcome[:400],
+            "seconds": time.monotonic() - start,
+            "leaked": len(jax.live_arrays()) - before,
+        }
+    tree = meshinit.materialize(plan, 7)  # both processes agree again
+    outcomes["after"] = len(jax.tree_util.tree_leaves(tree))
+    for a in jax.tree_util.tree_leaves(tree):
+        a.delete()
+    return failures, outcomes
+
+
 def main(process_id: int, port: int, reference_path: str) -> int:
     jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -222,6 +268,8 @@ def main(process_id: int, port: int, reference_path: str) -> int:
     failures += found
     jax.block_until_ready(tree)
     found, counts["nnx"] = check_nnx(named, reference)
+    failures += found
+    found, counts["agreement"] = check_agreement(process_id, plan)
     failures += found
     print("RESULT " + json.dumps({"process": process_id, "counts": counts}), flush=True)
     if failures:

@@ -175,3 +175,24 @@ def test_nnx_init_places_every_shard_with_eager_values_and_one_host_part(workers
     # a layer: kernel, bias, scale), 4 devices each: only their own process sees them.
     assert got[0]["nnx_shards"] == 4 + 3 * 4, got
     assert got[1]["nnx_shards"] == 4 + 6 * 4, got
+
+
+def test_a_failure_on_one_process_fails_every_process_and_keeps_no_array(workers):
+    # Process 1 fails a materialize twice: its local memory check, then an
+    # out-of-memory in a call. Process 0 succeeded locally both times, yet must not
+    # return arrays missing process 1's shards: it raises, naming process 1.
+    got = [counts(i, r)["agreement"] for i, r in enumerate(workers)]
+    zero, one = got
+    assert zero["memory_check"]["outcome"].startswith("PeerFailure"), zero
+    assert (
+        "process 1 failed: PlanError: the parameters do not fit" in zero["memory_check"]["outcome"]
+    )
+    assert one["memory_check"]["outcome"].startswith("PlanError: the parameters do not fit"), one
+    assert zero["oom"]["outcome"].startswith("PeerFailure"), zero
+    assert "process 1 failed: JaxRuntimeError: RESOURCE_EXHAUSTED" in zero["oom"]["outcome"]
+    assert one["oom"]["outcome"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED"), one
+    for outcomes in got:
+        for case in ("memory_check", "oom"):
+            assert outcomes[case]["leaked"] == 0, outcomes  # every array made was deleted
+            assert outcomes[case]["seconds"] < 60, outcomes  # bounded: no collective deadline
+        assert outcomes["after"] == len(worker.MESH_NAMES) * PARAMS_PER_MESH  # agreed again
