@@ -22,15 +22,13 @@ from typing import Any
 
 import jax
 
+from ._errors import PeerFailure
+
 TIMEOUT_ENV = "MESHINIT_AGREE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0  # a slow peer (a larger compile, a loaded host) is not a dead one
 
 _counter = itertools.count()
 _counter_lock = threading.Lock()
-
-
-class PeerFailure(RuntimeError):
-    """Another process failed the collective call this one completed; nothing returned."""
 
 
 def _client() -> Any:

@@ -66,3 +66,21 @@ class PlanError(ValueError):
         n = len(self.problems)
         header = header or f"{n} problem{'s' if n != 1 else ''} found while planning:"
         super().__init__("\n".join([header, *(f"  {p}" for p in self.problems)]))
+
+
+class PeerFailure(RuntimeError):
+    """Raised on every process whose part of a collective call succeeded when another
+    process's part failed.
+
+    Under ``jax.distributed``, ``materialize`` and the adapters' ``init`` are collective:
+    they return only when every process succeeded (see the Reliability page). This
+    process's arrays are deleted before this is raised; the failed process raises its
+    own error. The message names each failed process and its error, or says which
+    process did not report within ``MESHINIT_AGREE_TIMEOUT_S`` seconds.
+
+    Examples:
+      >>> try:
+      ...     params = meshinit.materialize(plan, 0)
+      ... except meshinit.PeerFailure as e:
+      ...     log.error("another host failed: %s", e)  # this host made nothing
+    """

@@ -188,7 +188,7 @@ def check_agreement(process_id: int, plan: Any) -> tuple[list[str], dict]:
     """Process 1 fails two materialize calls, each in its own way; both processes must
     raise, process 0 naming process 1, within a bounded time, keeping no array. Then
     one more call must succeed on both (the processes still agree on the call count)."""
-    from meshinit import _agree, _materialize
+    from meshinit import _materialize
 
     failures: list[str] = []
     outcomes: dict[str, Any] = {}
@@ -211,7 +211,7 @@ def check_agreement(process_id: int, plan: Any) -> tuple[list[str], dict]:
         try:
             meshinit.materialize(plan, 7)
             outcome = "returned"
-        except _agree.PeerFailure as e:
+        except meshinit.PeerFailure as e:
             outcome = "PeerFailure: " + str(e)
         except Exception as e:
             outcome = f"{type(e).__name__}: {str(e).splitlines()[0]}"
