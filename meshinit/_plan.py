@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import _paths
+from . import _input, _paths
 from ._errors import PlanError, Problem
 from ._rules import partition, typo_problems
 from ._signature import check_init, fingerprint
@@ -538,9 +538,6 @@ def plan(tree: Any) -> Plan:
     return build_plan(tree)
 
 
-_INT64_MAX = 2**63 - 1
-
-
 _NO_MESH = (
     "no mesh given and no default; pass mesh= to param() or build it inside "
     "meshinit.defaults(mesh=...)"
@@ -559,76 +556,6 @@ def _context_mesh_hint() -> str:
     )
 
 
-def _encodable(path: str) -> bool:
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """``tree_flatten_with_path``, with what makes jax fail there as a PlanError.
-
-    jax raises a nanobind ``SystemError`` past the recursion limit and "Comparator
-    raised exception" for a dict whose keys cannot be sorted; both are found again
-    here, by a walk that needs no recursion, and named by path.
-    """
-    try:
-        return jax.tree_util.tree_flatten_with_path(tree)
-    except (RecursionError, SystemError, ValueError, TypeError) as e:
-        problem = _tree_problem(tree)
-        if problem is None:
-            raise
-        raise PlanError([problem], header="cannot plan this tree:") from e
-
-
-def _tree_problem(tree: Any) -> Problem | None:
-    """The first dict with unsortable keys, else the deepest path if jax cannot reach it."""
-    limit = sys.getrecursionlimit()
-    deepest: tuple[str, ...] = ()
-    stack: list[tuple[tuple[str, ...], Any]] = [((), tree)]
-    while stack:
-        keys, node = stack.pop()
-        if len(keys) > len(deepest):
-            deepest = keys
-        if isinstance(node, dict):
-            try:
-                items = sorted(node.items())
-            except TypeError:
-                kinds = sorted({type(k).__name__ for k in node})
-                where = "" if keys else "the top-level dict: "
-                return Problem(
-                    ".".join(keys),
-                    f"{where}a dict whose keys mix types ({', '.join(kinds)}), which jax "
-                    f"cannot order; use keys of one type (all str, say)",
-                )
-            stack.extend(((*keys, str(k)), v) for k, v in reversed(items))
-        elif isinstance(node, list | tuple):
-            stack.extend(((*keys, str(i)), v) for i, v in reversed(list(enumerate(node))))
-    if len(deepest) < limit // 2:
-        return None
-    return Problem(
-        ".".join(deepest[:8]) + ".<...>",
-        f"the tree is nested {len(deepest)} levels deep here, too deep for jax to flatten "
-        f"under Python's recursion limit ({limit}); flatten the structure (a list of "
-        f"layers, not a chain of nested dicts)",
-    )
-
-
-def _overflow(spec: ParamSpec) -> str | None:
-    """Why ``spec`` cannot exist: its element or byte count overflows int64, which
-    XLA's extents must fit (it aborts the process, not raises, past that)."""
-    elements = math.prod(spec.shape)
-    if elements > _INT64_MAX or elements * spec.dtype.itemsize > _INT64_MAX:
-        return (
-            f"shape {spec.shape} has {elements:.3e} elements ({spec.dtype.name}): more "
-            f"than an array can hold (the element and byte counts must fit in int64); "
-            f"check the shape"
-        )
-    return None
-
-
 def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Problem] = ()) -> Plan:
     """:func:`plan`, for adapters.
 
@@ -636,7 +563,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
     (the constructor engine, ``meshinit._constructor``), skip the abstract init check,
     and pass the problems they found themselves, so that everything is raised once.
     """
-    flat, treedef = _flatten(tree)
+    flat, treedef = _input.flatten(tree)
     problems = list(problems)
     seen_paths: dict[str, int] = {}
     seen_digests: dict[tuple[int, int], str] = {}
@@ -659,7 +586,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
             )
         if seen_paths[path] > 1:
             continue
-        if not _encodable(path):
+        if not _input.encodable(path):
             problems.append(
                 Problem(
                     path,
@@ -697,7 +624,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
             entries_, msgs = _partition(spec.shape, spec.axes, spec.rules, spec.mesh)
             mine += msgs
         fp = None
-        too_big = _overflow(spec)
+        too_big = _input.overflow(spec)
         if too_big:
             mine.append(too_big)
         elif callable(spec.init):
