@@ -26,6 +26,17 @@ def first(tree, path="w"):
     return float(np.asarray(tree[path]).flat[0])
 
 
+def plan_source(tmp_path, capsys, source, *args):
+    """``meshinit plan`` of ``specs`` in a module of ``source``: (status, stdout, stderr)."""
+    from meshinit._cli import main
+
+    module = tmp_path / "model_under_test.py"
+    module.write_text(source)
+    rc = main(["plan", f"{module}:specs", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
 # ---------------------------------------------------------------- sound fingerprints
 
 
@@ -144,17 +155,13 @@ def test_an_element_count_past_int64_is_a_plan_error_not_an_abort(mesh):
 
 
 def test_the_cli_exits_nonzero_for_an_overflowing_shape(tmp_path, capsys):
-    from meshinit._cli import main
-
-    module = tmp_path / "huge_model.py"
-    module.write_text(
+    source = (
         "import jax, meshinit\n"
         "def specs():\n"
         "    return {'w': meshinit.param((2**40, 2**40), jax.nn.initializers.zeros,\n"
         "                                axes=('embed', 'mlp'))}\n"
     )
-    rc = main(["plan", f"{module}:specs", "--abstract-mesh", "embed=2,mlp=4"])
-    out, err = capsys.readouterr()
+    rc, out, err = plan_source(tmp_path, capsys, source, "--abstract-mesh", "embed=2,mlp=4")
     assert rc != 0
     assert "TiB" not in out and "must fit in int64" in err
 
@@ -321,18 +328,15 @@ def test_a_rule_whose_mesh_axis_looks_like_a_typo_is_a_plan_error():
 
 
 def test_the_cli_warns_once_about_abstract_mesh_axes_nothing_uses(tmp_path, capsys):
-    from meshinit._cli import main
-
-    module = tmp_path / "model_axes.py"
-    module.write_text(
+    source = (
         "import jax, meshinit\n"
         "RULES = (('embed', 'fsdp'), ('mlp', 'tensor'))\n"
         "def specs():\n"
         "    z = jax.nn.initializers.zeros\n"
         "    return {'w': meshinit.param((8, 8), z, axes=('embed', 'mlp'), rules=RULES)}\n"
     )
-    rc = main(["plan", f"{module}:specs", "--abstract-mesh", "data=2,fsdp=2,tensor=2"])
-    _, err = capsys.readouterr()
+    mesh = ("--abstract-mesh", "data=2,fsdp=2,tensor=2")
+    rc, _, err = plan_source(tmp_path, capsys, source, *mesh)
     assert rc == 0
     warnings = [line for line in err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "'data'" in warnings[0] and "'fsdp'" not in warnings[0]
@@ -414,18 +418,14 @@ def test_equinox_errors_speak_of_its_own_api():
 
 
 def test_the_cli_suggests_devices_when_the_mesh_needs_more(tmp_path, capsys):
-    from meshinit._cli import main
-
-    module = tmp_path / "wide.py"
-    module.write_text(
+    source = (
         "import jax, meshinit\n"
         "def specs():\n"
         "    mesh = jax.make_mesh((4, 4), ('a', 'b'))\n"
         "    return {'w': meshinit.param((8, 8), jax.nn.initializers.zeros, axes=('a', 'b'),\n"
         "                                mesh=mesh)}\n"
     )
-    rc = main(["plan", f"{module}:specs"])
-    _, err = capsys.readouterr()
+    rc, _, err = plan_source(tmp_path, capsys, source)
     assert rc == 2 and "--devices N (N >= 16" in err
 
 
