@@ -36,9 +36,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from . import _host, _jaxpr, _materialize, _progress, _threefry
+from ._caches import LRUCache
 from ._jaxpr import Lit
 from ._plan import MeshGroup, Plan, PlanEntry
-from ._signature import LRUCache
 from ._trace import Traced
 
 # ------------------------------------------------------------------------- slices

@@ -16,7 +16,6 @@ computed inside the compiled program of each variable that needs it instead.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ import jax
 import numpy as np
 from jax.extend.random import threefry_prng_impl
 
-from . import _jaxpr
+from . import _caches, _jaxpr
 from ._paths import SHARDING_INVARIANT_IMPL, _threefry2x32
 
 
@@ -289,7 +288,7 @@ def _key(x: Any) -> HostKey:
     return x
 
 
-@functools.lru_cache(maxsize=256)
+@_caches.memo(maxsize=256)
 def _impl_program(op: str, batch: tuple[int, ...], arg_shapes: tuple[Any, ...], static: Any):
     """jax's threefry function ``op``, vmapped over ``batch``, as a flat program."""
     impl = threefry_prng_impl

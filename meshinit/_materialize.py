@@ -28,11 +28,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from . import _agree, _paths, _progress, _threefry
+from . import _agree, _caches, _paths, _progress, _threefry
+from ._caches import LRUCache
 from ._errors import PlanError, Problem
 from ._plan import MeshGroup, Plan, PlanEntry, plan
 from ._report import describe_mesh, human_bytes
-from ._signature import LRUCache
 
 
 def _auto_twin(mesh: Mesh) -> Mesh:
@@ -47,7 +47,7 @@ def _auto_twin(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
-_executables = LRUCache(512)
+_executables = _caches.lru("compiled executables", 512)
 _lock = threading.Lock()
 
 
@@ -995,15 +995,17 @@ def init(tree: Any, key: Any, *, progress: bool | None = None) -> Any:
 
 
 def clear_cache() -> None:
-    """Drops cached executables (they are otherwise kept, LRU-bounded).
+    """Empties every cache meshinit keeps (each is otherwise kept, bounded).
 
-    The next :func:`materialize` compiles again; values do not change.
+    Compiled executables (the spec path's, the constructor engine's, the optimizer
+    state's), initializer fingerprints and abstract init checks, rule resolutions and
+    partitions, and host programs. The next call computes again; values do not change.
 
     Examples:
       >>> meshinit.clear_cache()  # e.g. to measure a cold materialize again
     """
     with _lock:
-        _executables.clear()
+        _caches.clear_all()
 
 
 # Package-internal names for the constructor engine (meshinit._constructor).

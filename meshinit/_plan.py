@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import _input, _paths
+from . import _caches, _input, _paths
 from ._errors import PlanError, Problem
 from ._rules import partition, typo_problems
 from ._signature import check_init, fingerprint
@@ -477,7 +477,7 @@ class Plan:
         return table(self)
 
 
-@functools.lru_cache(maxsize=4096)
+@_caches.memo(maxsize=4096)
 def _shard_options(shape, spec, mesh) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """``(replicated axis, dimensions it could shard)`` pairs, in mesh order.
 
@@ -500,7 +500,7 @@ def _shard_options(shape, spec, mesh) -> tuple[tuple[str, tuple[int, ...]], ...]
     )
 
 
-@functools.lru_cache(maxsize=4096)
+@_caches.memo(maxsize=4096)
 def _partition(shape, axes, rules, mesh) -> tuple[tuple[Any, ...], tuple[str, ...]]:
     # Memoized: a deep model repeats a handful of (shape, axes, rules, mesh) many times,
     # and reading ``mesh.shape`` builds a new dict on every call.

@@ -11,11 +11,12 @@ mesh axes are not all in the mesh is skipped, so one table can serve several mes
 from __future__ import annotations
 
 import difflib
-import functools
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from . import _caches
 
 AxisEntry = str | tuple[str, ...] | None
 Rule = tuple[str, str | tuple[str, ...] | None]
@@ -39,7 +40,7 @@ def normalize_rules(rules: Any) -> Rules:
     return _normalize(rules)
 
 
-@functools.lru_cache(maxsize=256)
+@_caches.memo(maxsize=256)
 def _normalize_hashable(rules: tuple[Any, ...]) -> Rules:
     return _normalize(rules)
 
@@ -71,9 +72,10 @@ def _as_tuple(x: Any) -> tuple[Any, ...]:
     return x if isinstance(x, tuple) else (x,)
 
 
-@functools.lru_cache(maxsize=4096)
 def logical_to_mesh_axes(
-    axes: tuple[str | None, ...], rules: Rules, mesh_axis_names: tuple[str, ...] | None = None
+    axes: Sequence[str | None],
+    rules: Any,
+    mesh_axis_names: Sequence[str] | None = None,
 ) -> tuple[AxisEntry, ...]:
     """Resolves logical axis names to PartitionSpec entries, as flax linen does.
 
@@ -84,8 +86,8 @@ def logical_to_mesh_axes(
 
     Args:
       axes: one logical name (or None) per dimension, without duplicates.
-      rules: a rule table, as a tuple of ``(logical_name, mesh_axes)`` tuples
-        (hashable: results are cached).
+      rules: a rule table: a sequence of ``(logical_name, mesh_axes)`` pairs, tuples or
+        lists (as MaxText's YAML gives them).
       mesh_axis_names: when given, rules naming an axis outside it are skipped.
 
     Returns:
@@ -97,6 +99,14 @@ def logical_to_mesh_axes(
       ...     (("mlp", "tensor"), ("embed", "tensor"), ("embed", "fsdp")))
       ('fsdp', 'tensor')
     """
+    names = None if mesh_axis_names is None else tuple(mesh_axis_names)
+    return _resolve(tuple(axes), normalize_rules(rules), names)
+
+
+@_caches.memo(maxsize=4096)
+def _resolve(
+    axes: tuple[str | None, ...], rules: Rules, mesh_axis_names: tuple[str, ...] | None
+) -> tuple[AxisEntry, ...]:
     result: list[Any] = [_UNASSIGNED if isinstance(a, str) else a for a in axes]
     for name, target in rules:
         if name not in axes:
@@ -178,7 +188,7 @@ def partition(
             )
         if problems:
             return (), problems
-        entries = logical_to_mesh_axes(axes, rules, tuple(mesh_shape))
+        entries = _resolve(tuple(axes), rules, tuple(mesh_shape))
     if problems:
         return (), problems
     for dim, (size, entry) in enumerate(zip(shape, entries, strict=True)):

@@ -15,7 +15,6 @@ shape, dtype), and materialization uses it to deduplicate compiled work.
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import types
@@ -24,6 +23,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from . import _caches
 
 _MAX_DEPTH = 6
 # Arrays an initializer reads are fingerprinted by their bytes up to this size; a larger
@@ -100,7 +101,7 @@ def _globals_read(f: types.FunctionType) -> tuple[str, ...]:
     return tuple(n for n in _names(f.__code__) if n in f.__globals__)
 
 
-@functools.lru_cache(maxsize=4096)
+@_caches.memo(maxsize=4096)
 def _names(code: types.CodeType) -> tuple[str, ...]:
     names: set[str] = set()
     stack = [code]
@@ -204,20 +205,8 @@ def _fingerprint(init: Callable[..., Any], local: dict[int, Hashable] | None) ->
         return local[id(init)], False
 
 
-class LRUCache(collections.OrderedDict):
-    def __init__(self, maxsize: int):
-        super().__init__()
-        self.maxsize = maxsize
-
-    def put(self, key: Hashable, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.maxsize:
-            self.popitem(last=False)
-
-
-_CHECKS = LRUCache(4096)
-_QUICK = LRUCache(4096)
+_CHECKS = _caches.lru("abstract init checks", 4096)
+_QUICK = _caches.lru("initializer fingerprints", 4096)
 
 
 def check_init(

@@ -40,7 +40,7 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from . import _adapters, _constructor, _materialize, _plan, _trace
+from . import _adapters, _caches, _constructor, _materialize, _plan, _trace
 from ._errors import PlanError, Problem
 from ._spec import ParamSpec
 
@@ -517,7 +517,7 @@ def _eager_flag(x: Any) -> bool | None:
 
 # tx.init -> the init of (step, tx's state). It holds tx.init weakly, so meshinit.optax's
 # cache, weak on the init it is given, keeps working and frees with the transformation.
-_step_inits: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_step_inits: weakref.WeakKeyDictionary[Any, Any] = _caches.weak("nnx step-count inits")
 
 
 class _WithStep:

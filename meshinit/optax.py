@@ -42,7 +42,7 @@ import numpy as np
 from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _materialize, _paths
+from . import _caches, _materialize, _paths
 from ._plan import MeshGroup, Plan
 from ._report import describe_mesh
 
@@ -185,7 +185,9 @@ def abstract(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
 # tx.init -> {structure key: (state treedef, [(group, input positions, output
 # positions, executable)])}. Weak on tx.init, so a dropped transformation frees its
 # executables and a recycled id() can never hit a stale entry.
-_cache: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = _caches.weak(
+    "optimizer-state executables"
+)
 _lock = threading.Lock()
 
 

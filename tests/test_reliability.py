@@ -552,3 +552,60 @@ def test_an_out_of_memory_names_the_parameters_of_the_failed_call(monkeypatch, m
     else:
         assert "meshinit: in the call that makes layers.0.q" in notes
     assert "deleted the" in notes
+
+
+# ------------------------------------------------------------ caches (issue 18)
+
+
+def test_clear_cache_empties_every_cache_meshinit_keeps(mesh):
+    import optax
+    from flax import nnx
+
+    import meshinit.nnx
+    import meshinit.optax
+    from meshinit import _caches
+
+    lecun = jax.nn.initializers.lecun_normal()
+    rules = [["embed", "a"], ["mlp", "b"]]  # lists, as from YAML
+    specs = {"w": meshinit.param((8, 8), lecun, axes=("embed", "mlp"), mesh=mesh, rules=rules)}
+    params = meshinit.init(specs, 0)
+    meshinit.optax.init(optax.adam(1e-3), params)
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((8, 8)), out_sharding=("a", None), mesh=mesh)
+
+    model = meshinit.nnx.init(M)
+    meshinit.nnx.optimizer(model, optax.sgd(0.1))
+    meshinit.logical_to_mesh_axes(["embed", "mlp"], rules)
+    names = [name for name, _ in _caches.registered()]
+    assert {"compiled executables", "initializer fingerprints", "abstract init checks"} <= set(
+        names
+    )
+    assert sum(_caches.size(c) for _, c in _caches.registered()) > 0
+    meshinit.clear_cache()
+    assert {name: _caches.size(c) for name, c in _caches.registered() if _caches.size(c)} == {}
+
+
+def test_every_cache_in_the_package_is_registered():
+    import functools
+    import importlib
+    import pkgutil
+    import weakref
+
+    import meshinit as package
+    from meshinit import _caches
+
+    registered = {id(c) for _, c in _caches.registered()}
+    missing = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name == "__main__":  # runs the command line
+            continue
+        module = importlib.import_module(f"meshinit.{info.name}")
+        for name, value in vars(module).items():
+            cache_like = isinstance(
+                value, _caches.LRUCache | weakref.WeakKeyDictionary | functools._lru_cache_wrapper
+            )
+            if cache_like and id(value) not in registered:
+                missing.append(f"meshinit.{info.name}.{name}")
+    assert missing == []
