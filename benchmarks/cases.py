@@ -114,15 +114,15 @@ def _device_memory(plan: Any, strategy: str) -> dict:
     (part of ``share``) plus that call's temporaries, so ``share + max temp`` bounds
     the peak.
     """
-    import meshinit._materialize as materialize
+    import meshinit._strategies as strategies
     from meshinit import _paths
 
     _, impl = _paths.host_key(0)
-    chosen = materialize.STRATEGIES[strategy]
+    chosen = strategies.STRATEGIES[strategy]
     calls = []
     peak = allocated = 0
     for group in plan.groups:
-        executables = chosen.executables(group, materialize._key_impl(group, impl))
+        executables = chosen.executables(group, strategies.key_impl(group, impl))
         for exe, count in zip(executables, _call_counts(chosen, group), strict=True):
             stats = exe.memory_analysis()
             out, temp = stats.output_size_in_bytes, stats.temp_size_in_bytes
@@ -144,11 +144,11 @@ def _device_memory(plan: Any, strategy: str) -> dict:
 
 def _call_counts(strategy: Any, group: Any) -> list[int]:
     """How many times each of ``strategy.executables(group)`` is called, in run order."""
-    import meshinit._materialize as materialize
+    import meshinit._strategies as strategies
 
-    if isinstance(strategy, materialize.Rounds):
+    if isinstance(strategy, strategies.Rounds):
         return [len(group.batches[bucket[0]]) for bucket in strategy._buckets(group)]
-    if isinstance(strategy, materialize.PerSignature):
+    if isinstance(strategy, strategies.PerSignature):
         return [len(batch) for batch in group.batches]
     return [1]
 

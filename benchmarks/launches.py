@@ -35,9 +35,9 @@ def _multi_device(mesh: Any, n: int, launches: int) -> tuple[Any, list[Any], flo
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from meshinit._materialize import _auto_twin, _compile_lowered
+    from meshinit._compile import auto_twin, compile_lowered
 
-    auto = _auto_twin(mesh)
+    auto = auto_twin(mesh)
     init = jax.nn.initializers.lecun_normal()
     out = NamedSharding(auto, P(*recipes.mesh_axes(AXES)))
     rep = NamedSharding(auto, P())
@@ -50,7 +50,7 @@ def _multi_device(mesh: Any, n: int, launches: int) -> tuple[Any, list[Any], flo
         lowered = jax.jit(program, out_shardings=[out] * n).lower(
             jax.ShapeDtypeStruct((n, 2), np.uint32, sharding=rep)
         )
-    exe = _compile_lowered(lowered, mesh)
+    exe = compile_lowered(lowered, mesh)
     seconds = time.perf_counter() - start
     rng = np.random.default_rng(n)
     args = [

@@ -643,11 +643,11 @@ _MESHINIT_OPTIONS: dict[str, Any] | None = None
 
 def meshinit_options() -> dict[str, Any]:
     """meshinit's own CPU compiler options (as shipped, whatever a recipe set since)."""
-    import meshinit._materialize as materialize
+    import meshinit._compile as compile_
 
     global _MESHINIT_OPTIONS
     if _MESHINIT_OPTIONS is None:
-        _MESHINIT_OPTIONS = dict(materialize.CPU_COMPILER_OPTIONS)
+        _MESHINIT_OPTIONS = dict(compile_.CPU_COMPILER_OPTIONS)
     return dict(_MESHINIT_OPTIONS)
 
 
@@ -667,20 +667,21 @@ def use_strategy(recipe: str) -> str:
     CPU compiler options (executables are cached per options, so recipes can alternate
     in one process). Returns the strategy's name.
     """
-    import meshinit._materialize as materialize
+    import meshinit._compile as compile_
+    import meshinit._strategies as strategies
 
     options = meshinit_options()
     base, _, flag = recipe.partition("+")
     if flag not in ("", "xla-defaults"):
         raise ValueError(f"unknown meshinit recipe flag {flag!r} in {recipe!r}")
-    name = base.partition(":")[2] or materialize.DEFAULT_STRATEGY
-    if name not in materialize.STRATEGIES:
-        known = ", ".join(materialize.STRATEGIES)
+    name = base.partition(":")[2] or strategies.DEFAULT_STRATEGY
+    if name not in strategies.STRATEGIES:
+        known = ", ".join(strategies.STRATEGIES)
         raise ValueError(f"meshinit has no strategy {name!r}; known: {known}")
-    materialize.DEFAULT_STRATEGY = name
-    materialize.CPU_COMPILER_OPTIONS.clear()
+    strategies.DEFAULT_STRATEGY = name
+    compile_.CPU_COMPILER_OPTIONS.clear()
     if flag != "xla-defaults":
-        materialize.CPU_COMPILER_OPTIONS.update(options)
+        compile_.CPU_COMPILER_OPTIONS.update(options)
     return name
 
 

@@ -481,9 +481,9 @@ Recipes, all producing the same tree of arrays:
 
 - `meshinit`: build the specs, `meshinit.plan`, `meshinit.materialize` (the default
   strategy); `meshinit:<name>` selects another strategy through
-  `meshinit._materialize.DEFAULT_STRATEGY`, and `meshinit+xla-defaults` is the
+  `meshinit._strategies.DEFAULT_STRATEGY`, and `meshinit+xla-defaults` is the
   default strategy compiled with XLA's default options instead of meshinit's CPU
-  compiler options (`meshinit._materialize.CPU_COMPILER_OPTIONS`): it measures what
+  compiler options (`meshinit._compile.CPU_COMPILER_OPTIONS`): it measures what
   that choice trades between cold and warm time.
 - `nnx.jit`: a flax nnx Module whose `__init__` makes each parameter as
   `nnx.Param(init(rngs.params(), shape), out_sharding=<mesh axes>, mesh=mesh)`,

@@ -12,7 +12,7 @@ that returns one array per variable. The engine:
 4. **cuts one slice per remaining variable**: the equations between its small
    inputs and its value, fingerprinted structurally (:func:`meshinit._jaxpr.fingerprint`);
 5. **compiles once per (mesh, fingerprint, sharding)**, with exact out_shardings,
-   through the spec path's rounds (``_materialize.bucket_batches``): a bucket's
+   through the spec path's rounds (``_strategies.bucket_batches``): a bucket's
    executable makes one variable of each of its signatures per call, so a 32-layer
    model compiles what an 8-layer one does, and runs each slice with its own inputs.
 
@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from . import _host, _jaxpr, _materialize, _progress, _threefry
+from . import _compile, _host, _jaxpr, _materialize, _progress, _strategies, _threefry
 from ._caches import LRUCache
 from ._jaxpr import Lit
 from ._plan import MeshGroup, Plan, PlanEntry
@@ -140,7 +140,7 @@ def _const_sharding(traced: Traced, n: int, entry: PlanEntry) -> NamedSharding |
         return None
     if tuple(traced.program.avals[n].shape) == entry.spec.shape:
         # on the all-Auto twin that the program is traced under: the same devices
-        return NamedSharding(_materialize.auto_twin(entry.mesh), entry.sharding.spec)
+        return NamedSharding(_compile.auto_twin(entry.mesh), entry.sharding.spec)
     return None
 
 
@@ -260,7 +260,7 @@ def materialize(
             planned[id(group)] = _Rounds(traced, works[id(group)])
         return planned[id(group)]
 
-    def prepare(group: MeshGroup) -> _materialize.Runner:
+    def prepare(group: MeshGroup) -> _strategies.Runner:
         work = works[id(group)]
         runner = rounds(group).prepare()
         fallback_exe = _fallback_exe(traced, group, work, local) if work.fallback else None
@@ -278,7 +278,7 @@ def materialize(
 
         return run
 
-    def work_of(group: MeshGroup) -> _materialize.Needs:
+    def work_of(group: MeshGroup) -> _strategies.Needs:
         needs = rounds(group).work()
         return [*needs, (None, 1)] if works[id(group)].fallback else needs
 
@@ -303,8 +303,8 @@ class _Rounds:
         self.traced, self.work_ = traced, work
         self.group = work.group
         mesh = self.group.mesh
-        self.on_cpu = bool(self.group.entries) and _materialize.on_cpu(mesh)
-        self.buckets = _materialize.bucket_batches(self.group, None) if self.group.entries else []
+        self.on_cpu = bool(self.group.entries) and _compile.on_cpu(mesh)
+        self.buckets = _strategies.bucket_batches(self.group, None) if self.group.entries else []
 
     def _entries(self, bucket: tuple[int, ...]) -> list[int]:
         """The first sliced entry of each signature of ``bucket``."""
@@ -351,7 +351,7 @@ class _Rounds:
             layout.append(items)
         return sorted(sizes, key=str), layout
 
-    def _build(self, bucket: tuple[int, ...]) -> _materialize.Build:
+    def _build(self, bucket: tuple[int, ...]) -> _compile.Build:
         firsts = self._entries(bucket)
 
         def build():
@@ -392,14 +392,14 @@ class _Rounds:
 
         return build
 
-    def builds(self) -> list[tuple[Hashable, _materialize.Build]]:
+    def builds(self) -> list[tuple[Hashable, _compile.Build]]:
         return [(self._key(b), self._build(b)) for b in self.buckets]
 
-    def work(self) -> _materialize.Needs:
+    def work(self) -> _strategies.Needs:
         return [(self._key(b), len(self.group.batches[b[0]])) for b in self.buckets]
 
     def prepare(self) -> Callable[[], Iterator[tuple[int, jax.Array]]]:
-        exes = [_materialize.compiled(key, self.group, build) for key, build in self.builds()]
+        exes = [_compile.compiled(key, self.group, build) for key, build in self.builds()]
         batches = self.group.batches
 
         def run() -> Iterator[tuple[int, jax.Array]]:
@@ -414,7 +414,7 @@ class _Rounds:
                         if n not in self.traced.host
                     ]
                     inputs = [*(b[r] for b in buffers), *args]
-                    outs = _materialize.call(exe, inputs, self.group, ks)
+                    outs = _strategies.call(exe, inputs, self.group, ks)
                     yield from zip(ks, outs, strict=True)
 
         return run
@@ -438,7 +438,7 @@ class _Rounds:
 def _replicated(x: Any, mesh: Any) -> Any:
     if mesh.size == 1:
         return x
-    twin = NamedSharding(_materialize.auto_twin(mesh), jax.sharding.PartitionSpec())
+    twin = NamedSharding(_compile.auto_twin(mesh), jax.sharding.PartitionSpec())
     return jax.lax.with_sharding_constraint(x, twin)
 
 
@@ -468,4 +468,4 @@ def _fallback_exe(traced: Traced, group: MeshGroup, work: _Work, cache: LRUCache
         structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in traced.args]
         return program, [e.sharding for e in entries], structs
 
-    return _materialize.compiled(("constructor_fallback", id(work)), group, build, cache)
+    return _compile.compiled(("constructor_fallback", id(work)), group, build, cache)

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _host, _jaxpr, _materialize
+from . import _compile, _host, _jaxpr
 from ._jaxpr import Lit, Program
 
 SMALL_BYTES = 1 << 14
@@ -148,7 +148,7 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
     """
     structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in args]
     context = jax.sharding.get_mesh()
-    twin = None if context is None or context.empty else _materialize.auto_twin(context)
+    twin = None if context is None or context.empty else _compile.auto_twin(context)
     _install_quiet_origin_messages()
     token = _TRACING.set(True)
     try:

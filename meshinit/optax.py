@@ -42,7 +42,7 @@ import numpy as np
 from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _caches, _materialize, _paths
+from . import _caches, _compile, _paths
 from ._plan import MeshGroup, Plan
 from ._report import describe_mesh
 
@@ -218,7 +218,7 @@ def _structure_key(treedef: Any, leaves: list[Any], scalars_on: Mesh) -> Hashabl
         treedef,
         tuple((x.shape, x.dtype, x.sharding) for x in leaves),
         scalars_on,
-        _materialize._full_key(None),
+        _compile.full_key(None),
     )
 
 
@@ -318,7 +318,7 @@ def _build(tx: Any, params: Any, paths: list[str], leaves: list[Any], scalars_on
             )
             for i in inputs
         ]
-        exe = _materialize._compile(
+        exe = _compile.compile_now(
             MeshGroup(mesh, ()), program, [shardings[j] for j in outputs], args
         )
         steps.append((mesh, inputs, outputs, exe))
@@ -326,7 +326,7 @@ def _build(tx: Any, params: Any, paths: list[str], leaves: list[Any], scalars_on
 
 
 def _auto(sharding: NamedSharding) -> NamedSharding:
-    return NamedSharding(_materialize._auto_twin(sharding.mesh), sharding.spec)
+    return NamedSharding(_compile.auto_twin(sharding.mesh), sharding.spec)
 
 
 def init(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:

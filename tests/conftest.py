@@ -68,10 +68,10 @@ def fail_group(monkeypatch):
     """``made = fail_group(plan, error)``: the default strategy raises ``error("injected
     fault")`` when it reaches ``plan.groups[1]``, while generating (default) or, with
     ``when="compile"``, while preparing it; ``made`` lists every array it made before."""
-    from meshinit import _materialize
+    from meshinit import _strategies
 
     def inject(plan, error, *, when="generate"):
-        strategy = _materialize.STRATEGIES[_materialize.DEFAULT_STRATEGY]
+        strategy = _strategies.STRATEGIES[_strategies.DEFAULT_STRATEGY]
         real = strategy.prepare
         target = plan.groups[1].mesh
         made = []

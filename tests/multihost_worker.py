@@ -188,11 +188,11 @@ def check_agreement(process_id: int, plan: Any) -> tuple[list[str], dict]:
     """Process 1 fails two materialize calls, each in its own way; both processes must
     raise, process 0 naming process 1, within a bounded time, keeping no array. Then
     one more call must succeed on both (the processes still agree on the call count)."""
-    from meshinit import _materialize
+    from meshinit import _checks, _strategies
 
     failures: list[str] = []
     outcomes: dict[str, Any] = {}
-    real_stats, real_call = _materialize._memory_stats, _materialize.call
+    real_stats, real_call = _checks.memory_stats, _strategies.call
 
     def no_memory(device: Any) -> dict[str, int]:
         return {"bytes_limit": 1024, "bytes_in_use": 0}  # a local memory check fails
@@ -201,11 +201,11 @@ def check_agreement(process_id: int, plan: Any) -> tuple[list[str], dict]:
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected)")
 
     for case, patch in (
-        ("memory_check", ("_memory_stats", no_memory)),
-        ("oom", ("call", out_of_memory)),
+        ("memory_check", (_checks, "memory_stats", no_memory)),
+        ("oom", (_strategies, "call", out_of_memory)),
     ):
         if process_id == 1:
-            setattr(_materialize, *patch)
+            setattr(*patch)
         before = len(jax.live_arrays())
         start = time.monotonic()
         try:
@@ -216,7 +216,7 @@ def check_agreement(process_id: int, plan: Any) -> tuple[list[str], dict]:
         except Exception as e:
             outcome = f"{type(e).__name__}: {str(e).splitlines()[0]}"
         finally:
-            _materialize._memory_stats, _materialize.call = real_stats, real_call
+            _checks.memory_stats, _strategies.call = real_stats, real_call
         outcomes[case] = {
             "outcome": outcome[:400],
             "seconds": time.monotonic() - start,

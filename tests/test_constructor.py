@@ -430,12 +430,12 @@ def test_what_cannot_be_cut_falls_back_with_an_info_record(caplog):
             )
             self.odd = nnx.Param(host_init(rngs.params(), (64, 64)) * 2, mesh=mesh)
 
-    from meshinit import _materialize
+    from meshinit import _compile
 
     with caplog.at_level(logging.INFO, logger="meshinit"):
         model = meshinit.nnx.init(lambda: Model(nnx.Rngs(0)))
     # the whole-constructor program is this call's own: nothing of it stays cached
-    assert not any("constructor_fallback" in str(k) for k in _materialize._executables)
+    assert not any("constructor_fallback" in str(k) for k in _compile.executables)
     summary = [
         r.getMessage() for r in caplog.records if r.getMessage().startswith("meshinit.nnx.init:")
     ]
@@ -528,14 +528,12 @@ def test_the_engine_programs_move_nothing_between_devices():
     # these programs would mean the partitioner split an input and shipped pieces (it
     # did, for host-made norms cut from a packed buffer, before they were constrained
     # replicated; on CPU such programs can also stall in flight).
-    from meshinit import _materialize
+    from meshinit import _compile
 
     meshinit.clear_cache()
     mesh = mesh24()
     meshinit.nnx.init(lambda: nnx_stack(3, mesh)(nnx.Rngs(0)))
-    texts = [
-        exe.as_text() for k, exe in _materialize._executables.items() if k[0][0] == "constructor"
-    ]
+    texts = [exe.as_text() for k, exe in _compile.executables.items() if k[0][0] == "constructor"]
     assert texts
     for op in ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter"):
         assert not any(op in t for t in texts), op

@@ -11,7 +11,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from test_plan import three_mesh_specs
 
 import meshinit
-from meshinit import _materialize
+from meshinit import _compile, _materialize, _strategies
 
 lecun = jax.nn.initializers.lecun_normal
 
@@ -217,19 +217,19 @@ def test_compiles_do_not_grow_with_depth(count_compiles):
     assert counts[0] == counts[1]
 
 
-@pytest.mark.parametrize("strategy", sorted(_materialize.STRATEGIES))
+@pytest.mark.parametrize("strategy", sorted(_strategies.STRATEGIES))
 def test_every_strategy_compiles_at_most_once_per_signature(strategy, count_compiles):
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
     plan = meshinit.plan(model(mesh, 3, RULES))
     meshinit.clear_cache()
     key_data, impl = meshinit._paths.host_key(0)
-    s = _materialize.STRATEGIES[strategy]
+    s = _strategies.STRATEGIES[strategy]
     with count_compiles() as cold:  # builds: compiled in parallel first, as materialize does
-        _materialize._run(
+        _materialize.run_plan(
             plan, lambda g: s.prepare(g, impl), key_data, builds=lambda g: s.builds(g, impl)
         )
     with count_compiles() as warm:
-        _materialize._run(plan, lambda g: s.prepare(g, impl), key_data)
+        _materialize.run_plan(plan, lambda g: s.prepare(g, impl), key_data)
     assert 1 <= cold.count <= len({e.signature for e in plan.entries})
     assert warm.count == 0
 
@@ -239,7 +239,7 @@ def test_fused_group_strategy_grows_only_by_output_slices():
     texts = []
     for layers in (2, 16):
         group = meshinit.plan(model(mesh, layers, RULES)).groups[0]
-        program = _materialize.FusedGroup().program(group, "threefry2x32")
+        program = _strategies.FusedGroup().program(group, "threefry2x32")
         texts.append(str(jax.make_jaxpr(program)(group.digests)))  # any uint32[n, 2] keys
     # 8x the layers, the same random generation: one vmap per distinct signature.
     assert texts[0].count("random_bits") == texts[1].count("random_bits") > 0
@@ -251,12 +251,12 @@ def test_strategies_give_identical_values_and_exact_shardings(explicit):
     plan = meshinit.plan(model(mesh, 2, RULES))
     key_data, impl = meshinit._paths.host_key(3)
     results = {
-        name: _materialize._run(
-            plan, lambda g, s=strategy: s.prepare(g, _materialize._key_impl(g, impl)), key_data
+        name: _materialize.run_plan(
+            plan, lambda g, s=strategy: s.prepare(g, _strategies.key_impl(g, impl)), key_data
         )
-        for name, strategy in _materialize.STRATEGIES.items()
+        for name, strategy in _strategies.STRATEGIES.items()
     }
-    base = flat_values(results.pop(_materialize.DEFAULT_STRATEGY))
+    base = flat_values(results.pop(_strategies.DEFAULT_STRATEGY))
     for tree in results.values():
         assert_exact(plan, tree)
         got = flat_values(tree)
@@ -281,7 +281,7 @@ def test_no_device_ever_holds_a_full_copy(explicit):
     plan = meshinit.plan(specs)
     group = plan.groups[0]
     full = 512 * 1024
-    for name, strategy in _materialize.STRATEGIES.items():
+    for name, strategy in _strategies.STRATEGIES.items():
         for exe in strategy.executables(group, "threefry2x32"):
             # Per-device programs see only shard-sized arrays (1/8 of a parameter).
             assert largest_array_in(exe) <= full // 8, name
@@ -307,7 +307,7 @@ def test_failure_in_a_later_group_frees_earlier_arrays(monkeypatch):
         [meshinit.param((64, 64), lecun(), axes=("x", None), mesh=m) for m in stages]
     )
     meshinit.materialize(plan, 0)  # compile and cache both groups
-    real = _materialize.STRATEGIES[_materialize.DEFAULT_STRATEGY]
+    real = _strategies.STRATEGIES[_strategies.DEFAULT_STRATEGY]
 
     class FailsInSecondGroup:
         def prepare(self, group, impl):
@@ -321,9 +321,7 @@ def test_failure_in_a_later_group_frees_earlier_arrays(monkeypatch):
 
             return failing
 
-    monkeypatch.setitem(
-        _materialize.STRATEGIES, _materialize.DEFAULT_STRATEGY, FailsInSecondGroup()
-    )
+    monkeypatch.setitem(_strategies.STRATEGIES, _strategies.DEFAULT_STRATEGY, FailsInSecondGroup())
     before = {id(a) for a in jax.live_arrays()}
     with pytest.raises(RuntimeError, match="device out of memory"):
         meshinit.materialize(plan, 1)
@@ -355,7 +353,7 @@ def compile_threads(monkeypatch):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile)
-    monkeypatch.setattr(_materialize, "_compile_threads", lambda: 2)
+    monkeypatch.setattr(_compile, "compile_threads", lambda: 2)
     return names
 
 
@@ -382,10 +380,10 @@ def test_uncached_executables_compile_in_parallel_threads_once_each(
 def break_compiles_on(monkeypatch, bad):
     """Every compile for the mesh ``bad`` fails, naming an XLA option that does not
     exist (not one of meshinit's, so it is not dropped); returns the real options."""
-    real = _materialize._compiler_options
+    real = _compile.compiler_options
     monkeypatch.setattr(
-        _materialize,
-        "_compiler_options",
+        _compile,
+        "compiler_options",
         lambda mesh: {"xla_no_such_option_here": 1} if mesh is bad else real(mesh),
     )
     return real
@@ -403,7 +401,7 @@ def test_a_compile_failing_in_a_thread_names_its_group_and_leaves_nothing(
     notes = "\n".join(e.value.__notes__)
     assert "while compiling for the mesh" in notes and "s1.w" in notes and "s0.w" not in notes
     assert not any(t.name.startswith("meshinit-compile") for t in threading.enumerate())
-    monkeypatch.setattr(_materialize, "_compiler_options", real)
+    monkeypatch.setattr(_compile, "compiler_options", real)
     assert_exact(plan, meshinit.materialize(plan, 0))  # nothing broken was cached
 
 
@@ -412,14 +410,14 @@ def test_a_lowering_failure_waits_for_the_compiles_already_running(
 ):
     plan = two_stage_plan()
     meshinit.clear_cache()
-    real = _materialize._lower
+    real = _compile.lower
 
     def lower(group, *args):
         if group is plan.groups[1]:
             raise KeyboardInterrupt  # e.g. Ctrl-C while tracing the second group
         return real(group, *args)
 
-    monkeypatch.setattr(_materialize, "_lower", lower)
+    monkeypatch.setattr(_compile, "lower", lower)
     with new_arrays() as made, pytest.raises(KeyboardInterrupt):
         meshinit.materialize(plan, 0)
     assert made == []
@@ -429,22 +427,20 @@ def test_a_lowering_failure_waits_for_the_compiles_already_running(
 
 
 def test_an_option_this_jaxlib_lacks_is_dropped_not_fatal(monkeypatch, caplog):
-    monkeypatch.setitem(_materialize.CPU_COMPILER_OPTIONS, "xla_meshinit_no_such_option", 1)
+    monkeypatch.setitem(_compile.CPU_COMPILER_OPTIONS, "xla_meshinit_no_such_option", 1)
     mesh = submesh(range(4), (2, 2), ("x", "y"))
     lone = meshinit.plan({"w": meshinit.param((48, 16), lecun(), axes=("x", "y"), mesh=mesh)})
     for plan in (two_stage_plan(), lone):  # compiles in threads, then a lone compile
         meshinit.clear_cache()
-        monkeypatch.setattr(_materialize, "_unknown_options", set())
+        monkeypatch.setattr(_compile, "unknown_options", set())
         caplog.clear()
         with caplog.at_level("INFO", logger="meshinit"):
             assert_exact(plan, meshinit.materialize(plan, 0))
-        assert _materialize._unknown_options == {"xla_meshinit_no_such_option"}
+        assert _compile.unknown_options == {"xla_meshinit_no_such_option"}
         said = [r for r in caplog.records if "xla_meshinit_no_such_option" in r.getMessage()]
         assert len(said) == 1
-    assert _materialize._compiler_options(mesh) == {
-        k: v
-        for k, v in _materialize.CPU_COMPILER_OPTIONS.items()
-        if k != "xla_meshinit_no_such_option"
+    assert _compile.compiler_options(mesh) == {
+        k: v for k, v in _compile.CPU_COMPILER_OPTIONS.items() if k != "xla_meshinit_no_such_option"
     }
 
 
@@ -467,10 +463,10 @@ def test_meshinit_compiler_options_change_no_value(monkeypatch):
             for i, f in enumerate(inits)
         }
     )
-    shipped = dict(_materialize.CPU_COMPILER_OPTIONS)
+    shipped = dict(_compile.CPU_COMPILER_OPTIONS)
     assert shipped  # else this compares XLA's defaults with themselves
     ours = flat_values(meshinit.materialize(plan, 3))
-    monkeypatch.setattr(_materialize, "CPU_COMPILER_OPTIONS", {})
+    monkeypatch.setattr(_compile, "CPU_COMPILER_OPTIONS", {})
     xla_defaults = flat_values(meshinit.materialize(plan, 3))
     for path, value in ours.items():
         assert np.array_equal(value, xla_defaults[path]), path

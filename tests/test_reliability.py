@@ -506,9 +506,9 @@ def test_nnx_and_linen_spell_partition_specs_as_flax_does():
 def _failing_calls(monkeypatch, *, at_wait: bool):
     """Every compiled call after the first fails as an out-of-memory would: at once,
     or (``at_wait``) asynchronously, when its arrays are waited for."""
-    from meshinit import _materialize
+    from meshinit import _strategies
 
-    real = _materialize._compiled
+    real = _strategies.compiled
     calls = []
 
     class Failed:  # an array whose computation failed on the device
@@ -531,7 +531,7 @@ def _failing_calls(monkeypatch, *, at_wait: bool):
 
         return run
 
-    monkeypatch.setattr(_materialize, "_compiled", compiled)
+    monkeypatch.setattr(_strategies, "compiled", compiled)
 
 
 @pytest.mark.parametrize("at_wait", [False, True], ids=["at-dispatch", "at-wait"])

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from test_materialize import assert_exact, submesh
 
 import meshinit
-from meshinit import _materialize
+from meshinit import _checks, _strategies
 
 lecun = jax.nn.initializers.lecun_normal
 RULES = (("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor"))
@@ -115,8 +115,8 @@ def test_max_bytes_per_call_splits_calls_and_keeps_values(count_compiles):
     plan = meshinit.plan(specs)
     group = plan.groups[0]
     one = group.entries[0].device_bytes  # every param here: 32*64/8 floats per device
-    unbounded = _materialize.Rounds()._buckets(group)
-    bounded = _materialize.Rounds(max_bytes_per_call=2 * one)._buckets(group)
+    unbounded = _strategies.Rounds()._buckets(group)
+    bounded = _strategies.Rounds(max_bytes_per_call=2 * one)._buckets(group)
     assert [len(b) for b in unbounded] == [3]
     assert sorted(len(b) for b in bounded) == [1, 2]
     for bucket in bounded:
@@ -156,7 +156,7 @@ def test_memory_check_names_the_largest_parameters_on_the_worst_device(monkeypat
             return None  # like CPU: nothing reported, nothing checked
         return {"bytes_limit": tight[device.id], "bytes_in_use": 200}
 
-    monkeypatch.setattr(_materialize, "_memory_stats", stats)
+    monkeypatch.setattr(_checks, "memory_stats", stats)
     with new_arrays() as made, pytest.raises(meshinit.PlanError) as info:
         meshinit.materialize(plan, 0)
     msg = str(info.value)

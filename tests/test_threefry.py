@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit import _materialize, _threefry
+from meshinit import _compile, _materialize, _strategies, _threefry
 
 u32 = st.integers(0, 2**32 - 1)
 
@@ -86,19 +86,19 @@ def test_meshinit_cpu_programs_hash_without_a_loop_and_jax_would_loop():
         {"w": meshinit.param((64, 128), init.lecun_normal(), axes=("a", "b"), mesh=mesh)}
     )
     group = plan.groups[0]
-    strategy = _materialize.Rounds()
+    strategy = _strategies.Rounds()
 
     def lowered_text(impl):
         ((_, build),) = strategy.builds(group, impl)
-        return _materialize._lower(group, *build()).as_text()
+        return _compile.lower(group, *build()).as_text()
 
-    ours = _materialize._key_impl(group, "threefry2x32")
+    ours = _strategies.key_impl(group, "threefry2x32")
     assert ours is _threefry.STRAIGHT_LINE
     assert "while" not in lowered_text(ours)
     assert "while" in lowered_text("threefry2x32")
 
 
-@pytest.mark.parametrize("strategy", sorted(_materialize.STRATEGIES))
+@pytest.mark.parametrize("strategy", sorted(_strategies.STRATEGIES))
 def test_every_strategy_makes_the_values_of_jaxs_own_threefry(strategy):
     mesh = jax.make_mesh((2, 4), ("a", "b"))
     inits = [
@@ -119,15 +119,15 @@ def test_every_strategy_makes_the_values_of_jaxs_own_threefry(strategy):
     }
     plan = meshinit.plan(tree)
     key_data, name = meshinit._paths.host_key(5)
-    assert _materialize._key_impl(plan.groups[0], name) is _threefry.STRAIGHT_LINE
-    s = _materialize.STRATEGIES[strategy]
+    assert _strategies.key_impl(plan.groups[0], name) is _threefry.STRAIGHT_LINE
+    s = _strategies.STRATEGIES[strategy]
 
     def values(impl_of):
-        made = _materialize._run(plan, lambda g: s.prepare(g, impl_of(g)), key_data)
+        made = _materialize.run_plan(plan, lambda g: s.prepare(g, impl_of(g)), key_data)
         flat, _ = jax.tree_util.tree_flatten_with_path(made)
         return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
 
-    ours = values(lambda g: _materialize._key_impl(g, name))
+    ours = values(lambda g: _strategies.key_impl(g, name))
     jaxs = values(lambda g: name)
     assert ours.keys() == jaxs.keys() and len(ours) == 3 * len(inits)
     for path, value in jaxs.items():

@@ -1,0 +1,197 @@
+"""What materialize checks before allocating anything, each problem naming its path.
+
+``existing=`` arrays (:func:`given_arrays`), abstract meshes, meshes of a cleared
+backend, the per-call bound, and the memory each device reports free.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._errors import Problem
+from ._plan import MeshGroup, Plan, PlanEntry
+from ._report import describe_mesh, human_bytes
+
+
+def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[int, Any], list]:
+    """``existing`` keyed by ``id`` of its plan entry, and every problem found in it."""
+    if existing is None:
+        return {}, []
+    if not isinstance(existing, Mapping):
+        raise TypeError(
+            f"existing must map dot-joined paths to arrays, got {type(existing).__name__}"
+        )
+    by_path = {e.path: e for e in plan.entries}
+    problems: list[Problem] = []
+    given: dict[int, Any] = {}
+    for path, value in existing.items():
+        entry = by_path.get(path)
+        if entry is None:
+            close = difflib.get_close_matches(str(path), by_path, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(
+                Problem(
+                    str(path),
+                    f"not a planned parameter; existing maps the plan's dot-joined paths "
+                    f"(like {plan.entries[0].path!r}) to arrays{hint}"
+                    if plan.entries
+                    else "not a planned parameter: the plan has none",
+                )
+            )
+            continue
+        if not isinstance(value, jax.Array | np.ndarray) or isinstance(value, jax.core.Tracer):
+            problems.append(
+                Problem(
+                    path,
+                    f"existing value must be a jax.Array or numpy array, got "
+                    f"{type(value).__name__}",
+                )
+            )
+            continue
+        if isinstance(value, jax.Array) and value.is_deleted():
+            problems.append(
+                Problem(
+                    path,
+                    "existing array was deleted (x.delete(), or donated to a jitted call); "
+                    "pass a live array, or leave the path out to generate it",
+                )
+            )
+            continue
+        spec = entry.spec
+        if tuple(value.shape) != spec.shape:
+            problems.append(
+                Problem(
+                    path, f"existing array has shape {tuple(value.shape)}, planned {spec.shape}"
+                )
+            )
+        if np.dtype(value.dtype) != spec.dtype:
+            problems.append(
+                Problem(
+                    path,
+                    f"existing array has dtype {np.dtype(value.dtype).name}, planned "
+                    f"{spec.dtype.name}; cast it first (x.astype(jnp.{spec.dtype.name}))",
+                )
+            )
+        given[id(entry)] = value
+    return given, problems
+
+
+def subplan(plan: Plan, keep: Sequence[PlanEntry]) -> Plan:
+    """The plan restricted to ``keep``, groups in the same order (empty ones dropped)."""
+    ids = {id(e) for e in keep}
+    groups = []
+    for g in plan.groups:
+        entries = tuple(e for e in g.entries if id(e) in ids)
+        if entries:
+            groups.append(MeshGroup(g.mesh, entries))
+    return Plan(tuple(keep), tuple(groups), plan.treedef, plan.leaves)
+
+
+def memory_stats(device: Any) -> dict[str, int] | None:
+    """``device.memory_stats()``, or None where the backend reports nothing (CPU)."""
+    try:
+        return device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+
+
+def memory_problems(entries: Sequence[PlanEntry]) -> list[Problem]:
+    """Problems if ``entries`` do not fit in the free memory of an addressable device.
+
+    Parameter bytes only: each call's temporaries come on top (a few shards' worth;
+    bound them with ``max_bytes_per_call``).
+    """
+    by_mesh: dict[Any, list[PlanEntry]] = {}
+    for e in entries:
+        by_mesh.setdefault(e.mesh, []).append(e)
+    on_device: dict[Any, list[PlanEntry]] = {}
+    local = jax.process_index()
+    for mesh, es in by_mesh.items():
+        for d in mesh.devices.flat:
+            if d.process_index == local:
+                on_device.setdefault(d, []).extend(es)
+    worst = None
+    for d, es in on_device.items():
+        stats = memory_stats(d)
+        if not stats or "bytes_limit" not in stats:
+            continue
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        need = sum(e.device_bytes for e in es)
+        if need > free and (worst is None or need - free > worst[0]):
+            worst = (need - free, d, need, free, es)
+    if worst is None:
+        return []
+    _, d, need, free, es = worst
+    largest = sorted(es, key=lambda e: e.device_bytes, reverse=True)[:5]
+    return [
+        Problem(
+            "",
+            f"device {d} needs {human_bytes(need)} for its parameters but has "
+            f"{human_bytes(free)} free; shard the largest parameters over more devices, "
+            f"use a bigger mesh, or free memory first. Largest on it:",
+        ),
+        *(Problem(e.path, f"{human_bytes(e.device_bytes)} on this device") for e in largest),
+    ]
+
+
+def abstract_problems(plan: Plan) -> list[Problem]:
+    return [
+        Problem(
+            g.entries[0].path,
+            f"mesh {g.mesh} is abstract ({len(g.entries)} params); materialize "
+            f"needs a concrete jax.sharding.Mesh. Plan on abstract meshes for "
+            f"sizes, or use plan.abstract() as a restore target",
+        )
+        for g in plan.groups
+        if g.is_abstract
+    ]
+
+
+def stale_problems(plan: Plan) -> list[Problem]:
+    """Groups whose mesh holds devices of a backend that was cleared since it was made.
+
+    Arrays would land on the discarded backend and fail later, far from here, with
+    "incompatible devices"; the live backend's devices are other objects.
+    """
+    live: dict[str, set[Any]] = {}
+    problems = []
+    for g in plan.groups:
+        if g.is_abstract:
+            continue
+        device = g.mesh.devices.flat[0]
+        platform = device.platform
+        if platform not in live:
+            try:
+                live[platform] = set(jax.devices(platform))
+            except RuntimeError:  # the platform itself is gone
+                live[platform] = set()
+        if device not in live[platform]:
+            problems.append(
+                Problem(
+                    g.entries[0].path,
+                    f"mesh {describe_mesh(g.mesh)} ({len(g.entries)} params) holds devices "
+                    f"of a {platform} backend that has been cleared since "
+                    f"(jax.extend.backend.clear_backends()); build the mesh again from "
+                    f"jax.devices() and plan again",
+                )
+            )
+    return problems
+
+
+def bound_problems(entries: Sequence[PlanEntry], bound: int | None) -> list[Problem]:
+    if bound is None:
+        return []
+    return [
+        Problem(
+            e.path,
+            f"makes {human_bytes(e.device_bytes)} per device in one call, more than "
+            f"max_bytes_per_call={bound}; raise the bound or shard it over more devices",
+        )
+        for e in entries
+        if e.device_bytes > bound
+    ]

@@ -1,0 +1,240 @@
+"""Compiling meshinit's programs: the Auto twin, compiler options, the executable cache.
+
+Every program is traced under an all-Auto twin of its group's mesh
+(:func:`auto_twin`), lowered with exact out_shardings and compiled with the mesh's
+compiler options (:data:`CPU_COMPILER_OPTIONS` on CPU; an option this jaxlib lacks is
+dropped once, with an INFO record). Executables are cached process-wide
+(:data:`executables`, in the registry of :mod:`meshinit._caches`), and the ones not
+cached yet compile in parallel threads before anything is allocated
+(:func:`precompile`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from . import _caches, _progress
+from ._caches import LRUCache
+from ._plan import MeshGroup
+from ._report import describe_mesh
+
+
+def auto_twin(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis Auto.
+
+    Traced under an Explicit mesh, initializers return explicitly replicated values,
+    and every device would compute the full parameter before slicing. Under Auto the
+    out_shardings propagate back into the random generation.
+    """
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+executables = _caches.lru("compiled executables", 512)
+lock = threading.Lock()
+
+
+def on_cpu(mesh: Mesh) -> bool:
+    return mesh.devices.flat[0].platform == "cpu"
+
+
+def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
+    if not on_cpu(mesh):
+        return None
+    options = {k: v for k, v in CPU_COMPILER_OPTIONS.items() if k not in unknown_options}
+    return options or None
+
+
+unknown_options: set[str] = set()  # of CPU_COMPILER_OPTIONS, those this jaxlib lacks
+_NO_SUCH_OPTION = re.compile(r"No such compile option: '([^']+)'")
+
+
+def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
+    """``lowered.compile`` with the mesh's compiler options.
+
+    An option of :data:`CPU_COMPILER_OPTIONS` that this jaxlib does not know (XLA
+    renames and retires its debug options) is dropped for the rest of the process,
+    with an INFO record, instead of failing every compile: meshinit's options change
+    compile and run time, never values (a test compares them with XLA's defaults).
+    """
+    tried: set[str] = set()
+    while True:
+        try:
+            return lowered.compile(compiler_options(mesh))
+        except Exception as e:
+            found = _NO_SUCH_OPTION.search(str(e))
+            name = found and found.group(1)
+            if name not in CPU_COMPILER_OPTIONS or name in tried:
+                raise
+            tried.add(name)
+            with lock:  # compiles run in threads: say it once
+                new = name not in unknown_options
+                unknown_options.add(name)
+            if new:
+                _progress.logger.info(
+                    "meshinit: this jaxlib has no XLA option %r; not using it", name
+                )
+
+
+def lower(
+    group: MeshGroup, program: Callable[..., Any], out_shardings: Any, args: Sequence[Any]
+) -> Any:
+    """Traces and lowers ``program`` for ``group`` with exact ``out_shardings``.
+
+    Tracing happens under an all-Auto twin of the group's mesh: it overrides any
+    context mesh the user set, and lets the out_shardings partition the generation.
+    """
+    with jax.set_mesh(auto_twin(group.mesh)):
+        return jax.jit(program, out_shardings=out_shardings).lower(*args)
+
+
+def compile_note(e: BaseException, group: MeshGroup) -> None:
+    e.add_note(f"meshinit: while compiling for the mesh {group.mesh} ({some_paths(group)})")
+
+
+def compile_now(
+    group: MeshGroup,
+    program: Callable[..., Any],
+    out_shardings: Any,
+    args: Sequence[Any],
+    key: Hashable | None = None,
+) -> Any:
+    """Lowers (:func:`lower`) and compiles ``program`` for ``group``, here and now."""
+    try:
+        with _progress.compiling(key):
+            lowered = lower(group, program, out_shardings, args)
+            return compile_lowered(lowered, group.mesh)
+    except Exception as e:
+        compile_note(e, group)
+        raise
+
+
+def full_key(cache_key: Hashable) -> Hashable:
+    """``cache_key`` with the global settings that change the compiled program."""
+    return (
+        cache_key,
+        jax.config.jax_threefry_partitionable,
+        tuple(sorted(CPU_COMPILER_OPTIONS.items())),
+    )
+
+
+def is_cached(cache_key: Hashable) -> bool:
+    with lock:
+        return full_key(cache_key) in executables
+
+
+Build = Callable[[], tuple[Callable[..., Any], Any, Sequence[Any]]]  # program, outs, args
+
+
+def compiled(
+    cache_key: Hashable, group: MeshGroup, build: Build, cache: LRUCache | None = None
+) -> Any:
+    """``compile_now(group, *build())``, cached on ``cache_key`` in ``cache`` (default: the
+    process-wide cache of executables)."""
+    cache = executables if cache is None else cache
+    cache_key = full_key(cache_key)
+    with lock:
+        hit = cache.get(cache_key)
+    if hit is not None:
+        _progress.cache_hit(cache_key)
+        return hit
+    compiled = compile_now(group, *build(), key=cache_key)
+    with lock:
+        cache.put(cache_key, compiled)
+    return compiled
+
+
+def compile_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def precompile(
+    jobs: Sequence[tuple[int, MeshGroup, Hashable, Build]], cache: LRUCache | None = None
+) -> None:
+    """Compiles, in parallel, the executables of ``jobs`` that ``cache`` (default: the
+    process-wide cache of executables) does not hold yet, into ``cache``.
+
+    XLA compiles in threads, at most one per core: each program is traced and lowered
+    here (that needs the mesh context, and holds the GIL), and its compile starts at
+    once, while the next one is lowered. Measured on the 2-core CPU reference (3
+    executables, 6 alternating fresh processes each): cold init median 2.82 s against
+    3.10 s compiling one after the other, and 2.89 s with 3 threads. Each finished
+    compile is cached and reported to the progress tracker from this thread.
+
+    On any error, compiles not yet started are cancelled and running ones are waited
+    for, so nothing compiles after this returns; the first error propagates, with its
+    mesh group named. With fewer than two executables to compile this does nothing:
+    :func:`compiled` compiles a lone one where it is needed.
+    """
+    cache = executables if cache is None else cache
+    pending: dict[Hashable, tuple[int, MeshGroup, Build]] = {}
+    for index, group, key, build in jobs:
+        full = full_key(key)
+        with lock:
+            cached = full in cache
+        if not cached and full not in pending:
+            pending[full] = (index, group, build)
+    if len(pending) < 2:
+        return
+
+    def compile_one(lowered: Any, mesh: Mesh) -> tuple[Any, float]:
+        start = time.perf_counter()
+        return compile_lowered(lowered, mesh), time.perf_counter() - start
+
+    _progress.compile_started()
+    workers = min(len(pending), compile_threads())
+    with ThreadPoolExecutor(workers, thread_name_prefix="meshinit-compile") as pool:
+        futures: list[tuple[Future, Hashable, int, MeshGroup]] = []
+        try:
+            for full, (index, group, build) in pending.items():
+                try:
+                    lowered = lower(group, *build())
+                except Exception as e:
+                    compile_note(e, group)
+                    raise
+                future = pool.submit(compile_one, lowered, group.mesh)
+                futures.append((future, full, index, group))
+            for future, full, index, group in futures:  # reported in order
+                try:
+                    compiled, seconds = future.result()
+                except Exception as e:
+                    compile_note(e, group)
+                    raise
+                with lock:
+                    cache.put(full, compiled)
+                label = _progress.group_label(index, describe_mesh(group.mesh))
+                _progress.compile_done(seconds, full, label)
+        except BaseException:
+            for future, *_ in futures:
+                future.cancel()
+            raise
+
+
+# On CPU, XLA's backend optimization level 1 instead of the default (compile time -30%,
+# run time up to +50%: a trade that pays for cold init), and XLA's classic elemental
+# emitters instead of its MLIR fusion emitters (same values, about 25% less compile
+# time at the same run time). Measured on the reference model; see
+# benchmarks/README.md. Other platforms keep their defaults.
+CPU_COMPILER_OPTIONS: dict[str, Any] = {
+    "xla_backend_optimization_level": 1,
+    "xla_cpu_use_fusion_emitters": False,
+}
+
+
+def some_paths(group: MeshGroup, n: int = 5) -> str:
+    paths = ", ".join(e.path for e in group.entries[:n])
+    more = len(group.entries) - n
+    return paths + (f" and {more} more" if more > 0 else "")

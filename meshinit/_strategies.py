@@ -1,0 +1,298 @@
+"""How a mesh group's parameters are compiled and called: the strategies.
+
+Work is deduplicated by signature (initializer fingerprint, shape, dtype,
+PartitionSpec). The default strategy, :class:`Rounds`, compiles one executable per
+bucket of signatures with equally many parameters, so compile time does not grow with
+depth. Per-parameter keys are derived on the host (``_paths.fold_digests``,
+bit-identical to ``param_key``) and passed in as key data, so a new key, or another
+model with the same signatures, reuses the cached executables: zero compilations.
+
+A strategy has ``builds(group, impl)`` (the executables it will call, as cache keys
+and builders), ``work(group, impl)`` (each executable with how many calls it gets)
+and ``prepare(group, impl)`` (a runner that makes the group's arrays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _paths, _threefry
+from ._compile import Build, compiled, on_cpu
+from ._plan import MeshGroup
+
+KeyImpl = Any  # what jax.random.wrap_key_data takes as impl: a name or a PRNGSpec
+
+_KEY = jax.ShapeDtypeStruct((2,), np.uint32)
+
+
+def key_impl(group: MeshGroup, impl: str) -> KeyImpl:
+    """The key implementation that ``group``'s programs wrap their key data with.
+
+    On CPU, jax's threefry2x32 with its hash emitted straight-line
+    (:data:`_threefry.STRAIGHT_LINE`): the same bits, and XLA fuses the hash into the
+    initializer. On the 32-layer reference (3 alternating pairs of fresh processes)
+    cold init took 1.36-1.61 s against 1.59-1.94 s, and a warm re-init 0.21 s against
+    0.38-0.42 s (benchmarks/README.md). Other platforms already get a straight-line
+    hash from jax and keep its implementation.
+    """
+    if impl == _paths.SHARDING_INVARIANT_IMPL and on_cpu(group.mesh):
+        return _threefry.STRAIGHT_LINE
+    return impl
+
+
+def _make(spec: Any, key_data: Any, impl: KeyImpl) -> Any:
+    """The spec's value from its own key's data (traced)."""
+    return spec.init(jax.random.wrap_key_data(key_data, impl=impl), spec.shape, spec.dtype)
+
+
+# A strategy turns a mesh group into a runner: ``prepare(group, impl)`` compiles (or
+# fetches) what the group needs, and the runner it returns maps host inputs (the key
+# data) to ``(position in group.entries, array)`` pairs. Strategies differ in compile and
+# dispatch costs only; values and shardings are the same. ``work(group, impl)`` says,
+# without compiling, what ``prepare`` will need: a ``(cache key, calls)`` per executable,
+# which decides the progress bar and feeds the log line. ``builds(group, impl)`` gives,
+# also without compiling, a ``(cache key, build)`` per executable: materialize compiles
+# the uncached ones of every group in parallel (``precompile``) before ``prepare``.
+Runner = Callable[..., Iterator[tuple[int, jax.Array]]]
+Needs = Sequence[tuple[Hashable | None, int]]  # None: compiled every time, never cached
+
+
+def call(exe: Any, args: Sequence[Any], group: MeshGroup, positions: Sequence[int]) -> Any:
+    """``exe(*args)``; an error (an out-of-memory, say) gets a note naming what the call
+    makes: the entries of ``group`` at ``positions``."""
+    try:
+        return exe(*args)
+    except Exception as e:
+        e.add_note(f"meshinit: in the call that makes {_paths_of(group, positions)}")
+        raise
+
+
+def _paths_of(group: MeshGroup, positions: Sequence[int], n: int = 8) -> str:
+    paths = [group.entries[p].path for p in positions]
+    more = f" and {len(paths) - n} more" if len(paths) > n else ""
+    return ", ".join(paths[:n]) + more
+
+
+def _executables_of(group: MeshGroup, builds: Sequence[tuple[Hashable, Build]]) -> list[Any]:
+    return [compiled(key, group, build) for key, build in builds]
+
+
+class _Cached:
+    """Executables from ``self.builds(group, impl)``, each compiled once and cached."""
+
+    def executables(self, group: MeshGroup, impl: KeyImpl) -> list[Any]:
+        return _executables_of(group, self.builds(group, impl))
+
+
+class PerSignature(_Cached):
+    """One small executable per distinct signature, called once per parameter.
+
+    Compile cost is one small program per (mesh, signature), whatever the depth and
+    however many groups share it; dispatch costs one call per parameter.
+    """
+
+    def builds(self, group: MeshGroup, impl: KeyImpl) -> list[tuple[Hashable, Build]]:
+        return [(self._key(group, b, impl), self._build(group, b, impl)) for b in group.batches]
+
+    def work(self, group: MeshGroup, impl: KeyImpl) -> Needs:
+        return [(self._key(group, batch, impl), len(batch)) for batch in group.batches]
+
+    def _key(self, group: MeshGroup, batch: tuple[int, ...], impl: KeyImpl) -> Hashable:
+        return ("per_signature", group.mesh, group.entries[batch[0]].signature, impl)
+
+    def _build(self, group: MeshGroup, batch: tuple[int, ...], impl: KeyImpl) -> Build:
+        entry = group.entries[batch[0]]
+
+        def build():
+            spec = entry.spec
+
+            def program(key_data):
+                return _make(spec, key_data, impl)
+
+            return program, entry.sharding, (_KEY,)
+
+        return build
+
+    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
+        exes = self.executables(group, impl)
+
+        def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
+            keys = iter(_paths.fold_digests(key_data, group.digests))
+            for batch, exe in zip(group.batches, exes, strict=True):
+                for pos in batch:
+                    yield pos, call(exe, (next(keys),), group, (pos,))
+
+        return run
+
+
+class Rounds(_Cached):
+    """Signatures with the same number of parameters share one executable.
+
+    Call ``r`` of a bucket's executable makes the ``r``-th parameter of each of its
+    signatures, so a 32-layer stack of 7 per-layer signatures compiles one program
+    and dispatches 32 calls. The program grows with the number of signatures in a
+    bucket, never with depth.
+    """
+
+    def __init__(self, max_bytes_per_call: int | None = None):
+        self.max_bytes_per_call = max_bytes_per_call
+
+    def _buckets(self, group: MeshGroup) -> list[tuple[int, ...]]:
+        return bucket_batches(group, self.max_bytes_per_call)
+
+    def _build(self, group: MeshGroup, bucket: tuple[int, ...], impl: KeyImpl) -> Build:
+        entries = [group.entries[group.batches[i][0]] for i in bucket]
+
+        def build():
+            def program(keys):
+                return [_make(e.spec, keys[k], impl) for k, e in enumerate(entries)]
+
+            keys = jax.ShapeDtypeStruct((len(entries), 2), np.uint32)
+            return program, [e.sharding for e in entries], (keys,)
+
+        return build
+
+    def _key(self, group: MeshGroup, bucket: tuple[int, ...], impl: KeyImpl) -> Hashable:
+        signatures = tuple(group.entries[group.batches[i][0]].signature for i in bucket)
+        return ("rounds", group.mesh, signatures, impl)
+
+    def builds(self, group: MeshGroup, impl: KeyImpl) -> list[tuple[Hashable, Build]]:
+        return self._builds(group, self._buckets(group), impl)
+
+    def _builds(
+        self, group: MeshGroup, buckets: list[tuple[int, ...]], impl: KeyImpl
+    ) -> list[tuple[Hashable, Build]]:
+        return [(self._key(group, b, impl), self._build(group, b, impl)) for b in buckets]
+
+    def work(self, group: MeshGroup, impl: KeyImpl) -> Needs:
+        # a bucket's executable is called once per parameter of each of its signatures
+        return [(self._key(group, b, impl), len(group.batches[b[0]])) for b in self._buckets(group)]
+
+    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
+        buckets = self._buckets(group)
+        exes = _executables_of(group, self._builds(group, buckets, impl))
+        starts = np.cumsum([0, *(len(b) for b in group.batches)])
+        # rows[r, k]: the row in group.digests of the r-th parameter of the k-th signature
+        rows = [
+            np.stack([np.arange(starts[i], starts[i + 1]) for i in bucket], axis=1)
+            for bucket in buckets
+        ]
+
+        def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
+            keys = _paths.fold_digests(key_data, group.digests)
+            for bucket, exe, index in zip(buckets, exes, rows, strict=True):
+                for r in range(index.shape[0]):
+                    made = [group.batches[i][r] for i in bucket]
+                    yield from zip(made, call(exe, (keys[index[r]],), group, made), strict=True)
+
+        return run
+
+
+def bucket_batches(group: MeshGroup, max_bytes_per_call: int | None) -> list[tuple[int, ...]]:
+    """Indices into ``group.batches``, bucketed by batch size.
+
+    Buckets whose calls make the most bytes run first: any temporaries they need
+    then come while little else is allocated, which keeps the peak near the
+    device's share of the parameters. (With jax's rolled CPU hash they needed
+    about 2x their output on the reference model; with the straight-line hash of
+    :func:`key_impl`, none.) With a
+    ``max_bytes_per_call``, a bucket whose call would make more bytes per device
+    is split (largest signatures first) into buckets that stay under it.
+    """
+    by_count: dict[int, list[int]] = {}
+    for i, batch in enumerate(group.batches):
+        by_count.setdefault(len(batch), []).append(i)
+
+    def nbytes(i: int) -> int:
+        return group.entries[group.batches[i][0]].device_bytes
+
+    buckets = list(by_count.values())
+    if max_bytes_per_call is not None:
+        buckets = [b for bucket in buckets for b in _pack(bucket, nbytes, max_bytes_per_call)]
+    return [tuple(b) for b in sorted(buckets, key=lambda b: sum(map(nbytes, b)), reverse=True)]
+
+
+def _pack(items: list[int], size: Callable[[int], int], limit: int) -> list[list[int]]:
+    """First-fit decreasing: ``items`` in bins whose sizes sum to at most ``limit``.
+
+    An item larger than ``limit`` gets a bin of its own; materialize refuses such
+    plans before it gets here.
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for item in sorted(items, key=size, reverse=True):
+        for k, free in enumerate(room):
+            if size(item) <= free:
+                bins[k].append(item)
+                room[k] -= size(item)
+                break
+        else:
+            bins.append([item])
+            room.append(limit - size(item))
+    return bins
+
+
+class FusedGroup(_Cached):
+    """One executable per mesh group, one ``vmap`` per signature inside it.
+
+    One dispatch per group, but XLA's compile time grows with the number of outputs
+    (measured on CPU), so this suits shallow groups.
+
+    Known problem, not investigated: on 8 simulated CPU devices, a group with three
+    ``orthogonal`` parameters (one batched QR per device) hung in XLA's execution in
+    about half of the processes that had compiled other orthogonal programs first,
+    with jax's own threefry keys too. The other strategies did not (0 of 6).
+    """
+
+    def program(self, group: MeshGroup, impl: KeyImpl) -> Callable[..., list[jax.Array]]:
+        """(key data per parameter, in batch order) -> one array per entry, in entry order."""
+
+        def program(keys):
+            outs: list[Any] = [None] * len(group.entries)
+            start = 0
+            for batch in group.batches:
+                spec = group.entries[batch[0]].spec
+
+                def one(key_data, spec=spec):
+                    return _make(spec, key_data, impl)
+
+                stacked = jax.vmap(one)(keys[start : start + len(batch)])
+                start += len(batch)
+                for i, pos in enumerate(batch):
+                    outs[pos] = stacked[i]
+            return outs
+
+        return program
+
+    def _key(self, group: MeshGroup, impl: KeyImpl) -> Hashable:
+        structure = tuple((group.entries[b[0]].signature, b) for b in group.batches)
+        return ("fused_group", group.mesh, structure, impl)
+
+    def work(self, group: MeshGroup, impl: KeyImpl) -> Needs:
+        return [(self._key(group, impl), 1)]
+
+    def builds(self, group: MeshGroup, impl: KeyImpl) -> list[tuple[Hashable, Build]]:
+        def build():
+            keys = jax.ShapeDtypeStruct(group.digests.shape, np.uint32)
+            shardings = [e.sharding for e in group.entries]
+            return self.program(group, impl), shardings, (keys,)
+
+        return [(self._key(group, impl), build)]
+
+    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
+        (exe,) = self.executables(group, impl)
+
+        def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
+            keys = _paths.fold_digests(key_data, group.digests)
+            everything = range(len(group.entries))
+            yield from enumerate(call(exe, (keys,), group, everything))  # in entry order
+
+        return run
+
+
+STRATEGIES = {"per_signature": PerSignature(), "rounds": Rounds(), "fused_group": FusedGroup()}
+DEFAULT_STRATEGY = "rounds"
