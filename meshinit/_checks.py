@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 from ._errors import Problem
+from ._format import describe_mesh, human_bytes
 from ._plan import MeshGroup, Plan, PlanEntry
-from ._report import describe_mesh, human_bytes
 
 
 def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[int, Any], list]:

@@ -130,7 +130,7 @@ def demo(devices: int) -> int:
 
 def _short(sharding, meshes) -> str:
     """``mesh 3 P('fsdp', 'tensor')``; the mesh is named by its index in the plan."""
-    from ._report import describe_mesh
+    from ._format import describe_mesh
 
     if not hasattr(sharding, "mesh"):
         return type(sharding).__name__
@@ -466,9 +466,9 @@ def plan_command(args: argparse.Namespace) -> int:
         tree = made
         nnx = sys.modules.get("flax.nnx")
         if nnx is not None and isinstance(made, nnx.Module):
-            from .nnx import _spec_tree
+            from .nnx import spec_tree
 
-            tree = _spec_tree(made)  # the tree meshinit.nnx.materialize plans, same paths
+            tree = spec_tree(made)  # the tree meshinit.nnx.materialize plans, same paths
         try:
             plan = meshinit.plan(tree)
         except meshinit.PlanError as e:

@@ -24,8 +24,8 @@ from jax.sharding import AxisType, Mesh
 
 from . import _caches, _progress
 from ._caches import LRUCache
+from ._format import describe_mesh
 from ._plan import MeshGroup
-from ._report import describe_mesh
 
 
 def auto_twin(mesh: Mesh) -> Mesh:

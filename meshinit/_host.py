@@ -7,7 +7,7 @@ dispatch, and the same bits on every process of a multi-host run.
 
 Only primitives whose numpy twin gives jax's bits are evaluated here: integer and
 bitwise arithmetic, moves, casts and broadcasts, and jax's threefry2x32 keys (the hash
-is :func:`meshinit._paths._threefry2x32`). Float arithmetic is not: XLA contracts a
+is :func:`meshinit._paths.threefry_rounds`). Float arithmetic is not: XLA contracts a
 multiply and an add inside a jitted initializer into one fused multiply-add, which
 numpy's two roundings miss. That, and anything else (``erf``, ``exp``, a float to int
 conversion, another key implementation), raises :class:`NotHost`, and the value is
@@ -24,7 +24,7 @@ import numpy as np
 from jax.extend.random import threefry_prng_impl
 
 from . import _caches, _jaxpr
-from ._paths import SHARDING_INVARIANT_IMPL, _threefry2x32
+from ._paths import SHARDING_INVARIANT_IMPL, threefry_rounds
 
 
 class NotHost(Exception):
@@ -263,7 +263,7 @@ def _iota_2x32(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 def _threefry(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     shape = np.broadcast_shapes(*(np.shape(a) for a in ins))
     k1, k2, x1, x2 = (np.broadcast_to(np.asarray(a, np.uint32), shape) for a in ins)
-    return list(_threefry2x32(k1, k2, x1, x2))
+    return list(threefry_rounds(k1, k2, x1, x2))
 
 
 def _threefry_impl(impl: Any) -> None:
@@ -328,7 +328,7 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 def threefry_ints(k1: int, k2: int, x1: int, x2: int) -> tuple[int, int]:
     """jax's Threefry-2x32 hash of one counter pair, on Python ints (uint32 values).
 
-    The rounds of :func:`meshinit._paths._threefry2x32`, masked to 32 bits by hand
+    The rounds of :func:`meshinit._paths.threefry_rounds`, masked to 32 bits by hand
     (a test compares the two).
     """
     ks = (k1, k2, k1 ^ k2 ^ 0x1BD11BDA)
@@ -358,7 +358,7 @@ def _random_fold_in(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
         # directly, without running its program.
         zero = np.zeros(batch, np.uint32)
         k1, k2 = data[..., 0], data[..., 1]
-        h1, h2 = _threefry2x32(k1, k2, zero, np.broadcast_to(msgs, batch))
+        h1, h2 = threefry_rounds(k1, k2, zero, np.broadcast_to(msgs, batch))
         return [HostKey(np.stack([np.asarray(h1), np.asarray(h2)], axis=-1).astype(np.uint32))]
     msgs = np.broadcast_to(msgs, batch).copy()
     return [HostKey(_run_impl("fold_in", batch, [np.ascontiguousarray(data), msgs]))]

@@ -57,7 +57,7 @@ def fold_digest(key: jax.Array, hi: Any, lo: Any) -> jax.Array:
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
-def _threefry2x32(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[Any, Any]:
+def threefry_rounds(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[Any, Any]:
     """jax's Threefry-2x32 hash (20 rounds), elementwise over uint32 arrays (numpy or jax)."""
     ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
     x = [x1 + ks[0], x2 + ks[1]]
@@ -92,7 +92,7 @@ def fold_digests(key_data: np.ndarray, digests: np.ndarray) -> np.ndarray:
     k2 = np.full(len(digests), key_data[1], np.uint32)
     with np.errstate(over="ignore"):
         for column in (0, 1):  # jax.random.fold_in(key, d) hashes the count (0, d)
-            k1, k2 = _threefry2x32(k1, k2, zero, digests[:, column])
+            k1, k2 = threefry_rounds(k1, k2, zero, digests[:, column])
     return np.stack([k1, k2], axis=1)
 
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import _caches, _input, _paths
+from . import _caches, _input, _paths, _plot, _records, _report
 from ._errors import PlanError, Problem
 from ._rules import partition, typo_problems
 from ._signature import check_init, fingerprint
@@ -308,9 +308,7 @@ class Plan:
           <BLANKLINE>
           total: 1 param, 256 B, 1 mesh, most on one device 32 B
         """
-        from ._report import summary
-
-        return summary(self)
+        return _report.summary(self)
 
     def compact(self) -> str:
         """The table with repeated layers collapsed into one row each.
@@ -337,9 +335,7 @@ class Plan:
           <BLANKLINE>
           total: 32 params, 32.0 MiB, 1 mesh, most on one device 4.0 MiB
         """
-        from ._report import compact
-
-        return compact(self)
+        return _report.compact(self)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain data, ready for ``json.dumps``.
@@ -382,9 +378,7 @@ class Plan:
           >>> d["params"][0]["partition_spec"], d["totals"]["max_device_bytes"]
           (['fsdp', 'tensor'], 4194304)
         """
-        from ._records import to_dict
-
-        return to_dict(self)
+        return _records.to_dict(self)
 
     def to_json(self, indent: int | None = 2) -> str:
         """:meth:`to_dict` as a JSON string.
@@ -399,9 +393,7 @@ class Plan:
         Examples:
           >>> pathlib.Path("plan.json").write_text(meshinit.plan(specs).to_json())
         """
-        from ._records import to_json
-
-        return to_json(self, indent)
+        return _records.to_json(self, indent)
 
     def heatmap(self) -> Any:
         """Draws each mesh's per-device bytes as a heatmap over the mesh grid.
@@ -423,15 +415,11 @@ class Plan:
         Examples:
           >>> meshinit.plan(specs).heatmap().savefig("plan.png", dpi=120)
         """
-        from ._plot import heatmap
-
-        return heatmap(self)
+        return _plot.heatmap(self)
 
     def _repr_html_(self) -> str:
         """The table as HTML, for notebooks: one table per mesh, then the totals."""
-        from ._report import html
-
-        return html(self)
+        return _report.html(self)
 
     def abstract(self) -> Any:
         """The tree with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` for each spec.
@@ -472,9 +460,7 @@ class Plan:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def __str__(self) -> str:
-        from ._report import table
-
-        return table(self)
+        return _report.table(self)
 
 
 @_caches.memo(maxsize=4096)

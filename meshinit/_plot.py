@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._report import describe_mesh, human_bytes
+from ._format import describe_mesh, human_bytes
 
 if TYPE_CHECKING:
     from ._plan import Plan

@@ -24,7 +24,7 @@ import time
 from collections.abc import Hashable, Iterator
 from typing import Any
 
-from ._report import human_bytes
+from ._format import human_bytes
 
 logger = logging.getLogger("meshinit")
 logger.addHandler(logging.NullHandler())

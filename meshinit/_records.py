@@ -6,7 +6,8 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from ._report import MeshSource, describe_mesh
+from ._format import describe_mesh
+from ._report import MeshSource
 
 if TYPE_CHECKING:
     from ._plan import MeshGroup, Plan, PlanEntry

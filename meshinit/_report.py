@@ -6,42 +6,14 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from jax.sharding import AbstractMesh
-
 from ._errors import printable
+from ._format import describe_mesh, human_bytes
 
 if TYPE_CHECKING:
     from ._plan import MeshGroup, Plan, PlanEntry
 
 MeshSource = Callable[["MeshGroup"], str]
 """Says where a group's mesh came from, e.g. ``"--abstract-mesh"`` or ``"spec"``."""
-
-
-def human_bytes(n: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def describe_mesh(mesh) -> str:
-    """``Mesh(fsdp=2, tensor=4; Explicit; devices 0-7)``."""
-    axes = ", ".join(f"{n}={s}" for n, s in mesh.shape.items())
-    types = {str(t).split(".")[-1] for t in getattr(mesh, "axis_types", ())}
-    kind = "AbstractMesh" if isinstance(mesh, AbstractMesh) else "Mesh"
-    parts = [axes, "/".join(sorted(types))] if types else [axes]
-    if kind == "Mesh":
-        ids = sorted(d.id for d in mesh.devices.flat)
-        contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
-        parts.append(
-            f"devices {ids[0]}-{ids[-1]}"
-            if contiguous and len(ids) > 1
-            else "devices " + ",".join(map(str, ids))
-        )
-    return f"{kind}({'; '.join(parts)})"
 
 
 def _fmt_axes(axes) -> str:

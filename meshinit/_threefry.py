@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend import core
 from jax.extend.random import define_prng_impl, threefry2x32_p, threefry_prng_impl
 
-from ._paths import _threefry2x32
+from ._paths import threefry_rounds
 
 
 def threefry2x32(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[jax.Array, jax.Array]:
@@ -41,7 +41,7 @@ def threefry2x32(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[jax.Array, jax.Arr
     """
     shape = np.broadcast_shapes(*(np.shape(a) for a in (k1, k2, x1, x2)))
     k1, k2 = jnp.asarray(k1, np.uint32), jnp.asarray(k2, np.uint32)
-    return _threefry2x32(k1, k2, jnp.broadcast_to(x1, shape), jnp.broadcast_to(x2, shape))
+    return threefry_rounds(k1, k2, jnp.broadcast_to(x1, shape), jnp.broadcast_to(x2, shape))
 
 
 def _eval(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:

@@ -85,7 +85,7 @@ def _specs(flat: list[tuple[tuple[Any, ...], nnx.Variable]]) -> dict[tuple[Any, 
     return {path: var.get_value() for path, var in flat if isinstance(var.get_value(), ParamSpec)}
 
 
-def _spec_tree(module: nnx.Module) -> dict[str, Any]:
+def spec_tree(module: nnx.Module) -> dict[str, Any]:
     """The specs a spec-declared Module holds, as the tree :func:`materialize` plans.
 
     Paths in its plan are the Module's nnx paths (``layers.0.w``).

@@ -43,8 +43,8 @@ from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _caches, _compile, _paths
+from ._format import describe_mesh
 from ._plan import MeshGroup, Plan
-from ._report import describe_mesh
 
 __all__ = ["abstract", "init"]
 

@@ -268,7 +268,7 @@ def test_table_marks_params_that_an_unused_axis_could_shard_and_totals_them():
     assert nbytes == sum(e.device_bytes for e in flagged)
     # bf16: embed and up on fsdp and tensor (4 ways), the norms on fsdp (2 ways)
     assert nbytes == (4096 * 256 + 3 * 256 * 1024) * 2 // 4 + 3 * 256 * 2 // 2
-    human = meshinit._report.human_bytes
+    human = meshinit._format.human_bytes
     lines = text.splitlines()
     assert (
         f"  ! 7 params replicated across an axis that could shard them: {human(nbytes)} per device"
@@ -295,14 +295,14 @@ def test_summary_has_the_totals_without_the_rows():
     summary = plan.summary()
     assert "PartitionSpec" not in summary and "layers.0.mlp.odd" not in summary
     g1, g2 = plan.groups
-    assert f"  121 params, {meshinit._report.human_bytes(g1.nbytes)} in all" in summary
+    assert f"  121 params, {meshinit._format.human_bytes(g1.nbytes)} in all" in summary
     assert summary.count("mesh 0: Mesh(data=2, fsdp=2, tensor=2; Explicit; devices 0-7)") == 1
     assert "mesh 1: Mesh(fsdp=8; Explicit; devices 0-7)" in summary
     # both meshes use all 8 devices: the totals add up, replicated bytes too
-    most = meshinit._report.human_bytes(g1.device_bytes + g2.device_bytes)
-    assert f"total: 125 params, {meshinit._report.human_bytes(plan.nbytes)}, 2 meshes, " in summary
+    most = meshinit._format.human_bytes(g1.device_bytes + g2.device_bytes)
+    assert f"total: 125 params, {meshinit._format.human_bytes(plan.nbytes)}, 2 meshes, " in summary
     assert summary.splitlines()[-2].endswith(f"most on one device {most}")
-    repl = meshinit._report.human_bytes(g1.replicated_bytes + g2.replicated_bytes)
+    repl = meshinit._format.human_bytes(g1.replicated_bytes + g2.replicated_bytes)
     assert summary.splitlines()[-1] == (
         f"! replicated across an axis that could shard them: up to {repl} on one device"
     )
