@@ -15,7 +15,7 @@ from ._paths import param_key as param_key
 from ._plan import MeshGroup as MeshGroup
 from ._plan import Plan as Plan
 from ._plan import PlanEntry as PlanEntry
-from ._plan import plan as plan
+from ._planner import plan as plan
 from ._rules import logical_to_mesh_axes as logical_to_mesh_axes
 from ._shardings import shardings as shardings
 from ._spec import MESH_AXES as MESH_AXES

@@ -35,7 +35,8 @@ from ._checks import (
 from ._compile import Build, is_cached, lock, precompile, some_paths
 from ._errors import PlanError
 from ._format import describe_mesh
-from ._plan import MeshGroup, Plan, plan
+from ._plan import MeshGroup, Plan
+from ._planner import plan
 from ._strategies import Needs, Rounds, Runner, key_impl
 
 

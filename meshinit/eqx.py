@@ -36,8 +36,8 @@ from . import _constructor, _paths, _trace
 from ._errors import Problem
 from ._materialize import from_constructor
 from ._materialize import materialize as _materialize_plan
-from ._plan import build_plan
-from ._plan import plan as _plan_tree
+from ._planner import build_plan
+from ._planner import plan as _plan_tree
 from ._spec import param
 
 __all__ = ["init", "materialize", "plan"]

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import _adapters, _constructor, _materialize, _paths, _plan, _trace
+from . import _adapters, _constructor, _materialize, _paths, _plan, _planner, _trace
 from ._errors import Problem
 from ._spec import ParamSpec
 
@@ -348,7 +348,7 @@ def _prepare(
         if override is not None:
             fallback = (override, None if placement is None else placement[1])
         specs.append(_spec_for(path, leaf, mesh, rules, fallback, problems, override=override))
-    plan = _plan.build_plan(
+    plan = _planner.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
     )
     # flax's spelling (nn.logical_to_mesh_sharding: one entry per name), so == holds

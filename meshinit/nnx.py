@@ -40,7 +40,7 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from . import _adapters, _caches, _constructor, _materialize, _plan, _trace
+from . import _adapters, _caches, _constructor, _materialize, _plan, _planner, _trace
 from ._errors import PlanError, Problem
 from ._spec import ParamSpec
 
@@ -124,7 +124,7 @@ def materialize(module: nnx.Module, key: Any) -> nnx.Module:
     graphdef, state = nnx.split(module)
     flat = list(nnx.to_flat_state(state))
     specs = _specs(flat)
-    plan = _plan.plan(_nest(specs))
+    plan = _planner.plan(_nest(specs))
     arrays = _materialize.materialize(plan, key)
     entries = {e.path: e for e in plan.entries}
     placed = []
@@ -330,7 +330,7 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
         spec = _spec_for(by_path[p], struct, problems, _path(p), patterns)
         if spec is not None:
             specs[p] = spec
-    plan = _plan.build_plan(_nest(specs), check_inits=False, problems=problems)
+    plan = _planner.build_plan(_nest(specs), check_inits=False, problems=problems)
     # flax's spelling of each annotated spec (nnx.get_partition_spec), so == holds
     lengths = {
         _path(p): len(nnx.spmd.get_var_pspec(by_path[p]))

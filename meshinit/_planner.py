@@ -1,0 +1,255 @@
+"""Planning: every spec resolved to its exact ``NamedSharding``, all problems at once.
+
+:func:`plan` (``meshinit.plan``) and :func:`build_plan`, its form for the adapters:
+walk the tree, resolve each spec's axes through its rules on its mesh, check it, and
+group the entries per mesh into a :class:`meshinit.Plan`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from . import _caches, _input, _paths
+from ._errors import PlanError, Problem
+from ._plan import MeshGroup, Plan, PlanEntry
+from ._rules import partition, typo_problems
+from ._signature import check_init, fingerprint
+from ._spec import ParamSpec
+
+
+@_caches.memo(maxsize=4096)
+def _partition(shape, axes, rules, mesh) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    # Memoized: a deep model repeats a handful of (shape, axes, rules, mesh) many times,
+    # and reading ``mesh.shape`` builds a new dict on every call.
+    entries, problems = partition(shape, axes, rules, mesh.shape)
+    return entries, tuple(problems)
+
+
+def _is_mesh(m: Any) -> bool:
+    return isinstance(m, Mesh | AbstractMesh)
+
+
+def plan(tree: Any) -> Plan:
+    """Resolves every :class:`ParamSpec` in ``tree`` to an exact ``NamedSharding``.
+
+    Args:
+      tree: any pytree. ``ParamSpec`` leaves are planned; every other leaf passes
+        through untouched. A flax nnx Module whose Variables hold specs
+        (``nnx.Param(meshinit.param(...))``) is a pytree too.
+
+    Returns:
+      A :class:`Plan`. ``print(plan)`` shows the table.
+
+    Raises:
+      PlanError: with one problem per bad spec or path, all gathered first. Also when
+        ``tree`` holds no spec but holds a flax nnx Module whose Variables hold arrays
+        (ordinary nnx code, built already): plan its constructor with
+        ``meshinit.nnx.plan(lambda: Model(...))`` instead.
+
+    Examples:
+      >>> m = jax.make_mesh((2, 4), ("a", "b"))
+      >>> p = meshinit.plan({"w": meshinit.param((8, 8), init, axes=("a", "b"), mesh=m)})
+      >>> p.entries[0].sharding.spec
+      P('a', 'b')
+    """
+    return build_plan(tree)
+
+
+_NO_MESH = (
+    "no mesh given and no default; pass mesh= to param() or build it inside "
+    "meshinit.defaults(mesh=...)"
+)
+
+
+def _context_mesh_hint() -> str:
+    """What to say when a ``jax.set_mesh`` mesh is active: specs do not read it."""
+    context = jax.sharding.get_abstract_mesh()
+    if context is None or context.empty:
+        return ""
+    return (
+        f" (a jax.set_mesh context mesh is active, "
+        f"{', '.join(f'{a}={n}' for a, n in context.shape.items())}, but specs never "
+        f"use the context mesh: pass it, meshinit.defaults(mesh=jax.sharding.get_mesh()))"
+    )
+
+
+def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Problem] = ()) -> Plan:
+    """:func:`plan`, for adapters.
+
+    Adapters whose values come from a constructor, not from the specs' initializers
+    (the constructor engine, ``meshinit._constructor``), skip the abstract init check,
+    and pass the problems they found themselves, so that everything is raised once.
+    """
+    flat, treedef = _input.flatten(tree)
+    problems = list(problems)
+    seen_paths: dict[str, int] = {}
+    seen_digests: dict[tuple[int, int], str] = {}
+    shardings: dict[tuple[Any, ...], NamedSharding] = {}
+    entries: list[PlanEntry] = []
+    local: dict[int, Any] = {}  # identity fingerprints: shared within this plan only
+
+    for index, (keypath, leaf) in enumerate(flat):
+        if not isinstance(leaf, ParamSpec):
+            continue
+        path = _paths.path_str(keypath)
+        seen_paths[path] = seen_paths.get(path, 0) + 1
+        if seen_paths[path] == 2:
+            problems.append(
+                Problem(
+                    path,
+                    "two parameters have this path; rename one (paths "
+                    "join keys with '.', so 'a.b' and a/b collide)",
+                )
+            )
+        if seen_paths[path] > 1:
+            continue
+        if not _input.encodable(path):
+            problems.append(
+                Problem(
+                    path,
+                    "has a character that UTF-8 cannot encode (a lone surrogate, as from "
+                    "undecodable bytes in a file name); keys are hashed as UTF-8, so "
+                    "rename it",
+                )
+            )
+            continue
+        digest = _paths.path_digest(path)
+        if digest in seen_digests:
+            problems.append(
+                Problem(
+                    path,
+                    f"its 64-bit key digest collides with "
+                    f"{seen_digests[digest]!r}; rename one of them",
+                )
+            )
+        seen_digests[digest] = path
+
+        spec = leaf
+        mine = []
+        if not callable(spec.init):
+            mine.append(
+                f"init {spec.init!r} is not callable; pass an initializer "
+                f"init(key, shape, dtype), for example jax.nn.initializers.normal()"
+            )
+        if spec.mesh is None:
+            mine.append(_NO_MESH + _context_mesh_hint())
+        elif not _is_mesh(spec.mesh):
+            mine.append(
+                f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {type(spec.mesh).__name__}"
+            )
+        else:
+            entries_, msgs = _partition(spec.shape, spec.axes, spec.rules, spec.mesh)
+            mine += msgs
+        fp = None
+        too_big = _input.overflow(spec)
+        if too_big:
+            mine.append(too_big)
+        elif callable(spec.init):
+            fp = fingerprint(spec.init, local)
+            msg = check_init(spec.init, fp, spec.shape, spec.dtype) if check_inits else None
+            if msg:
+                mine.append(msg)
+        if mine:
+            problems += [Problem(path, m) for m in mine]
+            continue
+        skey = (spec.mesh, entries_)
+        if skey not in shardings:
+            shardings[skey] = NamedSharding(spec.mesh, PartitionSpec(*entries_))
+        entries.append(
+            PlanEntry(
+                path=path,
+                spec=spec,
+                sharding=shardings[skey],
+                signature=(fp, spec.shape, spec.dtype, entries_),
+                leaf_index=index,
+            )
+        )
+
+    uses = [(e.path, e.spec.axes, e.spec.rules) for e in entries if e.spec.rules and e.spec.axes]
+    if uses:
+        axes = [a for m in {id(e.mesh): e.mesh for e in entries}.values() for a in m.axis_names]
+        problems += [Problem(p, m) for p, m in typo_problems(uses, axes)]
+    if not entries:
+        # An empty plan is what a built Module gives: say why, instead of planning nothing.
+        problems += _built_nnx_modules(tree)
+    if problems:
+        raise PlanError(problems)
+    groups: dict[Any, list[PlanEntry]] = {}
+    for e in entries:
+        groups.setdefault(e.mesh, []).append(e)
+    return Plan(
+        entries=tuple(entries),
+        groups=tuple(MeshGroup(m, tuple(es)) for m, es in groups.items()),
+        treedef=treedef,
+        leaves=tuple(leaf for _, leaf in flat),
+    )
+
+
+_FLAX_SHARDING = ("out_sharding", "sharding", "sharding_names", "mesh")
+
+
+def _built_nnx_modules(tree: Any) -> list[Problem]:
+    """One problem per flax nnx Module in ``tree`` whose Variables hold arrays, no spec.
+
+    Such a Module is built already (or abstractly, by ``nnx.eval_shape``): its arrays
+    are leaves like any other, so planning it would silently find nothing. Its
+    constructor is what can be planned, by ``meshinit.nnx.plan``. flax is imported
+    only if the caller already did: an nnx Module implies it.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return []
+    problems = []
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Module))
+    for keypath, leaf in found[0]:
+        if not isinstance(leaf, nnx.Module):
+            continue
+        variables = [
+            (".".join(map(str, p)), v.get_value(), v.get_metadata())
+            for p, v in nnx.to_flat_state(nnx.state(leaf))
+        ]
+        if any(isinstance(value, ParamSpec) for _, value, _ in variables):
+            continue  # spec-declared: its specs were planned (or their problems reported)
+        arrays = [(p, x, m) for p, x, m in variables if hasattr(x, "shape") and hasattr(x, "dtype")]
+        if not arrays:
+            continue
+        name = type(leaf).__name__
+        abstract = all(isinstance(x, jax.ShapeDtypeStruct) for _, x, _ in arrays)
+        what = "abstract arrays (jax.ShapeDtypeStruct)" if abstract else "arrays"
+        tagged = [
+            f"{p}: {', '.join(k for k in _FLAX_SHARDING if m.get(k) is not None)}"
+            for p, _, m in arrays
+            if any(m.get(k) is not None for k in _FLAX_SHARDING)
+        ]
+        if tagged:
+            held = f"{what} with flax sharding metadata ({_some(tagged)}), not meshinit specs"
+            build = f"meshinit.nnx.init(lambda: {name}(...)) builds it placed as that metadata says"
+        else:
+            held = (
+                f"{what} ({_some([p for p, _, _ in arrays])}) with no flax sharding metadata, "
+                f"not meshinit specs"
+            )
+            build = (
+                "Variables without metadata are replicated; or declare specs: "
+                "nnx.Param(meshinit.param(...))"
+            )
+        problems.append(
+            Problem(
+                _paths.path_str(keypath),
+                f"{name} is an nnx Module whose Variables hold {held}, so there is nothing "
+                f"to plan; plan its constructor instead, which allocates nothing: "
+                f"meshinit.nnx.plan(lambda: {name}(...)); {build}",
+            )
+        )
+    return problems
+
+
+def _some(items: list[str], n: int = 2) -> str:
+    """``"a, b and 3 more"``."""
+    shown = ", ".join(items[:n])
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")
