@@ -31,24 +31,12 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from . import _adapters, _constructor, _materialize, _paths, _plan, _planner, _trace
+from . import _adapters, _constructor, _linen_meta, _paths, _plan, _planner, _trace
 from ._errors import Problem
-from ._spec import ParamSpec
 
 __all__ = ["init", "plan"]
-
-
-def _is_box(x: Any) -> bool:
-    return isinstance(x, meta.AxisMetadata)
-
-
-def _value(x: Any) -> Any:
-    """A box's value, without the sharding constraint linen's ``unbox`` would add."""
-    if isinstance(x, meta.Partitioned):
-        return x.unbox(apply_constraint=False)
-    return x.unbox() if _is_box(x) else x
 
 
 _UNCONSTRAINED: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -163,128 +151,6 @@ def _host_inputs(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     return data, rebuild
 
 
-def _fallback_mesh(mesh: Any) -> Mesh | AbstractMesh:
-    """``mesh``, else the context mesh, else a mesh with no axes over the default device."""
-    if mesh is not None:
-        return mesh
-    found = _adapters.context_mesh()
-    return found if found is not None else _adapters.default_mesh()
-
-
-def _default_placement(default: Any, mesh: Any) -> tuple[Any, Any] | None:
-    """``(mesh, spec entries or None)`` for leaves without an annotation, or None."""
-    if default is None:
-        return None
-    if isinstance(default, str):
-        if default != "replicated":
-            raise ValueError(
-                f'default must be "replicated", a Mesh or a NamedSharding; got {default!r}'
-            )
-        return _fallback_mesh(mesh), None
-    if isinstance(default, Mesh | AbstractMesh):
-        return default, None
-    if isinstance(default, NamedSharding):
-        return default.mesh, tuple(default.spec)
-    raise TypeError(
-        f'default must be "replicated", a Mesh or a NamedSharding; got {type(default).__name__}'
-    )
-
-
-_NO_ANNOTATION = (
-    "has no partitioning annotation; wrap its initializer with "
-    "nn.with_logical_partitioning(init, names) or nn.with_partitioning(init, names), "
-    'or pass default="replicated" to replicate every unannotated variable'
-)
-
-
-def _spec_for(
-    path: str,
-    leaf: Any,
-    mesh: Any,
-    rules: Any,
-    default: tuple[Any, Any] | None,
-    problems: list[Problem],
-    override: Any = None,
-) -> ParamSpec | None:
-    """Translates one variable (boxed or not) into a spec; records what is wrong.
-
-    ``override`` (a ``meshes=`` match) wins over the annotation's own mesh.
-    """
-    boxed = isinstance(leaf, meta.Partitioned)
-    value = _value(leaf)
-    if not isinstance(value, jax.ShapeDtypeStruct):
-        problems.append(
-            Problem(path, f"holds {type(value).__name__}, not an array; meshinit cannot place it")
-        )
-        return None
-    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
-        problems.append(
-            Problem(path, f"holds a {value.dtype} array (a PRNG key?), which meshinit cannot place")
-        )
-        return None
-    ndim = len(value.shape)
-    spec_rules = None
-    if boxed:
-        names = tuple(leaf.names)
-        if any(n is PartitionSpec.UNCONSTRAINED for n in names):
-            problems.append(
-                Problem(
-                    path, "UNCONSTRAINED in its names cannot be placed exactly; name axes or None"
-                )
-            )
-            return None
-        if len(names) > ndim:
-            problems.append(
-                Problem(path, f"names {names} have more entries than its {ndim} dimensions")
-            )
-            return None
-        axes = names + (None,) * (ndim - len(names))  # as PartitionSpec pads
-        where = override if override is not None else leaf.mesh
-        where = where if where is not None else mesh
-        where = where if where is not None else _adapters.context_mesh()
-        if where is None:
-            problems.append(
-                Problem(
-                    path,
-                    "is annotated but has no mesh: pass mesh= to meshinit.linen.init or "
-                    "to its annotation, or call under jax.set_mesh",
-                )
-            )
-            return None
-        if isinstance(leaf, nn.LogicallyPartitioned):
-            spec_rules = leaf.rules if leaf.rules is not None else rules
-            if spec_rules is None:
-                spec_rules = nn.get_logical_axis_rules() or None
-            if spec_rules is None:
-                problems.append(
-                    Problem(
-                        path,
-                        f"has logical axis names {names} but no rules: pass rules= to "
-                        f"meshinit.linen.init or to its annotation, or call under "
-                        f"nn.logical_axis_rules(...)",
-                    )
-                )
-                return None
-    elif default is not None:
-        where, entries = default
-        axes = None if entries is None else entries + (None,) * (ndim - len(entries))
-    else:
-        problems.append(Problem(path, _NO_ANNOTATION))
-        return None
-    try:
-        return ParamSpec(
-            shape=value.shape,
-            init=_materialize.from_constructor,
-            axes=axes,
-            mesh=where,
-            rules=spec_rules,
-            dtype=value.dtype,
-        )
-    except (TypeError, ValueError) as e:
-        problems.append(Problem(path, str(e)))
-        return None
-
-
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
     plan: _plan.Plan
@@ -296,7 +162,7 @@ class _Prepared:
 
 def _abstract(leaf: Any, aval: Any) -> Any:
     struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-    return leaf.replace_boxed(struct) if _is_box(leaf) else struct
+    return leaf.replace_boxed(struct) if _linen_meta.is_box(leaf) else struct
 
 
 def _prepare(
@@ -313,7 +179,7 @@ def _prepare(
 ) -> _Prepared:
     """Traces ``module.init`` once and plans its variables; compiles and allocates nothing."""
     patterns = _adapters.parse_meshes(meshes)
-    placement = _default_placement(default, mesh)
+    placement = _linen_meta.default_placement(default, mesh)
     key_data, make_rngs = _host_keys(key)
     input_data, make_inputs = _host_inputs((example_args, example_kwargs))
     n_keys = len(key_data)
@@ -323,9 +189,9 @@ def _prepare(
         args, kwargs = make_inputs(list(values[n_keys:]))
         with _no_unbox_constraints():
             variables = module.init(make_rngs(list(values[:n_keys])), *args, **kwargs)
-        flat, treedef = jax.tree_util.tree_flatten_with_path(variables, is_leaf=_is_box)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(variables, is_leaf=_linen_meta.is_box)
         found.append((flat, treedef))
-        leaves = [_value(leaf) for _, leaf in flat]
+        leaves = [_linen_meta.value_of(leaf) for _, leaf in flat]
         return [x for x in leaves if isinstance(x, jax.Array)]
 
     host = [*key_data, *input_data]
@@ -336,7 +202,7 @@ def _prepare(
     specs, outputs_of, count = [], {}, 0
     for keypath, leaf in flat:
         path = _paths.path_str(keypath)
-        value = _value(leaf)
+        value = _linen_meta.value_of(leaf)
         if isinstance(value, jax.Array):
             leaf = _abstract(leaf, next(avals))
             outputs_of[path] = count
@@ -347,7 +213,9 @@ def _prepare(
         fallback = placement
         if override is not None:
             fallback = (override, None if placement is None else placement[1])
-        specs.append(_spec_for(path, leaf, mesh, rules, fallback, problems, override=override))
+        specs.append(
+            _linen_meta.spec_for(path, leaf, mesh, rules, fallback, problems, override=override)
+        )
     plan = _planner.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
     )
@@ -503,7 +371,7 @@ def init(
             )
         )
     boxes = [
-        leaf.replace_boxed(array) if _is_box(leaf) else array
+        leaf.replace_boxed(array) if _linen_meta.is_box(leaf) else array
         for (_, leaf), array in zip(prep.flat, placed, strict=True)
     ]
     return jax.tree_util.tree_unflatten(prep.treedef, boxes)

@@ -25,22 +25,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import re
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 try:
     from flax import errors as flax_errors
     from flax import nnx
-    from flax.core import spmd as flax_spmd
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
 
-from . import _adapters, _caches, _constructor, _materialize, _plan, _planner, _trace
+from . import _adapters, _caches, _constructor, _materialize, _nnx_meta, _plan, _planner, _trace
 from ._errors import PlanError, Problem
 from ._spec import ParamSpec
 
@@ -136,114 +133,6 @@ def materialize(module: nnx.Module, key: Any) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
 
 
-def _is_key(value: Any) -> bool:
-    return jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key)
-
-
-def _key_impl(aval: Any) -> Any:
-    """The implementation of an abstract key, read while tracing it."""
-    found = []
-
-    def read(key):
-        found.append(jax.random.key_impl(key))
-        return key
-
-    jax.eval_shape(read, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
-    return found[0]
-
-
-def _has_sharding(meta: dict[str, Any]) -> bool:
-    """Whether flax metadata names a sharding; the empty ``P()`` counts (replicated)."""
-    return any(meta.get(k) is not None for k in ("out_sharding", "sharding", "sharding_names"))
-
-
-def _unruled_names(meta: dict[str, Any], mesh: Any) -> str | None:
-    """With ``sharding_rules`` (or flax's context rules), the names in the sharding
-    that no rule maps and the mesh does not have: flax would pass them through as mesh
-    axes, and the core would then say only that the mesh lacks them."""
-    local = meta.get("sharding_rules")
-    context = flax_spmd.get_logical_axis_rules()
-    if not local and not context:
-        return None
-    raw = next((meta[k] for k in ("out_sharding", "sharding", "sharding_names") if meta.get(k)), ())
-    names = [n for e in raw for n in (e if isinstance(e, tuple) else (e,)) if isinstance(n, str)]
-    ruled = {r[0] for r in (*(context or ()), *(local or ()))}
-    missing = [n for n in dict.fromkeys(names) if n not in ruled and n not in mesh.axis_names]
-    if not missing:
-        return None
-    given = "its sharding_rules" if local else "flax's logical axis rules"
-    return (
-        f"logical axis name(s) {', '.join(map(repr, missing))} in its sharding "
-        f"{tuple(raw)} have no rule in {given}, which were searched (rules for "
-        f"{', '.join(map(repr, sorted(ruled)))}), and are not axes of the mesh "
-        f"({', '.join(mesh.axis_names)}); add a rule or fix the name"
-    )
-
-
-def _spec_for(
-    var: nnx.Variable,
-    value: Any,
-    problems: list[Problem],
-    path: str,
-    meshes: Sequence[tuple[re.Pattern[str], Any]],
-) -> ParamSpec | None:
-    """Translates flax's sharding metadata into a spec whose axes are mesh axes.
-
-    flax's own ``get_var_pspec`` does the translation, so flax's semantics hold: a
-    shorter sharding tuple pads with None, and names without a rule pass through as
-    mesh axis names (the core then checks they are axes of the mesh). The mesh is the
-    first ``meshes`` pattern that matches ``path``, else the Variable's ``mesh=``, else
-    the context mesh (else the default device).
-    """
-    shape, dtype = value.shape, value.dtype
-    if _is_key(value):  # keys travel as their uint32 data; rewrapped after placement
-        data = jax.eval_shape(jax.random.key_data, value)
-        shape, dtype = data.shape, data.dtype
-    meta = var.get_metadata()
-    mesh = next((m for pattern, m in meshes if pattern.fullmatch(path)), None)
-    if mesh is None:
-        mesh = meta.get("mesh")
-    if mesh is None or (isinstance(mesh, Mesh) and mesh.empty):
-        mesh = _adapters.context_mesh()
-    axes = None
-    if _has_sharding(meta):
-        if mesh is None:
-            problems.append(
-                Problem(
-                    path,
-                    "has sharding metadata but no mesh: pass mesh= to the Variable, "
-                    "build it under jax.set_mesh, or give it one with meshes=",
-                )
-            )
-            return None
-        unruled = _unruled_names(meta, mesh)
-        if unruled:
-            problems.append(Problem(path, unruled))
-            return None
-        pspec = tuple(nnx.spmd.get_var_pspec(var))
-        entries = pspec + (None,) * (len(value.shape) - len(pspec))
-        if any(e is PartitionSpec.UNCONSTRAINED for e in entries):
-            problems.append(
-                Problem(
-                    path,
-                    "UNCONSTRAINED in its sharding cannot be placed "
-                    "exactly; name mesh axes or None",
-                )
-            )
-            return None
-        axes = entries + (None,) * (len(shape) - len(entries))
-    if mesh is None:
-        mesh = _adapters.default_mesh()
-    return ParamSpec(
-        shape=shape,
-        init=_materialize.from_constructor,
-        axes=axes,
-        mesh=mesh,
-        rules=None,
-        dtype=dtype,
-    )
-
-
 @contextlib.contextmanager
 def _clear_factory_errors(what: str = "meshinit.nnx.init") -> Iterator[None]:
     """Turns jax's and flax's trace errors from a misbehaving factory into one clear error."""
@@ -302,7 +191,7 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
         arrays = [(p, v.get_value()) for p, v in flat]
         arrays = [(p, x) for p, x in arrays if isinstance(x, jax.Array)]
         found.append((graphdef, flat, [p for p, _ in arrays]))
-        return [jax.random.key_data(x) if _is_key(x) else x for _, x in arrays]
+        return [jax.random.key_data(x) if _nnx_meta.is_key(x) else x for _, x in arrays]
 
     with _clear_factory_errors(what):
         traced = _trace.trace(build, evaluate=evaluate)
@@ -327,7 +216,7 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
     by_path = dict(flat)
     for p in paths:
         struct = jax.ShapeDtypeStruct(avals[p].shape, avals[p].dtype)
-        spec = _spec_for(by_path[p], struct, problems, _path(p), patterns)
+        spec = _nnx_meta.spec_for(by_path[p], struct, problems, _path(p), patterns)
         if spec is not None:
             specs[p] = spec
     plan = _planner.build_plan(_nest(specs), check_inits=False, problems=problems)
@@ -335,7 +224,7 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
     lengths = {
         _path(p): len(nnx.spmd.get_var_pspec(by_path[p]))
         for p in specs
-        if not _is_key(avals[p]) and _has_sharding(by_path[p].get_metadata())
+        if not _nnx_meta.is_key(avals[p]) and _nnx_meta.has_sharding(by_path[p].get_metadata())
     }
     plan = _adapters.respell(plan, lengths)
     position = {_path(p): i for i, p in enumerate(paths)}
@@ -416,8 +305,8 @@ def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module
             if path in prep.specs:
                 array = _get(arrays, path)
                 aval = prep.avals[path]
-                if _is_key(aval):
-                    array = jax.random.wrap_key_data(array, impl=_key_impl(aval))
+                if _nnx_meta.is_key(aval):
+                    array = jax.random.wrap_key_data(array, impl=_nnx_meta.key_impl(aval))
                 # Traced with eager sharding off; give back what the user's flax would record.
                 var = var.replace(array, eager_sharding=nnx.using_eager_sharding())
             placed.append((path, var))

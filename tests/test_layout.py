@@ -58,3 +58,8 @@ def test_no_module_imports_another_module_s_private_names():
         if n.startswith("_")
     ]
     assert private == []
+
+
+def test_every_module_stays_under_500_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}

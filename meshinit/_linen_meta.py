@@ -1,0 +1,153 @@
+"""flax linen annotations as meshinit specs: a variable's ``nn.Partitioned`` /
+``nn.LogicallyPartitioned`` box, its mesh and rules, or the ``default=`` placement for
+unannotated variables, translated into a spec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import flax.linen as nn
+    from flax.core import meta
+except ImportError as e:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError("meshinit.linen needs flax: pip install meshinit[nnx]") from e
+
+import jax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from . import _adapters, _materialize
+from ._errors import Problem
+from ._spec import ParamSpec
+
+
+def is_box(x: Any) -> bool:
+    return isinstance(x, meta.AxisMetadata)
+
+
+def value_of(x: Any) -> Any:
+    """A box's value, without the sharding constraint linen's ``unbox`` would add."""
+    if isinstance(x, meta.Partitioned):
+        return x.unbox(apply_constraint=False)
+    return x.unbox() if is_box(x) else x
+
+
+def fallback_mesh(mesh: Any) -> Mesh | AbstractMesh:
+    """``mesh``, else the context mesh, else a mesh with no axes over the default device."""
+    if mesh is not None:
+        return mesh
+    found = _adapters.context_mesh()
+    return found if found is not None else _adapters.default_mesh()
+
+
+def default_placement(default: Any, mesh: Any) -> tuple[Any, Any] | None:
+    """``(mesh, spec entries or None)`` for leaves without an annotation, or None."""
+    if default is None:
+        return None
+    if isinstance(default, str):
+        if default != "replicated":
+            raise ValueError(
+                f'default must be "replicated", a Mesh or a NamedSharding; got {default!r}'
+            )
+        return fallback_mesh(mesh), None
+    if isinstance(default, Mesh | AbstractMesh):
+        return default, None
+    if isinstance(default, NamedSharding):
+        return default.mesh, tuple(default.spec)
+    raise TypeError(
+        f'default must be "replicated", a Mesh or a NamedSharding; got {type(default).__name__}'
+    )
+
+
+_NO_ANNOTATION = (
+    "has no partitioning annotation; wrap its initializer with "
+    "nn.with_logical_partitioning(init, names) or nn.with_partitioning(init, names), "
+    'or pass default="replicated" to replicate every unannotated variable'
+)
+
+
+def spec_for(
+    path: str,
+    leaf: Any,
+    mesh: Any,
+    rules: Any,
+    default: tuple[Any, Any] | None,
+    problems: list[Problem],
+    override: Any = None,
+) -> ParamSpec | None:
+    """Translates one variable (boxed or not) into a spec; records what is wrong.
+
+    ``override`` (a ``meshes=`` match) wins over the annotation's own mesh.
+    """
+    boxed = isinstance(leaf, meta.Partitioned)
+    value = value_of(leaf)
+    if not isinstance(value, jax.ShapeDtypeStruct):
+        problems.append(
+            Problem(path, f"holds {type(value).__name__}, not an array; meshinit cannot place it")
+        )
+        return None
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
+        problems.append(
+            Problem(path, f"holds a {value.dtype} array (a PRNG key?), which meshinit cannot place")
+        )
+        return None
+    ndim = len(value.shape)
+    spec_rules = None
+    if boxed:
+        names = tuple(leaf.names)
+        if any(n is PartitionSpec.UNCONSTRAINED for n in names):
+            problems.append(
+                Problem(
+                    path, "UNCONSTRAINED in its names cannot be placed exactly; name axes or None"
+                )
+            )
+            return None
+        if len(names) > ndim:
+            problems.append(
+                Problem(path, f"names {names} have more entries than its {ndim} dimensions")
+            )
+            return None
+        axes = names + (None,) * (ndim - len(names))  # as PartitionSpec pads
+        where = override if override is not None else leaf.mesh
+        where = where if where is not None else mesh
+        where = where if where is not None else _adapters.context_mesh()
+        if where is None:
+            problems.append(
+                Problem(
+                    path,
+                    "is annotated but has no mesh: pass mesh= to meshinit.linen.init or "
+                    "to its annotation, or call under jax.set_mesh",
+                )
+            )
+            return None
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            spec_rules = leaf.rules if leaf.rules is not None else rules
+            if spec_rules is None:
+                spec_rules = nn.get_logical_axis_rules() or None
+            if spec_rules is None:
+                problems.append(
+                    Problem(
+                        path,
+                        f"has logical axis names {names} but no rules: pass rules= to "
+                        f"meshinit.linen.init or to its annotation, or call under "
+                        f"nn.logical_axis_rules(...)",
+                    )
+                )
+                return None
+    elif default is not None:
+        where, entries = default
+        axes = None if entries is None else entries + (None,) * (ndim - len(entries))
+    else:
+        problems.append(Problem(path, _NO_ANNOTATION))
+        return None
+    try:
+        return ParamSpec(
+            shape=value.shape,
+            init=_materialize.from_constructor,
+            axes=axes,
+            mesh=where,
+            rules=spec_rules,
+            dtype=value.dtype,
+        )
+    except (TypeError, ValueError) as e:
+        problems.append(Problem(path, str(e)))
+        return None

@@ -1,0 +1,129 @@
+"""flax nnx metadata as meshinit specs: a Variable's sharding, mesh and rules, read the way
+flax reads them, translated into a spec whose axes are mesh axes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+try:
+    from flax import nnx
+    from flax.core import spmd as flax_spmd
+except ImportError as e:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from . import _adapters, _materialize
+from ._errors import Problem
+from ._spec import ParamSpec
+
+
+def is_key(value: Any) -> bool:
+    return jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key)
+
+
+def key_impl(aval: Any) -> Any:
+    """The implementation of an abstract key, read while tracing it."""
+    found = []
+
+    def read(key):
+        found.append(jax.random.key_impl(key))
+        return key
+
+    jax.eval_shape(read, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    return found[0]
+
+
+def has_sharding(meta: dict[str, Any]) -> bool:
+    """Whether flax metadata names a sharding; the empty ``P()`` counts (replicated)."""
+    return any(meta.get(k) is not None for k in ("out_sharding", "sharding", "sharding_names"))
+
+
+def _unruled_names(meta: dict[str, Any], mesh: Any) -> str | None:
+    """With ``sharding_rules`` (or flax's context rules), the names in the sharding
+    that no rule maps and the mesh does not have: flax would pass them through as mesh
+    axes, and the core would then say only that the mesh lacks them."""
+    local = meta.get("sharding_rules")
+    context = flax_spmd.get_logical_axis_rules()
+    if not local and not context:
+        return None
+    raw = next((meta[k] for k in ("out_sharding", "sharding", "sharding_names") if meta.get(k)), ())
+    names = [n for e in raw for n in (e if isinstance(e, tuple) else (e,)) if isinstance(n, str)]
+    ruled = {r[0] for r in (*(context or ()), *(local or ()))}
+    missing = [n for n in dict.fromkeys(names) if n not in ruled and n not in mesh.axis_names]
+    if not missing:
+        return None
+    given = "its sharding_rules" if local else "flax's logical axis rules"
+    return (
+        f"logical axis name(s) {', '.join(map(repr, missing))} in its sharding "
+        f"{tuple(raw)} have no rule in {given}, which were searched (rules for "
+        f"{', '.join(map(repr, sorted(ruled)))}), and are not axes of the mesh "
+        f"({', '.join(mesh.axis_names)}); add a rule or fix the name"
+    )
+
+
+def spec_for(
+    var: nnx.Variable,
+    value: Any,
+    problems: list[Problem],
+    path: str,
+    meshes: Sequence[tuple[re.Pattern[str], Any]],
+) -> ParamSpec | None:
+    """Translates flax's sharding metadata into a spec whose axes are mesh axes.
+
+    flax's own ``get_var_pspec`` does the translation, so flax's semantics hold: a
+    shorter sharding tuple pads with None, and names without a rule pass through as
+    mesh axis names (the core then checks they are axes of the mesh). The mesh is the
+    first ``meshes`` pattern that matches ``path``, else the Variable's ``mesh=``, else
+    the context mesh (else the default device).
+    """
+    shape, dtype = value.shape, value.dtype
+    if is_key(value):  # keys travel as their uint32 data; rewrapped after placement
+        data = jax.eval_shape(jax.random.key_data, value)
+        shape, dtype = data.shape, data.dtype
+    meta = var.get_metadata()
+    mesh = next((m for pattern, m in meshes if pattern.fullmatch(path)), None)
+    if mesh is None:
+        mesh = meta.get("mesh")
+    if mesh is None or (isinstance(mesh, Mesh) and mesh.empty):
+        mesh = _adapters.context_mesh()
+    axes = None
+    if has_sharding(meta):
+        if mesh is None:
+            problems.append(
+                Problem(
+                    path,
+                    "has sharding metadata but no mesh: pass mesh= to the Variable, "
+                    "build it under jax.set_mesh, or give it one with meshes=",
+                )
+            )
+            return None
+        unruled = _unruled_names(meta, mesh)
+        if unruled:
+            problems.append(Problem(path, unruled))
+            return None
+        pspec = tuple(nnx.spmd.get_var_pspec(var))
+        entries = pspec + (None,) * (len(value.shape) - len(pspec))
+        if any(e is PartitionSpec.UNCONSTRAINED for e in entries):
+            problems.append(
+                Problem(
+                    path,
+                    "UNCONSTRAINED in its sharding cannot be placed "
+                    "exactly; name mesh axes or None",
+                )
+            )
+            return None
+        axes = entries + (None,) * (len(shape) - len(entries))
+    if mesh is None:
+        mesh = _adapters.default_mesh()
+    return ParamSpec(
+        shape=shape,
+        init=_materialize.from_constructor,
+        axes=axes,
+        mesh=mesh,
+        rules=None,
+        dtype=dtype,
+    )
