@@ -24,7 +24,18 @@ from ._spec import defaults as defaults
 from ._spec import param as param
 from ._spec import stacked as stacked
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml holds the one number)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("meshinit")
+    except metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 _ADAPTERS = ("nnx", "eqx", "optax", "linen")
 

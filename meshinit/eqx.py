@@ -134,10 +134,6 @@ def _parse_placements(placements: Any) -> tuple[list[_Placement], list[Problem]]
     return parsed, problems
 
 
-# The placeholder init of the specs ``init`` plans; kept under its old name.
-_values_come_from_the_factory = from_constructor
-
-
 def _specs_from_placements(
     abstract: Any,
     placements: Sequence[Placement],
@@ -183,7 +179,7 @@ def _specs_from_placements(
         try:
             spec = param(
                 leaf.shape,
-                _values_come_from_the_factory,
+                from_constructor,
                 axes=placement.axes,
                 mesh=placement.mesh if placement.mesh is not None else mesh,
                 rules=rules,

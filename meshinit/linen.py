@@ -27,7 +27,7 @@ try:
     import flax.linen as nn
     from flax.core import meta
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
-    raise ImportError("meshinit.linen needs flax: pip install meshinit[nnx]") from e
+    raise ImportError("meshinit.linen needs flax: pip install meshinit[linen]") from e
 
 import jax
 import numpy as np

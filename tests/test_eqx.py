@@ -419,7 +419,9 @@ def test_placements_must_be_a_sequence():
 
 def test_the_placeholder_init_is_never_a_silent_value():
     with pytest.raises(TypeError, match=r"call meshinit.eqx.init\(factory, key, placements\)"):
-        meshinit.eqx._values_come_from_the_factory(jax.random.key(0), (2,), jnp.float32)
+        from meshinit._materialize import from_constructor  # what eqx.init's specs hold
+
+        from_constructor(jax.random.key(0), (2,), jnp.float32)
 
 
 # --- training right after initialization -----------------------------------------------

@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_exact, submesh, three_mesh_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
-from test_plan import three_mesh_specs
+from jax.sharding import AbstractMesh
 
 import meshinit
 from meshinit import _compile, _materialize, _strategies
@@ -20,26 +20,6 @@ def reference(spec, key, path):
     """The value contract's jitted reference for one parameter."""
     fn = jax.jit(lambda k: spec.init(k, spec.shape, spec.dtype))
     return np.asarray(fn(meshinit.param_key(key, path)))
-
-
-def assert_exact(plan, tree):
-    leaves = jax.tree_util.tree_leaves(tree)
-    arrays = [leaves_i for leaves_i in leaves if isinstance(leaves_i, jax.Array)]
-    assert len(arrays) == len(plan.entries)
-    by_path = dict(zip((e.path for e in plan.entries), arrays, strict=True))
-    for e in plan.entries:
-        s = by_path[e.path].sharding
-        assert isinstance(s, NamedSharding), (e.path, s)
-        assert s == e.sharding, (e.path, s, e.sharding)
-        assert s.mesh is e.sharding.mesh, e.path
-    return by_path
-
-
-def submesh(ids, shape, names, explicit=False):
-    devices = [jax.devices()[i] for i in ids]
-    if explicit:
-        return jax.make_mesh(shape, names, devices=devices)
-    return Mesh(np.array(devices).reshape(shape), names)
 
 
 @pytest.mark.parametrize("explicit", [False, True])

@@ -298,7 +298,9 @@ def test_without_optax_the_adapter_says_how_to_install_it():
         "try:\n    meshinit.optax\nexcept ImportError as e:\n    print(e)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "meshinit.optax needs optax: pip install optax" in r.stdout, r.stdout + r.stderr
+    assert "meshinit.optax needs optax: pip install meshinit[optax]" in r.stdout, (
+        r.stdout + r.stderr
+    )
 
 
 def test_a_single_array_and_an_empty_state():

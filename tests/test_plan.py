@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from helpers import three_mesh_specs
+from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
@@ -13,37 +14,6 @@ from meshinit import _paths, _signature
 lecun = jax.nn.initializers.lecun_normal
 zeros = jax.nn.initializers.zeros
 ones = jax.nn.initializers.ones
-
-
-def three_meshes(explicit: bool):
-    if explicit:
-        make = jax.make_mesh  # Explicit axes by default
-    else:
-
-        def make(shape, names):
-            return Mesh(np.array(jax.devices()).reshape(shape), names)  # Auto axes
-
-    return make((2, 4), ("a", "b")), make((2, 2, 2), ("x", "y", "z")), make((8,), ("c",))
-
-
-def three_mesh_specs(explicit: bool):
-    """The flax #5127 model: three params, each on its own mesh with its own rules."""
-    m1, m2, m3 = three_meshes(explicit)
-    return {
-        "small_linear1": meshinit.param(
-            (16, 16), lecun(), axes=("A", "B"), mesh=m1, rules=(("A", "a"), ("B", "b"))
-        ),
-        "small_linear2": meshinit.param(
-            (16, 16, 16),
-            lecun(),
-            axes=("X", "Y", "Z"),
-            mesh=m2,
-            rules=(("X", "x"), ("Y", "y"), ("Z", "z")),
-        ),
-        "small_linear3": meshinit.param(
-            (16, 16), lecun(), axes=("C", None), mesh=m3, rules=(("C", "c"),)
-        ),
-    }, (m1, m2, m3)
 
 
 @pytest.mark.parametrize("explicit", [False, True])

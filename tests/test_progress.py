@@ -7,8 +7,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from test_materialize import assert_exact
-from test_safety import Boom, two_stage_specs
+from helpers import Boom, assert_exact, two_stage_specs
 
 import meshinit
 from meshinit import _progress

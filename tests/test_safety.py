@@ -4,37 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import RULES, Boom, assert_exact, two_stage_specs
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_materialize import assert_exact, submesh
 
 import meshinit
 from meshinit import _checks, _strategies
 
 lecun = jax.nn.initializers.lecun_normal
-RULES = (("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor"))
-
-
-def two_stage_specs():
-    """Two disjoint pipeline stages: mesh group 0 on devices 0-3, group 1 on 4-7."""
-    stages = [
-        submesh(range(0, 4), (2, 2), ("fsdp", "tensor")),
-        submesh(range(4, 8), (2, 2), ("fsdp", "tensor")),
-    ]
-    with meshinit.defaults(rules=RULES):
-        return {
-            "stage0": {
-                "embed": meshinit.param((64, 32), lecun(), axes=("vocab", "embed"), mesh=stages[0]),
-                "up": meshinit.param((32, 64), lecun(), axes=("embed", "mlp"), mesh=stages[0]),
-                "scale": meshinit.param(
-                    (32,), jax.nn.initializers.ones, axes=("embed",), mesh=stages[0]
-                ),
-            },
-            "stage1": {
-                "down": meshinit.param((64, 32), lecun(), axes=("mlp", "embed"), mesh=stages[1]),
-                "head": meshinit.param((32, 64), lecun(), axes=("embed", "vocab"), mesh=stages[1]),
-            },
-        }
 
 
 def flat(tree):
@@ -171,10 +148,6 @@ def test_memory_check_names_the_largest_parameters_on_the_worst_device(monkeypat
 
 
 # ---------------------------------------------------------------------- atomic failure
-
-
-class Boom(RuntimeError):
-    pass
 
 
 @pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])

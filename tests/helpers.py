@@ -1,0 +1,87 @@
+"""Helpers the test modules share (no test module imports another)."""
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+import meshinit
+
+lecun = jax.nn.initializers.lecun_normal
+RULES = (("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor"))
+
+
+def three_meshes(explicit: bool):
+    if explicit:
+        make = jax.make_mesh  # Explicit axes by default
+    else:
+
+        def make(shape, names):
+            return Mesh(np.array(jax.devices()).reshape(shape), names)  # Auto axes
+
+    return make((2, 4), ("a", "b")), make((2, 2, 2), ("x", "y", "z")), make((8,), ("c",))
+
+
+def three_mesh_specs(explicit: bool):
+    """The flax #5127 model: three params, each on its own mesh with its own rules."""
+    m1, m2, m3 = three_meshes(explicit)
+    return {
+        "small_linear1": meshinit.param(
+            (16, 16), lecun(), axes=("A", "B"), mesh=m1, rules=(("A", "a"), ("B", "b"))
+        ),
+        "small_linear2": meshinit.param(
+            (16, 16, 16),
+            lecun(),
+            axes=("X", "Y", "Z"),
+            mesh=m2,
+            rules=(("X", "x"), ("Y", "y"), ("Z", "z")),
+        ),
+        "small_linear3": meshinit.param(
+            (16, 16), lecun(), axes=("C", None), mesh=m3, rules=(("C", "c"),)
+        ),
+    }, (m1, m2, m3)
+
+
+def assert_exact(plan, tree):
+    leaves = jax.tree_util.tree_leaves(tree)
+    arrays = [leaves_i for leaves_i in leaves if isinstance(leaves_i, jax.Array)]
+    assert len(arrays) == len(plan.entries)
+    by_path = dict(zip((e.path for e in plan.entries), arrays, strict=True))
+    for e in plan.entries:
+        s = by_path[e.path].sharding
+        assert isinstance(s, NamedSharding), (e.path, s)
+        assert s == e.sharding, (e.path, s, e.sharding)
+        assert s.mesh is e.sharding.mesh, e.path
+    return by_path
+
+
+def submesh(ids, shape, names, explicit=False):
+    devices = [jax.devices()[i] for i in ids]
+    if explicit:
+        return jax.make_mesh(shape, names, devices=devices)
+    return Mesh(np.array(devices).reshape(shape), names)
+
+
+def two_stage_specs():
+    """Two disjoint pipeline stages: mesh group 0 on devices 0-3, group 1 on 4-7."""
+    stages = [
+        submesh(range(0, 4), (2, 2), ("fsdp", "tensor")),
+        submesh(range(4, 8), (2, 2), ("fsdp", "tensor")),
+    ]
+    with meshinit.defaults(rules=RULES):
+        return {
+            "stage0": {
+                "embed": meshinit.param((64, 32), lecun(), axes=("vocab", "embed"), mesh=stages[0]),
+                "up": meshinit.param((32, 64), lecun(), axes=("embed", "mlp"), mesh=stages[0]),
+                "scale": meshinit.param(
+                    (32,), jax.nn.initializers.ones, axes=("embed",), mesh=stages[0]
+                ),
+            },
+            "stage1": {
+                "down": meshinit.param((64, 32), lecun(), axes=("mlp", "embed"), mesh=stages[1]),
+                "head": meshinit.param((32, 64), lecun(), axes=("embed", "vocab"), mesh=stages[1]),
+            },
+        }
+
+
+class Boom(RuntimeError):
+    pass
