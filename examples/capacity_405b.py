@@ -96,7 +96,7 @@ def main() -> None:
         print(plan.summary(), end="\n\n")
 
         # Every device of one mesh holds the same bytes: the shardings divide evenly.
-        per_device = plan.device_bytes()
+        per_device = plan.bytes_per_device()
         assert len(per_device) == mesh.size == 2048
         assert set(per_device.values()) == {plan.groups[0].device_bytes} == {most}
         assert plan.nbytes == 2 * params

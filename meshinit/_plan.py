@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import warnings
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from . import _caches, _paths, _plot, _records, _report
+from . import _paths, _plot, _records, _report, _rules
 from ._spec import ParamSpec
 
 
@@ -82,7 +82,9 @@ class PlanEntry:
           ...                              mesh=m)).entries[0].replicated_axes
           ('data',)
         """
-        return tuple(a for a, _ in _shard_options(self.spec.shape, self.sharding.spec, self.mesh))
+        return tuple(
+            a for a, _ in _rules.shard_options(self.spec.shape, self.sharding.spec, self.mesh)
+        )
 
     def shard_dims(self, axis: str) -> tuple[int, ...]:
         """The dimensions that the replicated mesh axis ``axis`` could shard evenly.
@@ -106,7 +108,7 @@ class PlanEntry:
           >>> e.shard_dims("data")  # 6 % 2 == 0 and 8 % (4 * 2) == 0
           (0, 1)
         """
-        options = _shard_options(self.spec.shape, self.sharding.spec, self.mesh)
+        options = _rules.shard_options(self.spec.shape, self.sharding.spec, self.mesh)
         return next((dims for a, dims in options if a == axis), ())
 
     @property
@@ -117,7 +119,9 @@ class PlanEntry:
         parameter is replicated across a mesh axis although that axis could shard it.
         """
         return tuple(
-            a for a, dims in _shard_options(self.spec.shape, self.sharding.spec, self.mesh) if dims
+            a
+            for a, dims in _rules.shard_options(self.spec.shape, self.sharding.spec, self.mesh)
+            if dims
         )
 
 
@@ -220,7 +224,7 @@ class Plan:
         """Total parameter bytes, unsharded."""
         return sum(e.spec.nbytes for e in self.entries)
 
-    def device_bytes(self) -> dict[Any, int]:
+    def bytes_per_device(self) -> dict[Any, int]:
         """Bytes of parameters each device holds, summed over all mesh groups.
 
         Meshes over the same devices add up: a ``(2, 4)`` mesh and an ``(8,)`` mesh
@@ -239,24 +243,24 @@ class Plan:
           >>> p = meshinit.plan({
           ...     "a": meshinit.param((8, 8), init, axes=("x", "y"), mesh=mesh_2x4),
           ...     "b": meshinit.param((8, 8), init, axes=("z", None), mesh=mesh_8)})
-          >>> p.device_bytes()[jax.devices()[0]]  # 4*2*4 bytes + 1*8*4 bytes
+          >>> p.bytes_per_device()[jax.devices()[0]]  # 4*2*4 bytes + 1*8*4 bytes
           64
         """
         return self._per_device(lambda g: g.device_bytes)
 
-    def replicated_bytes(self) -> dict[Any, int]:
-        """Like :meth:`device_bytes`, counting only :attr:`MeshGroup.shardable_entries`.
+    def replicated_bytes_per_device(self) -> dict[Any, int]:
+        """Like :meth:`bytes_per_device`, counting only :attr:`MeshGroup.shardable_entries`.
 
         The bytes each device holds because parameters are replicated across a mesh
         axis that could shard them.
 
         Returns:
-          A dict with the same keys as :meth:`device_bytes`.
+          A dict with the same keys as :meth:`bytes_per_device`.
 
         Examples:
           >>> m = AbstractMesh((2, 4), ("data", "tensor"))
           >>> p = meshinit.plan(meshinit.param((8, 8), init, axes=(None, "tensor"), mesh=m))
-          >>> p.replicated_bytes()[(m, 0)]  # 8*2 float32 on every device; data could halve it
+          >>> p.replicated_bytes_per_device()[(m, 0)]  # 8*2 float32 per device; data could halve it
           64
         """
         return self._per_device(lambda g: g.replicated_bytes)
@@ -265,12 +269,44 @@ class Plan:
     def max_device_bytes(self) -> int:
         """The most bytes of parameters on any one device (0 for an empty plan).
 
-        The largest value of :meth:`device_bytes`: meshes that share devices add up.
+        The largest value of :meth:`bytes_per_device`: meshes that share devices add up.
 
         Examples:
           >>> meshinit.plan(specs).max_device_bytes / 2**30  # GiB a device needs
         """
-        return max(self.device_bytes().values(), default=0)
+        return max(self.bytes_per_device().values(), default=0)
+
+    def device_bytes(self) -> dict[Any, int]:
+        """Deprecated name of :meth:`bytes_per_device` (``MeshGroup.device_bytes`` is an
+        int); it warns and will be removed.
+
+        Returns:
+          What :meth:`bytes_per_device` returns.
+
+        Examples:
+          >>> plan.bytes_per_device()  # instead of plan.device_bytes()
+        """
+        warnings.warn(
+            "Plan.device_bytes() is now Plan.bytes_per_device()", DeprecationWarning, stacklevel=2
+        )
+        return self.bytes_per_device()
+
+    def replicated_bytes(self) -> dict[Any, int]:
+        """Deprecated name of :meth:`replicated_bytes_per_device`; it warns and will be
+        removed.
+
+        Returns:
+          What :meth:`replicated_bytes_per_device` returns.
+
+        Examples:
+          >>> plan.replicated_bytes_per_device()  # instead of plan.replicated_bytes()
+        """
+        warnings.warn(
+            "Plan.replicated_bytes() is now Plan.replicated_bytes_per_device()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.replicated_bytes_per_device()
 
     def _per_device(self, per_group: Callable[[MeshGroup], int]) -> dict[Any, int]:
         # Every device of a mesh holds the same bytes (shardings divide evenly), so one
@@ -361,7 +397,7 @@ class Plan:
                 "params": 3, "elements": ..., "nbytes": ..., "meshes": 1,
                 "device_bytes_per_mesh": [...],  # meshes[i]["device_bytes"]
                 "max_device_bytes": ...,         # Plan.max_device_bytes
-                "max_replicated_bytes": ...}}    # the most of Plan.replicated_bytes()
+                "max_replicated_bytes": ...}}    # the most of Plan.replicated_bytes_per_device()
 
         ``logical_axes`` lists one entry per dimension when the spec has rules (all
         null for a replicated spec). ``replicated_bytes`` counts parameters with
@@ -458,26 +494,3 @@ class Plan:
 
     def __str__(self) -> str:
         return _report.table(self)
-
-
-@_caches.memo(maxsize=4096)
-def _shard_options(shape, spec, mesh) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """``(replicated axis, dimensions it could shard)`` pairs, in mesh order.
-
-    See ``PlanEntry.shard_dims`` for the rule. Memoized: a deep model repeats a handful
-    of (shape, spec, mesh) many times.
-    """
-    entries = (*spec, *(None,) * (len(shape) - len(spec)))
-    used: set[str] = set()
-    ways = []
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    for e in entries:
-        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-        used.update(names)
-        ways.append(math.prod(sizes[a] for a in names))
-    empty = math.prod(shape) == 0
-    return tuple(
-        (axis, () if empty else tuple(d for d, n in enumerate(shape) if n % (ways[d] * size) == 0))
-        for axis, size in sizes.items()
-        if size > 1 and axis not in used
-    )

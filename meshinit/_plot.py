@@ -54,7 +54,7 @@ def heatmap(plan: Plan) -> Any:
 
     if not plan.groups:
         raise ValueError("the plan has no parameters: there is nothing to draw")
-    per_device = plan.device_bytes()
+    per_device = plan.bytes_per_device()
     n = len(plan.groups)
     fig = Figure(figsize=(9, 0.6 + 3.0 * n), layout="constrained")
     axes = fig.subplots(n, 1, squeeze=False)[:, 0]

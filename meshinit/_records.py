@@ -75,7 +75,7 @@ def to_dict(plan: Plan, source: MeshSource | None = None) -> dict[str, Any]:
             "meshes": len(plan.groups),
             "device_bytes_per_mesh": [g.device_bytes for g in plan.groups],
             "max_device_bytes": plan.max_device_bytes,
-            "max_replicated_bytes": max(plan.replicated_bytes().values(), default=0),
+            "max_replicated_bytes": max(plan.replicated_bytes_per_device().values(), default=0),
         },
     }
 

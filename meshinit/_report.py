@@ -136,7 +136,7 @@ def _totals(plan: Plan) -> list[str]:
         f"{human_bytes(plan.max_device_bytes)}"
     ]
     if k > 1:
-        replicated = max(plan.replicated_bytes().values(), default=0)
+        replicated = max(plan.replicated_bytes_per_device().values(), default=0)
         if replicated:
             lines.append(
                 f"! replicated across an axis that could shard them: up to "

@@ -241,3 +241,25 @@ def typo_problems(
                         f"skipped and {name!r} replicated; did you mean {close[0]!r}?",
                     )
     return list(found.values())
+
+
+def shard_options(shape, spec, mesh) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``(replicated axis, dimensions it could shard)`` pairs, in mesh order.
+
+    See ``PlanEntry.shard_dims`` for the rule. Memoized: a deep model repeats a handful
+    of (shape, spec, mesh) many times.
+    """
+    entries = (*spec, *(None,) * (len(shape) - len(spec)))
+    used: set[str] = set()
+    ways = []
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    for e in entries:
+        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        used.update(names)
+        ways.append(math.prod(sizes[a] for a in names))
+    empty = math.prod(shape) == 0
+    return tuple(
+        (axis, () if empty else tuple(d for d, n in enumerate(shape) if n % (ways[d] * size) == 0))
+        for axis, size in sizes.items()
+        if size > 1 and axis not in used
+    )

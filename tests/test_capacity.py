@@ -66,7 +66,7 @@ def test_device_bytes_equal_the_shards_each_device_holds_after_materialize(expli
     plan = meshinit.plan(specs_on(m1, m2))
     assert len(plan.groups) == 2
     arrays = meshinit.materialize(plan, 0)
-    got = plan.device_bytes()
+    got = plan.bytes_per_device()
     assert got == measured_bytes(arrays)
     assert set(got) == set(m1.devices.flat) | set(m2.devices.flat)
     assert plan.max_device_bytes == max(measured_bytes(arrays).values())
@@ -78,12 +78,12 @@ def test_meshes_over_the_same_devices_add_up_and_disjoint_ones_do_not():
     g1, g2 = (g.device_bytes for g in shared.groups)
     # a: 8*8*4, b: 8*6*4, c: 6*2 on each device of (2, 4); d: 8*8*4, e: 40*2 on (8,)
     assert (g1, g2) == (256 + 192 + 12, 256 + 80)
-    assert set(shared.device_bytes().values()) == {g1 + g2}
+    assert set(shared.bytes_per_device().values()) == {g1 + g2}
     assert shared.max_device_bytes == g1 + g2
 
     disjoint = meshinit.plan(specs_on(*layouts["disjoint"]))
     h1, h2 = (g.device_bytes for g in disjoint.groups)
-    per_device = disjoint.device_bytes()
+    per_device = disjoint.bytes_per_device()
     devices = jax.devices()
     assert [per_device[d] for d in devices] == [h1] * 4 + [h2] * 4
     assert disjoint.max_device_bytes == max(h1, h2)
@@ -91,7 +91,7 @@ def test_meshes_over_the_same_devices_add_up_and_disjoint_ones_do_not():
 
 def test_an_empty_plan_holds_nothing():
     plan = meshinit.plan({"not a spec": 1.0})
-    assert plan.device_bytes() == {} and plan.replicated_bytes() == {}
+    assert plan.bytes_per_device() == {} and plan.replicated_bytes_per_device() == {}
     assert plan.max_device_bytes == 0
     assert "most on one device 0 B" in str(plan)
 
@@ -104,7 +104,7 @@ def test_abstract_meshes_give_the_concrete_numbers_per_position(layout):
     concrete = meshinit.plan(specs_on(m1, m2))
     abstract = meshinit.plan(specs_on(a1, a2))
     assert [g.device_bytes for g in abstract.groups] == [g.device_bytes for g in concrete.groups]
-    per_device = abstract.device_bytes()
+    per_device = abstract.bytes_per_device()
     # Abstract meshes never share devices: one key per position of each mesh.
     assert len(per_device) == a1.size + a2.size
     for group, concrete_group in zip(abstract.groups, concrete.groups, strict=True):
@@ -122,10 +122,10 @@ def test_2048_device_abstract_mesh_has_one_entry_per_device():
     plan = meshinit.plan(
         [meshinit.param((1024, 512), ones, axes=("fsdp", "tensor"), mesh=mesh, dtype=jnp.bfloat16)]
     )
-    per_device = plan.device_bytes()
+    per_device = plan.bytes_per_device()
     assert list(per_device) == [(mesh, i) for i in range(2048)]
     assert set(per_device.values()) == {64 * 64 * 2}
-    assert plan.replicated_bytes() == per_device  # data=16 could shard dimension 0
+    assert plan.replicated_bytes_per_device() == per_device  # data=16 could shard dimension 0
 
 
 M = AbstractMesh((2, 4, 1), ("data", "tensor", "pipe"))
@@ -177,7 +177,7 @@ def test_replication_nothing_could_shard_is_not_flagged(shape, axes, replicated)
     plan = meshinit.plan({"w": meshinit.param(shape, ones, axes=axes, mesh=M)})
     assert plan.groups[0].shardable_entries == ()
     assert plan.groups[0].replicated_bytes == 0
-    assert set(plan.replicated_bytes().values()) == {0}
+    assert set(plan.replicated_bytes_per_device().values()) == {0}
     assert "!" not in str(plan)
 
 
@@ -308,3 +308,18 @@ def test_summary_has_the_totals_without_the_rows():
     )
     assert set(summary.splitlines()) <= set(str(plan).splitlines())
     assert all(len(line) <= 100 for line in summary.splitlines())
+
+
+def test_the_per_device_byte_counts_have_their_own_names_and_the_old_ones_warn():
+    import warnings
+
+    m = AbstractMesh((2, 4), ("data", "tensor"))
+    p = meshinit.plan(
+        meshinit.param((8, 8), jax.nn.initializers.zeros, axes=(None, "tensor"), mesh=m)
+    )
+    assert p.bytes_per_device()[(m, 0)] == 64 and p.replicated_bytes_per_device()[(m, 0)] == 64
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert p.device_bytes() == p.bytes_per_device()
+        assert p.replicated_bytes() == p.replicated_bytes_per_device()
+    assert [issubclass(w.category, DeprecationWarning) for w in caught] == [True, True]

@@ -615,7 +615,7 @@ def test_to_dict_describes_every_param_and_the_totals():
     assert totals["max_device_bytes"] == plan.max_device_bytes
     # devices 4-7 hold both meshes' shards: the most is their sum
     assert totals["max_device_bytes"] == sum(g.device_bytes for g in plan.groups)
-    assert totals["max_replicated_bytes"] == max(plan.replicated_bytes().values())
+    assert totals["max_replicated_bytes"] == max(plan.replicated_bytes_per_device().values())
     assert json.loads(plan.to_json()) == d
     assert json.loads(plan.to_json(indent=None)) == d and "\n" not in plan.to_json(indent=None)
 
@@ -660,7 +660,7 @@ def test_heatmap_draws_each_mesh_grid_with_per_device_bytes():
     pytest.importorskip("matplotlib")
     plan = meshinit.plan(three_meshes())
     fig = plan.heatmap()
-    per_device = plan.device_bytes()
+    per_device = plan.bytes_per_device()
     images = [ax for ax in fig.axes if ax.get_images()]
     assert len(images) == 3 and len(fig.axes) == 6  # one colorbar each
     for ax, group in zip(images, plan.groups, strict=True):
