@@ -23,12 +23,12 @@ from jax.sharding import AbstractMesh, Mesh
 from ._rules import AxisEntry, Rules, normalize_rules
 
 
-class _MeshAxes:
+class MeshAxes:
     """Sentinel: "the axis names are mesh axis names", even inside a rules context."""
 
-    _instance: _MeshAxes | None = None
+    _instance: MeshAxes | None = None
 
-    def __new__(cls) -> _MeshAxes:
+    def __new__(cls) -> MeshAxes:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance
@@ -58,7 +58,7 @@ def _normalize_dtype(dtype: Any) -> np.dtype:
         raise TypeError(f"dtype must be a numeric dtype (jnp.float32, ...), got {dtype!r}") from e
 
 
-MESH_AXES = _MeshAxes()
+MESH_AXES = MeshAxes()
 """Pass as ``rules=MESH_AXES`` to ``param`` or ``defaults`` to say that a spec's axes
 name mesh axes directly, overriding any rules set by an enclosing ``defaults``."""
 
@@ -171,7 +171,7 @@ _DEFAULTS: contextvars.ContextVar[_Defaults] = contextvars.ContextVar(
 def defaults(
     *,
     mesh: Mesh | AbstractMesh | None = None,
-    rules: Rules | _MeshAxes | None = None,
+    rules: Rules | MeshAxes | None = None,
     dtype: Any = None,
 ) -> Iterator[None]:
     """Supplies the ``mesh``, ``rules`` and ``dtype`` that :func:`param` was not given.
@@ -216,7 +216,7 @@ def param(
     *,
     axes: Sequence[AxisEntry] | None = None,
     mesh: Mesh | AbstractMesh | None = None,
-    rules: Rules | _MeshAxes | None = None,
+    rules: Rules | MeshAxes | None = None,
     dtype: Any = None,
     **metadata: Any,
 ) -> ParamSpec:
