@@ -169,10 +169,10 @@ def precompile(
 
     XLA compiles in threads, at most one per core: each program is traced and lowered
     here (that needs the mesh context, and holds the GIL), and its compile starts at
-    once, while the next one is lowered. Measured on the 2-core CPU reference (3
-    executables, 6 alternating fresh processes each): cold init median 2.82 s against
-    3.10 s compiling one after the other, and 2.89 s with 3 threads. Each finished
-    compile is cached and reported to the progress tracker from this thread.
+    once, while the next one is lowered (faster than compiling one after the other, or
+    with more threads than cores: benchmarks/README.md, "Measurements behind the
+    code's choices"). Each finished compile is cached and reported to the progress
+    tracker from this thread.
 
     On any error, compiles not yet started are cancelled and running ones are waited
     for, so nothing compiles after this returns; the first error propagates, with its
@@ -223,11 +223,11 @@ def precompile(
             raise
 
 
-# On CPU, XLA's backend optimization level 1 instead of the default (compile time -30%,
-# run time up to +50%: a trade that pays for cold init), and XLA's classic elemental
-# emitters instead of its MLIR fusion emitters (same values, about 25% less compile
-# time at the same run time). Measured on the reference model; see
-# benchmarks/README.md. Other platforms keep their defaults.
+# On CPU, XLA's backend optimization level 1 instead of the default (less compile time
+# for some run time: a trade that pays for cold init), and XLA's classic elemental
+# emitters instead of its MLIR fusion emitters (same values, less compile time at the
+# same run time). The measurements are in benchmarks/README.md ("Measurements behind
+# the code's choices"). Other platforms keep their defaults.
 CPU_COMPILER_OPTIONS: dict[str, Any] = {
     "xla_backend_optimization_level": 1,
     "xla_cpu_use_fusion_emitters": False,

@@ -34,10 +34,9 @@ def key_impl(group: MeshGroup, impl: str) -> KeyImpl:
 
     On CPU, jax's threefry2x32 with its hash emitted straight-line
     (:data:`_threefry.STRAIGHT_LINE`): the same bits, and XLA fuses the hash into the
-    initializer. On the 32-layer reference (3 alternating pairs of fresh processes)
-    cold init took 1.36-1.61 s against 1.59-1.94 s, and a warm re-init 0.21 s against
-    0.38-0.42 s (benchmarks/README.md). Other platforms already get a straight-line
-    hash from jax and keep its implementation.
+    initializer: faster cold and warm (benchmarks/README.md, "Measurements behind the
+    code's choices"). Other platforms already get a straight-line hash from jax and
+    keep its implementation.
     """
     if impl == _paths.SHARDING_INVARIANT_IMPL and on_cpu(group.mesh):
         return _threefry.STRAIGHT_LINE

@@ -75,8 +75,8 @@ def paused_gc() -> Iterator[None]:
     """Python's cycle collector is paused while a constructor is traced and placed.
 
     A trace makes hundreds of thousands of short-lived objects, and each collection
-    walks the whole heap: 0.08 s of a 32-layer ``nnx.init`` (0.82 s against 0.73 s on
-    the reference stack), growing with depth. Nothing is freed later than it would be
+    walks the whole heap, a cost that grows with depth (benchmarks/README.md,
+    "Measurements behind the code's choices"). Nothing is freed later than it would be
     after the call; the collector resumes, as it was, when the last concurrent call
     ends (a count, so threads can nest).
     """
