@@ -75,8 +75,8 @@ class PeerFailure(RuntimeError):
     Under ``jax.distributed``, ``materialize`` and the adapters' ``init`` are collective:
     they return only when every process succeeded (see the Reliability page). This
     process's arrays are deleted before this is raised; the failed process raises its
-    own error. The message names each failed process and its error, or says which
-    process did not report within ``MESHINIT_AGREE_TIMEOUT_S`` seconds.
+    own error. The message names each failed process and its error, or says that the
+    agreement itself failed (a process that died never reaches it).
 
     Examples:
       >>> try:
