@@ -15,12 +15,9 @@ Paths are the dot-joined variable paths: ``params.layers_0.mlp.wi.kernel``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import functools
-import threading
-from collections.abc import Callable, Iterator, Mapping
+import traceback
+from collections.abc import Callable, Mapping
 from typing import Any
 
 try:
@@ -34,60 +31,42 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from . import _adapters, _constructor, _linen_meta, _paths, _plan, _planner, _trace
-from ._errors import Problem
+from ._errors import PlanError, Problem
+from ._format import describe_mesh
 
 __all__ = ["init", "plan"]
 
 
-_UNCONSTRAINED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "meshinit_linen_unconstrained", default=False
+_EXPLICIT_BOX = (
+    "its box carries mesh={mesh}, whose axes are Explicit: linen's unbox constrains the "
+    "value with jax.lax.with_sharding_constraint, which jax refuses on Explicit axes "
+    "(flax's own module.init fails the same way). Fix: give the box an Auto-axes mesh "
+    "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n)), or leave mesh= "
+    "off the box and pass the Explicit mesh to meshinit.linen.init(mesh=... or meshes=...)"
 )
-_switch_lock = threading.Lock()
-_switch_installed = False
 
 
-def _install_unbox_switch() -> None:
-    """One wrapper per box class, installed once: a bare value inside meshinit's trace.
+def _explicit_box_problem(error: ValueError) -> Problem | None:
+    """The path and fix for linen's unbox failing on a box whose own mesh is Explicit.
 
-    Each wrapper returns the box's value while :data:`_UNCONSTRAINED` is set in the
-    calling context (a thread's own, so other threads never see it) and otherwise calls
-    linen's own ``unbox``, unchanged. Nothing is swapped per call, so concurrent
-    ``init`` calls and plain flax code on other threads behave as if each ran alone.
+    linen applies a box's sharding constraint as the module reads it, to the box's own
+    ``mesh=`` when it has one. meshinit leaves flax's classes alone (it traces under the
+    Auto twin of the context mesh, which covers every box without a mesh of its own),
+    so a box that names an Explicit mesh fails inside ``module.init``; the frames of
+    that failure say which variable it was.
     """
-    global _switch_installed
-    with _switch_lock:
-        if _switch_installed:
-            return
-        for cls in (meta.Partitioned, nn.LogicallyPartitioned):
-            original = cls.__dict__["unbox"]
-
-            def unbox(self: Any, apply_constraint: bool = True, _original: Any = original) -> Any:
-                if _UNCONSTRAINED.get():
-                    return self.value
-                return _original(self, apply_constraint)
-
-            functools.update_wrapper(unbox, original)
-            cls.unbox = unbox  # type: ignore[method-assign]
-        _switch_installed = True
-
-
-@contextlib.contextmanager
-def _no_unbox_constraints() -> Iterator[None]:
-    """While meshinit traces ``module.init``, boxes unbox to their bare values.
-
-    linen's ``Partitioned.unbox`` constrains each parameter to its box's mesh (or the
-    context mesh) as the module uses it. Inside one group's computation that pins
-    values to other groups' meshes ("incompatible devices" for disjoint submeshes)
-    and, on Explicit axes, fails outright. Placement is meshinit's job here: the
-    out_shardings of each group say exactly where each variable goes. Only this
-    context sees it (:func:`_install_unbox_switch`).
-    """
-    _install_unbox_switch()
-    token = _UNCONSTRAINED.set(True)
-    try:
-        yield
-    finally:
-        _UNCONSTRAINED.reset(token)
+    box = scope = name = None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        here = frame.f_locals
+        if frame.f_code.co_name == "unbox" and isinstance(here.get("self"), meta.Partitioned):
+            box = here["self"]
+        elif frame.f_code.co_name == "param" and hasattr(here.get("self"), "path_text"):
+            scope, name = here["self"], here.get("name")
+    if box is None or box.mesh is None or "Auto axes" not in str(error):
+        return None
+    parts = ["params", *(p for p in scope.path_text.split("/") if p)] if scope else []
+    path = ".".join([*parts, str(name)]) if scope is not None and name is not None else ""
+    return Problem(path, _EXPLICIT_BOX.format(mesh=describe_mesh(box.mesh)))
 
 
 def _host_keys(key: Any) -> tuple[list[np.ndarray], Callable[[list[Any]], Any]]:
@@ -187,8 +166,13 @@ def _prepare(
 
     def run_init(*values: Any) -> list[Any]:
         args, kwargs = make_inputs(list(values[n_keys:]))
-        with _no_unbox_constraints():
+        try:
             variables = module.init(make_rngs(list(values[:n_keys])), *args, **kwargs)
+        except ValueError as e:
+            problem = _explicit_box_problem(e)
+            if problem is None:
+                raise
+            raise PlanError([problem]) from e
         flat, treedef = jax.tree_util.tree_flatten_with_path(variables, is_leaf=_linen_meta.is_box)
         found.append((flat, treedef))
         leaves = [_linen_meta.value_of(leaf) for _, leaf in flat]
