@@ -77,11 +77,12 @@ def cold(
         jax.config.update("jax_enable_compilation_cache", True)
     model = Model.cpu(layers, width)
     recipes.preload(recipe)
-    strategy = recipes.use_strategy(recipe) if recipes.is_spec_path(recipe) else None
+    strategy = recipes.strategy_of(recipe) if recipes.is_spec_path(recipe) else None
     clock = CompileClock()
     start = time.perf_counter()
-    out = recipes.run(recipe, model, mesh)
-    jax.block_until_ready(out)
+    with recipes.options_for(recipe):
+        out = recipes.run(recipe, model, mesh)
+        jax.block_until_ready(out)
     seconds = time.perf_counter() - start
     result = {
         "seconds": seconds,
@@ -178,15 +179,16 @@ def warm(layers: int, meshinit_recipes: list[str], repeats: int, width: int = 1)
     result: dict[str, Any] = {"nbytes": model.nbytes, "meshinit": {}, "repeats": repeats}
     plans = {}
     for recipe in meshinit_recipes:
-        strategy = recipes.use_strategy(recipe)
+        strategy = recipes.strategy_of(recipe)
         meshinit.clear_cache()
         start = time.perf_counter()
         plans[recipe] = plan = meshinit.plan(recipes.meshinit_specs(model, mesh))
-        _delete(meshinit.materialize(plan, 0))
+        with recipes.options_for(recipe):
+            _delete(meshinit.materialize(plan, 0))
         result["meshinit"][recipe] = {"strategy": strategy, "first": time.perf_counter() - start}
     for recipe in meshinit_recipes:  # clear_cache above dropped the earlier recipes'
-        recipes.use_strategy(recipe)
-        _delete(meshinit.materialize(plans[recipe], 0))
+        with recipes.options_for(recipe):
+            _delete(meshinit.materialize(plans[recipe], 0))
 
     start = time.perf_counter()  # like meshinit's first call: trace, compile, run
     lowered = recipes.fused_jit(model, mesh).lower(jax.random.key(0))
@@ -200,8 +202,8 @@ def warm(layers: int, meshinit_recipes: list[str], repeats: int, width: int = 1)
 
     def meshinit_call(recipe: str) -> Any:
         def call(seed: int) -> Any:
-            recipes.use_strategy(recipe)
-            return meshinit.materialize(plans[recipe], seed)
+            with recipes.options_for(recipe):
+                return meshinit.materialize(plans[recipe], seed)
 
         return call
 
@@ -224,8 +226,8 @@ def warm(layers: int, meshinit_recipes: list[str], repeats: int, width: int = 1)
         entry["warm_median"] = sorted(times[recipe])[len(times[recipe]) // 2]
         entry["compiles"] = compiles
         try:
-            recipes.use_strategy(recipe)  # its compiler options: the cached executables
-            entry["memory"] = _device_memory(plans[recipe], entry["strategy"])
+            with recipes.options_for(recipe):  # its compiler options: the cached executables
+                entry["memory"] = _device_memory(plans[recipe], entry["strategy"])
         except Exception as e:  # the strategy API is internal and may change
             entry["memory_error"] = f"{type(e).__name__}: {e}"
 
@@ -277,8 +279,6 @@ def host_memory(recipe: str, layers: int, width: int) -> dict:
     mesh = setup_cpu()
     model = Model.cpu(layers, width)
     recipes.preload(recipe)
-    if recipes.is_spec_path(recipe):
-        recipes.use_strategy(recipe)
     jax.block_until_ready(jax.numpy.zeros(8))  # start the backend before the baseline
     gc.collect()
     try:
@@ -289,8 +289,9 @@ def host_memory(recipe: str, layers: int, width: int) -> dict:
         baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         method = "ru_maxrss after - ru_maxrss before"
     start = time.perf_counter()
-    out = recipes.run(recipe, model, mesh)
-    jax.block_until_ready(out)
+    with recipes.options_for(recipe):
+        out = recipes.run(recipe, model, mesh)
+        jax.block_until_ready(out)
     seconds = time.perf_counter() - start
     if method.startswith("VmHWM"):
         peak = _rss_peak()

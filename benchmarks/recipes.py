@@ -57,7 +57,6 @@ CPU_MESH = ((2, 4), ("fsdp", "tensor"))
 SPEC_RECIPES = (
     "meshinit",
     "meshinit:per_signature",
-    "meshinit:fused_group",
     "meshinit+xla-defaults",
     "nnx.jit",
     "jax.jit",
@@ -638,17 +637,11 @@ def preload(recipe: str) -> None:
         importlib.import_module(recipe.partition(":")[0])
 
 
-_MESHINIT_OPTIONS: dict[str, Any] | None = None
-
-
 def meshinit_options() -> dict[str, Any]:
-    """meshinit's own CPU compiler options (as shipped, whatever a recipe set since)."""
-    import meshinit._compile as compile_
+    """meshinit's own CPU compiler options, as shipped."""
+    from meshinit import _options
 
-    global _MESHINIT_OPTIONS
-    if _MESHINIT_OPTIONS is None:
-        _MESHINIT_OPTIONS = dict(compile_.CPU_COMPILER_OPTIONS)
-    return dict(_MESHINIT_OPTIONS)
+    return dict(_options.CPU_COMPILER_OPTIONS)
 
 
 def meshinit_key_impl() -> Any:
@@ -659,30 +652,36 @@ def meshinit_key_impl() -> Any:
     return _threefry.STRAIGHT_LINE
 
 
-def use_strategy(recipe: str) -> str:
-    """Sets meshinit's strategy for ``meshinit[:<name>][+xla-defaults]``.
+def strategy_of(recipe: str) -> str:
+    """The strategy of ``meshinit[:<name>][+xla-defaults]``: ``<name>``, or rounds."""
+    from meshinit import _options
+
+    base, _, flag = recipe.partition("+")
+    if flag not in ("", "xla-defaults"):
+        raise ValueError(f"unknown meshinit recipe flag {flag!r} in {recipe!r}")
+    name = base.partition(":")[2] or _options.STRATEGY_NAMES[0]
+    if name not in _options.STRATEGY_NAMES:
+        known = ", ".join(_options.STRATEGY_NAMES)
+        raise ValueError(f"meshinit has no strategy {name!r}; known: {known}")
+    return name
+
+
+def options_for(recipe: str) -> Any:
+    """``meshinit.options(...)`` for ``meshinit[:<name>][+xla-defaults]``: a context.
 
     ``meshinit`` is the default strategy, ``meshinit:<name>`` another one; with
     ``+xla-defaults`` meshinit compiles with XLA's default options instead of its own
     CPU compiler options (executables are cached per options, so recipes can alternate
-    in one process). Returns the strategy's name.
+    in one process). Any other recipe gets meshinit's defaults.
     """
-    import meshinit._compile as compile_
-    import meshinit._strategies as strategies
+    import meshinit
 
-    options = meshinit_options()
-    base, _, flag = recipe.partition("+")
-    if flag not in ("", "xla-defaults"):
-        raise ValueError(f"unknown meshinit recipe flag {flag!r} in {recipe!r}")
-    name = base.partition(":")[2] or strategies.DEFAULT_STRATEGY
-    if name not in strategies.STRATEGIES:
-        known = ", ".join(strategies.STRATEGIES)
-        raise ValueError(f"meshinit has no strategy {name!r}; known: {known}")
-    strategies.DEFAULT_STRATEGY = name
-    compile_.CPU_COMPILER_OPTIONS.clear()
-    if flag != "xla-defaults":
-        compile_.CPU_COMPILER_OPTIONS.update(options)
-    return name
+    if not is_spec_path(recipe):
+        return meshinit.options()
+    xla_defaults = recipe.partition("+")[2] == "xla-defaults"
+    return meshinit.options(
+        strategy=strategy_of(recipe), compiler_options={} if xla_defaults else None
+    )
 
 
 # ----------------------------------------------------------------------------- checks

@@ -480,11 +480,11 @@ The CPU reference model is a Llama-style stack in f32: `embed` (4096, 256), per 
 Recipes, all producing the same tree of arrays:
 
 - `meshinit`: build the specs, `meshinit.plan`, `meshinit.materialize` (the default
-  strategy); `meshinit:<name>` selects another strategy through
-  `meshinit._strategies.DEFAULT_STRATEGY`, and `meshinit+xla-defaults` is the
-  default strategy compiled with XLA's default options instead of meshinit's CPU
-  compiler options (`meshinit._compile.CPU_COMPILER_OPTIONS`): it measures what
-  that choice trades between cold and warm time.
+  strategy); `meshinit:<name>` selects another strategy with
+  `meshinit.options(strategy=<name>)`, and `meshinit+xla-defaults` is the default
+  strategy compiled with XLA's default options instead of meshinit's CPU compiler
+  options (`meshinit.options(compiler_options={})`): it measures what that choice
+  trades between cold and warm time.
 - `nnx.jit`: a flax nnx Module whose `__init__` makes each parameter as
   `nnx.Param(init(rngs.params(), shape), out_sharding=<mesh axes>, mesh=mesh)`,
   constructed inside `nnx.jit` under `jax.set_mesh(mesh)`.

@@ -11,6 +11,7 @@ from ._errors import Problem as Problem
 from ._materialize import clear_cache as clear_cache
 from ._materialize import init as init
 from ._materialize import materialize as materialize
+from ._options import options as options
 from ._paths import param_key as param_key
 from ._plan import MeshGroup as MeshGroup
 from ._plan import Plan as Plan

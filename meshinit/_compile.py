@@ -2,8 +2,9 @@
 
 Every program is traced under an all-Auto twin of its group's mesh
 (:func:`auto_twin`), lowered with exact out_shardings and compiled with the mesh's
-compiler options (:data:`CPU_COMPILER_OPTIONS` on CPU; an option this jaxlib lacks is
-dropped once, with an INFO record). Executables are cached process-wide
+compiler options of the call (:func:`meshinit.options`; by default meshinit's
+:data:`CPU_COMPILER_OPTIONS` on CPU, where an option this jaxlib lacks is dropped once,
+with an INFO record). Executables are cached process-wide
 (:data:`executables`, in the registry of :mod:`meshinit._caches`), and the ones not
 cached yet compile in parallel threads before anything is allocated
 (:func:`precompile`).
@@ -11,6 +12,7 @@ cached yet compile in parallel threads before anything is allocated
 
 from __future__ import annotations
 
+import contextvars
 import os
 import re
 import threading
@@ -22,9 +24,10 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh
 
-from . import _caches, _progress
+from . import _caches, _options, _progress
 from ._caches import LRUCache
 from ._format import describe_mesh
+from ._options import CPU_COMPILER_OPTIONS
 from ._plan import MeshGroup
 
 
@@ -49,6 +52,12 @@ def on_cpu(mesh: Mesh) -> bool:
 
 
 def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
+    """The XLA options this call compiles ``mesh``'s programs with
+    (:func:`meshinit._options.options`; by default meshinit's own on CPU, less the
+    ones this jaxlib lacks, and XLA's defaults elsewhere)."""
+    chosen = _options.current().compiler_options
+    if chosen is not None:
+        return dict(chosen) or None
     if not on_cpu(mesh):
         return None
     options = {k: v for k, v in CPU_COMPILER_OPTIONS.items() if k not in unknown_options}
@@ -60,21 +69,23 @@ _NO_SUCH_OPTION = re.compile(r"No such compile option: '([^']+)'")
 
 
 def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
-    """``lowered.compile`` with the mesh's compiler options.
+    """``lowered.compile`` with the mesh's compiler options (:func:`compiler_options`).
 
-    An option of :data:`CPU_COMPILER_OPTIONS` that this jaxlib does not know (XLA
-    renames and retires its debug options) is dropped for the rest of the process,
-    with an INFO record, instead of failing every compile: meshinit's options change
-    compile and run time, never values (a test compares them with XLA's defaults).
+    An option of meshinit's own :data:`CPU_COMPILER_OPTIONS` that this jaxlib does not
+    know (XLA renames and retires its debug options) is dropped for the rest of the
+    process, with an INFO record, instead of failing every compile: meshinit's options
+    change compile and run time, never values (a test compares them with XLA's
+    defaults). An option the caller asked for is never dropped.
     """
     tried: set[str] = set()
+    own = _options.current().compiler_options is None
     while True:
         try:
             return lowered.compile(compiler_options(mesh))
         except Exception as e:
             found = _NO_SUCH_OPTION.search(str(e))
             name = found and found.group(1)
-            if name not in CPU_COMPILER_OPTIONS or name in tried:
+            if not own or name not in CPU_COMPILER_OPTIONS or name in tried:
                 raise
             tried.add(name)
             with lock:  # compiles run in threads: say it once
@@ -124,7 +135,7 @@ def full_key(cache_key: Hashable) -> Hashable:
     return (
         cache_key,
         jax.config.jax_threefry_partitionable,
-        tuple(sorted(CPU_COMPILER_OPTIONS.items())),
+        _options.current().compiler_options,  # None: meshinit's own, fixed per process
     )
 
 
@@ -205,7 +216,9 @@ def precompile(
                 except Exception as e:
                     compile_note(e, group)
                     raise
-                future = pool.submit(compile_one, lowered, group.mesh)
+                # with this call's options (a context variable) in the worker thread
+                context = contextvars.copy_context()
+                future = pool.submit(context.run, compile_one, lowered, group.mesh)
                 futures.append((future, full, index, group))
             for future, full, index, group in futures:  # reported in order
                 try:
@@ -221,17 +234,6 @@ def precompile(
             for future, *_ in futures:
                 future.cancel()
             raise
-
-
-# On CPU, XLA's backend optimization level 1 instead of the default (less compile time
-# for some run time: a trade that pays for cold init), and XLA's classic elemental
-# emitters instead of its MLIR fusion emitters (same values, less compile time at the
-# same run time). The measurements are in benchmarks/README.md ("Measurements behind
-# the code's choices"). Other platforms keep their defaults.
-CPU_COMPILER_OPTIONS: dict[str, Any] = {
-    "xla_backend_optimization_level": 1,
-    "xla_cpu_use_fusion_emitters": False,
-}
 
 
 def some_paths(group: MeshGroup, n: int = 5) -> str:

@@ -105,7 +105,7 @@ def materialize(
         )
     key_data, impl = _paths.host_key(key)
     if max_bytes_per_call is None:
-        strategy = _strategies.STRATEGIES[_strategies.DEFAULT_STRATEGY]  # read per call
+        strategy = _strategies.chosen()  # meshinit.options, read per call
     else:
         if isinstance(max_bytes_per_call, bool) or not isinstance(max_bytes_per_call, int):
             raise TypeError(f"max_bytes_per_call must be an int, got {max_bytes_per_call!r}")
@@ -120,17 +120,14 @@ def materialize(
         error = PlanError(problems, header="cannot materialize this plan:")
         _agree.agree("materialize", error)  # a collective call: the others must know
         raise error
-    # A strategy without these (tests inject some): one compile per group, in prepare.
-    work = getattr(strategy, "work", None)
-    builds = getattr(strategy, "builds", None)
     return run_plan(
         plan,
         lambda group: strategy.prepare(group, key_impl(group, impl)),
         key_data,
         given=given,
         max_bytes_per_call=max_bytes_per_call,
-        work=None if work is None else lambda group: work(group, key_impl(group, impl)),
-        builds=None if builds is None else lambda group: builds(group, key_impl(group, impl)),
+        work=lambda group: strategy.work(group, key_impl(group, impl)),
+        builds=lambda group: strategy.builds(group, key_impl(group, impl)),
         progress=progress,
     )
 

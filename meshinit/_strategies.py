@@ -7,20 +7,23 @@ depth. Per-parameter keys are derived on the host (``_paths.fold_digests``,
 bit-identical to ``param_key``) and passed in as key data, so a new key, or another
 model with the same signatures, reuses the cached executables: zero compilations.
 
-A strategy has ``builds(group, impl)`` (the executables it will call, as cache keys
-and builders), ``work(group, impl)`` (each executable with how many calls it gets)
-and ``prepare(group, impl)`` (a runner that makes the group's arrays).
+A strategy (:class:`Strategy`) has ``builds(group, impl)`` (the executables it will
+call, as cache keys and builders), ``work(group, impl)`` (each executable with how many
+calls it gets) and ``prepare(group, impl)`` (a runner that makes the group's arrays).
+Which one a call uses is data: :func:`meshinit.options`, read by :func:`chosen`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any
+import types
+import typing
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from . import _paths, _threefry
+from . import _options, _paths, _threefry
 from ._compile import Build, compiled, on_cpu
 from ._plan import MeshGroup
 
@@ -48,16 +51,32 @@ def _make(spec: Any, key_data: Any, impl: KeyImpl) -> Any:
     return spec.init(jax.random.wrap_key_data(key_data, impl=impl), spec.shape, spec.dtype)
 
 
-# A strategy turns a mesh group into a runner: ``prepare(group, impl)`` compiles (or
-# fetches) what the group needs, and the runner it returns maps host inputs (the key
-# data) to ``(position in group.entries, array)`` pairs. Strategies differ in compile and
-# dispatch costs only; values and shardings are the same. ``work(group, impl)`` says,
-# without compiling, what ``prepare`` will need: a ``(cache key, calls)`` per executable,
-# which decides the progress bar and feeds the log line. ``builds(group, impl)`` gives,
-# also without compiling, a ``(cache key, build)`` per executable: materialize compiles
-# the uncached ones of every group in parallel (``precompile``) before ``prepare``.
 Runner = Callable[..., Iterator[tuple[int, jax.Array]]]
 Needs = Sequence[tuple[Hashable | None, int]]  # None: compiled every time, never cached
+
+
+@typing.runtime_checkable
+class Strategy(Protocol):
+    """How one mesh group's parameters are compiled and called.
+
+    Strategies differ in compile and dispatch costs only; values and shardings are the
+    same. Neither ``builds`` nor ``work`` compiles anything.
+    """
+
+    def builds(self, group: MeshGroup, impl: KeyImpl) -> list[tuple[Hashable, Build]]:
+        """A ``(cache key, build)`` per executable ``prepare`` will call: materialize
+        compiles the uncached ones of every group in parallel (``precompile``) first."""
+        ...
+
+    def work(self, group: MeshGroup, impl: KeyImpl) -> Needs:
+        """A ``(cache key, calls)`` per executable: decides the progress bar and the
+        log line."""
+        ...
+
+    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
+        """Compiles (or fetches) what the group needs; the runner maps host inputs (the
+        key data) to ``(position in group.entries, array)`` pairs."""
+        ...
 
 
 def call(exe: Any, args: Sequence[Any], group: MeshGroup, positions: Sequence[int]) -> Any:
@@ -235,63 +254,13 @@ def _pack(items: list[int], size: Callable[[int], int], limit: int) -> list[list
     return bins
 
 
-class FusedGroup(_Cached):
-    """One executable per mesh group, one ``vmap`` per signature inside it.
-
-    One dispatch per group, but XLA's compile time grows with the number of outputs
-    (measured on CPU), so this suits shallow groups.
-
-    Known problem, not investigated: on 8 simulated CPU devices, a group with three
-    ``orthogonal`` parameters (one batched QR per device) hung in XLA's execution in
-    about half of the processes that had compiled other orthogonal programs first,
-    with jax's own threefry keys too. The other strategies did not (0 of 6).
-    """
-
-    def program(self, group: MeshGroup, impl: KeyImpl) -> Callable[..., list[jax.Array]]:
-        """(key data per parameter, in batch order) -> one array per entry, in entry order."""
-
-        def program(keys):
-            outs: list[Any] = [None] * len(group.entries)
-            start = 0
-            for batch in group.batches:
-                spec = group.entries[batch[0]].spec
-
-                def one(key_data, spec=spec):
-                    return _make(spec, key_data, impl)
-
-                stacked = jax.vmap(one)(keys[start : start + len(batch)])
-                start += len(batch)
-                for i, pos in enumerate(batch):
-                    outs[pos] = stacked[i]
-            return outs
-
-        return program
-
-    def _key(self, group: MeshGroup, impl: KeyImpl) -> Hashable:
-        structure = tuple((group.entries[b[0]].signature, b) for b in group.batches)
-        return ("fused_group", group.mesh, structure, impl)
-
-    def work(self, group: MeshGroup, impl: KeyImpl) -> Needs:
-        return [(self._key(group, impl), 1)]
-
-    def builds(self, group: MeshGroup, impl: KeyImpl) -> list[tuple[Hashable, Build]]:
-        def build():
-            keys = jax.ShapeDtypeStruct(group.digests.shape, np.uint32)
-            shardings = [e.sharding for e in group.entries]
-            return self.program(group, impl), shardings, (keys,)
-
-        return [(self._key(group, impl), build)]
-
-    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
-        (exe,) = self.executables(group, impl)
-
-        def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
-            keys = _paths.fold_digests(key_data, group.digests)
-            everything = range(len(group.entries))
-            yield from enumerate(call(exe, (keys,), group, everything))  # in entry order
-
-        return run
+STRATEGIES: Mapping[str, Strategy] = types.MappingProxyType(
+    {"rounds": Rounds(), "per_signature": PerSignature()}
+)
+assert tuple(STRATEGIES) == _options.STRATEGY_NAMES
 
 
-STRATEGIES = {"per_signature": PerSignature(), "rounds": Rounds(), "fused_group": FusedGroup()}
-DEFAULT_STRATEGY = "rounds"
+def chosen() -> Strategy:
+    """The strategy of this call (:func:`meshinit.options`): rounds unless it says."""
+    strategy = _options.current().strategy
+    return STRATEGIES[strategy] if isinstance(strategy, str) else strategy

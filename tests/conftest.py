@@ -64,33 +64,39 @@ def new_arrays():
 
 
 @pytest.fixture
-def fail_group(monkeypatch):
-    """``made = fail_group(plan, error)``: the default strategy raises ``error("injected
+def fail_group():
+    """``made = fail_group(plan, error)``: the call's strategy raises ``error("injected
     fault")`` when it reaches ``plan.groups[1]``, while generating (default) or, with
-    ``when="compile"``, while preparing it; ``made`` lists every array it made before."""
+    ``when="compile"``, while preparing it; ``made`` lists every array it made before.
+    The failing strategy is set with ``meshinit.options`` until the test ends."""
+    import meshinit
     from meshinit import _strategies
 
-    def inject(plan, error, *, when="generate"):
-        strategy = _strategies.STRATEGIES[_strategies.DEFAULT_STRATEGY]
-        real = strategy.prepare
-        target = plan.groups[1].mesh
-        made = []
+    with contextlib.ExitStack() as stack:
 
-        def prepare(group, impl):
-            if when == "compile" and group.mesh is target:
-                raise error("injected fault")
-            run = real(group, impl)
+        def inject(plan, error, *, when="generate"):
+            real = _strategies.chosen()
+            target = plan.groups[1].mesh
+            made = []
 
-            def wrapped(*args):
-                if group.mesh is target:
-                    raise error("injected fault")
-                for pos, array in run(*args):
-                    made.append(array)
-                    yield pos, array
+            class FailsInSecondGroup:
+                builds, work = real.builds, real.work
 
-            return wrapped
+                def prepare(self, group, impl):
+                    if when == "compile" and group.mesh is target:
+                        raise error("injected fault")
+                    run = real.prepare(group, impl)
 
-        monkeypatch.setattr(strategy, "prepare", prepare)
-        return made
+                    def wrapped(*args):
+                        if group.mesh is target:
+                            raise error("injected fault")
+                        for pos, array in run(*args):
+                            made.append(array)
+                            yield pos, array
 
-    return inject
+                    return wrapped
+
+            stack.enter_context(meshinit.options(strategy=FailsInSecondGroup()))
+            return made
+
+        yield inject

@@ -214,17 +214,6 @@ def test_every_strategy_compiles_at_most_once_per_signature(strategy, count_comp
     assert warm.count == 0
 
 
-def test_fused_group_strategy_grows_only_by_output_slices():
-    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
-    texts = []
-    for layers in (2, 16):
-        group = meshinit.plan(model(mesh, layers, RULES)).groups[0]
-        program = _strategies.FusedGroup().program(group, "threefry2x32")
-        texts.append(str(jax.make_jaxpr(program)(group.digests)))  # any uint32[n, 2] keys
-    # 8x the layers, the same random generation: one vmap per distinct signature.
-    assert texts[0].count("random_bits") == texts[1].count("random_bits") > 0
-
-
 @pytest.mark.parametrize("explicit", [False, True])
 def test_strategies_give_identical_values_and_exact_shardings(explicit):
     mesh = submesh(range(8), (2, 4), ("fsdp", "tensor"), explicit)
@@ -236,7 +225,7 @@ def test_strategies_give_identical_values_and_exact_shardings(explicit):
         )
         for name, strategy in _strategies.STRATEGIES.items()
     }
-    base = flat_values(results.pop(_strategies.DEFAULT_STRATEGY))
+    base = flat_values(results.pop("rounds"))
     for tree in results.values():
         assert_exact(plan, tree)
         got = flat_values(tree)
@@ -281,15 +270,17 @@ def test_materialize_rejects_sharding_dependent_keys():
         meshinit.materialize(plan, jax.random.key(0, impl="rbg"))
 
 
-def test_failure_in_a_later_group_frees_earlier_arrays(monkeypatch):
+def test_failure_in_a_later_group_frees_earlier_arrays():
     stages = [submesh(range(0, 4), (4,), ("x",)), submesh(range(4, 8), (4,), ("x",))]
     plan = meshinit.plan(
         [meshinit.param((64, 64), lecun(), axes=("x", None), mesh=m) for m in stages]
     )
     meshinit.materialize(plan, 0)  # compile and cache both groups
-    real = _strategies.STRATEGIES[_strategies.DEFAULT_STRATEGY]
+    real = _strategies.chosen()
 
     class FailsInSecondGroup:
+        builds, work = real.builds, real.work
+
         def prepare(self, group, impl):
             run = real.prepare(group, impl)
             if group is not plan.groups[1]:
@@ -301,9 +292,11 @@ def test_failure_in_a_later_group_frees_earlier_arrays(monkeypatch):
 
             return failing
 
-    monkeypatch.setitem(_strategies.STRATEGIES, _strategies.DEFAULT_STRATEGY, FailsInSecondGroup())
     before = {id(a) for a in jax.live_arrays()}
-    with pytest.raises(RuntimeError, match="device out of memory"):
+    with (
+        meshinit.options(strategy=FailsInSecondGroup()),
+        pytest.raises(RuntimeError, match="device out of memory"),
+    ):
         meshinit.materialize(plan, 1)
     leaked = [a for a in jax.live_arrays() if id(a) not in before]
     assert leaked == []
@@ -407,7 +400,8 @@ def test_a_lowering_failure_waits_for_the_compiles_already_running(
 
 
 def test_an_option_this_jaxlib_lacks_is_dropped_not_fatal(monkeypatch, caplog):
-    monkeypatch.setitem(_compile.CPU_COMPILER_OPTIONS, "xla_meshinit_no_such_option", 1)
+    shipped = {**_compile.CPU_COMPILER_OPTIONS, "xla_meshinit_no_such_option": 1}
+    monkeypatch.setattr(_compile, "CPU_COMPILER_OPTIONS", shipped)
     mesh = submesh(range(4), (2, 2), ("x", "y"))
     lone = meshinit.plan({"w": meshinit.param((48, 16), lecun(), axes=("x", "y"), mesh=mesh)})
     for plan in (two_stage_plan(), lone):  # compiles in threads, then a lone compile
@@ -424,7 +418,7 @@ def test_an_option_this_jaxlib_lacks_is_dropped_not_fatal(monkeypatch, caplog):
     }
 
 
-def test_meshinit_compiler_options_change_no_value(monkeypatch):
+def test_meshinit_compiler_options_change_no_value():
     # The options trade compile time for run time; values must not move (XLA's level 0
     # does move the bits of lecun_normal, which is why meshinit does not use it).
     init = jax.nn.initializers
@@ -446,8 +440,8 @@ def test_meshinit_compiler_options_change_no_value(monkeypatch):
     shipped = dict(_compile.CPU_COMPILER_OPTIONS)
     assert shipped  # else this compares XLA's defaults with themselves
     ours = flat_values(meshinit.materialize(plan, 3))
-    monkeypatch.setattr(_compile, "CPU_COMPILER_OPTIONS", {})
-    xla_defaults = flat_values(meshinit.materialize(plan, 3))
+    with meshinit.options(compiler_options={}):
+        xla_defaults = flat_values(meshinit.materialize(plan, 3))
     for path, value in ours.items():
         assert np.array_equal(value, xla_defaults[path]), path
 
@@ -519,3 +513,68 @@ def test_property_exact_placement_and_value_contract_on_random_meshes(mesh_specs
             reference(e.spec, jax.random.key(seed), e.path).astype(np.float32),
             maxulp=2,
         )
+
+
+def test_options_travel_as_data_into_the_parallel_compiles(monkeypatch):
+    plan = two_stage_plan()  # two groups: their compiles run in threads
+    seen = []
+    real = _compile.compiler_options
+
+    def spy(mesh):
+        seen.append((threading.current_thread().name, real(mesh)))
+        return real(mesh)
+
+    monkeypatch.setattr(_compile, "compiler_options", spy)
+    meshinit.clear_cache()
+    chosen = {"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True}
+    with meshinit.options(compiler_options=chosen):
+        assert_exact(plan, meshinit.materialize(plan, 0))
+    threads = [name for name, _ in seen if name.startswith("meshinit-compile")]
+    assert threads and all(options == chosen for _, options in seen)
+    seen.clear()
+    meshinit.materialize(plan, 0)  # other options: other executables, compiled again
+    assert seen and all(options == dict(_compile.CPU_COMPILER_OPTIONS) for _, options in seen)
+
+
+def test_an_option_the_caller_names_is_never_dropped():
+    mesh = submesh(range(4), (2, 2), ("x", "y"))
+    plan = meshinit.plan({"w": meshinit.param((48, 16), lecun(), axes=("x", "y"), mesh=mesh)})
+    meshinit.clear_cache()
+    with (
+        meshinit.options(compiler_options={"xla_meshinit_no_such_option": 1}),
+        pytest.raises(Exception, match="xla_meshinit_no_such_option"),
+    ):
+        meshinit.materialize(plan, 0)
+    assert "xla_meshinit_no_such_option" not in _compile.unknown_options
+
+
+def test_the_strategy_is_chosen_per_block_and_nests(count_compiles):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    plan = meshinit.plan(model(mesh, 3, RULES))
+    base = flat_values(meshinit.materialize(plan, 4))
+    meshinit.clear_cache()
+    with meshinit.options(strategy="per_signature"):
+        assert _strategies.chosen() is _strategies.STRATEGIES["per_signature"]
+        with meshinit.options(compiler_options={}):  # the strategy stays
+            assert _strategies.chosen() is _strategies.STRATEGIES["per_signature"]
+        with count_compiles() as compiles:
+            got = flat_values(meshinit.materialize(plan, 4))
+    assert compiles.count == len({e.signature for e in plan.entries})  # one per signature
+    assert _strategies.chosen() is _strategies.STRATEGIES["rounds"]
+    for path, value in base.items():
+        assert np.array_equal(got[path], value), path
+
+
+def test_bad_options_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match="'rounds', 'per_signature'"):
+        with meshinit.options(strategy="fused_group"):
+            pass
+    with pytest.raises(TypeError, match="has no builds, work"):
+        with meshinit.options(strategy=object()):
+            pass
+    with pytest.raises(TypeError, match="compiler_options must be a mapping"):
+        with meshinit.options(compiler_options=[("a", 1)]):
+            pass
+    with pytest.raises(TypeError, match=r"'xla_x': \[1\]"):
+        with meshinit.options(compiler_options={"xla_x": [1]}):
+            pass

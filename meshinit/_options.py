@@ -1,0 +1,138 @@
+"""How meshinit compiles and calls: the strategy and the compiler options, as data.
+
+:func:`options` sets them for a block, in a context variable (as :func:`meshinit.defaults`
+does for specs), so nothing is configured by assigning to a module's globals, and
+concurrent calls on other threads keep their own. They are read when ``materialize``
+(or an adapter's ``init``) is called, in the calling thread; its parallel compiles run
+with the same options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["options"]
+
+STRATEGY_NAMES = ("rounds", "per_signature")  # meshinit._strategies.STRATEGIES, in order
+
+# meshinit's own XLA options on CPU, used unless compiler_options= says otherwise.
+# Backend optimization level 1 instead of the default (less compile time for some run
+# time: a trade that pays for cold init), and XLA's classic elemental emitters instead
+# of its MLIR fusion emitters (same values, less compile time at the same run time).
+# The measurements are in benchmarks/README.md ("Measurements behind the code's
+# choices"). Other platforms keep XLA's defaults.
+CPU_COMPILER_OPTIONS: Mapping[str, Any] = types.MappingProxyType(
+    {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What :func:`options` set: a strategy name (or object), and the compiler options
+    (None: meshinit's choice per platform; a tuple of pairs: exactly these)."""
+
+    strategy: Any = STRATEGY_NAMES[0]
+    compiler_options: tuple[tuple[str, Any], ...] | None = None
+
+
+_OPTIONS: contextvars.ContextVar[Options] = contextvars.ContextVar(
+    "meshinit_options",
+    default=Options(),  # noqa: B039 (frozen, never mutated)
+)
+
+
+def current() -> Options:
+    return _OPTIONS.get()
+
+
+_STRATEGY_METHODS = ("builds", "work", "prepare")
+
+
+def _check_strategy(strategy: Any) -> Any:
+    if isinstance(strategy, str):
+        if strategy not in STRATEGY_NAMES:
+            raise ValueError(
+                f"strategy must be one of {', '.join(map(repr, STRATEGY_NAMES))}, got {strategy!r}"
+            )
+        return strategy
+    missing = [m for m in _STRATEGY_METHODS if not callable(getattr(strategy, m, None))]
+    if missing:
+        raise TypeError(
+            f"strategy must be a name ({', '.join(map(repr, STRATEGY_NAMES))}) or an object "
+            f"with builds, work and prepare (meshinit._strategies.Strategy); "
+            f"{type(strategy).__name__} has no {', '.join(missing)}"
+        )
+    return strategy
+
+
+def _check_compiler_options(given: Any) -> tuple[tuple[str, Any], ...]:
+    if not isinstance(given, Mapping):
+        raise TypeError(
+            f"compiler_options must be a mapping of XLA option names to values "
+            f"(for example {{'xla_backend_optimization_level': 1}}; {{}} for XLA's "
+            f"defaults), got {type(given).__name__}"
+        )
+    bad = [
+        f"{k!r}: {v!r}"
+        for k, v in given.items()
+        if not isinstance(k, str) or not isinstance(v, bool | int | float | str)
+    ]
+    if bad:
+        raise TypeError(
+            "compiler_options maps XLA option names (str) to bool, int, float or str "
+            f"values; these are not: {', '.join(bad)}"
+        )
+    return tuple(sorted(given.items()))
+
+
+@contextlib.contextmanager
+def options(
+    *,
+    strategy: Any = None,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> Iterator[None]:
+    """Sets how ``materialize`` and the adapters' ``init`` compile, for a block.
+
+    Nestable; an inner block overrides only what it sets. Values, shardings and
+    placement never depend on these: only compile time, run time and the number of
+    executables do. Executables are cached per options, so blocks may alternate.
+
+    Args:
+      strategy: for :func:`meshinit.materialize` and :func:`meshinit.init` (the
+        adapters' constructor engine always buckets its programs as rounds do):
+        ``"rounds"`` (the default: one executable per bucket of signatures
+        with equally many parameters, so compile time does not grow with depth) or
+        ``"per_signature"`` (one small executable per signature, called once per
+        parameter). An object with ``builds``, ``work`` and ``prepare``
+        (``meshinit._strategies.Strategy``) is also accepted; that protocol is
+        internal and may change. A ``max_bytes_per_call`` always uses rounds.
+      compiler_options: XLA options for every compile, on every platform, instead of
+        meshinit's choice (on CPU ``xla_backend_optimization_level=1`` and
+        ``xla_cpu_use_fusion_emitters=False``, XLA's defaults elsewhere);
+        ``{}`` means XLA's defaults everywhere. An option this jaxlib does not know
+        is an error here, where meshinit's own are dropped with an INFO record.
+
+    Examples:
+      >>> with meshinit.options(strategy="per_signature", compiler_options={}):
+      ...     params = meshinit.materialize(plan, 0)
+    """
+    outer = _OPTIONS.get()
+    token = _OPTIONS.set(
+        Options(
+            strategy=outer.strategy if strategy is None else _check_strategy(strategy),
+            compiler_options=(
+                outer.compiler_options
+                if compiler_options is None
+                else _check_compiler_options(compiler_options)
+            ),
+        )
+    )
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
