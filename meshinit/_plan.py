@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -17,12 +16,12 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from . import _paths, _plot, _records, _report, _rules
+from . import _paths, _plot, _records, _renamed, _report, _rules
 from ._spec import ParamSpec
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanEntry:
+class PlanEntry(_renamed.EntryRenames):
     """One planned parameter.
 
     Attributes:
@@ -66,8 +65,11 @@ class PlanEntry:
         return n * self.spec.dtype.itemsize
 
     @property
-    def abstract(self) -> jax.ShapeDtypeStruct:
-        """``jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)``; allocates nothing."""
+    def struct(self) -> jax.ShapeDtypeStruct:
+        """``jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)``; allocates nothing.
+
+        :meth:`Plan.abstract` is the tree of these.
+        """
         return jax.ShapeDtypeStruct(self.spec.shape, self.spec.dtype, sharding=self.sharding)
 
     @property
@@ -199,7 +201,7 @@ class MeshGroup:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(_renamed.PlanRenames):
     """Where every parameter of a tree goes. Build it with :func:`plan`.
 
     Attributes:
@@ -275,38 +277,6 @@ class Plan:
           >>> meshinit.plan(specs).max_device_bytes / 2**30  # GiB a device needs
         """
         return max(self.bytes_per_device().values(), default=0)
-
-    def device_bytes(self) -> dict[Any, int]:
-        """Deprecated name of :meth:`bytes_per_device` (``MeshGroup.device_bytes`` is an
-        int); it warns and will be removed.
-
-        Returns:
-          What :meth:`bytes_per_device` returns.
-
-        Examples:
-          >>> plan.bytes_per_device()  # instead of plan.device_bytes()
-        """
-        warnings.warn(
-            "Plan.device_bytes() is now Plan.bytes_per_device()", DeprecationWarning, stacklevel=2
-        )
-        return self.bytes_per_device()
-
-    def replicated_bytes(self) -> dict[Any, int]:
-        """Deprecated name of :meth:`replicated_bytes_per_device`; it warns and will be
-        removed.
-
-        Returns:
-          What :meth:`replicated_bytes_per_device` returns.
-
-        Examples:
-          >>> plan.replicated_bytes_per_device()  # instead of plan.replicated_bytes()
-        """
-        warnings.warn(
-            "Plan.replicated_bytes() is now Plan.replicated_bytes_per_device()",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.replicated_bytes_per_device()
 
     def _per_device(self, per_group: Callable[[MeshGroup], int]) -> dict[Any, int]:
         # Every device of a mesh holds the same bytes (shardings divide evenly), so one
@@ -466,7 +436,7 @@ class Plan:
         Examples:
           >>> restored = checkpointer.restore(path, meshinit.plan(specs).abstract())
         """
-        return self.fill([e.abstract for e in self.entries])
+        return self.fill([e.struct for e in self.entries])
 
     def fill(self, values: list[Any]) -> Any:
         """The tree with ``values[i]`` in place of ``entries[i]``'s spec.

@@ -215,9 +215,8 @@ def bucket_batches(group: MeshGroup, max_bytes_per_call: int | None) -> list[tup
 
     Buckets whose calls make the most bytes run first: any temporaries they need
     then come while little else is allocated, which keeps the peak near the
-    device's share of the parameters. (With jax's rolled CPU hash they needed
-    about 2x their output on the reference model; with the straight-line hash of
-    :func:`key_impl`, none.) With a
+    device's share of the parameters (temporaries as docs/concepts.md, "Memory",
+    describes them). With a
     ``max_bytes_per_call``, a bucket whose call would make more bytes per device
     is split (largest signatures first) into buckets that stay under it.
     """

@@ -322,4 +322,5 @@ def test_the_per_device_byte_counts_have_their_own_names_and_the_old_ones_warn()
         warnings.simplefilter("always")
         assert p.device_bytes() == p.bytes_per_device()
         assert p.replicated_bytes() == p.replicated_bytes_per_device()
-    assert [issubclass(w.category, DeprecationWarning) for w in caught] == [True, True]
+        assert p.entries[0].abstract == p.entries[0].struct == p.abstract()
+    assert [issubclass(w.category, DeprecationWarning) for w in caught] == [True, True, True]
