@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from . import _paths
 from ._errors import PlanError, Problem
 from ._plan import MeshGroup, Plan
 
@@ -26,6 +27,24 @@ def default_mesh() -> Mesh:
     neither a mesh of its own nor a context mesh."""
     device = jax.config.jax_default_device or jax.devices()[0]
     return Mesh(np.array(device), ())
+
+
+def traced_key(key: Any) -> tuple[np.ndarray, Callable[[Any], Any]]:
+    """A key's host data, and the function that rebuilds the key from it inside a trace.
+
+    The data enters every computation as a numpy value, so a key placed on a context
+    mesh cannot clash with a group's mesh. A legacy uint32 key comes back as a legacy
+    key, a typed key (or an int seed, as ``jax.random.key(seed)``) as a typed key of its
+    implementation. Validates as :func:`meshinit._paths.host_key` does: one key, of a
+    sharding-invariant implementation.
+    """
+    data, impl = _paths.host_key(key)
+    legacy = isinstance(key, jax.Array | np.ndarray) and not jax.dtypes.issubdtype(
+        key.dtype, jax.dtypes.prng_key
+    )
+    if legacy:
+        return data, lambda d: d
+    return data, lambda d: jax.random.wrap_key_data(d, impl=impl)
 
 
 def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:

@@ -97,36 +97,37 @@ def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
                 )
 
 
-def lower(
-    group: MeshGroup, program: Callable[..., Any], out_shardings: Any, args: Sequence[Any]
-) -> Any:
-    """Traces and lowers ``program`` for ``group`` with exact ``out_shardings``.
+def lower(mesh: Mesh, program: Callable[..., Any], out_shardings: Any, args: Sequence[Any]) -> Any:
+    """Traces and lowers ``program`` for ``mesh`` with exact ``out_shardings``.
 
-    Tracing happens under an all-Auto twin of the group's mesh: it overrides any
-    context mesh the user set, and lets the out_shardings partition the generation.
+    Tracing happens under an all-Auto twin of the mesh: it overrides any context mesh
+    the user set, and lets the out_shardings partition the generation.
     """
-    with jax.set_mesh(auto_twin(group.mesh)):
+    with jax.set_mesh(auto_twin(mesh)):
         return jax.jit(program, out_shardings=out_shardings).lower(*args)
 
 
-def compile_note(e: BaseException, group: MeshGroup) -> None:
-    e.add_note(f"meshinit: while compiling for the mesh {group.mesh} ({some_paths(group)})")
+def compile_note(e: BaseException, mesh: Mesh, making: str) -> None:
+    e.add_note(f"meshinit: while compiling for the mesh {mesh} ({making})")
 
 
 def compile_now(
-    group: MeshGroup,
+    mesh: Mesh,
     program: Callable[..., Any],
     out_shardings: Any,
     args: Sequence[Any],
+    *,
+    making: str,
     key: Hashable | None = None,
 ) -> Any:
-    """Lowers (:func:`lower`) and compiles ``program`` for ``group``, here and now."""
+    """Lowers (:func:`lower`) and compiles ``program`` for ``mesh``, here and now; an
+    error gets a note naming the mesh and ``making`` (what the program makes)."""
     try:
         with _progress.compiling(key):
-            lowered = lower(group, program, out_shardings, args)
-            return compile_lowered(lowered, group.mesh)
+            lowered = lower(mesh, program, out_shardings, args)
+            return compile_lowered(lowered, mesh)
     except Exception as e:
-        compile_note(e, group)
+        compile_note(e, mesh, making)
         raise
 
 
@@ -159,7 +160,7 @@ def compiled(
     if hit is not None:
         _progress.cache_hit(cache_key)
         return hit
-    compiled = compile_now(group, *build(), key=cache_key)
+    compiled = compile_now(group.mesh, *build(), making=some_paths(group), key=cache_key)
     with lock:
         cache.put(cache_key, compiled)
     return compiled
@@ -212,9 +213,9 @@ def precompile(
         try:
             for full, (index, group, build) in pending.items():
                 try:
-                    lowered = lower(group, *build())
+                    lowered = lower(group.mesh, *build())
                 except Exception as e:
-                    compile_note(e, group)
+                    compile_note(e, group.mesh, some_paths(group))
                     raise
                 # with this call's options (a context variable) in the worker thread
                 context = contextvars.copy_context()
@@ -224,7 +225,7 @@ def precompile(
                 try:
                     compiled, seconds = future.result()
                 except Exception as e:
-                    compile_note(e, group)
+                    compile_note(e, group.mesh, some_paths(group))
                     raise
                 with lock:
                     cache.put(full, compiled)

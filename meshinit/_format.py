@@ -34,3 +34,19 @@ def describe_mesh(mesh) -> str:
             else "devices " + ",".join(map(str, ids))
         )
     return f"{kind}({'; '.join(parts)})"
+
+
+def axes_text(entries, *, tight: bool = False) -> str:
+    """Axes or a PartitionSpec as text, the one spelling of every table and message.
+
+    ``(embed, None, (fsdp,data))``; with ``tight``, no spaces or outer parentheses:
+    ``embed,None,(fsdp,data)``. ``None`` (and, tight, all-None entries) reads
+    ``replicated``.
+    """
+    if entries is None or (tight and all(a is None for a in entries)):
+        return "replicated"
+    one = [
+        "None" if a is None else a if isinstance(a, str) else "(" + ",".join(a) + ")"
+        for a in entries
+    ]
+    return ",".join(one) if tight else "(" + ", ".join(one) + ")"

@@ -216,9 +216,40 @@ def bind_node(node: Node, ins: list[Any]) -> Sequence[Any]:
     """``node``'s primitive bound to ``ins``; the identity for :data:`IDENTITY`."""
     if node.primitive.name in IDENTITY and len(ins) == len(node.outs):
         return ins
+    return bind_as_traced(node, ins)
+
+
+def bind_as_traced(node: Node, ins: list[Any]) -> Sequence[Any]:
+    """``node``'s primitive bound to ``ins``, whatever it is."""
     prim = node.primitive
     out = prim.bind(*ins, **prim.get_bind_params(node.params))
     return out if prim.multiple_results else [out]
+
+
+def run(closed: core.ClosedJaxpr, args: Sequence[Any], bind: Callable[..., Any]) -> list[Any]:
+    """``closed`` evaluated on ``args``, each equation (calls inlined) by ``bind``."""
+    prog = flatten(closed)
+    env = dict(prog.consts)
+    env.update(zip(prog.inputs, args, strict=True))
+    evaluate(prog, range(len(prog.nodes)), env, bind)
+    return [x.value if isinstance(x, Lit) else env[x] for x in prog.outputs]
+
+
+def reads(closed: core.ClosedJaxpr) -> list[frozenset[int]]:
+    """For each output of ``closed``, the positions of the inputs its value reads.
+
+    An equation's outputs read everything its inputs read, so the answer may say too
+    much, never too little. Calls (``jit``, ``custom_jvp``) are inlined, so a jitted
+    helper over a whole tree does not make every output read every input.
+    """
+    prog = flatten(closed)
+    none: frozenset[int] = frozenset()
+    deps: dict[int, frozenset[int]] = {n: frozenset({i}) for i, n in enumerate(prog.inputs)}
+    for node in prog.nodes:
+        found = none.union(*(deps.get(x, none) for x in node.ins if not isinstance(x, Lit)))
+        for n in node.outs:
+            deps[n] = found
+    return [none if isinstance(x, Lit) else deps.get(x, none) for x in prog.outputs]
 
 
 class Unfingerprintable(Exception):

@@ -14,8 +14,9 @@ device computes only its own shard; no full copy exists anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -132,6 +133,26 @@ def materialize(
     )
 
 
+@contextlib.contextmanager
+def deleting_on_failure(
+    made: list[jax.Array], note: Callable[[int], str] | None = None
+) -> Iterator[None]:
+    """If the block raises anything (``KeyboardInterrupt`` too), every array in ``made``
+    (as it is then) is deleted and the error, with ``note(len(made))`` added, propagates.
+
+    The one delete-everything-on-failure of meshinit: materialize, the adapters' engine
+    and ``meshinit.optax`` use it, so nothing half-made outlives a failed call.
+    """
+    try:
+        yield
+    except BaseException as e:
+        for array in made:
+            array.delete()
+        if note is not None:
+            e.add_note(note(len(made)))
+        raise
+
+
 def from_constructor(key: Any, shape: Any, dtype: Any) -> Any:
     """The ``init`` of specs whose values come from a module's constructor.
 
@@ -159,12 +180,8 @@ def run_plan(plan: Plan, prepare: Callable[[MeshGroup], Runner], *args: Any, **k
     except BaseException as e:
         _agree.agree(what, e)
         raise
-    try:
+    with deleting_on_failure(made):
         _agree.agree(what, None)
-    except _agree.PeerFailure:
-        for array in made:
-            array.delete()
-        raise
     return tree
 
 
@@ -224,7 +241,14 @@ def _run_here(
         made: list[jax.Array] = []
         values: dict[int, jax.Array] = {}
         where = ""
-        try:
+
+        def failed(n: int) -> str:
+            return (
+                f"meshinit: materialize failed while {where}; deleted the {n} arrays "
+                f"it had made, and returned nothing"
+            )
+
+        with deleting_on_failure(made, failed):
             for entry in plan.entries:
                 if id(entry) in given:
                     where = f"placing existing[{entry.path!r}] on {describe_mesh(entry.mesh)}"
@@ -246,14 +270,6 @@ def _run_here(
             except Exception:
                 where = f"waiting for the arrays: {_failed(plan, values, made)} failed"
                 raise
-        except BaseException as e:
-            for array in made:
-                array.delete()
-            e.add_note(
-                f"meshinit: materialize failed while {where}; deleted the {len(made)} arrays "
-                f"it had made, and returned nothing"
-            )
-            raise
         t.finished()
     return plan.fill([values[id(e)] for e in plan.entries]), made
 

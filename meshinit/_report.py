@@ -7,26 +7,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import printable
-from ._format import describe_mesh, human_bytes
+from ._format import axes_text, describe_mesh, human_bytes
 
 if TYPE_CHECKING:
     from ._plan import MeshGroup, Plan, PlanEntry
 
 MeshSource = Callable[["MeshGroup"], str]
 """Says where a group's mesh came from, e.g. ``"--abstract-mesh"`` or ``"spec"``."""
-
-
-def _fmt_axes(axes) -> str:
-    if axes is None:
-        return "replicated"
-    return (
-        "("
-        + ", ".join(
-            "None" if a is None else (a if isinstance(a, str) else "(" + ",".join(a) + ")")
-            for a in axes
-        )
-        + ")"
-    )
 
 
 def _fmt_mesh_axes(spec, mesh_shape) -> str:
@@ -103,7 +90,7 @@ def _row(e: PlanEntry, mesh) -> list[str]:
         printable(e.path) or "<root>",
         str(s.shape),
         s.dtype.name,
-        _fmt_axes(s.axes) if s.rules is not None else "-",
+        axes_text(s.axes) if s.rules is not None else "-",
         _fmt_mesh_axes(e.sharding.spec, mesh.shape),
         str(e.sharding.spec).removeprefix("PartitionSpec"),
         human_bytes(e.device_bytes),
@@ -270,18 +257,6 @@ def _short_dtype(dtype) -> str:
     return name.replace("complex", "c")
 
 
-def _tight(entries) -> str:
-    """Axes or a PartitionSpec without quotes, spaces or outer parentheses.
-
-    ``P(("fsdp", "data"), "tensor")`` -> ``(fsdp,data),tensor``; all None -> ``replicated``.
-    """
-    one = [
-        "None" if a is None else a if isinstance(a, str) else "(" + ",".join(a) + ")"
-        for a in entries
-    ]
-    return "replicated" if all(a is None for a in entries) else ",".join(one)
-
-
 def group_compact(index: int, group: MeshGroup, source: MeshSource | None = None) -> list[str]:
     """:func:`group_table` with the rows of :func:`collapse`.
 
@@ -295,13 +270,13 @@ def group_compact(index: int, group: MeshGroup, source: MeshSource | None = None
     rows = [head]
     for path, es in collapse(group.entries):
         e, s = es[0], es[0].spec
-        logical = "-" if s.rules is None else "replicated" if s.axes is None else _tight(s.axes)
+        logical = "-" if s.rules is None else axes_text(s.axes, tight=True)
         row = [
             printable(path),
             str(len(es)),
             f"{_short_dtype(s.dtype)}[{','.join(map(str, s.shape))}]",
             logical,
-            _tight(e.sharding.spec),
+            axes_text(e.sharding.spec, tight=True),
             human_bytes(e.device_bytes * len(es)),
         ]
         if flagged:

@@ -26,9 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core
 from jax.extend.random import define_prng_impl, threefry2x32_p, threefry_prng_impl
 
+from . import _jaxpr
 from ._paths import threefry_rounds
 
 
@@ -44,40 +44,17 @@ def threefry2x32(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[jax.Array, jax.Arr
     return threefry_rounds(k1, k2, jnp.broadcast_to(x1, shape), jnp.broadcast_to(x2, shape))
 
 
-def _eval(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    """Evaluates ``jaxpr`` with each threefry2x32 hash replaced by :func:`threefry2x32`.
-
-    Nested ``jit`` calls are inlined so that their hashes are replaced too; every other
-    equation is bound as it is. Only ever applied to jax's threefry functions.
-    """
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, core.Literal) else env[v]
-
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        inner = eqn.params.get("jaxpr")
-        if eqn.primitive is threefry2x32_p:
-            outs = threefry2x32(*ins)
-        elif eqn.primitive.name in ("jit", "pjit") and isinstance(inner, core.ClosedJaxpr):
-            outs = _eval(inner.jaxpr, inner.consts, ins)
-        else:
-            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        for v, out in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(v, core.DropVar):
-                env[v] = out
-    return [read(v) for v in jaxpr.outvars]
+def _bind(node: Any, ins: list[Any]) -> Sequence[Any]:
+    """Each threefry2x32 hash as :func:`threefry2x32`; every other equation as traced."""
+    if node.primitive is threefry2x32_p:
+        return threefry2x32(*ins)
+    return _jaxpr.bind_as_traced(node, ins)
 
 
 def _straight_line(fun: Callable[..., Any], *args: Any) -> Any:
     """``fun(*args)`` (one array out), with every threefry hash in it straight-line."""
     closed = jax.make_jaxpr(fun)(*(jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in args))
-    (out,) = _eval(closed.jaxpr, closed.consts, args)
+    (out,) = _jaxpr.run(closed, args, _bind)  # nested jit calls inlined: all hashes
     return out
 
 

@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
 try:
@@ -32,7 +31,7 @@ try:
 except ImportError as e:
     raise ImportError("meshinit.eqx needs equinox: pip install meshinit[eqx]") from e
 
-from . import _constructor, _paths, _trace
+from . import _adapters, _constructor, _paths, _trace
 from ._errors import Problem
 from ._materialize import from_constructor
 from ._materialize import materialize as _materialize_plan
@@ -222,23 +221,6 @@ def _specs_from_placements(
     return jax.tree_util.tree_unflatten(treedef, leaves), problems
 
 
-def _key_builder(key: Any) -> tuple[np.ndarray, Callable[[Any], Any]]:
-    """Host key data, and the function that rebuilds the key from it inside a trace.
-
-    The data enters every computation as a numpy value, so a key placed on a context
-    mesh cannot clash with the group's mesh. A legacy uint32 key reaches the factory
-    as a legacy key, a typed key (or an int seed, as ``jax.random.key(seed)``) as a
-    typed key with its implementation.
-    """
-    data, impl = _paths.host_key(key)  # validates: a single, sharding-invariant key
-    legacy = isinstance(key, jax.Array | np.ndarray) and not jax.dtypes.issubdtype(
-        key.dtype, jax.dtypes.prng_key
-    )
-    if legacy:
-        return data, lambda d: d
-    return data, lambda d: jax.random.wrap_key_data(d, impl=impl)
-
-
 def _array_leaves(tree: Any) -> list[Any]:
     # The same leaves filter_eval_shape turns into ShapeDtypeStructs, in flatten order.
     return [leaf for leaf in jax.tree_util.tree_leaves(tree) if eqx.is_array(leaf)]
@@ -260,7 +242,7 @@ def _prepare(
     evaluate: bool,
 ) -> _Prepared:
     """Traces ``factory(key)`` once and plans its arrays; compiles and allocates nothing."""
-    key_data, make_key = _key_builder(key)
+    key_data, make_key = _adapters.traced_key(key)
     found: list[Any] = []
 
     def build(data: Any) -> list[Any]:

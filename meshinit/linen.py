@@ -78,16 +78,8 @@ def _host_keys(key: Any) -> tuple[list[np.ndarray], Callable[[list[Any]], Any]]:
     """
     names = list(key) if isinstance(key, Mapping) else None
     keys = [key[n] for n in names] if names is not None else [key]
-    data, makers = [], []
-    for k in keys:
-        d, impl = _paths.host_key(k)  # validates: one key, sharding-invariant values
-        legacy = isinstance(k, jax.Array | np.ndarray) and not jax.dtypes.issubdtype(
-            k.dtype, jax.dtypes.prng_key
-        )
-        data.append(d)
-        makers.append(
-            (lambda x: x) if legacy else (lambda x, i=impl: jax.random.wrap_key_data(x, impl=i))
-        )
+    data, makers = zip(*(_adapters.traced_key(k) for k in keys), strict=True)
+    data = list(data)
 
     def rebuild(values: list[Any]) -> Any:
         rebuilt = [make(v) for make, v in zip(makers, values, strict=True)]

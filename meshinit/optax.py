@@ -39,12 +39,12 @@ except ImportError as e:  # pragma: no cover - exercised only without optax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _caches, _compile, _paths
+from . import _caches, _compile, _jaxpr, _paths
 from ._format import describe_mesh
-from ._plan import MeshGroup, Plan
+from ._materialize import deleting_on_failure
+from ._plan import Plan
 
 __all__ = ["abstract", "init"]
 
@@ -233,32 +233,7 @@ def _reads(tx: Any, params_def: Any, specs: list[Any]) -> tuple[Any, list[frozen
     closed, state = jax.make_jaxpr(
         lambda *xs: tx.init(jax.tree_util.tree_unflatten(params_def, xs)), return_shape=True
     )(*specs)
-    jaxpr = closed.jaxpr
-    outs = _flow(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))])
-    return state, outs
-
-
-def _flow(jaxpr: Any, reads: list[frozenset[int]]) -> list[frozenset[int]]:
-    env: dict[Any, frozenset[int]] = dict(zip(jaxpr.invars, reads, strict=True))
-
-    def get(v: Any) -> frozenset[int]:
-        return frozenset() if isinstance(v, Literal) else env.get(v, frozenset())
-
-    for eqn in jaxpr.eqns:
-        ins = [get(v) for v in eqn.invars]
-        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-        if (
-            sub is not None
-            and hasattr(sub, "eqns")
-            and len(sub.invars) == len(ins)
-            and len(sub.outvars) == len(eqn.outvars)
-        ):
-            outs = _flow(sub, ins)
-        else:
-            outs = [frozenset().union(*ins)] * len(eqn.outvars)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [get(v) for v in jaxpr.outvars]
+    return state, _jaxpr.reads(closed)
 
 
 def _build(tx: Any, params: Any, paths: list[str], leaves: list[Any], scalars_on: Mesh | None):
@@ -318,8 +293,9 @@ def _build(tx: Any, params: Any, paths: list[str], leaves: list[Any], scalars_on
             )
             for i in inputs
         ]
+        making = f"the optimizer state of {len(outputs)} leaves"
         exe = _compile.compile_now(
-            MeshGroup(mesh, ()), program, [shardings[j] for j in outputs], args
+            mesh, program, [shardings[j] for j in outputs], args, making=making
         )
         steps.append((mesh, inputs, outputs, exe))
     return state_def, steps
@@ -370,7 +346,9 @@ def init(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
     state_def, steps = hit
     values: dict[int, jax.Array] = {}
     made: list[jax.Array] = []
-    try:
+    with deleting_on_failure(
+        made, lambda n: f"meshinit.optax: deleted the {n} state arrays it had made"
+    ):
         for step_mesh, inputs, outputs, exe in steps:
             try:
                 out = exe(*[leaves[i] for i in inputs])
@@ -380,11 +358,6 @@ def init(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
             made.extend(out)
             values.update(zip(outputs, out, strict=True))
         jax.block_until_ready(made)
-    except BaseException as e:
-        for array in made:
-            array.delete()
-        e.add_note(f"meshinit.optax: deleted the {len(made)} state arrays it had made")
-        raise
     return jax.tree_util.tree_unflatten(state_def, [values[j] for j in range(len(values))])
 
 

@@ -385,10 +385,10 @@ def test_a_lowering_failure_waits_for_the_compiles_already_running(
     meshinit.clear_cache()
     real = _compile.lower
 
-    def lower(group, *args):
-        if group is plan.groups[1]:
+    def lower(mesh, *args):
+        if mesh is plan.groups[1].mesh:
             raise KeyboardInterrupt  # e.g. Ctrl-C while tracing the second group
-        return real(group, *args)
+        return real(mesh, *args)
 
     monkeypatch.setattr(_compile, "lower", lower)
     with new_arrays() as made, pytest.raises(KeyboardInterrupt):

@@ -90,7 +90,7 @@ def test_meshinit_cpu_programs_hash_without_a_loop_and_jax_would_loop():
 
     def lowered_text(impl):
         ((_, build),) = strategy.builds(group, impl)
-        return _compile.lower(group, *build()).as_text()
+        return _compile.lower(group.mesh, *build()).as_text()
 
     ours = _strategies.key_impl(group, "threefry2x32")
     assert ours is _threefry.STRAIGHT_LINE
