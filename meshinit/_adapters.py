@@ -47,6 +47,23 @@ def traced_key(key: Any) -> tuple[np.ndarray, Callable[[Any], Any]]:
     return data, lambda d: jax.random.wrap_key_data(d, impl=impl)
 
 
+def key_array_problem(path: str, dtype: Any, fix: str = "") -> Problem | None:
+    """The problem of a variable holding PRNG keys (an extended dtype), if it does."""
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return None
+    text = f"holds a {dtype} array (a PRNG key?), which meshinit cannot place"
+    return Problem(path, f"{text}; {fix}" if fix else text)
+
+
+def unconstrained_problem(path: str, entries: Sequence[Any], where: str) -> Problem | None:
+    """The problem of an annotation naming ``UNCONSTRAINED``, if ``entries`` do."""
+    if not any(e is PartitionSpec.UNCONSTRAINED for e in entries):
+        return None
+    return Problem(
+        path, f"UNCONSTRAINED in its {where} cannot be placed exactly; name mesh axes or None"
+    )
+
+
 def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
     """The adapters' ``meshes=``: ordered ``(regex, mesh)`` pairs, compiled; every
     malformed pair is one problem of a single :class:`PlanError`."""

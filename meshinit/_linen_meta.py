@@ -13,7 +13,7 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.linen needs flax: pip install meshinit[linen]") from e
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from . import _adapters, _materialize
 from ._errors import Problem
@@ -85,21 +85,17 @@ def spec_for(
             Problem(path, f"holds {type(value).__name__}, not an array; meshinit cannot place it")
         )
         return None
-    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
-        problems.append(
-            Problem(path, f"holds a {value.dtype} array (a PRNG key?), which meshinit cannot place")
-        )
+    problem = _adapters.key_array_problem(path, value.dtype)
+    if problem is not None:
+        problems.append(problem)
         return None
     ndim = len(value.shape)
     spec_rules = None
     if boxed:
         names = tuple(leaf.names)
-        if any(n is PartitionSpec.UNCONSTRAINED for n in names):
-            problems.append(
-                Problem(
-                    path, "UNCONSTRAINED in its names cannot be placed exactly; name axes or None"
-                )
-            )
+        problem = _adapters.unconstrained_problem(path, names, "names")
+        if problem is not None:
+            problems.append(problem)
             return None
         if len(names) > ndim:
             problems.append(

@@ -14,7 +14,7 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from . import _adapters, _materialize
 from ._errors import Problem
@@ -107,14 +107,9 @@ def spec_for(
             return None
         pspec = tuple(nnx.spmd.get_var_pspec(var))
         entries = pspec + (None,) * (len(value.shape) - len(pspec))
-        if any(e is PartitionSpec.UNCONSTRAINED for e in entries):
-            problems.append(
-                Problem(
-                    path,
-                    "UNCONSTRAINED in its sharding cannot be placed "
-                    "exactly; name mesh axes or None",
-                )
-            )
+        problem = _adapters.unconstrained_problem(path, entries, "sharding")
+        if problem is not None:
+            problems.append(problem)
             return None
         axes = entries + (None,) * (len(shape) - len(entries))
     if mesh is None:

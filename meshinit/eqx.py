@@ -152,14 +152,11 @@ def _specs_from_placements(
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             continue  # activation functions and other non-array leaves stay as they are
         path = _paths.path_str(keypath)
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-            problems.append(
-                Problem(
-                    path,
-                    f"holds a {leaf.dtype} array (a PRNG key?), which meshinit cannot "
-                    f"place; make it a static field or create it after init",
-                )
-            )
+        problem = _adapters.key_array_problem(
+            path, leaf.dtype, "make it a static field or create it after init"
+        )
+        if problem is not None:
+            problems.append(problem)
             continue
         paths.append(path)
         matching = [p for p in parsed if p.pattern.fullmatch(path)]
