@@ -59,6 +59,8 @@ def heatmap(plan: Plan) -> Any:
     fig = Figure(figsize=(9, 0.6 + 3.0 * n), layout="constrained")
     axes = fig.subplots(n, 1, squeeze=False)[:, 0]
     fmt = FuncFormatter(lambda x, _: human_bytes(int(round(x))))
+    # One colour scale for every panel: the same colour is the same bytes on any mesh.
+    top = max(max(per_device.values(), default=0), 1.0)
     for i, (group, ax) in enumerate(zip(plan.groups, axes, strict=True)):
         mesh = group.mesh
         if group.is_abstract:
@@ -67,7 +69,6 @@ def heatmap(plan: Plan) -> Any:
             keys = list(mesh.devices.flat)
         values = np.array([per_device[k] for k in keys], dtype=np.float64)
         grid, rows, cols, note = _grid(values, tuple(mesh.axis_names), tuple(mesh.axis_sizes))
-        top = max(float(values.max()), 1.0)
         image = ax.imshow(
             grid, cmap="viridis", vmin=0, vmax=top, aspect="auto", interpolation="nearest"
         )
@@ -97,8 +98,8 @@ def heatmap(plan: Plan) -> Any:
                     text = f"device {ids[r, c]}\n{text}"
                 color = "white" if v < top / 2 else "black"  # readable on viridis
                 ax.text(c, r, text, ha="center", va="center", fontsize=7, color=color)
-        bar = fig.colorbar(image, ax=ax, format=fmt)
-        bar.set_ticks(_byte_ticks(top, MaxNLocator))
-        bar.set_label("parameter bytes per device")
+    bar = fig.colorbar(image, ax=list(axes), format=fmt)
+    bar.set_ticks(_byte_ticks(top, MaxNLocator))
+    bar.set_label("parameter bytes per device, one scale for all meshes")
     fig.suptitle("bytes each device holds, all meshes' parameters counted", fontsize=10)
     return fig

@@ -257,6 +257,9 @@ def _short_dtype(dtype) -> str:
     return name.replace("complex", "c")
 
 
+COMPACT_HEADER = "a row stands for the n parameters its path pattern names; per device sums all n"
+
+
 def group_compact(index: int, group: MeshGroup, source: MeshSource | None = None) -> list[str]:
     """:func:`group_table` with the rows of :func:`collapse`.
 
@@ -290,8 +293,9 @@ def group_compact(index: int, group: MeshGroup, source: MeshSource | None = None
 
 
 def compact(plan: Plan, source: MeshSource | None = None) -> str:
-    """:func:`table` with repeated layers collapsed (see :func:`collapse`)."""
-    lines: list[str] = []
+    """:func:`table` with repeated layers collapsed (see :func:`collapse`), under a
+    header line that says what a collapsed row's ``n`` and ``per device`` mean."""
+    lines: list[str] = [COMPACT_HEADER, ""] if plan.groups else []
     for i, g in enumerate(plan.groups):
         lines += group_compact(i, g, source) + [""]
     return "\n".join(lines + _totals(plan))

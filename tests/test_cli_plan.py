@@ -418,7 +418,7 @@ def test_subprocess_plans_405b_compactly_in_100_columns():
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0] == (
+    assert lines[2] == (
         "mesh 0: AbstractMesh(data=16, fsdp=16, tensor=8; Auto)  (mesh from --abstract-mesh)"
     )
     up = next(line for line in lines if "layers.{0..125}.mlp.up" in line).split()
@@ -427,7 +427,7 @@ def test_subprocess_plans_405b_compactly_in_100_columns():
         "(fsdp,data),tensor", "102.4", "MiB",
     ]  # fmt: skip
     assert lines[-1] == "total: 1137 params, 756.0 GiB, 1 mesh, most on one device 378.0 MiB"
-    assert len(lines) == 19  # 12 rows for 1137 params
+    assert len(lines) == 21  # the header line, then 12 rows for 1137 params
     assert all(len(line) <= 100 for line in lines)
 
 
@@ -556,21 +556,26 @@ def _expand(path):
 def test_compact_keeps_names_with_leading_zeros():
     tree = {k: meshinit.param((2,), ones, mesh=M2) for k in ("07", "08", "7")}
     text = meshinit.plan(tree).compact()
-    paths = [line.split()[0] for line in text.splitlines()[2:5]]
+    paths = [line.split()[0] for line in text.splitlines()[4:7]]
     assert paths == ["07", "08", "7"]
 
 
 def test_compact_sums_to_the_group_total_and_counts_every_param():
     plan = meshinit.plan(factory_specs("mixed"))
     lines = plan.compact().splitlines()
-    assert lines[1].split() == ["path", "n", "array", "logical", "PartitionSpec", "per", "device"]
+    # the header says what a row's n and per device mean
+    assert (
+        lines[0]
+        == "a row stands for the n parameters its path pattern names; per device sums all n"
+    )
+    assert lines[3].split() == ["path", "n", "array", "logical", "PartitionSpec", "per", "device"]
     rows = {line.split()[0]: line.split() for line in lines if line.startswith("  layers")}
     assert rows["layers.{0..3}.up"][1:5] == ["4", "f32[64,256]", "embed,mlp", "fsdp,tensor"]
     assert rows["layers.{0..3}.norm"][3:5] == ["norm", "replicated"]
     assert rows["layers.{0..3}.norm"][-1] == "!"  # replicated where fsdp or tensor could shard
     # the flagged paths are named collapsed too
     assert "    fsdp=2 could shard 4 (1.0 KiB per device): layers.{0..3}.norm" in lines
-    group_lines = lines[2 : lines.index("  13 params, 641.0 KiB in all, 81.0 KiB per device")]
+    group_lines = lines[4 : lines.index("  13 params, 641.0 KiB in all, 81.0 KiB per device")]
     assert sum(int(line.split()[1]) for line in group_lines) == 13
 
 
@@ -662,8 +667,10 @@ def test_heatmap_draws_each_mesh_grid_with_per_device_bytes():
     fig = plan.heatmap()
     per_device = plan.bytes_per_device()
     images = [ax for ax in fig.axes if ax.get_images()]
-    assert len(images) == 3 and len(fig.axes) == 6  # one colorbar each
+    assert len(images) == 3 and len(fig.axes) == 4  # one colorbar, shared
+    top = max(per_device.values())
     for ax, group in zip(images, plan.groups, strict=True):
+        assert ax.get_images()[0].get_clim() == (0, top)  # one colour scale across panels
         grid = ax.get_images()[0].get_array()
         expected = [per_device[d] for d in group.mesh.devices.flat]
         assert grid.flatten().tolist() == expected
