@@ -318,6 +318,9 @@ def plan_command(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if mesh is not None:
             stack.enter_context(meshinit.defaults(mesh=mesh))
+        if args.replicated:
+            axes = tuple(a.strip() for a in args.replicated.split(",") if a.strip())
+            stack.enter_context(meshinit.defaults(replicated=axes))
         # Ordinary nnx code makes its arrays as it is built: it is traced, never called,
         # and planned as meshinit.nnx.plan plans it.
         meshless = _traced_nnx(factory)
@@ -440,6 +443,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "give specs without a mesh an AbstractMesh, e.g. data=16,fsdp=16,tensor=8; "
             "for ordinary nnx code, the Variables whose metadata names no mesh get it, as "
             "a jax.set_mesh around the factory would give it them"
+        ),
+    )
+    p_plan.add_argument(
+        "--replicated",
+        metavar="AXES",
+        help=(
+            "mesh axes the parameters are meant to be replicated over, e.g. data (HSDP): "
+            "no shardable hint (!) for them, as meshinit.defaults(replicated=...) gives"
         ),
     )
     view = p_plan.add_mutually_exclusive_group()

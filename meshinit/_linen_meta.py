@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from . import _adapters, _materialize
 from ._errors import Problem
-from ._spec import ParamSpec
+from ._spec import ParamSpec, replicated_default
 
 
 def is_box(x: Any) -> bool:
@@ -139,6 +139,7 @@ def spec_for(
         return ParamSpec(
             shape=value.shape,
             init=_materialize.from_constructor,
+            replicated=replicated_default(),
             axes=axes,
             mesh=where,
             rules=spec_rules,

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from . import _adapters, _materialize
 from ._errors import Problem
-from ._spec import ParamSpec
+from ._spec import ParamSpec, replicated_default
 
 
 def is_key(value: Any) -> bool:
@@ -117,6 +117,7 @@ def spec_for(
     return ParamSpec(
         shape=shape,
         init=_materialize.from_constructor,
+        replicated=replicated_default(),
         axes=axes,
         mesh=mesh,
         rules=None,

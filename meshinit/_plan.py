@@ -119,11 +119,14 @@ class PlanEntry(_renamed.EntryRenames):
 
         Non-empty means each device holds more of it than it would need to: the
         parameter is replicated across a mesh axis although that axis could shard it.
+        Axes the spec marks as replicated on purpose (``param(replicated=...)``) are
+        left out.
         """
+        meant = self.spec.replicated
         return tuple(
             a
             for a, dims in _rules.shard_options(self.spec.shape, self.sharding.spec, self.mesh)
-            if dims
+            if dims and a not in meant
         )
 
 

@@ -174,6 +174,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
     if uses:
         axes = [a for m in {id(e.mesh): e.mesh for e in entries}.values() for a in m.axis_names]
         problems += [Problem(p, m) for p, m in typo_problems(uses, axes)]
+    problems += _replicated_problems(entries)
     if not entries:
         # An empty plan is what a built Module gives: say why, instead of planning nothing.
         problems += _built_nnx_modules(tree)
@@ -188,6 +189,32 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
         treedef=treedef,
         leaves=tuple(leaf for _, leaf in flat),
     )
+
+
+def _replicated_problems(entries: list[PlanEntry]) -> list[Problem]:
+    """Axes marked ``replicated=`` that no mesh of the plan has (a typo). A stage mesh
+    without the axis is fine while another mesh has it, and a parameter that an axis
+    shards is simply not replicated over it: a model-wide mark is not a contradiction."""
+    marked = [e for e in entries if e.spec.replicated]
+    if not marked:
+        return []
+    names = {a for m in {id(e.mesh): e.mesh for e in entries}.values() for a in m.axis_names}
+    unknown: dict[str, list[str]] = {}  # one problem per unknown axis, not per parameter
+    for e in marked:
+        for axis in e.spec.replicated:
+            if axis not in names:
+                unknown.setdefault(axis, []).append(e.path)
+    problems = []
+    for axis, paths in unknown.items():
+        more = f" (so do {len(paths) - 1} more parameters)" if len(paths) > 1 else ""
+        problems.append(
+            Problem(
+                paths[0],
+                f"replicated names {axis!r}, which no mesh of the plan has (they have: "
+                f"{', '.join(sorted(names))}){more}; fix the name or drop it",
+            )
+        )
+    return problems
 
 
 _FLAX_SHARDING = ("out_sharding", "sharding", "sharding_names", "mesh")

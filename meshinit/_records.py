@@ -57,6 +57,7 @@ def param_record(entry: PlanEntry, mesh_index: int) -> dict[str, Any]:
         "device_bytes": entry.device_bytes,
         "replicated_axes": list(entry.replicated_axes),
         "shardable_axes": {a: list(entry.shard_dims(a)) for a in entry.shardable_axes},
+        "replicated_on_purpose": [a for a in entry.replicated_axes if a in s.replicated],
     }
     return record
 

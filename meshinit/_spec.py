@@ -101,6 +101,17 @@ def _normalize_axes(axes: Any) -> tuple[AxisEntry, ...] | None:
     return tuple(out)
 
 
+def _normalize_replicated(axes: Any) -> tuple[str, ...]:
+    if isinstance(axes, str):
+        return (axes,)
+    if isinstance(axes, tuple | list) and all(isinstance(a, str) for a in axes):
+        return tuple(dict.fromkeys(axes))
+    raise TypeError(
+        f"replicated must be a mesh axis name or a tuple of them, for example ('data',); "
+        f"got {axes!r}"
+    )
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ParamSpec:
     """A parameter not yet allocated: its shape, initializer and placement.
@@ -117,6 +128,8 @@ class ParamSpec:
       rules: the logical-to-mesh rule table, or None when ``axes`` name mesh axes.
       dtype: the array dtype.
       metadata: free-form extra keyword arguments given to :func:`param`.
+      replicated: mesh axes this parameter is meant to be replicated over (HSDP's data
+        axis): the plan reports no shardable hint (``!``) for them. A mark only.
 
     Examples:
       >>> spec = meshinit.param((1024, 4096), lecun_normal(), axes=("embed", "mlp"))
@@ -131,6 +144,7 @@ class ParamSpec:
     rules: Rules | None
     dtype: np.dtype
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    replicated: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -139,6 +153,8 @@ class ParamSpec:
         set_(self, "rules", None if self.rules is None else normalize_rules(self.rules))
         set_(self, "dtype", _normalize_dtype(self.dtype))
         set_(self, "metadata", types.MappingProxyType(dict(self.metadata)))
+        if self.replicated:
+            set_(self, "replicated", _normalize_replicated(self.replicated))
 
     @property
     def nbytes(self) -> int:
@@ -159,6 +175,7 @@ class _Defaults:
     mesh: Mesh | AbstractMesh | None = None
     rules: Rules | None = None  # None: axes are mesh axis names
     dtype: np.dtype | None = None
+    replicated: tuple[str, ...] = ()
 
 
 _DEFAULTS: contextvars.ContextVar[_Defaults] = contextvars.ContextVar(
@@ -173,8 +190,10 @@ def defaults(
     mesh: Mesh | AbstractMesh | None = None,
     rules: Rules | MeshAxes | None = None,
     dtype: Any = None,
+    replicated: str | Sequence[str] | None = None,
 ) -> Iterator[None]:
-    """Supplies the ``mesh``, ``rules`` and ``dtype`` that :func:`param` was not given.
+    """Supplies the ``mesh``, ``rules``, ``dtype`` and ``replicated`` that :func:`param`
+    was not given.
 
     Nestable; an inner context overrides only what it sets. ``rules=MESH_AXES``
     switches rules off again inside an outer rules context. Values are read when
@@ -186,6 +205,9 @@ def defaults(
         and ``MESH_AXES`` means none (axes name mesh axes).
       dtype: the dtype of the specs made inside; None keeps the enclosing one
         (float32 outside any context).
+      replicated: mesh axes the specs made inside are meant to be replicated over (see
+        :func:`param`); None keeps the enclosing ones, ``()`` means none. The adapters'
+        ``init`` and ``plan`` read it too.
 
     Examples:
       >>> with meshinit.defaults(mesh=mesh, rules=(("embed", "fsdp"), ("mlp", "tensor"))):
@@ -202,6 +224,9 @@ def defaults(
             mesh=outer.mesh if mesh is None else mesh,
             rules=new_rules,
             dtype=outer.dtype if dtype is None else _normalize_dtype(dtype),
+            replicated=(
+                outer.replicated if replicated is None else _normalize_replicated(replicated)
+            ),
         )
     )
     try:
@@ -218,6 +243,7 @@ def param(
     mesh: Mesh | AbstractMesh | None = None,
     rules: Rules | MeshAxes | None = None,
     dtype: Any = None,
+    replicated: str | Sequence[str] | None = None,
     **metadata: Any,
 ) -> ParamSpec:
     """Declares a parameter lazily; allocates nothing.
@@ -233,6 +259,12 @@ def param(
         if any, else the axis names are mesh axis names; ``MESH_AXES`` always means
         the latter.
       dtype: defaults to the ``defaults()`` dtype, else float32.
+      replicated: mesh axes this parameter is meant to be replicated over, such as
+        HSDP's data axis: the plan's shardable hints (``!`` and the "could shard"
+        lines) stay quiet for them. A mark only: placement is unchanged, and it
+        applies where the parameter is replicated over the axis (a parameter its axes
+        shard over it is not). An axis that no mesh of the plan has is a
+        :class:`PlanError`. Defaults to the ``defaults()`` ones, else none.
       **metadata: kept on the spec for adapters and reports.
 
     Returns:
@@ -263,7 +295,13 @@ def param(
         rules=rules,  # type: ignore[arg-type]
         dtype=dtype,
         metadata=metadata,
+        replicated=ctx.replicated if replicated is None else replicated,
     )
+
+
+def replicated_default() -> tuple[str, ...]:
+    """The ``replicated`` axes of the innermost :func:`defaults` (the adapters' specs)."""
+    return _DEFAULTS.get().replicated
 
 
 def _stacked_init(base: Callable[..., Any], n: int) -> Callable[..., Any]:

@@ -324,3 +324,100 @@ def test_the_per_device_byte_counts_have_their_own_names_and_the_old_ones_warn()
         assert p.replicated_bytes() == p.replicated_bytes_per_device()
         assert p.entries[0].abstract == p.entries[0].struct == p.abstract()
     assert [issubclass(w.category, DeprecationWarning) for w in caught] == [True, True, True]
+
+
+# --------------------------------------------------- replication marked as intended
+
+
+def hsdp_specs(**marks):
+    """An HSDP layout: sharded over fsdp, replicated over data (on purpose, or not)."""
+    mesh = AbstractMesh((2, 4), ("data", "fsdp"))
+    init = jax.nn.initializers.zeros
+    with meshinit.defaults(mesh=mesh, **marks):
+        return {
+            "w": meshinit.param((16, 8), init, axes=("fsdp", None)),
+            "norm": meshinit.param((16,), init, axes=(None,)),
+        }
+
+
+def test_replication_marked_as_intended_quiets_the_hints_only_for_those_axes():
+    loud, quiet = meshinit.plan(hsdp_specs()), meshinit.plan(hsdp_specs(replicated="data"))
+    assert {e.path: e.shardable_axes for e in loud.entries} == {
+        "w": ("data",),
+        "norm": ("data", "fsdp"),
+    }
+    assert {e.path: e.shardable_axes for e in quiet.entries} == {"w": (), "norm": ("fsdp",)}
+    # placement and the facts are unchanged; only the hints move
+    assert [e.sharding for e in quiet.entries] == [e.sharding for e in loud.entries]
+    assert [e.replicated_axes for e in quiet.entries] == [e.replicated_axes for e in loud.entries]
+    (group,) = quiet.groups
+    assert [e.path for e in group.shardable_entries] == ["norm"]
+    assert "data=2 could shard" in loud.summary() and "data=2 could shard" not in quiet.summary()
+    assert "fsdp=4 could shard" in quiet.summary()
+    record = {p["path"]: p for p in quiet.to_dict()["params"]}
+    assert record["w"]["replicated_on_purpose"] == ["data"]
+    assert record["w"]["shardable_axes"] == {}
+
+
+def test_a_param_can_mark_its_own_replication_and_stacking_keeps_it():
+    mesh = AbstractMesh((2, 4), ("data", "fsdp"))
+    spec = meshinit.param(
+        (16, 8), jax.nn.initializers.zeros, axes=("fsdp", None), mesh=mesh, replicated=["data"]
+    )
+    assert spec.replicated == ("data",)
+    stacked = meshinit.stacked(4, spec, axis=None)
+    assert stacked.replicated == ("data",)
+    assert meshinit.plan({"s": stacked}).entries[0].shardable_axes == ()
+
+
+def test_bad_replication_marks_are_named_all_at_once():
+    mesh = AbstractMesh((2, 4), ("data", "fsdp"))
+    init = jax.nn.initializers.zeros
+    specs = {
+        "typo": meshinit.param((16,), init, mesh=mesh, replicated="dta"),
+        "sharded": meshinit.param((16,), init, axes=("fsdp",), mesh=mesh, replicated="fsdp"),
+        "also": meshinit.param((16,), init, mesh=mesh, replicated=("data", "tensr")),
+    }
+    with pytest.raises(meshinit.PlanError) as err:
+        meshinit.plan(specs)
+    got = {p.path: p.message for p in err.value.problems}
+    assert "'dta', which no mesh of the plan has (they have: data, fsdp)" in got["typo"]
+    assert sorted(got) == ["also", "typo"]  # sharded over a marked axis: not replicated, fine
+    assert "'tensr'" in got["also"]
+    with meshinit.defaults(mesh=mesh, replicated="dta"):  # a model-wide typo: said once
+        many = [meshinit.param((16,), init) for _ in range(5)]
+    with pytest.raises(meshinit.PlanError) as err:
+        meshinit.plan(many)
+    (problem,) = err.value.problems
+    assert problem.path == "0" and "(so do 4 more parameters)" in problem.message
+    with pytest.raises(TypeError, match="replicated must be a mesh axis name"):
+        meshinit.param((16,), init, mesh=mesh, replicated=3)
+
+
+def test_a_stage_mesh_without_the_marked_axis_is_fine():
+    init = jax.nn.initializers.zeros
+    with meshinit.defaults(replicated="data"):
+        specs = {
+            "a": meshinit.param((16,), init, mesh=AbstractMesh((2, 2), ("data", "fsdp"))),
+            "b": meshinit.param((16,), init, mesh=AbstractMesh((4,), ("tensor",))),
+        }
+    plan = meshinit.plan(specs)
+    assert [e.shardable_axes for e in plan.entries] == [("fsdp",), ("tensor",)]
+
+
+def test_the_adapters_read_the_replication_mark_from_defaults():
+    from flax import nnx
+
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", None))
+            self.w = nnx.Param(init(rngs.params(), (16, 8)))
+
+    with jax.set_mesh(mesh):
+        loud = meshinit.nnx.plan(lambda: Layer(nnx.Rngs(0)))
+        with meshinit.defaults(replicated=("data",)):
+            quiet = meshinit.nnx.plan(lambda: Layer(nnx.Rngs(0)))
+    assert loud.entries[0].shardable_axes == ("data",)
+    assert quiet.entries[0].shardable_axes == ()

@@ -748,3 +748,12 @@ def test_repr_html_has_one_table_per_mesh_with_escaped_paths_and_the_totals():
         assert [r[0] for r in rows] == [e.path for e in group.entries]
     assert any(t.startswith("total: 4 params") for t in parser.texts)
     assert "<b>mesh 0</b>: AbstractMesh(x=2; Auto): 1 param, 16 B in all" in text
+
+
+def test_replicated_flag_quiets_the_hints_for_those_axes(capsys):
+    rc, loud, _ = plan_cli(capsys, f"{F}:mixed", *MESH, "--compact")
+    assert rc == 0 and "fsdp=2 could shard" in loud and "tensor=4 could shard" in loud
+    rc, quiet, _ = plan_cli(capsys, f"{F}:mixed", *MESH, "--compact", "--replicated", "fsdp")
+    assert rc == 0 and "fsdp=2 could shard" not in quiet and "tensor=4 could shard" in quiet
+    rc, _, err = plan_cli(capsys, f"{F}:mixed", *MESH, "--replicated", "fsdpp")
+    assert rc == 2 and "'fsdpp', which no mesh of the plan has" in err
