@@ -30,9 +30,10 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from . import _adapters, _constructor, _linen_meta, _paths, _plan, _planner, _trace
+from . import _adapters, _constructor, _linen_meta, _paths, _planner, _trace
 from ._errors import PlanError, Problem
 from ._format import describe_mesh
+from ._plan import Plan
 
 __all__ = ["init", "plan"]
 
@@ -124,7 +125,7 @@ def _host_inputs(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
 
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
-    plan: _plan.Plan
+    plan: Plan
     traced: Any
     outputs: list[int]
     flat: list[tuple[Any, Any]]  # (key path, box or value) of every variable, traced
@@ -215,7 +216,7 @@ def plan(
     default: str | Mesh | NamedSharding | None = None,
     meshes: Any = None,
     **example_kwargs: Any,
-) -> _plan.Plan:
+) -> Plan:
     """The plan :func:`init` would follow, without compiling or allocating anything.
 
     ``module.init`` is traced abstractly once, and every variable is resolved as

@@ -37,8 +37,9 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 
 import jax
 
-from . import _adapters, _caches, _constructor, _materialize, _nnx_meta, _plan, _planner, _trace
+from . import _adapters, _caches, _constructor, _materialize, _nnx_meta, _planner, _trace
 from ._errors import PlanError, Problem
+from ._plan import Plan, PlanEntry
 from ._spec import ParamSpec
 
 __all__ = ["materialize", "init", "plan", "optimizer"]
@@ -69,7 +70,7 @@ def _get(tree: dict[str, Any], path: tuple[Any, ...]) -> Any:
     return tree
 
 
-def _placed_metadata(entry: _plan.PlanEntry) -> dict[str, Any]:
+def _placed_metadata(entry: PlanEntry) -> dict[str, Any]:
     """Metadata that makes flax's own tools report the placed PartitionSpec."""
     meta: dict[str, Any] = {"out_sharding": tuple(entry.sharding.spec), "mesh": entry.mesh}
     if entry.spec.rules is not None:
@@ -158,7 +159,7 @@ _FACTORY_RULES = (
 
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
-    plan: _plan.Plan
+    plan: Plan
     traced: Any
     outputs: list[int]
     graphdef: Any
@@ -232,7 +233,7 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
     return _Prepared(plan, traced, outputs, graphdef, flat, specs, avals)
 
 
-def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> _plan.Plan:
+def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> Plan:
     """The plan :func:`init` would follow, without compiling or allocating anything.
 
     The factory is traced abstractly once; every Variable's placement is resolved as

@@ -439,3 +439,20 @@ def test_command_line_sessions_print_what_the_page_shows(index, tmp_path):
     )
     printed = r.stdout + r.stderr
     assert printed.strip() == shown.strip(), f"$ {command}\nprinted:\n{printed}\nshown:\n{shown}"
+
+
+def test_no_public_signature_names_a_private_name():
+    # The API pages render signatures as written: `_plan.Plan` or `_MeshAxes` there
+    # would point readers at internals.
+    bad = []
+    for name, obj in _documented_objects():
+        fn = obj.fget if isinstance(obj, property) else obj
+        if not callable(fn) or isinstance(fn, type):
+            continue
+        try:
+            signature = str(inspect.signature(fn))
+        except (TypeError, ValueError):
+            continue
+        if re.search(r"(?<![\w.])_[A-Za-z]|\._[A-Za-z]", signature):
+            bad.append(f"{name}{signature}")
+    assert not bad, "\n".join(bad)
