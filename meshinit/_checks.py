@@ -7,6 +7,7 @@ backend, the per-call bound, and the memory each device reports free.
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -101,8 +102,12 @@ def memory_stats(device: Any) -> dict[str, int] | None:
 
 
 def memory_problems(entries: Sequence[PlanEntry]) -> list[Problem]:
-    """Problems if ``entries`` do not fit in the free memory of an addressable device.
+    """Problems if ``entries`` do not fit in the free memory they are planned into.
 
+    Device memory: each addressable device's parameters in its ``"device"`` memory
+    against what the device reports free (GPU and TPU do; CPU does not). Host memory:
+    the parameters of every addressable device in a host memory kind
+    (``pinned_host``, ``unpinned_host``) against the host's available memory.
     Parameter bytes only: each call's temporaries come on top (a few shards' worth;
     bound them with ``max_bytes_per_call``).
     """
@@ -121,21 +126,57 @@ def memory_problems(entries: Sequence[PlanEntry]) -> list[Problem]:
         if not stats or "bytes_limit" not in stats:
             continue
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        need = sum(e.device_bytes for e in es)
+        need = sum(e.device_bytes for e in es if e.memory_kind == "device")
         if need > free and (worst is None or need - free > worst[0]):
             worst = (need - free, d, need, free, es)
+    problems = _host_memory_problems(on_device)
     if worst is None:
-        return []
+        return problems
     _, d, need, free, es = worst
-    largest = sorted(es, key=lambda e: e.device_bytes, reverse=True)[:5]
+    on_it = [e for e in es if e.memory_kind == "device"]
+    largest = sorted(on_it, key=lambda e: e.device_bytes, reverse=True)[:5]
     return [
         Problem(
             "",
             f"device {d} needs {human_bytes(need)} for its parameters but has "
             f"{human_bytes(free)} free; shard the largest parameters over more devices, "
-            f"use a bigger mesh, or free memory first. Largest on it:",
+            f"use a bigger mesh, offload some (memory_kind='pinned_host'), or free memory "
+            f"first. Largest on it:",
         ),
         *(Problem(e.path, f"{human_bytes(e.device_bytes)} on this device") for e in largest),
+        *problems,
+    ]
+
+
+def host_available() -> int | None:
+    """Bytes of physical memory the host has available now, where the OS says."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _host_memory_problems(on_device: Mapping[Any, list[PlanEntry]]) -> list[Problem]:
+    hosted = [(d, e) for d, es in on_device.items() for e in es if e.memory_kind != "device"]
+    if not hosted:
+        return []
+    free = host_available()
+    need = sum(e.device_bytes for _, e in hosted)
+    if free is None or need <= free:
+        return []
+    per_path: dict[str, int] = {}
+    for _, e in hosted:
+        per_path[e.path] = per_path.get(e.path, 0) + e.device_bytes
+    largest = sorted(per_path.items(), key=lambda kv: kv[1], reverse=True)[:5]
+    return [
+        Problem(
+            "",
+            f"this host needs {human_bytes(need)} of host memory for the parameters "
+            f"offloaded to it (memory kinds other than 'device') but has "
+            f"{human_bytes(free)} available; keep some in device memory, shard them over "
+            f"more hosts, or free memory first. Largest:",
+        ),
+        *(Problem(p, f"{human_bytes(b)} on this host") for p, b in largest),
     ]
 
 

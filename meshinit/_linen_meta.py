@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from . import _adapters, _materialize
 from ._errors import Problem
-from ._spec import ParamSpec, replicated_default
+from ._spec import ParamSpec, memory_kind_default, replicated_default
 
 
 def is_box(x: Any) -> bool:
@@ -140,6 +140,7 @@ def spec_for(
             shape=value.shape,
             init=_materialize.from_constructor,
             replicated=replicated_default(),
+            memory_kind=memory_kind_default(),
             axes=axes,
             mesh=where,
             rules=spec_rules,

@@ -224,7 +224,9 @@ def _run_here(
     ]
     problems = memory_problems([*todo.entries, *moved])
     if problems:
-        raise PlanError(problems, header="the parameters do not fit in device memory:")
+        raise PlanError(
+            problems, header="the parameters do not fit in the memory planned for them:"
+        )
     summary = _work(plan, todo, work)
     # The bar is decided here, once; it draws on stderr only, and closes on any exit.
     with _progress.Tracker(what, summary, _progress.show_bar(progress, summary), start) as t:

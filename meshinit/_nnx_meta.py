@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from . import _adapters, _materialize
 from ._errors import Problem
-from ._spec import ParamSpec, replicated_default
+from ._spec import ParamSpec, memory_kind_default, replicated_default
 
 
 def is_key(value: Any) -> bool:
@@ -78,7 +78,8 @@ def spec_for(
     shorter sharding tuple pads with None, and names without a rule pass through as
     mesh axis names (the core then checks they are axes of the mesh). The mesh is the
     first ``meshes`` pattern that matches ``path``, else the Variable's ``mesh=``, else
-    the context mesh (else the default device).
+    the context mesh (else the default device). A ``memory_kind=`` in the metadata
+    (``nnx.Param(x, memory_kind="pinned_host")``) places it in that memory.
     """
     shape, dtype = value.shape, value.dtype
     if is_key(value):  # keys travel as their uint32 data; rewrapped after placement
@@ -118,6 +119,8 @@ def spec_for(
         shape=shape,
         init=_materialize.from_constructor,
         replicated=replicated_default(),
+        # a Variable's own memory_kind= metadata, else the defaults() one
+        memory_kind=meta.get("memory_kind", memory_kind_default()),
         axes=axes,
         mesh=mesh,
         rules=None,

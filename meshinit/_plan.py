@@ -73,6 +73,12 @@ class PlanEntry(_renamed.EntryRenames):
         return jax.ShapeDtypeStruct(self.spec.shape, self.spec.dtype, sharding=self.sharding)
 
     @property
+    def memory_kind(self) -> str:
+        """The memory its shards live in: the planned sharding's memory kind, or
+        ``"device"`` where none was asked for on an ``AbstractMesh``."""
+        return self.sharding.memory_kind or "device"
+
+    @property
     def replicated_axes(self) -> tuple[str, ...]:
         """The mesh axes of size > 1 that shard no dimension, in mesh order.
 
@@ -166,6 +172,15 @@ class MeshGroup:
         return sum(e.device_bytes for e in self.entries)
 
     @functools.cached_property
+    def bytes_per_memory_kind(self) -> dict[str, int]:
+        """:attr:`device_bytes` split by memory kind: ``{"device": ..., "pinned_host":
+        ...}``, the kinds in order of first appearance."""
+        out: dict[str, int] = {}
+        for e in self.entries:
+            out[e.memory_kind] = out.get(e.memory_kind, 0) + e.device_bytes
+        return out
+
+    @functools.cached_property
     def shardable_entries(self) -> tuple[PlanEntry, ...]:
         """The entries replicated across a mesh axis that could shard them.
 
@@ -229,12 +244,16 @@ class Plan(_renamed.PlanRenames):
         """Total parameter bytes, unsharded."""
         return sum(e.spec.nbytes for e in self.entries)
 
-    def bytes_per_device(self) -> dict[Any, int]:
+    def bytes_per_device(self, memory_kind: str | None = None) -> dict[Any, int]:
         """Bytes of parameters each device holds, summed over all mesh groups.
 
         Meshes over the same devices add up: a ``(2, 4)`` mesh and an ``(8,)`` mesh
         over the same 8 devices put both groups' shards on each device. Devices of
         other processes are counted too.
+
+        Args:
+          memory_kind: count only parameters in this memory (``"device"``,
+            ``"pinned_host"``: :attr:`PlanEntry.memory_kind`); None counts every kind.
 
         Returns:
           A dict from device to bytes, with every device of every mesh (0 for a mesh
@@ -251,7 +270,9 @@ class Plan(_renamed.PlanRenames):
           >>> p.bytes_per_device()[jax.devices()[0]]  # 4*2*4 bytes + 1*8*4 bytes
           64
         """
-        return self._per_device(lambda g: g.device_bytes)
+        if memory_kind is None:
+            return self._per_device(lambda g: g.device_bytes)
+        return self._per_device(lambda g: g.bytes_per_memory_kind.get(memory_kind, 0))
 
     def replicated_bytes_per_device(self) -> dict[Any, int]:
         """Like :meth:`bytes_per_device`, counting only :attr:`MeshGroup.shardable_entries`.

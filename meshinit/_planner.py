@@ -16,6 +16,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from . import _caches, _input, _paths
 from ._errors import PlanError, Problem
+from ._format import describe_mesh
 from ._plan import MeshGroup, Plan, PlanEntry
 from ._rules import partition, typo_problems
 from ._signature import check_init, fingerprint
@@ -145,6 +146,10 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
         else:
             entries_, msgs = _partition(spec.shape, spec.axes, spec.rules, spec.mesh)
             mine += msgs
+            if spec.memory_kind is not None:
+                bad_kind = _memory_kind_problem(spec.memory_kind, spec.mesh)
+                if bad_kind:
+                    mine.append(bad_kind)
         fp = None
         too_big = _input.overflow(spec)
         if too_big:
@@ -157,15 +162,17 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
         if mine:
             problems += [Problem(path, m) for m in mine]
             continue
-        skey = (spec.mesh, entries_)
+        kind = spec.memory_kind
+        skey = (spec.mesh, entries_, kind)
         if skey not in shardings:
-            shardings[skey] = NamedSharding(spec.mesh, PartitionSpec(*entries_))
+            shardings[skey] = NamedSharding(spec.mesh, PartitionSpec(*entries_), memory_kind=kind)
         entries.append(
             PlanEntry(
                 path=path,
                 spec=spec,
                 sharding=shardings[skey],
-                signature=(fp, spec.shape, spec.dtype, entries_),
+                # the memory kind is part of the out_sharding: of the compiled program
+                signature=(fp, spec.shape, spec.dtype, entries_, shardings[skey].memory_kind),
                 leaf_index=index,
             )
         )
@@ -188,6 +195,25 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
         groups=tuple(MeshGroup(m, tuple(es)) for m, es in groups.items()),
         treedef=treedef,
         leaves=tuple(leaf for _, leaf in flat),
+    )
+
+
+@_caches.memo(maxsize=256)
+def memory_kinds(mesh: Mesh | AbstractMesh) -> tuple[str, ...] | None:
+    """The memory kinds the mesh's devices offer (those of its first device: a mesh is
+    of one platform), or None for an ``AbstractMesh``, which has no devices to ask."""
+    if isinstance(mesh, AbstractMesh):
+        return None
+    return tuple(sorted({m.kind for m in mesh.devices.flat[0].addressable_memories()}))
+
+
+def _memory_kind_problem(kind: str, mesh: Mesh | AbstractMesh) -> str:
+    offered = memory_kinds(mesh)
+    if offered is None or kind in offered:
+        return ""
+    return (
+        f"memory_kind {kind!r} is not offered by the devices of {describe_mesh(mesh)}; "
+        f"they offer {', '.join(map(repr, offered))}"
     )
 
 

@@ -33,6 +33,7 @@ def mesh_record(index: int, group: MeshGroup, source: MeshSource | None) -> dict
         "params": len(group.entries),
         "nbytes": group.nbytes,
         "device_bytes": group.device_bytes,
+        "device_bytes_per_memory_kind": dict(group.bytes_per_memory_kind),
         "replicated_bytes": group.replicated_bytes,
     }
     if source is not None:
@@ -58,6 +59,7 @@ def param_record(entry: PlanEntry, mesh_index: int) -> dict[str, Any]:
         "replicated_axes": list(entry.replicated_axes),
         "shardable_axes": {a: list(entry.shard_dims(a)) for a in entry.shardable_axes},
         "replicated_on_purpose": [a for a in entry.replicated_axes if a in s.replicated],
+        "memory_kind": entry.memory_kind,
     }
     return record
 

@@ -59,6 +59,10 @@ def group_summary(
         f"  {n} param{'s' if n != 1 else ''}, {human_bytes(group.nbytes)} in all, "
         f"{human_bytes(group.device_bytes)} per device"
     ]
+    kinds = group.bytes_per_memory_kind
+    if _has_memory_kinds(group):
+        per_kind = ", ".join(f"{human_bytes(b)} in {k}" for k, b in kinds.items())
+        lines.append(f"  per device by memory kind: {per_kind}")
     flagged = group.shardable_entries
     if not flagged:
         return lines
@@ -75,6 +79,12 @@ def group_summary(
             named = paths(entries) if paths else [e.path or "<root>" for e in entries]
             lines.append(_path_list(head, [printable(p) for p in named]))
     return lines
+
+
+def _has_memory_kinds(group: MeshGroup) -> bool:
+    """Whether a spec of the group asked for a memory kind other than device memory:
+    then the tables get a ``memory`` column and the totals a line per kind."""
+    return any(e.memory_kind != "device" for e in group.entries)
 
 
 def _mesh_line(index: int, group: MeshGroup, source: MeshSource | None) -> str:
@@ -99,18 +109,23 @@ def _row(e: PlanEntry, mesh) -> list[str]:
 
 def group_table(index: int, group: MeshGroup, source: MeshSource | None = None) -> list[str]:
     head = ["path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device"]
+    kinds = _has_memory_kinds(group)
+    if kinds:
+        head.insert(6, "memory")
     flagged = {id(e) for e in group.shardable_entries}
     if flagged:
         head.append("")
     rows = [head]
     for e in group.entries:
         row = _row(e, group.mesh)
+        if kinds:
+            row.insert(6, e.memory_kind)
         if flagged:
             row.append("!" if id(e) in flagged else "")
         rows.append(row)
     return [
         _mesh_line(index, group, source),
-        *_columns(rows, right={6}),
+        *_columns(rows, right={7 if kinds else 6}),
         *group_summary(group),
     ]
 
@@ -122,6 +137,9 @@ def _totals(plan: Plan) -> list[str]:
         f"{k} mesh{'es' if k != 1 else ''}, most on one device "
         f"{human_bytes(plan.max_device_bytes)}"
     ]
+    if any(_has_memory_kinds(g) for g in plan.groups):
+        in_device = max(plan.bytes_per_device(memory_kind="device").values(), default=0)
+        lines[0] += f" (in device memory: {human_bytes(in_device)})"
     if k > 1:
         replicated = max(plan.replicated_bytes_per_device().values(), default=0)
         if replicated:
@@ -267,7 +285,10 @@ def group_compact(index: int, group: MeshGroup, source: MeshSource | None = None
     device, so the column sums to the group's per-device total.
     """
     flagged = {id(e) for e in group.shardable_entries}
+    kinds = _has_memory_kinds(group)
     head = ["path", "n", "array", "logical", "PartitionSpec", "per device"]
+    if kinds:
+        head.insert(5, "memory")
     if flagged:
         head.append("")
     rows = [head]
@@ -282,12 +303,14 @@ def group_compact(index: int, group: MeshGroup, source: MeshSource | None = None
             axes_text(e.sharding.spec, tight=True),
             human_bytes(e.device_bytes * len(es)),
         ]
+        if kinds:
+            row.insert(5, e.memory_kind)
         if flagged:
             row.append("!" if id(e) in flagged else "")
         rows.append(row)
     return [
         _mesh_line(index, group, source),
-        *_columns(rows, right={1, 5}),
+        *_columns(rows, right={1, 6 if kinds else 5}),
         *group_summary(group, lambda es: [p for p, _ in collapse(es)]),
     ]
 

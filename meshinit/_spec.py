@@ -112,6 +112,15 @@ def _normalize_replicated(axes: Any) -> tuple[str, ...]:
     )
 
 
+def _normalize_memory_kind(kind: Any) -> str | None:
+    if kind is None or isinstance(kind, str):
+        return kind
+    raise TypeError(
+        f"memory_kind must be a memory kind's name, such as 'device' or 'pinned_host', or "
+        f"None for the devices' default memory; got {kind!r}"
+    )
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ParamSpec:
     """A parameter not yet allocated: its shape, initializer and placement.
@@ -130,6 +139,8 @@ class ParamSpec:
       metadata: free-form extra keyword arguments given to :func:`param`.
       replicated: mesh axes this parameter is meant to be replicated over (HSDP's data
         axis): the plan reports no shardable hint (``!``) for them. A mark only.
+      memory_kind: the memory its shards live in (``"pinned_host"`` for host offload),
+        or None for the devices' default memory.
 
     Examples:
       >>> spec = meshinit.param((1024, 4096), lecun_normal(), axes=("embed", "mlp"))
@@ -145,6 +156,7 @@ class ParamSpec:
     dtype: np.dtype
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     replicated: tuple[str, ...] = ()
+    memory_kind: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -155,6 +167,8 @@ class ParamSpec:
         set_(self, "metadata", types.MappingProxyType(dict(self.metadata)))
         if self.replicated:
             set_(self, "replicated", _normalize_replicated(self.replicated))
+        if self.memory_kind is not None:
+            set_(self, "memory_kind", _normalize_memory_kind(self.memory_kind))
 
     @property
     def nbytes(self) -> int:
@@ -176,6 +190,7 @@ class _Defaults:
     rules: Rules | None = None  # None: axes are mesh axis names
     dtype: np.dtype | None = None
     replicated: tuple[str, ...] = ()
+    memory_kind: str | None = None
 
 
 _DEFAULTS: contextvars.ContextVar[_Defaults] = contextvars.ContextVar(
@@ -191,9 +206,10 @@ def defaults(
     rules: Rules | MeshAxes | None = None,
     dtype: Any = None,
     replicated: str | Sequence[str] | None = None,
+    memory_kind: str | None = None,
 ) -> Iterator[None]:
-    """Supplies the ``mesh``, ``rules``, ``dtype`` and ``replicated`` that :func:`param`
-    was not given.
+    """Supplies the ``mesh``, ``rules``, ``dtype``, ``replicated`` and ``memory_kind``
+    that :func:`param` was not given.
 
     Nestable; an inner context overrides only what it sets. ``rules=MESH_AXES``
     switches rules off again inside an outer rules context. Values are read when
@@ -208,6 +224,8 @@ def defaults(
       replicated: mesh axes the specs made inside are meant to be replicated over (see
         :func:`param`); None keeps the enclosing ones, ``()`` means none. The adapters'
         ``init`` and ``plan`` read it too.
+      memory_kind: the memory kind of the specs made inside (see :func:`param`); None
+        keeps the enclosing one. The adapters' ``init`` and ``plan`` read it too.
 
     Examples:
       >>> with meshinit.defaults(mesh=mesh, rules=(("embed", "fsdp"), ("mlp", "tensor"))):
@@ -227,6 +245,9 @@ def defaults(
             replicated=(
                 outer.replicated if replicated is None else _normalize_replicated(replicated)
             ),
+            memory_kind=(
+                outer.memory_kind if memory_kind is None else _normalize_memory_kind(memory_kind)
+            ),
         )
     )
     try:
@@ -244,6 +265,7 @@ def param(
     rules: Rules | MeshAxes | None = None,
     dtype: Any = None,
     replicated: str | Sequence[str] | None = None,
+    memory_kind: str | None = None,
     **metadata: Any,
 ) -> ParamSpec:
     """Declares a parameter lazily; allocates nothing.
@@ -265,6 +287,11 @@ def param(
         applies where the parameter is replicated over the axis (a parameter its axes
         shard over it is not). An axis that no mesh of the plan has is a
         :class:`PlanError`. Defaults to the ``defaults()`` ones, else none.
+      memory_kind: the memory the parameter's shards live in: ``"pinned_host"`` (or
+        ``"unpinned_host"``) offloads it to host memory, ``"device"`` is device memory.
+        The planned ``NamedSharding`` carries it, and materialize generates into it.
+        A kind the mesh's devices do not offer is a :class:`PlanError`. Defaults to
+        the ``defaults()`` one, else None: the devices' default memory.
       **metadata: kept on the spec for adapters and reports.
 
     Returns:
@@ -296,12 +323,18 @@ def param(
         dtype=dtype,
         metadata=metadata,
         replicated=ctx.replicated if replicated is None else replicated,
+        memory_kind=ctx.memory_kind if memory_kind is None else memory_kind,
     )
 
 
 def replicated_default() -> tuple[str, ...]:
     """The ``replicated`` axes of the innermost :func:`defaults` (the adapters' specs)."""
     return _DEFAULTS.get().replicated
+
+
+def memory_kind_default() -> str | None:
+    """The ``memory_kind`` of the innermost :func:`defaults` (the adapters' specs)."""
+    return _DEFAULTS.get().memory_kind
 
 
 def _stacked_init(base: Callable[..., Any], n: int) -> Callable[..., Any]:

@@ -78,7 +78,7 @@ def materialize(module: Any, key: Any) -> Any:
 
 
 Placement = tuple[Any, ...]
-"""``(regex, axes)`` or ``(regex, axes, mesh)``."""
+"""``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex, axes, mesh, memory_kind)``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,7 @@ class _Placement:
     pattern: re.Pattern[str]
     axes: Any
     mesh: Mesh | AbstractMesh | None
+    memory_kind: str | None = None
 
     @property
     def name(self) -> str:
@@ -96,20 +97,22 @@ class _Placement:
 def _parse_placements(placements: Any) -> tuple[list[_Placement], list[Problem]]:
     if isinstance(placements, str | bytes) or not isinstance(placements, Sequence):
         raise TypeError(
-            f"placements must be an ordered sequence of (regex, axes) or (regex, axes, "
-            f"mesh) tuples, first match wins; got {type(placements).__name__}"
+            f"placements must be an ordered sequence of (regex, axes), (regex, axes, mesh) "
+            f"or (regex, axes, mesh, memory_kind) tuples, first match wins; got "
+            f"{type(placements).__name__}"
         )
     parsed, problems = [], []
     for i, p in enumerate(placements):
-        if not isinstance(p, tuple | list) or len(p) not in (2, 3):
+        if not isinstance(p, tuple | list) or len(p) not in (2, 3, 4):
             problems.append(
                 Problem(
                     "",
-                    f"placements[{i}] must be (regex, axes) or (regex, axes, mesh); got {p!r}",
+                    f"placements[{i}] must be (regex, axes), (regex, axes, mesh) or (regex, "
+                    f"axes, mesh, memory_kind); got {p!r}",
                 )
             )
             continue
-        regex, axes, mesh = (*p, None) if len(p) == 2 else p
+        regex, axes, mesh, memory_kind = (*p, None, None, None)[:4]
         if isinstance(regex, re.Pattern):
             pattern = regex
         elif isinstance(regex, str):
@@ -129,7 +132,7 @@ def _parse_placements(placements: Any) -> tuple[list[_Placement], list[Problem]]
                 )
             )
             continue
-        parsed.append(_Placement(i, pattern, axes, mesh))
+        parsed.append(_Placement(i, pattern, axes, mesh, memory_kind))
     return parsed, problems
 
 
@@ -180,6 +183,7 @@ def _specs_from_placements(
                 mesh=placement.mesh if placement.mesh is not None else mesh,
                 rules=rules,
                 dtype=leaf.dtype,
+                memory_kind=placement.memory_kind,  # None: the defaults() one
             )
         except (TypeError, ValueError) as e:
             # The same malformed axes would repeat for every leaf it matches: say it once.
@@ -319,7 +323,9 @@ def init(
         ``lambda k: eqx.nn.MLP(2, 3, 8, 2, key=k)``.
       key: an int seed (the factory gets ``jax.random.key(seed)``), a typed key, or a
         legacy uint32 key (the factory gets it as it is).
-      placements: ordered ``(regex, axes)`` or ``(regex, axes, mesh)``. Each regex
+      placements: ordered ``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex,
+        axes, mesh, memory_kind)`` (mesh may be None; memory_kind as in
+        :func:`meshinit.param`, None for the ``defaults()`` one). Each regex
         is full-matched (``re.fullmatch``) against the dot-joined path of each array
         leaf, for example ``layers.0.weight``; the first match wins. ``axes`` is as
         in :func:`meshinit.param`: one logical name (or mesh axis name without

@@ -75,6 +75,8 @@ def _placed_metadata(entry: PlanEntry) -> dict[str, Any]:
     meta: dict[str, Any] = {"out_sharding": tuple(entry.sharding.spec), "mesh": entry.mesh}
     if entry.spec.rules is not None:
         meta["logical_axes"] = entry.spec.axes  # the logical names, kept for readers
+    if entry.spec.memory_kind is not None:
+        meta["memory_kind"] = entry.memory_kind  # where it lives, as it was asked for
     return meta
 
 
@@ -332,7 +334,14 @@ class _Prebuilt:
         return self._state
 
 
-def optimizer(model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param) -> nnx.Optimizer:
+def optimizer(
+    model: nnx.Module,
+    tx: Any,
+    *,
+    wrt: Any = nnx.Param,
+    shard_over: str | tuple[str, ...] | None = None,
+    memory_kind: str | None = None,
+) -> nnx.Optimizer:
     """``nnx.Optimizer(model, tx, wrt=wrt)``, with its state placed exactly like the params.
 
     Every state leaf that mirrors a parameter (Adam's ``mu`` and ``nu``, momentum)
@@ -360,6 +369,11 @@ def optimizer(model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param) -> nnx.Optimi
         ``NamedSharding``, as :func:`init` and :func:`materialize` leave them.
       tx: an ``optax.GradientTransformation``.
       wrt: the nnx filter of the Variables to optimize, as for ``nnx.Optimizer``.
+      shard_over: mesh axes to shard the mirroring state further over (ZeRO-1), as
+        for :func:`meshinit.optax.init`; each such Variable's ``out_sharding``
+        metadata then names its own PartitionSpec.
+      memory_kind: the memory of the mirroring state (``"pinned_host"``), as for
+        :func:`meshinit.optax.init`; recorded in the Variables' metadata.
 
     Returns:
       An ``nnx.Optimizer`` whose ``opt_state`` and ``step`` are placed as above.
@@ -378,7 +392,9 @@ def optimizer(model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param) -> nnx.Optimi
     from . import optax as meshinit_optax  # imports optax only when asked for
 
     params = nnx.state(model, wrt)
-    step, state = meshinit_optax.init(_WithStep(tx), params)
+    step, state = meshinit_optax.init(
+        _WithStep(tx), params, shard_over=shard_over, memory_kind=memory_kind
+    )
     flags = [_eager_flag(v) for v in jax.tree.leaves(state, is_leaf=_is_variable)]
     # flax's to_opt_state rebuilds each mirror as an OptVariable with its Param's
     # metadata, which re-applies the sharding the array already has; under an Auto
@@ -392,9 +408,28 @@ def optimizer(model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param) -> nnx.Optimi
     for var, flag in zip(jax.tree.leaves(opt.opt_state, is_leaf=_is_variable), flags, strict=True):
         if flag is not None:
             var.set_metadata("eager_sharding", flag)
+        if shard_over is not None or memory_kind is not None:
+            _say_own_placement(var)
     opt.tx = tx
     opt.step.set_value(step)
     return opt
+
+
+def _say_own_placement(var: Any) -> None:
+    """A state Variable's metadata names its own array's placement, where flax copied
+    its Param's (``shard_over`` and ``memory_kind`` make them differ)."""
+    if not _is_variable(var):
+        return
+    sharding = getattr(var.get_value(), "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return
+    meta = var.get_metadata()
+    if "out_sharding" in meta and tuple(sharding.spec) != tuple(meta["out_sharding"] or ()):
+        var.set_metadata("out_sharding", tuple(sharding.spec))
+        if meta.get("sharding_rules") is not None:
+            var.set_metadata("sharding_rules", None)  # mesh axes now, not logical names
+    if sharding.memory_kind not in (None, "device") or "memory_kind" in meta:
+        var.set_metadata("memory_kind", sharding.memory_kind)
 
 
 def _is_variable(x: Any) -> bool:

@@ -39,9 +39,9 @@ except ImportError as e:  # pragma: no cover - exercised only without optax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from . import _caches, _compile, _jaxpr, _paths
+from . import _caches, _compile, _jaxpr, _paths, _state
 from ._format import describe_mesh
 from ._materialize import deleting_on_failure
 from ._plan import Plan
@@ -70,62 +70,6 @@ def _flat_params(params: Any) -> tuple[list[str], list[Any], Any]:
     return paths, leaves, treedef
 
 
-def _common_tail(a: list[str], b: list[str]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
-        n += 1
-    return n
-
-
-def _mirrors(param_paths: list[str], param_shapes: list[tuple[int, ...]], state: Any) -> list[int]:
-    """For each state leaf (flatten order), the index of the parameter it mirrors, or -1.
-
-    Among parameters of the leaf's shape: one whose whole path ends the leaf's path
-    (longest first); failing that, the one sharing the most trailing path components,
-    at least the last (first in tree order on ties). The fallback covers wrappers that
-    rename the parameters' root: lookahead's ``fast_state.0.mu.w`` mirrors ``fast.w``.
-    """
-    params = [p.split(".") if p else [] for p in param_paths]
-    # Candidates share the leaf's shape and last path component (a root parameter,
-    # path "", matches any leaf of its shape), so this stays linear in the tree size.
-    candidates: dict[tuple[Any, ...], list[int]] = {}
-    for i, (p, s) in enumerate(zip(params, param_shapes, strict=True)):
-        candidates.setdefault((s, p[-1] if p else None), []).append(i)
-    out = []
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        path = _paths.path_str(keypath).split(".")
-        shape = tuple(np.shape(leaf))
-        best, best_score = -1, (0, 0)
-        found = candidates.get((shape, path[-1]), []) + candidates.get((shape, None), [])
-        for i in sorted(found):
-            p = params[i]
-            tail = _common_tail(path, p)
-            score = (1, len(p)) if tail == len(p) else (0, tail)
-            if score > best_score:
-                best, best_score = i, score
-        out.append(best)
-    return out
-
-
-def _scalars_mesh(leaves: list[Any], scalars_on: Mesh | None) -> Mesh:
-    if scalars_on is None:
-        return leaves[0].sharding.mesh
-    if not isinstance(scalars_on, Mesh | jax.sharding.AbstractMesh):
-        raise TypeError(f"scalars_on must be a jax.sharding.Mesh; got {type(scalars_on).__name__}")
-    return scalars_on
-
-
-def _assign(
-    param_paths: list[str], leaves: list[Any], state: Any, scalars_on: Mesh | None
-) -> tuple[list[NamedSharding], list[int]]:
-    """Each state leaf's sharding, and the parameter it mirrors (-1: on ``scalars_on``)."""
-    shapes = [tuple(np.shape(x)) for x in leaves]
-    mirrors = _mirrors(param_paths, shapes, state)
-    replicated = NamedSharding(_scalars_mesh(leaves, scalars_on), PartitionSpec())
-    shardings = [leaves[m].sharding if m >= 0 else replicated for m in mirrors]
-    return shardings, mirrors
-
-
 def _abstract_params(tree: Any) -> Any:
     if isinstance(tree, Plan):
         tree = tree.abstract()
@@ -143,7 +87,14 @@ def _check_tx(tx: Any, what: str) -> None:
         )
 
 
-def abstract(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
+def abstract(
+    tx: Any,
+    params: Any,
+    *,
+    scalars_on: Mesh | None = None,
+    shard_over: str | tuple[str, ...] | None = None,
+    memory_kind: str | None = None,
+) -> Any:
     """The state :func:`init` would make, as ``jax.ShapeDtypeStruct``s; allocates nothing.
 
     Each struct carries the sharding :func:`init` gives that leaf, so the result is an
@@ -155,13 +106,17 @@ def abstract(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
         used), or a tree of ``jax.ShapeDtypeStruct``s with shardings, or of placed
         arrays.
       scalars_on: the mesh for leaves that mirror no parameter, as in :func:`init`.
+      shard_over: mesh axes to shard the mirroring leaves further over, as in
+        :func:`init`.
+      memory_kind: the memory of the mirroring leaves, as in :func:`init`.
 
     Returns:
       ``tx.init``'s state tree with a ``jax.ShapeDtypeStruct(shape, dtype,
-      sharding=...)`` for each leaf.
+      sharding=...)`` for each leaf: exactly the shardings :func:`init` gives.
 
     Raises:
       TypeError: a parameter has no ``NamedSharding``.
+      ValueError: as for :func:`init`.
 
     Examples:
       >>> target = meshinit.optax.abstract(optax.adamw(1e-3), meshinit.plan(specs))
@@ -170,8 +125,10 @@ def abstract(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
     _check_tx(tx, "abstract")
     params = _abstract_params(params)
     paths, leaves, _ = _flat_params(params)
+    axes = _state.shard_over_axes(shard_over)
+    _state.check_placement(leaves, axes, memory_kind)
     state = jax.eval_shape(tx.init, params)
-    shardings, _ = _assign(paths, leaves, state, scalars_on)
+    shardings, _ = _state.assign(paths, leaves, state, scalars_on, axes, memory_kind)
     flat, treedef = jax.tree_util.tree_flatten(state)
     return jax.tree_util.tree_unflatten(
         treedef,
@@ -213,11 +170,14 @@ def _store(fn: Any, key: Hashable, value: Any) -> None:
             del entries[next(iter(entries))]
 
 
-def _structure_key(treedef: Any, leaves: list[Any], scalars_on: Mesh) -> Hashable:
+def _structure_key(
+    treedef: Any, leaves: list[Any], scalars_on: Mesh, placement: tuple[Any, ...]
+) -> Hashable:
     return (
         treedef,
         tuple((x.shape, x.dtype, x.sharding) for x in leaves),
         scalars_on,
+        placement,
         _compile.full_key(None),
     )
 
@@ -236,7 +196,15 @@ def _reads(tx: Any, params_def: Any, specs: list[Any]) -> tuple[Any, list[frozen
     return state, _jaxpr.reads(closed)
 
 
-def _build(tx: Any, params: Any, paths: list[str], leaves: list[Any], scalars_on: Mesh | None):
+def _build(
+    tx: Any,
+    params: Any,
+    paths: list[str],
+    leaves: list[Any],
+    scalars_on: Mesh | None,
+    shard_over: tuple[str, ...],
+    memory_kind: str | None,
+):
     """The state's treedef and one compiled step per mesh that holds state leaves.
 
     Compiles every step before anything is allocated, so a compile error leaves
@@ -245,7 +213,7 @@ def _build(tx: Any, params: Any, paths: list[str], leaves: list[Any], scalars_on
     _, params_def = jax.tree_util.tree_flatten(params)
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     state, reads = _reads(tx, params_def, specs)
-    shardings, _ = _assign(paths, leaves, state, scalars_on)
+    shardings, _ = _state.assign(paths, leaves, state, scalars_on, shard_over, memory_kind)
     state_def = jax.tree_util.tree_structure(state)
     state_paths = [_paths.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     # A leaf is made on its own mesh, from that mesh's parameters only; one that reads
@@ -305,7 +273,14 @@ def _auto(sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(_compile.auto_twin(sharding.mesh), sharding.spec)
 
 
-def init(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
+def init(
+    tx: Any,
+    params: Any,
+    *,
+    scalars_on: Mesh | None = None,
+    shard_over: str | tuple[str, ...] | None = None,
+    memory_kind: str | None = None,
+) -> Any:
     """``tx.init(params)``, with each state leaf made directly on its parameter's shards.
 
     A state leaf that mirrors a parameter (its dot-joined path ends with the
@@ -323,25 +298,40 @@ def init(tx: Any, params: Any, *, scalars_on: Mesh | None = None) -> Any:
       scalars_on: the mesh on which leaves that mirror no parameter (step counts,
         scalars) are replicated. Default: the mesh of the first parameter in tree
         order (``jax.tree.leaves(params)[0]``).
+      shard_over: a mesh axis name or a tuple of them (ZeRO-1: ``"data"``). Each
+        mirroring leaf is sharded further over those axes of its parameter's mesh
+        (axes a mesh lacks, or the parameter already uses, are skipped for it): they
+        go onto the first dimension the parameter leaves unsharded whose size their
+        product divides; failing one, they are appended to the first sharded
+        dimension that stays divisible, after its own axes; failing both, the leaf
+        keeps the parameter's sharding. The parameters are untouched.
+      memory_kind: the memory the mirroring leaves live in (``"pinned_host"`` for
+        offloaded optimizer state); None keeps each parameter's. Leaves that mirror
+        no parameter stay in device memory.
 
     Returns:
       The optimizer state, as ``tx.init`` structures it.
 
     Raises:
       TypeError: a parameter is not placed with a ``NamedSharding``.
-      ValueError: ``params`` has no leaves.
+      ValueError: ``params`` has no leaves, or ``shard_over`` names an axis that no
+        mesh of the parameters has.
+      PlanError: ``memory_kind`` is one a mesh's devices do not offer.
 
     Examples:
       >>> params = meshinit.materialize(meshinit.plan(specs), 0)
       >>> opt_state = meshinit.optax.init(optax.adamw(1e-3), params)
+      >>> zero1 = meshinit.optax.init(optax.adamw(1e-3), params, shard_over="data")
     """
     _check_tx(tx, "init")
     paths, leaves, treedef = _flat_params(params)
-    mesh = _scalars_mesh(leaves, scalars_on)
-    key = _structure_key(treedef, leaves, mesh)
+    axes = _state.shard_over_axes(shard_over)
+    _state.check_placement(leaves, axes, memory_kind)
+    mesh = _state.scalars_mesh(leaves, scalars_on)
+    key = _structure_key(treedef, leaves, mesh, (axes, memory_kind))
     hit = _cached(tx.init, key)
     if hit is None:
-        hit = _build(tx, params, paths, leaves, scalars_on)
+        hit = _build(tx, params, paths, leaves, scalars_on, axes, memory_kind)
         _store(tx.init, key, hit)
     state_def, steps = hit
     values: dict[int, jax.Array] = {}

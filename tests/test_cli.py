@@ -45,6 +45,7 @@ def test_demo_rejects_a_device_count_it_cannot_lay_out():
         "capacity_405b.py",
         "checkpoint_restore.py",
         "train_state.py",
+        "zero1_offload.py",
     ],
 )
 def test_examples_run(script):

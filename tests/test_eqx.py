@@ -345,7 +345,7 @@ def test_placement_problems_and_planning_problems_are_raised_together():
         (r"layers\.1\.weight", ("mlpp", "embed")),  # a typo: no rule
         (r"layers\.1\.bias", ("mlp",)),  # fine
         (r"layers\.2\.bias", ("embed", "mlp")),  # two axes for one dimension
-        ("too", "many", "entries", "here"),
+        ("too", "many", "entries", "are", "here"),
     ]
     with pytest.raises(meshinit.PlanError, match=r"regex '\(' does not compile") as info:
         meshinit.eqx.init(mlp, 0, placements, mesh=mesh, rules=RULES)

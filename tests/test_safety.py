@@ -137,7 +137,7 @@ def test_memory_check_names_the_largest_parameters_on_the_worst_device(monkeypat
     with new_arrays() as made, pytest.raises(meshinit.PlanError) as info:
         meshinit.materialize(plan, 0)
     msg = str(info.value)
-    assert "do not fit in device memory" in msg
+    assert "do not fit in the memory planned for them" in msg
     assert "needs 4.1 KiB for its parameters but has 2.7 KiB free" in msg
     assert "stage0.embed: 2.0 KiB on this device" in msg
     assert "stage0.up: 2.0 KiB on this device" in msg
