@@ -322,3 +322,12 @@ _MACHINE = {
     "meshinit": "abc",
     "load_avg": (0.0, 0.0, 0.0),
 }
+
+
+def test_state_bytes_script_measures_zero1_and_offload():
+    r = run_script("state_bytes.py", "--smoke")
+    rows = {
+        line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")
+    }
+    assert 'shard_over="data" (ZeRO-1)' in rows and 'memory_kind="pinned_host"' in rows
+    assert "| 0.500 |" in rows['shard_over="data" (ZeRO-1)']  # data=2 halves the state
