@@ -356,7 +356,7 @@ def _scripts(page: str) -> list[tuple[str, str | None, list[str]]]:
 SCRIPT_PAGES = {
     "getting-started.md": 1,
     "migrating.md": 9,
-    "train_state.md": 2,
+    "train_state.md": 4,
     "nnx.md": 1,
     "linen.md": 3,
     "equinox.md": 1,

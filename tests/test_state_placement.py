@@ -304,3 +304,21 @@ def test_the_memory_precheck_counts_device_and_host_memory_apart(monkeypatch):
     with pytest.raises(meshinit.PlanError, match="of host memory") as err:
         meshinit.materialize(plan, 0)
     assert [p.path for p in err.value.problems] == ["", "big"]
+
+
+def test_offloaded_parameters_are_made_shard_by_shard_into_host_memory():
+    import re
+
+    from meshinit import _strategies
+
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    spec = meshinit.param(
+        (512, 1024), lecun(), axes=("fsdp", "tensor"), mesh=mesh, memory_kind="pinned_host"
+    )
+    group = meshinit.plan({"w": spec}).groups[0]
+    (exe,) = _strategies.Rounds().executables(group, "threefry2x32")
+    # the compiled call itself puts its output in host memory: no device_put afterwards
+    assert [s.memory_kind for s in exe.output_shardings] == ["pinned_host"]
+    shapes = re.findall(r"\bf32\[([\d,]*)\]", exe.as_text())
+    largest = max(int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes)
+    assert largest <= 512 * 1024 // 8  # per-device programs see only their shard
