@@ -322,3 +322,37 @@ def test_offloaded_parameters_are_made_shard_by_shard_into_host_memory():
     shapes = re.findall(r"\bf32\[([\d,]*)\]", exe.as_text())
     largest = max(int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes)
     assert largest <= 512 * 1024 // 8  # per-device programs see only their shard
+
+
+@pytest.mark.parametrize("options", [{"shard_over": "data"}, {"memory_kind": "pinned_host"}])
+def test_orbax_restores_zero1_and_offloaded_state_onto_the_abstract_target(tmp_path, options):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    _, params = hsdp_params()
+    tx = optax.adam(1e-3)
+    state = jax.tree.map(lambda x: x + 1, meshinit.optax.init(tx, params, **options))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "opt", state)
+        checkpointer.wait_until_finished()
+        target = meshinit.optax.abstract(tx, params, **options)
+        restored = checkpointer.restore(tmp_path / "opt", target)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_linen_reads_the_memory_kind_from_defaults():
+    import flax.linen as nn
+
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    dense = nn.Dense(
+        8, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("fsdp", "tensor"))
+    )
+    x = np.ones((2, 16), np.float32)
+    with meshinit.defaults(memory_kind="pinned_host"):
+        variables = meshinit.linen.init(
+            dense, jax.random.key(0), x, mesh=mesh, default="replicated"
+        )
+    kernel = variables["params"]["kernel"].value
+    assert kernel.sharding == NamedSharding(mesh, P("fsdp", "tensor"), memory_kind="pinned_host")
+    eager = dense.init(jax.random.key(0), x)["params"]["kernel"].value
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(eager))
