@@ -101,15 +101,21 @@ def _normalize_axes(axes: Any) -> tuple[AxisEntry, ...] | None:
     return tuple(out)
 
 
-def _normalize_replicated(axes: Any) -> tuple[str, ...]:
+def axis_names(axes: Any, what: str) -> tuple[str, ...]:
+    """A mesh axis name or a sequence of them as a tuple, repeats dropped; ``what``
+    names the argument in the TypeError for anything else."""
     if isinstance(axes, str):
         return (axes,)
     if isinstance(axes, tuple | list) and all(isinstance(a, str) for a in axes):
         return tuple(dict.fromkeys(axes))
     raise TypeError(
-        f"replicated must be a mesh axis name or a tuple of them, for example ('data',); "
-        f"got {axes!r}"
+        f"{what} must be a mesh axis name or a tuple of them, for example 'data' or "
+        f"('data', 'fsdp'); got {axes!r}"
     )
+
+
+def _normalize_replicated(axes: Any) -> tuple[str, ...]:
+    return axis_names(axes, "replicated")
 
 
 def _normalize_memory_kind(kind: Any) -> str | None:

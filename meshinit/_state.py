@@ -20,6 +20,7 @@ from . import _paths
 from ._errors import PlanError, Problem
 from ._format import describe_mesh
 from ._planner import memory_kinds
+from ._spec import axis_names
 
 
 def _common_tail(a: list[str], b: list[str]) -> int:
@@ -70,16 +71,7 @@ def scalars_mesh(leaves: list[Any], scalars_on: Mesh | None) -> Mesh:
 
 
 def shard_over_axes(shard_over: Any) -> tuple[str, ...]:
-    if shard_over is None:
-        return ()
-    if isinstance(shard_over, str):
-        return (shard_over,)
-    if isinstance(shard_over, tuple | list) and all(isinstance(a, str) for a in shard_over):
-        return tuple(dict.fromkeys(shard_over))
-    raise TypeError(
-        f"shard_over must be a mesh axis name or a tuple of them, for example 'data' or "
-        f"('data', 'fsdp'); got {shard_over!r}"
-    )
+    return () if shard_over is None else axis_names(shard_over, "shard_over")
 
 
 def further(sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ...]) -> Any:
