@@ -200,11 +200,15 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
 
 @_caches.memo(maxsize=256)
 def memory_kinds(mesh: Mesh | AbstractMesh) -> tuple[str, ...] | None:
-    """The memory kinds the mesh's devices offer (those of its first device: a mesh is
-    of one platform), or None for an ``AbstractMesh``, which has no devices to ask."""
+    """The memory kinds the mesh's devices offer, or None for an ``AbstractMesh``, which
+    has no devices to ask. A mesh is of one platform, so one device answers: one of
+    this process's if the mesh has any (under ``jax.distributed``), else the first."""
     if isinstance(mesh, AbstractMesh):
         return None
-    return tuple(sorted({m.kind for m in mesh.devices.flat[0].addressable_memories()}))
+    local = jax.process_index()
+    devices = mesh.devices.flat
+    device = next((d for d in devices if d.process_index == local), mesh.devices.flat[0])
+    return tuple(sorted({m.kind for m in device.addressable_memories()}))
 
 
 def _memory_kind_problem(kind: str, mesh: Mesh | AbstractMesh) -> str:
