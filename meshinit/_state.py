@@ -77,8 +77,8 @@ def shard_over_axes(shard_over: Any) -> tuple[str, ...]:
 def further(sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ...]) -> Any:
     """``sharding``'s PartitionSpec, sharded further over those of ``axes`` its mesh has.
 
-    The axes (those of this mesh that the spec does not use yet, in the order given)
-    go together onto the first dimension the spec leaves unsharded whose size their
+    The axes (those of this mesh of size > 1 that the spec does not use yet, in the
+    order given) go together onto the first dimension the spec leaves unsharded whose size their
     sizes' product divides. Failing one, they are appended to the first sharded
     dimension that stays divisible, after its own axes (so each device's state shard
     lies inside its parameter shard). Failing both, the spec is unchanged.
@@ -86,7 +86,7 @@ def further(sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ..
     mesh_shape = sharding.mesh.shape
     spec = list(sharding.spec)
     used = {a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))}
-    extra = tuple(a for a in axes if a in mesh_shape and a not in used)
+    extra = tuple(a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used)
     if not extra:
         return sharding.spec
     size = math.prod(mesh_shape[a] for a in extra)

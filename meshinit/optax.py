@@ -300,7 +300,8 @@ def init(
         order (``jax.tree.leaves(params)[0]``).
       shard_over: a mesh axis name or a tuple of them (ZeRO-1: ``"data"``). Each
         mirroring leaf is sharded further over those axes of its parameter's mesh
-        (axes a mesh lacks, or the parameter already uses, are skipped for it): they
+        (axes a mesh lacks, has at size 1, or the parameter already uses, are
+        skipped for it): they
         go onto the first dimension the parameter leaves unsharded whose size their
         product divides; failing one, they are appended to the first sharded
         dimension that stays divisible, after its own axes; failing both, the leaf

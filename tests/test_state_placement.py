@@ -100,6 +100,15 @@ def test_stage_meshes_without_the_axis_keep_their_sharding():
     assert_same_values(state, tx.init(on_one_device(params)))
 
 
+def test_axes_that_shard_nothing_or_are_used_already_leave_the_leaf_as_its_parameter():
+    mesh = jax.make_mesh((1, 8), ("data", "fsdp"))  # data of size 1 shards nothing
+    spec = meshinit.param((16, 8), lecun(), axes=("fsdp", None), mesh=mesh)
+    params = meshinit.materialize(meshinit.plan({"w": spec}), 0)
+    for axes in ("data", "fsdp", ("data", "fsdp")):
+        state = meshinit.optax.init(optax.sgd(0.1, momentum=0.9), params, shard_over=axes)
+        assert jax.tree.leaves(state)[0].sharding == params["w"].sharding, axes
+
+
 def test_abstract_gives_exactly_the_shardings_init_gives():
     mesh, params = hsdp_params()
     tx = optax.adamw(1e-3)
