@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _caches
 from ._errors import Problem
 from ._format import describe_mesh, human_bytes
 from ._plan import MeshGroup, Plan, PlanEntry
@@ -126,14 +127,15 @@ def memory_problems(entries: Sequence[PlanEntry]) -> list[Problem]:
         if not stats or "bytes_limit" not in stats:
             continue
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        need = sum(e.device_bytes for e in es if e.memory_kind == "device")
+        need = sum(e.device_bytes for e in es if _in_device_memory(e, d))
         if need > free and (worst is None or need - free > worst[0]):
             worst = (need - free, d, need, free, es)
-    problems = _host_memory_problems(on_device)
+    offloaded = any(e.spec.memory_kind not in (None, "device") for e in entries)
+    problems = _host_memory_problems(on_device) if offloaded else []
     if worst is None:
         return problems
     _, d, need, free, es = worst
-    on_it = [e for e in es if e.memory_kind == "device"]
+    on_it = [e for e in es if _in_device_memory(e, d)]
     largest = sorted(on_it, key=lambda e: e.device_bytes, reverse=True)[:5]
     return [
         Problem(
@@ -148,6 +150,20 @@ def memory_problems(entries: Sequence[PlanEntry]) -> list[Problem]:
     ]
 
 
+def _in_device_memory(entry: PlanEntry, device: Any) -> bool:
+    """Whether ``entry`` lives in ``device``'s own memory: its default memory kind (named
+    ``"device"`` on CPU, GPU and TPU today)."""
+    return entry.memory_kind == "device" or entry.memory_kind == _default_kind(device)
+
+
+@_caches.memo(maxsize=1024)
+def _default_kind(device: Any) -> str:
+    try:
+        return device.default_memory().kind
+    except Exception:  # a backend without memory spaces: all of it is device memory
+        return "device"
+
+
 def host_available() -> int | None:
     """Bytes of physical memory the host has available now, where the OS says."""
     try:
@@ -157,7 +173,7 @@ def host_available() -> int | None:
 
 
 def _host_memory_problems(on_device: Mapping[Any, list[PlanEntry]]) -> list[Problem]:
-    hosted = [(d, e) for d, es in on_device.items() for e in es if e.memory_kind != "device"]
+    hosted = [(d, e) for d, es in on_device.items() for e in es if not _in_device_memory(e, d)]
     if not hosted:
         return []
     free = host_available()
