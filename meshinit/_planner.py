@@ -147,7 +147,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
             entries_, msgs = _partition(spec.shape, spec.axes, spec.rules, spec.mesh)
             mine += msgs
             if spec.memory_kind is not None:
-                bad_kind = _memory_kind_problem(spec.memory_kind, spec.mesh)
+                bad_kind = memory_kind_problem(spec.memory_kind, spec.mesh)
                 if bad_kind:
                     mine.append(bad_kind)
         fp = None
@@ -207,11 +207,12 @@ def memory_kinds(mesh: Mesh | AbstractMesh) -> tuple[str, ...] | None:
         return None
     local = jax.process_index()
     devices = mesh.devices.flat
-    device = next((d for d in devices if d.process_index == local), mesh.devices.flat[0])
+    device = next((d for d in devices if d.process_index == local), devices[0])
     return tuple(sorted({m.kind for m in device.addressable_memories()}))
 
 
-def _memory_kind_problem(kind: str, mesh: Mesh | AbstractMesh) -> str:
+def memory_kind_problem(kind: str, mesh: Mesh | AbstractMesh) -> str:
+    """What is wrong with placing in ``kind`` on ``mesh``, or ``""`` if nothing is."""
     offered = memory_kinds(mesh)
     if offered is None or kind in offered:
         return ""

@@ -59,9 +59,9 @@ def group_summary(
         f"  {n} param{'s' if n != 1 else ''}, {human_bytes(group.nbytes)} in all, "
         f"{human_bytes(group.device_bytes)} per device"
     ]
-    kinds = group.bytes_per_memory_kind
     if _has_memory_kinds(group):
-        per_kind = ", ".join(f"{human_bytes(b)} in {k}" for k, b in kinds.items())
+        kinds = group.bytes_per_memory_kind.items()
+        per_kind = ", ".join(f"{human_bytes(b)} in {k}" for k, b in kinds)
         lines.append(f"  per device by memory kind: {per_kind}")
     flagged = group.shardable_entries
     if not flagged:

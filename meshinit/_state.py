@@ -18,8 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _paths
 from ._errors import PlanError, Problem
-from ._format import describe_mesh
-from ._planner import memory_kinds
+from ._planner import memory_kind_problem
 from ._spec import axis_names
 
 
@@ -122,17 +121,8 @@ def check_placement(
         return
     if not isinstance(memory_kind, str):
         raise TypeError(f"memory_kind must be a memory kind's name or None, got {memory_kind!r}")
-    problems = []
-    for m in meshes:
-        offered = memory_kinds(m)
-        if offered is not None and memory_kind not in offered:
-            problems.append(
-                Problem(
-                    "",
-                    f"memory_kind {memory_kind!r} is not offered by the devices of "
-                    f"{describe_mesh(m)}; they offer {', '.join(map(repr, offered))}",
-                )
-            )
+    said = [memory_kind_problem(memory_kind, mesh) for mesh in meshes]
+    problems = [Problem("", text) for text in said if text]
     if problems:
         raise PlanError(problems, header="meshinit.optax cannot place the state there:")
 
