@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh
 
-from . import _caches, _options, _progress
+from . import _caches, _compat, _options, _progress
 from ._caches import LRUCache
 from ._format import describe_mesh
 from ._options import CPU_COMPILER_OPTIONS
@@ -135,7 +135,7 @@ def full_key(cache_key: Hashable) -> Hashable:
     """``cache_key`` with the global settings that change the compiled program."""
     return (
         cache_key,
-        jax.config.jax_threefry_partitionable,
+        _compat.value_config(),  # the flags that change the bits a program makes
         _options.current().compiler_options,  # None: meshinit's own, fixed per process
     )
 

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from . import _compile, _host, _jaxpr, _materialize, _progress, _strategies, _threefry
+from . import _compat, _compile, _host, _jaxpr, _materialize, _progress, _strategies, _threefry
 from ._caches import LRUCache
 from ._jaxpr import Lit
 from ._plan import MeshGroup, Plan, PlanEntry
@@ -88,6 +88,10 @@ def _cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> _Slice | _Fall
             continue
         seen.add(n)
         if n in consts or (n in host and (not recompute or n in dynamic)):
+            if n not in host and jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended):
+                return _Fallback(  # only threefry keys have host data to pass in
+                    f"it reads a {prog.avals[n].dtype} key made outside the factory"
+                )
             inputs.add(n)
             continue
         i = producer[n]
@@ -147,14 +151,17 @@ def _const_sharding(traced: Traced, n: int, entry: PlanEntry) -> NamedSharding |
 def _evaluator(traced: Traced, s: _Slice, key_impl: Any, straight: bool) -> Callable[..., Any]:
     """``s`` as a traceable function of its inputs' values (keys as their data)."""
     prog = traced.program
+    hash_p, wrap_p, seed_p = (
+        _compat.prim(n) for n in ("threefry2x32", "random_wrap", "random_seed")
+    )
 
     def bind(node: _jaxpr.Node, ins: list[Any]) -> Sequence[Any]:
-        name = node.primitive.name
-        if straight and name == "threefry2x32":
+        prim = node.primitive
+        if straight and prim is hash_p:
             return _threefry.threefry2x32(*ins)
-        if straight and name == "random_wrap" and _is_threefry(node.params["impl"]):
+        if straight and prim is wrap_p and _is_threefry(node.params["impl"]):
             return [jax.random.wrap_key_data(ins[0], impl=key_impl)]
-        if straight and name == "random_seed" and _is_threefry(node.params["impl"]):
+        if straight and prim is seed_p and _is_threefry(node.params["impl"]):
             return [jax.random.key(ins[0], impl=key_impl)]
         return _jaxpr.bind_node(node, ins)
 
@@ -218,7 +225,9 @@ def materialize(
             out = prog.outputs[j]
             if isinstance(out, Lit) or isinstance(traced.host.get(out), _host.HostKey):
                 value = out.value if isinstance(out, Lit) else traced.host[out].data
-                host.append((pos, np.broadcast_to(np.asarray(value), entry.spec.shape)))
+                # in the variable's own dtype: a Python int literal is not an int64
+                value = np.asarray(value, dtype=entry.spec.dtype)
+                host.append((pos, np.broadcast_to(value, entry.spec.shape)))
                 continue
             if out in prog.consts:
                 consts.append((pos, prog.consts[out]))
@@ -228,7 +237,13 @@ def materialize(
                 fallback.append((pos, j))
                 fallen.append((entry.path, s.reason))
                 continue
-            signature = (s.digest, entry.spec.shape, entry.spec.dtype, tuple(entry.sharding.spec))
+            signature = (
+                s.digest,
+                entry.spec.shape,
+                entry.spec.dtype,
+                tuple(entry.sharding.spec),
+                entry.sharding.memory_kind,  # where it is made: part of the program
+            )
             sliced.append(dataclasses.replace(entry, signature=signature))
             positions.append(pos)
             slices.append(s)

@@ -21,9 +21,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.random import threefry_prng_impl
 
-from . import _caches, _jaxpr
+from . import _caches, _compat, _jaxpr, _paths
 from ._paths import SHARDING_INVARIANT_IMPL, threefry_rounds
 
 
@@ -44,7 +43,8 @@ _FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
 
 def _exact_float(dtype: Any) -> None:
-    if np.dtype(dtype).kind == "f" and np.dtype(dtype) not in _FLOATS:
+    # bf16 and the float8 types are numpy kind "V", complex "c": not kind "f"
+    if jax.dtypes.issubdtype(dtype, np.inexact) and np.dtype(dtype) not in _FLOATS:
         raise NotHost(f"{dtype} arithmetic")  # numpy rounds bf16/f16 ops differently
 
 
@@ -53,7 +53,7 @@ def _elementwise(fn: Callable[..., Any], floats: bool = True) -> Callable[..., A
         if node.params.get("out_dtype") is not None or node.params.get("accuracy") is not None:
             raise NotHost(f"{node.primitive.name} with out_dtype or accuracy")
         dtype = np.dtype(_out_aval(node).dtype)
-        if dtype.kind == "f":
+        if jax.dtypes.issubdtype(dtype, np.inexact):  # bf16, float8 (kind "V"), complex
             if not floats:
                 raise NotHost(node.primitive.name)
             _exact_float(dtype)
@@ -68,24 +68,28 @@ def _out_aval(node: _jaxpr.Node) -> Any:
 
 
 def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    if np.dtype(a.dtype).kind == "f":
-        return a / b
+    if np.dtype(a.dtype).kind not in "iu":
+        raise NotHost(f"{a.dtype} division")  # floats, and int4/int2 (kind "V")
     if np.any(b == 0):
         raise NotHost("integer division by zero")
-    q = np.abs(a) // np.abs(b)
-    return np.where((a < 0) != (b < 0), -q, q).astype(a.dtype)
+    # XLA rounds toward zero and numpy's // toward -inf; they agree on a - fmod(a, b),
+    # a multiple of b. (np.abs(INT_MIN) is INT_MIN, so dividing magnitudes is wrong
+    # there.) INT_MIN // -1 wraps to INT_MIN, as XLA's division does.
+    return ((a - np.fmod(a, b)) // b).astype(a.dtype)
 
 
 def _int_rem(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    if np.dtype(a.dtype).kind == "f" or np.any(b == 0):
+    if np.dtype(a.dtype).kind not in "iu" or np.any(b == 0):
         raise NotHost("rem")
-    return (a - _int_div(a, b) * b).astype(a.dtype)
+    return np.fmod(a, b).astype(a.dtype)  # XLA's remainder takes the dividend's sign
 
 
 def _shift(kind: str) -> Callable[..., Any]:
     """XLA's shifts: an amount outside [0, bits) gives 0, or the sign for arithmetic."""
 
     def shifted(a: np.ndarray, s: np.ndarray) -> np.ndarray:
+        if np.dtype(a.dtype).kind not in "iu":
+            raise NotHost(f"shift of {a.dtype}")  # int4/int2: 4 or 2 bits in a byte
         a, s = np.broadcast_arrays(a, s)
         bits = a.dtype.itemsize * 8
         unsigned = np.dtype(f"u{a.dtype.itemsize}")
@@ -98,9 +102,13 @@ def _shift(kind: str) -> Callable[..., Any]:
         if kind == "logical":
             out = (a.view(unsigned) >> safe).view(a.dtype)
             return np.where(inside, out, 0).astype(a.dtype)
-        out = a >> safe.astype(a.dtype)  # numpy's >> is arithmetic on signed types
-        sign = np.where(a < 0, -1, 0).astype(a.dtype)
-        return np.where(inside, out, sign).astype(a.dtype)
+        # XLA shifts the bits arithmetically whatever the type (uint8 0xFE >> 1 is
+        # 0xFF), and numpy's >> is arithmetic on signed types: shift the signed view.
+        signed = np.dtype(f"i{a.dtype.itemsize}")
+        v = a.view(signed)
+        out = v >> safe.astype(signed)
+        sign = np.where(v < 0, -1, 0).astype(signed)
+        return np.where(inside, out, sign).astype(signed).view(a.dtype)
 
     return shifted
 
@@ -110,6 +118,27 @@ def _integer(fn: Callable[..., Any]) -> Callable[..., Any]:
     # add into one fused multiply-add inside a jitted initializer (jax.random.uniform),
     # and numpy's two roundings would differ from it, by thousands of ulp near zero.
     return _elementwise(fn, floats=False)
+
+
+def _subnormal(x: np.ndarray) -> bool:
+    """Whether float ``x`` holds a subnormal number, on which jax has no one answer:
+    XLA's compiled CPU code treats them as zero (1e-45 > 0 is false there, and f32
+    1e-45 converts to f64 0), while its constant folder and numpy do not."""
+    if not jax.dtypes.issubdtype(x.dtype, np.floating):
+        return False
+    magnitude = np.abs(x)
+    tiny = jax.dtypes.finfo(x.dtype).smallest_normal
+    return bool(np.any((magnitude < tiny) & (magnitude != 0)))
+
+
+def _compare(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def rule(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+        for x in ins:
+            if jax.dtypes.issubdtype(x.dtype, np.complexfloating) or _subnormal(x):
+                raise NotHost(f"{node.primitive.name} of a subnormal or complex number")
+        return [fn(*ins)]
+
+    return rule
 
 
 _RULES: dict[str, Callable[[_jaxpr.Node, list[Any]], list[Any]]] = {
@@ -130,12 +159,12 @@ _RULES: dict[str, Callable[[_jaxpr.Node, list[Any]], list[Any]]] = {
     "shift_left": _elementwise(_shift("left"), floats=False),
     "shift_right_arithmetic": _elementwise(_shift("arithmetic"), floats=False),
     "shift_right_logical": _elementwise(_shift("logical"), floats=False),
-    "eq": lambda n, i: [np.equal(*i)],
-    "ne": lambda n, i: [np.not_equal(*i)],
-    "lt": lambda n, i: [np.less(*i)],
-    "le": lambda n, i: [np.less_equal(*i)],
-    "gt": lambda n, i: [np.greater(*i)],
-    "ge": lambda n, i: [np.greater_equal(*i)],
+    "eq": _compare(np.equal),
+    "ne": _compare(np.not_equal),
+    "lt": _compare(np.less),
+    "le": _compare(np.less_equal),
+    "gt": _compare(np.greater),
+    "ge": _compare(np.greater_equal),
 }
 
 
@@ -150,10 +179,31 @@ def _rule(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 @_rule("convert_element_type")
 def _convert(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     (x,) = ins
-    new = np.dtype(node.params["new_dtype"])
-    if x.dtype.kind == "f" and new.kind in "iub":
+    old, new = np.dtype(x.dtype), np.dtype(node.params["new_dtype"])
+    floating = jax.dtypes.issubdtype  # bf16 and float8 are numpy kind "V", not "f"
+    if old == new:
+        return [x.copy()]  # a weak type made strong: the same bits
+    if floating(old, np.complexfloating) or floating(new, np.complexfloating):
+        raise NotHost("complex conversion")
+    if not floating(old, np.floating):
+        narrow = floating(new, np.floating) and new not in _FLOATS
+        if narrow and np.any(np.abs(x.astype(np.float64)) > 2**24):
+            # XLA converts an integer to bf16 through f32, rounding twice (int32
+            # 2**24 + 2**16 + 1 is bf16 16777216 in XLA, 16908288 in ml_dtypes)
+            raise NotHost("large integer to a narrow float")
+        return [x.astype(new)]
+    if not floating(new, np.floating):
         raise NotHost("float to integer conversion")  # numpy and XLA saturate differently
-    return [x.astype(new)]
+    if np.any(np.isnan(x)):
+        # XLA quiets signalling NaNs and gives float8 types their one NaN (no sign, no
+        # payload); numpy and ml_dtypes keep sign and payload bits
+        raise NotHost("NaN conversion")
+    if old == np.float64 and new not in _FLOATS:
+        raise NotHost("f64 to a narrow float")  # XLA rounds through f32, twice
+    out = x.astype(new)
+    if _subnormal(x) or _subnormal(out):
+        raise NotHost("subnormal conversion")  # XLA's CPU code flushes them to zero
+    return [out]
 
 
 @_rule("bitcast_convert_type")
@@ -185,11 +235,6 @@ def _reshape(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 @_rule("squeeze")
 def _squeeze(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     return [np.squeeze(ins[0], axis=tuple(node.params["dimensions"]))]
-
-
-@_rule("expand_dims")
-def _expand_dims(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    return [np.expand_dims(ins[0], tuple(node.params["dimensions"]))]
 
 
 @_rule("transpose")
@@ -224,6 +269,12 @@ def _split(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     return list(np.split(ins[0], np.cumsum(sizes)[:-1], axis=axis))
 
 
+@_rule("unstack")
+def _unstack(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+    moved = np.moveaxis(ins[0], node.params["axis"], 0)
+    return [part.copy() for part in moved]
+
+
 @_rule("iota")
 def _iota(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     p = node.params
@@ -239,7 +290,11 @@ def _iota(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 @_rule("select_n")
 def _select_n(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     which, *cases = ins
-    return [np.choose(which.astype(np.int32), cases)]
+    index = np.asarray(which).astype(np.int32)
+    if len(cases) > 32 or np.any(index < 0) or np.any(index >= len(cases)):
+        # jax leaves an out-of-range case undefined (np.choose would raise ValueError)
+        raise NotHost("select_n with an out-of-range case")
+    return [np.choose(index, cases)]
 
 
 @_rule("copy")
@@ -247,8 +302,8 @@ def _copy(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     return [ins[0]]
 
 
-_RULES["copy_p"] = _copy
-for _name in _jaxpr.IDENTITY:
+_PLACEMENT = ("sharding_constraint", "device_put", "reshard", "pvary")  # _jaxpr.identity()
+for _name in _PLACEMENT:
     _RULES[_name] = lambda node, ins: list(ins)
 
 
@@ -267,8 +322,8 @@ def _threefry(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 
 
 def _threefry_impl(impl: Any) -> None:
-    if getattr(impl, "name", None) != SHARDING_INVARIANT_IMPL:
-        raise NotHost(f"key implementation {getattr(impl, 'name', impl)!r}")
+    if _compat.impl_name(impl) != SHARDING_INVARIANT_IMPL:
+        raise NotHost(f"key implementation {_compat.impl_name(impl)!r}")
 
 
 @_rule("random_wrap")
@@ -289,9 +344,11 @@ def _key(x: Any) -> HostKey:
 
 
 @_caches.memo(maxsize=256)
-def _impl_program(op: str, batch: tuple[int, ...], arg_shapes: tuple[Any, ...], static: Any):
+def _impl_program(
+    op: str, batch: tuple[int, ...], arg_shapes: tuple[Any, ...], static: Any, config: Any
+):
     """jax's threefry function ``op``, vmapped over ``batch``, as a flat program."""
-    impl = threefry_prng_impl
+    impl = _compat.THREEFRY_IMPL
     fns = {
         "seed": lambda s: impl.seed(s),
         "fold_in": lambda k, m: impl.fold_in(k, m),
@@ -306,7 +363,9 @@ def _impl_program(op: str, batch: tuple[int, ...], arg_shapes: tuple[Any, ...], 
 
 
 def _run_impl(op: str, batch: tuple[int, ...], args: list[np.ndarray], static: Any = None):
-    prog = _impl_program(op, batch, tuple((a.shape, a.dtype) for a in args), static)
+    shapes = tuple((a.shape, a.dtype) for a in args)
+    # traced anew when the configuration changes jax's threefry (partitionable counters)
+    prog = _impl_program(op, batch, shapes, static, _compat.value_config())
     env = dict(zip(prog.inputs, args, strict=True))
     env.update(prog.consts)
     evaluate(prog, range(len(prog.nodes)), env)
@@ -321,28 +380,6 @@ def _random_seed(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     return [HostKey(_run_impl("seed", seeds.shape, [seeds]))]
 
 
-_MASK = 0xFFFFFFFF
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-
-
-def threefry_ints(k1: int, k2: int, x1: int, x2: int) -> tuple[int, int]:
-    """jax's Threefry-2x32 hash of one counter pair, on Python ints (uint32 values).
-
-    The rounds of :func:`meshinit._paths.threefry_rounds`, masked to 32 bits by hand
-    (a test compares the two).
-    """
-    ks = (k1, k2, k1 ^ k2 ^ 0x1BD11BDA)
-    a, b = (x1 + k1) & _MASK, (x2 + k2) & _MASK
-    for block in range(5):
-        for r in _ROTATIONS[block % 2]:
-            a = (a + b) & _MASK
-            b = ((b << r) & _MASK) | (b >> (32 - r))
-            b ^= a
-        a = (a + ks[(block + 1) % 3]) & _MASK
-        b = (b + ks[(block + 2) % 3] + block + 1) & _MASK
-    return a, b
-
-
 @_rule("random_fold_in")
 def _random_fold_in(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     key, msgs = _key(ins[0]), np.asarray(ins[1])
@@ -351,7 +388,7 @@ def _random_fold_in(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     if msgs.dtype == np.uint32 and batch == ():
         # one key (nnx.Rngs folds once per draw): the hash on Python ints, 20x faster
         # than numpy's scalar arithmetic
-        h1, h2 = threefry_ints(int(data[0]), int(data[1]), 0, int(msgs))
+        h1, h2 = _paths.threefry_ints(int(data[0]), int(data[1]), 0, int(msgs))
         return [HostKey(np.array([h1, h2], np.uint32))]
     if msgs.dtype == np.uint32:
         # jax's threefry fold_in hashes the count (0, msg) with the key: the hash
@@ -378,10 +415,10 @@ def _random_bits(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     return [_run_impl("random_bits", key.data.shape[:-1], [key.data], static)]
 
 
-def _on_key_data(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
+def _on_key_data(node: _jaxpr.Node, ins: list[Any], name: str) -> list[Any]:
     """A structural equation on keys: the same equation on their data, whose trailing
     dimension (the key's two words) comes along untouched."""
-    name, p = node.primitive.name, dict(node.params)
+    p = dict(node.params)
     data = [x.data if isinstance(x, HostKey) else x for x in ins]
     ndim = data[0].ndim - 1
     if name == "slice":
@@ -397,18 +434,30 @@ def _on_key_data(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
         p["permutation"] = (*p["permutation"], ndim)
     elif name == "select_n":
         data[0] = np.asarray(data[0])[..., None]
-    elif name not in ("squeeze", "expand_dims", "concatenate", "copy", "copy_p", *_jaxpr.IDENTITY):
+    elif name not in ("squeeze", "concatenate", "copy", "unstack", *_PLACEMENT):
         raise NotHost(f"{name} on keys")
     moved = _jaxpr.Node(node.primitive, p, node.ins, node.outs, node.effects)
     return [HostKey(np.asarray(out, np.uint32)) for out in _RULES[name](moved, data)]
 
 
+@_caches.memo(maxsize=1)
+def _by_primitive() -> dict[Any, tuple[str, Callable[..., Any]]]:
+    """The rules by the installed jax's primitive objects (:mod:`meshinit._compat`)."""
+    table = {}
+    for name, rule in _RULES.items():
+        primitive = _compat.prim(name)
+        if primitive is not None:
+            table[primitive] = (name, rule)
+    return table
+
+
 def _bind(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    rule = _RULES.get(node.primitive.name)
-    if rule is None or node.effects:
+    hit = _by_primitive().get(node.primitive)
+    if hit is None or node.effects:
         raise NotHost(node.primitive.name)
-    if node.primitive.name not in _KEY_RULES and any(isinstance(x, HostKey) for x in ins):
-        return _on_key_data(node, ins)
+    name, rule = hit
+    if name not in _KEY_RULES and any(isinstance(x, HostKey) for x in ins):
+        return _on_key_data(node, ins, name)
     return rule(node, ins)
 
 
@@ -437,7 +486,8 @@ def _operand(x: Any, env: dict[int, Any]) -> Any:
 
 
 def _with_aval(node: _jaxpr.Node, prog: _jaxpr.Program) -> _jaxpr.Node:
-    reads = getattr(_RULES.get(node.primitive.name), "reads_aval", False)
+    hit = _by_primitive().get(node.primitive)
+    reads = hit is not None and getattr(hit[1], "reads_aval", False)
     if not reads or not node.outs or node.outs[0] < 0:
         return node
     params = {**node.params, "_aval": prog.avals[node.outs[0]]}
@@ -469,7 +519,7 @@ def as_host(value: Any, aval: Any) -> Any:
 
 def is_host(node: _jaxpr.Node) -> bool:
     """Whether ``node``'s primitive has a host rule at all (it may still refuse)."""
-    return node.primitive.name in _RULES and not node.effects
+    return node.primitive in _by_primitive() and not node.effects
 
 
 def quiet() -> Any:

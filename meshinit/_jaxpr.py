@@ -21,23 +21,34 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core
-from jax.extend.random import threefry_prng_impl
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-PRNGImpl = type(threefry_prng_impl)  # jax's key implementations; not exported by name
+from . import _caches, _compat
+from ._compat import PRNGImpl
 
-# Calls whose body is the whole of their forward meaning: inlined.
-_INLINE = {
+# Calls whose body is the whole of their forward meaning, inlined: the parameter that
+# holds the body, by primitive (jax.checkpoint's prints as ``remat2``).
+_INLINE_PARAMS = {
     "jit": "jaxpr",
-    "pjit": "jaxpr",
     "closed_call": "call_jaxpr",
     "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "checkpoint": "jaxpr",
     "remat": "jaxpr",
 }
+
+
+@_caches.memo(maxsize=1)
+def _inline() -> dict[Any, str]:
+    return {p: k for n, k in _INLINE_PARAMS.items() if (p := _compat.prim(n)) is not None}
+
+
+def is_identity(node: Node) -> bool:
+    """Whether ``node`` only constrains or moves a value (:func:`_compat.placement_only`):
+    the same value, placed by whoever places the output. Inside a group's program it
+    would pin values to the meshes of other groups (or to a context mesh), so it is
+    evaluated as the identity."""
+    return _compat.placement_only(node.primitive)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,7 +115,7 @@ class Program:
     producer: dict[int, int]
 
 
-def flatten(closed: core.ClosedJaxpr) -> Program:
+def flatten(closed: Any) -> Program:
     """The program of ``closed``, with every call of :data:`_INLINE` inlined."""
     prog = Program([], [], {}, [], [], {})
     # Per equation and per literal of ``closed`` (alive throughout, so ids are unique),
@@ -113,10 +124,11 @@ def flatten(closed: core.ClosedJaxpr) -> Program:
     kinds: dict[int, tuple[Any, bool]] = {}
     lits: dict[int, Lit] = {}
     avals, nodes, producer, consts_of = prog.avals, prog.nodes, prog.producer, prog.consts
-    Literal, DropVar = core.Literal, core.DropVar
+    Literal, DropVar = _compat.Literal, _compat.DropVar
+    inline = _inline()
 
     def kind(eqn: Any) -> tuple[Any, bool]:
-        inner = _INLINE.get(eqn.primitive.name)
+        inner = inline.get(eqn.primitive)
         body = eqn.params.get(inner) if inner else None
         if body is not None:
             return body, False
@@ -128,7 +140,7 @@ def flatten(closed: core.ClosedJaxpr) -> Program:
             hit = lits[id(v)] = Lit(v.val, v.aval)
         return hit
 
-    def walk(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[int | Lit]) -> list:
+    def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[int | Lit]) -> list:
         env: dict[Any, int | Lit] = {}
         for var, value in zip(jaxpr.constvars, consts, strict=True):
             env[var] = n = len(avals)
@@ -142,10 +154,7 @@ def flatten(closed: core.ClosedJaxpr) -> Program:
                 known = kinds[id(eqn)] = kind(eqn)
             body, control = known
             if body is not None:
-                if isinstance(body, core.ClosedJaxpr):
-                    outs = walk(body.jaxpr, body.consts, ins)
-                else:
-                    outs = walk(body, (), ins)
+                outs = walk(*_compat.open_and_consts(body), ins)
                 for v, out in zip(eqn.outvars, outs, strict=True):
                     if type(v) is not DropVar:
                         env[v] = out
@@ -166,24 +175,19 @@ def flatten(closed: core.ClosedJaxpr) -> Program:
             )
         return [lit(v) if type(v) is Literal else env[v] for v in jaxpr.outvars]
 
-    prog.inputs = list(range(len(closed.jaxpr.invars)))
-    avals.extend(v.aval for v in closed.jaxpr.invars)
-    prog.outputs = walk(closed.jaxpr, closed.consts, prog.inputs)
+    top, top_consts = _compat.open_and_consts(closed)
+    prog.inputs = list(range(len(top.invars)))
+    avals.extend(v.aval for v in top.invars)
+    prog.outputs = walk(top, top_consts, prog.inputs)
     walk = None  # noqa: F841  (a recursive closure is a cycle: break it, so that the
     # program is freed by reference counting, not by the next collection)
     return prog
 
 
 def _holds_jaxpr(p: Any) -> bool:
-    if isinstance(p, core.ClosedJaxpr | core.Jaxpr):
+    if _compat.is_jaxpr(p):
         return True
     return isinstance(p, tuple | list) and any(_holds_jaxpr(q) for q in p)
-
-
-# Equations that only constrain or move a value: the same value, placed by whoever
-# places the output. Inside a group's program they would pin values to the meshes of
-# other groups (or to a context mesh), so they are evaluated as the identity.
-IDENTITY = frozenset({"sharding_constraint", "mesh_cast", "reshard", "device_put", "pvary"})
 
 
 def evaluate(
@@ -213,20 +217,18 @@ def evaluate(
 
 
 def bind_node(node: Node, ins: list[Any]) -> Sequence[Any]:
-    """``node``'s primitive bound to ``ins``; the identity for :data:`IDENTITY`."""
-    if node.primitive.name in IDENTITY and len(ins) == len(node.outs):
+    """``node``'s primitive bound to ``ins``; the identity for :func:`is_identity`."""
+    if len(ins) == len(node.outs) and is_identity(node):
         return ins
     return bind_as_traced(node, ins)
 
 
 def bind_as_traced(node: Node, ins: list[Any]) -> Sequence[Any]:
     """``node``'s primitive bound to ``ins``, whatever it is."""
-    prim = node.primitive
-    out = prim.bind(*ins, **prim.get_bind_params(node.params))
-    return out if prim.multiple_results else [out]
+    return _compat.bind(node.primitive, ins, node.params)
 
 
-def run(closed: core.ClosedJaxpr, args: Sequence[Any], bind: Callable[..., Any]) -> list[Any]:
+def run(closed: Any, args: Sequence[Any], bind: Callable[..., Any]) -> list[Any]:
     """``closed`` evaluated on ``args``, each equation (calls inlined) by ``bind``."""
     prog = flatten(closed)
     env = dict(prog.consts)
@@ -235,7 +237,7 @@ def run(closed: core.ClosedJaxpr, args: Sequence[Any], bind: Callable[..., Any])
     return [x.value if isinstance(x, Lit) else env[x] for x in prog.outputs]
 
 
-def reads(closed: core.ClosedJaxpr) -> list[frozenset[int]]:
+def reads(closed: Any) -> list[frozenset[int]]:
     """For each output of ``closed``, the positions of the inputs its value reads.
 
     An equation's outputs read everything its inputs read, so the answer may say too
@@ -261,14 +263,18 @@ def _canon(x: Any, memo: dict[Any, Any]) -> Any:
     if x is None or isinstance(x, bool | int | float | complex | str | bytes):
         return (type(x).__name__, x)
     if isinstance(x, PRNGImpl):
-        return ("prng", x.name, x.tag)
-    if isinstance(x, core.ClosedJaxpr):
-        return ("closed", _canon(x.jaxpr, memo), tuple(_canon_const(c) for c in x.consts))
-    if isinstance(x, core.Jaxpr):
+        return ("prng", x.name, x.tag, tuple(x.key_shape))
+    if _compat.is_jaxpr(x):
         hit = memo.get(id(x))
-        if hit is None:
-            hit = memo[id(x)] = (x, _canon_jaxpr(x, memo))  # x kept: its id stays unique
+        if hit is None:  # x kept in the memo: its id stays unique
+            body, consts = _compat.open_and_consts(x)
+            described = (_canon_jaxpr(body, memo), tuple(_canon_const(c) for c in consts))
+            hit = memo[id(x)] = (x, ("jaxpr", *described))
         return hit[1]
+    if isinstance(x, Mesh | AbstractMesh):
+        return _canon_mesh(x)
+    if isinstance(x, NamedSharding):
+        return ("named", _canon_mesh(x.mesh), repr(x.spec), x.memory_kind)
     if isinstance(x, tuple | list):
         return (type(x).__name__, tuple(_canon(y, memo) for y in x))
     if isinstance(x, dict):
@@ -280,10 +286,21 @@ def _canon(x: Any, memo: dict[Any, Any]) -> Any:
     if callable(x) and not isinstance(x, type):
         raise Unfingerprintable(f"{type(x).__name__} {getattr(x, '__name__', x)!r}")
     try:
-        hash(x)
+        h = hash(x)
     except TypeError:
         raise Unfingerprintable(type(x).__name__) from None
-    return (type(x).__name__, repr(x))
+    # repr alone may say less than equality does; equal objects hash alike, so the hash
+    # never splits what is equal (this process's caches only: str hashes are salted)
+    return (type(x).__qualname__, repr(x), h)
+
+
+def _canon_mesh(mesh: Any) -> Any:
+    """A mesh by its structure: axes, sizes, types and (for a concrete mesh) devices."""
+    devices = None
+    if isinstance(mesh, Mesh):
+        devices = tuple(int(d.id) for d in mesh.devices.flat)
+    types = tuple(str(t) for t in getattr(mesh, "axis_types", ()) or ())
+    return ("mesh", tuple(mesh.axis_names), tuple(mesh.axis_sizes), types, devices)
 
 
 def _is_dtype(x: Any) -> bool:
@@ -294,26 +311,26 @@ def _is_dtype(x: Any) -> bool:
 
 
 def _canon_const(c: Any) -> Any:
-    a = np.asarray(c) if not jax.dtypes.issubdtype(np.result_type(c), jax.dtypes.extended) else c
-    if isinstance(a, np.ndarray):
-        return (
-            "const",
-            str(a.dtype),
-            a.shape,
-            hashlib.blake2b(a.tobytes(), digest_size=16).digest(),
-        )
-    raise Unfingerprintable("an extended-dtype constant")
+    """A constant by its dtype, shape and bytes; a key array by its implementation and
+    its key data."""
+    if isinstance(c, jax.Array) and jax.dtypes.issubdtype(c.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(c)
+        return ("key", _canon(impl, {}), _canon_const(jax.random.key_data(c)))
+    if jax.dtypes.issubdtype(np.result_type(c), jax.dtypes.extended):
+        raise Unfingerprintable("an extended-dtype constant")
+    a = np.asarray(c)
+    return ("const", str(a.dtype), a.shape, hashlib.blake2b(a.tobytes(), digest_size=16).digest())
 
 
 def _canon_aval(aval: Any) -> Any:
     return (str(aval.dtype), tuple(aval.shape), bool(getattr(aval, "weak_type", False)))
 
 
-def _canon_jaxpr(jaxpr: core.Jaxpr, memo: dict[Any, Any]) -> Any:
+def _canon_jaxpr(jaxpr: Any, memo: dict[Any, Any]) -> Any:
     names: dict[Any, int] = {}
 
     def ref(v: Any) -> Any:
-        if isinstance(v, core.Literal):
+        if isinstance(v, _compat.Literal):
             return ("lit", _canon_aval(v.aval), _canon_const(v.val))
         return names.setdefault(v, len(names))
 
@@ -324,9 +341,20 @@ def _canon_jaxpr(jaxpr: core.Jaxpr, memo: dict[Any, Any]) -> Any:
         outs = tuple(_canon_aval(v.aval) for v in e.outvars)
         for v in e.outvars:
             ref(v)
-        params = tuple(sorted((k, _canon(p, memo)) for k, p in e.params.items()))
-        eqns.append((e.primitive.name, params, ins, outs))
-    return ("jaxpr", header, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars))
+        prim = e.primitive
+        eqns.append((prim.name, id(prim), _canon_params(prim, e.params, memo), ins, outs))
+    return ("body", header, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars))
+
+
+def _canon_params(primitive: Any, params: dict[str, Any], memo: dict[Any, Any]) -> Any:
+    """An equation's parameters, described. A call that :func:`flatten` inlines is
+    described by its body alone: its other parameters are its derivative rules
+    (``custom_jvp``'s ``jvp_jaxpr_fun``, Python callables), which a forward evaluation
+    never runs."""
+    body = _inline().get(primitive)
+    if body is not None and body in params:
+        return (("body", _canon(params[body], memo)),)
+    return tuple(sorted((k, _canon(p, memo)) for k, p in params.items()))
 
 
 def fingerprint(
@@ -335,8 +363,10 @@ def fingerprint(
     """A digest of the computation ``nodes`` make of ``inputs`` up to ``out``.
 
     Structural: primitives, parameters (nested jaxprs included), shapes, dtypes and
-    literal values, never Python identity; two slices with equal digests compute the
-    same function of their inputs.
+    every literal operand's value, never Python identity; two slices with equal digests
+    compute the same function of their inputs. Literals are described where they are
+    read, per equation copy: the inlined copies of one jitted helper share their
+    equations but not the scalars their callers pass in.
 
     Raises:
       Unfingerprintable: a parameter is a Python callable.
@@ -346,19 +376,25 @@ def fingerprint(
     all_nodes = prog.nodes
     for i in nodes:
         node = all_nodes[i]
-        ins = tuple([-1 if type(x) is Lit else names[x] for x in node.ins])
+        ins = tuple([_lit_key(x, memo) if type(x) is Lit else names[x] for x in node.ins])
         for n in node.outs:
             if n >= 0:
                 names[n] = len(names)
-        source = node.source
-        hit = memo.get(id(source)) if source is not None else None
-        parts.append((hit[1] if hit is not None else _node_key(node, prog, memo), ins))
-    parts.append(("lit", _canon_const(out.value)) if isinstance(out, Lit) else names[out])
+        parts.append((_node_key(node, prog, memo), ins))
+    parts.append(_lit_key(out, memo) if isinstance(out, Lit) else names[out])
     whole = ("slice", tuple(parts))  # equal tuples, equal digests: one repr per structure
     digest = memo.get(whole)
     if digest is None:
         digest = memo[whole] = hashlib.blake2b(repr(whole[1]).encode(), digest_size=16).hexdigest()
     return digest
+
+
+def _lit_key(x: Lit, memo: dict[Any, Any]) -> Any:
+    """A literal operand's value and abstract value (memoized per Lit, kept alive)."""
+    hit = memo.get(id(x))
+    if hit is None:
+        hit = memo[id(x)] = (x, ("lit", _canon_aval(x.aval), _canon_const(x.value)))
+    return hit[1]
 
 
 def _aval_key(aval: Any, memo: dict[Any, Any]) -> Any:
@@ -369,20 +405,16 @@ def _aval_key(aval: Any, memo: dict[Any, Any]) -> Any:
 
 
 def _node_key(node: Node, prog: Program, memo: dict[Any, Any]) -> str:
-    """What one equation computes, apart from which values it reads: its primitive,
-    parameters, literal operands and output avals. Memoized per source equation, which
-    every inlined copy of one jitted initializer shares."""
+    """What one equation computes, apart from its operands: its primitive, parameters
+    and output avals. Memoized per source equation, which every inlined copy of one
+    jitted initializer shares; operands, literals included, are the caller's part."""
     source = node.source if node.source is not None else node
     hit = memo.get(id(source))
     if hit is None:
-        lits = tuple(
-            ("lit", k, _canon_aval(x.aval), _canon_const(x.value))
-            for k, x in enumerate(node.ins)
-            if isinstance(x, Lit)
-        )
         outs = tuple(_aval_key(prog.avals[n], memo) if n >= 0 else None for n in node.outs)
-        params = tuple(sorted((k, _canon(p, memo)) for k, p in node.params.items()))
-        described = ("node", node.primitive.name, params, lits, outs)
+        params = _canon_params(node.primitive, node.params, memo)
+        # the primitive by name and object: two primitives may share a name
+        described = ("node", node.primitive.name, id(node.primitive), params, outs)
         key = memo.get(described)  # the same equation elsewhere (another layer's copy)
         if key is None:
             text = repr(described[1:]).encode()

@@ -25,18 +25,6 @@ def is_key(value: Any) -> bool:
     return jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key)
 
 
-def key_impl(aval: Any) -> Any:
-    """The implementation of an abstract key, read while tracing it."""
-    found = []
-
-    def read(key):
-        found.append(jax.random.key_impl(key))
-        return key
-
-    jax.eval_shape(read, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
-    return found[0]
-
-
 def has_sharding(meta: dict[str, Any]) -> bool:
     """Whether flax metadata names a sharding; the empty ``P()`` counts (replicated)."""
     return any(meta.get(k) is not None for k in ("out_sharding", "sharding", "sharding_names"))

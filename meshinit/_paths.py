@@ -71,6 +71,27 @@ def threefry_rounds(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[Any, Any]:
     return x[0], x[1]
 
 
+_MASK = 0xFFFFFFFF
+
+
+def threefry_ints(k1: int, k2: int, x1: int, x2: int) -> tuple[int, int]:
+    """jax's Threefry-2x32 hash of one counter pair, on Python ints (uint32 values).
+
+    The rounds of :func:`threefry_rounds`, masked to 32 bits by hand
+    (a test compares the two).
+    """
+    ks = (k1, k2, k1 ^ k2 ^ 0x1BD11BDA)
+    a, b = (x1 + k1) & _MASK, (x2 + k2) & _MASK
+    for block in range(5):
+        for r in _ROTATIONS[block % 2]:
+            a = (a + b) & _MASK
+            b = ((b << r) & _MASK) | (b >> (32 - r))
+            b ^= a
+        a = (a + ks[(block + 1) % 3]) & _MASK
+        b = (b + ks[(block + 2) % 3] + block + 1) & _MASK
+    return a, b
+
+
 def fold_digests(key_data: np.ndarray, digests: np.ndarray) -> np.ndarray:
     """Host twin of :func:`fold_digest` for many digests at once: threefry key data.
 

@@ -10,7 +10,6 @@ allocated; the plan previews stop here.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import gc
 import math
@@ -21,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compile, _host, _jaxpr
+from . import _compat, _compile, _host, _jaxpr
 from ._jaxpr import Lit, Program
 
 SMALL_BYTES = 1 << 14
@@ -95,39 +94,16 @@ def paused_gc() -> Iterator[None]:
                 gc.enable()
 
 
-_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("meshinit_tracing", default=False)
-_quiet_installed = False
+_NEEDS_CONCRETE = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
 
 
-def _install_quiet_origin_messages() -> None:
-    """While meshinit traces a constructor, jax's tracers skip their origin message.
-
-    ``nnx.Rngs`` compares ``getattr(count, "sharding", None)`` on every draw; on a
-    tracer that raises an AttributeError whose message jax builds by walking every
-    equation traced so far, so tracing a constructor is quadratic in its size (1.1-1.4
-    s of a 32-layer trace, guide). One wrapper, installed once, returns an empty
-    origin message while :data:`_TRACING` is set in this context and defers to jax's
-    own method everywhere else, so no other code or thread sees a difference. Where
-    jax has no such method (another version), nothing is installed.
-    """
-    global _quiet_installed
-    if _quiet_installed:
-        return
-    _quiet_installed = True
-    # The tracer class, found through the public API (no private import).
-    seen: list[type] = []
-    jax.make_jaxpr(lambda x: seen.append(type(x)) or x)(np.float32(0))
-    tracer_class = seen[0]
-    original = tracer_class.__dict__.get("_origin_msg")
-    if original is None:  # another jax: nothing to quieten, nothing installed
-        return
-
-    def _origin_msg(self: Any) -> str:
-        if _TRACING.get():
-            return ""
-        return original(self)
-
-    tracer_class._origin_msg = _origin_msg  # type: ignore[attr-defined]
+class NeedsConcreteValue(TypeError):
+    """The constructor needs a concrete value of something it computes (a TypeError,
+    as jax's ConcretizationTypeError is)."""
 
 
 def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -> Traced:
@@ -146,16 +122,24 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
     Returns:
       The :class:`Traced` constructor.
     """
-    structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in args]
+    # as jax.jit takes numpy arguments: float64 is float32 unless x64 is on
+    args = tuple(np.asarray(a, jax.dtypes.canonicalize_dtype(np.result_type(a))) for a in args)
+    structs = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in args]
     context = jax.sharding.get_mesh()
     twin = None if context is None or context.empty else _compile.auto_twin(context)
-    _install_quiet_origin_messages()
-    token = _TRACING.set(True)
     try:
-        with jax.set_mesh(twin):
+        with _compat.quiet_origin_messages(), jax.set_mesh(twin):
             closed = jax.make_jaxpr(fn)(*structs)
-    finally:
-        _TRACING.reset(token)
+    except _NEEDS_CONCRETE as e:
+        first = str(e).strip().splitlines()
+        raise NeedsConcreteValue(
+            "meshinit traces the constructor once, abstractly, so the values it computes "
+            "are not known while it runs; it asked for one "
+            f"({type(e).__name__}: {first[0] if first else ''}). Python control flow or "
+            "conversions on computed arrays (float(w.std()), int(x), if x > 0:, "
+            "np.asarray(x)) cannot be traced: compute them from shapes and Python "
+            "numbers, or with jax operations (w / w.std(), jnp.where, jax.lax.cond)"
+        ) from e
     prog = _jaxpr.flatten(closed)
     if any(isinstance(c, jax.core.Tracer) for c in prog.consts.values()):
         raise jax.errors.UnexpectedTracerError(

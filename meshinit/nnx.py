@@ -167,7 +167,7 @@ class _Prepared:
     graphdef: Any
     flat: list[tuple[tuple[Any, ...], nnx.Variable]]
     specs: dict[tuple[Any, ...], ParamSpec]
-    avals: dict[tuple[Any, ...], Any]
+    keys: dict[tuple[Any, ...], tuple[Any, Any]]  # typed key Variables: (struct, impl)
 
 
 def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> _Prepared:
@@ -193,12 +193,18 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
         flat = list(nnx.to_flat_state(state))
         arrays = [(p, v.get_value()) for p, v in flat]
         arrays = [(p, x) for p, x in arrays if isinstance(x, jax.Array)]
-        found.append((graphdef, flat, [p for p, _ in arrays]))
+        # typed keys travel as their data and are wrapped again once placed
+        keys = {
+            p: (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.random.key_impl(x))
+            for p, x in arrays
+            if _nnx_meta.is_key(x)
+        }
+        found.append((graphdef, flat, [p for p, _ in arrays], keys))
         return [jax.random.key_data(x) if _nnx_meta.is_key(x) else x for _, x in arrays]
 
     with _clear_factory_errors(what):
         traced = _trace.trace(build, evaluate=evaluate)
-    graphdef, flat, paths = found[0]
+    graphdef, flat, paths, keys = found[0]
     declared = [_path(p) for p, v in flat if isinstance(v.get_value(), ParamSpec)]
     if declared:
         raise PlanError(
@@ -218,7 +224,7 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
     specs: dict[tuple[Any, ...], ParamSpec] = {}
     by_path = dict(flat)
     for p in paths:
-        struct = jax.ShapeDtypeStruct(avals[p].shape, avals[p].dtype)
+        struct = keys[p][0] if p in keys else jax.ShapeDtypeStruct(avals[p].shape, avals[p].dtype)
         spec = _nnx_meta.spec_for(by_path[p], struct, problems, _path(p), patterns)
         if spec is not None:
             specs[p] = spec
@@ -227,12 +233,12 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
     lengths = {
         _path(p): len(nnx.spmd.get_var_pspec(by_path[p]))
         for p in specs
-        if not _nnx_meta.is_key(avals[p]) and _nnx_meta.has_sharding(by_path[p].get_metadata())
+        if p not in keys and _nnx_meta.has_sharding(by_path[p].get_metadata())
     }
     plan = _adapters.respell(plan, lengths)
     position = {_path(p): i for i, p in enumerate(paths)}
     outputs = [position[e.path] for e in plan.entries]
-    return _Prepared(plan, traced, outputs, graphdef, flat, specs, avals)
+    return _Prepared(plan, traced, outputs, graphdef, flat, specs, keys)
 
 
 def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> Plan:
@@ -307,9 +313,8 @@ def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module
         for path, var in prep.flat:
             if path in prep.specs:
                 array = _get(arrays, path)
-                aval = prep.avals[path]
-                if _nnx_meta.is_key(aval):
-                    array = jax.random.wrap_key_data(array, impl=_nnx_meta.key_impl(aval))
+                if path in prep.keys:  # the key data, placed: a key of eager's type again
+                    array = jax.random.wrap_key_data(array, impl=prep.keys[path][1])
                 # Traced with eager sharding off; give back what the user's flax would record.
                 var = var.replace(array, eager_sharding=nnx.using_eager_sharding())
             placed.append((path, var))

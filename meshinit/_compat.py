@@ -1,0 +1,348 @@
+"""Every jax internal the constructor engine uses, in one place.
+
+The engine reads jaxprs (:mod:`meshinit._jaxpr`), evaluates some equations with numpy
+(:mod:`meshinit._host`) and rebinds the rest (:mod:`meshinit._constructor`). That
+touches jax's interpreter surface, which ``jax.extend`` exposes without promising
+compatibility across releases. Nothing else in the engine names a jax internal:
+
+- **Primitives by object.** Equations are recognized by their primitive object, as
+  jax2tf does, never by a name string: a rename (``checkpoint``, printed ``remat2``)
+  then cannot make a rule silently miss. Objects come from
+  ``jax.extend.core.primitives`` where jax exports them; the few it does not
+  (``random_wrap``, ``split``, ``pvary``, ...) are found once by tracing a probe of
+  jax's public API and reading the primitive off the jaxpr. :func:`missing` lists any
+  the installed jax lacks, and a test fails on it.
+- **Jaxpr types.** jax 0.11 merged ``ClosedJaxpr`` into ``Jaxpr`` (``.jaxpr`` of it
+  returns the object itself): :func:`open_and_consts` is the one place that tells
+  them apart.
+- **Binding.** :func:`bind` rebinds an equation as jax's own interpreter does.
+- **Key implementations.** :data:`PRNGImpl`, the type of jax's key implementations.
+- **The configuration that changes values** (:func:`value_config`).
+- **The tracer-origin hook** (:func:`quiet_origin_messages`), the one patch of a
+  private jax attribute, with its reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core
+from jax.extend.core import primitives as _exported
+from jax.extend.random import threefry2x32_p, threefry_prng_impl
+
+from . import _caches
+
+Primitive = core.Primitive
+Literal = core.Literal
+DropVar = core.DropVar
+PRNGImpl = type(threefry_prng_impl)  # jax's key implementations; not exported by name
+THREEFRY_IMPL = threefry_prng_impl
+THREEFRY2X32 = threefry2x32_p
+
+
+def impl_name(impl: Any) -> str:
+    """The name of a key implementation: a :data:`PRNGImpl` (a jaxpr's ``impl=``
+    parameter) or what ``jax.random.key_impl`` returns (a name, or a PRNGSpec)."""
+    if isinstance(impl, PRNGImpl):
+        return impl.name
+    return str(getattr(impl, "name", impl))
+
+
+# ------------------------------------------------------------------ jaxpr types
+
+_MERGED = core.ClosedJaxpr is core.Jaxpr  # jax >= 0.11
+
+
+def is_jaxpr(x: Any) -> bool:
+    """Whether ``x`` is a jaxpr, open or closed, on any supported jax."""
+    return isinstance(x, core.ClosedJaxpr | core.Jaxpr)
+
+
+def open_and_consts(x: Any) -> tuple[Any, Sequence[Any]]:
+    """A jaxpr as (the object holding constvars, invars, eqns, outvars; its consts).
+
+    Before jax 0.11 a ``ClosedJaxpr`` wraps an open ``Jaxpr`` (``.jaxpr``) and its
+    ``.consts``. From 0.11 there is one type: its ``.jaxpr`` is itself and its
+    ``.consts`` may be empty, in which case any constvars are inputs of the caller's
+    own (as for an open jaxpr), so they get no values here.
+    """
+    if not _MERGED:
+        if isinstance(x, core.ClosedJaxpr):
+            return x.jaxpr, x.consts
+        return x, ()
+    consts = tuple(getattr(x, "consts", ()) or ())
+    if consts and len(consts) != len(x.constvars):
+        raise TypeError(f"a jaxpr with {len(x.constvars)} constvars and {len(consts)} consts")
+    return x, consts
+
+
+# ------------------------------------------------------------------- primitives
+
+
+def _exported_or_none(name: str) -> Primitive | None:
+    return getattr(_exported, name, None)
+
+
+def _walk(jaxpr: Any, found: dict[str, Primitive]) -> None:
+    body, _ = open_and_consts(jaxpr)
+    for e in body.eqns:
+        found.setdefault(e.primitive.name, e.primitive)
+        for p in e.params.values():
+            for q in p if isinstance(p, tuple | list) else (p,):
+                if is_jaxpr(q):
+                    _walk(q, found)
+
+
+def _trace_probe(fn: Callable[..., Any], *structs: Any) -> dict[str, Primitive]:
+    found: dict[str, Primitive] = {}
+    _walk(jax.make_jaxpr(fn)(*structs), found)
+    return found
+
+
+def _u32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, np.uint32)
+
+
+def _f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, np.float32)
+
+
+def _pvary_probe(x: Any) -> Any:
+    mesh = jax.sharding.AbstractMesh((1,), ("probe",))
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # pragma: no cover - older jax
+        from jax.experimental.shard_map import shard_map
+    spec = jax.sharding.PartitionSpec
+    with jax.sharding.use_abstract_mesh(mesh):
+        return shard_map(
+            lambda y: jax.lax.pcast(y, "probe", to="varying"),
+            mesh=mesh,
+            in_specs=spec(),
+            out_specs=spec("probe"),
+        )(x)
+
+
+def _reshard_probe(x: Any) -> Any:
+    explicit = (jax.sharding.AxisType.Explicit,)
+    mesh = jax.sharding.AbstractMesh((1,), ("probe",), axis_types=explicit)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.reshard(x, jax.sharding.PartitionSpec("probe"))
+
+
+# Primitives jax does not export, each found by tracing public API that binds it.
+_PROBES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
+    "random_wrap": (jax.random.wrap_key_data, (_u32(2),)),
+    "random_unwrap": (lambda d: jax.random.key_data(jax.random.wrap_key_data(d)), (_u32(2),)),
+    "iota_2x32_shape": (lambda d: threefry_prng_impl.random_bits(d, 32, (4,)), (_u32(2),)),
+    "split": (lambda x: jax.lax.split(x, (1, 1)), (_f32(2),)),
+    "stack": (lambda x: jax.numpy.stack([x, x]), (_f32(2),)),
+    "copy": (lambda x: jax.numpy.copy(x), (_f32(2),)),
+    "unstack": (lambda x: list(x), (_f32(2),)),  # iterating an array, from jax 0.11
+    "pvary": (_pvary_probe, (_f32(1),)),
+    "reshard": (_reshard_probe, (_f32(1),)),
+}
+
+# What the engine knows, by name only in this table: an exported primitive, else a probe.
+KNOWN = (
+    # calls whose body is their forward meaning (inlined)
+    "jit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "remat",
+    # control flow (one unit)
+    "scan",
+    "while",
+    "cond",
+    # placement only (the identity inside a group's program)
+    "sharding_constraint",
+    "device_put",
+    "reshard",
+    "pvary",
+    # host rules
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "rem",
+    "neg",
+    "max",
+    "min",
+    "abs",
+    "sign",
+    "and",
+    "or",
+    "xor",
+    "not",
+    "shift_left",
+    "shift_right_arithmetic",
+    "shift_right_logical",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "convert_element_type",
+    "bitcast_convert_type",
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "transpose",
+    "slice",
+    "concatenate",
+    "stack",
+    "split",
+    "unstack",
+    "iota",
+    "select_n",
+    "copy",
+    "iota_2x32_shape",
+    "threefry2x32",
+    "random_seed",
+    "random_wrap",
+    "random_unwrap",
+    "random_fold_in",
+    "random_split",
+    "random_bits",
+)
+
+# jax.extend's attribute for a name, where it differs from ``name + "_p"``
+_EXPORTED_AS = {"core_call": "call_p"}
+
+
+@_caches.memo(maxsize=1)
+def _table() -> dict[str, Primitive | None]:
+    table: dict[str, Primitive | None] = {}
+    probed: dict[str, Primitive] = {}
+    for fn, structs in _PROBES.values():
+        try:
+            probed.update(_trace_probe(fn, *structs))
+        except Exception:  # noqa: BLE001 - the probe's API is absent: missing() says so
+            pass
+    for name in KNOWN:
+        if name == "threefry2x32":
+            table[name] = threefry2x32_p
+            continue
+        prim = _exported_or_none(_EXPORTED_AS.get(name, name + "_p"))
+        if name in _PROBES and name in probed:
+            prim = probed[name]  # the object the public API binds, even if also exported
+        table[name] = prim
+    return table
+
+
+def prim(name: str) -> Primitive | None:
+    """The installed jax's primitive object for ``name`` (one of :data:`KNOWN`), or
+    None if this jax has none (the engine then never matches it)."""
+    return _table()[name]
+
+
+def prims(*names: str) -> frozenset[Primitive]:
+    """The primitive objects of ``names`` that the installed jax has."""
+    return frozenset(p for p in map(prim, names) if p is not None)
+
+
+def missing() -> list[str]:
+    """The names of :data:`KNOWN` that the installed jax has no primitive for."""
+    optional = {
+        "core_call",  # jax's plain call: jax 0.12 merged it into closed_call
+        "unstack",  # from jax 0.11; before, iterating an array binds slice and squeeze
+    }
+    return [n for n, p in _table().items() if p is None and n not in optional]
+
+
+@_caches.memo(maxsize=1)
+def _placement() -> frozenset[Primitive]:
+    return prims("sharding_constraint", "device_put", "reshard", "pvary")
+
+
+def placement_only(primitive: Primitive) -> bool:
+    """Whether ``primitive`` only constrains or moves its operands (a sharding
+    constraint, ``device_put``, ``reshard``, ``pvary``, ``mesh_cast``)."""
+    if primitive in _placement():
+        return True
+    # jax exports no mesh_cast and no public API binds one outside a concrete explicit
+    # mesh, so no probe can find its object: it alone is known by its name
+    return primitive.name == "mesh_cast"
+
+
+def bind(primitive: Primitive, ins: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    """``primitive.bind(*ins, **params)`` as jax's interpreter does; always a list."""
+    out = primitive.bind(*ins, **primitive.get_bind_params(params))
+    return list(out) if primitive.multiple_results else [out]
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def value_config() -> tuple[Any, ...]:
+    """The configuration that changes the bits a traced computation gives.
+
+    ``jax_threefry_partitionable`` changes how threefry counters are laid out (and so
+    every random value), the default PRNG implementation changes what
+    ``jax.random.key(seed)`` makes, x64 changes the dtypes of Python scalars, and the
+    default matmul precision changes what a ``dot`` computes on GPU and TPU. Every
+    cache of host programs and executables is keyed on this tuple.
+    """
+    return (
+        bool(jax.config.jax_threefry_partitionable),
+        str(jax.config.jax_default_prng_impl),
+        bool(jax.config.jax_enable_x64),
+        str(jax.config.jax_default_matmul_precision),
+    )
+
+
+# ------------------------------------------------------------- tracer messages
+
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("meshinit_tracing", default=False)
+_quiet_installed = False
+
+
+def _install_quiet_origin_messages() -> None:
+    """While meshinit traces a constructor, jax's tracers skip their origin message.
+
+    Why a patch: ``nnx.Rngs`` compares ``getattr(count, "sharding", None)`` on every
+    draw. On a tracer that raises an AttributeError whose message jax builds by walking
+    every equation traced so far (``DynamicJaxprTracer._origin_msg``), so tracing a
+    constructor is quadratic in its size: 1.1-1.4 s of a 32-layer trace (the guide).
+    No public API turns that message off, and it cannot be avoided from outside: the
+    getattr is flax's. So one wrapper, installed once, returns an empty origin message
+    while :data:`_TRACING` is set in this context and defers to jax's own method
+    everywhere else; no other code or thread sees a difference. Where jax has no such
+    method (another version), nothing is installed; ``tests/test_compat.py`` checks
+    both the effect and that the message outside meshinit is jax's own.
+    """
+    global _quiet_installed
+    if _quiet_installed:
+        return
+    _quiet_installed = True
+    seen: list[type] = []  # the tracer class, found through the public API
+    jax.make_jaxpr(lambda x: seen.append(type(x)) or x)(np.float32(0))
+    tracer_class = seen[0]
+    original = tracer_class.__dict__.get("_origin_msg")
+    if original is None:
+        return
+
+    def _origin_msg(self: Any) -> str:
+        if _TRACING.get():
+            return ""
+        return original(self)
+
+    tracer_class._origin_msg = _origin_msg  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def quiet_origin_messages() -> Iterator[None]:
+    """Tracers made inside skip jax's quadratic origin message (see above)."""
+    _install_quiet_origin_messages()
+    token = _TRACING.set(True)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
