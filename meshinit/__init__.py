@@ -8,6 +8,7 @@ starts no jax backend.
 from ._errors import PeerFailure as PeerFailure
 from ._errors import PlanError as PlanError
 from ._errors import Problem as Problem
+from ._errors import UnusedPatternWarning as UnusedPatternWarning
 from ._materialize import clear_cache as clear_cache
 from ._materialize import init as init
 from ._materialize import materialize as materialize

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -12,7 +15,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from . import _paths
-from ._errors import PlanError, Problem
+from ._errors import PlanError, Problem, UnusedPatternWarning, printable
 from ._plan import MeshGroup, Plan
 
 
@@ -102,6 +105,64 @@ def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
     if problems:
         raise PlanError(problems, header="meshes= is malformed:")
     return parsed
+
+
+def idle_patterns(patterns: Sequence[re.Pattern[str]], paths: Iterable[str]) -> list[int]:
+    """The indices of ``patterns`` that full-match none of ``paths``."""
+    idle = dict.fromkeys(range(len(patterns)))
+    for path in paths:
+        for i in [i for i in idle if patterns[i].fullmatch(path)]:
+            del idle[i]
+        if not idle:
+            break
+    return list(idle)
+
+
+def pattern_name(kind: str, index: int, pattern: re.Pattern[str]) -> str:
+    r"""How messages name a pattern: ``meshes[1] r"layers\.9\..*"``."""
+    return f'{kind}[{index}] r"{printable(pattern.pattern)}"'
+
+
+def idle_message(names: Sequence[str], paths: Sequence[str], noun: str) -> str:
+    """The one line that says which patterns matched nothing, with the full-match hint."""
+    example = f"; the paths are like {', '.join(repr(printable(p)) for p in paths[:3])}"
+    return (
+        f"{' and '.join(names)} matched no {noun}. Each regex must match a whole path "
+        f"(re.fullmatch): r'.*weight' matches every path ending in weight"
+        f"{example if paths else ''}"
+    )
+
+
+def warn_idle(what: str, names: Sequence[str], paths: Sequence[str], noun: str) -> None:
+    """Warns (:class:`~meshinit.UnusedPatternWarning`) that the patterns ``names``
+    matched no path, pointing at the caller's line outside meshinit."""
+    if not names:
+        return
+    message = (
+        f"{what}: {idle_message(names, paths, noun)}. It places nothing (every leaf is "
+        f"placed without it): fix the regex, or drop the pattern"
+    )
+    warnings.warn(message, UnusedPatternWarning, stacklevel=_outside_stacklevel())
+
+
+def warn_idle_meshes(
+    what: str, patterns: Sequence[tuple[re.Pattern[str], Any]], paths: Sequence[str]
+) -> None:
+    """Warns about each ``meshes=`` pattern (from :func:`parse_meshes`) that full-matches
+    none of ``paths``, the variable paths it was matched against."""
+    idle = idle_patterns([pattern for pattern, _ in patterns], paths)
+    names = [pattern_name("meshes", i, patterns[i][0]) for i in idle]
+    warn_idle(what, names, paths, "variable path")
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of the innermost frame outside the meshinit package, as seen
+    from the function that calls :func:`warnings.warn`."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def respell(plan: Plan, lengths: Mapping[str, int]) -> Plan:

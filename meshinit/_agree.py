@@ -11,16 +11,82 @@ API), and a failure anywhere is raised everywhere, naming the process and its er
 A process that fails raises, it does not die, so it reaches the agreement from its
 error path. One that is killed never does: the others then fail in the gather itself,
 after the collectives' own timeout, and say that a process did not reach it.
+
+Every collective call runs inside :func:`collective`, which agrees exactly once, when
+the outermost such call ends, however it ends: a factory that raises while tracing on
+one process, a plan that fails there, or a run that fails later all meet the others'
+outcome in the same gather. Nested calls (an adapter's init runs ``run_plan``) join
+the outer call's agreement; what they made is handed to it (:func:`keep`), to be
+deleted if any process failed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
 from ._errors import PeerFailure
+
+# The arrays made so far by the outermost collective call in progress, or None.
+_call: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "meshinit collective call", default=None
+)
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """One collective call: on every process, exactly one :func:`agree`, at its end.
+
+    The outermost ``collective`` agrees when its block ends: with its error if it
+    raised (everything before allocating included: tracing a factory, planning), else
+    with success. If any process failed, the arrays handed to :func:`keep` are
+    deleted and every process raises. A ``collective`` inside another one does
+    nothing of its own: the outer one agrees for both.
+
+    Args:
+      what: the call's name in messages (``"meshinit.nnx.init"``).
+
+    Raises:
+      PeerFailure: this process succeeded and another failed (see :func:`agree`).
+    """
+    if _call.get() is not None:
+        yield
+        return
+    made: list[Any] = []
+    token = _call.set(made)
+    try:
+        yield
+    except BaseException as e:
+        _call.reset(token)
+        _delete(made)
+        agree(what, e)
+        raise
+    _call.reset(token)
+    try:
+        agree(what, None)
+    except BaseException:
+        _delete(made)
+        raise
+
+
+def keep(arrays: Iterable[Any]) -> None:
+    """Hands arrays made inside a :func:`collective` call to it, to be deleted if the
+    call fails, here or on any other process. Outside one it does nothing."""
+    made = _call.get()
+    if made is not None:
+        made.extend(arrays)
+
+
+def _delete(arrays: list[Any]) -> None:
+    for array in arrays:
+        array.delete()
+    arrays.clear()
+
 
 _WIDTH = 512  # bytes of each process's outcome: "ok", or its error's first line
 
@@ -47,7 +113,8 @@ def agree(what: str, error: BaseException | None) -> None:
     """Gathers every process's outcome of a collective call and checks them.
 
     Every process must call it once per collective call, in the same order, whether the
-    call succeeded (``error`` None) or failed. Returns when every process succeeded.
+    call succeeded (``error`` None) or failed; :func:`collective` does, once per
+    outermost call. Returns when every process succeeded.
 
     Raises:
       PeerFailure: this process succeeded and another failed, or the gather itself

@@ -68,6 +68,25 @@ class PlanError(ValueError):
         super().__init__("\n".join([header, *(f"  {p}" for p in self.problems)]))
 
 
+class UnusedPatternWarning(UserWarning):
+    """Warned when a placement pattern matches no path, while every leaf is placed.
+
+    ``meshes=`` of ``meshinit.nnx`` and ``meshinit.linen`` and the ``placements`` of
+    ``meshinit.eqx`` are ordered ``(regex, ...)`` pairs, the first full match winning.
+    As in the partition-rule tables of t5x and EasyLM, a pattern that matches nothing
+    is allowed (one table can serve several models), but it is usually a typo that
+    quietly leaves a stage on another mesh, so it is warned about, naming each idle
+    pattern by its index and regex. A leaf that no pattern places is an error instead
+    (a :class:`PlanError`). A ``UserWarning``, so it shows by default; silence it with
+    ``warnings.filterwarnings("ignore", category=meshinit.UnusedPatternWarning)``.
+
+    Examples:
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("error", meshinit.UnusedPatternWarning)
+      ...     model = meshinit.nnx.init(factory, meshes=meshes)  # a typo now raises
+    """
+
+
 class PeerFailure(RuntimeError):
     """Raised on every process whose part of a collective call succeeded when another
     process's part failed.

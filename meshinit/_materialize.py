@@ -99,6 +99,17 @@ def materialize(
       >>> params = meshinit.materialize(meshinit.plan(specs), jax.random.key(0))
       >>> params = meshinit.materialize(plan, 0, existing={"head": restored_head})
     """
+    with _agree.collective("materialize"):  # failures before allocating agree too
+        return _materialize(plan, key, existing, max_bytes_per_call, progress)
+
+
+def _materialize(
+    plan: Plan,
+    key: Any,
+    existing: Mapping[str, Any] | None,
+    max_bytes_per_call: int | None,
+    progress: bool | None,
+) -> Any:
     if not isinstance(plan, Plan):
         raise TypeError(
             f"materialize takes a Plan from meshinit.plan(tree), got "
@@ -118,9 +129,7 @@ def materialize(
     if problems:  # all at once, with the abstract-mesh and bound problems
         todo = [e for e in plan.entries if id(e) not in given]
         problems += abstract_problems(plan) + bound_problems(todo, max_bytes_per_call)
-        error = PlanError(problems, header="cannot materialize this plan:")
-        _agree.agree("materialize", error)  # a collective call: the others must know
-        raise error
+        raise PlanError(problems, header="cannot materialize this plan:")
     return run_plan(
         plan,
         lambda group: strategy.prepare(group, key_impl(group, impl)),
@@ -172,16 +181,13 @@ def run_plan(plan: Plan, prepare: Callable[[MeshGroup], Runner], *args: Any, **k
 
     Under ``jax.distributed`` it returns only when every process succeeded; when any
     failed, every process raises (its own error, or ``PeerFailure`` naming the failed
-    process) with every array it made deleted. Alone, it is :func:`_run_here`.
+    process) with every array it made deleted. Alone, it is :func:`_run_here`. Inside
+    a caller's :func:`meshinit._agree.collective` call (an adapter's init), that call
+    agrees instead, once, when it ends.
     """
-    what = kwargs.get("what", "materialize")
-    try:
+    with _agree.collective(kwargs.get("what", "materialize")):  # or the caller's call
         tree, made = _run_here(plan, prepare, *args, **kwargs)
-    except BaseException as e:
-        _agree.agree(what, e)
-        raise
-    with deleting_on_failure(made):
-        _agree.agree(what, None)
+        _agree.keep(made)  # deleted if the call fails after all, here or elsewhere
     return tree
 
 
@@ -346,7 +352,8 @@ def init(tree: Any, key: Any, *, progress: bool | None = None) -> Any:
     Examples:
       >>> params = meshinit.init({"w": meshinit.param((8, 8), init, mesh=m)}, 0)
     """
-    return materialize(plan(tree), key, progress=progress)
+    with _agree.collective("meshinit.init"):  # a plan failing on one process agrees too
+        return materialize(plan(tree), key, progress=progress)
 
 
 def clear_cache() -> None:

@@ -185,6 +185,17 @@ def fingerprint(init: Callable[..., Any], local: dict[int, Hashable] | None = No
     return _fingerprint(init, local)[0]
 
 
+def value_fingerprint(fn: Callable[..., Any]) -> Hashable | None:
+    """:func:`fingerprint` of ``fn`` when it is by value, else None.
+
+    None means only ``fn``'s identity could tell what it computes, and identity is
+    not sound across calls (what it reads may have changed in place since), so a
+    cache keyed on it would serve stale results.
+    """
+    fp = fingerprint(fn)
+    return fp if fp[0] == "fp" else None
+
+
 def _cell(cell: Any) -> Any:
     try:
         return cell.cell_contents

@@ -31,7 +31,7 @@ try:
 except ImportError as e:
     raise ImportError("meshinit.eqx needs equinox: pip install meshinit[eqx]") from e
 
-from . import _adapters, _constructor, _paths, _trace
+from . import _adapters, _agree, _constructor, _paths, _trace
 from ._errors import Problem
 from ._materialize import from_constructor
 from ._materialize import materialize as _materialize_plan
@@ -74,7 +74,8 @@ def materialize(module: Any, key: Any) -> Any:
       >>> model.w.sharding
       NamedSharding(mesh=Mesh('fsdp': 2, 'tensor': 4), spec=P('fsdp', 'tensor'))
     """
-    return _materialize_plan(_plan_tree(module), key)
+    with _agree.collective("meshinit.eqx.materialize"):  # a plan failing on one process too
+        return _materialize_plan(_plan_tree(module), key)
 
 
 Placement = tuple[Any, ...]
@@ -141,8 +142,14 @@ def _specs_from_placements(
     placements: Sequence[Placement],
     mesh: Mesh | AbstractMesh | None,
     rules: Any,
+    what: str,
 ) -> tuple[Any, list[Problem]]:
-    """The abstract module with a spec in place of each array leaf, and the problems."""
+    """The abstract module with a spec in place of each array leaf, and the problems.
+
+    A placement that matches no leaf, while every leaf is matched, is warned about
+    (:class:`~meshinit.UnusedPatternWarning`); with unmatched leaves it is named in
+    the problems, as their likely cause.
+    """
     parsed, problems = _parse_placements(placements)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     leaves: list[Any] = []
@@ -201,18 +208,13 @@ def _specs_from_placements(
             )
             continue
         leaves[-1] = spec
-    idle = [p for p in parsed if p.index not in used]
-    for p in idle:
-        example = f"; the paths are like {', '.join(map(repr, paths[:3]))}" if paths else ""
-        problems.append(
-            Problem(
-                "",
-                f"{p.name} matched no array leaf. Each regex "
-                f"must match a whole path (re.fullmatch): r'.*weight' matches every path "
-                f"ending in weight{example}",
-            )
-        )
-    if idle and unmatched:  # the leaves a mistyped regex missed: one line, not one each
+    idle = [p.name for p in parsed if p.index not in used]
+    if not unmatched:
+        # As in partition-rule tables (t5x, EasyLM): a rule that places nothing is
+        # allowed, but likely a typo, so it is warned about; an unplaced leaf is an error.
+        _adapters.warn_idle(what, idle, paths, "array leaf")
+    elif idle:  # the leaves a mistyped regex missed: one line, not one each
+        problems += [Problem("", _adapters.idle_message([n], paths, "array leaf")) for n in idle]
         shown = ", ".join(u.path for u in unmatched[:5])
         more = f" and {len(unmatched) - 5} more" if len(unmatched) > 5 else ""
         unmatched = [
@@ -257,7 +259,8 @@ def _prepare(
         lambda x: jax.ShapeDtypeStruct(next(avals).shape, x.dtype) if eqx.is_array(x) else x,
         found[0],
     )
-    specs, problems = _specs_from_placements(abstract, placements, mesh, rules)
+    what = "meshinit.eqx.init" if evaluate else "meshinit.eqx.plan"
+    specs, problems = _specs_from_placements(abstract, placements, mesh, rules, what)
     plan_ = build_plan(specs, check_inits=False, problems=problems)
     flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
     arrays = [_paths.path_str(kp) for kp, leaf in flat if isinstance(leaf, jax.ShapeDtypeStruct)]
@@ -309,7 +312,9 @@ def init(
     """Builds ``factory(key)`` with each array placed exactly, compiled once per mesh.
 
     For existing equinox constructors, which make arrays themselves. The values are
-    those of ``factory(key)`` run eagerly (within 2 ulp; usually bit for bit); each
+    those of ``factory(key)``: integers and keys bit for bit as run eagerly, each
+    float element as ``jax.jit(factory)`` gives it or within 8·eps·S of eager's (S:
+    the magnitudes of its terms; docs/concepts.md, "Unchanged constructors"); each
     array leaf is placed by the first placement whose regex matches its whole path.
 
     The constructor is traced once, abstractly (nothing is allocated), and compiled
@@ -330,7 +335,9 @@ def init(
         leaf, for example ``layers.0.weight``; the first match wins. ``axes`` is as
         in :func:`meshinit.param`: one logical name (or mesh axis name without
         rules) or None per dimension, or None for replicated. A placement's mesh
-        overrides ``mesh``.
+        overrides ``mesh``. A placement that matches no leaf is warned about
+        (:class:`meshinit.UnusedPatternWarning`) when every leaf is matched, and named
+        in the error when some leaf is not.
       mesh: the mesh of placements that name none; defaults to ``meshinit.defaults()``.
       rules: the logical-to-mesh rule table, as in :func:`meshinit.param`.
 
@@ -358,7 +365,8 @@ def init(
       >>> mlp.layers[0].weight.sharding.spec
       P('tensor', 'fsdp')
     """
-    with _trace.paused_gc():
+    # Collective: a factory that fails while traced on one process fails every process.
+    with _agree.collective("meshinit.eqx.init"), _trace.paused_gc():
         prep = _prepare(factory, key, placements, mesh, rules, evaluate=True)
         return _constructor.materialize(
             prep.plan, prep.traced, prep.outputs, what="meshinit.eqx.init"

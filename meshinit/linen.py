@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from . import _adapters, _constructor, _linen_meta, _paths, _planner, _trace
+from . import _adapters, _agree, _constructor, _linen_meta, _paths, _planner, _trace
 from ._errors import PlanError, Problem
 from ._format import describe_mesh
 from ._plan import Plan
@@ -193,6 +193,9 @@ def _prepare(
         specs.append(
             _linen_meta.spec_for(path, leaf, mesh, rules, fallback, problems, override=override)
         )
+    # A meshes= pattern that matches no variable places nothing: likely a typo, warned.
+    what = "meshinit.linen.init" if evaluate else "meshinit.linen.plan"
+    _adapters.warn_idle_meshes(what, patterns, [_paths.path_str(k) for k, _ in flat])
     plan = _planner.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
     )
@@ -275,7 +278,9 @@ def init(
     ``rules=``, else ``rules``, else the rules of an active ``nn.logical_axis_rules``,
     by linen's algorithm (see :func:`meshinit.logical_to_mesh_axes`), strictly: a
     logical name without a rule is an error, not silently replicated. Values are
-    those of ``module.init`` run eagerly (within 2 ulp; usually bit for bit).
+    those of ``module.init``: integers and keys bit for bit as run eagerly, each
+    float element as ``jax.jit(module.init)`` gives it or within 8·eps·S of eager's
+    (S: the magnitudes of its terms; docs/concepts.md, "Unchanged constructors").
 
     ``module.init`` is traced once, abstractly (nothing allocated), and compiled by
     meshinit's constructor engine: keys and small values are computed once on the
@@ -302,7 +307,8 @@ def init(
       meshes: ordered ``(regex, mesh)`` pairs over the dot-joined variable paths
         (``params.layer_0.up.kernel``); the first full match puts the variable on
         that mesh, overriding its annotation's mesh, ``mesh`` and the context mesh:
-        how an existing model is split into pipeline stages unchanged.
+        how an existing model is split into pipeline stages unchanged. A pattern that
+        matches no variable path is warned about (:class:`meshinit.UnusedPatternWarning`).
       **example_kwargs: keyword arguments of ``module.init`` (``train=False``,
         ``method=...``, ``mutable=...``).
 
@@ -330,7 +336,8 @@ def init(
       >>> variables["params"]["kernel"].value.sharding.spec
       P('fsdp', 'tensor')
     """
-    with _trace.paused_gc():
+    # Collective: module.init failing while traced on one process fails every process.
+    with _agree.collective("meshinit.linen.init"), _trace.paused_gc():
         prep = _prepare(
             module,
             key,

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
-import weakref
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +36,7 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 
 import jax
 
-from . import _adapters, _caches, _constructor, _materialize, _nnx_meta, _planner, _trace
+from . import _adapters, _agree, _constructor, _materialize, _nnx_meta, _planner, _trace
 from ._errors import PlanError, Problem
 from ._plan import Plan, PlanEntry
 from ._spec import ParamSpec
@@ -124,8 +123,9 @@ def materialize(module: nnx.Module, key: Any) -> nnx.Module:
     graphdef, state = nnx.split(module)
     flat = list(nnx.to_flat_state(state))
     specs = _specs(flat)
-    plan = _planner.plan(_nest(specs))
-    arrays = _materialize.materialize(plan, key)
+    with _agree.collective("meshinit.nnx.materialize"):  # a plan failing on one process too
+        plan = _planner.plan(_nest(specs))
+        arrays = _materialize.materialize(plan, key)
     entries = {e.path: e for e in plan.entries}
     placed = []
     for path, var in flat:
@@ -228,6 +228,9 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
         spec = _nnx_meta.spec_for(by_path[p], struct, problems, _path(p), patterns)
         if spec is not None:
             specs[p] = spec
+    # A pattern that matches no Variable places nothing: legal (every Variable falls
+    # back to its metadata, the context mesh or the default device), likely a typo.
+    _adapters.warn_idle_meshes(what, patterns, [_path(p) for p in paths])
     plan = _planner.build_plan(_nest(specs), check_inits=False, problems=problems)
     # flax's spelling of each annotated spec (nnx.get_partition_spec), so == holds
     lengths = {
@@ -289,6 +292,8 @@ def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module
       meshes: ordered ``(regex, mesh)`` pairs. The first regex that full-matches a
         Variable's path puts it on that mesh, overriding its ``mesh=`` metadata and
         the context mesh: how existing code is split into pipeline stages unchanged.
+        A pattern that matches no Variable path is warned about
+        (:class:`meshinit.UnusedPatternWarning`), likely a typo.
 
     Returns:
       The Module, with flax's metadata kept as it was.
@@ -304,7 +309,8 @@ def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module
       ...     lambda: Model(rngs=nnx.Rngs(0)),
       ...     meshes=[(r"layers\.[0-3]\..*", stage0), (r".*", stage1)])
     """
-    with _trace.paused_gc():
+    # Collective: a factory that fails while tracing on one process fails every process.
+    with _agree.collective("meshinit.nnx.init"), _trace.paused_gc():
         prep = _prepare(factory, meshes, evaluate=True)
         arrays = _constructor.materialize(
             prep.plan, prep.traced, prep.outputs, what="meshinit.nnx.init"
@@ -396,10 +402,11 @@ def optimizer(
     """
     from . import optax as meshinit_optax  # imports optax only when asked for
 
-    params = nnx.state(model, wrt)
-    step, state = meshinit_optax.init(
-        _WithStep(tx), params, shard_over=shard_over, memory_kind=memory_kind
-    )
+    with _agree.collective("meshinit.nnx.optimizer"):
+        params = nnx.state(model, wrt)
+        step, state = meshinit_optax.init(
+            _WithStep(tx), params, shard_over=shard_over, memory_kind=memory_kind
+        )
     flags = [_eager_flag(v) for v in jax.tree.leaves(state, is_leaf=_is_variable)]
     # flax's to_opt_state rebuilds each mirror as an OptVariable with its Param's
     # metadata, which re-applies the sharding the array already has; under an Auto
@@ -445,32 +452,16 @@ def _eager_flag(x: Any) -> bool | None:
     return x.get_metadata("eager_sharding", None) if _is_variable(x) else None
 
 
-# tx.init -> the init of (step, tx's state). It holds tx.init weakly, so meshinit.optax's
-# cache, weak on the init it is given, keeps working and frees with the transformation.
-_step_inits: weakref.WeakKeyDictionary[Any, Any] = _caches.weak("nnx step-count inits")
-
-
 class _WithStep:
-    """``tx`` with flax's step count in front of its state, so one call makes both."""
+    """``tx`` with flax's step count in front of its state, so one call makes both.
+
+    Its ``init`` is a ``functools.partial`` of ``tx.init``, so ``meshinit.optax``
+    tells what it computes by ``tx.init``'s own code and closure, as for ``tx``.
+    """
 
     def __init__(self, tx: Any):
-        try:
-            self.init = _step_inits[tx.init]
-        except (KeyError, TypeError):
-            ref = _weak_or_strong(tx.init)
-
-            def init(params: Any) -> Any:
-                return jax.numpy.zeros((), jax.numpy.uint32), ref()(params)
-
-            self.init = init
-            with contextlib.suppress(TypeError):  # not weakly referable: never cached
-                _step_inits[tx.init] = init
+        self.init = functools.partial(_init_with_step, tx.init)
 
 
-def _weak_or_strong(fn: Any) -> Callable[[], Any]:
-    if inspect.ismethod(fn):  # a fresh bound method each access: a weak ref would die now
-        return lambda: fn
-    try:
-        return weakref.ref(fn)
-    except TypeError:
-        return lambda: fn
+def _init_with_step(init: Callable[[Any], Any], params: Any) -> Any:
+    return jax.numpy.zeros((), jax.numpy.uint32), init(params)

@@ -16,9 +16,16 @@ mirrors ``fast.w``.
 One computation per mesh group of parameters makes the leaves on that group's mesh.
 It takes only that group's arrays as inputs, and stands zeros in for the other
 groups' parameters inside the traced function, so no computation mixes meshes.
-Executables are cached per transformation and parameter structure: a second
-``init`` with the same ``tx`` and the same shapes, dtypes and shardings compiles
-nothing.
+Executables are cached per computation and parameter structure: a second ``init``
+with the same shapes, dtypes and shardings, and a ``tx`` that computes the same
+(the same one, or a fresh ``optax.adamw(1e-3)``), compiles nothing. What ``tx.init``
+computes is told as the spec path tells it for initializers
+(:mod:`meshinit._signature`): by its code and closure, dicts and small arrays by their
+contents, your own functions with the module globals they read. A ``tx.init`` whose
+closure has no such fingerprint (an object hashed by identity, a deep chain) is told
+by its traced computation instead (:func:`meshinit._jaxpr.fingerprint`), and one
+that neither describes is compiled afresh on every call. So a ``tx.init`` that reads a
+dict changed since the last call never gets the last call's state.
 
 Importing meshinit does not import optax; this module loads on first use of
 ``meshinit.optax``.
@@ -26,8 +33,8 @@ Importing meshinit does not import optax; this module loads on first use of
 
 from __future__ import annotations
 
+import hashlib
 import threading
-import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -41,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import _caches, _compile, _jaxpr, _paths, _state
+from . import _agree, _caches, _compile, _jaxpr, _paths, _signature, _state
 from ._format import describe_mesh
 from ._materialize import deleting_on_failure
 from ._plan import Plan
@@ -139,35 +146,86 @@ def abstract(
     )
 
 
-# tx.init -> {structure key: (state treedef, [(group, input positions, output
-# positions, executable)])}. Weak on tx.init, so a dropped transformation frees its
-# executables and a recycled id() can never hit a stale entry.
-_cache: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = _caches.weak(
-    "optimizer-state executables"
-)
+# (what tx.init computes, structure key) -> (state treedef, ((mesh, input positions,
+# output positions, executable), ...)). Keyed by value, never by identity: a
+# transformation whose init reads state that changed since gets a new entry.
+_cache = _caches.lru("optimizer-state executables", 256)
 _lock = threading.Lock()
 
 
-_PER_TX = 64  # structures kept per transformation, oldest dropped first
-
-
-def _cached(fn: Any, key: Hashable) -> Any:
+def _cached(key: Hashable | None) -> Any:
+    if key is None:
+        return None
     with _lock:
-        try:
-            return _cache.get(fn, {}).get(key)
-        except TypeError:  # tx.init cannot be weakly referenced: never cached
-            return None
+        return _cache.get(key)
 
 
-def _store(fn: Any, key: Hashable, value: Any) -> None:
-    with _lock:
-        try:
-            entries = _cache.setdefault(fn, {})
-        except TypeError:
-            return
-        entries[key] = value
-        while len(entries) > _PER_TX:
-            del entries[next(iter(entries))]
+def _store(key: Hashable | None, value: Any) -> None:
+    if key is not None:
+        with _lock:
+            _cache.put(key, value)
+
+
+def _trace_init(tx: Any, params_def: Any, specs: list[Any]) -> tuple[Any, Any]:
+    """``tx.init`` traced on abstract parameters: its closed jaxpr and abstract state."""
+    return jax.make_jaxpr(
+        lambda *xs: tx.init(jax.tree_util.tree_unflatten(params_def, xs)), return_shape=True
+    )(*specs)
+
+
+def _computation(closed: Any, state: Any) -> Hashable | None:
+    """What a traced ``tx.init`` computes, structurally, or None if it cannot be told.
+
+    Per state leaf: the digest of the equations it is made by
+    (:func:`meshinit._jaxpr.fingerprint`: primitives, parameters, shapes, dtypes,
+    literals, never Python identity), and which parameters and constants (by their
+    bytes) they read; with the state's tree structure. Equal descriptions compute the
+    same state from the same parameters.
+    """
+    prog = _jaxpr.flatten(closed)
+    position = {n: i for i, n in enumerate(prog.inputs)}
+    memo: dict[Any, Any] = {}
+    leaves = []
+    try:
+        for out in prog.outputs:
+            if isinstance(out, _jaxpr.Lit):
+                leaves.append((_jaxpr.fingerprint(prog, [], [], out, memo), ()))
+                continue
+            nodes, reads = _slice(prog, out)
+            digest = _jaxpr.fingerprint(prog, nodes, reads, out, memo)
+            operands = tuple(
+                ("param", position[n]) if n in position else ("const", _const(prog.consts[n]))
+                for n in reads
+            )
+            leaves.append((digest, operands))
+    except (_jaxpr.Unfingerprintable, TypeError, ValueError):
+        return None
+    return jax.tree_util.tree_structure(state), tuple(leaves)
+
+
+def _slice(prog: _jaxpr.Program, out: int) -> tuple[list[int], list[int]]:
+    """The equations ``out`` is made by, in order, and the values without a producer
+    (parameters, constants) that they read."""
+    nodes: set[int] = set()
+    reads: set[int] = set()
+    stack = [out]
+    while stack:
+        n = stack.pop()
+        i = prog.producer.get(n)
+        if i is None:
+            reads.add(n)
+        elif i not in nodes:
+            nodes.add(i)
+            stack.extend(x for x in prog.nodes[i].ins if not isinstance(x, _jaxpr.Lit))
+    return sorted(nodes), sorted(reads)
+
+
+def _const(value: Any) -> Hashable:
+    """A captured constant by its dtype, shape and bytes."""
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.extended):
+        raise TypeError("an extended-dtype constant (a key) has no bytes to compare")
+    a = np.asarray(value)
+    return str(a.dtype), a.shape, hashlib.blake2b(a.tobytes(), digest_size=16).digest()
 
 
 def _structure_key(
@@ -182,17 +240,15 @@ def _structure_key(
     )
 
 
-def _reads(tx: Any, params_def: Any, specs: list[Any]) -> tuple[Any, list[frozenset[int]]]:
+def _reads(traced: tuple[Any, Any]) -> tuple[Any, list[frozenset[int]]]:
     """The abstract state, and for each of its leaves the parameters its value reads.
 
-    Read off ``tx.init``'s jaxpr: an equation's outputs read everything its inputs
-    read, so the answer may say too much, never too little. Calls (``jit``,
-    ``custom_jvp``) are followed inside, so a jitted helper over the whole tree does
-    not make every leaf read every parameter.
+    Read off ``tx.init``'s jaxpr (from :func:`_trace_init`): an equation's outputs
+    read everything its inputs read, so the answer may say too much, never too
+    little. Calls (``jit``, ``custom_jvp``) are followed inside, so a jitted helper
+    over the whole tree does not make every leaf read every parameter.
     """
-    closed, state = jax.make_jaxpr(
-        lambda *xs: tx.init(jax.tree_util.tree_unflatten(params_def, xs)), return_shape=True
-    )(*specs)
+    closed, state = traced
     return state, _jaxpr.reads(closed)
 
 
@@ -204,15 +260,19 @@ def _build(
     scalars_on: Mesh | None,
     shard_over: tuple[str, ...],
     memory_kind: str | None,
+    traced: tuple[Any, Any] | None = None,
 ):
     """The state's treedef and one compiled step per mesh that holds state leaves.
 
+    ``traced`` is :func:`_trace_init`'s result, if the caller has traced already.
     Compiles every step before anything is allocated, so a compile error leaves
     nothing behind.
     """
     _, params_def = jax.tree_util.tree_flatten(params)
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    state, reads = _reads(tx, params_def, specs)
+    if traced is None:
+        traced = _trace_init(tx, params_def, specs)
+    state, reads = _reads(traced)
     shardings, _ = _state.assign(paths, leaves, state, scalars_on, shard_over, memory_kind)
     state_def = jax.tree_util.tree_structure(state)
     state_paths = [_paths.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
@@ -266,7 +326,7 @@ def _build(
             mesh, program, [shardings[j] for j in outputs], args, making=making
         )
         steps.append((mesh, inputs, outputs, exe))
-    return state_def, steps
+    return state_def, tuple(steps)
 
 
 def _auto(sharding: NamedSharding) -> NamedSharding:
@@ -324,16 +384,37 @@ def init(
       >>> opt_state = meshinit.optax.init(optax.adamw(1e-3), params)
       >>> zero1 = meshinit.optax.init(optax.adamw(1e-3), params, shard_over="data")
     """
+    # Collective under jax.distributed: a failure on one process fails every process.
+    with _agree.collective("meshinit.optax.init"):
+        return _init(tx, params, scalars_on, shard_over, memory_kind)
+
+
+def _init(
+    tx: Any,
+    params: Any,
+    scalars_on: Mesh | None,
+    shard_over: str | tuple[str, ...] | None,
+    memory_kind: str | None,
+) -> Any:
     _check_tx(tx, "init")
     paths, leaves, treedef = _flat_params(params)
     axes = _state.shard_over_axes(shard_over)
     _state.check_placement(leaves, axes, memory_kind)
     mesh = _state.scalars_mesh(leaves, scalars_on)
-    key = _structure_key(treedef, leaves, mesh, (axes, memory_kind))
-    hit = _cached(tx.init, key)
+    structure = _structure_key(treedef, leaves, mesh, (axes, memory_kind))
+    traced = None
+    computes = _signature.value_fingerprint(tx.init)  # cheap: code and closure, by value
+    if computes is not None:
+        key: Hashable | None = ("closure", computes, structure)
+    else:  # nothing to tell it by but what it traces to
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+        traced = _trace_init(tx, treedef, specs)
+        computes = _computation(*traced)
+        key = None if computes is None else ("traced", computes, structure)
+    hit = _cached(key)
     if hit is None:
-        hit = _build(tx, params, paths, leaves, scalars_on, axes, memory_kind)
-        _store(tx.init, key, hit)
+        hit = _build(tx, params, paths, leaves, scalars_on, axes, memory_kind, traced)
+        _store(key, hit)
     state_def, steps = hit
     values: dict[int, jax.Array] = {}
     made: list[jax.Array] = []
@@ -349,6 +430,7 @@ def init(
             made.extend(out)
             values.update(zip(outputs, out, strict=True))
         jax.block_until_ready(made)
+    _agree.keep(made)  # deleted if another process failed
     return jax.tree_util.tree_unflatten(state_def, [values[j] for j in range(len(values))])
 
 

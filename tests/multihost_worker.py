@@ -184,6 +184,77 @@ def check(
     return failures, {"shards": shards_checked, "remote_arrays": remote}
 
 
+def check_prepare_failures(named: Mapping[str, Mesh]) -> tuple[list[str], dict]:
+    """A factory (a linen module, a ``tx.init``) that raises on process 1 only, while
+    it is traced, before anything is made: process 1 raises its own error, process 0
+    a ``PeerFailure`` naming it, within seconds (not the collectives' timeout), with
+    no array kept, for each adapter's init."""
+    import equinox as eqx
+    import flax.linen as nn
+    import optax
+    from flax import nnx
+
+    import meshinit.eqx
+    import meshinit.linen
+    import meshinit.nnx
+    import meshinit.optax
+
+    def fail(adapter: str) -> None:
+        if jax.process_index() == 1:
+            raise RuntimeError(f"injected {adapter} factory failure on process 1")
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            fail("linen")
+            return nn.Dense(8)(x)
+
+    everywhere = named["global_auto"]
+    model = nnx_model()
+    meshes = [(p, named[n]) for p, n in NNX_MESHES]
+    params = meshinit.init(
+        {"w": meshinit.param((8, 16), jax.nn.initializers.ones, mesh=everywhere)}, 0
+    )
+    adam = optax.adam(1e-3)
+    calls = {
+        "nnx": lambda: meshinit.nnx.init(
+            lambda: (fail("nnx"), model(nnx.Rngs(3)))[1], meshes=meshes
+        ),
+        "eqx": lambda: meshinit.eqx.init(
+            lambda k: (fail("eqx"), eqx.nn.Linear(16, 32, key=k))[1],
+            0,
+            [(r".*", None)],
+            mesh=everywhere,
+        ),
+        "linen": lambda: meshinit.linen.init(
+            Linen(), 0, np.ones((1, 16), np.float32), mesh=everywhere, default="replicated"
+        ),
+        "optax": lambda: meshinit.optax.init(
+            optax.GradientTransformation(lambda p: (fail("optax"), adam.init(p))[1], adam.update),
+            params,
+        ),
+    }
+    outcomes: dict[str, Any] = {}
+    for adapter, call in calls.items():
+        before = len(jax.live_arrays())
+        start = time.monotonic()
+        try:
+            call()
+            outcome = "returned"
+        except meshinit.PeerFailure as e:
+            outcome = "PeerFailure: " + str(e)
+        except Exception as e:
+            outcome = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        outcomes[adapter] = {
+            "outcome": outcome[:400],
+            "seconds": time.monotonic() - start,
+            "leaked": len(jax.live_arrays()) - before,
+        }
+    for a in jax.tree_util.tree_leaves(params):
+        a.delete()
+    return [], outcomes
+
+
 def check_agreement(process_id: int, plan: Any) -> tuple[list[str], dict]:
     """Process 1 fails two materialize calls, each in its own way; both processes must
     raise, process 0 naming process 1, within a bounded time, keeping no array. Then
@@ -268,6 +339,8 @@ def main(process_id: int, port: int, reference_path: str) -> int:
     failures += found
     jax.block_until_ready(tree)
     found, counts["nnx"] = check_nnx(named, reference)
+    failures += found
+    found, counts["prepare"] = check_prepare_failures(named)
     failures += found
     found, counts["agreement"] = check_agreement(process_id, plan)
     failures += found

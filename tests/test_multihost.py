@@ -19,7 +19,8 @@ import jax
 import multihost_worker as worker
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import meshinit
 
@@ -196,3 +197,124 @@ def test_a_failure_on_one_process_fails_every_process_and_keeps_no_array(workers
             assert outcomes[case]["leaked"] == 0, outcomes  # every array made was deleted
             assert outcomes[case]["seconds"] < 60, outcomes  # bounded: no collective deadline
         assert outcomes["after"] == len(worker.MESH_NAMES) * PARAMS_PER_MESH  # agreed again
+
+
+@pytest.mark.parametrize("adapter", ["nnx", "eqx", "linen", "optax"])
+def test_a_factory_failing_on_one_process_before_anything_is_made_fails_every_process(
+    workers, adapter
+):
+    # The factory raises on process 1 only, while it is traced: process 1 never plans
+    # or allocates, yet it joins the agreement from its error path, so process 0 (which
+    # made its arrays) raises quickly, naming process 1's error, not after a timeout.
+    zero, one = (counts(i, r)["prepare"][adapter] for i, r in enumerate(workers))
+    error = f"RuntimeError: injected {adapter} factory failure on process 1"
+    assert one["outcome"] == error, one
+    assert zero["outcome"].startswith("PeerFailure"), zero
+    assert f"process 1 failed: {error}" in zero["outcome"], zero
+    for outcome in (zero, one):
+        assert outcome["seconds"] < 20, outcome  # well under the collectives' 30 s timeout
+        assert outcome["leaked"] == 0, outcome  # process 0 deleted what it had made
+
+
+# ------------------------------------------------ one agreement per call, in one process
+
+
+def collective_calls(fail):
+    """Each collective call, as a thunk; ``fail(where)`` raises when ``where`` is the
+    stage the test fails ("prepare": while tracing or planning, "run": while making)."""
+    import equinox as eqx
+    import flax.linen as nn
+    import optax
+    from flax import nnx
+
+    import meshinit.eqx
+    import meshinit.linen
+    import meshinit.nnx
+    import meshinit.optax
+
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+
+    def ones(key, shape, dtype):
+        fail("prepare")  # planning checks each initializer abstractly
+        return jax.numpy.ones(shape, dtype)
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            fail("prepare")
+            return nn.Dense(8)(x)
+
+    def specs():
+        return {"w": meshinit.param((8, 16), ones, axes=("fsdp", None), mesh=mesh)}
+
+    plan = meshinit.plan(specs())  # before anything fails
+
+    def factory():
+        fail("prepare")
+        return nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+
+    params = {"w": jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P()))}
+    model = meshinit.nnx.init(lambda: nnx.Linear(16, 8, rngs=nnx.Rngs(0)))  # made before
+    adam = optax.adam(1e-3)
+    tx = optax.GradientTransformation(lambda p: (fail("prepare"), adam.init(p))[1], adam.update)
+    return {
+        "materialize": lambda: meshinit.materialize(plan, 0),
+        "init": lambda: meshinit.init(specs(), 0),
+        "nnx.init": lambda: meshinit.nnx.init(factory),
+        "eqx.init": lambda: meshinit.eqx.init(
+            lambda k: (fail("prepare"), eqx.nn.Linear(16, 8, key=k))[1],
+            0,
+            [(".*", None)],
+            mesh=mesh,
+        ),
+        "linen.init": lambda: meshinit.linen.init(
+            Linen(), 0, np.ones((1, 16), np.float32), mesh=mesh, default="replicated"
+        ),
+        "optax.init": lambda: meshinit.optax.init(tx, params),
+        "nnx.optimizer": lambda: meshinit.nnx.optimizer(model, tx),
+    }
+
+
+# (call, where it fails: None for not at all). optax makes its state without run_plan
+# (its "run" is its own loop), and materialize's preparation is the caller's
+# meshinit.plan, which is not collective (meshinit.init's is).
+ENDINGS = [
+    (name, where)
+    for name in ("materialize", "init", "nnx.init", "eqx.init", "linen.init")
+    for where in (None, "prepare", "run")
+    if (name, where) != ("materialize", "prepare")
+] + [(name, where) for name in ("optax.init", "nnx.optimizer") for where in (None, "prepare")]
+
+
+@pytest.mark.parametrize(("name", "where"), ENDINGS)
+def test_every_collective_call_agrees_exactly_once_however_it_ends(monkeypatch, name, where):
+    # Every process must join the same number of agreements, in the same order: one per
+    # call, whether it succeeds, fails before anything is made, or fails while making.
+    from meshinit import _agree, _strategies
+
+    armed = {"on": False}
+
+    def fail(stage):
+        if armed["on"] and stage == where:
+            raise RuntimeError(f"injected {stage} failure")
+
+    calls = collective_calls(fail)
+    agreed = []
+    real_call = _strategies.call
+
+    def call(*args):
+        fail("run")
+        return real_call(*args)
+
+    monkeypatch.setattr(_agree, "agree", lambda what, error: agreed.append((what, error)))
+    monkeypatch.setattr(_strategies, "call", call)
+    armed["on"] = True
+    if where is None:
+        calls[name]()
+    else:
+        with pytest.raises(Exception, match=f"injected {where} failure"):  # PlanError: init
+            calls[name]()
+    assert len(agreed) == 1, f"{name} agreed {len(agreed)} times: {agreed}"
+    ((what, error),) = agreed
+    assert (error is None) == (where is None), agreed
+    assert what == {"materialize": "materialize"}.get(name, f"meshinit.{name}"), what

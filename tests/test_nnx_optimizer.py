@@ -288,6 +288,23 @@ def test_other_transforms_match_flax_exactly_except_placement(name):
             assert leaf.ndim == 0 and leaf.sharding == replicated, path
 
 
+def test_a_transformation_reading_a_changed_dict_gets_fresh_state():
+    # The step count travels with tx.init into meshinit.optax, which must still see
+    # what tx.init reads: the second optimizer's state reflects the new scale.
+    cfg = {"scale": 1.0}
+    tx = optax.GradientTransformation(
+        lambda params: jax.tree.map(lambda x: cfg["scale"] * jnp.ones_like(x), params),
+        lambda updates, state, params=None: (updates, state),
+    )
+    model = build("disjoint", explicit=False)
+    first = [np.asarray(x) for x in jax.tree.leaves(meshinit.nnx.optimizer(model, tx).opt_state)]
+    cfg["scale"] = 3.0
+    second = [np.asarray(x) for x in jax.tree.leaves(meshinit.nnx.optimizer(model, tx).opt_state)]
+    assert len(first) == len(second) == 4  # w and b of both stages
+    assert all(np.all(x == 1.0) for x in first), first
+    assert all(np.all(x == 3.0) for x in second), "stale state from the first optimizer"
+
+
 def test_a_model_from_meshinit_nnx_init():
     """The documented path: meshinit.nnx.init places the model, optimizer its state."""
     model = meshinit.nnx.init(lambda: build("disjoint", explicit=False))

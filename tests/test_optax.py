@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -200,18 +201,21 @@ def test_scalars_on_puts_the_scalars_where_asked(layout, count_compiles):
 def test_a_failing_later_group_deletes_what_was_made(new_arrays):
     params = make_params("disjoint", explicit=False)
     tx = optax.adam(1e-3)
+    meshinit.clear_cache()
     meshinit.optax.init(tx, params)  # fills the cache
-    (entry,) = meshinit.optax._cache[tx.init].values()
-    state_def, steps = entry
+    ((key, (state_def, steps)),) = meshinit.optax._cache.items()
 
     def broken(*args):
         raise RuntimeError("device lost")
 
     mesh_, inputs, outputs, _ = steps[-1]
-    steps[-1] = (mesh_, inputs, outputs, broken)
-    with new_arrays() as made:
-        with pytest.raises(RuntimeError, match="device lost") as info:
-            meshinit.optax.init(tx, params)
+    meshinit.optax._cache[key] = (state_def, (*steps[:-1], (mesh_, inputs, outputs, broken)))
+    try:
+        with new_arrays() as made:
+            with pytest.raises(RuntimeError, match="device lost") as info:
+                meshinit.optax.init(tx, params)
+    finally:
+        meshinit.clear_cache()  # every adam(1e-3) shares the entry: drop the broken one
     assert not made, f"{len(made)} state arrays survived a failed init"
     assert any("deleted the" in n for n in info.value.__notes__)
 
@@ -289,6 +293,60 @@ def test_a_jitted_init_over_the_whole_tree_reads_each_parameter_apart(count_comp
     ):
         assert got.sharding == want.sharding, _paths.path_str(path)
         np.testing.assert_array_equal(np.asarray(got), 2 * np.asarray(want))
+
+
+def scaled_ones(read_scale):
+    """A transformation whose init reads its scale from outside, at trace time."""
+    return custom(lambda params: jax.tree.map(lambda x: read_scale() * jnp.ones_like(x), params))
+
+
+class Config:  # hashed by identity: no value fingerprint, so the traced program tells
+    scale = 1.0
+
+
+@pytest.mark.parametrize("holder", ["dict", "object"])
+def test_an_init_reading_state_changed_between_calls_gets_fresh_state(holder):
+    # The same tx twice, its init reading cfg["scale"] (a dict, by its contents) or
+    # cfg.scale (an object only its traced program describes): the second state must
+    # reflect the new value, not reuse the program compiled for the old one.
+    cfg = {"scale": 1.0} if holder == "dict" else Config()
+    read = (lambda: cfg["scale"]) if holder == "dict" else (lambda: cfg.scale)
+    tx = scaled_ones(read)
+    params = make_params("disjoint", explicit=False)
+    first = meshinit.optax.init(tx, params)
+    if holder == "dict":
+        cfg["scale"] = 3.0
+    else:
+        cfg.scale = 3.0
+    second = meshinit.optax.init(tx, params)
+    for (path, a), b in zip(
+        jax.tree_util.tree_flatten_with_path(first)[0], jax.tree.leaves(second), strict=True
+    ):
+        assert np.all(np.asarray(a) == 1.0), _paths.path_str(path)
+        assert np.all(np.asarray(b) == 3.0), f"{_paths.path_str(path)}: stale state"
+
+
+def test_the_same_hyperparameters_compile_nothing_the_second_time(count_compiles):
+    # The same adamw(1e-3), and a fresh one: what tx.init computes is the same, so the
+    # second and third calls reuse the first call's programs.
+    params = make_params("disjoint", explicit=False)
+    tx = optax.adamw(1e-3)
+    meshinit.clear_cache()
+    with count_compiles() as first:
+        want = meshinit.optax.init(tx, params)
+    with count_compiles() as again:
+        meshinit.optax.init(tx, params)
+    with count_compiles() as fresh:
+        got = meshinit.optax.init(optax.adamw(1e-3), params)
+    assert first.count == 2, "one program per mesh"
+    assert again.count == 0 and fresh.count == 0, (again.count, fresh.count)
+    assert meshinit.shardings(got) == meshinit.shardings(want)
+    # A deep chain has no closure fingerprint (too nested); its traced program has one.
+    multi = lambda: TRANSFORMS["multi_transform"](params)  # noqa: E731
+    meshinit.optax.init(multi(), params)
+    with count_compiles() as deep:
+        meshinit.optax.init(multi(), params)
+    assert deep.count == 0, "a fresh multi_transform with the same hyperparameters"
 
 
 def test_without_optax_the_adapter_says_how_to_install_it():
