@@ -142,7 +142,8 @@ _PROBES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
     "split": (lambda x: jax.lax.split(x, (1, 1)), (_f32(2),)),
     "stack": (lambda x: jax.numpy.stack([x, x]), (_f32(2),)),
     "copy": (lambda x: jax.numpy.copy(x), (_f32(2),)),
-    "unstack": (lambda x: list(x), (_f32(2),)),  # iterating an array, from jax 0.11
+    # jnp.unstack binds it on every jax; iterating an array does from jax 0.11
+    "unstack": (lambda x: jax.numpy.unstack(x), (_f32(2),)),
     "pvary": (_pvary_probe, (_f32(1),)),
     "reshard": (_reshard_probe, (_f32(1),)),
 }
@@ -250,10 +251,7 @@ def prims(*names: str) -> frozenset[Primitive]:
 
 def missing() -> list[str]:
     """The names of :data:`KNOWN` that the installed jax has no primitive for."""
-    optional = {
-        "core_call",  # jax's plain call: jax 0.12 merged it into closed_call
-        "unstack",  # from jax 0.11; before, iterating an array binds slice and squeeze
-    }
+    optional = {"core_call"}  # jax's plain call: jax 0.12 merged it into closed_call
     return [n for n, p in _table().items() if p is None and n not in optional]
 
 

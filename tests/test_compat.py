@@ -39,7 +39,7 @@ def _probe(k, x, i, f16):
     y = jnp.squeeze(y[:1], 0)  # slice, squeeze
     y = jnp.concatenate([y, jnp.stack([y, y])[0]])  # concatenate, stack
     a, b = jax.lax.split(y, (4, 4))  # split
-    parts = list(jnp.arange(2.0))  # iota; unstack (jax >= 0.11)
+    parts = jnp.unstack(jnp.arange(2.0))  # iota, unstack
     c = jnp.copy(a)  # copy
     one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("one",))
     c = jax.lax.with_sharding_constraint(c, jax.sharding.NamedSharding(one, P()))
@@ -68,8 +68,6 @@ def test_a_probe_constructor_binds_every_primitive_the_engine_knows():
     bound = set(seen.values())
     # placement primitives that the probe cannot bind outside a mesh: their own probes
     elsewhere = {"reshard", "pvary", "core_call", "closed_call"}
-    if _compat.prim("unstack") is None:
-        elsewhere.add("unstack")
     lacking = [n for n in _compat.KNOWN if n not in elsewhere and _compat.prim(n) not in bound]
     assert lacking == [], f"the probe binds no {lacking}: the engine's table and jax disagree"
 
