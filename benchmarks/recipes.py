@@ -638,10 +638,10 @@ def preload(recipe: str) -> None:
 
 
 def meshinit_options() -> dict[str, Any]:
-    """meshinit's own CPU compiler options, as shipped."""
-    from meshinit import _options
+    """meshinit's own CPU compiler options, as it passes them to the installed jaxlib."""
+    from meshinit import _compile
 
-    return dict(_options.CPU_COMPILER_OPTIONS)
+    return _compile.default_cpu_options()
 
 
 def meshinit_key_impl() -> Any:

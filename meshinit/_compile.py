@@ -2,12 +2,11 @@
 
 Every program is traced under an all-Auto twin of its group's mesh
 (:func:`auto_twin`), lowered with exact out_shardings and compiled with the mesh's
-compiler options of the call (:func:`meshinit.options`; by default meshinit's
-:data:`CPU_COMPILER_OPTIONS` on CPU, where an option this jaxlib lacks is dropped once,
-with an INFO record). Executables are cached process-wide
-(:data:`executables`, in the registry of :mod:`meshinit._caches`), and the ones not
-cached yet compile in parallel threads before anything is allocated
-(:func:`precompile`).
+compiler options of the call (:func:`meshinit.options`; by default, on CPU, those of
+meshinit's :data:`CPU_COMPILER_OPTIONS` that the installed jaxlib knows). Executables
+are cached process-wide (:data:`executables`, in the registry of
+:mod:`meshinit._caches`), and the ones not cached yet compile in parallel threads
+before anything is allocated (:func:`precompile`).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
+import jaxlib
 from jax.sharding import AxisType, Mesh
 
 from . import _caches, _compat, _options, _progress
@@ -53,29 +53,40 @@ def on_cpu(mesh: Mesh) -> bool:
 
 def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
     """The XLA options this call compiles ``mesh``'s programs with
-    (:func:`meshinit._options.options`; by default meshinit's own on CPU, less the
-    ones this jaxlib lacks, and XLA's defaults elsewhere)."""
+    (:func:`meshinit._options.options`; by default :func:`default_cpu_options` on CPU,
+    and XLA's defaults elsewhere)."""
     chosen = _options.current().compiler_options
     if chosen is not None:
         return dict(chosen) or None
     if not on_cpu(mesh):
         return None
-    options = {k: v for k, v in CPU_COMPILER_OPTIONS.items() if k not in unknown_options}
-    return options or None
+    return default_cpu_options() or None
 
 
-unknown_options: set[str] = set()  # of CPU_COMPILER_OPTIONS, those this jaxlib lacks
+def default_cpu_options() -> dict[str, Any]:
+    """meshinit's own CPU options that the installed jaxlib knows: decided per jaxlib
+    version (:func:`meshinit._options.cpu_options_for`), so a compile never names an
+    option this jaxlib has retired, less any that a compile here rejected anyway."""
+    known = _options.cpu_options_for(jaxlib.__version__, tuple(CPU_COMPILER_OPTIONS.items()))
+    return {k: v for k, v in known if k not in unknown_options}
+
+
+# Of CPU_COMPILER_OPTIONS, those a compile rejected although meshinit's table of retired
+# options (meshinit._options.CPU_OPTIONS_RETIRED_IN) did not expect it: a jaxlib newer
+# than the tested ones.
+unknown_options: set[str] = set()
 _NO_SUCH_OPTION = re.compile(r"No such compile option: '([^']+)'")
 
 
 def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
     """``lowered.compile`` with the mesh's compiler options (:func:`compiler_options`).
 
-    An option of meshinit's own :data:`CPU_COMPILER_OPTIONS` that this jaxlib does not
-    know (XLA renames and retires its debug options) is dropped for the rest of the
-    process, with an INFO record, instead of failing every compile: meshinit's options
-    change compile and run time, never values (a test compares them with XLA's
-    defaults). An option the caller asked for is never dropped.
+    meshinit passes only the options the installed jaxlib knows
+    (:func:`default_cpu_options`). Should a jaxlib newer than the tested ones reject
+    one of them anyway (XLA renames and retires its debug options), it is dropped for
+    the rest of the process, with an INFO record, instead of failing every compile:
+    meshinit's options change compile and run time, never values (a test compares them
+    with XLA's defaults). An option the caller asked for is never dropped.
     """
     tried: set[str] = set()
     own = _options.current().compiler_options is None
@@ -93,7 +104,10 @@ def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
                 unknown_options.add(name)
             if new:
                 _progress.logger.info(
-                    "meshinit: this jaxlib has no XLA option %r; not using it", name
+                    "meshinit: jaxlib %s has no XLA option %r; not using it "
+                    "(meshinit._options.CPU_OPTIONS_RETIRED_IN does not know this jaxlib)",
+                    jaxlib.__version__,
+                    name,
                 )
 
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import re
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from . import _caches
 
 __all__ = ["options"]
 
@@ -29,6 +32,44 @@ STRATEGY_NAMES = ("rounds", "per_signature")  # meshinit._strategies.STRATEGIES,
 CPU_COMPILER_OPTIONS: Mapping[str, Any] = types.MappingProxyType(
     {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
 )
+
+# XLA retires its debug options, and a jaxlib that lacks one rejects every compile that
+# names it. For each of meshinit's options that a supported jaxlib lacks: the first
+# jaxlib release without it. Checked by compiling with each option on jaxlib 0.10.2,
+# 0.11.0, 0.11.1, 0.11.2 and 0.12.0.1 (the MLIR fusion emitters are XLA's only CPU
+# emitters from 0.11.1 on); tests/test_compile_options.py checks the installed jaxlib
+# both ways, so a jaxlib that retires another one fails the tests, not users' compiles.
+CPU_OPTIONS_RETIRED_IN: Mapping[str, tuple[int, ...]] = types.MappingProxyType(
+    {"xla_cpu_use_fusion_emitters": (0, 11, 1)}
+)
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The release numbers at the start of a version string: ``"0.12.0.1"`` gives
+    ``(0, 12, 0, 1)``, ``"0.11.1.dev20260101"`` gives ``(0, 11, 1)``."""
+    found = re.match(r"\d+(?:\.\d+)*", version)
+    if found is None:
+        raise ValueError(f"not a release version: {version!r}")
+    return tuple(int(part) for part in found.group(0).split("."))
+
+
+@_caches.memo(8)
+def cpu_options_for(
+    jaxlib_version: str, candidates: tuple[tuple[str, Any], ...]
+) -> tuple[tuple[str, Any], ...]:
+    """Of ``candidates`` (meshinit's CPU options as pairs), the ones jaxlib
+    ``jaxlib_version`` knows (:data:`CPU_OPTIONS_RETIRED_IN`), decided once per version.
+
+    Examples:
+      >>> dict(cpu_options_for("0.12.0.1", tuple(CPU_COMPILER_OPTIONS.items())))
+      {'xla_backend_optimization_level': 1}
+    """
+    have = release(jaxlib_version)
+    return tuple(
+        (name, value)
+        for name, value in candidates
+        if name not in CPU_OPTIONS_RETIRED_IN or have < CPU_OPTIONS_RETIRED_IN[name]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +156,8 @@ def options(
         meshinit's choice (on CPU ``xla_backend_optimization_level=1`` and
         ``xla_cpu_use_fusion_emitters=False``, XLA's defaults elsewhere);
         ``{}`` means XLA's defaults everywhere. An option this jaxlib does not know
-        is an error here, where meshinit's own are dropped with an INFO record.
+        is an error here; of meshinit's own, only those the installed jaxlib knows
+        are passed (``xla_cpu_use_fusion_emitters`` is gone from jaxlib 0.11.1 on).
 
     Examples:
       >>> with meshinit.options(strategy="per_signature", compiler_options={}):
