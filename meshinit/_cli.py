@@ -307,13 +307,16 @@ def plan_command(args: argparse.Namespace) -> int:
 
     factory = _factory(args.target)
 
-    from jax.sharding import AbstractMesh
+    from jax.sharding import AbstractMesh, AxisType
 
     import meshinit
 
     from . import _records, _report
 
-    mesh = AbstractMesh(*mesh_shape) if mesh_shape is not None else None
+    mesh = None
+    if mesh_shape is not None:  # Auto axes, as Mesh(...) has: AbstractMesh's default
+        sizes, names = mesh_shape  # is Auto on jax 0.10 and Explicit from 0.11
+        mesh = AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
     made: Any = None  # what factory() returned, if it was called
     with contextlib.ExitStack() as stack:
         if mesh is not None:

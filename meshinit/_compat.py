@@ -218,8 +218,7 @@ KNOWN = (
 _EXPORTED_AS = {"core_call": "call_p"}
 
 
-@_caches.memo(maxsize=1)
-def _table() -> dict[str, Primitive | None]:
+def _build_table() -> dict[str, Primitive | None]:
     table: dict[str, Primitive | None] = {}
     probed: dict[str, Primitive] = {}
     for fn, structs in _PROBES.values():
@@ -236,6 +235,16 @@ def _table() -> dict[str, Primitive | None]:
             prim = probed[name]  # the object the public API binds, even if also exported
         table[name] = prim
     return table
+
+
+# Built once, at import, where no mesh or trace is active: a probe traced inside a
+# user's trace or mesh context could fail and leave a primitive unknown. Tracing
+# abstract values starts no backend.
+_TABLE = _build_table()
+
+
+def _table() -> dict[str, Primitive | None]:
+    return _TABLE
 
 
 def prim(name: str) -> Primitive | None:

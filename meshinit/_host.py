@@ -23,11 +23,8 @@ import jax
 import numpy as np
 
 from . import _caches, _compat, _jaxpr, _paths
+from ._host_numeric import FLOATS, NotHost, convert, int_div, int_rem, moved, shift, subnormal
 from ._paths import SHARDING_INVARIANT_IMPL, threefry_rounds
-
-
-class NotHost(Exception):
-    """This equation is not evaluated on the host; compute it in the program."""
 
 
 class HostKey:
@@ -39,12 +36,9 @@ class HostKey:
         self.data = data
 
 
-_FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
-
-
 def _exact_float(dtype: Any) -> None:
     # bf16 and the float8 types are numpy kind "V", complex "c": not kind "f"
-    if jax.dtypes.issubdtype(dtype, np.inexact) and np.dtype(dtype) not in _FLOATS:
+    if jax.dtypes.issubdtype(dtype, np.inexact) and np.dtype(dtype) not in FLOATS:
         raise NotHost(f"{dtype} arithmetic")  # numpy rounds bf16/f16 ops differently
 
 
@@ -67,52 +61,6 @@ def _out_aval(node: _jaxpr.Node) -> Any:
     return node.params["_aval"]
 
 
-def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    if np.dtype(a.dtype).kind not in "iu":
-        raise NotHost(f"{a.dtype} division")  # floats, and int4/int2 (kind "V")
-    if np.any(b == 0):
-        raise NotHost("integer division by zero")
-    # XLA rounds toward zero and numpy's // toward -inf; they agree on a - fmod(a, b),
-    # a multiple of b. (np.abs(INT_MIN) is INT_MIN, so dividing magnitudes is wrong
-    # there.) INT_MIN // -1 wraps to INT_MIN, as XLA's division does.
-    return ((a - np.fmod(a, b)) // b).astype(a.dtype)
-
-
-def _int_rem(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    if np.dtype(a.dtype).kind not in "iu" or np.any(b == 0):
-        raise NotHost("rem")
-    return np.fmod(a, b).astype(a.dtype)  # XLA's remainder takes the dividend's sign
-
-
-def _shift(kind: str) -> Callable[..., Any]:
-    """XLA's shifts: an amount outside [0, bits) gives 0, or the sign for arithmetic."""
-
-    def shifted(a: np.ndarray, s: np.ndarray) -> np.ndarray:
-        if np.dtype(a.dtype).kind not in "iu":
-            raise NotHost(f"shift of {a.dtype}")  # int4/int2: 4 or 2 bits in a byte
-        a, s = np.broadcast_arrays(a, s)
-        bits = a.dtype.itemsize * 8
-        unsigned = np.dtype(f"u{a.dtype.itemsize}")
-        amount = s.astype(unsigned)
-        inside = amount < bits
-        safe = np.where(inside, amount, 0).astype(unsigned)
-        if kind == "left":
-            out = (a.view(unsigned) << safe).view(a.dtype)
-            return np.where(inside, out, 0).astype(a.dtype)
-        if kind == "logical":
-            out = (a.view(unsigned) >> safe).view(a.dtype)
-            return np.where(inside, out, 0).astype(a.dtype)
-        # XLA shifts the bits arithmetically whatever the type (uint8 0xFE >> 1 is
-        # 0xFF), and numpy's >> is arithmetic on signed types: shift the signed view.
-        signed = np.dtype(f"i{a.dtype.itemsize}")
-        v = a.view(signed)
-        out = v >> safe.astype(signed)
-        sign = np.where(v < 0, -1, 0).astype(signed)
-        return np.where(inside, out, sign).astype(signed).view(a.dtype)
-
-    return shifted
-
-
 def _integer(fn: Callable[..., Any]) -> Callable[..., Any]:
     # Float arithmetic stays in the compiled programs: XLA contracts a multiply and an
     # add into one fused multiply-add inside a jitted initializer (jax.random.uniform),
@@ -120,44 +68,22 @@ def _integer(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _elementwise(fn, floats=False)
 
 
-def _subnormal(x: np.ndarray) -> bool:
-    """Whether float ``x`` holds a subnormal number, on which jax has no one answer:
-    XLA's compiled CPU code treats them as zero (1e-45 > 0 is false there, and f32
-    1e-45 converts to f64 0), while its constant folder and numpy do not."""
-    if not jax.dtypes.issubdtype(x.dtype, np.floating):
-        return False
-    magnitude = np.abs(x)
-    tiny = jax.dtypes.finfo(x.dtype).smallest_normal
-    return bool(np.any((magnitude < tiny) & (magnitude != 0)))
-
-
 def _compare(fn: Callable[..., Any]) -> Callable[..., Any]:
     def rule(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
         for x in ins:
-            if jax.dtypes.issubdtype(x.dtype, np.complexfloating) or _subnormal(x):
+            if jax.dtypes.issubdtype(x.dtype, np.complexfloating) or subnormal(x):
                 raise NotHost(f"{node.primitive.name} of a subnormal or complex number")
         return [fn(*ins)]
 
     return rule
 
 
-def _moved(xs: list[Any]) -> None:
-    """Refuses to move NaNs of the narrow float types: XLA's CPU code moves some of
-    them through f32, which makes their NaNs canonical, differently by version (jax
-    0.10.2 concatenates bf16 0x7f81 as 0x7fc0; 0.12 slices float8_e5m2 0xfe as 0x7f)."""
-    for x in xs:
-        dtype = np.dtype(x.dtype)
-        if dtype not in _FLOATS and jax.dtypes.issubdtype(dtype, np.inexact):
-            if np.any(np.isnan(x)):
-                raise NotHost(f"a move of {dtype} NaNs")
-
-
 _RULES: dict[str, Callable[[_jaxpr.Node, list[Any]], list[Any]]] = {
     "add": _integer(np.add),
     "sub": _integer(np.subtract),
     "mul": _integer(np.multiply),
-    "div": _integer(_int_div),
-    "rem": _elementwise(_int_rem),
+    "div": _integer(int_div),
+    "rem": _elementwise(int_rem),
     "neg": _integer(np.negative),
     "max": _integer(np.maximum),
     "min": _integer(np.minimum),
@@ -167,9 +93,9 @@ _RULES: dict[str, Callable[[_jaxpr.Node, list[Any]], list[Any]]] = {
     "or": _elementwise(np.bitwise_or, floats=False),
     "xor": _elementwise(np.bitwise_xor, floats=False),
     "not": _elementwise(np.invert, floats=False),
-    "shift_left": _elementwise(_shift("left"), floats=False),
-    "shift_right_arithmetic": _elementwise(_shift("arithmetic"), floats=False),
-    "shift_right_logical": _elementwise(_shift("logical"), floats=False),
+    "shift_left": _elementwise(shift("left"), floats=False),
+    "shift_right_arithmetic": _elementwise(shift("arithmetic"), floats=False),
+    "shift_right_logical": _elementwise(shift("logical"), floats=False),
     "eq": _compare(np.equal),
     "ne": _compare(np.not_equal),
     "lt": _compare(np.less),
@@ -189,32 +115,7 @@ def _rule(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 @_rule("convert_element_type")
 def _convert(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    (x,) = ins
-    old, new = np.dtype(x.dtype), np.dtype(node.params["new_dtype"])
-    floating = jax.dtypes.issubdtype  # bf16 and float8 are numpy kind "V", not "f"
-    if old == new:
-        return [x.copy()]  # a weak type made strong: the same bits
-    if floating(old, np.complexfloating) or floating(new, np.complexfloating):
-        raise NotHost("complex conversion")
-    if not floating(old, np.floating):
-        narrow = floating(new, np.floating) and new not in _FLOATS
-        if narrow and np.any(np.abs(x.astype(np.float64)) > 2**24):
-            # XLA converts an integer to bf16 through f32, rounding twice (int32
-            # 2**24 + 2**16 + 1 is bf16 16777216 in XLA, 16908288 in ml_dtypes)
-            raise NotHost("large integer to a narrow float")
-        return [x.astype(new)]
-    if not floating(new, np.floating):
-        raise NotHost("float to integer conversion")  # numpy and XLA saturate differently
-    if np.any(np.isnan(x)):
-        # XLA quiets signalling NaNs and gives float8 types their one NaN (no sign, no
-        # payload); numpy and ml_dtypes keep sign and payload bits
-        raise NotHost("NaN conversion")
-    if old == np.float64 and new not in _FLOATS:
-        raise NotHost("f64 to a narrow float")  # XLA rounds through f32, twice
-    out = x.astype(new)
-    if _subnormal(x) or _subnormal(out):
-        raise NotHost("subnormal conversion")  # XLA's CPU code flushes them to zero
-    return [out]
+    return [convert(ins[0], node.params["new_dtype"])]
 
 
 @_rule("bitcast_convert_type")
@@ -228,7 +129,7 @@ def _bitcast(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 
 @_rule("broadcast_in_dim")
 def _broadcast(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    _moved(ins)
+    moved(ins)
     x = ins[0]
     shape, dims = node.params["shape"], node.params["broadcast_dimensions"]
     expanded = [1] * len(shape)
@@ -239,7 +140,7 @@ def _broadcast(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 
 @_rule("reshape")
 def _reshape(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    _moved(ins)
+    moved(ins)
     x, dims = ins[0], node.params.get("dimensions")
     if dims is not None:
         if len(dims) != x.ndim:
@@ -250,19 +151,19 @@ def _reshape(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 
 @_rule("squeeze")
 def _squeeze(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    _moved(ins)
+    moved(ins)
     return [np.squeeze(ins[0], axis=tuple(node.params["dimensions"]))]
 
 
 @_rule("transpose")
 def _transpose(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    _moved(ins)
+    moved(ins)
     return [np.transpose(ins[0], node.params["permutation"]).copy()]
 
 
 @_rule("slice")
 def _slice(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    _moved(ins)
+    moved(ins)
     p = node.params
     strides = p["strides"] or (1,) * len(p["start_indices"])
     index = tuple(
@@ -274,28 +175,28 @@ def _slice(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 
 @_rule("concatenate")
 def _concatenate(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    _moved(ins)
+    moved(ins)
     return [np.concatenate(ins, axis=node.params["dimension"])]
 
 
 @_rule("stack")
 def _stack(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    _moved(ins)
+    moved(ins)
     return [np.stack(ins, axis=node.params["axis"])]
 
 
 @_rule("split")
 def _split(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    _moved(ins)
+    moved(ins)
     sizes, axis = node.params["sizes"], node.params["axis"]
     return list(np.split(ins[0], np.cumsum(sizes)[:-1], axis=axis))
 
 
 @_rule("unstack")
 def _unstack(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    _moved(ins)
-    moved = np.moveaxis(ins[0], node.params["axis"], 0)
-    return [part.copy() for part in moved]
+    moved(ins)
+    parts = np.moveaxis(ins[0], node.params["axis"], 0)
+    return [part.copy() for part in parts]
 
 
 @_rule("iota")
@@ -313,7 +214,7 @@ def _iota(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 @_rule("select_n")
 def _select_n(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     which, *cases = ins
-    _moved(cases)
+    moved(cases)
     index = np.asarray(which).astype(np.int32)
     if len(cases) > 32 or np.any(index < 0) or np.any(index >= len(cases)):
         # jax leaves an out-of-range case undefined (np.choose would raise ValueError)
@@ -323,7 +224,7 @@ def _select_n(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 
 @_rule("copy")
 def _copy(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
-    _moved(ins)
+    moved(ins)
     return [ins[0]]
 
 

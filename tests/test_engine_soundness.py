@@ -7,15 +7,13 @@ Each test here failed on the engine before it was made sound (jax 0.10.2 or 0.12
 import logging
 import warnings
 
-import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 import meshinit
 
