@@ -351,10 +351,12 @@ class Plan(_renamed.PlanRenames):
           The table as a string; its rows fit 100 columns for the usual models.
 
         Examples:
-          >>> m = AbstractMesh((2, 4), ("fsdp", "tensor"))
+          >>> m = AbstractMesh((2, 4), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
           >>> specs = {"layers": [{"up": meshinit.param((256, 1024), init,
           ...     axes=("fsdp", "tensor"), mesh=m)} for _ in range(32)]}
           >>> print(meshinit.plan(specs).compact())
+          a row stands for the n parameters its path pattern names; per device sums all n
+          <BLANKLINE>
           mesh 0: AbstractMesh(fsdp=2, tensor=4; Auto)
             path                n  array          logical  PartitionSpec  per device
             layers.{0..31}.up  32  f32[256,1024]  -        fsdp,tensor       4.0 MiB

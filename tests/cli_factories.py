@@ -1,14 +1,22 @@
 """Factories for ``meshinit plan`` tests: ``meshinit plan tests/cli_factories.py:NAME``."""
 
 import jax
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 
 import meshinit
 
 RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"), ("norm", None))
 lecun = jax.nn.initializers.lecun_normal()
 ones = jax.nn.initializers.ones
-OWN = AbstractMesh((4,), ("tensor",))  # a mesh some specs bind themselves
+
+
+def _abstract_mesh(sizes: tuple[int, ...], names: tuple[str, ...]) -> AbstractMesh:
+    """An AbstractMesh with Auto axes, like ``Mesh(...)`` and ``--abstract-mesh``, on
+    every jax: AbstractMesh's own default is Auto on jax 0.10 and Explicit from 0.11."""
+    return AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+OWN = _abstract_mesh((4,), ("tensor",))  # a mesh some specs bind themselves
 
 
 def layer() -> dict:
@@ -39,7 +47,7 @@ def same_mesh_twice() -> dict:
     """One spec takes the default mesh, one binds an equal mesh of its own."""
     return {
         "default": meshinit.param((8, 8), ones, axes=("x", None)),
-        "own": meshinit.param((8, 8), ones, axes=("x", None), mesh=AbstractMesh((2,), ("x",))),
+        "own": meshinit.param((8, 8), ones, axes=("x", None), mesh=_abstract_mesh((2,), ("x",))),
     }
 
 

@@ -11,7 +11,7 @@ import jax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 
 import meshinit
 from meshinit import _report
@@ -21,6 +21,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 F = str(ROOT / "tests" / "cli_factories.py")
 MESH = ["--abstract-mesh", "fsdp=2,tensor=4"]
 ones = jax.nn.initializers.ones
+
+
+def abstract_mesh(sizes, names):
+    """An AbstractMesh with Auto axes, the mesh ``--abstract-mesh`` builds, on every jax:
+    AbstractMesh's own default is Auto on jax 0.10 and Explicit from 0.11."""
+    return AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def plan_cli(capsys, *args):
@@ -43,7 +49,7 @@ def factory_specs(name, mesh=None):
         import cli_factories
     finally:
         sys.path.remove(str(ROOT / "tests"))
-    with meshinit.defaults(mesh=mesh or AbstractMesh((2, 4), ("fsdp", "tensor"))):
+    with meshinit.defaults(mesh=mesh or abstract_mesh((2, 4), ("fsdp", "tensor"))):
         return getattr(cli_factories, name)()
 
 
@@ -192,7 +198,7 @@ def test_abstract_mesh_goes_where_jax_set_mesh_would_and_matches_nnx_plan(capsys
     for m in d["meshes"]:
         del m["mesh_from"]
     # every Variable whose metadata names no mesh gets --abstract-mesh; head keeps its own
-    mesh = AbstractMesh((2, 4), ("fsdp", "tensor"))
+    mesh = abstract_mesh((2, 4), ("fsdp", "tensor"))
     expected = meshinit.nnx.plan(factory("nnx_ordinary"), meshes=[(r"(?!head$).*", mesh)])
     assert d == expected.to_dict()
 
@@ -731,7 +737,7 @@ class _Tags(html.parser.HTMLParser):
 
 def test_repr_html_has_one_table_per_mesh_with_escaped_paths_and_the_totals():
     tree = three_meshes()
-    tree["<b>&x"] = meshinit.param((4,), ones, mesh=AbstractMesh((2,), ("x",)))
+    tree["<b>&x"] = meshinit.param((4,), ones, mesh=abstract_mesh((2,), ("x",)))
     plan = meshinit.plan(tree)
     text = plan._repr_html_()
     assert "<b>&x" not in text and "&lt;b&gt;&amp;x" in text
