@@ -81,6 +81,39 @@ def open_and_consts(x: Any) -> tuple[Any, Sequence[Any]]:
     return x, consts
 
 
+def retrace(x: Any, fn: Callable[..., Sequence[Any]]) -> Any:
+    """A closed jaxpr with ``x``'s inputs, traced anew from ``fn`` under the current
+    abstract mesh: the same computation when ``fn`` evaluates ``x``, with avals of
+    this mesh (a jaxpr records the mesh it was traced under in every aval)."""
+    body, _ = open_and_consts(x)
+    structs = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in body.invars
+    ]
+    return jax.make_jaxpr(lambda *a: list(fn(*a)))(*structs)
+
+
+def unmeshed_literal(x: Any) -> Any:
+    """A literal of a traced jaxpr without the mesh it was traced under.
+
+    jax 0.10 to 0.12 keep a literal as a ``TypedNdArray``: a numpy array with the aval
+    it had in the trace, weak type and sharding (so its mesh) included. The same
+    class, with the same dtype and weak type under the current mesh; anything else
+    as it is.
+    """
+    aval = getattr(x, "aval", None)
+    if type(x) is np.ndarray or not isinstance(x, np.ndarray) or aval is None:
+        return x
+    fresh = jax.core.ShapedArray(x.shape, x.dtype, weak_type=aval.weak_type)
+    return type(x)(np.asarray(x), fresh)
+
+
+def is_closed(x: Any) -> bool:
+    """Whether ``x`` is a closed jaxpr (a loop's or a branch's body), not an open one
+    whose constvars belong to its caller (``shard_map``'s before jax 0.11)."""
+    return isinstance(x, core.ClosedJaxpr) and (not _MERGED or not x.constvars or bool(x.consts))
+
+
 # ------------------------------------------------------------------- primitives
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from . import _compat, _compile, _host, _jaxpr, _materialize, _progress, _strategies, _threefry
 from ._caches import LRUCache
@@ -148,8 +148,11 @@ def _const_sharding(traced: Traced, n: int, entry: PlanEntry) -> NamedSharding |
     return None
 
 
-def _evaluator(traced: Traced, s: _Slice, key_impl: Any, straight: bool) -> Callable[..., Any]:
-    """``s`` as a traceable function of its inputs' values (keys as their data)."""
+def _evaluator(
+    traced: Traced, s: _Slice, key_impl: Any, straight: bool, mesh: Mesh
+) -> Callable[..., Any]:
+    """``s`` as a traceable function of its inputs' values (keys as their data), in
+    a program for ``mesh``."""
     prog = traced.program
     hash_p, wrap_p, seed_p = (
         _compat.prim(n) for n in ("threefry2x32", "random_wrap", "random_seed")
@@ -163,8 +166,9 @@ def _evaluator(traced: Traced, s: _Slice, key_impl: Any, straight: bool) -> Call
             return [jax.random.wrap_key_data(ins[0], impl=key_impl)]
         if straight and prim is seed_p and _is_threefry(node.params["impl"]):
             return [jax.random.key(ins[0], impl=key_impl)]
-        return _jaxpr.bind_node(node, ins)
+        return other(node, ins)
 
+    other = _jaxpr.bind_rehomed if _rehomes(traced, mesh) else _jaxpr.bind_node
     keys = [jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended) for n in s.inputs]
 
     def run(*values: Any) -> Any:
@@ -175,6 +179,12 @@ def _evaluator(traced: Traced, s: _Slice, key_impl: Any, straight: bool) -> Call
         return s.out.value if isinstance(s.out, Lit) else env[s.out]
 
     return run
+
+
+def _rehomes(traced: Traced, mesh: Mesh) -> bool:
+    """Whether a program for ``mesh`` must trace loop bodies anew
+    (:func:`_jaxpr.bind_rehomed`): the constructor was traced under another mesh."""
+    return traced.mesh is not None and traced.mesh != _compile.auto_twin(mesh)
 
 
 _THREEFRY = "threefry2x32"
@@ -377,7 +387,7 @@ class _Rounds:
                 s = self.work_.slices[k]
                 straight = self.on_cpu and not s.units
                 impl = _threefry.STRAIGHT_LINE if straight else _THREEFRY
-                fns.append(_evaluator(self.traced, s, impl, straight))
+                fns.append(_evaluator(self.traced, s, impl, straight, self.group.mesh))
                 for item, n, sh in zip(items, s.inputs, self._shardings(k), strict=True):
                     if item[0] == "host":
                         totals[item[1]] = max(totals[item[1]], item[2] + math.prod(item[3]))
@@ -472,12 +482,13 @@ def _fallback_exe(traced: Traced, group: MeshGroup, work: _Work, cache: LRUCache
         stack.extend(x for x in prog.nodes[i].ins if not isinstance(x, Lit))
     order = sorted(needed)
     entries = [group.entries[pos] for pos, _ in work.fallback]
+    bind = _jaxpr.bind_rehomed if _rehomes(traced, group.mesh) else None
 
     def build():
         def program(*args):
             env = dict(zip(prog.inputs, args, strict=True))
             env.update(prog.consts)
-            _jaxpr.evaluate(prog, order, env)
+            _jaxpr.evaluate(prog, order, env, bind)
             return [o.value if isinstance(o, Lit) else env[o] for o in outs]
 
         structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in traced.args]

@@ -228,6 +228,62 @@ def bind_as_traced(node: Node, ins: list[Any]) -> Sequence[Any]:
     return _compat.bind(node.primitive, ins, node.params)
 
 
+def bind_rehomed(node: Node, ins: list[Any]) -> Sequence[Any]:
+    """:func:`bind_node`, in a program lowered for a mesh other than the one the
+    constructor was traced under.
+
+    A loop's or a branch's body records the trace's mesh in every aval (and a
+    sharding constraint in it names that mesh), and lowering it for a mesh of another
+    shape or other devices fails ("use_abstract_mesh cannot change the size of the
+    mesh"). Each body is traced anew under the current mesh, its placement-only
+    equations the identity, as they are outside it: the same values. A node with a
+    mesh of its own (``shard_map``) is bound as it is.
+    """
+    if len(ins) == len(node.outs) and is_identity(node):
+        return ins
+    ins = [_unplaced(x) for x in ins]
+    if any(isinstance(p, Mesh | AbstractMesh) for p in node.params.values()):
+        return bind_as_traced(node, ins)
+    params = {k: _rehome(p) for k, p in node.params.items()}
+    return _compat.bind(node.primitive, ins, params)
+
+
+def _run_rehomed(closed: Any, args: Sequence[Any]) -> list[Any]:
+    prog = flatten(closed)
+    env = {n: _unplaced(c) for n, c in prog.consts.items()}
+    env.update(zip(prog.inputs, args, strict=True))
+    evaluate(prog, range(len(prog.nodes)), env, bind_rehomed)
+    return [_unplaced(x.value if isinstance(x, Lit) else env[x]) for x in prog.outputs]
+
+
+def _unplaced(x: Any) -> Any:
+    """A constant or a literal of the trace (made under its mesh) as a host value of
+    no mesh; a traced value as it is."""
+    if isinstance(x, np.ndarray):
+        return _compat.unmeshed_literal(x)
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = np.asarray(jax.random.key_data(x))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return np.asarray(x)
+
+
+def _rehome(p: Any) -> Any:
+    """A parameter, for the current mesh: a body traced anew; an output sharding of
+    another mesh (``broadcast_in_dim``'s, ``iota``'s, ``dot_general``'s: where the
+    output is placed, never what it is) left to the partitioner, as None."""
+    if isinstance(p, NamedSharding):
+        here = jax.sharding.get_abstract_mesh()
+        mesh = p.mesh if isinstance(p.mesh, AbstractMesh) else p.mesh.abstract_mesh
+        return p if mesh == here else None
+    if _compat.is_jaxpr(p) and _compat.is_closed(p):
+        return _compat.retrace(p, lambda *a: _run_rehomed(p, a))
+    if isinstance(p, tuple | list) and _holds_jaxpr(p):
+        return type(p)(_rehome(q) for q in p)
+    return p
+
+
 def run(closed: Any, args: Sequence[Any], bind: Callable[..., Any]) -> list[Any]:
     """``closed`` evaluated on ``args``, each equation (calls inlined) by ``bind``."""
     prog = flatten(closed)
@@ -296,6 +352,8 @@ def _canon(x: Any, memo: dict[Any, Any]) -> Any:
 
 def _canon_mesh(mesh: Any) -> Any:
     """A mesh by its structure: axes, sizes, types and (for a concrete mesh) devices."""
+    if mesh.empty:  # its device array is one None: no devices
+        return ("mesh", "empty")
     devices = None
     if isinstance(mesh, Mesh):
         devices = tuple(int(d.id) for d in mesh.devices.flat)

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from . import _compat, _compile, _host, _jaxpr
 from ._jaxpr import Lit, Program
@@ -50,12 +51,15 @@ class Traced:
       host: value number -> its host value (numpy array or ``_host.HostKey``).
       args: the host arguments the constructor was traced with.
       dynamic: the values that depend on those arguments (key data, example inputs).
+      mesh: the mesh it was traced under (the all-Auto twin of the context mesh), or
+        None; every aval inside its loops' and branches' bodies records it.
     """
 
     program: Program
     host: dict[int, Any]
     args: tuple[Any, ...]
     dynamic: frozenset[int] = frozenset()
+    mesh: Mesh | None = None
 
     @property
     def out_avals(self) -> list[Any]:
@@ -148,7 +152,7 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
         )
     host: dict[int, Any] = {}
     if not evaluate:
-        return Traced(prog, host, tuple(args))
+        return Traced(prog, host, tuple(args), mesh=twin)
     for n, a in zip(prog.inputs, args, strict=True):
         host[n] = np.asarray(a)
     for n, c in prog.consts.items():
@@ -178,4 +182,4 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
                 continue
             if all([x in host for x in ins]):
                 _host.evaluate_one(prog, i, host)
-    return Traced(prog, host, tuple(args), frozenset(dynamic))
+    return Traced(prog, host, tuple(args), frozenset(dynamic), twin)

@@ -148,3 +148,23 @@ def test_tracer_origin_messages_are_empty_only_inside_the_engine():
         pytest.skip("this jax's tracers have no _origin_msg: nothing is patched")
     assert messages["inside"] == ""
     assert messages["outside"] != ""
+
+
+def test_a_retraced_body_keeps_its_literals_weak_types_and_drops_the_trace_mesh():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    with jax.set_mesh(mesh):
+        closed = jax.make_jaxpr(lambda x: x * 2.0 + 1)(jnp.ones((4,), jnp.bfloat16))
+    body, _ = _compat.open_and_consts(closed)
+    lits = [v.val for e in body.eqns for v in e.invars if isinstance(v, _compat.Literal)]
+    assert lits and all(v.aval.sharding.mesh.shape == mesh.shape for v in lits)
+    for v in lits:
+        fresh = _compat.unmeshed_literal(v)
+        assert type(fresh) is type(v) and fresh.dtype == v.dtype
+        assert fresh.aval.weak_type == v.aval.weak_type
+        assert fresh.aval.sharding.mesh.empty
+        assert np.array_equal(np.asarray(fresh), np.asarray(v))
+    again = _compat.retrace(closed, lambda x: _jaxpr.run(closed, [x], _jaxpr.bind_rehomed))
+    assert again.out_avals[0].dtype == jnp.bfloat16
+    assert again.out_avals[0].sharding.mesh.empty
+    got = _jaxpr.run(again, [jnp.ones((4,), jnp.bfloat16)], _jaxpr.bind_node)[0]
+    assert np.array_equal(np.asarray(got, np.float32), np.full(4, 3.0, np.float32))

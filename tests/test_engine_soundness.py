@@ -308,3 +308,63 @@ def test_an_integer_literal_variable_warns_nothing_and_keeps_its_dtype():
     want = M()
     same_bits(got.count[...], want.count[...], "count")
     same_bits(got.flag[...], want.flag[...], "flag")
+
+
+# ------------------------------------------------- loop bodies staged onto another mesh
+
+
+def test_a_scanned_variable_staged_onto_a_smaller_disjoint_mesh_is_built_there(fallbacks):
+    """A loop body records the mesh it was traced under (the context mesh) in every
+    aval and in its sharding constraints; lowered for a stage mesh of another size it
+    failed with "use_abstract_mesh cannot change the size of the mesh"."""
+    devices = np.array(jax.devices())
+    stage = Mesh(devices[4:].reshape(2, 2), ("a", "b"))
+
+    def body(carry, key):
+        w = jax.random.normal(key, (4, 8)) * jnp.float32(0.5) + 1.0
+        w = jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec("a"))
+        return carry + 1, w
+
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            _, w = jax.lax.scan(body, 0, jax.random.split(rngs.params(), 3))
+            self.staged = nnx.Param(w, out_sharding=(None, "a", "b"))
+            _, u = jax.lax.scan(body, 0, jax.random.split(rngs.params(), 3))
+            self.kept = nnx.Param(u, out_sharding=(None, "a", "b"))
+
+    with jax.set_mesh(mesh8()):
+        got = meshinit.nnx.init(lambda: M(nnx.Rngs(0)), meshes=[("staged", stage)])
+        with nnx.use_eager_sharding(False):
+            want = M(nnx.Rngs(0))
+    assert got.staged[...].sharding.mesh == stage
+    assert got.kept[...].sharding.mesh == mesh8()
+    assert got.staged[...].sharding.spec == got.kept[...].sharding.spec
+    for name in ("staged", "kept"):
+        same_bits(getattr(got, name)[...], getattr(want, name)[...], name)
+    assert fallbacks() == []
+
+
+def test_a_constraint_made_with_no_context_mesh_fingerprints(fallbacks):
+    """A linen box with its own mesh constrains its value as it is unboxed; with no
+    context mesh, jax records an empty Mesh (one None for a device) beside it, which
+    the fingerprint failed on ("'NoneType' object has no attribute 'id'")."""
+    devices = np.array(jax.devices())
+    stage = Mesh(devices[4:].reshape(2, 2), ("a", "b"))
+    boxed = nn.with_partitioning(nn.initializers.normal(), (None, "b"), mesh=mesh8())
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", boxed, (8, 8))
+            self.param("tied", lambda key, shape: w * 1.37, (8, 8))
+            return x
+
+    x = jnp.ones((1,))
+    got = meshinit.linen.init(
+        M(), 0, x, mesh=mesh8(), default="replicated", meshes=[(r"params\.w", stage)]
+    )
+    want = nn.unbox(jax.jit(M().init)(jax.random.key(0), x))["params"]
+    assert got["params"]["w"].value.sharding.mesh == stage
+    same_bits(got["params"]["w"].value, want["w"], "w")
+    same_bits(got["params"]["tied"], want["tied"], "tied")
+    assert fallbacks() == []
