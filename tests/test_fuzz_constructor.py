@@ -46,15 +46,6 @@ import meshinit
 
 EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", "200"))
 
-# The differential tests find two open engine defects (the engine issue's note): a
-# staged mesh crashes with "use_abstract_mesh cannot change the size of the mesh", and
-# some float values are neither jax.jit's bits nor within the stated tolerance. Until
-# they are fixed the three differential tests run only with MESHINIT_FUZZ=1.
-differential = pytest.mark.skipif(
-    os.environ.get("MESHINIT_FUZZ") != "1",
-    reason="open engine findings (see the engine issue's note); MESHINIT_FUZZ=1 runs them",
-)
-
 
 def _settings(share: float) -> settings:
     return settings(
@@ -1223,7 +1214,6 @@ def run_nnx(c: Constructor, record: list | None = None) -> None:
     compare_values(got, eager, jit, _recipes(c, _nnx_paths(c), keys), record, value_model(c, "nnx"))
 
 
-@differential
 @given(nnx_constructors())
 @_settings(0.4)
 def test_nnx_init_matches_eager_and_jit_and_places_exactly(c):
@@ -1389,7 +1379,6 @@ def run_linen(c: Constructor, record: list | None = None) -> None:
     )
 
 
-@differential
 @given(linen_constructors())
 @_settings(0.3)
 def test_linen_init_matches_eager_and_jit_and_places_exactly(c):
@@ -1489,7 +1478,6 @@ def eqx_constructors(draw) -> Constructor:
     return dataclasses.replace(c, vars=vs)
 
 
-@differential
 @given(eqx_constructors())
 @_settings(0.3)
 def test_eqx_init_matches_eager_and_jit_and_places_exactly(c):
