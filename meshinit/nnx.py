@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,10 +37,11 @@ import jax
 
 from . import _adapters, _agree, _constructor, _materialize, _nnx_meta, _planner, _trace
 from ._errors import PlanError, Problem
+from ._nnx_optimizer import optimizer
 from ._plan import Plan, PlanEntry
 from ._spec import ParamSpec
 
-__all__ = ["materialize", "init", "plan", "optimizer"]
+__all__ = ["materialize", "init", "plan", "abstract", "optimizer"]
 
 
 def _path(path: tuple[Any, ...]) -> str:
@@ -268,6 +268,51 @@ def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> Plan:
     return _prepare(factory, meshes, evaluate=False).plan
 
 
+def abstract(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module:
+    r"""The Module :func:`init` would return, each Variable's value a
+    ``jax.ShapeDtypeStruct`` with its exact ``NamedSharding``; nothing is compiled or
+    allocated.
+
+    What ``nnx.eval_shape`` gives, with the shardings it drops, on every mesh and
+    stage. flax's metadata is kept as it is. ``nnx.split`` of it gives the graphdef
+    and the restore target of a checkpoint saved from ``nnx.state(model)`` (orbax's
+    ``StandardCheckpointer``), in this layout: the layout it was saved in does not
+    matter. Typed PRNG keys (``nnx.Rngs`` state) are structs of their key dtype.
+
+    Args:
+      factory: as for :func:`init`.
+      meshes: as for :func:`init`; ``AbstractMesh`` es work, for a target planned
+        before the hardware exists.
+
+    Returns:
+      An nnx Module of the factory's graph, holding structs, not arrays.
+
+    Raises:
+      PlanError: as for :func:`init`.
+
+    Examples:
+      >>> graphdef, target = nnx.split(meshinit.nnx.abstract(lambda: Model(nnx.Rngs(0))))
+      >>> model = nnx.merge(graphdef, ocp.StandardCheckpointer().restore(path, target))
+    """
+    with _agree.collective("meshinit.nnx.abstract"):
+        prep = _prepare(factory, meshes, evaluate=False)
+    structs = prep.plan.abstract()
+    placed = []
+    for path, var in prep.flat:
+        if path in prep.specs:
+            struct = _get(structs, path)
+            if path in prep.keys:  # planned as its key data: the key's own shape and dtype
+                key, sharding = prep.keys[path][0], struct.sharding
+                spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[: len(key.shape)])
+                sharding = jax.sharding.NamedSharding(
+                    sharding.mesh, spec, memory_kind=sharding.memory_kind
+                )
+                struct = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding)
+            var = var.replace(struct, eager_sharding=nnx.using_eager_sharding())
+        placed.append((path, var))
+    return nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
+
+
 def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module:
     r"""Builds an ordinary nnx Module with every Variable placed as its metadata says.
 
@@ -327,141 +372,3 @@ def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module
         module = nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
         del prep, arrays, placed
     return module
-
-
-class _Prebuilt:
-    """A transformation whose ``init`` hands back state made beforehand.
-
-    ``nnx.Optimizer`` calls ``tx.init`` itself, eagerly, on every parameter at once;
-    given this instead, it wraps the placed state in its own Variables (``OptArray``,
-    ``OptVariable`` with the parameter's metadata) and computes nothing.
-    """
-
-    def __init__(self, tx: Any, state: Any):
-        self.update = tx.update
-        self._state = state
-
-    def init(self, params: Any) -> Any:
-        return self._state
-
-
-def optimizer(
-    model: nnx.Module,
-    tx: Any,
-    *,
-    wrt: Any = nnx.Param,
-    shard_over: str | tuple[str, ...] | None = None,
-    memory_kind: str | None = None,
-) -> nnx.Optimizer:
-    """``nnx.Optimizer(model, tx, wrt=wrt)``, with its state placed exactly like the params.
-
-    Every state leaf that mirrors a parameter (Adam's ``mu`` and ``nu``, momentum)
-    gets that parameter's sharding, and the step counts (``opt.step`` and the
-    transformation's own counts) are replicated on the mesh of the first ``wrt``
-    Variable in nnx state order, all made by :func:`meshinit.optax.init`: one
-    computation per mesh, values equal to ``tx.init`` on one device. This works for
-    Params on several meshes, disjoint submeshes included, where
-    ``nnx.Optimizer(model, tx, wrt=...)`` puts the counts on one default device, and
-    fails with "incompatible devices" under ``nnx.jit`` or an Auto ``jax.set_mesh``.
-
-    flax's own constructor builds the object, so it is an ordinary ``nnx.Optimizer``
-    with the same Variable types, metadata and tree structure as flax's. It is handed
-    a transformation whose ``init`` returns the placed state, so flax computes no
-    state and re-applies no sharding; ``opt.tx`` is then set to ``tx``, and
-    ``opt.step`` to the placed count. The model is read, never moved or resharded.
-
-    One ``opt.update(model, grads)`` spans every parameter, so it runs only where
-    one computation may: Auto meshes over the same devices. Params on disjoint
-    meshes, or on different Explicit meshes, are trained per stage: one optimizer per
-    stage's sub-Module.
-
-    Args:
-      model: an nnx Module whose ``wrt`` Variables hold arrays placed with a
-        ``NamedSharding``, as :func:`init` and :func:`materialize` leave them.
-      tx: an ``optax.GradientTransformation``.
-      wrt: the nnx filter of the Variables to optimize, as for ``nnx.Optimizer``.
-      shard_over: mesh axes to shard the mirroring state further over (ZeRO-1), as
-        for :func:`meshinit.optax.init`; each such Variable's ``out_sharding``
-        metadata then names its own PartitionSpec.
-      memory_kind: the memory of the mirroring state (``"pinned_host"``), as for
-        :func:`meshinit.optax.init`; recorded in the Variables' metadata.
-
-    Returns:
-      An ``nnx.Optimizer`` whose ``opt_state`` and ``step`` are placed as above.
-
-    Raises:
-      TypeError: a ``wrt`` Variable is not placed with a ``NamedSharding``.
-      ValueError: ``wrt`` selects no Variable, or a state leaf would combine
-        parameters on different meshes.
-
-    Examples:
-      >>> model = meshinit.nnx.init(lambda: Model(rngs=nnx.Rngs(0)))
-      >>> opt = meshinit.nnx.optimizer(model, optax.adamw(1e-3))
-      >>> opt.opt_state[0].mu["w"].get_value().sharding == model.w.get_value().sharding
-      True
-    """
-    from . import optax as meshinit_optax  # imports optax only when asked for
-
-    with _agree.collective("meshinit.nnx.optimizer"):
-        params = nnx.state(model, wrt)
-        step, state = meshinit_optax.init(
-            _WithStep(tx), params, shard_over=shard_over, memory_kind=memory_kind
-        )
-    flags = [_eager_flag(v) for v in jax.tree.leaves(state, is_leaf=_is_variable)]
-    # flax's to_opt_state rebuilds each mirror as an OptVariable with its Param's
-    # metadata, which re-applies the sharding the array already has; under an Auto
-    # jax.set_mesh over other devices that fails. Off while it builds, then restored.
-    state = jax.tree.map(
-        lambda v: v.replace(eager_sharding=False) if _is_variable(v) else v,
-        state,
-        is_leaf=_is_variable,
-    )
-    opt = nnx.Optimizer(model, _Prebuilt(tx, state), wrt=wrt)
-    for var, flag in zip(jax.tree.leaves(opt.opt_state, is_leaf=_is_variable), flags, strict=True):
-        if flag is not None:
-            var.set_metadata("eager_sharding", flag)
-        if shard_over is not None or memory_kind is not None:
-            _say_own_placement(var)
-    opt.tx = tx
-    opt.step.set_value(step)
-    return opt
-
-
-def _say_own_placement(var: Any) -> None:
-    """A state Variable's metadata names its own array's placement, where flax copied
-    its Param's (``shard_over`` and ``memory_kind`` make them differ)."""
-    if not _is_variable(var):
-        return
-    sharding = getattr(var.get_value(), "sharding", None)
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        return
-    meta = var.get_metadata()
-    if "out_sharding" in meta and tuple(sharding.spec) != tuple(meta["out_sharding"] or ()):
-        var.set_metadata("out_sharding", tuple(sharding.spec))
-        if meta.get("sharding_rules") is not None:
-            var.set_metadata("sharding_rules", None)  # mesh axes now, not logical names
-    if sharding.memory_kind not in (None, "device") or "memory_kind" in meta:
-        var.set_metadata("memory_kind", sharding.memory_kind)
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def _eager_flag(x: Any) -> bool | None:
-    return x.get_metadata("eager_sharding", None) if _is_variable(x) else None
-
-
-class _WithStep:
-    """``tx`` with flax's step count in front of its state, so one call makes both.
-
-    Its ``init`` is a ``functools.partial`` of ``tx.init``, so ``meshinit.optax``
-    tells what it computes by ``tx.init``'s own code and closure, as for ``tx``.
-    """
-
-    def __init__(self, tx: Any):
-        self.init = functools.partial(_init_with_step, tx.init)
-
-
-def _init_with_step(init: Callable[[Any], Any], params: Any) -> Any:
-    return jax.numpy.zeros((), jax.numpy.uint32), init(params)
