@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from . import _caches
-from ._errors import Problem
+from ._errors import PlanError, Problem
 from ._format import describe_mesh, human_bytes
 from ._plan import MeshGroup, Plan, PlanEntry
 
@@ -81,6 +81,16 @@ def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[i
             )
         given[id(entry)] = value
     return given, problems
+
+
+def split_given(plan: Plan, existing: Mapping[str, Any] | None, what: str) -> tuple[dict, Plan]:
+    """:func:`given_arrays`, and the plan of what is left to make; every problem in
+    ``existing`` is one PlanError, raised before anything is made."""
+    given, problems = given_arrays(plan, existing)
+    if problems:
+        raise PlanError(problems, header=f"{what}: existing= does not fit the plan:")
+    todo = subplan(plan, [e for e in plan.entries if id(e) not in given]) if given else plan
+    return given, todo
 
 
 def subplan(plan: Plan, keep: Sequence[PlanEntry]) -> Plan:

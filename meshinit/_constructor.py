@@ -9,8 +9,9 @@ that returns one array per variable. The engine:
    ``custom_jvp``/``custom_vjp``, ``checkpoint``; control flow stays one unit;
 3. **evaluates the small part on the host** (:mod:`meshinit._host`): keys, RNG
    counters, scalars and arrays of at most ``_trace.SMALL_BYTES``, with numpy, exactly;
-4. **cuts one slice per remaining variable**: the equations between its small
-   inputs and its value, fingerprinted structurally (:func:`meshinit._jaxpr.fingerprint`);
+4. **cuts one slice per remaining variable** (:func:`meshinit._trace.cut`): the
+   equations between its small inputs and its value, fingerprinted structurally
+   (:func:`meshinit._jaxpr.fingerprint`);
 5. **compiles once per (mesh, fingerprint, sharding)**, with exact out_shardings,
    through the spec path's rounds (``_strategies.bucket_batches``): a bucket's
    executable makes one variable of each of its signatures per call, so a 32-layer
@@ -35,86 +36,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import _compat, _compile, _host, _jaxpr, _materialize, _progress, _strategies, _threefry
+from . import (
+    _checks,
+    _compat,
+    _compile,
+    _host,
+    _jaxpr,
+    _materialize,
+    _progress,
+    _strategies,
+    _threefry,
+    _trace,
+)
 from ._caches import LRUCache
 from ._jaxpr import Lit
 from ._plan import MeshGroup, Plan, PlanEntry
 from ._trace import Traced
-
-# ------------------------------------------------------------------------- slices
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slice:
-    """What makes one output from host values: ``nodes`` evaluated on ``inputs``."""
-
-    nodes: tuple[int, ...]
-    inputs: tuple[int, ...]
-    out: int | Lit
-    digest: str
-    units: bool  # holds control flow, whose bodies must keep jax's key implementation
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fallback:
-    reason: str
-
-
-def _cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> _Slice | _Fallback | None:
-    """The slice of ``out``; None if it is a literal or a captured constant.
-
-    The slice stops at host values, which enter as arguments. A value the host made
-    itself (a norm's ones) is the exception: its slice recomputes it in the program
-    from its own equations, down to the values that depend on the constructor's
-    arguments. Those equations are all exact (host rules only exist for exact ones),
-    so XLA computes, or folds, the same bits; and computing a 1 KiB ones in the program
-    was faster than shipping it into every launch (benchmarks/README.md).
-    """
-    prog, host = traced.program, traced.host
-    if isinstance(out, Lit) or out in prog.consts:
-        return None
-    recompute = out in host
-    if recompute and out in traced.dynamic and out not in prog.producer:
-        # an argument itself: its program only places it
-        return _Slice((), (out,), out, _jaxpr.fingerprint(prog, (), (out,), out, memo), False)
-    nodes: set[int] = set()
-    inputs: set[int] = set()
-    stack = [out]
-    seen: set[int] = set()
-    consts, dynamic, producer, all_nodes = prog.consts, traced.dynamic, prog.producer, prog.nodes
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n in consts or (n in host and (not recompute or n in dynamic)):
-            if n not in host and jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended):
-                return _Fallback(  # only threefry keys have host data to pass in
-                    f"it reads a {prog.avals[n].dtype} key made outside the factory"
-                )
-            inputs.add(n)
-            continue
-        i = producer[n]
-        if i in nodes:
-            continue
-        nodes.add(i)
-        node = all_nodes[i]
-        if node.effects:
-            return _Fallback(
-                f"{node.primitive.name} has side effects ({', '.join(map(str, node.effects))})"
-            )
-        stack.extend([x for x in node.ins if type(x) is not Lit])
-    order = tuple(sorted(nodes))
-    ins = tuple(sorted(inputs))
-    try:
-        digest = _jaxpr.fingerprint(prog, order, ins, out, memo)
-    except _jaxpr.Unfingerprintable as e:
-        names = sorted({prog.nodes[i].primitive.name for i in order})
-        return _Fallback(
-            f"a parameter of {'/'.join(names)} is {e}, which has no structural fingerprint"
-        )
-    units = any(prog.nodes[i].control for i in order)
-    return _Slice(order, ins, out, digest, units)
 
 
 def _input_value(traced: Traced, n: int, sharding: NamedSharding | None) -> Any:
@@ -149,7 +86,7 @@ def _const_sharding(traced: Traced, n: int, entry: PlanEntry) -> NamedSharding |
 
 
 def _evaluator(
-    traced: Traced, s: _Slice, key_impl: Any, straight: bool, mesh: Mesh
+    traced: Traced, s: _trace.Slice, key_impl: Any, straight: bool, mesh: Mesh
 ) -> Callable[..., Any]:
     """``s`` as a traceable function of its inputs' values (keys as their data), in
     a program for ``mesh``."""
@@ -181,6 +118,10 @@ def _evaluator(
     return run
 
 
+def _ids(group: MeshGroup) -> tuple[int, ...]:
+    return tuple(map(id, group.entries))  # the same for every subplan of these entries
+
+
 def _rehomes(traced: Traced, mesh: Mesh) -> bool:
     """Whether a program for ``mesh`` must trace loop bodies anew
     (:func:`_jaxpr.bind_rehomed`): the constructor was traced under another mesh."""
@@ -205,12 +146,18 @@ class _Work:
     consts: tuple[tuple[int, Any], ...]  # (position, captured constant)
     group: MeshGroup  # the sliced entries, with slice signatures
     positions: tuple[int, ...]  # position in the plan group of each sliced entry
-    slices: tuple[_Slice, ...]
+    slices: tuple[_trace.Slice, ...]
     fallback: tuple[tuple[int, int], ...]  # (position, output index)
 
 
 def materialize(
-    plan: Plan, traced: Traced, outputs: Sequence[int], *, what: str, progress: bool | None = None
+    plan: Plan,
+    traced: Traced,
+    outputs: Sequence[int],
+    *,
+    what: str,
+    progress: bool | None = None,
+    existing: Any = None,
 ) -> Any:
     """Places every output of ``traced`` on its planned sharding.
 
@@ -219,16 +166,19 @@ def materialize(
       traced: from :func:`trace`.
       outputs: one output index per plan entry, in entry order.
       what: the name the progress bar and the log use.
+      existing: dot-joined path -> array, placed instead of made: nothing is cut,
+        compiled or run for those entries (``meshinit._checks.split_given``).
 
     Returns:
       The planned tree with a ready array in place of each spec.
     """
+    given, todo = _checks.split_given(plan, existing, what)
     prog = traced.program
     index = {id(e): outputs[i] for i, e in enumerate(plan.entries)}
     memo: dict[Any, Any] = {}
-    works: dict[int, _Work] = {}
+    works: dict[tuple[int, ...], _Work] = {}  # by the ids of a group's entries
     fallen: list[tuple[str, str]] = []
-    for group in plan.groups:
+    for group in todo.groups:
         host, consts, sliced, positions, slices, fallback = [], [], [], [], [], []
         for pos, entry in enumerate(group.entries):
             j = index[id(entry)]
@@ -242,8 +192,8 @@ def materialize(
             if out in prog.consts:
                 consts.append((pos, prog.consts[out]))
                 continue
-            s = _cut(traced, out, memo)
-            if isinstance(s, _Fallback):
+            s = _trace.cut(traced, out, memo)
+            if isinstance(s, _trace.Fallback):
                 fallback.append((pos, j))
                 fallen.append((entry.path, s.reason))
                 continue
@@ -257,7 +207,7 @@ def materialize(
             sliced.append(dataclasses.replace(entry, signature=signature))
             positions.append(pos)
             slices.append(s)
-        works[id(group)] = _Work(
+        works[_ids(group)] = _Work(
             tuple(host),
             tuple(consts),
             MeshGroup(group.mesh, tuple(sliced)),
@@ -265,28 +215,18 @@ def materialize(
             tuple(slices),
             tuple(fallback),
         )
-    if fallen:
-        shown = "; ".join(f"{p} ({r})" for p, r in fallen[:10])
-        more = f" and {len(fallen) - 10} more" if len(fallen) > 10 else ""
-        _progress.logger.info(
-            "meshinit: %s builds %d variables with the whole-constructor program, "
-            "which the engine cannot cut: %s%s",
-            what,
-            len(fallen),
-            shown,
-            more,
-        )
+    _progress.fell_back(what, fallen)
     local = LRUCache(max(1, len(plan.groups)))  # the fallback programs: this call's only
 
-    planned: dict[int, _Rounds] = {}  # made on first use: after the plan's checks
+    planned: dict[tuple[int, ...], _Rounds] = {}  # made on first use: after the checks
 
     def rounds(group: MeshGroup) -> _Rounds:
-        if id(group) not in planned:
-            planned[id(group)] = _Rounds(traced, works[id(group)])
-        return planned[id(group)]
+        if _ids(group) not in planned:
+            planned[_ids(group)] = _Rounds(traced, works[_ids(group)])
+        return planned[_ids(group)]
 
     def prepare(group: MeshGroup) -> _strategies.Runner:
-        work = works[id(group)]
+        work = works[_ids(group)]
         runner = rounds(group).prepare()
         fallback_exe = _fallback_exe(traced, group, work, local) if work.fallback else None
 
@@ -305,11 +245,12 @@ def materialize(
 
     def work_of(group: MeshGroup) -> _strategies.Needs:
         needs = rounds(group).work()
-        return [*needs, (None, 1)] if works[id(group)].fallback else needs
+        return [*needs, (None, 1)] if works[_ids(group)].fallback else needs
 
     return _materialize.run_plan(
         plan,
         prepare,
+        given=given,
         what=what,
         work=work_of,
         builds=lambda group: rounds(group).builds(),

@@ -262,3 +262,20 @@ def cache_hit(key: Hashable) -> None:
     tracker = _current.get()
     if tracker is not None:
         tracker.cache_hit(key)
+
+
+def fell_back(what: str, fallen: list[tuple[str, str]]) -> None:
+    """Logs the variables the constructor engine builds with the whole-constructor
+    program (``(path, reason)`` each), at INFO."""
+    if not fallen:
+        return
+    shown = "; ".join(f"{p} ({r})" for p, r in fallen[:10])
+    more = f" and {len(fallen) - 10} more" if len(fallen) > 10 else ""
+    logger.info(
+        "meshinit: %s builds %d variables with the whole-constructor program, "
+        "which the engine cannot cut: %s%s",
+        what,
+        len(fallen),
+        shown,
+        more,
+    )

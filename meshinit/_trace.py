@@ -3,8 +3,9 @@
 The first half of the constructor engine (:mod:`meshinit._constructor` is the other):
 :func:`trace` turns a framework's constructor, as a function of host values, into a
 flat program (:func:`meshinit._jaxpr.flatten`) and evaluates its keys, counters and
-small integer values with numpy (:mod:`meshinit._host`). Nothing is compiled or
-allocated; the plan previews stop here.
+small integer values with numpy (:mod:`meshinit._host`); :func:`cut` then takes the
+slice of one output: the equations between its host inputs and it. Nothing is
+compiled or allocated; the plan previews stop before the cut.
 """
 
 from __future__ import annotations
@@ -183,3 +184,81 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
             if all([x in host for x in ins]):
                 _host.evaluate_one(prog, i, host)
     return Traced(prog, host, tuple(args), frozenset(dynamic), twin)
+
+
+# ------------------------------------------------------------------------- the cut
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """What makes one output from host values: ``nodes`` evaluated on ``inputs``."""
+
+    nodes: tuple[int, ...]
+    inputs: tuple[int, ...]
+    out: int | Lit
+    digest: str
+    units: bool  # holds control flow, whose bodies must keep jax's key implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """An output the engine cannot cut, and why: the whole-constructor program makes it."""
+
+    reason: str
+
+
+def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallback | None:
+    """The slice of ``out``; None if it is a literal or a captured constant.
+
+    The slice stops at host values, which enter as arguments. A value the host made
+    itself (a norm's ones) is the exception: its slice recomputes it in the program
+    from its own equations, down to the values that depend on the constructor's
+    arguments. Those equations are all exact (host rules only exist for exact ones),
+    so XLA computes, or folds, the same bits; and computing a 1 KiB ones in the program
+    was faster than shipping it into every launch (benchmarks/README.md).
+    """
+    prog, host = traced.program, traced.host
+    if isinstance(out, Lit) or out in prog.consts:
+        return None
+    recompute = out in host
+    if recompute and out in traced.dynamic and out not in prog.producer:
+        # an argument itself: its program only places it
+        return Slice((), (out,), out, _jaxpr.fingerprint(prog, (), (out,), out, memo), False)
+    nodes: set[int] = set()
+    inputs: set[int] = set()
+    stack = [out]
+    seen: set[int] = set()
+    consts, dynamic, producer, all_nodes = prog.consts, traced.dynamic, prog.producer, prog.nodes
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in consts or (n in host and (not recompute or n in dynamic)):
+            if n not in host and jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended):
+                return Fallback(  # only threefry keys have host data to pass in
+                    f"it reads a {prog.avals[n].dtype} key made outside the factory"
+                )
+            inputs.add(n)
+            continue
+        i = producer[n]
+        if i in nodes:
+            continue
+        nodes.add(i)
+        node = all_nodes[i]
+        if node.effects:
+            return Fallback(
+                f"{node.primitive.name} has side effects ({', '.join(map(str, node.effects))})"
+            )
+        stack.extend([x for x in node.ins if type(x) is not Lit])
+    order = tuple(sorted(nodes))
+    ins = tuple(sorted(inputs))
+    try:
+        digest = _jaxpr.fingerprint(prog, order, ins, out, memo)
+    except _jaxpr.Unfingerprintable as e:
+        names = sorted({prog.nodes[i].primitive.name for i in order})
+        return Fallback(
+            f"a parameter of {'/'.join(names)} is {e}, which has no structural fingerprint"
+        )
+    units = any(prog.nodes[i].control for i in order)
+    return Slice(order, ins, out, digest, units)

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit import _constructor, _host, _jaxpr, _paths, _trace
+from meshinit import _host, _jaxpr, _paths, _trace
 
 lecun = jax.nn.initializers.lecun_normal
 
@@ -498,7 +498,7 @@ def test_fingerprints_are_structural_not_by_identity():
 
     def digests(fn):
         traced = _trace.trace(lambda d: [fn(jax.random.wrap_key_data(d))], np.zeros(2, np.uint32))
-        s = _constructor._cut(traced, traced.program.outputs[0], {})
+        s = _trace.cut(traced, traced.program.outputs[0], {})
         return s.digest
 
     a, b, c = digests(weight(2.0)), digests(weight(2.0)), digests(weight(3.0))
