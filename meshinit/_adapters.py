@@ -189,3 +189,28 @@ def respell(plan: Plan, lengths: Mapping[str, int]) -> Plan:
         MeshGroup(g.mesh, tuple(new.get(id(e), e) for e in g.entries)) for g in plan.groups
     )
     return Plan(entries, groups, plan.treedef, plan.leaves)
+
+
+def flat_existing(existing: Any) -> dict[str, Any] | None:
+    """``existing=`` of an adapter's ``init``, as dot-joined path -> array: a nested
+    mapping (the pure dict of an nnx State, a linen variables dict) is joined by its
+    keys; a flat one is as it is."""
+    if existing is None:
+        return None
+    if not isinstance(existing, Mapping):
+        raise TypeError(
+            f"existing must map the plan's dot-joined paths to arrays (or be the same as "
+            f"a nested dict), got {type(existing).__name__}"
+        )
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, tree: Mapping[Any, Any]) -> None:
+        for k, v in tree.items():
+            path = f"{prefix}{k}"
+            if isinstance(v, Mapping):
+                walk(path + ".", v)
+            else:
+                flat[path] = v
+
+    walk("", existing)
+    return flat

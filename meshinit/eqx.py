@@ -308,6 +308,7 @@ def init(
     *,
     mesh: Mesh | AbstractMesh | None = None,
     rules: Any = None,
+    existing: Any = None,
 ) -> Any:
     """Builds ``factory(key)`` with each array placed exactly, compiled once per mesh.
 
@@ -340,6 +341,11 @@ def init(
         in the error when some leaf is not.
       mesh: the mesh of placements that name none; defaults to ``meshinit.defaults()``.
       rules: the logical-to-mesh rule table, as in :func:`meshinit.param`.
+      existing: the values of some leaves, made elsewhere: their plan paths
+        (``layers.0.weight``) to arrays, flat or as a nested dict. Each is placed on
+        its planned sharding (resharded if it is on another mesh, shard by shard if it
+        is numpy); nothing is compiled or run for them, and every other leaf gets
+        exactly the value a full init gives.
 
     Returns:
       What ``factory(key)`` returns, with each array a ready ``jax.Array`` carrying
@@ -349,7 +355,8 @@ def init(
     Raises:
       PlanError: all problems at once: array leaves that no placement matches (one
         per path), malformed placements or regexes, and what planning finds (unknown
-        logical axes, indivisible dimensions, a missing mesh, ...).
+        logical axes, indivisible dimensions, a missing mesh, ...), and ``existing``
+        paths that name no leaf or whose shape or dtype differs.
       TypeError, ValueError: ``placements`` is not a sequence, or the key is not a
         single sharding-invariant key.
 
@@ -369,5 +376,9 @@ def init(
     with _agree.collective("meshinit.eqx.init"), _trace.paused_gc():
         prep = _prepare(factory, key, placements, mesh, rules, evaluate=True)
         return _constructor.materialize(
-            prep.plan, prep.traced, prep.outputs, what="meshinit.eqx.init"
+            prep.plan,
+            prep.traced,
+            prep.outputs,
+            what="meshinit.eqx.init",
+            existing=_adapters.flat_existing(existing),
         )

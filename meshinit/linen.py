@@ -266,6 +266,7 @@ def init(
     rules: Any = None,
     default: str | Mesh | NamedSharding | None = None,
     meshes: Any = None,
+    existing: Any = None,
     **example_kwargs: Any,
 ) -> Any:
     """Runs ``module.init(key, *example_args, **example_kwargs)`` with every variable placed.
@@ -309,6 +310,11 @@ def init(
         that mesh, overriding its annotation's mesh, ``mesh`` and the context mesh:
         how an existing model is split into pipeline stages unchanged. A pattern that
         matches no variable path is warned about (:class:`meshinit.UnusedPatternWarning`).
+      existing: the values of some variables, made elsewhere: their plan paths
+        (``params.up.kernel``) to arrays, flat or as a nested variables dict (boxes
+        are unboxed). Each is placed on its planned sharding (resharded if it is on
+        another mesh, shard by shard if it is numpy); nothing is compiled or run for
+        them, and every other variable gets exactly the value a full init gives.
       **example_kwargs: keyword arguments of ``module.init`` (``train=False``,
         ``method=...``, ``mutable=...``).
 
@@ -322,7 +328,8 @@ def init(
       PlanError: all problems at once, each naming its variable path: variables
         without an annotation (when no ``default``), names that are not mesh axes or
         have no rule, dimensions that do not divide, a missing mesh or rules, a
-        malformed ``meshes``.
+        malformed ``meshes``, an ``existing`` path that names no variable or whose
+        shape or dtype differs.
       TypeError, ValueError: a malformed ``default``, or a key that is not a single
         threefry key (or a dict of them).
 
@@ -351,7 +358,11 @@ def init(
         )
         placed = jax.tree_util.tree_leaves(
             _constructor.materialize(
-                prep.plan, prep.traced, prep.outputs, what="meshinit.linen.init"
+                prep.plan,
+                prep.traced,
+                prep.outputs,
+                what="meshinit.linen.init",
+                existing=_adapters.flat_existing(_unboxed(existing)),
             )
         )
     boxes = [
@@ -359,3 +370,10 @@ def init(
         for (_, leaf), array in zip(prep.flat, placed, strict=True)
     ]
     return jax.tree_util.tree_unflatten(prep.treedef, boxes)
+
+
+def _unboxed(tree: Any) -> Any:
+    """The arrays in linen's boxes as they are (``nn.unbox`` would constrain each)."""
+    return jax.tree_util.tree_map(
+        lambda x: x.value if _linen_meta.is_box(x) else x, tree, is_leaf=_linen_meta.is_box
+    )

@@ -268,6 +268,20 @@ def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> Plan:
     return _prepare(factory, meshes, evaluate=False).plan
 
 
+def _existing(existing: Any, prep: _Prepared) -> dict[str, Any] | None:
+    """``existing=`` as plan path -> array; typed keys as their key data, as planned."""
+    if isinstance(existing, nnx.State):
+        existing = nnx.to_pure_dict(existing)
+    flat = _adapters.flat_existing(existing)
+    if flat is None:
+        return None
+    keys = {_path(p) for p in prep.keys}
+    for path, value in flat.items():
+        if path in keys and _nnx_meta.is_key(value):
+            flat[path] = jax.random.key_data(value)
+    return flat
+
+
 def abstract(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module:
     r"""The Module :func:`init` would return, each Variable's value a
     ``jax.ShapeDtypeStruct`` with its exact ``NamedSharding``; nothing is compiled or
@@ -313,7 +327,9 @@ def abstract(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Mo
     return nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
 
 
-def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module:
+def init(
+    factory: Callable[[], nnx.Module], *, meshes: Any = None, existing: Any = None
+) -> nnx.Module:
     r"""Builds an ordinary nnx Module with every Variable placed as its metadata says.
 
     Every Variable with flax sharding metadata comes back on
@@ -339,13 +355,23 @@ def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module
         the context mesh: how existing code is split into pipeline stages unchanged.
         A pattern that matches no Variable path is warned about
         (:class:`meshinit.UnusedPatternWarning`), likely a typo.
+      existing: the values of some Variables, made elsewhere (a checkpoint, pretrained
+        weights): their plan paths (``layers.1.up.kernel``) to arrays, flat or as a
+        nested dict (``nnx.to_pure_dict(state)``, or an ``nnx.State``). Each is placed
+        on its planned sharding: an array already there is used as it is, one on
+        another mesh is resharded, a numpy array is placed shard by shard. Nothing is
+        compiled or run for them; every other Variable gets exactly the value a full
+        init gives. A typed key (``nnx.Rngs`` state) may be given as a key or as its
+        key data.
 
     Returns:
       The Module, with flax's metadata kept as it was.
 
     Raises:
       PlanError: a sharding names an axis that is not in its mesh, a dimension does
-        not divide, or a sharded Variable has no mesh; each problem names its path.
+        not divide, or a sharded Variable has no mesh; an ``existing`` path names no
+        Variable, or its shape or dtype differs; each problem names its path, all
+        at once, before anything is allocated.
       ValueError: the factory leaks tracers, mutates outside state or sets a mesh.
 
     Examples:
@@ -358,7 +384,11 @@ def init(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module
     with _agree.collective("meshinit.nnx.init"), _trace.paused_gc():
         prep = _prepare(factory, meshes, evaluate=True)
         arrays = _constructor.materialize(
-            prep.plan, prep.traced, prep.outputs, what="meshinit.nnx.init"
+            prep.plan,
+            prep.traced,
+            prep.outputs,
+            what="meshinit.nnx.init",
+            existing=_existing(existing, prep),
         )
         placed = []
         for path, var in prep.flat:

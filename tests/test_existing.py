@@ -1,0 +1,210 @@
+"""``existing=`` on ``meshinit.nnx.init``, ``meshinit.linen.init`` and
+``meshinit.eqx.init``: the given variables are placed, not made; every other one gets
+exactly the value a full init gives."""
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshinit
+
+
+def _mesh(ids, shape):
+    return Mesh(np.array([jax.devices()[i] for i in ids]).reshape(shape), ("a", "b"))
+
+
+def mesh8():
+    return _mesh(range(8), (2, 4))
+
+
+def same_bits(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert got.tobytes() == want.tobytes(), what
+
+
+# ----------------------------------------------------------------------------- nnx
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("a", "b"))
+        self.up = nnx.Linear(16, 32, kernel_init=kernel, rngs=rngs)
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([Block(rngs) for _ in range(4)])
+        head = nnx.with_partitioning(nnx.initializers.normal(0.02), ("b", None))
+        self.head = nnx.Linear(32, 8, kernel_init=head, use_bias=False, rngs=rngs)
+        self.rngs = rngs
+
+
+def factory():
+    return Model(nnx.Rngs(0))
+
+
+def _flat(module):
+    return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(module))}
+
+
+def _values_of(tree):
+    return {p: np.asarray(jax.random.key_data(v) if _is_key(v) else v) for p, v in tree.items()}
+
+
+def _is_key(x):
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def test_nnx_existing_places_the_given_and_makes_the_rest_as_a_full_init(count_compiles):
+    with jax.set_mesh(mesh8()):
+        full = _flat(meshinit.nnx.init(factory))
+        base = {p: v for p, v in full.items() if not p.startswith("head.")}
+        meshinit.clear_cache()
+        with count_compiles() as partial_compiles:
+            got = _flat(meshinit.nnx.init(factory, existing=base))
+        meshinit.clear_cache()
+        with count_compiles() as full_compiles:
+            meshinit.nnx.init(factory)
+    assert got.keys() == full.keys()
+    for path, value in got.items():
+        assert value.sharding == full[path].sharding, path
+        if path in base and not _is_key(value):
+            assert value is base[path], path  # already there: used as it is
+    for path, value in _values_of(got).items():
+        same_bits(value, _values_of(full)[path], path)
+    assert partial_compiles.count < full_compiles.count  # nothing made for the base
+
+
+@pytest.mark.parametrize("how", ["numpy", "other mesh", "nested", "state"])
+def test_nnx_existing_takes_numpy_other_meshes_and_nested_trees(how):
+    with jax.set_mesh(mesh8()):
+        model = meshinit.nnx.init(factory)
+    full = _flat(model)
+    if how == "numpy":
+        existing = {"layers.2.up.kernel": np.asarray(full["layers.2.up.kernel"])}
+    elif how == "other mesh":
+        other = NamedSharding(_mesh(range(4, 8), (2, 2)), P("b", "a"))
+        existing = {"layers.2.up.kernel": jax.device_put(full["layers.2.up.kernel"], other)}
+    elif how == "nested":
+        existing = {"layers": {2: {"up": {"kernel": full["layers.2.up.kernel"]}}}}
+    else:
+        existing = nnx.state(model)  # every Variable, keys included, as a State
+    with jax.set_mesh(mesh8()):
+        got = _flat(meshinit.nnx.init(factory, existing=existing))
+    kernel = got["layers.2.up.kernel"]
+    assert kernel.sharding == full["layers.2.up.kernel"].sharding
+    same_bits(kernel, full["layers.2.up.kernel"], how)
+    assert _is_key(got["rngs.default.key"])
+
+
+def test_nnx_existing_problems_are_one_plan_error_naming_each_before_allocating():
+    with jax.set_mesh(mesh8()):
+        full = _flat(meshinit.nnx.init(factory))
+        bad = {
+            "layers.1.up.kernal": full["layers.1.up.kernel"],  # a typo
+            "layers.0.up.kernel": jnp.zeros((16, 16)),  # wrong shape
+            "layers.0.up.bias": jnp.zeros((32,), jnp.bfloat16),  # wrong dtype
+        }
+        before = {id(x) for x in jax.live_arrays()}
+        with pytest.raises(meshinit.PlanError) as raised:
+            meshinit.nnx.init(factory, existing=bad)
+    message = str(raised.value)
+    assert "layers.1.up.kernal" in message and "did you mean 'layers.1.up.kernel'" in message
+    assert "layers.0.up.kernel" in message and "(16, 16)" in message and "(16, 32)" in message
+    assert "layers.0.up.bias" in message and "bfloat16" in message
+    new = [x for x in jax.live_arrays() if id(x) not in before and not x.is_deleted()]
+    assert [x for x in new if x.shape in ((16, 32), (32, 8))] == []
+
+
+# ----------------------------------------------------------------------------- linen
+
+
+class Dense2(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        kernel = nn.with_partitioning(nn.initializers.lecun_normal(), ("a", "b"))
+        x = nn.Dense(32, kernel_init=kernel, name="up")(x)
+        head = nn.with_partitioning(nn.initializers.normal(0.02), ("b", None))
+        return nn.Dense(8, kernel_init=head, use_bias=False, name="head")(x)
+
+
+def _linen_flat(variables):
+    flat = jax.tree_util.tree_flatten_with_path(
+        variables, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)
+    )[0]
+    out = {}
+    for kp, v in flat:
+        path = ".".join(str(getattr(k, "key", k)) for k in kp)
+        out[path] = v.value if isinstance(v, nn.meta.AxisMetadata) else v
+    return out
+
+
+@pytest.mark.parametrize("boxed", [False, True], ids=["flat", "boxed variables"])
+def test_linen_existing_places_the_given_and_makes_the_rest(boxed):
+    x = jnp.ones((1, 16))
+    kw = {"mesh": mesh8(), "default": "replicated"}
+    variables = meshinit.linen.init(Dense2(), 0, x, **kw)
+    full = _linen_flat(variables)
+    if boxed:  # the variables dict itself, its head dropped
+        existing = {"params": {"up": variables["params"]["up"]}}
+    else:
+        existing = {"params.up.kernel": np.asarray(full["params.up.kernel"])}
+    got = _linen_flat(meshinit.linen.init(Dense2(), 0, x, existing=existing, **kw))
+    assert got.keys() == full.keys()
+    for path, value in got.items():
+        assert value.sharding == full[path].sharding, path
+        same_bits(value, full[path], path)
+    with pytest.raises(meshinit.PlanError, match=r"params\.up\.kernel.*shape"):
+        meshinit.linen.init(Dense2(), 0, x, existing={"params.up.kernel": np.zeros((2,))}, **kw)
+
+
+# ----------------------------------------------------------------------------- equinox
+
+
+def test_eqx_existing_places_the_given_and_makes_the_rest():
+    def make(key):
+        return eqx.nn.MLP(16, 8, 32, 2, key=key)
+
+    placements = [(r"layers\.\d+\.weight", ("b", "a")), (r".*", None)]
+    full = meshinit.eqx.init(make, 0, placements, mesh=mesh8())
+    flat = {
+        ".".join(str(getattr(k, "idx", getattr(k, "name", k))) for k in kp): v
+        for kp, v in jax.tree_util.tree_flatten_with_path(full)[0]
+        if eqx.is_array(v)
+    }
+    given = {"layers.0.weight": flat["layers.0.weight"], "layers.1.bias": flat["layers.1.bias"]}
+    got = meshinit.eqx.init(make, 0, placements, mesh=mesh8(), existing=given)
+    assert got.layers[0].weight is flat["layers.0.weight"]
+    arrays = [eqx.filter(t, eqx.is_array) for t in (got, full)]
+    for a, b in zip(*map(jax.tree.leaves, arrays), strict=True):
+        assert a.sharding == b.sharding
+        same_bits(a, b, "eqx")
+    with pytest.raises(meshinit.PlanError, match=r"layers\.9\.weight"):
+        meshinit.eqx.init(make, 0, placements, mesh=mesh8(), existing={"layers.9.weight": 1})
+
+
+def test_a_backbone_checkpoint_restores_into_abstract_and_init_makes_the_head(tmp_path):
+    import orbax.checkpoint as ocp
+
+    with jax.set_mesh(mesh8()):
+        model = meshinit.nnx.init(factory)
+        backbone = nnx.state(model)
+        del backbone["head"]
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp_path / "ckpt", backbone)
+            checkpointer.wait_until_finished()
+            graphdef, target = nnx.split(meshinit.nnx.abstract(factory))
+            del target["head"]  # as docs/checkpoints.md shows
+            restored = checkpointer.restore(tmp_path / "ckpt", target)
+        got = _flat(meshinit.nnx.init(factory, existing=restored))
+    want = _flat(model)
+    for path, value in _values_of(got).items():
+        assert got[path].sharding == want[path].sharding, path
+        same_bits(value, _values_of(want)[path], path)
