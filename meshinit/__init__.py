@@ -39,7 +39,7 @@ def _version() -> str:
 
 __version__ = _version()
 
-_ADAPTERS = ("nnx", "eqx", "optax", "linen")
+_ADAPTERS = ("nnx", "eqx", "optax", "linen", "safetensors")
 
 
 def __getattr__(name: str):

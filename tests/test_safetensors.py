@@ -1,0 +1,199 @@
+"""``meshinit.safetensors.load``: a plan's parameters read from safetensors files,
+through renames, reshapes, transposes and casts, onto their planned shardings."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import meshinit
+from meshinit.safetensors import Tensor
+
+save_file = pytest.importorskip("safetensors.numpy").save_file
+
+D, HEADS, HEAD_DIM, MLP = 16, 4, 4, 32
+
+
+def mesh8():
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
+
+
+def stages():
+    d = np.array(jax.devices())
+    return Mesh(d[:4].reshape(2, 2), ("fsdp", "tensor")), Mesh(
+        d[4:].reshape(2, 2), ("fsdp", "tensor")
+    )
+
+
+def _p(init, names):
+    return nnx.with_partitioning(init, names)
+
+
+class Layer(nnx.Module):
+    """Llama-style: q as (d, heads, head_dim), the MLP as (in, out) kernels."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.q = nnx.Param(
+            init(rngs.params(), (D, HEADS, HEAD_DIM)), out_sharding=("fsdp", "tensor", None)
+        )
+        self.up = nnx.Linear(
+            D, MLP, use_bias=False, kernel_init=_p(init, ("fsdp", "tensor")), rngs=rngs
+        )
+        self.down = nnx.Linear(
+            MLP, D, use_bias=False, kernel_init=_p(init, ("tensor", "fsdp")), rngs=rngs
+        )
+        self.norm = nnx.RMSNorm(D, rngs=rngs)
+
+
+class Llama(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(64, D, rngs=rngs)
+        self.layers = nnx.List([Layer(rngs) for _ in range(2)])
+        self.head = nnx.Linear(D, 64, use_bias=False, rngs=rngs)  # new: not in the files
+
+
+def factory():
+    return Llama(nnx.Rngs(0))
+
+
+HF = {"up.kernel": "mlp.up_proj", "down.kernel": "mlp.down_proj", "norm.scale": "input_layernorm"}
+
+
+def hf_names(path):
+    if path == "embed.embedding":
+        return "model.embed_tokens.weight"
+    if path == "head.kernel":
+        return "lm_head.weight"
+    layer, rest = re.fullmatch(r"layers\.(\d+)\.(.*)", path).groups()
+    prefix = f"model.layers.{layer}"
+    if rest == "q":  # stored flat as (heads * head_dim, d): torch's (out, in)
+        return Tensor(
+            f"{prefix}.self_attn.q_proj.weight", shape=(HEADS, HEAD_DIM, D), permute=(2, 0, 1)
+        )
+    if rest == "norm.scale":
+        return f"{prefix}.{HF[rest]}.weight"
+    return Tensor(f"{prefix}.{HF[rest]}.weight", permute=(1, 0))
+
+
+def _hf_checkpoint(model, dtype=np.float32):
+    """The model's weights as a Hugging Face checkpoint would store them."""
+    out = {"model.embed_tokens.weight": np.asarray(model.embed.embedding[...])}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}"
+        q = np.asarray(layer.q[...])  # (d, heads, head_dim) -> (heads * head_dim, d)
+        out[f"{p}.self_attn.q_proj.weight"] = q.transpose(1, 2, 0).reshape(HEADS * HEAD_DIM, D)
+        out[f"{p}.mlp.up_proj.weight"] = np.asarray(layer.up.kernel[...]).T
+        out[f"{p}.mlp.down_proj.weight"] = np.asarray(layer.down.kernel[...]).T
+        out[f"{p}.input_layernorm.weight"] = np.asarray(layer.norm.scale[...])
+    return {k: np.ascontiguousarray(v).astype(dtype) for k, v in out.items()}
+
+
+def _write(tensors, path, parts=1):
+    names = sorted(tensors)
+    for i in range(parts):
+        chunk = {n: tensors[n] for n in names[i::parts]}
+        save_file(chunk, str(path / f"model-{i + 1:05d}-of-{parts:05d}.safetensors"))
+    return path
+
+
+def _flat(module):
+    return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(module))}
+
+
+@pytest.mark.parametrize("layout", ["one mesh", "two stages"])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_load_renames_reshapes_and_transposes_onto_the_plan(layout, parts, tmp_path):
+    meshes = (
+        [(r".*", mesh8())]
+        if layout == "one mesh"
+        else [(r"layers\.0\..*|embed\..*", stages()[0]), (r".*", stages()[1])]
+    )
+    reference = meshinit.nnx.init(factory, meshes=meshes)
+    files = _write(_hf_checkpoint(reference), tmp_path, parts)
+    plan = meshinit.nnx.plan(factory, meshes=meshes)
+    loaded = meshinit.safetensors.load(
+        plan, files if parts > 1 else next(files.iterdir()), names=hf_names, missing="skip"
+    )
+    entries = {e.path: e for e in plan.entries}
+    assert "head.kernel" not in loaded  # not in the files: left to the init
+    want = _flat(reference)
+    assert set(loaded) == set(entries) - {"head.kernel"}
+    for path, array in loaded.items():
+        assert array.sharding == entries[path].sharding, path
+        assert np.array_equal(np.asarray(array), np.asarray(want[path])), path
+    model = meshinit.nnx.init(factory, meshes=meshes, existing=loaded)
+    got = _flat(model)
+    for path in loaded:
+        assert got[path] is loaded[path]
+    assert np.array_equal(np.asarray(got["head.kernel"]), np.asarray(want["head.kernel"]))
+
+
+def test_load_casts_bf16_f16_and_ints_to_the_planned_dtype(tmp_path):
+    tensors = {
+        "a": np.arange(32, dtype=np.float32).reshape(4, 8).astype(ml_dtypes.bfloat16),
+        "b": np.linspace(-1, 1, 32).astype(np.float16).reshape(4, 8),
+        "c": np.arange(32, dtype=np.int32).reshape(4, 8),
+        "d": (np.arange(32) % 2 == 0).reshape(4, 8),
+    }
+    save_file(tensors, str(tmp_path / "x.safetensors"))
+    m = mesh8()
+    specs = {
+        "a": meshinit.param(
+            (4, 8), jax.nn.initializers.zeros, dtype=jnp.float32, axes=("fsdp", "tensor"), mesh=m
+        ),
+        "b": meshinit.param(
+            (4, 8), jax.nn.initializers.zeros, dtype=jnp.bfloat16, axes=(None, "tensor"), mesh=m
+        ),
+        "c": meshinit.param(
+            (4, 8), jax.nn.initializers.zeros, dtype=jnp.int32, axes=("fsdp", None), mesh=m
+        ),
+        "d": meshinit.param((4, 8), jax.nn.initializers.zeros, dtype=jnp.bool_, mesh=m),
+    }
+    loaded = meshinit.safetensors.load(meshinit.plan(specs), tmp_path)
+    for name, array in loaded.items():
+        assert array.dtype == specs[name].dtype
+        np.testing.assert_array_equal(np.asarray(array), tensors[name].astype(specs[name].dtype))
+
+
+def test_missing_and_mismatched_tensors_are_one_plan_error_naming_each(tmp_path):
+    reference = meshinit.nnx.init(factory, meshes=[(r".*", mesh8())])
+    tensors = _hf_checkpoint(reference)
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.zeros((3, 3), np.float32)
+    del tensors["model.layers.0.input_layernorm.weight"]
+    files = _write(tensors, tmp_path)
+    plan = meshinit.nnx.plan(factory, meshes=[(r".*", mesh8())])
+
+    def names(path):
+        return None if path.startswith("rngs") else hf_names(path)
+
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, files, names=names)
+    message = str(raised.value)
+    assert "layers.0.norm.scale" in message and "model.layers.0.input_layernorm.weight" in message
+    assert "lm_head.weight" in message  # the head: missing too, with missing="error"
+    assert "layers.1.up.kernel" in message and "(3, 3)" in message and "(16, 32)" in message
+    # skip leaves the absent ones out, and still refuses the mismatched one
+    with pytest.raises(meshinit.PlanError, match=r"layers\.1\.up\.kernel") as raised:
+        meshinit.safetensors.load(plan, files, names=names, missing="skip")
+    assert "lm_head" not in str(raised.value)
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    plan = meshinit.nnx.plan(factory, meshes=[(r".*", mesh8())])
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors file"):
+        meshinit.safetensors.load(plan, tmp_path)
+    save_file({"x": np.zeros(2, np.float32)}, str(tmp_path / "a.safetensors"))
+    with pytest.raises(TypeError, match='missing must be "error" or "skip"'):
+        meshinit.safetensors.load(plan, tmp_path, missing="ignore")
+    with pytest.raises(TypeError, match="names"):
+        meshinit.safetensors.load(plan, tmp_path, names=lambda p: 3)
+    with pytest.raises(meshinit.PlanError, match="reshaped"):
+        meshinit.safetensors.load(
+            plan, tmp_path, names=lambda p: Tensor("x", shape=(3,)), missing="skip"
+        )
