@@ -46,6 +46,7 @@ def test_demo_rejects_a_device_count_it_cannot_lay_out():
         "checkpoint_restore.py",
         "train_state.py",
         "zero1_offload.py",
+        "finetune_safetensors.py",
     ],
 )
 def test_examples_run(script):
