@@ -123,6 +123,56 @@ def check_nnx(named: Mapping[str, Mesh], reference: Any) -> tuple[list[str], dic
     return failures, {"nnx_shards": shards, "nnx_host_digest": digest.hexdigest()}
 
 
+# Tensors of the safetensors check, as a Hugging Face file stores them: ``w`` as
+# torch's (out, in), ``embed`` flat. Other paths are not in the file.
+ST_TENSORS = {
+    "global_auto.w": ("w.global_auto", None, (1, 0)),
+    "stage0.w": ("w.stage0", None, (1, 0)),
+    "stage1.w": ("w.stage1", None, (1, 0)),
+    "global_explicit.embed": ("embed", (64, 8), None),
+}
+
+
+def stored(path: str, value: np.ndarray) -> np.ndarray:
+    """``value`` of plan path ``path`` as the file stores it."""
+    _, shape, permute = ST_TENSORS[path]
+    return np.ascontiguousarray(value.T if permute else value.reshape(-1))
+
+
+def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[list[str], dict]:
+    """``meshinit.safetensors.load`` under jax.distributed: every addressable shard
+    against the single-process values, and the elements read against those owned."""
+    from meshinit import safetensors as st
+
+    def names(path: str) -> Any:
+        if path not in ST_TENSORS:
+            return None
+        name, shape, permute = ST_TENSORS[path]
+        return st.Tensor(name, shape=shape, permute=permute)
+
+    read: list[int] = []
+    reader = st._reader
+
+    def counting(*args: Any) -> Any:  # counts what each shard's read returns
+        fn = reader(*args)
+        return lambda index: read.append((out := fn(index)).size) or out
+
+    st._reader = counting
+    try:
+        loaded = st.load(plan, file, names=names)
+    finally:
+        st._reader = reader
+    failures, shards, owned = [], 0, 0
+    for path, array in loaded.items():
+        want = np.asarray(reference[f"single-0-{path}"])
+        for s in array.addressable_shards:
+            if not np.array_equal(np.asarray(s.data, np.float32), want[s.index]):
+                failures.append(f"process {jax.process_index()}, safetensors {path}: {s.index}")
+            shards += 1
+            owned += s.data.size
+    return failures, {"shards": shards, "read": sum(read), "owned": owned}
+
+
 def check(
     plan: meshinit.Plan, tree: Any, seed: int, reference: Any, named: Mapping[str, Mesh]
 ) -> tuple[list[str], dict]:
@@ -338,6 +388,9 @@ def main(process_id: int, port: int, reference_path: str) -> int:
     found, counts["existing"] = check(plan, tree, SEEDS[0], reference, named)
     failures += found
     jax.block_until_ready(tree)
+    weights = os.path.join(os.path.dirname(reference_path), "weights.safetensors")
+    found, counts["safetensors"] = check_safetensors(plan, reference, weights)
+    failures += found
     found, counts["nnx"] = check_nnx(named, reference)
     failures += found
     found, counts["prepare"] = check_prepare_failures(named)

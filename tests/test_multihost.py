@@ -66,6 +66,13 @@ def write_reference(path: Path) -> None:
     for p, var in nnx.to_flat_state(nnx.state(eager)):
         arrays["nnx-" + ".".join(map(str, p))] = np.asarray(var.get_value())
     np.savez(path, **arrays)
+    from safetensors.numpy import save_file
+
+    tensors = {
+        worker.ST_TENSORS[p][0]: worker.stored(p, arrays[f"single-0-{p}"])
+        for p in worker.ST_TENSORS
+    }
+    save_file(tensors, str(path.with_name("weights.safetensors")))
 
 
 def run_workers(reference: Path, logs: Path) -> list[dict]:
@@ -164,6 +171,15 @@ def test_the_other_process_stage_gives_arrays_with_zero_addressable_shards(worke
     got = counts(process, workers[process])
     for seed in worker.SEEDS:
         assert got[str(seed)]["remote_arrays"] == PARAMS_PER_MESH, (seed, got)
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_safetensors_load_reads_only_the_shards_each_process_owns(workers, process):
+    got = counts(process, workers[process])["safetensors"]
+    # two global paths (4 local devices each) and this process's own stage's w; the
+    # other stage's w has no shard here, and nothing of it is read
+    assert got["shards"] == 3 * worker.LOCAL_DEVICES, got
+    assert got["read"] == got["owned"], got  # each device's block, and nothing else
 
 
 def test_nnx_init_places_every_shard_with_eager_values_and_one_host_part(workers):
