@@ -1,0 +1,231 @@
+"""meshinit.safetensors.load against orbax's v1 safetensors layout, on the same files.
+
+A checkpoint of ``--tensors`` f32 tensors of ``--rows`` x ``--cols`` (default 16 of
+2048 x 8192: 1 GiB) is written once, then loaded onto ``P('fsdp', 'tensor')`` of a
+(2, 4) mesh of 8 simulated CPU devices, in fresh processes:
+
+- ``meshinit``: ``meshinit.safetensors.load(plan, dir)``, names as stored;
+- ``meshinit-transposed``: the same tensors read through ``Tensor(name, permute=(1,
+  0))`` onto a ``(cols, rows)`` plan, as a Hugging Face ``(out, in)`` weight is;
+- ``orbax-v1``: ``ocp.load(dir, abstract)`` under
+  ``ocp.Context(checkpoint_layout="safetensors")``.
+
+Each process loads twice (the first warms the page cache, the second is timed, best
+of ``--repeats``) and reports the bytes it read (``meshinit``: counted by a wrapped
+reader) and its peak RSS. A second part measures the fine-tuning init: the reference
+stack's nnx model at ``--layers`` layers, cold, in full and with ``existing=`` of all
+but the head.
+
+Run: python benchmarks/safetensors_load.py [--dir DIR] [--tensors N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(directory: Path, tensors: int, rows: int, cols: int) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    per_file = 4
+    for f in range(0, tensors, per_file):
+        chunk = {
+            f"t{i}": rng.standard_normal((rows, cols), dtype=np.float32)
+            for i in range(f, min(f + per_file, tensors))
+        }
+        save_file(chunk, str(directory / f"model-{f // per_file:05d}.safetensors"))
+
+
+def load_case(
+    recipe: str, directory: str, tensors: int, rows: int, cols: int, repeats: int
+) -> dict:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
+    sharding = NamedSharding(mesh, P("fsdp", "tensor"))
+    transposed = recipe == "meshinit-transposed"
+    shape = (cols, rows) if transposed else (rows, cols)
+    read = [0]
+    if recipe.startswith("meshinit"):
+        import meshinit
+        from meshinit import safetensors as st
+
+        specs = {
+            f"t{i}": meshinit.param(
+                shape, jax.nn.initializers.zeros, axes=("fsdp", "tensor"), mesh=mesh
+            )
+            for i in range(tensors)
+        }
+        plan = meshinit.plan(specs)
+        reader = st._reader
+
+        def counting(*args):
+            fn = reader(*args)
+            return lambda index: read.__setitem__(0, read[0] + (out := fn(index)).nbytes) or out
+
+        st._reader = counting
+        names = (lambda p: st.Tensor(p, permute=(1, 0))) if transposed else None
+
+        def run():
+            return st.load(plan, directory, names=names)
+    else:
+        import orbax.checkpoint.experimental.v1 as ocp
+
+        abstract = {
+            f"t{i}": jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+            for i in range(tensors)
+        }
+
+        def run():
+            with ocp.Context(checkpoint_layout="safetensors"):
+                return ocp.load(directory, abstract)
+
+    baseline = _rss()
+    times = []
+    for _ in range(repeats + 1):  # the first warms the page cache
+        read[0] = 0
+        start = time.perf_counter()
+        out = run()
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+        for a in jax.tree.leaves(out):
+            a.delete()
+    owned = tensors * rows * cols * 4  # one process: every shard is its own
+    return {
+        "recipe": recipe,
+        "seconds": min(times[1:]),
+        "first": times[0],
+        "read_bytes": read[0] if recipe.startswith("meshinit") else None,
+        "owned_bytes": owned,
+        "rss_increase": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline,
+        "largest_shard": rows * cols * 4 // 8,
+    }
+
+
+def _rss() -> int:
+    """This process's resident bytes now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def partial_case(layers: int, partial: bool) -> dict:
+    """Cold nnx init of the reference stack, in full or with all but the head given."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    import recipes
+    from flax import nnx
+
+    import meshinit
+
+    model = recipes.Model.cpu(layers, 1)
+    jax.config.update("jax_enable_compilation_cache", False)
+    shape, names = recipes.CPU_MESH
+    mesh = jax.make_mesh(shape, names)
+    transformer = recipes.nnx_module(model, mesh)
+
+    def factory():
+        return transformer(nnx.Rngs(0))
+
+    existing = None
+    if partial:
+        with jax.set_mesh(mesh):
+            full = meshinit.nnx.init(factory)
+        flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(full))}
+        existing = {p: np.asarray(v) for p, v in flat.items() if not p.startswith("head")}
+        meshinit.clear_cache()
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        out = meshinit.nnx.init(factory, existing=existing)
+    jax.block_until_ready(jax.tree.leaves(nnx.state(out)))
+    return {"partial": partial, "layers": layers, "seconds": time.perf_counter() - start}
+
+
+def spawn(args: list[str]) -> dict:
+    r = subprocess.run(
+        [sys.executable, __file__, "--case", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+        timeout=900,
+    )
+    if r.returncode:
+        raise RuntimeError(r.stderr[-3000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir")
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--cols", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--case", nargs="*")
+    args = ap.parse_args()
+    if args.case:
+        kind, *rest = args.case
+        if kind == "load":
+            recipe, directory = rest
+            result = load_case(recipe, directory, args.tensors, args.rows, args.cols, args.repeats)
+        else:
+            result = partial_case(args.layers, rest[0] == "partial")
+        print(json.dumps(result))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(args.dir or tmp)
+        directory.mkdir(parents=True, exist_ok=True)
+        if not list(directory.glob("*.safetensors")):
+            write(directory, args.tensors, args.rows, args.cols)
+        size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+        print(
+            f"checkpoint: {args.tensors} x ({args.rows}, {args.cols}) f32, {size / 2**30:.2f} GiB"
+        )
+        shape = [f"--tensors={args.tensors}", f"--rows={args.rows}", f"--cols={args.cols}"]
+        results = [
+            spawn(["load", r, str(directory), *shape, f"--repeats={args.repeats}"])
+            for r in ("orbax-v1", "meshinit", "meshinit-transposed")
+        ]
+    anchor = results[0]["seconds"]
+    print(
+        "| recipe | seconds (warm) | / orbax v1 | bytes read / owned "
+        "| peak RSS increase / (share + largest shard) |"
+    )
+    print("|---|---|---|---|---|")
+    for r in results:
+        ratio = "" if r["read_bytes"] is None else f"{r['read_bytes'] / r['owned_bytes']:.3f}"
+        print(
+            f"| {r['recipe']} | {r['seconds']:.2f} | {r['seconds'] / anchor:.3f} | {ratio} | "
+            f"{r['rss_increase'] / (r['owned_bytes'] + r['largest_shard']):.2f} |"
+        )
+    cold = [spawn(["partial", how, f"--layers={args.layers}"]) for how in ("full", "partial")]
+    print(
+        f"nnx init, {args.layers} layers, cold: full {cold[0]['seconds']:.2f} s, "
+        f"existing= all but the head {cold[1]['seconds']:.2f} s "
+        f"({cold[1]['seconds'] / cold[0]['seconds']:.3f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
