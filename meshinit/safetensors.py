@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import pathlib
 import struct
@@ -151,17 +152,29 @@ def _transformed(stored: _Stored, tensor: Tensor) -> tuple[tuple[int, ...] | Non
 
 def _reader(stored: _Stored, tensor: Tensor, dtype: Any) -> Callable[[Any], np.ndarray]:
     """``index -> the parameter's block there``, read from the memory-mapped file: a
-    reshape and a transpose are views, so only the block's bytes are touched."""
+    reshape and a transpose are views, so only the block's bytes are touched. After
+    each read the mapping's pages are released (``MADV_DONTNEED``; they stay in the
+    page cache), so the file's bytes never count in this process's memory."""
+    itemsize = np.dtype(stored.dtype).itemsize
     count = int(np.prod(stored.shape))
-    mapped = np.memmap(
-        stored.file, dtype=stored.dtype, mode="r", offset=stored.offset, shape=(count,)
-    )
-    view = mapped.reshape(stored.shape if tensor.shape is None else tensor.shape)
+    start = stored.offset - stored.offset % mmap.ALLOCATIONGRANULARITY
+    with open(stored.file, "rb") as f:
+        mapped = mmap.mmap(
+            f.fileno(),
+            stored.offset - start + count * itemsize,
+            access=mmap.ACCESS_READ,
+            offset=start,
+        )
+    flat = np.frombuffer(mapped, stored.dtype, count, stored.offset - start)
+    view = flat.reshape(stored.shape if tensor.shape is None else tensor.shape)
     if tensor.permute is not None:
         view = view.transpose(tensor.permute)
 
     def read(index: Any) -> np.ndarray:
-        return np.asarray(view[index]).astype(dtype)
+        block = np.array(view[index], dtype=dtype)  # a copy: the mapping is not kept
+        if hasattr(mapped, "madvise"):
+            mapped.madvise(mmap.MADV_DONTNEED)
+        return block
 
     return read
 
