@@ -179,9 +179,16 @@ def test_eqx_existing_places_the_given_and_makes_the_rest():
         for kp, v in jax.tree_util.tree_flatten_with_path(full)[0]
         if eqx.is_array(v)
     }
-    given = {"layers.0.weight": flat["layers.0.weight"], "layers.1.bias": flat["layers.1.bias"]}
+    elsewhere = NamedSharding(_mesh(range(4), (2, 2)), P(None, "a"))
+    given = {
+        "layers.0.weight": flat["layers.0.weight"],
+        "layers.1.bias": flat["layers.1.bias"],
+        "layers.1.weight": jax.device_put(flat["layers.1.weight"], elsewhere),  # resharded
+        "layers.2.weight": np.asarray(flat["layers.2.weight"]),  # placed shard by shard
+    }
     got = meshinit.eqx.init(make, 0, placements, mesh=mesh8(), existing=given)
     assert got.layers[0].weight is flat["layers.0.weight"]
+    assert got.layers[1].weight.sharding == flat["layers.1.weight"].sharding
     arrays = [eqx.filter(t, eqx.is_array) for t in (got, full)]
     for a, b in zip(*map(jax.tree.leaves, arrays), strict=True):
         assert a.sharding == b.sharding
