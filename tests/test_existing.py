@@ -215,3 +215,22 @@ def test_a_backbone_checkpoint_restores_into_abstract_and_init_makes_the_head(tm
     for path, value in _values_of(got).items():
         assert got[path].sharding == want[path].sharding, path
         same_bits(value, _values_of(want)[path], path)
+
+
+def test_an_array_on_another_mesh_is_placed_block_by_block_never_gathered(monkeypatch):
+    from jax._src import array as jax_array  # where jax gathers a whole array to the host
+
+    from meshinit import _materialize
+
+    x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    source = jax.device_put(x, NamedSharding(_mesh(range(4), (2, 2)), P("b", "a")))
+    target = NamedSharding(_mesh(range(8), (2, 4)), P("a", "b"))
+
+    def gathered(self):
+        raise AssertionError("the whole array was gathered on the host")
+
+    monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(gathered))
+    placed = _materialize.place(source, target)
+    assert placed.sharding == target
+    for shard in placed.addressable_shards:
+        assert np.array_equal(np.asarray(shard.data), x[shard.index])
