@@ -417,7 +417,7 @@ def _erfinv_terms(v: np.ndarray, a: float, c: float = 1.0) -> np.ndarray:
     products' own rounding. Near 0 this is about ``2.5 c``, not ``|v|``: a value near 0
     is the difference of two terms near ``|a|``."""
     z = v / c
-    x = _erf(z / math.sqrt(2)).astype(np.float64)
+    x = np.asarray(_erf(z / math.sqrt(2)), np.float64)  # frompyfunc: a float for a 0-d v
     slope = math.sqrt(math.pi / 2) * np.exp(np.minimum(z * z / 2, 700.0))
     return c * slope * (np.abs(x - a) + abs(a)) + np.abs(v)
 
@@ -1565,3 +1565,8 @@ def test_the_terms_of_jax_samplers_are_those_of_their_uniform_draws():
     var = Var("v0", (8, 4), "float32", Leaf("linear", "float32", ("default", True)))
     lim = 1 / math.sqrt(8)
     np.testing.assert_allclose(linear_terms("eqx", var, "bias", np.zeros(4)), 2 * lim)
+
+
+def test_the_terms_of_a_scalar_variable_are_a_scalar():
+    got = sampler_terms(Leaf("normal", "float32"), np.asarray(1.0), 0, False)
+    assert np.shape(got) == () and float(got) > 1.0
