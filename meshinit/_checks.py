@@ -85,9 +85,11 @@ def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[i
 
 def split_given(plan: Plan, existing: Mapping[str, Any] | None, what: str) -> tuple[dict, Plan]:
     """:func:`given_arrays`, and the plan of what is left to make; every problem in
-    ``existing`` is one PlanError, raised before anything is made."""
+    ``existing`` is one PlanError, with the plan's abstract meshes, raised before
+    anything is made (as the spec path's ``materialize`` raises them)."""
     given, problems = given_arrays(plan, existing)
     if problems:
+        problems += abstract_problems(plan)
         raise PlanError(problems, header=f"{what}: existing= does not fit the plan:")
     todo = subplan(plan, [e for e in plan.entries if id(e) not in given]) if given else plan
     return given, todo

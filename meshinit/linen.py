@@ -374,6 +374,4 @@ def init(
 
 def _unboxed(tree: Any) -> Any:
     """The arrays in linen's boxes as they are (``nn.unbox`` would constrain each)."""
-    return jax.tree_util.tree_map(
-        lambda x: x.value if _linen_meta.is_box(x) else x, tree, is_leaf=_linen_meta.is_box
-    )
+    return jax.tree_util.tree_map(_linen_meta.value_of, tree, is_leaf=_linen_meta.is_box)
