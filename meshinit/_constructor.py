@@ -7,8 +7,9 @@ that returns one array per variable. The engine:
 1. **traces it once** to a jaxpr (:func:`meshinit._trace.trace`), abstractly;
 2. **flattens** nested calls (:func:`meshinit._jaxpr.flatten`): jitted initializers,
    ``custom_jvp``/``custom_vjp``, ``checkpoint``; control flow stays one unit;
-3. **evaluates the small part on the host** (:mod:`meshinit._host`): keys, RNG
-   counters, scalars and arrays of at most ``_trace.SMALL_BYTES``, with numpy, exactly;
+3. **evaluates the small part on the host** (:func:`meshinit._trace.evaluate`, with
+   :mod:`meshinit._host`): keys, RNG counters, scalars and arrays of at most
+   ``_trace.SMALL_BYTES``, with numpy, exactly, for just the variables it makes;
 4. **cuts one slice per remaining variable** (:func:`meshinit._trace.cut`): the
    equations between its small inputs and its value, fingerprinted structurally
    (:func:`meshinit._jaxpr.fingerprint`);
@@ -163,7 +164,7 @@ def materialize(
 
     Args:
       plan: the plan of the variables; entry ``i`` is output ``outputs[i]``.
-      traced: from :func:`trace`.
+      traced: from :func:`meshinit._trace.trace`.
       outputs: one output index per plan entry, in entry order.
       what: the name the progress bar and the log use.
       existing: dot-joined path -> array, placed instead of made: nothing is cut,
@@ -175,6 +176,8 @@ def materialize(
     given, todo = _checks.split_given(plan, existing, what)
     prog = traced.program
     index = {id(e): outputs[i] for i, e in enumerate(plan.entries)}
+    # the host part of just what is made: a given variable's keys are never computed
+    traced = _trace.evaluate(traced, [prog.outputs[index[id(e)]] for e in todo.entries])
     memo: dict[Any, Any] = {}
     works: dict[tuple[int, ...], _Work] = {}  # by the ids of a group's entries
     fallen: list[tuple[str, str]] = []

@@ -111,8 +111,10 @@ class NeedsConcreteValue(TypeError):
     as jax's ConcretizationTypeError is)."""
 
 
-def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -> Traced:
-    """Traces ``fn(*args)`` once and evaluates its small part on the host.
+def trace(fn: Callable[..., Sequence[Any]], *args: Any) -> Traced:
+    """Traces ``fn(*args)`` once; its small part is evaluated later, by
+    :func:`evaluate`, for just the outputs that are made (plan previews need only the
+    shapes, ``existing=`` outputs nothing).
 
     The trace runs under the all-Auto twin of the context mesh, if one is set (so no
     value records an explicit sharding of a mesh the variables may not live on), and
@@ -121,11 +123,9 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
     Args:
       fn: returns a flat sequence of arrays, one per variable.
       *args: host values (numpy arrays), passed abstractly.
-      evaluate: evaluate the small part (False for plan previews, which need only
-        the shapes).
 
     Returns:
-      The :class:`Traced` constructor.
+      The :class:`Traced` constructor, with nothing evaluated yet.
     """
     # as jax.jit takes numpy arguments: float64 is float32 unless x64 is on
     args = tuple(np.asarray(a, jax.dtypes.canonicalize_dtype(np.result_type(a))) for a in args)
@@ -151,11 +151,29 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
             "the constructor returned values of an earlier trace (it keeps what it built "
             "in outside state); it must build everything anew each call"
         )
+    return Traced(prog, {}, tuple(args), mesh=twin)
+
+
+def evaluate(traced: Traced, outputs: Sequence[int | Lit]) -> Traced:
+    """``traced`` with the small part that ``outputs`` depend on evaluated on the host.
+
+    Only the equations some output reads, directly or through others, are looked at:
+    with ``existing=`` of all but a head, the host evaluates the head's keys and the
+    RNG counters before it, not every layer's. Each host value depends on its inputs
+    alone, so what is evaluated is what a whole-program evaluation gives.
+
+    Args:
+      traced: from :func:`trace`.
+      outputs: the operands of ``traced.program.outputs`` that will be made.
+
+    Returns:
+      A :class:`Traced` with ``host`` and ``dynamic`` filled.
+    """
+    prog, args = traced.program, traced.args
     host: dict[int, Any] = {}
-    if not evaluate:
-        return Traced(prog, host, tuple(args), mesh=twin)
     for n, a in zip(prog.inputs, args, strict=True):
         host[n] = np.asarray(a)
+    needed = _needed(prog, outputs)
     for n, c in prog.consts.items():
         if _nbytes(prog.avals[n]) <= SMALL_BYTES:
             try:
@@ -172,8 +190,10 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
         return size <= SMALL_BYTES
 
     dynamic = set(prog.inputs)
+    nodes = prog.nodes
     with _host.quiet():
-        for i, node in enumerate(prog.nodes):
+        for i in needed:
+            node = nodes[i]
             ins = [x for x in node.ins if type(x) is not Lit]
             if dynamic and not dynamic.isdisjoint(ins):
                 dynamic.update([n for n in node.outs if n >= 0])
@@ -183,7 +203,26 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any, evaluate: bool = True) -
                 continue
             if all([x in host for x in ins]):
                 _host.evaluate_one(prog, i, host)
-    return Traced(prog, host, tuple(args), frozenset(dynamic), twin)
+    return dataclasses.replace(traced, host=host, dynamic=frozenset(dynamic))
+
+
+def _needed(prog: Program, outputs: Sequence[int | Lit]) -> list[int]:
+    """The indices of the nodes ``outputs`` read, directly or not, in program order."""
+    needed: set[int] = set()
+    stack = [o for o in outputs if type(o) is not Lit]
+    seen: set[int] = set()
+    producer, nodes = prog.producer, prog.nodes
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        i = producer.get(n)
+        if i is None or i in needed:
+            continue
+        needed.add(i)
+        stack.extend([x for x in nodes[i].ins if type(x) is not Lit])
+    return sorted(needed)
 
 
 # ------------------------------------------------------------------------- the cut

@@ -242,7 +242,7 @@ def _prepare(
     placements: Sequence[Placement],
     mesh: Mesh | AbstractMesh | None,
     rules: Any,
-    evaluate: bool,
+    what: str,
 ) -> _Prepared:
     """Traces ``factory(key)`` once and plans its arrays; compiles and allocates nothing."""
     key_data, make_key = _adapters.traced_key(key)
@@ -253,13 +253,12 @@ def _prepare(
         found.append(module)
         return _array_leaves(module)
 
-    traced = _trace.trace(build, key_data, evaluate=evaluate)
+    traced = _trace.trace(build, key_data)
     avals = iter(traced.out_avals)
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(next(avals).shape, x.dtype) if eqx.is_array(x) else x,
         found[0],
     )
-    what = "meshinit.eqx.init" if evaluate else "meshinit.eqx.plan"
     specs, problems = _specs_from_placements(abstract, placements, mesh, rules, what)
     plan_ = build_plan(specs, check_inits=False, problems=problems)
     flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
@@ -298,7 +297,7 @@ def plan(
       >>> p = meshinit.eqx.plan(lambda k: eqx.nn.MLP(64, 10, 256, 2, key=k), 0,
       ...                       [(r".*weight", ("tensor", None)), (r".*", None)], mesh=mesh)
     """
-    return _prepare(factory, key, placements, mesh, rules, evaluate=False).plan
+    return _prepare(factory, key, placements, mesh, rules, what="meshinit.eqx.plan").plan
 
 
 def init(
@@ -374,7 +373,7 @@ def init(
     """
     # Collective: a factory that fails while traced on one process fails every process.
     with _agree.collective("meshinit.eqx.init"), _trace.paused_gc():
-        prep = _prepare(factory, key, placements, mesh, rules, evaluate=True)
+        prep = _prepare(factory, key, placements, mesh, rules, what="meshinit.eqx.init")
         return _constructor.materialize(
             prep.plan,
             prep.traced,

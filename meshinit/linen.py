@@ -147,7 +147,7 @@ def _prepare(
     rules: Any,
     default: Any,
     meshes: Any,
-    evaluate: bool,
+    what: str,
 ) -> _Prepared:
     """Traces ``module.init`` once and plans its variables; compiles and allocates nothing."""
     patterns = _adapters.parse_meshes(meshes)
@@ -172,7 +172,7 @@ def _prepare(
         return [x for x in leaves if isinstance(x, jax.Array)]
 
     host = [*key_data, *input_data]
-    traced = _trace.trace(run_init, *host, evaluate=evaluate)
+    traced = _trace.trace(run_init, *host)
     flat, treedef = found[0]
     avals = iter(traced.out_avals)
     problems: list[Problem] = []
@@ -194,7 +194,6 @@ def _prepare(
             _linen_meta.spec_for(path, leaf, mesh, rules, fallback, problems, override=override)
         )
     # A meshes= pattern that matches no variable places nothing: likely a typo, warned.
-    what = "meshinit.linen.init" if evaluate else "meshinit.linen.plan"
     _adapters.warn_idle_meshes(what, patterns, [_paths.path_str(k) for k, _ in flat])
     plan = _planner.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
@@ -254,7 +253,7 @@ def plan(
         rules=rules,
         default=default,
         meshes=meshes,
-        evaluate=False,
+        what="meshinit.linen.plan",
     ).plan
 
 
@@ -354,7 +353,7 @@ def init(
             rules=rules,
             default=default,
             meshes=meshes,
-            evaluate=True,
+            what="meshinit.linen.init",
         )
         placed = jax.tree_util.tree_leaves(
             _constructor.materialize(

@@ -170,7 +170,7 @@ class _Prepared:
     keys: dict[tuple[Any, ...], tuple[Any, Any]]  # typed key Variables: (struct, impl)
 
 
-def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> _Prepared:
+def _prepare(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> _Prepared:
     """Traces ``factory`` once and plans its Variables; compiles and allocates nothing."""
     patterns = _adapters.parse_meshes(meshes)
     if not callable(factory):
@@ -179,7 +179,6 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
             f"{type(factory).__name__}; write meshinit.nnx.init(lambda: Model(...))"
         )
     found: list[Any] = []
-    what = "meshinit.nnx.init" if evaluate else "meshinit.nnx.plan"
 
     def build() -> list[Any]:
         with nnx.use_eager_sharding(False):
@@ -203,7 +202,7 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, evaluate: bool) -> 
         return [jax.random.key_data(x) if _nnx_meta.is_key(x) else x for _, x in arrays]
 
     with _clear_factory_errors(what):
-        traced = _trace.trace(build, evaluate=evaluate)
+        traced = _trace.trace(build)
     graphdef, flat, paths, keys = found[0]
     declared = [_path(p) for p, v in flat if isinstance(v.get_value(), ParamSpec)]
     if declared:
@@ -265,7 +264,7 @@ def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> Plan:
     Examples:
       >>> print(meshinit.nnx.plan(lambda: Model(rngs=nnx.Rngs(0))).compact())
     """
-    return _prepare(factory, meshes, evaluate=False).plan
+    return _prepare(factory, meshes, what="meshinit.nnx.plan").plan
 
 
 def _existing(existing: Any, prep: _Prepared) -> dict[str, Any] | None:
@@ -309,7 +308,7 @@ def abstract(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Mo
       >>> model = nnx.merge(graphdef, ocp.StandardCheckpointer().restore(path, target))
     """
     with _agree.collective("meshinit.nnx.abstract"):
-        prep = _prepare(factory, meshes, evaluate=False)
+        prep = _prepare(factory, meshes, what="meshinit.nnx.plan")
     structs = prep.plan.abstract()
     placed = []
     for path, var in prep.flat:
@@ -382,7 +381,7 @@ def init(
     """
     # Collective: a factory that fails while tracing on one process fails every process.
     with _agree.collective("meshinit.nnx.init"), _trace.paused_gc():
-        prep = _prepare(factory, meshes, evaluate=True)
+        prep = _prepare(factory, meshes, what="meshinit.nnx.init")
         arrays = _constructor.materialize(
             prep.plan,
             prep.traced,

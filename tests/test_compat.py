@@ -142,7 +142,7 @@ def test_tracer_origin_messages_are_empty_only_inside_the_engine():
             messages["inside" if _compat._TRACING.get() else "outside"] = y._origin_msg()
         return [y]
 
-    _trace.trace(probe, np.float32(0), evaluate=False)
+    _trace.trace(probe, np.float32(0))
     jax.make_jaxpr(lambda x: probe(x))(np.float32(0))  # a new function: traced anew
     if not messages:
         pytest.skip("this jax's tracers have no _origin_msg: nothing is patched")

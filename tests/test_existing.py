@@ -82,6 +82,27 @@ def test_nnx_existing_places_the_given_and_makes_the_rest_as_a_full_init(count_c
     assert partial_compiles.count < full_compiles.count  # nothing made for the base
 
 
+def test_nnx_existing_evaluates_on_the_host_only_what_the_rest_reads(monkeypatch):
+    # The given variables' keys, counters and small values are never computed: the
+    # host part of a partial init is the part the variables it makes depend on.
+    from meshinit import _trace
+
+    evaluated = []
+    evaluate = _trace.evaluate
+    monkeypatch.setattr(
+        _trace, "evaluate", lambda t, outs: evaluated.append(evaluate(t, outs)) or evaluated[-1]
+    )
+    with jax.set_mesh(mesh8()):
+        full = _flat(meshinit.nnx.init(factory))
+        base = {p: v for p, v in full.items() if not p.startswith("head.")}
+        got = _flat(meshinit.nnx.init(factory, existing=base))
+    whole, part = evaluated
+    assert 0 < len(part.host) < len(whole.host) / 2, (len(part.host), len(whole.host))
+    for n, v in part.host.items():  # what it did compute is what the whole gives
+        same_bits(getattr(v, "data", v), getattr(whole.host[n], "data", whole.host[n]), n)
+    same_bits(got["head.kernel"], full["head.kernel"], "head.kernel")
+
+
 @pytest.mark.parametrize("how", ["numpy", "other mesh", "nested", "state"])
 def test_nnx_existing_takes_numpy_other_meshes_and_nested_trees(how):
     with jax.set_mesh(mesh8()):
