@@ -259,12 +259,29 @@ def load(
     out: dict[str, jax.Array] = {}
     try:
         for entry, stored, tensor in jobs:
-            read = _reader(stored, tensor, entry.spec.dtype)
-            out[entry.path] = jax.make_array_from_callback(
-                entry.spec.shape, entry.sharding, read, dtype=entry.spec.dtype
-            )
+            out[entry.path] = _array(entry, _reader(stored, tensor, entry.spec.dtype))
     except BaseException:
         for array in out.values():  # nothing half-loaded outlives a failed read
             array.delete()
         raise
     return out
+
+
+def _array(entry: PlanEntry, read: Callable[[Any], np.ndarray]) -> jax.Array:
+    """The entry's array, one block at a time: each distinct block of this process's
+    devices is read once, put on each device that holds it, and dropped, so the host
+    holds one block beside the arrays (``jax.make_array_from_callback`` keeps every
+    block of the array until all are read)."""
+    sharding, shape = entry.sharding, entry.spec.shape
+    holders: dict[tuple[tuple[Any, Any, Any], ...], tuple[Any, list[Any]]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop, s.step) for s in index)  # slices hash from 3.12 only
+        holders.setdefault(key, (index, []))[1].append(device)
+    shards = []
+    for index, devices in holders.values():
+        block = read(index)
+        for device in devices:
+            where = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+            shards.append(jax.device_put(block, where))
+        del block
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)

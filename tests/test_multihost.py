@@ -179,7 +179,7 @@ def test_safetensors_load_reads_only_the_shards_each_process_owns(workers, proce
     # two global paths (4 local devices each) and this process's own stage's w; the
     # other stage's w has no shard here, and nothing of it is read
     assert got["shards"] == 3 * worker.LOCAL_DEVICES, got
-    assert got["read"] == got["owned"], got  # each device's block, and nothing else
+    assert got["read"] == got["owned"], got  # each local block once, and nothing else
 
 
 def test_nnx_init_places_every_shard_with_eager_values_and_one_host_part(workers):

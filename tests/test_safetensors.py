@@ -134,6 +134,43 @@ def test_load_renames_reshapes_and_transposes_onto_the_plan(layout, parts, tmp_p
     assert np.array_equal(np.asarray(got["head.kernel"]), np.asarray(want["head.kernel"]))
 
 
+def test_load_reads_each_local_block_once_and_holds_one_at_a_time(tmp_path, monkeypatch):
+    # P("fsdp", None) on a (2, 4) mesh: 8 devices, 2 distinct blocks. Each is read once
+    # and put on its 4 devices; the block before it is dropped by then, so the host
+    # never holds more than one block beside the arrays.
+    import gc
+    import weakref
+
+    from meshinit import safetensors as st
+
+    value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    save_file({"w": value}, str(tmp_path / "w.safetensors"))
+    spec = meshinit.param((8, 6), jax.nn.initializers.zeros, axes=("fsdp", None), mesh=mesh8())
+    plan = meshinit.plan({"w": spec})
+    reads, alive = [], []
+    reader = st._reader
+
+    def counting(*args):
+        fn = reader(*args)
+
+        def read(index):
+            gc.collect()
+            alive.append(sum(r() is not None for r in reads))
+            block = fn(index)
+            reads.append(weakref.ref(block))
+            return block
+
+        return read
+
+    monkeypatch.setattr(st, "_reader", counting)
+    (array,) = meshinit.safetensors.load(plan, tmp_path).values()
+    assert len(reads) == 2, len(reads)  # not 8: one read per distinct block
+    assert alive == [0, 0], alive  # block 0 was gone when block 1 was read
+    assert array.sharding == plan.entries[0].sharding
+    for shard in array.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+
+
 def test_load_casts_bf16_f16_and_ints_to_the_planned_dtype(tmp_path):
     tensors = {
         "a": np.arange(32, dtype=np.float32).reshape(4, 8).astype(ml_dtypes.bfloat16),
