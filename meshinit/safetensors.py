@@ -284,4 +284,5 @@ def _array(entry: PlanEntry, read: Callable[[Any], np.ndarray]) -> jax.Array:
             where = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
             shards.append(jax.device_put(block, where))
         del block
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    # dtype: a process whose devices hold none of it passes no shards to tell it
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=entry.spec.dtype)
