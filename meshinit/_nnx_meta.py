@@ -30,6 +30,12 @@ def has_sharding(meta: dict[str, Any]) -> bool:
     return any(meta.get(k) is not None for k in ("out_sharding", "sharding", "sharding_names"))
 
 
+def _sharding_names(meta: dict[str, Any]) -> tuple[Any, ...]:
+    """The names of flax's sharding metadata, under whichever key flax has them."""
+    keys = ("out_sharding", "sharding", "sharding_names")
+    return tuple(next((meta[k] for k in keys if meta.get(k)), ()))
+
+
 def _unruled_names(meta: dict[str, Any], mesh: Any) -> str | None:
     """With ``sharding_rules`` (or flax's context rules), the names in the sharding
     that no rule maps and the mesh does not have: flax would pass them through as mesh
@@ -38,7 +44,7 @@ def _unruled_names(meta: dict[str, Any], mesh: Any) -> str | None:
     context = flax_spmd.get_logical_axis_rules()
     if not local and not context:
         return None
-    raw = next((meta[k] for k in ("out_sharding", "sharding", "sharding_names") if meta.get(k)), ())
+    raw = _sharding_names(meta)
     names = [n for e in raw for n in (e if isinstance(e, tuple) else (e,)) if isinstance(n, str)]
     ruled = {r[0] for r in (*(context or ()), *(local or ()))}
     missing = [n for n in dict.fromkeys(names) if n not in ruled and n not in mesh.axis_names]
@@ -80,6 +86,7 @@ def spec_for(
     if mesh is None or (isinstance(mesh, Mesh) and mesh.empty):
         mesh = _adapters.context_mesh()
     axes = None
+    logical = None
     if has_sharding(meta):
         if mesh is None:
             problems.append(
@@ -95,6 +102,9 @@ def spec_for(
             problems.append(Problem(path, unruled))
             return None
         pspec = tuple(nnx.spmd.get_var_pspec(var))
+        raw = _sharding_names(meta)
+        if raw and (meta.get("sharding_rules") or flax_spmd.get_logical_axis_rules()):
+            logical = tuple(raw) + (None,) * (len(value.shape) - len(raw))
         entries = pspec + (None,) * (len(value.shape) - len(pspec))
         problem = _adapters.unconstrained_problem(path, entries, "sharding")
         if problem is not None:
@@ -103,14 +113,18 @@ def spec_for(
         axes = entries + (None,) * (len(shape) - len(entries))
     if mesh is None:
         mesh = _adapters.default_mesh()
+    # RNG state and scalars are replicated on purpose: the plan never suggests sharding them
+    meant = tuple(mesh.axis_names) if isinstance(var, nnx.RngState) or not shape else ()
     return ParamSpec(
         shape=shape,
         init=_materialize.from_constructor,
-        replicated=replicated_default(),
         # a Variable's own memory_kind= metadata, else the defaults() one
         memory_kind=meta.get("memory_kind", memory_kind_default()),
         axes=axes,
         mesh=mesh,
         rules=None,
         dtype=dtype,
+        # flax's logical names, shown in the plan (the axes are already mesh axes)
+        metadata={} if logical is None else {"logical": logical},
+        replicated=meant or replicated_default(),
     )

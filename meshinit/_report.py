@@ -11,6 +11,7 @@ from ._format import axes_text, describe_mesh, human_bytes
 
 if TYPE_CHECKING:
     from ._plan import MeshGroup, Plan, PlanEntry
+    from ._spec import ParamSpec
 
 MeshSource = Callable[["MeshGroup"], str]
 """Says where a group's mesh came from, e.g. ``"--abstract-mesh"`` or ``"spec"``."""
@@ -93,6 +94,15 @@ def _mesh_line(index: int, group: MeshGroup, source: MeshSource | None) -> str:
     return f"{line}  (mesh from {source(group)})" if source else line
 
 
+def _logical(spec: ParamSpec, *, tight: bool) -> str:
+    """The logical axes of a spec: its own (with rules), or the names a framework's
+    metadata gave before its rules made them mesh axes (flax nnx), else ``-``."""
+    if spec.rules is not None:
+        return axes_text(spec.axes, tight=tight)
+    named = spec.metadata.get("logical")
+    return "-" if named is None else axes_text(named, tight=tight)
+
+
 def _row(e: PlanEntry, mesh) -> list[str]:
     """One parameter's cells: path, shape, dtype, logical axes, mesh axes, spec, bytes."""
     s = e.spec
@@ -100,7 +110,7 @@ def _row(e: PlanEntry, mesh) -> list[str]:
         printable(e.path) or "<root>",
         str(s.shape),
         s.dtype.name,
-        axes_text(s.axes) if s.rules is not None else "-",
+        _logical(s, tight=False),
         _fmt_mesh_axes(e.sharding.spec, mesh.shape),
         str(e.sharding.spec).removeprefix("PartitionSpec"),
         human_bytes(e.device_bytes),
@@ -294,7 +304,7 @@ def group_compact(index: int, group: MeshGroup, source: MeshSource | None = None
     rows = [head]
     for path, es in collapse(group.entries):
         e, s = es[0], es[0].spec
-        logical = "-" if s.rules is None else axes_text(s.axes, tight=True)
+        logical = _logical(s, tight=True)
         row = [
             printable(path),
             str(len(es)),

@@ -30,12 +30,22 @@ from typing import Any
 try:
     from flax import errors as flax_errors
     from flax import nnx
+    from flax.core import spmd as flax_spmd
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
 
 import jax
 
-from . import _adapters, _agree, _constructor, _materialize, _nnx_meta, _planner, _trace
+from . import (
+    _adapters,
+    _agree,
+    _constructor,
+    _materialize,
+    _nnx_meta,
+    _planner,
+    _rules,
+    _trace,
+)
 from ._errors import PlanError, Problem
 from ._nnx_optimizer import optimizer
 from ._plan import Plan, PlanEntry
@@ -170,8 +180,21 @@ class _Prepared:
     keys: dict[tuple[Any, ...], tuple[Any, Any]]  # typed key Variables: (struct, impl)
 
 
-def _prepare(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> _Prepared:
-    """Traces ``factory`` once and plans its Variables; compiles and allocates nothing."""
+def _prepare(factory: Callable[[], nnx.Module], meshes: Any, rules: Any, what: str) -> _Prepared:
+    """Traces ``factory`` once and plans its Variables; compiles and allocates nothing.
+
+    ``rules``, if given, is flax's logical axis rule table for the call: the factory
+    is traced and its Variables planned under ``flax.linen.logical_axis_rules(rules)``,
+    as if the caller had entered it.
+    """
+    if rules is None:
+        return _prepare_here(factory, meshes, what)
+    table = _rules.normalize_rules(rules)  # a malformed table: one clear error, here
+    with flax_spmd.logical_axis_rules(table):
+        return _prepare_here(factory, meshes, what)
+
+
+def _prepare_here(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> _Prepared:
     patterns = _adapters.parse_meshes(meshes)
     if not callable(factory):
         raise TypeError(
@@ -243,7 +266,7 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> _Prep
     return _Prepared(plan, traced, outputs, graphdef, flat, specs, keys)
 
 
-def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> Plan:
+def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None, rules: Any = None) -> Plan:
     """The plan :func:`init` would follow, without compiling or allocating anything.
 
     The factory is traced abstractly once; every Variable's placement is resolved as
@@ -254,6 +277,7 @@ def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> Plan:
       factory: as for :func:`init`.
       meshes: as for :func:`init`; ``AbstractMesh`` es work, for planning before the
         hardware exists.
+      rules: as for :func:`init`.
 
     Returns:
       A :class:`meshinit.Plan`.
@@ -264,7 +288,7 @@ def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> Plan:
     Examples:
       >>> print(meshinit.nnx.plan(lambda: Model(rngs=nnx.Rngs(0))).compact())
     """
-    return _prepare(factory, meshes, what="meshinit.nnx.plan").plan
+    return _prepare(factory, meshes, rules, what="meshinit.nnx.plan").plan
 
 
 def _existing(existing: Any, prep: _Prepared) -> dict[str, Any] | None:
@@ -281,7 +305,9 @@ def _existing(existing: Any, prep: _Prepared) -> dict[str, Any] | None:
     return flat
 
 
-def abstract(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Module:
+def abstract(
+    factory: Callable[[], nnx.Module], *, meshes: Any = None, rules: Any = None
+) -> nnx.Module:
     r"""The Module :func:`init` would return, each Variable's value a
     ``jax.ShapeDtypeStruct`` with its exact ``NamedSharding``; nothing is compiled or
     allocated.
@@ -296,6 +322,7 @@ def abstract(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Mo
       factory: as for :func:`init`.
       meshes: as for :func:`init`; ``AbstractMesh`` es work, for a target planned
         before the hardware exists.
+      rules: as for :func:`init`.
 
     Returns:
       An nnx Module of the factory's graph, holding structs, not arrays.
@@ -308,7 +335,7 @@ def abstract(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Mo
       >>> model = nnx.merge(graphdef, ocp.StandardCheckpointer().restore(path, target))
     """
     with _agree.collective("meshinit.nnx.abstract"):
-        prep = _prepare(factory, meshes, what="meshinit.nnx.plan")
+        prep = _prepare(factory, meshes, rules, what="meshinit.nnx.plan")
     structs = prep.plan.abstract()
     placed = []
     for path, var in prep.flat:
@@ -327,7 +354,11 @@ def abstract(factory: Callable[[], nnx.Module], *, meshes: Any = None) -> nnx.Mo
 
 
 def init(
-    factory: Callable[[], nnx.Module], *, meshes: Any = None, existing: Any = None
+    factory: Callable[[], nnx.Module],
+    *,
+    meshes: Any = None,
+    rules: Any = None,
+    existing: Any = None,
 ) -> nnx.Module:
     r"""Builds an ordinary nnx Module with every Variable placed as its metadata says.
 
@@ -354,6 +385,12 @@ def init(
         the context mesh: how existing code is split into pipeline stages unchanged.
         A pattern that matches no Variable path is warned about
         (:class:`meshinit.UnusedPatternWarning`), likely a typo.
+      rules: flax's logical axis rule table, ``(logical name, mesh axes)`` pairs (the
+        ``logical_axis_rules`` of MaxText's configs): the factory is traced and its
+        Variables placed as under ``flax.linen.logical_axis_rules(rules)``, which
+        replaces any table the caller entered, for this call only. Without it, the
+        table the caller entered (``with nn.logical_axis_rules(rules):``) applies, as
+        flax applies it.
       existing: the values of some Variables, made elsewhere (a checkpoint, pretrained
         weights): their plan paths (``layers.1.up.kernel``) to arrays, flat or as a
         nested dict (``nnx.to_pure_dict(state)``, or an ``nnx.State``). Each is placed
@@ -381,7 +418,7 @@ def init(
     """
     # Collective: a factory that fails while tracing on one process fails every process.
     with _agree.collective("meshinit.nnx.init"), _trace.paused_gc():
-        prep = _prepare(factory, meshes, what="meshinit.nnx.init")
+        prep = _prepare(factory, meshes, rules, what="meshinit.nnx.init")
         arrays = _constructor.materialize(
             prep.plan,
             prep.traced,

@@ -360,7 +360,7 @@ SCRIPT_PAGES = {
     "getting-started.md": 1,
     "migrating.md": 9,
     "train_state.md": 4,
-    "nnx.md": 1,
+    "nnx.md": 2,
     "linen.md": 3,
     "equinox.md": 1,
     "checkpoints.md": 1,
