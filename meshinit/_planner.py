@@ -16,9 +16,9 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from . import _caches, _input, _paths
 from ._errors import PlanError, Problem
-from ._format import describe_mesh
+from ._format import describe_mesh, some
 from ._plan import MeshGroup, Plan, PlanEntry
-from ._rules import partition, typo_problems
+from ._rules import missing_axis_problems, partition
 from ._signature import check_init, fingerprint
 from ._spec import ParamSpec
 
@@ -180,7 +180,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
     uses = [(e.path, e.spec.axes, e.spec.rules) for e in entries if e.spec.rules and e.spec.axes]
     if uses:
         axes = [a for m in {id(e.mesh): e.mesh for e in entries}.values() for a in m.axis_names]
-        problems += [Problem(p, m) for p, m in typo_problems(uses, axes)]
+        problems += [Problem(p, m) for p, m in missing_axis_problems(uses, axes)]
     problems += _replicated_problems(entries)
     if not entries:
         # An empty plan is what a built Module gives: say why, instead of planning nothing.
@@ -285,11 +285,11 @@ def _built_nnx_modules(tree: Any) -> list[Problem]:
             if any(m.get(k) is not None for k in _FLAX_SHARDING)
         ]
         if tagged:
-            held = f"{what} with flax sharding metadata ({_some(tagged)}), not meshinit specs"
+            held = f"{what} with flax sharding metadata ({some(tagged, 2)}), not meshinit specs"
             build = f"meshinit.nnx.init(lambda: {name}(...)) builds it placed as that metadata says"
         else:
             held = (
-                f"{what} ({_some([p for p, _, _ in arrays])}) with no flax sharding metadata, "
+                f"{what} ({some([p for p, _, _ in arrays], 2)}) with no flax sharding metadata, "
                 f"not meshinit specs"
             )
             build = (
@@ -305,9 +305,3 @@ def _built_nnx_modules(tree: Any) -> list[Problem]:
             )
         )
     return problems
-
-
-def _some(items: list[str], n: int = 2) -> str:
-    """``"a, b and 3 more"``."""
-    shown = ", ".join(items[:n])
-    return shown + (f" and {len(items) - n} more" if len(items) > n else "")

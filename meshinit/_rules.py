@@ -4,8 +4,10 @@ A rule table is an ordered sequence of ``(logical_name, mesh_axes)`` pairs, wher
 ``mesh_axes`` is a mesh axis name, a tuple of them, or None (replicated). This is the
 format of flax linen and MaxText, and :func:`logical_to_mesh_axes` resolves it
 exactly as ``flax.linen.logical_to_mesh_axes`` does, with one departure: a rule whose
-mesh axes are not all in the mesh is skipped, so one table can serve several meshes.
-:func:`partition` adds the checks linen does not make.
+mesh axes are not all in the mesh is skipped, so one table can serve several meshes
+(pipeline stages of different shapes). A rule that names an axis of no mesh of the
+plan is an error, as it is in flax (:func:`missing_axis_problems`). :func:`partition`
+adds the checks linen does not make.
 """
 
 from __future__ import annotations
@@ -204,42 +206,47 @@ def partition(
     return entries, problems
 
 
-def typo_problems(
+def missing_axis_problems(
     uses: Sequence[tuple[str, tuple[AxisEntry, ...], Rules]], mesh_axes: Sequence[str]
 ) -> list[tuple[str, str]]:
-    """Rules that a spec uses whose mesh axis is in no mesh but looks like one that is.
+    """Rules that a spec uses whose mesh axes are in none of the plan's meshes.
 
-    Such a rule is skipped, so its dimension is silently replicated: ``("heads",
-    "tensr")`` against a ``tensor`` axis. Axes unlike every mesh axis (MaxText's
-    ``expert`` or ``stage`` on a mesh without them) are a table serving other meshes,
-    and pass.
+    "Uses" as flax resolves the spec without a mesh: the rule flax's algorithm picks
+    for a logical name. flax then builds a ``PartitionSpec`` naming the missing axis,
+    which jax refuses, so flax's own path fails on it; meshinit would skip the rule and
+    quietly replicate, or take a later one. A rule whose axis is on another mesh of
+    the plan is still skipped on a mesh that lacks it: that is how one table serves
+    pipeline stages of different shapes.
 
     Args:
       uses: ``(path, axes, rules)`` of each spec planned with rules.
       mesh_axes: every axis name of every mesh of the plan.
 
     Returns:
-      ``(path, message)`` per rule, once, at the first spec whose axes name it.
+      ``(path, message)`` per rule, once, at the first spec that uses it.
     """
     known = list(dict.fromkeys(mesh_axes))
-    found: dict[tuple[Rule, str], tuple[str, str]] = {}
+    found: dict[Rule, tuple[str, str]] = {}
     for path, axes, rules in uses:
-        names = {n for e in axes if e is not None for n in _as_tuple(e)}
-        for rule in rules:
-            name, target = rule
-            if name not in names or target is None:
+        chosen = _resolve(tuple(axes), rules, None)  # flax's pick, with no mesh to skip by
+        for name, target in zip(axes, chosen, strict=True):
+            if not isinstance(name, str) or target is None or (name, target) in found:
                 continue
-            for axis in _as_tuple(target):
-                if axis in known or (rule, axis) in found:
-                    continue
-                close = difflib.get_close_matches(axis, known, n=1, cutoff=0.75)
-                if close:
-                    found[(rule, axis)] = (
-                        path,
-                        f"rule {rule!r} names mesh axis {axis!r}, which is in none of the "
-                        f"plan's meshes (axes: {', '.join(known)}), so the rule would be "
-                        f"skipped and {name!r} replicated; did you mean {close[0]!r}?",
-                    )
+            missing = [a for a in _as_tuple(target) if a not in known]
+            if not missing:
+                continue
+            hint = ""
+            close = difflib.get_close_matches(missing[0], known, n=1, cutoff=0.75)
+            if close:
+                hint = f"; did you mean {close[0]!r}?"
+            found[(name, target)] = (
+                path,
+                f"rule {(name, target)!r} names mesh axis {missing[0]!r}, which is in none "
+                f"of the plan's meshes (axes: {', '.join(known)}); flax would build a "
+                f"PartitionSpec jax refuses, and meshinit does not guess a placement "
+                f"instead: fix the axis name, add the axis to the mesh, or drop the "
+                f"rule{hint}",
+            )
     return list(found.values())
 
 

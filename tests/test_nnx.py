@@ -225,7 +225,7 @@ def test_spec_module_materializes_exactly_and_keeps_metadata(new_arrays):
 def test_spec_module_values_equal_a_dict_with_the_same_paths():
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
     model = meshinit.nnx.materialize(SpecModel(mesh), 5)
-    with meshinit.defaults(mesh=jax.make_mesh((8,), ("fsdp",)), rules=RULES):
+    with meshinit.defaults(mesh=jax.make_mesh((4, 2), ("fsdp", "tensor")), rules=RULES):
         tree = {
             "layers": [
                 {

@@ -343,11 +343,48 @@ def test_a_rule_whose_mesh_axis_looks_like_a_typo_is_a_plan_error():
     (problem,) = e.value.problems
     assert problem.path == "q"
     assert "('heads', 'tensr')" in problem.message and "did you mean 'tensor'?" in problem.message
-    # MaxText-style tables naming axes this mesh lacks still plan
+    # rules the specs do not use ('stage') are a table serving other models: they plan
     ok = meshinit.plan(
-        {"e": meshinit.param((8, 8), zeros, axes=("exp", "embed"), mesh=m, rules=rules)}
+        {"e": meshinit.param((8, 8), zeros, axes=("embed", None), mesh=m, rules=rules)}
     )
-    assert ok.entries[0].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    assert ok.entries[0].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+
+
+def test_a_rule_naming_an_axis_of_no_mesh_is_a_plan_error_as_in_flax():
+    # ('y', 'zz') against axes x, y, z: nothing like a typo, and still refused, as flax's
+    # eager path refuses it (jax will not build a PartitionSpec naming a missing axis)
+    m = jax.sharding.AbstractMesh((2, 2, 2), ("x", "y", "z"))
+    zeros = jax.nn.initializers.zeros
+    rules = (("a", "x"), ("b", "zz"), ("b", "y"))
+    with pytest.raises(meshinit.PlanError) as e:
+        meshinit.plan(
+            {
+                "w": meshinit.param((8, 8), zeros, axes=("a", "b"), mesh=m, rules=rules),
+                "v": meshinit.param((8,), zeros, axes=("b",), mesh=m, rules=rules),
+            }
+        )
+    (problem,) = e.value.problems  # said once, at the first spec that uses it
+    assert problem.path == "v" or problem.path == "w"
+    assert "rule ('b', 'zz') names mesh axis 'zz'" in problem.message
+    assert "in none of the plan's meshes (axes: x, y, z)" in problem.message
+    assert "did you mean" not in problem.message
+
+
+def test_a_rule_whose_axis_is_on_another_mesh_of_the_plan_is_skipped_on_the_rest():
+    # one table for two stages of different shapes: 'tensor' exists on stage 0 only
+    stage0 = jax.sharding.AbstractMesh((2, 2), ("fsdp", "tensor"))
+    stage1 = jax.sharding.AbstractMesh((4,), ("fsdp",))
+    zeros = jax.nn.initializers.zeros
+    rules = (("embed", "fsdp"), ("mlp", "tensor"))
+    plan = meshinit.plan(
+        {
+            "s0": meshinit.param((8, 8), zeros, axes=("embed", "mlp"), mesh=stage0, rules=rules),
+            "s1": meshinit.param((8, 8), zeros, axes=("embed", "mlp"), mesh=stage1, rules=rules),
+        }
+    )
+    got = {e.path: e.sharding.spec for e in plan.entries}
+    P = jax.sharding.PartitionSpec
+    assert got == {"s0": P("fsdp", "tensor"), "s1": P("fsdp", None)}
 
 
 def test_the_cli_warns_once_about_abstract_mesh_axes_nothing_uses(tmp_path, capsys):
