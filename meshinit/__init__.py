@@ -5,6 +5,7 @@ mesh, and materialize each group with one compiled computation. Importing meshin
 starts no jax backend.
 """
 
+from ._errors import FallbackWarning as FallbackWarning
 from ._errors import PeerFailure as PeerFailure
 from ._errors import PlanError as PlanError
 from ._errors import Problem as Problem

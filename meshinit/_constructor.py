@@ -180,7 +180,7 @@ def materialize(
     traced = _trace.evaluate(traced, [prog.outputs[index[id(e)]] for e in todo.entries])
     memo: dict[Any, Any] = {}
     works: dict[tuple[int, ...], _Work] = {}  # by the ids of a group's entries
-    fallen: list[tuple[str, str]] = []
+    fallen: list[tuple[str, _trace.Fallback]] = []
     for group in todo.groups:
         host, consts, sliced, positions, slices, fallback = [], [], [], [], [], []
         for pos, entry in enumerate(group.entries):
@@ -198,7 +198,7 @@ def materialize(
             s = _trace.cut(traced, out, memo)
             if isinstance(s, _trace.Fallback):
                 fallback.append((pos, j))
-                fallen.append((entry.path, s.reason))
+                fallen.append((entry.path, s))
                 continue
             signature = (
                 s.digest,

@@ -87,6 +87,26 @@ class UnusedPatternWarning(UserWarning):
     """
 
 
+class FallbackWarning(UserWarning):
+    """Warned when the constructor engine cannot cut some variables out of an unchanged
+    constructor, and makes them with one program per mesh holding the whole
+    constructor instead.
+
+    Their values are the same; what changes is the cost: that program's compile time
+    grows with the model's depth, which the cut keeps flat. One warning per cause
+    names the number of variables, the first paths, the cause and what to change (a
+    key made outside the factory, a callback or print in the constructor, a primitive
+    parameter meshinit cannot compare). Every path goes to the ``"meshinit"`` logger
+    at DEBUG. A ``UserWarning``, so it shows by default; silence it with
+    ``warnings.filterwarnings("ignore", category=meshinit.FallbackWarning)``.
+
+    Examples:
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("error", meshinit.FallbackWarning)
+      ...     model = meshinit.nnx.init(factory)  # a fallback now raises
+    """
+
+
 class PeerFailure(RuntimeError):
     """Raised on every process whose part of a collective call succeeded when another
     process's part failed.

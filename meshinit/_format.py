@@ -6,6 +6,8 @@ At the bottom of the package: it imports nothing of meshinit, so runtime modules
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from jax.sharding import AbstractMesh
 
 
@@ -50,3 +52,9 @@ def axes_text(entries, *, tight: bool = False) -> str:
         for a in entries
     ]
     return ",".join(one) if tight else "(" + ", ".join(one) + ")"
+
+
+def some(items: Sequence[str], n: int = 3) -> str:
+    """The first ``n`` of ``items`` and a count of the rest: ``"a, b, c and 4 more"``."""
+    shown = ", ".join(items[:n])
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")

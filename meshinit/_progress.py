@@ -21,10 +21,12 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Hashable, Iterator
+import warnings
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
-from ._format import human_bytes
+from ._errors import FallbackWarning
+from ._format import human_bytes, some
 
 logger = logging.getLogger("meshinit")
 logger.addHandler(logging.NullHandler())
@@ -264,18 +266,30 @@ def cache_hit(key: Hashable) -> None:
         tracker.cache_hit(key)
 
 
-def fell_back(what: str, fallen: list[tuple[str, str]]) -> None:
-    """Logs the variables the constructor engine builds with the whole-constructor
-    program (``(path, reason)`` each), at INFO."""
-    if not fallen:
-        return
-    shown = "; ".join(f"{p} ({r})" for p, r in fallen[:10])
-    more = f" and {len(fallen) - 10} more" if len(fallen) > 10 else ""
-    logger.info(
-        "meshinit: %s builds %d variables with the whole-constructor program, "
-        "which the engine cannot cut: %s%s",
-        what,
-        len(fallen),
-        shown,
-        more,
-    )
+def fell_back(what: str, fallen: Sequence[tuple[str, Any]]) -> None:
+    """Warns, once per cause, about the variables the constructor engine makes with
+    the whole-constructor program (``(path, _trace.Fallback)`` each); every path goes
+    to the DEBUG log.
+
+    Each warning says how many variables, the first paths, why the engine could not
+    cut them, what it costs and what would avoid it (:class:`meshinit.FallbackWarning`).
+    """
+    causes: dict[tuple[str, str], list[str]] = {}
+    for path, why in fallen:
+        causes.setdefault((why.reason, why.fix), []).append(path)
+    for (reason, fix), paths in causes.items():
+        n = len(paths)
+        warnings.warn(
+            f"{what}: {n} variable{'s' if n != 1 else ''} ({some(paths)}) cannot be cut "
+            f"out of the constructor: {reason}. They are compiled as one program per mesh "
+            f"holding the whole constructor, so compile time grows with the model's depth. "
+            f"To avoid it: {fix}.",
+            FallbackWarning,
+            stacklevel=4,  # the caller of the adapter's init
+        )
+        logger.debug(
+            "meshinit: %s makes with the whole-constructor program, because %s: %s",
+            what,
+            reason,
+            ", ".join(paths),
+        )

@@ -241,9 +241,11 @@ class Slice:
 
 @dataclasses.dataclass(frozen=True)
 class Fallback:
-    """An output the engine cannot cut, and why: the whole-constructor program makes it."""
+    """An output the engine cannot cut, why, and what the user can change so it can:
+    the whole-constructor program makes it."""
 
     reason: str
+    fix: str
 
 
 def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallback | None:
@@ -276,7 +278,9 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
         if n in consts or (n in host and (not recompute or n in dynamic)):
             if n not in host and jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended):
                 return Fallback(  # only threefry keys have host data to pass in
-                    f"it reads a {prog.avals[n].dtype} key made outside the factory"
+                    f"it reads a {prog.avals[n].dtype} key made outside the factory",
+                    "make the key inside the factory (nnx.Rngs(0) in the lambda), or pass "
+                    "it as the key argument of linen.init or eqx.init",
                 )
             inputs.add(n)
             continue
@@ -287,7 +291,9 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
         node = all_nodes[i]
         if node.effects:
             return Fallback(
-                f"{node.primitive.name} has side effects ({', '.join(map(str, node.effects))})"
+                f"{node.primitive.name} has side effects ({', '.join(map(str, node.effects))})",
+                "make this value without a callback, print or other side effect in the "
+                "constructor (with jax operations), or make it after init",
             )
         stack.extend([x for x in node.ins if type(x) is not Lit])
     order = tuple(sorted(nodes))
@@ -295,9 +301,6 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
     try:
         digest = _jaxpr.fingerprint(prog, order, ins, out, memo)
     except _jaxpr.Unfingerprintable as e:
-        names = sorted({prog.nodes[i].primitive.name for i in order})
-        return Fallback(
-            f"a parameter of {'/'.join(names)} is {e}, which has no structural fingerprint"
-        )
+        return Fallback(f"{e}, which meshinit cannot compare between variables", e.fix)
     units = any(prog.nodes[i].control for i in order)
     return Slice(order, ins, out, digest, units)

@@ -415,7 +415,7 @@ def test_a_captured_numpy_constant_is_placed_shard_by_shard(count_compiles, monk
 # ----------------------------------------------------------------------- fallback
 
 
-def test_what_cannot_be_cut_falls_back_with_an_info_record(caplog):
+def test_what_cannot_be_cut_falls_back_with_a_warning_saying_why_and_what_to_do(caplog):
     mesh = mesh24()
 
     def host_init(key, shape):
@@ -428,23 +428,33 @@ def test_what_cannot_be_cut_falls_back_with_an_info_record(caplog):
             self.w = nnx.Param(
                 lecun()(rngs.params(), (32, 64)), out_sharding=("fsdp", "tensor"), mesh=mesh
             )
-            self.odd = nnx.Param(host_init(rngs.params(), (64, 64)) * 2, mesh=mesh)
+            self.odd = nnx.List(
+                [nnx.Param(host_init(rngs.params(), (64, 64)) * 2, mesh=mesh) for _ in range(4)]
+            )
 
     from meshinit import _compile
 
-    with caplog.at_level(logging.INFO, logger="meshinit"):
+    with (
+        caplog.at_level(logging.DEBUG, logger="meshinit"),
+        pytest.warns(meshinit.FallbackWarning) as said,
+    ):
         model = meshinit.nnx.init(lambda: Model(nnx.Rngs(0)))
     # the whole-constructor program is this call's own: nothing of it stays cached
     assert not any("constructor_fallback" in str(k) for k in _compile.executables)
-    summary = [
-        r.getMessage() for r in caplog.records if r.getMessage().startswith("meshinit.nnx.init:")
-    ]
-    assert len(summary) == 1 and "2 params" in summary[0], summary
-    records = [r.getMessage() for r in caplog.records if "whole-constructor" in r.getMessage()]
-    assert len(records) == 1 and "odd" in records[0] and "pure_callback" in records[0], records
-    assert "w (" not in records[0]  # only the variable that needed it
-    np.testing.assert_array_equal(np.asarray(model.odd.get_value()), np.full((64, 64), 6.0))
-    assert model.odd.get_value().sharding == NamedSharding(mesh, P(None, None))
+    (warning,) = [w for w in said if w.category is meshinit.FallbackWarning]  # one cause
+    text = str(warning.message)
+    assert text.startswith("meshinit.nnx.init: 4 variables (odd.0, odd.1, odd.2 and 1 more)")
+    assert "pure_callback's parameter is a Python callable (_FlatCallback)" in text
+    assert "compile time grows with the model's depth" in text
+    assert "To avoid it: make this value with jax operations instead of a Python" in text
+    assert warning.filename == __file__  # points at the call, not into meshinit
+    assert len(text) < 600 and "\n" not in text
+    assert " w" not in text.split("(")[1]  # only the variables that needed it
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any("odd.0, odd.1, odd.2, odd.3" in m for m in debug), debug  # every path
+    for i in range(4):
+        np.testing.assert_array_equal(np.asarray(model.odd[i].get_value()), np.full((64, 64), 6.0))
+        assert model.odd[i].get_value().sharding == NamedSharding(mesh, P(None, None))
     want = eager(lambda: Model(nnx.Rngs(0)))
     assert_close(model.w.get_value(), want["w"], "w")
 

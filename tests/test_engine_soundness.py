@@ -29,10 +29,9 @@ def same_bits(got, want, what):
 
 
 @pytest.fixture
-def fallbacks(caplog):
-    """The INFO records of variables built by the whole-constructor fallback."""
-    caplog.set_level(logging.INFO, logger="meshinit")
-    return lambda: [r.getMessage() for r in caplog.records if "cannot cut" in r.getMessage()]
+def fallbacks(recwarn):
+    """The warnings about variables built by the whole-constructor fallback."""
+    return lambda: [str(w.message) for w in recwarn if w.category is meshinit.FallbackWarning]
 
 
 # ------------------------------------------------- literals of shared jitted helpers
