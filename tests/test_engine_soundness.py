@@ -4,7 +4,6 @@ keys keep their type; keys made outside the factory are host values; remat is cu
 
 Each test here failed on the engine before it was made sound (jax 0.10.2 or 0.12)."""
 
-import logging
 import warnings
 
 import flax.linen as nn
