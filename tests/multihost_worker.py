@@ -106,7 +106,7 @@ def check_nnx(named: Mapping[str, Mesh], reference: Any) -> tuple[list[str], dic
     meshes = [(p, named[n]) for p, n in NNX_MESHES]
     factory = lambda: model(nnx.Rngs(3))  # noqa: E731
     out = meshinit.nnx.init(factory, meshes=meshes)
-    traced = meshinit.nnx._prepare(factory, meshes, what="meshinit.nnx.init").traced
+    traced = meshinit.nnx._prepare(factory, meshes, None, what="meshinit.nnx.init").traced
     traced = meshinit._trace.evaluate(traced, traced.program.outputs)
     digest = hashlib.blake2b(digest_size=8)
     for n in sorted(traced.host):
