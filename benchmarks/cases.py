@@ -306,6 +306,58 @@ def host_memory(recipe: str, layers: int, width: int) -> dict:
     }
 
 
+REAL_SIZES = {
+    "1b": lambda: Model.cpu(16, 8),  # 0.99 B parameters, f32: 3.96 GB
+    "8b": Model.llama3_8b,  # Llama-3-8B's shapes, bf16: 16.06 GB
+    "tiny": lambda: Model.cpu(2, 1),  # the same code path in seconds, for the tests
+}
+
+
+def real_size(recipe: str, size: str) -> dict:
+    """One cold init of a real-size model (:data:`REAL_SIZES`): its time, its peak host
+    RSS increase (as :func:`host_memory`), and, for the spec path, the floor.
+
+    The floor is what generating the bytes costs once nothing is left to compile: the
+    first arrays are deleted, then the same plan is made again with a new key, so the
+    compiled programs are cached but fresh memory must be touched again.
+    """
+    import jax
+
+    mesh = setup_cpu()
+    model = REAL_SIZES[size]()
+    recipes.preload(recipe)
+    jax.block_until_ready(jax.numpy.zeros(8))  # start the backend before the baseline
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM: the peak is this init's
+    baseline = _rss_now()
+    clock = CompileClock()
+    start = time.perf_counter()
+    with recipes.options_for(recipe):
+        out = recipes.run(recipe, model, mesh)
+        jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+    result = {
+        "seconds": seconds,
+        "compile_s": clock.seconds,
+        "compiles": clock.count,
+        "increase": _rss_peak() - baseline,
+        "nbytes": model.nbytes,
+        "params": model.num_params,
+        "problems": recipes.placement_problems(model, mesh, out, recipe=recipe),
+    }
+    if recipes.is_spec_path(recipe):
+        _delete(out)
+        del out
+        gc.collect()
+        start = time.perf_counter()
+        with recipes.options_for(recipe):
+            again = recipes.run(recipe, model, mesh, seed=1)
+            jax.block_until_ready(again)
+        result["floor"] = time.perf_counter() - start
+    return result
+
+
 def planning(kind: str, specs: int = 10_000) -> dict:
     """Time of ``meshinit.plan``: the first call in the process, and the best of 3 more.
 
@@ -347,4 +399,5 @@ CASES = {
     "warm": warm,
     "host_memory": host_memory,
     "planning": planning,
+    "real_size": real_size,
 }

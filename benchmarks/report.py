@@ -368,6 +368,37 @@ def _host_table(results: dict) -> str:
     return _table(header, rows)
 
 
+def real_size_table(results: dict) -> str:
+    """The real-size run (``suite.py --only real-size``): per size, each recipe's cold
+    time against the floor, its peak RSS increase against the parameter bytes, or how
+    it failed (killed for memory, over its time)."""
+    out = []
+    for size, by_recipe in results.get("real_size", {}).items():
+        floors = [r["floor"] for r in by_recipe.values() if r.get("floor")]
+        floor = min(floors) if floors else None
+        nbytes = next((r["nbytes"] for r in by_recipe.values() if "nbytes" in r), None)
+        rows = []
+        for recipe, r in by_recipe.items():
+            if "error" in r:
+                rows.append([recipe, r["error"][:100], "", "", ""])
+                continue
+            exact = "" if not r["problems"] else " (NOT exact)"
+            rows.append(
+                [
+                    recipe + exact,
+                    _s(r["seconds"]),
+                    "" if floor is None else f"{r['seconds'] / floor:.2f}",
+                    f"{r['increase'] / r['nbytes']:.3f}",
+                    f"{r['compiles']} ({_s(r['compile_s'])})",
+                ]
+            )
+        head = f"**{size}**" + ("" if nbytes is None else f": {_mb(nbytes)} of parameters")
+        head += "" if floor is None else f"; floor {_s(floor)} (a second materialize, new key)"
+        header = ["recipe", "cold", "/ floor", "peak RSS increase / bytes", "compiles (time)"]
+        out.append(head + "\n\n" + _table(header, rows))
+    return "\n\n".join(out)
+
+
 def _restart_table(results: dict) -> str:
     restart = results.get("restart")
     if not restart:

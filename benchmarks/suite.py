@@ -10,6 +10,7 @@ Run:
   python benchmarks/suite.py --layers 8 32 --recipes meshinit jax.jit --repeats 3
   python benchmarks/suite.py --only constructor    # the unchanged constructors' cases
   python benchmarks/suite.py --smoke               # < 60 s, for CI; writes nothing
+  python benchmarks/suite.py --only real-size      # 1B f32 and 8B bf16: cold, RSS, floor
 
 The full run (no --recipes, --layers or --only) measures the spec path's cold cases at
 every depth and the constructor engine's cases (``--only constructor``: meshinit.nnx
@@ -39,18 +40,62 @@ import report
 HERE = Path(__file__).resolve().parent
 
 
-def spawn(case: str, timeout: float, **kwargs: Any) -> dict:
-    """Runs ``cases.<case>(**kwargs)`` in a fresh process; ``{"error": ...}`` if it fails."""
+def spawn(case: str, timeout: float, *, cap_bytes: int | None = None, **kwargs: Any) -> dict:
+    """Runs ``cases.<case>(**kwargs)`` in a fresh process; ``{"error": ...}`` if it fails.
+
+    With ``cap_bytes``, the process is killed once its resident memory passes that many
+    bytes, and the result says so (``"killed_for_memory"``): a recipe that would take
+    the machine's memory is recorded, not left to the kernel's OOM killer.
+    """
     command = [sys.executable, str(HERE / "suite.py"), "--case", json.dumps([case, kwargs])]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(done.stdout.splitlines()):
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+        start, peak, killed = time.perf_counter(), 0, None
+        while child.poll() is None:
+            if time.perf_counter() - start > timeout:
+                killed = f"timed out after {timeout:.0f} s"
+            elif cap_bytes is not None:
+                peak = max(peak, _rss_of(child.pid))
+                if peak > cap_bytes:
+                    over = f"resident {peak / 1e9:.2f} GB > {cap_bytes / 1e9:.2f} GB"
+                    killed = f"killed for memory: {over}"
+            if killed:
+                child.kill()
+                child.wait()
+                result: dict[str, Any] = {"error": killed}
+                if killed.startswith("killed for memory"):
+                    result["killed_for_memory"] = True
+                return result
+            time.sleep(0.05)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    for line in reversed(stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line.removeprefix("RESULT "))
-    tail = [line for line in done.stderr.splitlines() if line.strip()][-3:]
-    return {"error": f"exit {done.returncode}: " + " | ".join(tail)[-600:]}
+    tail = [line for line in stderr.splitlines() if line.strip()][-3:]
+    return {"error": f"exit {child.returncode}: " + " | ".join(tail)[-600:]}
+
+
+def _mem_total() -> int:
+    """This machine's memory in bytes (24 GB if /proc/meminfo cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 24 * 10**9
+
+
+def _rss_of(pid: int) -> int:
+    """A process's resident bytes now (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def run_case(spec: str) -> None:
@@ -162,19 +207,65 @@ def measure(args: argparse.Namespace) -> dict:
     return results
 
 
+REAL_SIZE_RECIPES = {  # what each real size measures by default
+    "1b": recipes.RECIPES,
+    "8b": ("meshinit", "meshinit.nnx", "meshinit.linen", "meshinit.eqx", "eager-nnx"),
+    "tiny": ("meshinit", "meshinit.nnx", "eager-nnx"),
+}
+
+
+def measure_real_size(args: argparse.Namespace) -> dict:
+    """``--only real-size``: each size's recipes cold, best of ``--repeats`` fresh
+    processes, each killed once it passes ``--memory-cap-gb`` of resident memory."""
+    cap = int(args.memory_cap_gb * 1e9)
+    results: dict[str, Any] = {
+        "config": {"sizes": args.sizes, "repeats": args.repeats, "memory_cap": cap},
+        "machine": report.machine(),
+        "real_size": {},
+    }
+    for size in args.sizes:
+        chosen = args.recipes if args.recipes_given else REAL_SIZE_RECIPES[size]
+        runs: dict[str, list[dict]] = {}
+        for repeat in range(args.repeats):
+            for recipe in chosen:
+                if any(r.get("killed_for_memory") for r in runs.get(recipe, [])):
+                    continue  # it will not fit the second time either
+                r = spawn("real_size", args.timeout, cap_bytes=cap, recipe=recipe, size=size)
+                runs.setdefault(recipe, []).append(r)
+                shown = r["error"] if "error" in r else f"{r['seconds']:.2f} s"
+                log(f"real size {size} {recipe:24s} run {repeat + 1}: {shown}")
+        for recipe, rs in runs.items():
+            ok = [r for r in rs if "error" not in r]
+            best = min(ok, key=lambda r: r["seconds"]) if ok else rs[-1]
+            floors = [r["floor"] for r in ok if "floor" in r]
+            if floors:
+                best = best | {"floor": min(floors)}
+            best = best | {
+                "runs": [r.get("seconds") for r in rs],
+                "errors": [r["error"] for r in rs if "error" in r],
+            }
+            results["real_size"].setdefault(size, {})[recipe] = best
+    return results
+
+
 def failures(results: dict, strict: bool) -> list[str]:
     """meshinit's crashes and inexact placements; with ``strict``, any case's crash."""
     cases = [
         (f"cold {recipe} at {layers} layers", recipe, r)
-        for recipe, by_layers in results["cold"].items()
+        for recipe, by_layers in results.get("cold", {}).items()
         for layers, r in by_layers.items()
     ]
     cases.append(("warm re-init", "meshinit", results.get("warm", {})))
     for which, r in results.get("restart", {}).items():
         if isinstance(r, dict):
             cases.append((f"restart ({which} the cache)", "meshinit", r))
-    cases += [(f"host memory {k}", k, r) for k, r in results["host_memory"].items()]
-    cases += [(f"planning {k}", "meshinit", r) for k, r in results["planning"].items()]
+    cases += [(f"host memory {k}", k, r) for k, r in results.get("host_memory", {}).items()]
+    cases += [(f"planning {k}", "meshinit", r) for k, r in results.get("planning", {}).items()]
+    cases += [
+        (f"real size {size} {recipe}", recipe, r)
+        for size, by_recipe in results.get("real_size", {}).items()
+        for recipe, r in by_recipe.items()
+    ]
     found = []
     for name, recipe, r in cases:
         ours = recipe.startswith("meshinit")
@@ -191,8 +282,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="tiny and quick, for CI; writes nothing")
     ap.add_argument(
         "--only",
-        choices=["constructor"],
-        help="constructor: only the constructor engine's cold cases (see above)",
+        choices=["constructor", "real-size"],
+        help="constructor: only the constructor engine's cold cases (see above); "
+        "real-size: the real-size run (--sizes)",
+    )
+    ap.add_argument(
+        "--sizes",
+        nargs="+",
+        choices=["1b", "8b", "tiny"],
+        default=["1b", "8b"],
+        help="real-size run: 1b (Model.cpu(16, 8), f32) and 8b (Llama-3-8B shapes, bf16)",
+    )
+    ap.add_argument(
+        "--memory-cap-gb",
+        type=float,
+        default=0.85 * _mem_total() / 1e9,
+        help="real-size run: a process past this resident memory is killed and recorded "
+        "as killed for memory (default: 85%% of this machine's memory)",
     )
     ap.add_argument("--layers", type=int, nargs="+", help="default: 8 16 32 64")
     ap.add_argument("--recipes", nargs="+", help=f"default: {' '.join(recipes.SPEC_RECIPES)}")
@@ -214,8 +320,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--from-json", help="measure nothing: report the results in this file")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.only and (args.layers or args.recipes):
-        ap.error("--only chooses the cases itself: leave out --layers and --recipes")
+    args.recipes_given = bool(args.recipes)
+    if args.only == "constructor" and (args.layers or args.recipes):
+        ap.error("--only constructor chooses the cases itself: leave out --layers and --recipes")
     # The full run (no cases chosen) includes the constructor engine's cases.
     args.with_constructor = not (args.layers or args.recipes or args.smoke)
     args.layers = args.layers or [8, 16, 32, 64]
@@ -240,6 +347,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.case:
         run_case(args.case)
         return 0
+    if args.only == "real-size":
+        results = measure_real_size(args)
+        print(report.real_size_table(results))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        found = failures(results, strict=False)
+        for line in found:
+            print(f"FAILED: {line}", file=sys.stderr)
+        return 1 if found else 0
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:

@@ -45,6 +45,33 @@ def test_benchmark_suite_smoke_runs_and_places_exactly():
     )
 
 
+@pytest.mark.slow
+def test_real_size_run_records_time_floor_and_memory_and_kills_what_does_not_fit():
+    # The real-size code path at a tiny size: each recipe's cold time against the floor
+    # (a second materialize of the spec path's plan), and its peak RSS; a recipe past
+    # the memory cap is recorded as killed for memory, not left to crash the machine.
+    r = run_script(
+        "suite.py", "--only", "real-size", "--sizes", "tiny", "--repeats", "1",
+        "--recipes", "meshinit", "meshinit.nnx",
+    )  # fmt: skip
+    rows = {line.split(" | ")[0].strip("| "): line for line in r.stdout.splitlines()}
+    assert "floor" in r.stdout.splitlines()[0], r.stdout
+    for recipe in ("meshinit", "meshinit.nnx"):
+        cells = rows[recipe].strip("|").split("|")
+        assert float(cells[2]) > 1.0, cells  # cold / floor: the floor is a second, faster run
+        assert float(cells[3]) > 0.5, cells  # the parameters themselves count in the peak
+    capped = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "suite.py"), "--only", "real-size",
+         "--sizes", "tiny", "--repeats", "2", "--recipes", "eager-nnx",
+         "--memory-cap-gb", "0.05"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+    )  # fmt: skip
+    assert capped.returncode == 0, capped.stderr[-2000:]  # not a meshinit recipe: no failure
+    assert "| eager-nnx | killed for memory: resident" in capped.stdout, capped.stdout
+    assert capped.stderr.count("real size tiny eager-nnx") == 1  # not tried again
+
+
 def test_gpu_script_exits_cleanly_without_a_gpu():
     r = run_script("gpu.py", timeout=300)
     assert "no GPU" in r.stdout + r.stderr
