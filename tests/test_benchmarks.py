@@ -5,6 +5,7 @@ non-zero when a meshinit case crashes, misplaces an array or breaks the value co
 """
 
 import functools
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -70,6 +71,13 @@ def test_real_size_run_records_time_floor_and_memory_and_kills_what_does_not_fit
     assert capped.returncode == 0, capped.stderr[-2000:]  # not a meshinit recipe: no failure
     assert "| eager-nnx | killed for memory: resident" in capped.stdout, capped.stdout
     assert capped.stderr.count("real size tiny eager-nnx") == 1  # not tried again
+
+
+def test_maxtext_script_says_it_skips_where_maxtext_is_absent():
+    if importlib.util.find_spec("maxtext") is not None:
+        pytest.skip("maxtext is installed: the script measures instead (tests/test_maxtext.py)")
+    r = run_script("maxtext_init.py")
+    assert "skipped: maxtext is not installed here" in r.stdout, r.stdout
 
 
 def test_gpu_script_exits_cleanly_without_a_gpu():

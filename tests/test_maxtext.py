@@ -1,0 +1,269 @@
+"""meshinit on MaxText's own models, unchanged, against MaxText's own initialization.
+
+A tiny MaxText config (base.yml; emb 64, vocab 256, 4 heads of 16, mlp 128, 2 decoder
+layers) on MaxText's own mesh (fsdp=4, tensor=2, every other axis 1) over the 8 simulated
+CPU devices, with MaxText's own logical axis rules. For the NNX ``Transformer`` and its
+linen wrapper (``transformer_as_linen``), scanned and unrolled, the tests check that
+``meshinit.nnx.init`` / ``meshinit.linen.init`` give every leaf MaxText's path, shape and
+dtype (typed RNG keys stay typed keys), an equivalent placement and the same bits, and
+emit no ``FallbackWarning``; and that the number of executables they compile does not
+grow with depth.
+
+MaxText needs Python 3.12 and jax >= 0.11.1; the module is skipped where it is missing.
+"""
+
+import functools
+import os
+import warnings
+
+import pytest
+
+maxtext = pytest.importorskip(
+    "maxtext", reason="MaxText is not installed (it needs Python 3.12 and jax >= 0.11.1)"
+)
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from maxtext.configs import pyconfig  # noqa: E402
+from maxtext.utils import (  # noqa: E402
+    maxtext_utils,
+    maxtext_utils_nnx,
+    model_creation_utils,
+)
+from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
+
+import meshinit  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# Depths whose compile counts must agree. Not 2: meshinit's rounds share one executable
+# among signatures with equally many variables, and at 2 layers MaxText's per-layer
+# signatures (query, out, wo) have as many as its one 2-variable signature (the first
+# layer's two RNG counters), so 2 layers compile one executable fewer than 3 or more.
+DEPTHS = (3, 6)
+LAYOUTS = pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+
+
+@functools.cache
+def tiny_config(scan_layers: bool, layers: int = 2):
+    """MaxText's base.yml with a tiny model on fsdp=4 x tensor=2, nothing downloaded."""
+    return pyconfig.initialize(
+        ["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")],
+        base_emb_dim=64,
+        base_num_query_heads=4,
+        base_num_kv_heads=4,
+        head_dim=16,
+        base_mlp_dim=128,
+        base_num_decoder_layers=layers,
+        vocab_size=256,
+        max_target_length=16,
+        per_device_batch_size=1,
+        scan_layers=scan_layers,
+        ici_fsdp_parallelism=4,
+        ici_tensor_parallelism=2,
+        dcn_data_parallelism=1,
+        hardware="cpu",
+        enable_checkpointing=False,
+        dataset_type="synthetic",
+        skip_jax_distributed_system=True,
+        # base.yml turns on jax's persistent compilation cache (~/jax_cache) for the
+        # whole process: compiles would be served from disk and not counted.
+        jax_cache_dir="",
+        log_config=False,
+    )
+
+
+def maxtext_mesh(config):
+    """MaxText's own mesh for the config: every axis of ``config.mesh_axes``."""
+    return maxtext_utils.get_mesh_from_config(config)
+
+
+def key_free(array):
+    """The array's bits as numpy: typed PRNG keys as their key data."""
+    if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+        array = jax.random.key_data(array)
+    return np.asarray(array)
+
+
+def leaf_problems(got: dict, want: dict) -> list[str]:
+    """Every way a leaf of ``got`` differs from MaxText's ``want``, each naming its path.
+
+    Both map a path to a placed ``jax.Array``.
+    """
+    problems = []
+    if sorted(got) != sorted(want):
+        problems.append(
+            f"paths differ: only meshinit has {sorted(set(got) - set(want))}, "
+            f"only MaxText has {sorted(set(want) - set(got))}"
+        )
+    for path in sorted(set(got) & set(want)):
+        g, w = got[path], want[path]
+        if (g.shape, g.dtype) != (w.shape, w.dtype):
+            problems.append(
+                f"{path}: meshinit gives {g.dtype}{g.shape}, MaxText {w.dtype}{w.shape}"
+            )
+            continue
+        if not g.sharding.is_equivalent_to(w.sharding, w.ndim):
+            problems.append(f"{path}: meshinit places it on {g.sharding}, MaxText on {w.sharding}")
+        if key_free(g).tobytes() != key_free(w).tobytes():
+            problems.append(f"{path}: values differ from MaxText's init")
+    return problems
+
+
+def fallbacks(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, meshinit.FallbackWarning)]
+
+
+# -- NNX: models.Transformer, built by MaxText's own factory ------------------------------
+
+
+def nnx_leaves(model) -> tuple[dict, dict]:
+    """``path -> array`` and ``path -> Variable type`` of an nnx Module's state."""
+    flat = [(".".join(map(str, p)), v) for p, v in nnx.to_flat_state(nnx.state(model))]
+    return {p: v.get_value() for p, v in flat}, {p: type(v) for p, v in flat}
+
+
+def maxtext_nnx_init(config, mesh):
+    """MaxText's own NNX init, as ``from_pretrained`` and the trainer's abstract model do."""
+    create, abstract = model_creation_utils.create_nnx_abstract_model(config, mesh)
+    return maxtext_utils_nnx.create_nnx_sharded_model(abstract, create, mesh=mesh)
+
+
+@LAYOUTS
+def test_nnx_transformer_matches_maxtext_init_on_every_leaf(scan_layers):
+    config = tiny_config(scan_layers)
+    mesh = maxtext_mesh(config)
+    factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with jax.set_mesh(mesh):
+            got = meshinit.nnx.init(factory, rules=config.logical_axis_rules)
+    assert not fallbacks(caught), (
+        f"meshinit fell back on MaxText's Transformer: {fallbacks(caught)}"
+    )
+
+    want = maxtext_nnx_init(config, mesh)
+    got_arrays, got_types = nnx_leaves(got)
+    want_arrays, want_types = nnx_leaves(want)
+    assert type(got) is type(want), f"meshinit returns a {type(got)}, MaxText a {type(want)}"
+    assert any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) for a in want_arrays.values()), (
+        "MaxText's state holds no typed key: the typed-key check would check nothing"
+    )
+    problems = leaf_problems(got_arrays, want_arrays)
+    problems += [
+        f"{path}: meshinit gives a {got_types[path].__name__}, MaxText a {kind.__name__}"
+        for path, kind in want_types.items()
+        if path in got_types and got_types[path] is not kind
+    ]
+    assert not problems, "\n".join(problems)
+
+
+# -- linen: transformer_as_linen, init by MaxText's jit recipe ----------------------------
+
+
+def linen_model_and_inputs(config, mesh):
+    """MaxText's linen model and what ``maxtext_utils.init_initial_state`` passes to init."""
+    model = model_creation_utils.from_config(config, mesh=mesh)  # no rngs: the linen wrapper
+    shape = (config.micro_batch_size_to_train_on, config.max_target_length)
+    tokens = np.ones(shape, np.int32)
+    kwargs = {"encoder_images": None, "encoder_audios": None}
+    return model, (tokens, tokens), kwargs
+
+
+def linen_keys(config):
+    """MaxText's init key, and ``init_initial_state``'s split of it into the model's streams."""
+    key = jax.random.PRNGKey(config.init_weights_seed)
+    params_key, dropout_key, aqt_key = jax.random.split(key, 3)
+    return key, {"params": params_key, "dropout": dropout_key, "aqt": aqt_key}
+
+
+def maxtext_linen_init(config, mesh, model, key):
+    """``init_initial_state`` jitted onto flax's shardings of its logical annotations."""
+
+    def init_variables():
+        return maxtext_utils.init_initial_state(model, None, config, False, key).params
+
+    rules = config.logical_axis_rules
+    with nn.logical_axis_rules(rules):
+        abstract = jax.eval_shape(init_variables)
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        return jax.jit(init_variables, out_shardings=shardings)()
+
+
+def is_box(x) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def linen_leaves(variables) -> tuple[dict, dict]:
+    """``path -> array`` and ``path -> box`` (or None) of linen variables."""
+    flat = jax.tree_util.tree_flatten_with_path(variables, is_leaf=is_box)[0]
+    arrays = {jax.tree_util.keystr(p): (v.value if is_box(v) else v) for p, v in flat}
+    boxes = {jax.tree_util.keystr(p): (v if is_box(v) else None) for p, v in flat}
+    return arrays, boxes
+
+
+@LAYOUTS
+def test_linen_transformer_matches_maxtext_init_on_every_leaf(scan_layers):
+    config = tiny_config(scan_layers)
+    mesh = maxtext_mesh(config)
+    model, args, kwargs = linen_model_and_inputs(config, mesh)
+    key, keys = linen_keys(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = meshinit.linen.init(
+            model, keys, *args, mesh=mesh, rules=config.logical_axis_rules, **kwargs
+        )
+    assert not fallbacks(caught), (
+        f"meshinit fell back on MaxText's linen model: {fallbacks(caught)}"
+    )
+
+    want = maxtext_linen_init(config, mesh, model, key)
+    got_arrays, got_boxes = linen_leaves(got)
+    want_arrays, want_boxes = linen_leaves(want)
+    problems = leaf_problems(got_arrays, want_arrays)
+    for path in sorted(set(want_boxes) & set(got_boxes)):
+        box, other = want_boxes[path], got_boxes[path]
+        if (type(other), getattr(other, "names", None)) != (type(box), getattr(box, "names", None)):
+            problems.append(f"{path}: meshinit boxes it as {other!r:.120}, MaxText as {box!r:.120}")
+    assert not problems, "\n".join(problems)
+
+
+# -- compile counts do not grow with depth --------------------------------------------------
+
+
+@LAYOUTS
+def test_nnx_init_compiles_as_many_executables_at_3_and_6_layers(scan_layers, count_compiles):
+    counts = {}
+    for layers in DEPTHS:
+        config = tiny_config(scan_layers, layers)
+        mesh = maxtext_mesh(config)
+        factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
+        meshinit.clear_cache()
+        jax.clear_caches()
+        with jax.set_mesh(mesh), count_compiles() as compiled:
+            meshinit.nnx.init(factory, rules=config.logical_axis_rules)
+        counts[layers] = compiled.count
+    assert counts[3] > 0, "a cold init compiled nothing: the compile counter is not counting"
+    assert len(set(counts.values())) == 1, f"executables compiled, by depth: {counts}"
+
+
+@LAYOUTS
+def test_linen_init_compiles_as_many_executables_at_3_and_6_layers(scan_layers, count_compiles):
+    counts = {}
+    for layers in DEPTHS:
+        config = tiny_config(scan_layers, layers)
+        mesh = maxtext_mesh(config)
+        model, args, kwargs = linen_model_and_inputs(config, mesh)
+        _, keys = linen_keys(config)
+        meshinit.clear_cache()
+        jax.clear_caches()
+        with count_compiles() as compiled:
+            meshinit.linen.init(
+                model, keys, *args, mesh=mesh, rules=config.logical_axis_rules, **kwargs
+            )
+        counts[layers] = compiled.count
+    assert counts[3] > 0, "a cold init compiled nothing: the compile counter is not counting"
+    assert len(set(counts.values())) == 1, f"executables compiled, by depth: {counts}"
