@@ -348,10 +348,24 @@ def main(argv: list[str] | None = None) -> int:
         run_case(args.case)
         return 0
     if args.only == "real-size":
-        results = measure_real_size(args)
+        if args.from_json:
+            results = json.loads(Path(args.from_json).read_text())
+        else:
+            results = measure_real_size(args)
         print(report.real_size_table(results))
-        if args.json:
+        if args.json and not args.from_json:
             Path(args.json).write_text(json.dumps(results, indent=1))
+        png = None
+        if args.png:
+            message = report.real_size_plot(results, args.png)
+            print(message)
+            if message.startswith("wrote") and args.out:
+                png = os.path.relpath(args.png, Path(args.out).parent)
+        if args.out:  # the page keeps everything else: only its real-size section changes
+            page = Path(args.out).read_text() if Path(args.out).exists() else ""
+            section = report.real_size_section(results, png)
+            Path(args.out).write_text(report.with_real_size(page, section))
+            print(f"wrote the real-size section of {args.out}")
         found = failures(results, strict=False)
         for line in found:
             print(f"FAILED: {line}", file=sys.stderr)

@@ -47,14 +47,22 @@ def test_benchmark_suite_smoke_runs_and_places_exactly():
 
 
 @pytest.mark.slow
-def test_real_size_run_records_time_floor_and_memory_and_kills_what_does_not_fit():
+def test_real_size_run_records_time_floor_and_memory_and_kills_what_does_not_fit(tmp_path):
     # The real-size code path at a tiny size: each recipe's cold time against the floor
     # (a second materialize of the spec path's plan), and its peak RSS; a recipe past
     # the memory cap is recorded as killed for memory, not left to crash the machine.
+    page = tmp_path / "performance.md"
+    page.write_text("# Performance\n\nThe rest of the page.\n")
+    raw = tmp_path / "real.json"
     r = run_script(
         "suite.py", "--only", "real-size", "--sizes", "tiny", "--repeats", "1",
-        "--recipes", "meshinit", "meshinit.nnx",
+        "--recipes", "meshinit", "meshinit.nnx", "--out", str(page), "--json", str(raw),
     )  # fmt: skip
+    # the page's real-size section is written, and replaced, never repeated
+    run_script("suite.py", "--only", "real-size", "--from-json", str(raw), "--out", str(page))
+    written = page.read_text()
+    assert written.startswith("# Performance\n\nThe rest of the page.\n"), written
+    assert written.count("## Real sizes") == 1 and "| meshinit.nnx |" in written, written
     rows = {line.split(" | ")[0].strip("| "): line for line in r.stdout.splitlines()}
     assert "floor" in r.stdout.splitlines()[0], r.stdout
     for recipe in ("meshinit", "meshinit.nnx"):
