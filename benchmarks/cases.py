@@ -46,6 +46,19 @@ class CompileClock:
         self.seconds, self.count = 0.0, 0
 
 
+def _timed(recipe: str, model: Model, mesh: Any, seed: int = 0) -> tuple[Any, dict]:
+    """``recipe``'s init, timed until every array is ready, with its compiles counted."""
+    import jax
+
+    clock = CompileClock()
+    start = time.perf_counter()
+    with recipes.options_for(recipe):
+        out = recipes.run(recipe, model, mesh, seed)
+        jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+    return out, {"seconds": seconds, "compile_s": clock.seconds, "compiles": clock.count}
+
+
 def _delete(tree: Any) -> None:
     import jax
 
@@ -78,16 +91,9 @@ def cold(
     model = Model.cpu(layers, width)
     recipes.preload(recipe)
     strategy = recipes.strategy_of(recipe) if recipes.is_spec_path(recipe) else None
-    clock = CompileClock()
-    start = time.perf_counter()
-    with recipes.options_for(recipe):
-        out = recipes.run(recipe, model, mesh)
-        jax.block_until_ready(out)
-    seconds = time.perf_counter() - start
+    out, timed = _timed(recipe, model, mesh)
     result = {
-        "seconds": seconds,
-        "compile_s": clock.seconds,
-        "compiles": clock.count,
+        **timed,
         "strategy": strategy,
         "nbytes": model.nbytes,
         "problems": recipes.placement_problems(model, mesh, out, recipe=recipe),
@@ -331,16 +337,9 @@ def real_size(recipe: str, size: str) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM: the peak is this init's
     baseline = _rss_now()
-    clock = CompileClock()
-    start = time.perf_counter()
-    with recipes.options_for(recipe):
-        out = recipes.run(recipe, model, mesh)
-        jax.block_until_ready(out)
-    seconds = time.perf_counter() - start
+    out, timed = _timed(recipe, model, mesh)
     result = {
-        "seconds": seconds,
-        "compile_s": clock.seconds,
-        "compiles": clock.count,
+        **timed,
         "increase": _rss_peak() - baseline,
         "nbytes": model.nbytes,
         "params": model.num_params,
@@ -350,11 +349,8 @@ def real_size(recipe: str, size: str) -> dict:
         _delete(out)
         del out
         gc.collect()
-        start = time.perf_counter()
-        with recipes.options_for(recipe):
-            again = recipes.run(recipe, model, mesh, seed=1)
-            jax.block_until_ready(again)
-        result["floor"] = time.perf_counter() - start
+        _, again = _timed(recipe, model, mesh, seed=1)
+        result["floor"] = again["seconds"]
     return result
 
 

@@ -428,6 +428,14 @@ def real_size_section(results: dict, png: str | None) -> str:
     return "\n".join([*lines, REAL_SIZE_END])
 
 
+def real_size_of(page: str) -> str | None:
+    """The real-size section of ``page`` (markers included), or None."""
+    if REAL_SIZE_BEGIN not in page or REAL_SIZE_END not in page:
+        return None
+    body = page.split(REAL_SIZE_BEGIN, 1)[1].split(REAL_SIZE_END, 1)[0]
+    return REAL_SIZE_BEGIN + body + REAL_SIZE_END
+
+
 def with_real_size(page: str, section: str) -> str:
     """``page`` with its real-size section replaced by ``section`` (appended if none)."""
     if REAL_SIZE_BEGIN in page and REAL_SIZE_END in page:

@@ -234,36 +234,31 @@ def test_linen_transformer_matches_maxtext_init_on_every_leaf(scan_layers):
 # -- compile counts do not grow with depth --------------------------------------------------
 
 
-@LAYOUTS
-def test_nnx_init_compiles_as_many_executables_at_3_and_6_layers(scan_layers, count_compiles):
-    counts = {}
-    for layers in DEPTHS:
-        config = tiny_config(scan_layers, layers)
-        mesh = maxtext_mesh(config)
+def _meshinit_init(framework, config):
+    """``meshinit.nnx.init`` or ``meshinit.linen.init`` of MaxText's model for ``config``."""
+    mesh = maxtext_mesh(config)
+    rules = config.logical_axis_rules
+    if framework == "nnx":
         factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
-        meshinit.clear_cache()
-        jax.clear_caches()
-        with jax.set_mesh(mesh), count_compiles() as compiled:
-            meshinit.nnx.init(factory, rules=config.logical_axis_rules)
-        counts[layers] = compiled.count
-    assert counts[3] > 0, "a cold init compiled nothing: the compile counter is not counting"
-    assert len(set(counts.values())) == 1, f"executables compiled, by depth: {counts}"
+        with jax.set_mesh(mesh):
+            return meshinit.nnx.init(factory, rules=rules)
+    model, args, kwargs = linen_model_and_inputs(config, mesh)
+    _, keys = linen_keys(config)
+    return meshinit.linen.init(model, keys, *args, mesh=mesh, rules=rules, **kwargs)
 
 
 @LAYOUTS
-def test_linen_init_compiles_as_many_executables_at_3_and_6_layers(scan_layers, count_compiles):
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_init_compiles_as_many_executables_at_3_and_6_layers(
+    framework, scan_layers, count_compiles
+):
     counts = {}
     for layers in DEPTHS:
         config = tiny_config(scan_layers, layers)
-        mesh = maxtext_mesh(config)
-        model, args, kwargs = linen_model_and_inputs(config, mesh)
-        _, keys = linen_keys(config)
         meshinit.clear_cache()
         jax.clear_caches()
         with count_compiles() as compiled:
-            meshinit.linen.init(
-                model, keys, *args, mesh=mesh, rules=config.logical_axis_rules, **kwargs
-            )
+            _meshinit_init(framework, config)
         counts[layers] = compiled.count
     assert counts[3] > 0, "a cold init compiled nothing: the compile counter is not counting"
     assert len(set(counts.values())) == 1, f"executables compiled, by depth: {counts}"
