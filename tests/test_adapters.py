@@ -58,7 +58,7 @@ def test_dict_nnx_and_equinox_declarations_give_identical_values():
         as_dict = meshinit.init({"layers": [{"w": up(), "b": bias()} for _ in range(2)]}, 11)
     with meshinit.defaults(mesh=jax.make_mesh((4, 2), ("fsdp", "tensor")), rules=RULES):
         as_nnx = meshinit.nnx.materialize(NnxModel(), 11)
-    with meshinit.defaults(mesh=jax.make_mesh((8,), ("tensor",)), rules=RULES):
+    with meshinit.defaults(mesh=jax.make_mesh((1, 8), ("fsdp", "tensor")), rules=RULES):
         as_eqx = meshinit.eqx.materialize(EqxModel(), 11)
     for i in range(2):
         for name in ("w", "b"):
@@ -67,7 +67,7 @@ def test_dict_nnx_and_equinox_declarations_give_identical_values():
             got_eqx = np.asarray(getattr(as_eqx.layers[i], name))
             assert np.array_equal(got_nnx, want), f"nnx layers.{i}.{name}"
             assert np.array_equal(got_eqx, want), f"eqx layers.{i}.{name}"
-    assert as_eqx.layers[0].w.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+    assert as_eqx.layers[0].w.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
 
 
 # --------------------------------------------------------------- shared refusals

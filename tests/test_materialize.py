@@ -127,7 +127,7 @@ def test_values_are_bit_identical_across_meshes_groupings_order_and_other_params
         model(jax.make_mesh((4, 2), ("fsdp", "tensor")), 2, RULES),
         model(submesh([3, 1, 2, 0], (2, 2), ("fsdp", "tensor")), 2, RULES),
         model(one_device, 2, RULES),
-        model(jax.make_mesh((8,), ("tensor",)), 2, RULES),  # fsdp rules skipped: replicated
+        model(jax.make_mesh((1, 8), ("fsdp", "tensor")), 2, RULES),  # fsdp of size 1
         model(jax.make_mesh((2, 4), ("fsdp", "tensor")), 3, RULES, extra=True),  # more params
     ]
     # Another grouping: every layer on its own mesh.
