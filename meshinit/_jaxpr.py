@@ -311,25 +311,12 @@ def reads(closed: Any) -> list[frozenset[int]]:
 
 
 class Unfingerprintable(Exception):
-    """A parameter that a structural fingerprint cannot describe (a Python callable).
+    """A parameter that a structural fingerprint cannot describe; ``callable`` says
+    whether it is a Python callable (else an unhashable value or an odd constant)."""
 
-    Attributes:
-      fix: what the model's author can change so that it can be described.
-    """
-
-    def __init__(self, message: str, fix: str):
+    def __init__(self, message: str, callable: bool):
         super().__init__(message)
-        self.fix = fix
-
-
-_CALLBACK_FIX = (
-    "make this value with jax operations instead of a Python callback, or set it after "
-    "init; if jax or flax itself adds the callable, report it to meshinit"
-)
-_VALUE_FIX = (
-    "pass that value as an array or a plain Python value (a number, a string, a tuple); "
-    "if jax or flax itself adds it, report it to meshinit"
-)
+        self.callable = callable
 
 
 def _canon(x: Any, memo: dict[Any, Any]) -> Any:
@@ -360,13 +347,11 @@ def _canon(x: Any, memo: dict[Any, Any]) -> Any:
     if callable(x) and not isinstance(x, type):
         name = getattr(x, "__qualname__", None)
         what = type(x).__name__ if name is None else f"{type(x).__name__} {name}"
-        raise Unfingerprintable(f"parameter is a Python callable ({what})", _CALLBACK_FIX)
+        raise Unfingerprintable(f"parameter is a Python callable ({what})", True)
     try:
         h = hash(x)
     except TypeError:
-        raise Unfingerprintable(
-            f"parameter is an unhashable {type(x).__name__}", _VALUE_FIX
-        ) from None
+        raise Unfingerprintable(f"parameter is an unhashable {type(x).__name__}", False) from None
     # repr alone may say less than equality does; equal objects hash alike, so the hash
     # never splits what is equal (this process's caches only: str hashes are salted)
     return (type(x).__qualname__, repr(x), h)
@@ -397,7 +382,7 @@ def _canon_const(c: Any) -> Any:
         impl = jax.random.key_impl(c)
         return ("key", _canon(impl, {}), _canon_const(jax.random.key_data(c)))
     if jax.dtypes.issubdtype(np.result_type(c), jax.dtypes.extended):
-        raise Unfingerprintable("operand is an extended-dtype constant", _VALUE_FIX)
+        raise Unfingerprintable("operand is an extended-dtype constant", False)
     a = np.asarray(c)
     return ("const", str(a.dtype), a.shape, hashlib.blake2b(a.tobytes(), digest_size=16).digest())
 
@@ -460,7 +445,7 @@ def fingerprint(
             ins = tuple([_lit_key(x, memo) if type(x) is Lit else names[x] for x in node.ins])
             key = _node_key(node, prog, memo)
         except Unfingerprintable as e:  # say which equation: the cut's reason names it
-            raise Unfingerprintable(f"{node.primitive.name}'s {e}", e.fix) from None
+            raise Unfingerprintable(f"{node.primitive.name}'s {e}", e.callable) from None
         for n in node.outs:
             if n >= 0:
                 names[n] = len(names)

@@ -248,6 +248,16 @@ class Fallback:
     fix: str
 
 
+_CALLBACK_FIX = (
+    "make this value with jax operations instead of a Python callback, or set it after "
+    "init; if jax or flax itself adds the callable, report it to meshinit"
+)
+_VALUE_FIX = (
+    "pass that value as an array or a plain Python value (a number, a string, a tuple); "
+    "if jax or flax itself adds it, report it to meshinit"
+)
+
+
 def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallback | None:
     """The slice of ``out``; None if it is a literal or a captured constant.
 
@@ -301,6 +311,7 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
     try:
         digest = _jaxpr.fingerprint(prog, order, ins, out, memo)
     except _jaxpr.Unfingerprintable as e:
-        return Fallback(f"{e}, which meshinit cannot compare between variables", e.fix)
+        fix = _CALLBACK_FIX if e.callable else _VALUE_FIX
+        return Fallback(f"{e}, which meshinit cannot compare between variables", fix)
     units = any(prog.nodes[i].control for i in order)
     return Slice(order, ins, out, digest, units)
