@@ -24,10 +24,10 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import logging
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -902,31 +902,15 @@ def check_placement(plan: Any, outputs: dict[str, Any], expected: dict[str, Any]
         assert same, f"{path}: the code asks for {want}, the plan says {planned[path]}"
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @contextlib.contextmanager
 def cut_per_variable() -> Iterator[None]:
     """Asserts that the engine cut every variable: nothing these constructors hold (no
-    callbacks, no side effects) may fall back to the whole-constructor program."""
-    logger = logging.getLogger("meshinit")
-    records, level, propagate = _Records(), logger.level, logger.propagate
-    logger.addHandler(records)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # the engine's INFO progress lines stay out of the test's log
-    try:
+    callbacks, no side effects) may fall back to the whole-constructor program, which
+    the engine says with a ``meshinit.FallbackWarning``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", meshinit.FallbackWarning)
         yield
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(level)
-        logger.propagate = propagate
-    fell = [m for m in records.messages if "whole-constructor program" in m]
+    fell = [str(w.message) for w in caught if issubclass(w.category, meshinit.FallbackWarning)]
     assert not fell, f"the engine fell back to the whole-constructor program: {fell}"
 
 
