@@ -412,11 +412,18 @@ def real_size_section(results: dict, png: str | None) -> str:
         "## Real sizes",
         "",
         "`python benchmarks/suite.py --only real-size`: each recipe's cold init of a "
-        "real-size model, best of "
-        f"{cfg['repeats']} fresh processes, against the floor (a second `materialize` of "
-        "the spec path's plan with a new key, after the first arrays are deleted: nothing "
-        "to compile, fresh memory to touch). Peak RSS is the init's own (VmHWM reset "
-        "before it). A process past "
+        "real-size model, "
+        + (
+            f"best of {cfg['repeats']} fresh processes"
+            if cfg["repeats"] > 1
+            else "one fresh process, one run"
+        )
+        + ", against the floor (a second `materialize` of the spec path's plan with a "
+        "new key, after the first arrays are deleted: nothing to compile, fresh memory to "
+        "touch). The floor is the spec path's initializers' (truncated normals); a "
+        "recipe whose framework draws cheaper ones (equinox's `Linear` draws uniforms) "
+        "can come in under it. Peak RSS is the init's own (VmHWM reset before it). A "
+        "process past "
         f"{cfg['memory_cap'] / 1e9:.1f} GB of resident memory is killed and recorded so. "
         f"{m['cpu_count']} CPUs, Python {m['python']}, jax {m['jax']}, flax {m['flax']}; "
         f"{m['date']}.",
