@@ -415,16 +415,7 @@ def _fallback_exe(traced: Traced, group: MeshGroup, work: _Work, cache: LRUCache
     """Today's whole-constructor program, returning just the fallback variables."""
     prog = traced.program
     outs = [prog.outputs[j] for _, j in work.fallback]
-    needed: set[int] = set()
-    stack = [o for o in outs if not isinstance(o, Lit)]
-    while stack:
-        n = stack.pop()
-        i = prog.producer.get(n)
-        if i is None or i in needed:
-            continue
-        needed.add(i)
-        stack.extend(x for x in prog.nodes[i].ins if not isinstance(x, Lit))
-    order = sorted(needed)
+    order = _trace.nodes_read(prog, outs)
     entries = [group.entries[pos] for pos, _ in work.fallback]
     bind = _jaxpr.bind_rehomed if _rehomes(traced, group.mesh) else None
 

@@ -173,7 +173,7 @@ def evaluate(traced: Traced, outputs: Sequence[int | Lit]) -> Traced:
     host: dict[int, Any] = {}
     for n, a in zip(prog.inputs, args, strict=True):
         host[n] = np.asarray(a)
-    needed = _needed(prog, outputs)
+    needed = nodes_read(prog, outputs)
     for n, c in prog.consts.items():
         if _nbytes(prog.avals[n]) <= SMALL_BYTES:
             try:
@@ -206,7 +206,7 @@ def evaluate(traced: Traced, outputs: Sequence[int | Lit]) -> Traced:
     return dataclasses.replace(traced, host=host, dynamic=frozenset(dynamic))
 
 
-def _needed(prog: Program, outputs: Sequence[int | Lit]) -> list[int]:
+def nodes_read(prog: Program, outputs: Sequence[int | Lit]) -> list[int]:
     """The indices of the nodes ``outputs`` read, directly or not, in program order."""
     needed: set[int] = set()
     stack = [o for o in outputs if type(o) is not Lit]
