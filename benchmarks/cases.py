@@ -254,6 +254,51 @@ def warm(layers: int, meshinit_recipes: list[str], repeats: int, width: int = 1)
     return result
 
 
+def warm_depth(depths: list[int], repeats: int, width: int = 1) -> dict:
+    """The spec path's warm re-init (new key, nothing to compile) at each of ``depths``,
+    in one process: the cost of generating each depth's bytes, for the depth goal's warm
+    slope per layer. Each depth's plan is materialized once first (compiled), then the
+    re-inits are interleaved across depths, one of each per new key, best of
+    ``repeats``."""
+    import jax
+
+    import meshinit
+
+    mesh = setup_cpu()
+    plans = {n: meshinit.plan(recipes.meshinit_specs(Model.cpu(n, width), mesh)) for n in depths}
+    for plan in plans.values():
+        _delete(jax.block_until_ready(meshinit.materialize(plan, 0)))
+    clock = CompileClock()
+    times: dict[int, list[float]] = {n: [] for n in depths}
+    for seed in range(1, repeats + 1):
+        for n, plan in plans.items():
+            start = time.perf_counter()
+            out = jax.block_until_ready(meshinit.materialize(plan, seed))
+            times[n].append(time.perf_counter() - start)
+            _delete(out)
+    return {
+        "warm": {str(n): min(ts) for n, ts in times.items()},
+        "nbytes": {str(n): plan.nbytes for n, plan in plans.items()},
+        "compiles": clock.count,  # during the timed re-inits: must be 0
+        "repeats": repeats,
+    }
+
+
+def prefault(nbytes: int) -> dict:
+    """Touches ``nbytes`` of fresh memory once, then frees it. On a virtual machine the
+    first touch of a guest page since boot can cost far more than any later one (this
+    machine: about 3 s per GB, against well under 1 s once touched), so the first recipe
+    of a real-size run would pay for every page the machine never used. This makes every
+    recipe start from memory the machine has touched before."""
+    import numpy as np
+
+    start = time.perf_counter()
+    chunk, held = 1 << 28, []
+    for _ in range(nbytes // chunk):
+        held.append(np.ones(chunk // 8))
+    return {"bytes": len(held) * chunk, "seconds": time.perf_counter() - start}
+
+
 def _rss_now() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -393,7 +438,9 @@ CASES = {
     "cold": cold,
     "restart": restart,
     "warm": warm,
+    "warm_depth": warm_depth,
     "host_memory": host_memory,
     "planning": planning,
     "real_size": real_size,
+    "prefault": prefault,
 }

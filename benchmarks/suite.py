@@ -175,6 +175,12 @@ def measure(args: argparse.Namespace) -> dict:
             repeats=args.warm_repeats,
             width=args.width,
         )
+    lo, hi = report.depth_pair(args.layers)
+    if args.warm_layers and lo != hi:
+        log(f"warm re-init of the spec path at {lo} and {hi} layers (the depth goal) ...")
+        results["warm_depth"] = spawn(
+            "warm_depth", args.timeout, depths=[lo, hi], repeats=args.warm_repeats, width=args.width
+        )
     if args.restart_layers:
         log(f"restarts with the persistent compilation cache at {args.restart_layers} layers ...")
         with tempfile.TemporaryDirectory(prefix="meshinit-cache-") as cache_dir:
@@ -214,6 +220,18 @@ REAL_SIZE_RECIPES = {  # what each real size measures by default
 }
 
 
+def _mem_available() -> int | None:
+    """The kernel's estimate of the memory a new process can take, in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def measure_real_size(args: argparse.Namespace) -> dict:
     """``--only real-size``: each size's recipes cold, best of ``--repeats`` fresh
     processes, each killed once it passes ``--memory-cap-gb`` of resident memory."""
@@ -223,6 +241,14 @@ def measure_real_size(args: argparse.Namespace) -> dict:
         "machine": report.machine(),
         "real_size": {},
     }
+    import cases
+
+    available = _mem_available()
+    largest = max(cases.REAL_SIZES[size]().nbytes for size in args.sizes)
+    if available:  # cf. cases.prefault; a killed prefault only means less was touched
+        touch = max(0, min(cap, available - (1 << 30), 2 * largest))
+        results["prefault"] = spawn("prefault", args.timeout, cap_bytes=cap, nbytes=touch)
+        log(f"touched {touch / 1e9:.1f} GB of fresh memory first: {results['prefault']}")
     for size in args.sizes:
         chosen = args.recipes if args.recipes_given else REAL_SIZE_RECIPES[size]
         runs: dict[str, list[dict]] = {}
@@ -256,6 +282,7 @@ def failures(results: dict, strict: bool) -> list[str]:
         for layers, r in by_layers.items()
     ]
     cases.append(("warm re-init", "meshinit", results.get("warm", {})))
+    cases.append(("warm re-init at each depth", "meshinit", results.get("warm_depth", {})))
     for which, r in results.get("restart", {}).items():
         if isinstance(r, dict):
             cases.append((f"restart ({which} the cache)", "meshinit", r))

@@ -81,6 +81,15 @@ def test_real_size_run_records_time_floor_and_memory_and_kills_what_does_not_fit
     assert capped.stderr.count("real size tiny eager-nnx") == 1  # not tried again
 
 
+def test_warm_depth_case_times_each_depth_without_compiling():
+    suite = _bench("suite")
+    r = suite.spawn("warm_depth", 300, depths=[1, 3], repeats=2)
+    assert "error" not in r, r
+    assert r["compiles"] == 0  # re-inits only: what a layer costs to generate
+    assert set(r["warm"]) == {"1", "3"} and all(t > 0 for t in r["warm"].values())
+    assert r["nbytes"]["3"] > r["nbytes"]["1"]
+
+
 def test_maxtext_script_says_it_skips_where_maxtext_is_absent():
     if importlib.util.find_spec("maxtext") is not None:
         pytest.skip("maxtext is installed: the script measures instead (tests/test_maxtext.py)")
@@ -330,7 +339,8 @@ def test_report_computes_and_prints_the_constructor_goals():
         "cold meshinit.nnx / nnx.jit, 32 layers": ["0.050", "<= 0.1", "met"],
         "cold meshinit.nnx / eager-nnx, 32 layers": ["0.533", "<= 0.5", "NOT met"],
         "cold meshinit.nnx / meshinit (spec path), 32 layers": ["1.600", "<= 2.0", "met"],
-        "cold meshinit.nnx 32 / 8 layers": ["1.600", "<= 1.5", "NOT met"],
+        "compiles, meshinit.nnx, 8 and 32 layers": ["9 and 9", "equal", "met"],
+        "compile time, meshinit.nnx, 32 / 8 layers": ["1.000", "<= 1.25", "met"],
         "cold meshinit.linen / linen.jit, 32 layers": ["0.150", "<= 0.1", "NOT met"],
         "cold meshinit.eqx / eqx.filter_jit, 32 layers": ["n/a", "<= 0.1", "n/a"],  # not run
         "cold meshinit.nnx:2mesh / meshinit.nnx, 32 layers": ["1.500", "<= 1.6", "met"],
@@ -342,6 +352,23 @@ def test_report_computes_and_prints_the_constructor_goals():
     text = report.text(results | {"machine": _MACHINE})
     assert "cold meshinit / nnx.jit" not in text  # the spec path's goals: not this run's
     assert "## GPU" not in text and "## Planning" not in text
+
+
+def test_depth_goal_is_flat_compiles_and_cold_slope_against_warm_slope():
+    report = _bench("report")
+    results = _constructor_results({("meshinit", 8): 1.0, ("meshinit", 32): 1.6})
+    results["cold"]["meshinit"]["32"] |= {"compiles": 10, "compile_s": 1.5}
+    results |= {"config": {}, "host_memory": {}, "planning": {}}
+    # cold: 0.6 s over 24 layers, 25 ms per layer; warm: 0.48 s, 20 ms per layer
+    results["warm_depth"] = {"warm": {"8": 0.12, "32": 0.6}, "compiles": 0}
+    rows = {row[0]: row[1:] for row in report.goals(results)}
+    assert rows["compiles, meshinit, 8 and 32 layers"] == ["9 and 10", "equal", "NOT met"]
+    assert rows["compile time, meshinit, 32 / 8 layers"] == ["1.500", "<= 1.25", "NOT met"]
+    slope = "per layer, 8 to 32 layers: meshinit's cold slope / its warm slope"
+    assert rows[slope] == ["1.250", "<= 1.5", "met"]
+    assert "| meshinit | 25.00 ms | 1.25 |" in report._cold_tables(results)
+    del results["warm_depth"]  # not measured: no slope, and no claim
+    assert {row[0]: row[1:] for row in report.goals(results)}[slope][0] == "n/a"
 
 
 def test_full_report_shows_the_constructor_goals_after_the_spec_goals():
