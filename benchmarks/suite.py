@@ -175,11 +175,11 @@ def measure(args: argparse.Namespace) -> dict:
             repeats=args.warm_repeats,
             width=args.width,
         )
-    lo, hi = report.depth_pair(args.layers)
-    if args.warm_layers and lo != hi:
-        log(f"warm re-init of the spec path at {lo} and {hi} layers (the depth goal) ...")
+    depths = sorted(set(args.layers))
+    if args.warm_layers and len(depths) > 1:
+        log(f"warm re-init of the spec path at {depths} layers (the depth goal) ...")
         results["warm_depth"] = spawn(
-            "warm_depth", args.timeout, depths=[lo, hi], repeats=args.warm_repeats, width=args.width
+            "warm_depth", args.timeout, depths=depths, repeats=args.warm_repeats, width=args.width
         )
     if args.restart_layers:
         log(f"restarts with the persistent compilation cache at {args.restart_layers} layers ...")
