@@ -121,7 +121,7 @@ def _device_memory(plan: Any, strategy: str) -> dict:
     (part of ``share``) plus that call's temporaries, so ``share + max temp`` bounds
     the peak.
     """
-    import meshinit._strategies as strategies
+    import meshinit._run.strategies as strategies
     from meshinit import _paths
 
     _, impl = _paths.host_key(0)
@@ -129,7 +129,7 @@ def _device_memory(plan: Any, strategy: str) -> dict:
     calls = []
     peak = allocated = 0
     for group in plan.groups:
-        executables = chosen.executables(group, strategies.key_impl(group, impl))
+        executables = chosen.executables(group, strategies.program_key_impl(group, impl))
         for exe, count in zip(executables, _call_counts(chosen, group), strict=True):
             stats = exe.memory_analysis()
             out, temp = stats.output_size_in_bytes, stats.temp_size_in_bytes
@@ -151,7 +151,7 @@ def _device_memory(plan: Any, strategy: str) -> dict:
 
 def _call_counts(strategy: Any, group: Any) -> list[int]:
     """How many times each of ``strategy.executables(group)`` is called, in run order."""
-    import meshinit._strategies as strategies
+    import meshinit._run.strategies as strategies
 
     if isinstance(strategy, strategies.Rounds):
         return [len(group.batches[bucket[0]]) for bucket in strategy._buckets(group)]

@@ -35,7 +35,7 @@ def _multi_device(mesh: Any, n: int, launches: int) -> tuple[Any, list[Any], flo
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from meshinit._compile import auto_twin, compile_lowered
+    from meshinit._run.compile import auto_twin, compile_lowered
 
     auto = auto_twin(mesh)
     init = jax.nn.initializers.lecun_normal()

@@ -624,7 +624,7 @@ def preload(recipe: str) -> None:
     import jax  # noqa: F401
 
     if recipe.startswith("meshinit"):
-        import meshinit._materialize  # noqa: F401
+        import meshinit._run.materialize  # noqa: F401
     if "nnx" in recipe:
         from flax import nnx  # noqa: F401
     if "linen" in recipe:
@@ -639,7 +639,7 @@ def preload(recipe: str) -> None:
 
 def meshinit_options() -> dict[str, Any]:
     """meshinit's own CPU compiler options, as it passes them to the installed jaxlib."""
-    from meshinit import _compile
+    from meshinit._run import compile as _compile
 
     return _compile.default_cpu_options()
 
@@ -647,14 +647,14 @@ def meshinit_options() -> dict[str, Any]:
 def meshinit_key_impl() -> Any:
     """The key implementation meshinit traces its CPU programs with: jax's threefry2x32
     with a straight-line hash (the same bits)."""
-    from meshinit import _threefry
+    from meshinit._engine import threefry as _threefry
 
     return _threefry.STRAIGHT_LINE
 
 
 def strategy_of(recipe: str) -> str:
     """The strategy of ``meshinit[:<name>][+xla-defaults]``: ``<name>``, or rounds."""
-    from meshinit import _options
+    from meshinit._run import options as _options
 
     base, _, flag = recipe.partition("+")
     if flag not in ("", "xla-defaults"):

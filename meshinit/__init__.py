@@ -1,8 +1,9 @@
 """meshinit: initialize large JAX models straight onto device meshes, exactly.
 
 Declare parameters as lazy specs, plan them to exact ``NamedSharding``s grouped by
-mesh, and materialize each group with one compiled computation. Importing meshinit
-starts no jax backend.
+mesh, and materialize each group with its own compiled programs (with the default
+``rounds`` strategy, one per bucket of signatures: as many for 32 layers as for 8).
+Importing meshinit starts no jax backend.
 """
 
 from ._errors import FallbackWarning as FallbackWarning
@@ -10,22 +11,22 @@ from ._errors import PeerFailure as PeerFailure
 from ._errors import PlanError as PlanError
 from ._errors import Problem as Problem
 from ._errors import UnusedPatternWarning as UnusedPatternWarning
-from ._materialize import clear_cache as clear_cache
-from ._materialize import init as init
-from ._materialize import materialize as materialize
-from ._options import options as options
 from ._paths import param_key as param_key
-from ._plan import MeshGroup as MeshGroup
-from ._plan import Plan as Plan
-from ._plan import PlanEntry as PlanEntry
-from ._planner import plan as plan
-from ._rules import logical_to_mesh_axes as logical_to_mesh_axes
-from ._shardings import shardings as shardings
-from ._spec import MESH_AXES as MESH_AXES
-from ._spec import ParamSpec as ParamSpec
-from ._spec import defaults as defaults
-from ._spec import param as param
-from ._spec import stacked as stacked
+from ._plan.entries import MeshGroup as MeshGroup
+from ._plan.entries import PlanEntry as PlanEntry
+from ._plan.plan import Plan as Plan
+from ._plan.planner import plan as plan
+from ._plan.shardings import shardings as shardings
+from ._run.materialize import clear_cache as clear_cache
+from ._run.materialize import init as init
+from ._run.materialize import materialize as materialize
+from ._run.options import options as options
+from ._spec.rules import logical_to_mesh_axes as logical_to_mesh_axes
+from ._spec.spec import MESH_AXES as MESH_AXES
+from ._spec.spec import ParamSpec as ParamSpec
+from ._spec.spec import defaults as defaults
+from ._spec.spec import param as param
+from ._spec.spec import stacked as stacked
 
 
 def _version() -> str:

@@ -55,10 +55,14 @@ class PlanError(ValueError):
         reads ``"layers.3.mlp.up: logical axis 'mlpp' has no rule; ..."``.
 
     Examples:
+      >>> specs = {"up": meshinit.param((d, 4 * d), init, axes=("embed", "mlpp"),
+      ...                               mesh=mesh, rules=rules)}  # a typo: mlpp
       >>> try:
       ...     meshinit.plan(specs)
       ... except meshinit.PlanError as e:
       ...     bad_paths = [p.path for p in e.problems]
+      >>> bad_paths
+      ['up']
     """
 
     def __init__(self, problems: Iterable[Problem], header: str | None = None):
@@ -105,6 +109,11 @@ class FallbackWarning(UserWarning):
       ...     warnings.simplefilter("error", meshinit.FallbackWarning)
       ...     model = meshinit.nnx.init(factory)  # a fallback now raises
     """
+
+
+class RenamedWarning(DeprecationWarning):
+    """Warned when an old name of a renamed public method is called
+    (:mod:`meshinit._plan.renamed`); the new name does the same."""
 
 
 class PeerFailure(RuntimeError):

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 from jax import tree_util
 
-# The only key implementation whose values are independent of sharding, and only while
-# ``jax_threefry_partitionable`` is on (jax's default since 0.5).
-SHARDING_INVARIANT_IMPL = "threefry2x32"
+from ._engine.threefry import SHARDING_INVARIANT_IMPL
 
 
 def path_str(keypath: Sequence[Any]) -> str:
@@ -54,69 +52,6 @@ def fold_digest(key: jax.Array, hi: Any, lo: Any) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(key, hi), lo)
 
 
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-
-
-def threefry_rounds(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[Any, Any]:
-    """jax's Threefry-2x32 hash (20 rounds), elementwise over uint32 arrays (numpy or jax)."""
-    ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
-    x = [x1 + ks[0], x2 + ks[1]]
-    for block in range(5):
-        for r in _ROTATIONS[block % 2]:
-            x[0] = x[0] + x[1]
-            x[1] = (x[1] << np.uint32(r)) | (x[1] >> np.uint32(32 - r))
-            x[1] = x[0] ^ x[1]
-        x[0] = x[0] + ks[(block + 1) % 3]
-        x[1] = x[1] + ks[(block + 2) % 3] + np.uint32(block + 1)
-    return x[0], x[1]
-
-
-_MASK = 0xFFFFFFFF
-
-
-def threefry_ints(k1: int, k2: int, x1: int, x2: int) -> tuple[int, int]:
-    """jax's Threefry-2x32 hash of one counter pair, on Python ints (uint32 values).
-
-    The rounds of :func:`threefry_rounds`, masked to 32 bits by hand
-    (a test compares the two).
-    """
-    ks = (k1, k2, k1 ^ k2 ^ 0x1BD11BDA)
-    a, b = (x1 + k1) & _MASK, (x2 + k2) & _MASK
-    for block in range(5):
-        for r in _ROTATIONS[block % 2]:
-            a = (a + b) & _MASK
-            b = ((b << r) & _MASK) | (b >> (32 - r))
-            b ^= a
-        a = (a + ks[(block + 1) % 3]) & _MASK
-        b = (b + ks[(block + 2) % 3] + block + 1) & _MASK
-    return a, b
-
-
-def fold_digests(key_data: np.ndarray, digests: np.ndarray) -> np.ndarray:
-    """Host twin of :func:`fold_digest` for many digests at once: threefry key data.
-
-    ``fold_digests(key_data, d)[i]`` equals
-    ``key_data(fold_digest(wrap_key_data(key_data), d[i, 0], d[i, 1]))``, bit for bit.
-    Deriving the per-parameter keys here keeps two scalar threefry loops per signature
-    out of every compiled program (a third of its XLA compile time on CPU).
-
-    Args:
-      key_data: uint32[2], threefry key data.
-      digests: uint32[n, 2], (high, low) path digests.
-
-    Returns:
-      uint32[n, 2], one key's data per digest.
-    """
-    digests = np.asarray(digests, dtype=np.uint32).reshape(-1, 2)
-    zero = np.zeros(len(digests), np.uint32)
-    k1 = np.full(len(digests), key_data[0], np.uint32)
-    k2 = np.full(len(digests), key_data[1], np.uint32)
-    with np.errstate(over="ignore"):
-        for column in (0, 1):  # jax.random.fold_in(key, d) hashes the count (0, d)
-            k1, k2 = threefry_rounds(k1, k2, zero, digests[:, column])
-    return np.stack([k1, k2], axis=1)
-
-
 def param_key(key: Any, path: str) -> jax.Array:
     """The key used for the parameter at ``path``.
 
@@ -151,7 +86,7 @@ def seed_data(seed: int) -> np.ndarray:
     """
     if not -(2**63) <= seed < 2**63:
         raise OverflowError(f"seed {seed} does not fit in 64 bits")
-    hi = (seed >> 32) & 0xFFFFFFFF if jax.config.jax_enable_x64 else 0
+    hi = (seed >> 32) & 0xFFFFFFFF if cast(Any, jax.config).jax_enable_x64 else 0
     return np.array([hi, seed & 0xFFFFFFFF], dtype=np.uint32)
 
 
@@ -174,15 +109,16 @@ def host_key(key: Any) -> tuple[np.ndarray, str]:
         )
     if isinstance(key, jax.core.Tracer):
         raise TypeError("materialize runs outside jit: pass a concrete key, not a traced one")
+    data: jax.Array | np.ndarray
     if isinstance(key, int | np.integer):
-        impl, data = str(jax.config.jax_default_prng_impl), seed_data(int(key))
+        impl, data = str(cast(Any, jax.config).jax_default_prng_impl), seed_data(int(key))
     elif jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.shape != ():
             raise TypeError(f"key must be a single key; got a batch of shape {key.shape}")
         impl = str(jax.random.key_impl(key))
         data = jax.random.key_data(key)
     else:
-        impl = str(jax.config.jax_default_prng_impl)
+        impl = str(cast(Any, jax.config).jax_default_prng_impl)
         data = key
     if impl != SHARDING_INVARIANT_IMPL:
         raise ValueError(
@@ -195,7 +131,7 @@ def host_key(key: Any) -> tuple[np.ndarray, str]:
             f"a legacy key must be uint32[2] (jax.random.PRNGKey); "
             f"got {data.dtype}{list(data.shape)}"
         )
-    if not jax.config.jax_threefry_partitionable:
+    if not cast(Any, jax.config).jax_threefry_partitionable:
         raise ValueError(
             "jax_threefry_partitionable is off, so random values would depend on the "
             "sharding; turn it on with jax.config.update('jax_threefry_partitionable', True)"

@@ -31,13 +31,17 @@ try:
 except ImportError as e:
     raise ImportError("meshinit.eqx needs equinox: pip install meshinit[eqx]") from e
 
-from . import _adapters, _agree, _constructor, _paths, _trace
+from . import _paths
+from ._adapters import common as _adapters
+from ._engine import entry as _engine
 from ._errors import Problem
-from ._materialize import from_constructor
-from ._materialize import materialize as _materialize_plan
-from ._planner import build_plan
-from ._planner import plan as _plan_tree
-from ._spec import param
+from ._format import some
+from ._plan.planner import build_plan
+from ._plan.planner import plan as _plan_tree
+from ._run import agree as _agree
+from ._run.materialize import from_constructor
+from ._run.materialize import materialize as _materialize_plan
+from ._spec.spec import param
 
 __all__ = ["init", "materialize", "plan"]
 
@@ -72,7 +76,8 @@ def materialize(module: Any, key: Any) -> Any:
       ...                                 axes=("fsdp", "tensor"), mesh=mesh)
       >>> model = meshinit.eqx.materialize(Linear(mesh), jax.random.key(0))
       >>> model.w.sharding
-      NamedSharding(mesh=Mesh('fsdp': 2, 'tensor': 4), spec=P('fsdp', 'tensor'))
+      NamedSharding(mesh=Mesh('fsdp': 2, 'tensor': 4, axis_types=(Explicit, Explicit)),
+                    spec=P('fsdp', 'tensor'), memory_kind=device)
     """
     with _agree.collective("meshinit.eqx.materialize"):  # a plan failing on one process too
         return _materialize_plan(_plan_tree(module), key)
@@ -215,11 +220,8 @@ def _specs_from_placements(
         _adapters.warn_idle(what, idle, paths, "array leaf")
     elif idle:  # the leaves a mistyped regex missed: one line, not one each
         problems += [Problem("", _adapters.idle_message([n], paths, "array leaf")) for n in idle]
-        shown = ", ".join(u.path for u in unmatched[:5])
-        more = f" and {len(unmatched) - 5} more" if len(unmatched) > 5 else ""
-        unmatched = [
-            Problem("", f"{len(unmatched)} array leaves matched no placement: {shown}{more}")
-        ]
+        shown = some([u.path for u in unmatched], 5)
+        unmatched = [Problem("", f"{len(unmatched)} array leaves matched no placement: {shown}")]
     problems += [*bad_placements.values(), *unmatched]
     return jax.tree_util.tree_unflatten(treedef, leaves), problems
 
@@ -253,7 +255,7 @@ def _prepare(
         found.append(module)
         return _array_leaves(module)
 
-    traced = _trace.trace(build, key_data)
+    traced = _engine.trace(build, key_data)
     avals = iter(traced.out_avals)
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(next(avals).shape, x.dtype) if eqx.is_array(x) else x,
@@ -294,7 +296,7 @@ def plan(
       PlanError: as for :func:`init`.
 
     Examples:
-      >>> p = meshinit.eqx.plan(lambda k: eqx.nn.MLP(64, 10, 256, 2, key=k), 0,
+      >>> p = meshinit.eqx.plan(lambda k: eqx.nn.MLP(64, 16, 256, 2, key=k), 0,
       ...                       [(r".*weight", ("tensor", None)), (r".*", None)], mesh=mesh)
     """
     return _prepare(factory, key, placements, mesh, rules, what="meshinit.eqx.plan").plan
@@ -362,7 +364,7 @@ def init(
     Examples:
       >>> mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
       >>> mlp = meshinit.eqx.init(
-      ...     lambda k: eqx.nn.MLP(64, 10, 256, 2, key=k),
+      ...     lambda k: eqx.nn.MLP(64, 16, 256, 2, key=k),
       ...     jax.random.key(0),
       ...     [(r"layers\\.\\d+\\.weight", ("tensor", "fsdp")),
       ...      (r"layers\\.\\d+\\.bias", None)],
@@ -372,9 +374,9 @@ def init(
       P('tensor', 'fsdp')
     """
     # Collective: a factory that fails while traced on one process fails every process.
-    with _agree.collective("meshinit.eqx.init"), _trace.paused_gc():
+    with _agree.collective("meshinit.eqx.init"), _engine.paused_gc():
         prep = _prepare(factory, key, placements, mesh, rules, what="meshinit.eqx.init")
-        return _constructor.materialize(
+        return _engine.make_arrays(
             prep.plan,
             prep.traced,
             prep.outputs,

@@ -5,7 +5,7 @@
 the linen/MaxText pair format) or ``nn.with_partitioning`` (mesh axis names), each
 optionally with its own ``mesh=``. It traces ``module.init`` once, abstractly, plans
 every annotated leaf to an exact ``NamedSharding``, and hands the trace to meshinit's
-constructor engine (:mod:`meshinit._constructor`), which compiles each variable's own
+constructor engine (:mod:`meshinit._engine.run`), which compiles each variable's own
 computation once per (mesh, computation, sharding): the values are those of
 ``module.init``, and no device computes what it does not own. :func:`plan` previews
 it without compiling.
@@ -30,10 +30,15 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from . import _adapters, _agree, _constructor, _linen_meta, _paths, _planner, _trace
+from . import _paths
+from ._adapters import common as _adapters
+from ._adapters import linen_meta as _linen_meta
+from ._engine import entry as _engine
 from ._errors import PlanError, Problem
 from ._format import describe_mesh
-from ._plan import Plan
+from ._plan import planner as _planner
+from ._plan.plan import Plan
+from ._run import agree as _agree
 
 __all__ = ["init", "plan"]
 
@@ -172,7 +177,7 @@ def _prepare(
         return [x for x in leaves if isinstance(x, jax.Array)]
 
     host = [*key_data, *input_data]
-    traced = _trace.trace(run_init, *host)
+    traced = _engine.trace(run_init, *host)
     flat, treedef = found[0]
     avals = iter(traced.out_avals)
     problems: list[Problem] = []
@@ -243,6 +248,15 @@ def plan(
 
     Examples:
       >>> print(meshinit.linen.plan(model, 0, tokens, mesh=mesh, rules=rules).compact())
+      a row stands for the n parameters its path pattern names; per device sums all n
+      <BLANKLINE>
+      mesh 0: Mesh(fsdp=2, tensor=4; Explicit; devices 0-7)
+        path                      n  array        logical      PartitionSpec  per device
+        params.Dense_0.kernel     1  f32[64,256]  embed,mlp    fsdp,tensor       8.0 KiB
+        params.Embed_0.embedding  1  f32[256,64]  vocab,embed  tensor,fsdp       8.0 KiB
+        2 params, 128.0 KiB in all, 16.0 KiB per device
+      <BLANKLINE>
+      total: 2 params, 128.0 KiB, 1 mesh, most on one device 16.0 KiB
     """
     return _prepare(
         module,
@@ -343,7 +357,7 @@ def init(
       P('fsdp', 'tensor')
     """
     # Collective: module.init failing while traced on one process fails every process.
-    with _agree.collective("meshinit.linen.init"), _trace.paused_gc():
+    with _agree.collective("meshinit.linen.init"), _engine.paused_gc():
         prep = _prepare(
             module,
             key,
@@ -356,7 +370,7 @@ def init(
             what="meshinit.linen.init",
         )
         placed = jax.tree_util.tree_leaves(
-            _constructor.materialize(
+            _engine.make_arrays(
                 prep.plan,
                 prep.traced,
                 prep.outputs,

@@ -9,7 +9,7 @@ Two ways in:
   (``out_sharding``, or the older ``sharding``/``sharding_names``, with ``mesh`` and
   ``sharding_rules``) comes back with exactly the shardings that metadata describes,
   and the values its own ``nnx.Rngs`` produce. The factory is traced once and
-  compiled by meshinit's constructor engine (:mod:`meshinit._constructor`): once per
+  compiled by meshinit's constructor engine (:mod:`meshinit._engine.run`): once per
   (mesh, per-variable computation, sharding), so depth adds no compile.
   :func:`plan` previews it without compiling.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 try:
     from flax import errors as flax_errors
@@ -36,20 +36,17 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 
 import jax
 
-from . import (
-    _adapters,
-    _agree,
-    _constructor,
-    _materialize,
-    _nnx_meta,
-    _planner,
-    _rules,
-    _trace,
-)
+from ._adapters import common as _adapters
+from ._adapters import nnx_meta as _nnx_meta
+from ._adapters.nnx_optimizer import optimizer
+from ._engine import entry as _engine
 from ._errors import PlanError, Problem
-from ._nnx_optimizer import optimizer
-from ._plan import Plan, PlanEntry
-from ._spec import ParamSpec
+from ._plan import planner as _planner
+from ._plan.plan import Plan, PlanEntry
+from ._run import agree as _agree
+from ._run import materialize as _materialize
+from ._spec import rules as _rules
+from ._spec.spec import ParamSpec
 
 __all__ = ["materialize", "init", "plan", "abstract", "optimizer"]
 
@@ -225,7 +222,7 @@ def _prepare_here(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> 
         return [jax.random.key_data(x) if _nnx_meta.is_key(x) else x for _, x in arrays]
 
     with _clear_factory_errors(what):
-        traced = _trace.trace(build)
+        traced = _engine.trace(build)
     graphdef, flat, paths, keys = found[0]
     declared = [_path(p) for p, v in flat if isinstance(v.get_value(), ParamSpec)]
     if declared:
@@ -255,8 +252,8 @@ def _prepare_here(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> 
     _adapters.warn_idle_meshes(what, patterns, [_path(p) for p in paths])
     plan = _planner.build_plan(_nest(specs), check_inits=False, problems=problems)
     # flax's spelling of each annotated spec (nnx.get_partition_spec), so == holds
-    lengths = {
-        _path(p): len(nnx.spmd.get_var_pspec(by_path[p]))
+    lengths = {  # flax's pspec is None only for a Variable without a shape
+        _path(p): len(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(by_path[p])))
         for p in specs
         if p not in keys and _nnx_meta.has_sharding(by_path[p].get_metadata())
     }
@@ -287,6 +284,19 @@ def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None, rules: Any = 
 
     Examples:
       >>> print(meshinit.nnx.plan(lambda: Model(rngs=nnx.Rngs(0))).compact())
+      a row stands for the n parameters its path pattern names; per device sums all n
+      <BLANKLINE>
+      mesh 0: Mesh(fsdp=2, tensor=4; Explicit; devices 0-7)
+        path                 n  array        logical  PartitionSpec  per device
+        layers.{0,1}.bias    2  f32[64]      -        replicated          512 B  !
+        layers.{0,1}.kernel  2  f32[64,64]   -        fsdp,tensor       4.0 KiB
+        w                    1  f32[64,256]  -        fsdp,tensor       8.0 KiB
+        5 params, 96.5 KiB in all, 12.5 KiB per device
+        ! 2 params replicated across an axis that could shard them: 512 B per device
+          fsdp=2 could shard 2 (512 B per device): layers.{0,1}.bias
+          tensor=4 could shard 2 (512 B per device): layers.{0,1}.bias
+      <BLANKLINE>
+      total: 5 params, 96.5 KiB, 1 mesh, most on one device 12.5 KiB
     """
     return _prepare(factory, meshes, rules, what="meshinit.nnx.plan").plan
 
@@ -332,7 +342,10 @@ def abstract(
 
     Examples:
       >>> graphdef, target = nnx.split(meshinit.nnx.abstract(lambda: Model(nnx.Rngs(0))))
-      >>> model = nnx.merge(graphdef, ocp.StandardCheckpointer().restore(path, target))
+      >>> model = nnx.merge(
+      ...     graphdef, ocp.StandardCheckpointer().restore(path, target))  # doctest: +SKIP
+
+      (The restore needs a checkpoint on disk: not run in the tests.)
     """
     with _agree.collective("meshinit.nnx.abstract"):
         prep = _prepare(factory, meshes, rules, what="meshinit.nnx.plan")
@@ -417,9 +430,9 @@ def init(
       ...     meshes=[(r"layers\.[0-3]\..*", stage0), (r".*", stage1)])
     """
     # Collective: a factory that fails while tracing on one process fails every process.
-    with _agree.collective("meshinit.nnx.init"), _trace.paused_gc():
+    with _agree.collective("meshinit.nnx.init"), _engine.paused_gc():
         prep = _prepare(factory, meshes, rules, what="meshinit.nnx.init")
-        arrays = _constructor.materialize(
+        arrays = _engine.make_arrays(
             prep.plan,
             prep.traced,
             prep.outputs,

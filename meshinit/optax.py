@@ -20,10 +20,10 @@ Executables are cached per computation and parameter structure: a second ``init`
 with the same shapes, dtypes and shardings, and a ``tx`` that computes the same
 (the same one, or a fresh ``optax.adamw(1e-3)``), compiles nothing. What ``tx.init``
 computes is told as the spec path tells it for initializers
-(:mod:`meshinit._signature`): by its code and closure, dicts and small arrays by their
+(:mod:`meshinit._spec.fingerprints`): by its code and closure, dicts and small arrays by their
 contents, your own functions with the module globals they read. A ``tx.init`` whose
 closure has no such fingerprint (an object hashed by identity, a deep chain) is told
-by its traced computation instead (:func:`meshinit._jaxpr.fingerprint`), and one
+by its traced computation instead (:func:`meshinit._engine.jaxpr.slice_fingerprint`), and one
 that neither describes is compiled afresh on every call. So a ``tx.init`` that reads a
 dict changed since the last call never gets the last call's state.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, cast
 
 try:
     import optax as _optax
@@ -48,10 +48,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import _agree, _caches, _compile, _jaxpr, _paths, _signature, _state
+from . import _caches, _paths
+from ._engine import jaxpr as _jaxpr
+from ._errors import PlanError, Problem
 from ._format import describe_mesh
-from ._materialize import deleting_on_failure
-from ._plan import Plan
+from ._plan import state as _state
+from ._plan.plan import Plan
+from ._run import agree as _agree
+from ._run import compile as _compile
+from ._run.materialize import deleting_on_failure
+from ._spec import fingerprints as _signature
 
 __all__ = ["abstract", "init"]
 
@@ -73,7 +79,10 @@ def _flat_params(params: Any) -> tuple[list[str], list[Any], Any]:
             "place them with meshinit.materialize or jax.device_put first:\n  " + "\n  ".join(bad)
         )
     if not leaves:
-        raise ValueError("params has no array leaves: there is no mesh to put the state on")
+        raise PlanError(
+            [Problem("", "params has no array leaves: there is no mesh to put the state on")],
+            header="meshinit.optax needs placed parameters; pass the tree of arrays:",
+        )
     return paths, leaves, treedef
 
 
@@ -123,11 +132,13 @@ def abstract(
 
     Raises:
       TypeError: a parameter has no ``NamedSharding``.
-      ValueError: as for :func:`init`.
+      PlanError: as for :func:`init`.
 
     Examples:
       >>> target = meshinit.optax.abstract(optax.adamw(1e-3), meshinit.plan(specs))
-      >>> opt_state = checkpointer.restore(path, target)
+      >>> opt_state = checkpointer.restore(path, target)  # doctest: +SKIP
+
+      (The restore needs a checkpoint on disk: not run in the tests.)
     """
     _check_tx(tx, "abstract")
     params = _abstract_params(params)
@@ -177,7 +188,7 @@ def _computation(closed: Any, state: Any) -> Hashable | None:
     """What a traced ``tx.init`` computes, structurally, or None if it cannot be told.
 
     Per state leaf: the digest of the equations it is made by
-    (:func:`meshinit._jaxpr.fingerprint`: primitives, parameters, shapes, dtypes,
+    (:func:`meshinit._engine.jaxpr.slice_fingerprint`: primitives, parameters, shapes, dtypes,
     literals, never Python identity), and which parameters and constants (by their
     bytes) they read; with the state's tree structure. Equal descriptions compute the
     same state from the same parameters.
@@ -185,14 +196,14 @@ def _computation(closed: Any, state: Any) -> Hashable | None:
     prog = _jaxpr.flatten(closed)
     position = {n: i for i, n in enumerate(prog.inputs)}
     memo: dict[Any, Any] = {}
-    leaves = []
+    leaves: list[tuple[str, tuple[Any, ...]]] = []
     try:
         for out in prog.outputs:
             if isinstance(out, _jaxpr.Lit):
-                leaves.append((_jaxpr.fingerprint(prog, [], [], out, memo), ()))
+                leaves.append((_jaxpr.slice_fingerprint(prog, [], [], out, memo), ()))
                 continue
             nodes, reads = _slice(prog, out)
-            digest = _jaxpr.fingerprint(prog, nodes, reads, out, memo)
+            digest = _jaxpr.slice_fingerprint(prog, nodes, reads, out, memo)
             operands = tuple(
                 ("param", position[n]) if n in position else ("const", _const(prog.consts[n]))
                 for n in reads
@@ -279,19 +290,23 @@ def _build(
     # A leaf is made on its own mesh, from that mesh's parameters only; one that reads
     # a parameter on another mesh would see the zeros standing in for it.
     problems = [
-        f"{state_paths[j] or '<root>'}: placed on {describe_mesh(s.mesh)} but reads "
-        + ", ".join(
-            paths[i] or "<root>" for i in sorted(reads[j]) if leaves[i].sharding.mesh != s.mesh
+        Problem(
+            state_paths[j],
+            f"placed on {describe_mesh(s.mesh)} but reads "
+            + ", ".join(
+                paths[i] or "<root>" for i in sorted(reads[j]) if leaves[i].sharding.mesh != s.mesh
+            ),
         )
         for j, s in enumerate(shardings)
         if any(leaves[i].sharding.mesh != s.mesh for i in reads[j])
     ]
     if problems:
-        raise ValueError(
-            "meshinit.optax cannot make these state leaves: each is made on one mesh "
+        raise PlanError(
+            problems,
+            header="meshinit.optax cannot make these state leaves: each is made on one mesh "
             "from that mesh's parameters, and these read parameters on another mesh. "
             "Place the parameters they combine on one mesh, or pass scalars_on= the "
-            "mesh they live on:\n  " + "\n  ".join(problems)
+            "mesh they live on:",
         )
 
     meshes: list[Mesh] = []
@@ -330,7 +345,8 @@ def _build(
 
 
 def _auto(sharding: NamedSharding) -> NamedSharding:
-    return NamedSharding(_compile.auto_twin(sharding.mesh), sharding.spec)
+    mesh = cast(Mesh, sharding.mesh)  # the sharding of an array: a concrete mesh
+    return NamedSharding(_compile.auto_twin(mesh), sharding.spec)
 
 
 def init(
@@ -375,14 +391,20 @@ def init(
 
     Raises:
       TypeError: a parameter is not placed with a ``NamedSharding``.
-      ValueError: ``params`` has no leaves, or ``shard_over`` names an axis that no
-        mesh of the parameters has.
-      PlanError: ``memory_kind`` is one a mesh's devices do not offer.
+      PlanError: ``params`` has no leaves; ``shard_over`` names an axis that no mesh
+        of the parameters has, or ``memory_kind`` is one a mesh's devices do not
+        offer (all of them at once); a state leaf would combine parameters on
+        different meshes.
 
     Examples:
       >>> params = meshinit.materialize(meshinit.plan(specs), 0)
       >>> opt_state = meshinit.optax.init(optax.adamw(1e-3), params)
+      >>> hsdp = jax.make_mesh((2, 4), ("data", "tensor"))  # ZeRO-1 needs a data axis
+      >>> params = meshinit.init(
+      ...     {"w": meshinit.param((64, 256), init, axes=(None, "tensor"), mesh=hsdp)}, 0)
       >>> zero1 = meshinit.optax.init(optax.adamw(1e-3), params, shard_over="data")
+      >>> params["w"].sharding.spec, zero1[0].mu["w"].sharding.spec
+      (P(None, 'tensor'), P('data', 'tensor'))
     """
     # Collective under jax.distributed: a failure on one process fails every process.
     with _agree.collective("meshinit.optax.init"):

@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from ._errors import PlanError, Problem
-from ._plan import Plan, PlanEntry
+from ._plan.plan import Plan, PlanEntry
 
 __all__ = ["Tensor", "load"]
 
@@ -69,8 +69,12 @@ class Tensor:
 
     Examples:
       >>> Tensor("model.layers.0.mlp.up_proj.weight", permute=(1, 0))  # (out, in) -> (in, out)
+      Tensor(name='model.layers.0.mlp.up_proj.weight', shape=None, permute=(1, 0))
+      >>> heads, head_dim, d_model = 32, 128, 4096
       >>> Tensor("model.layers.0.self_attn.q_proj.weight",
       ...        shape=(heads, head_dim, d_model), permute=(2, 0, 1))
+      Tensor(name='model.layers.0.self_attn.q_proj.weight', shape=(32, 128, 4096),
+             permute=(2, 0, 1))
     """
 
     name: str
@@ -219,7 +223,10 @@ def load(
       >>> def hf_names(path):  # nnx path -> Hugging Face name, (out, in) -> (in, out)
       ...     layer, rest = re.fullmatch(r"layers\\.(\\d+)\\.(.*)", path).groups()
       ...     return Tensor(f"model.layers.{layer}.{HF[rest]}.weight", permute=(1, 0))
-      >>> loaded = meshinit.safetensors.load(plan, "ckpt/", names=hf_names, missing="skip")
+      >>> loaded = meshinit.safetensors.load(
+      ...     plan, "ckpt/", names=hf_names, missing="skip")  # doctest: +SKIP
+
+      (The load needs a downloaded Hugging Face checkpoint in ``ckpt/``: not run in the tests.)
     """
     if missing not in ("error", "skip"):
         raise TypeError(f'missing must be "error" or "skip", got {missing!r}')
@@ -275,6 +282,7 @@ def _array(entry: PlanEntry, read: Callable[[Any], np.ndarray]) -> jax.Array:
     sharding, shape = entry.sharding, entry.spec.shape
     holders: dict[tuple[tuple[Any, Any, Any], ...], tuple[Any, list[Any]]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
+        assert index is not None  # a NamedSharding gives every addressable device an index
         key = tuple((s.start, s.stop, s.step) for s in index)  # slices hash from 3.12 only
         holders.setdefault(key, (index, []))[1].append(device)
     shards = []

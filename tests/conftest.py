@@ -70,7 +70,7 @@ def fail_group():
     ``when="compile"``, while preparing it; ``made`` lists every array it made before.
     The failing strategy is set with ``meshinit.options`` until the test ends."""
     import meshinit
-    from meshinit import _strategies
+    from meshinit._run import strategies as _strategies
 
     with contextlib.ExitStack() as stack:
 

@@ -107,7 +107,7 @@ def check_nnx(named: Mapping[str, Mesh], reference: Any) -> tuple[list[str], dic
     factory = lambda: model(nnx.Rngs(3))  # noqa: E731
     out = meshinit.nnx.init(factory, meshes=meshes)
     traced = meshinit.nnx._prepare(factory, meshes, None, what="meshinit.nnx.init").traced
-    traced = meshinit._trace.evaluate(traced, traced.program.outputs)
+    traced = meshinit._engine.trace.evaluate_host_part(traced, traced.program.outputs)
     digest = hashlib.blake2b(digest_size=8)
     for n in sorted(traced.host):
         v = traced.host[n]
@@ -313,7 +313,8 @@ def check_agreement(process_id: int, plan: Any) -> tuple[list[str], dict]:
     """Process 1 fails two materialize calls, each in its own way; both processes must
     raise, process 0 naming process 1, within a bounded time, keeping no array. Then
     one more call must succeed on both (the processes still agree on the call count)."""
-    from meshinit import _checks, _strategies
+    from meshinit._run import checks as _checks
+    from meshinit._run import strategies as _strategies
 
     failures: list[str] = []
     outcomes: dict[str, Any] = {}

@@ -275,7 +275,7 @@ def test_table_marks_params_that_an_unused_axis_could_shard_and_totals_them():
         in lines
     )
     # the second path would pass 100 columns: one path, then a count
-    assert f"    data=2 could shard 7 ({human(nbytes)} per device): embed, +6 more" in lines
+    assert f"    data=2 could shard 7 ({human(nbytes)} per device): embed and 6 more" in lines
     assert (
         "    tensor=2 could shard 3 (768 B per device): layers.0.norm, layers.1.norm, layers.2.norm"
         in lines

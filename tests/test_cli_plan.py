@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, AxisType
 
 import meshinit
-from meshinit import _report
-from meshinit._cli import main
+from meshinit._cli.cli import main
+from meshinit._report import report as _report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F = str(ROOT / "tests" / "cli_factories.py")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from meshinit import _compile, _options
+from meshinit._run import compile as _compile
+from meshinit._run import options as _options
 
 SHIPPED = tuple(_options.CPU_COMPILER_OPTIONS.items())
 
@@ -38,7 +39,7 @@ def test_every_default_option_is_one_this_jaxlib_knows():
     for name, value in passed.items():
         assert compile_error({name: value}) is None, (
             f"jaxlib {jaxlib.__version__} rejects meshinit's default option {name}={value!r}: "
-            "add it to meshinit._options.CPU_OPTIONS_RETIRED_IN"
+            "add it to meshinit._run.options.CPU_OPTIONS_RETIRED_IN"
         )
     assert compile_error(passed) is None
 
@@ -52,7 +53,7 @@ def test_every_option_left_out_is_one_this_jaxlib_rejects():
         said = compile_error({name: value})
         assert said is not None and f"No such compile option: '{name}'" in said, (
             f"jaxlib {jaxlib.__version__} knows {name}, but meshinit leaves it out: "
-            "fix its version in meshinit._options.CPU_OPTIONS_RETIRED_IN"
+            "fix its version in meshinit._run.options.CPU_OPTIONS_RETIRED_IN"
         )
 
 
@@ -85,7 +86,7 @@ TINY_INIT = textwrap.dedent(
     jax.config.update("jax_num_cpu_devices", 8)
     logging.basicConfig(level=logging.INFO)  # meshinit's and jax's INFO records too
     import meshinit
-    from meshinit import _compile
+    from meshinit._run import compile as _compile
 
     mesh = jax.make_mesh((2, 4), ("a", "b"))
     lecun = jax.nn.initializers.lecun_normal()

@@ -20,7 +20,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit import _host, _jaxpr, _paths, _trace
+from meshinit._engine import host_eval as _host
+from meshinit._engine import jaxpr as _jaxpr
+from meshinit._engine import threefry as _threefry
+from meshinit._engine import trace as _trace
 
 lecun = jax.nn.initializers.lecun_normal
 
@@ -385,7 +388,7 @@ def test_a_captured_numpy_constant_is_placed_shard_by_shard(count_compiles, monk
 
     # Every host-to-device copy of the constant must be one device's block, never the
     # whole array.
-    from meshinit import _materialize
+    from meshinit._run import materialize as _materialize
 
     real = jax.make_array_from_callback
     blocks = []
@@ -432,7 +435,7 @@ def test_what_cannot_be_cut_falls_back_with_a_warning_saying_why_and_what_to_do(
                 [nnx.Param(host_init(rngs.params(), (64, 64)) * 2, mesh=mesh) for _ in range(4)]
             )
 
-    from meshinit import _compile
+    from meshinit._run import compile as _compile
 
     with (
         caplog.at_level(logging.DEBUG, logger="meshinit"),
@@ -474,7 +477,7 @@ def test_host_part_computes_keys_and_counters_bit_for_bit(seed):
 
     traced = _trace.trace(lambda: fn())
     outs = traced.program.outputs
-    traced = _trace.evaluate(traced, outs)
+    traced = _trace.evaluate_host_part(traced, outs)
     assert all(o in traced.host for o in outs)  # all of it on the host
     for o, want in zip(outs, jax.jit(fn)(), strict=True):
         got = traced.host[o]
@@ -485,8 +488,8 @@ def test_host_part_computes_keys_and_counters_bit_for_bit(seed):
 def test_the_host_hash_on_ints_is_the_numpy_hash(words):
     k1, k2, x1, x2 = words
     with np.errstate(over="ignore"):  # uint32 wrap-around is the hash
-        want = _paths.threefry_rounds(*(np.uint32(w) for w in words))
-    assert _paths.threefry_ints(k1, k2, x1, x2) == tuple(int(w) for w in want)
+        want = _threefry.threefry_rounds(*(np.uint32(w) for w in words))
+    assert _threefry.threefry_ints(k1, k2, x1, x2) == tuple(int(w) for w in want)
 
 
 def test_host_part_leaves_float_arithmetic_to_the_program():
@@ -498,7 +501,7 @@ def test_host_part_leaves_float_arithmetic_to_the_program():
         return [jnp.exp(jnp.float32(1.5)), scale, jnp.ones((8,), jnp.bfloat16), scale * 3 + 1]
 
     traced = _trace.trace(fn)
-    traced = _trace.evaluate(traced, traced.program.outputs)
+    traced = _trace.evaluate_host_part(traced, traced.program.outputs)
     exp, div, ones, fma = traced.program.outputs
     assert exp not in traced.host and div not in traced.host and fma not in traced.host
     np.testing.assert_array_equal(traced.host[ones], np.ones(8, jnp.bfloat16))
@@ -510,7 +513,7 @@ def test_fingerprints_are_structural_not_by_identity():
 
     def digests(fn):
         traced = _trace.trace(lambda d: [fn(jax.random.wrap_key_data(d))], np.zeros(2, np.uint32))
-        traced = _trace.evaluate(traced, traced.program.outputs)
+        traced = _trace.evaluate_host_part(traced, traced.program.outputs)
         s = _trace.cut(traced, traced.program.outputs[0], {})
         return s.digest
 
@@ -541,7 +544,7 @@ def test_the_engine_programs_move_nothing_between_devices():
     # these programs would mean the partitioner split an input and shipped pieces (it
     # did, for host-made norms cut from a packed buffer, before they were constrained
     # replicated; on CPU such programs can also stall in flight).
-    from meshinit import _compile
+    from meshinit._run import compile as _compile
 
     meshinit.clear_cache()
     mesh = mesh24()

@@ -156,7 +156,7 @@ def _own_doc(obj) -> str:
 
 def _constant_has_docstring(name: str) -> bool:
     """Whether ``name = ...`` in meshinit's source is followed by a string literal."""
-    for source in (ROOT / "meshinit").glob("*.py"):
+    for source in (ROOT / "meshinit").rglob("*.py"):
         body = ast.parse(source.read_text()).body
         for node, after in zip(body, body[1:], strict=False):
             targets = node.targets if isinstance(node, ast.Assign) else []

@@ -85,13 +85,16 @@ def test_nnx_existing_places_the_given_and_makes_the_rest_as_a_full_init(count_c
 def test_nnx_existing_evaluates_on_the_host_only_what_the_rest_reads(monkeypatch):
     # The given variables' keys, counters and small values are never computed: the
     # host part of a partial init is the part the variables it makes depend on.
-    from meshinit import _trace
+    from meshinit._engine import trace as _trace
 
     evaluated = []
-    evaluate = _trace.evaluate
-    monkeypatch.setattr(
-        _trace, "evaluate", lambda t, outs: evaluated.append(evaluate(t, outs)) or evaluated[-1]
-    )
+    evaluate = _trace.evaluate_host_part
+
+    def recording(t, outs):
+        evaluated.append(evaluate(t, outs))
+        return evaluated[-1]
+
+    monkeypatch.setattr(_trace, "evaluate_host_part", recording)
     with jax.set_mesh(mesh8()):
         full = _flat(meshinit.nnx.init(factory))
         base = {p: v for p, v in full.items() if not p.startswith("head.")}
@@ -241,7 +244,7 @@ def test_a_backbone_checkpoint_restores_into_abstract_and_init_makes_the_head(tm
 def test_an_array_on_another_mesh_is_placed_block_by_block_never_gathered(monkeypatch):
     from jax._src import array as jax_array  # where jax gathers a whole array to the host
 
-    from meshinit import _materialize
+    from meshinit._run import materialize as _materialize
 
     x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
     source = jax.device_put(x, NamedSharding(_mesh(range(4), (2, 2)), P("b", "a")))

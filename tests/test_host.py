@@ -1,4 +1,4 @@
-"""The host rules of :mod:`meshinit._host` against jax's own evaluation, bit for bit.
+"""The host rules of :mod:`meshinit._engine.host_eval` against jax's own evaluation, bit for bit.
 
 Each test traces jax ops with ``jax.make_jaxpr``, evaluates the flat program with
 ``_host.evaluate`` and compares every output with ``jax.jit`` of the same function:
@@ -34,7 +34,8 @@ from jax.extend.random import threefry2x32_p, threefry_prng_impl
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshinit import _host, _jaxpr
+from meshinit._engine import host_eval as _host
+from meshinit._engine import jaxpr as _jaxpr
 
 # ------------------------------------------------------------ the coverage table
 
@@ -82,7 +83,7 @@ def on_host(fn, args):
     for i, node in enumerate(prog.nodes):
         if all(isinstance(x, _jaxpr.Lit) or x in env for x in node.ins):
             try:
-                _host.evaluate(prog, [i], env)
+                _host.run_on_host(prog, [i], env)
                 continue
             except _host.NotHost as e:
                 reason = Refused(f"{node.primitive.name}: {e}")
@@ -712,7 +713,7 @@ def test_placement_ops_are_the_identity_on_the_host():
     (eqn,) = jax.make_jaxpr(shard)(x).eqns
     prog = _jaxpr.flatten(eqn.params["jaxpr"])
     assert [n.primitive.name for n in prog.nodes] == ["pvary"]
-    env = _host.evaluate(prog, range(len(prog.nodes)), {prog.inputs[0]: x})
+    env = _host.run_on_host(prog, range(len(prog.nodes)), {prog.inputs[0]: x})
     assert_bits("pvary", env[prog.outputs[0]], np.asarray(jax.jit(shard)(x))[:8])
 
 
@@ -893,7 +894,7 @@ def test_where_jax_has_two_answers_the_host_refuses():
         prog = _jaxpr.flatten(jax.make_jaxpr(fn)(*args))
         env = dict(zip(prog.inputs, args, strict=True))
         with pytest.raises(_host.NotHost, match=reason):
-            _host.evaluate(prog, range(len(prog.nodes)), env)
+            _host.run_on_host(prog, range(len(prog.nodes)), env)
 
 
 # -------------------------------------------------------------- completeness

@@ -1,15 +1,28 @@
-"""The package's layout (issue 18): imports form no circle and take no private names."""
+"""The package's layout (issues 18, 27): stage packages whose imports form no circle,
+take no private names from another module, stay under 500 lines, and reach the
+constructor engine only through its entry point."""
 
 import ast
 import pathlib
+import re
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "meshinit"
-MODULES = {p.stem: p for p in PACKAGE.glob("*.py")}
+
+
+def _name(path: pathlib.Path) -> str:
+    """``meshinit._engine.run`` for ``meshinit/_engine/run.py``; a package's own name
+    for its ``__init__.py``."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
 def _imports(path: pathlib.Path) -> list[tuple[str, str]]:
-    """``(module, name)`` for every import of a sibling, lazy ones included and
-    ``if TYPE_CHECKING:`` blocks excluded (they never run)."""
+    """``(module, name)`` for every import of a meshinit module, lazy ones included and
+    ``if TYPE_CHECKING:`` blocks excluded (they never run). ``from . import x`` of a
+    module is ``(that module, "")``."""
     tree = ast.parse(path.read_text())
     typing_only = {
         id(sub)
@@ -17,15 +30,32 @@ def _imports(path: pathlib.Path) -> list[tuple[str, str]]:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
         for sub in ast.walk(node)
     }
+    me = _name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
-        if id(node) in typing_only or not isinstance(node, ast.ImportFrom) or node.level != 1:
+        if id(node) in typing_only or not isinstance(node, ast.ImportFrom):
             continue
-        if node.module:
-            found += [(node.module.split(".")[0], a.name) for a in node.names]
+        if node.level:
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            where = ".".join(base + ([node.module] if node.module else []))
+        elif node.module and node.module.split(".")[0] == "meshinit":
+            where = node.module
         else:
-            found += [(a.name, "") for a in node.names]
-    return [(m, n) for m, n in found if m in MODULES]
+            continue
+        for a in node.names:
+            if f"{where}.{a.name}" in MODULES:
+                found.append((f"{where}.{a.name}", ""))
+            elif where in MODULES:
+                found.append((where, a.name))
+    return found
+
+
+def test_every_import_is_resolved():
+    # the resolver above must see every import between meshinit's modules
+    assert ("meshinit._engine.entry", "") in _imports(MODULES["meshinit.nnx"])
+    assert ("meshinit._engine.run", "make_arrays") in _imports(MODULES["meshinit._engine.entry"])
 
 
 def test_imports_between_modules_form_no_circle():
@@ -52,7 +82,7 @@ def test_imports_between_modules_form_no_circle():
 
 def test_no_module_imports_another_module_s_private_names():
     private = [
-        f"{m}: from .{t} import {n}"
+        f"{m}: from {t} import {n}"
         for m, p in MODULES.items()
         for t, n in _imports(p)
         if n.startswith("_")
@@ -63,3 +93,76 @@ def test_no_module_imports_another_module_s_private_names():
 def test_every_module_stays_under_500_lines():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 500}
     assert long == {}
+
+
+def test_the_engine_is_reached_only_through_its_entry_point_and_shared_pieces():
+    # Outside meshinit._engine, a module may import the entry point, and the pieces the
+    # spec path shares with the engine (the threefry code, jax's internals, the flat
+    # program's fingerprints); never the engine's trace, cut, host evaluation or run.
+    shared = {"entry", "threefry", "compat", "jaxpr"}
+    found = sorted(
+        f"{m} imports {t}"
+        for m, p in MODULES.items()
+        if not m.startswith("meshinit._engine")
+        for t, _ in _imports(p)
+        if t.startswith("meshinit._engine.") and t.rpartition(".")[2] not in shared
+    )
+    assert found == []
+
+
+def test_the_engine_package_imports_nothing_itself():
+    # meshinit._paths imports meshinit._engine.threefry, which imports the package first:
+    # an __init__ that imported the engine's run would import meshinit._paths mid-import.
+    assert _imports(MODULES["meshinit._engine"]) == []
+
+
+# The import layers of docs/dev/architecture.md: a module imports from its own layer or
+# a lower one ("pkg.*" is every module of a stage package, its __init__ included).
+LAYERS = (
+    ("_errors", "_format", "_caches"),
+    ("_engine", "_engine.compat", "_engine.jaxpr", "_engine.threefry", "_engine.host_numeric"),
+    ("_paths", "_spec.*"),
+    ("_report.*",),
+    ("_plan.*",),
+    ("_run.*",),
+    ("_engine.trace", "_engine.host_eval", "_engine.run", "_engine.entry"),
+    ("optax", "safetensors", "_adapters.*", "nnx", "linen", "eqx"),
+    ("", "_cli.*", "__main__"),
+)
+
+
+def _layer(module: str) -> int | None:
+    short = module.removeprefix("meshinit").removeprefix(".")
+    for n, names in enumerate(LAYERS):
+        for name in names:
+            stage = name.removesuffix(".*")
+            if short == name or (name.endswith(".*") and short.split(".")[0] == stage):
+                return n
+    return None
+
+
+def test_every_module_has_a_layer_and_imports_only_its_own_or_lower_ones():
+    assert [m for m in MODULES if _layer(m) is None] == []
+    upward = [
+        f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+        for m, p in MODULES.items()
+        for t, _ in _imports(p)
+        if _layer(t) > _layer(m)
+    ]
+    assert upward == []
+
+
+def test_the_architecture_page_names_every_module_and_only_modules_that_exist():
+    page = (PACKAGE.parent / "docs" / "dev" / "architecture.md").read_text()
+    table = page.split("## The modules", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| `(meshinit/[\w/]+\.py)` \|", table, re.M))
+    files = {p.relative_to(PACKAGE.parent).as_posix() for p in PACKAGE.rglob("*.py")}
+    assert sorted(named - files) == [], "named on the page, but no such module"
+    assert sorted(files - named) == [], "modules the page does not name"
+    layers = page.split("## Import layers", 1)[1].split("\n## ", 1)[0]
+    for n, names in enumerate(LAYERS):  # the page's layer table is this one
+        row = re.search(rf"^\| {n} \| (.*?) \|", layers, re.M)
+        assert row, f"layer {n} is not on the page"
+        shown = {s.strip("`").replace("`", "") for s in row.group(1).split(", ")}
+        want = {name or "meshinit" for name in names if name != "_engine"}
+        assert {s.split(" ")[0] for s in shown} == want, (n, shown, want)

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
 
 import meshinit
-from meshinit import _compile, _materialize, _strategies
+from meshinit._run import compile as _compile
+from meshinit._run import materialize as _materialize
+from meshinit._run import strategies as _strategies
 
 lecun = jax.nn.initializers.lecun_normal
 
@@ -221,7 +223,9 @@ def test_strategies_give_identical_values_and_exact_shardings(explicit):
     key_data, impl = meshinit._paths.host_key(3)
     results = {
         name: _materialize.run_plan(
-            plan, lambda g, s=strategy: s.prepare(g, _strategies.key_impl(g, impl)), key_data
+            plan,
+            lambda g, s=strategy: s.prepare(g, _strategies.program_key_impl(g, impl)),
+            key_data,
         )
         for name, strategy in _strategies.STRATEGIES.items()
     }

@@ -306,7 +306,8 @@ ENDINGS = [
 def test_every_collective_call_agrees_exactly_once_however_it_ends(monkeypatch, name, where):
     # Every process must join the same number of agreements, in the same order: one per
     # call, whether it succeeds, fails before anything is made, or fails while making.
-    from meshinit import _agree, _strategies
+    from meshinit._run import agree as _agree
+    from meshinit._run import strategies as _strategies
 
     armed = {"on": False}
 

@@ -247,7 +247,7 @@ def test_shardings_of_arrays_structs_and_state():
 
 
 def test_shardings_refuses_leaves_without_one():
-    with pytest.raises(TypeError, match=r"a\.b: ndarray"):
+    with pytest.raises(meshinit.PlanError, match=r"a\.b: a ndarray with no sharding"):
         meshinit.shardings({"a": {"b": np.ones(2)}})
 
 

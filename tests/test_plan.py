@@ -9,7 +9,8 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit import _paths, _signature
+from meshinit import _paths
+from meshinit._spec import fingerprints as _signature
 
 lecun = jax.nn.initializers.lecun_normal
 zeros = jax.nn.initializers.zeros
@@ -209,7 +210,7 @@ def test_abstract_init_check_runs_once_per_distinct_signature_at_10000_specs(mon
 
 
 def test_fingerprint_tells_apart_initializers_that_compute_differently():
-    fp = _signature.fingerprint
+    fp = _signature.initializer_fingerprint
     assert fp(lecun()) == fp(lecun())
     assert fp(jax.nn.initializers.normal(0.1)) != fp(jax.nn.initializers.normal(0.2))
     assert fp(jax.nn.initializers.normal(1)) != fp(jax.nn.initializers.normal(1.0))

@@ -10,7 +10,7 @@ import pytest
 from helpers import Boom, assert_exact, two_stage_specs
 
 import meshinit
-from meshinit import _progress
+from meshinit._run import progress as _progress
 
 # two_stage_specs: 5 params in 2 mesh groups; the rounds strategy needs one executable
 # per group (each group's signatures have one parameter each), called once.

@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import Mesh
 
 import meshinit
-from meshinit import _signature
+from meshinit._spec import fingerprints as _signature
 
-fp = _signature.fingerprint
+fp = _signature.initializer_fingerprint
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def first(tree, path="w"):
 
 def plan_source(tmp_path, capsys, source, *args):
     """``meshinit plan`` of ``specs`` in a module of ``source``: (status, stdout, stderr)."""
-    from meshinit._cli import main
+    from meshinit._cli.cli import main
 
     module = tmp_path / "model_under_test.py"
     module.write_text(source)
@@ -250,7 +250,7 @@ def test_the_cli_imports_only_the_module_it_names(tmp_path):
         "raise SystemExit('the model folder shadowed plistlib')\n"
     )
     code = (
-        "import sys; from meshinit._cli import main\n"
+        "import sys; from meshinit._cli.cli import main\n"
         f"rc = main(['plan', {str(tmp_path / 'model.py')!r} + ':specs', "
         "'--abstract-mesh', 'embed=2,mlp=4'])\n"
         "import plistlib\n"  # what matplotlib imports for --png
@@ -566,7 +566,7 @@ def test_nnx_and_linen_spell_partition_specs_as_flax_does():
 def _failing_calls(monkeypatch, *, at_wait: bool):
     """Every compiled call after the first fails as an out-of-memory would: at once,
     or (``at_wait``) asynchronously, when its arrays are waited for."""
-    from meshinit import _strategies
+    from meshinit._run import strategies as _strategies
 
     real = _strategies.compiled
     calls = []
@@ -617,6 +617,42 @@ def test_an_out_of_memory_names_the_parameters_of_the_failed_call(monkeypatch, m
 # ------------------------------------------------------------ caches (issue 18)
 
 
+def test_a_failed_adapter_init_names_the_adapter_not_materialize(monkeypatch, mesh):
+    from flax import nnx
+
+    from meshinit._engine import run as _engine_run
+
+    real = _engine_run._compile.compiled
+    calls = []
+
+    def compiled(*args, **kwargs):
+        exe = real(*args, **kwargs)
+
+        def run(*a):
+            calls.append(1)
+            if len(calls) > 1:
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected)")
+            return exe(*a)
+
+        return run
+
+    monkeypatch.setattr(_engine_run._compile, "compiled", compiled)
+
+    class Two(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            # two signatures with 1 and 2 variables: two executables, three calls
+            self.a = nnx.Param(init(rngs.params(), (64, 64)), out_sharding=("a", None))
+            self.b = nnx.Param(init(rngs.params(), (16, 16)), out_sharding=("a", None))
+            self.c = nnx.Param(init(rngs.params(), (16, 16)), out_sharding=("a", None))
+
+    with jax.set_mesh(mesh), pytest.raises(jax.errors.JaxRuntimeError) as e:
+        meshinit.nnx.init(lambda: Two(nnx.Rngs(0)))
+    notes = "\n".join(e.value.__notes__)
+    assert "meshinit: meshinit.nnx.init failed while" in notes, notes
+    assert "materialize failed" not in notes
+
+
 def test_clear_cache_empties_every_cache_meshinit_keeps(mesh):
     import optax
     from flax import nnx
@@ -658,14 +694,17 @@ def test_every_cache_in_the_package_is_registered():
 
     registered = {id(c) for _, c in _caches.registered()}
     missing = []
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name == "__main__":  # runs the command line
+    seen = 0
+    for info in pkgutil.walk_packages(package.__path__, "meshinit."):  # the stage packages too
+        if info.name == "meshinit.__main__":  # runs the command line
             continue
-        module = importlib.import_module(f"meshinit.{info.name}")
+        module = importlib.import_module(info.name)
+        seen += 1
         for name, value in vars(module).items():
             cache_like = isinstance(
                 value, _caches.LRUCache | weakref.WeakKeyDictionary | functools._lru_cache_wrapper
             )
             if cache_like and id(value) not in registered:
-                missing.append(f"meshinit.{info.name}.{name}")
+                missing.append(f"{info.name}.{name}")
     assert missing == []
+    assert seen >= 40  # every module of the package, in its stage packages too

@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit._rules import normalize_rules, partition
+from meshinit._spec.rules import normalize_rules, partition
 
 zeros = jax.nn.initializers.zeros
 

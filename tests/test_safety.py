@@ -9,7 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit import _checks, _strategies
+from meshinit._run import checks as _checks
+from meshinit._run import strategies as _strategies
 
 lecun = jax.nn.initializers.lecun_normal
 

@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit import _checks
+from meshinit._run import checks as _checks
 
 lecun = jax.nn.initializers.lecun_normal
 normal = jax.nn.initializers.normal()
@@ -318,7 +318,7 @@ def test_the_memory_precheck_counts_device_and_host_memory_apart(monkeypatch):
 def test_offloaded_parameters_are_made_shard_by_shard_into_host_memory():
     import re
 
-    from meshinit import _strategies
+    from meshinit._run import strategies as _strategies
 
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
     spec = meshinit.param(

@@ -10,7 +10,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit import _compile, _materialize, _strategies, _threefry
+from meshinit._engine import threefry as _threefry
+from meshinit._run import compile as _compile
+from meshinit._run import materialize as _materialize
+from meshinit._run import strategies as _strategies
 
 u32 = st.integers(0, 2**32 - 1)
 
@@ -92,7 +95,7 @@ def test_meshinit_cpu_programs_hash_without_a_loop_and_jax_would_loop():
         ((_, build),) = strategy.builds(group, impl)
         return _compile.lower(group.mesh, *build()).as_text()
 
-    ours = _strategies.key_impl(group, "threefry2x32")
+    ours = _strategies.program_key_impl(group, "threefry2x32")
     assert ours is _threefry.STRAIGHT_LINE
     assert "while" not in lowered_text(ours)
     assert "while" in lowered_text("threefry2x32")
@@ -115,7 +118,7 @@ def test_every_strategy_makes_the_values_of_jaxs_own_threefry(strategy):
     }
     plan = meshinit.plan(tree)
     key_data, name = meshinit._paths.host_key(5)
-    assert _strategies.key_impl(plan.groups[0], name) is _threefry.STRAIGHT_LINE
+    assert _strategies.program_key_impl(plan.groups[0], name) is _threefry.STRAIGHT_LINE
     s = _strategies.STRATEGIES[strategy]
 
     def values(impl_of):
@@ -123,7 +126,7 @@ def test_every_strategy_makes_the_values_of_jaxs_own_threefry(strategy):
         flat, _ = jax.tree_util.tree_flatten_with_path(made)
         return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
 
-    ours = values(lambda g: _strategies.key_impl(g, name))
+    ours = values(lambda g: _strategies.program_key_impl(g, name))
     jaxs = values(lambda g: name)
     assert ours.keys() == jaxs.keys() and len(ours) == 3 * len(inits)
     for path, value in jaxs.items():

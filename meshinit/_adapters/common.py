@@ -6,17 +6,18 @@ import dataclasses
 import os
 import re
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import _paths
-from ._errors import PlanError, Problem, UnusedPatternWarning, printable
-from ._plan import MeshGroup, Plan
+from .. import _paths
+from .._errors import PlanError, Problem, UnusedPatternWarning, printable
+from .._plan.plan import MeshGroup, Plan
 
 
 def context_mesh() -> Mesh | None:
@@ -28,7 +29,7 @@ def context_mesh() -> Mesh | None:
 def default_mesh() -> Mesh:
     """A mesh with no axes over the default device: where the adapters put what has
     neither a mesh of its own nor a context mesh."""
-    device = jax.config.jax_default_device or jax.devices()[0]
+    device = cast(Any, jax.config).jax_default_device or jax.devices()[0]
     return Mesh(np.array(device), ())
 
 
@@ -158,7 +159,9 @@ def warn_idle_meshes(
 def _outside_stacklevel() -> int:
     """The ``stacklevel`` of the innermost frame outside the meshinit package, as seen
     from the function that calls :func:`warnings.warn`."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    # meshinit/, two levels up from meshinit/_adapters/common.py
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame: types.FrameType | None
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1

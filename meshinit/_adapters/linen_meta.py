@@ -15,9 +15,10 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from . import _adapters, _materialize
-from ._errors import Problem
-from ._spec import ParamSpec, memory_kind_default, replicated_default
+from .._errors import Problem
+from .._run import materialize as _materialize
+from .._spec.spec import ParamSpec, memory_kind_default, replicated_default
+from . import common as _adapters
 
 
 def is_box(x: Any) -> bool:
@@ -90,7 +91,8 @@ def spec_for(
         problems.append(problem)
         return None
     ndim = len(value.shape)
-    spec_rules = None
+    spec_rules: Any = None  # any table of rules: ParamSpec normalizes it
+    axes: tuple[Any, ...] | None
     if boxed:
         names = tuple(leaf.names)
         problem = _adapters.unconstrained_problem(path, names, "names")

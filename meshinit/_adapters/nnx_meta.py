@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 try:
     from flax import nnx
@@ -16,9 +16,10 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 import jax
 from jax.sharding import Mesh
 
-from . import _adapters, _materialize
-from ._errors import Problem
-from ._spec import ParamSpec, memory_kind_default, replicated_default
+from .._errors import Problem
+from .._run import materialize as _materialize
+from .._spec.spec import ParamSpec, memory_kind_default, replicated_default
+from . import common as _adapters
 
 
 def is_key(value: Any) -> bool:
@@ -101,7 +102,8 @@ def spec_for(
         if unruled:
             problems.append(Problem(path, unruled))
             return None
-        pspec = tuple(nnx.spmd.get_var_pspec(var))
+        # flax returns None only for a Variable without a shape; this one has a value
+        pspec = tuple(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(var)))
         raw = _sharding_names(meta)
         if raw and (meta.get("sharding_rules") or flax_spmd.get_logical_axis_rules()):
             logical = tuple(raw) + (None,) * (len(value.shape) - len(raw))

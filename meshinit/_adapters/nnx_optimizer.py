@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from . import _agree
+from .._run import agree as _agree
 
 __all__ = ["optimizer"]
 
@@ -78,7 +78,7 @@ def optimizer(
 
     Raises:
       TypeError: a ``wrt`` Variable is not placed with a ``NamedSharding``.
-      ValueError: ``wrt`` selects no Variable, or a state leaf would combine
+      PlanError: ``wrt`` selects no Variable, or a state leaf would combine
         parameters on different meshes.
 
     Examples:
@@ -87,7 +87,7 @@ def optimizer(
       >>> opt.opt_state[0].mu["w"].get_value().sharding == model.w.get_value().sharding
       True
     """
-    from . import optax as meshinit_optax  # imports optax only when asked for
+    from .. import optax as meshinit_optax
 
     with _agree.collective("meshinit.nnx.optimizer"):
         params = nnx.state(model, wrt)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # jax is imported lazily, inside the functions
+    from jax.sharding import Mesh
 
 
-def _demo_specs(devices: Sequence) -> tuple[dict, object]:
+def _demo_specs(devices: Sequence) -> tuple[dict, Mesh]:
     """A small Llama-like model spread over five meshes, two of them disjoint stages."""
     import jax
     import numpy as np
@@ -125,7 +129,7 @@ def demo(devices: int) -> int:
 
 def _short(sharding, meshes) -> str:
     """``mesh 3 P('fsdp', 'tensor')``; the mesh is named by its index in the plan."""
-    from ._format import describe_mesh
+    from .._format import describe_mesh
 
     if not hasattr(sharding, "mesh"):
         return type(sharding).__name__

@@ -1,7 +1,7 @@
 """Every jax internal the constructor engine uses, in one place.
 
-The engine reads jaxprs (:mod:`meshinit._jaxpr`), evaluates some equations with numpy
-(:mod:`meshinit._host`) and rebinds the rest (:mod:`meshinit._constructor`). That
+The engine reads jaxprs (:mod:`meshinit._engine.jaxpr`), evaluates some equations with numpy
+(:mod:`meshinit._engine.host_eval`) and rebinds the rest (:mod:`meshinit._engine.run`). That
 touches jax's interpreter surface, which ``jax.extend`` exposes without promising
 compatibility across releases. Nothing else in the engine names a jax internal:
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -35,7 +35,7 @@ from jax.extend import core
 from jax.extend.core import primitives as _exported
 from jax.extend.random import threefry2x32_p, threefry_prng_impl
 
-from . import _caches
+from .. import _caches
 
 Primitive = core.Primitive
 Literal = core.Literal
@@ -147,7 +147,7 @@ def _f32(*shape: int) -> jax.ShapeDtypeStruct:
 
 def _pvary_probe(x: Any) -> Any:
     mesh = jax.sharding.AbstractMesh((1,), ("probe",))
-    shard_map = getattr(jax, "shard_map", None)
+    shard_map: Any = getattr(jax, "shard_map", None)
     if shard_map is None:  # pragma: no cover - older jax
         from jax.experimental.shard_map import shard_map
     spec = jax.sharding.PartitionSpec
@@ -331,10 +331,10 @@ def value_config() -> tuple[Any, ...]:
     cache of host programs and executables is keyed on this tuple.
     """
     return (
-        bool(jax.config.jax_threefry_partitionable),
-        str(jax.config.jax_default_prng_impl),
-        bool(jax.config.jax_enable_x64),
-        str(jax.config.jax_default_matmul_precision),
+        bool(cast(Any, jax.config).jax_threefry_partitionable),
+        str(cast(Any, jax.config).jax_default_prng_impl),
+        bool(cast(Any, jax.config).jax_enable_x64),
+        str(cast(Any, jax.config).jax_default_matmul_precision),
     )
 
 
@@ -363,7 +363,12 @@ def _install_quiet_origin_messages() -> None:
         return
     _quiet_installed = True
     seen: list[type] = []  # the tracer class, found through the public API
-    jax.make_jaxpr(lambda x: seen.append(type(x)) or x)(np.float32(0))
+
+    def _probe(x: Any) -> Any:
+        seen.append(type(x))
+        return x
+
+    jax.make_jaxpr(_probe)(np.float32(0))
     tracer_class = seen[0]
     original = tracer_class.__dict__.get("_origin_msg")
     if original is None:

@@ -7,7 +7,7 @@ dispatch, and the same bits on every process of a multi-host run.
 
 Only primitives whose numpy twin gives jax's bits are evaluated here: integer and
 bitwise arithmetic, moves, casts and broadcasts, and jax's threefry2x32 keys (the hash
-is :func:`meshinit._paths.threefry_rounds`). Float arithmetic is not: XLA contracts a
+is :func:`meshinit._engine.threefry.threefry_rounds`). Float arithmetic is not: XLA contracts a
 multiply and an add inside a jitted initializer into one fused multiply-add, which
 numpy's two roundings miss. That, and anything else (``erf``, ``exp``, a float to int
 conversion, another key implementation), raises :class:`NotHost`, and the value is
@@ -22,9 +22,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _caches, _compat, _jaxpr, _paths
-from ._host_numeric import FLOATS, NotHost, convert, int_div, int_rem, moved, shift, subnormal
-from ._paths import SHARDING_INVARIANT_IMPL, threefry_rounds
+from .. import _caches
+from . import compat as _compat
+from . import jaxpr as _jaxpr
+from .host_numeric import FLOATS, NotHost, convert, int_div, int_rem, moved, shift, subnormal
+from .threefry import SHARDING_INVARIANT_IMPL, threefry_ints, threefry_rounds
 
 
 class HostKey:
@@ -275,7 +277,7 @@ def _impl_program(
 ):
     """jax's threefry function ``op``, vmapped over ``batch``, as a flat program."""
     impl = _compat.THREEFRY_IMPL
-    fns = {
+    fns: dict[str, Callable[..., Any]] = {
         "seed": lambda s: impl.seed(s),
         "fold_in": lambda k, m: impl.fold_in(k, m),
         "split": lambda k: impl.split(k, static),
@@ -294,7 +296,7 @@ def _run_impl(op: str, batch: tuple[int, ...], args: list[np.ndarray], static: A
     prog = _impl_program(op, batch, shapes, static, _compat.value_config())
     env = dict(zip(prog.inputs, args, strict=True))
     env.update(prog.consts)
-    evaluate(prog, range(len(prog.nodes)), env)
+    run_on_host(prog, range(len(prog.nodes)), env)
     (out,) = [o.value if isinstance(o, _jaxpr.Lit) else env[o] for o in prog.outputs]
     return np.asarray(out)
 
@@ -314,7 +316,7 @@ def _random_fold_in(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
     if msgs.dtype == np.uint32 and batch == ():
         # one key (nnx.Rngs folds once per draw): the hash on Python ints, 20x faster
         # than numpy's scalar arithmetic
-        h1, h2 = _paths.threefry_ints(int(data[0]), int(data[1]), 0, int(msgs))
+        h1, h2 = threefry_ints(int(data[0]), int(data[1]), 0, int(msgs))
         return [HostKey(np.array([h1, h2], np.uint32))]
     if msgs.dtype == np.uint32:
         # jax's threefry fold_in hashes the count (0, msg) with the key: the hash
@@ -368,7 +370,7 @@ def _on_key_data(node: _jaxpr.Node, ins: list[Any], name: str) -> list[Any]:
 
 @_caches.memo(maxsize=1)
 def _by_primitive() -> dict[Any, tuple[str, Callable[..., Any]]]:
-    """The rules by the installed jax's primitive objects (:mod:`meshinit._compat`)."""
+    """The rules by the installed jax's primitive objects (:mod:`meshinit._engine.compat`)."""
     table = {}
     for name, rule in _RULES.items():
         primitive = _compat.prim(name)
@@ -390,7 +392,7 @@ def _bind(node: _jaxpr.Node, ins: list[Any]) -> list[Any]:
 _KEY_RULES = frozenset({"random_fold_in", "random_split", "random_bits", "random_unwrap"})
 
 
-def evaluate(prog: _jaxpr.Program, nodes: Any, env: dict[int, Any]) -> dict[int, Any]:
+def run_on_host(prog: _jaxpr.Program, nodes: Any, env: dict[int, Any]) -> dict[int, Any]:
     """Every node of ``nodes`` on the host; raises :class:`NotHost` at the first miss."""
     with quiet():
         for i in nodes:

@@ -1,6 +1,6 @@
 """numpy twins of XLA's integer arithmetic, shifts and conversions, bit for bit.
 
-The host rules of :mod:`meshinit._host` evaluate equations with these. Each either
+The host rules of :mod:`meshinit._engine.host_eval` evaluate equations with these. Each either
 gives XLA's bits or raises :class:`NotHost`, where numpy and XLA differ or XLA itself
 has no one answer (subnormals, NaN payloads); tests/test_host.py compares every rule
 with jax on hypothesis inputs and edge cases.

@@ -1,6 +1,6 @@
 """A traced constructor as a flat program: nested calls inlined, values numbered.
 
-The constructor engine (:mod:`meshinit._constructor`) cuts a constructor's jaxpr per
+The constructor engine (:mod:`meshinit._engine.run`) cuts a constructor's jaxpr per
 variable. It needs every equation at one level, so that a value made inside a nested
 ``jit`` (jax's initializers are jitted), a ``custom_jvp``/``custom_vjp`` (truncated
 normal, gelu, relu) or a ``checkpoint`` can be cut like any other. :func:`flatten`
@@ -17,14 +17,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast, final
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from . import _caches, _compat
-from ._compat import PRNGImpl
+from .. import _caches
+from . import compat as _compat
+from .compat import PRNGImpl
 
 # Calls whose body is the whole of their forward meaning, inlined: the parameter that
 # holds the body, by primitive (jax.checkpoint's prints as ``remat2``).
@@ -51,6 +52,7 @@ def is_identity(node: Node) -> bool:
     return _compat.placement_only(node.primitive)
 
 
+@final  # never subclassed: lets mypy narrow ``type(x) is Lit`` checks both ways
 @dataclasses.dataclass(frozen=True, slots=True)
 class Lit:
     """A literal operand: its value and abstract value."""
@@ -179,8 +181,8 @@ def flatten(closed: Any) -> Program:
     prog.inputs = list(range(len(top.invars)))
     avals.extend(v.aval for v in top.invars)
     prog.outputs = walk(top, top_consts, prog.inputs)
-    walk = None  # noqa: F841  (a recursive closure is a cycle: break it, so that the
-    # program is freed by reference counting, not by the next collection)
+    walk = cast(Any, None)  # noqa: F841  (a recursive closure is a cycle: break it, so that
+    # the program is freed by reference counting, not by the next collection)
     return prog
 
 
@@ -190,7 +192,7 @@ def _holds_jaxpr(p: Any) -> bool:
     return isinstance(p, tuple | list) and any(_holds_jaxpr(q) for q in p)
 
 
-def evaluate(
+def run_nodes(
     prog: Program,
     nodes: Sequence[int],
     env: dict[int, Any],
@@ -252,7 +254,7 @@ def _run_rehomed(closed: Any, args: Sequence[Any]) -> list[Any]:
     prog = flatten(closed)
     env = {n: _unplaced(c) for n, c in prog.consts.items()}
     env.update(zip(prog.inputs, args, strict=True))
-    evaluate(prog, range(len(prog.nodes)), env, bind_rehomed)
+    run_nodes(prog, range(len(prog.nodes)), env, bind_rehomed)
     return [_unplaced(x.value if isinstance(x, Lit) else env[x]) for x in prog.outputs]
 
 
@@ -265,7 +267,8 @@ def _unplaced(x: Any) -> Any:
         return x
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         data = np.asarray(jax.random.key_data(x))
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        # jax accepts a numpy array here; its annotation says Array
+        return jax.random.wrap_key_data(cast(jax.Array, data), impl=jax.random.key_impl(x))
     return np.asarray(x)
 
 
@@ -289,7 +292,7 @@ def run(closed: Any, args: Sequence[Any], bind: Callable[..., Any]) -> list[Any]
     prog = flatten(closed)
     env = dict(prog.consts)
     env.update(zip(prog.inputs, args, strict=True))
-    evaluate(prog, range(len(prog.nodes)), env, bind)
+    run_nodes(prog, range(len(prog.nodes)), env, bind)
     return [x.value if isinstance(x, Lit) else env[x] for x in prog.outputs]
 
 
@@ -422,7 +425,7 @@ def _canon_params(primitive: Any, params: dict[str, Any], memo: dict[Any, Any]) 
     return tuple(sorted((k, _canon(p, memo)) for k, p in params.items()))
 
 
-def fingerprint(
+def slice_fingerprint(
     prog: Program, nodes: Sequence[int], inputs: Sequence[int], out: int | Lit, memo: dict[Any, Any]
 ) -> str:
     """A digest of the computation ``nodes`` make of ``inputs`` up to ``out``.

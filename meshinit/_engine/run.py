@@ -4,17 +4,17 @@
 framework's constructor here as a function of host values (key data, example inputs)
 that returns one array per variable. The engine:
 
-1. **traces it once** to a jaxpr (:func:`meshinit._trace.trace`), abstractly;
-2. **flattens** nested calls (:func:`meshinit._jaxpr.flatten`): jitted initializers,
+1. **traces it once** to a jaxpr (:func:`meshinit._engine.trace.trace`), abstractly;
+2. **flattens** nested calls (:func:`meshinit._engine.jaxpr.flatten`): jitted initializers,
    ``custom_jvp``/``custom_vjp``, ``checkpoint``; control flow stays one unit;
-3. **evaluates the small part on the host** (:func:`meshinit._trace.evaluate`, with
-   :mod:`meshinit._host`): keys, RNG counters, scalars and arrays of at most
-   ``_trace.SMALL_BYTES``, with numpy, exactly, for just the variables it makes;
-4. **cuts one slice per remaining variable** (:func:`meshinit._trace.cut`): the
+3. **evaluates the small part on the host** (:func:`meshinit._engine.trace.evaluate_host_part`, with
+   :mod:`meshinit._engine.host_eval`): keys, RNG counters, scalars and arrays of at most
+   ``meshinit._engine.trace.SMALL_BYTES``, with numpy, exactly, for just the variables it makes;
+4. **cuts one slice per remaining variable** (:func:`meshinit._engine.trace.cut`): the
    equations between its small inputs and its value, fingerprinted structurally
-   (:func:`meshinit._jaxpr.fingerprint`);
+   (:func:`meshinit._engine.jaxpr.slice_fingerprint`);
 5. **compiles once per (mesh, fingerprint, sharding)**, with exact out_shardings,
-   through the spec path's rounds (``_strategies.bucket_batches``): a bucket's
+   through the spec path's rounds (:func:`meshinit._run.strategies.bucket_batches`): a bucket's
    executable makes one variable of each of its signatures per call, so a 32-layer
    model compiles what an 8-layer one does, and runs each slice with its own inputs.
 
@@ -23,7 +23,8 @@ bucket's program from their exact equations, riding in its launches; captured
 constants (a pretrained embedding as a numpy array) are placed shard by shard from the
 host, never as a full copy on one device. A slice the engine cannot
 fingerprint or must not run as a unit (a Python callback, a side effect) falls back
-to the whole-constructor program for just those variables, with an INFO record.
+to the whole-constructor program for just those variables, with a
+:class:`meshinit.FallbackWarning` per cause (:func:`meshinit._run.progress.fell_back`).
 """
 
 from __future__ import annotations
@@ -31,28 +32,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import (
-    _checks,
-    _compat,
-    _compile,
-    _host,
-    _jaxpr,
-    _materialize,
-    _progress,
-    _strategies,
-    _threefry,
-    _trace,
-)
-from ._caches import LRUCache
-from ._jaxpr import Lit
-from ._plan import MeshGroup, Plan, PlanEntry
-from ._trace import Traced
+from .._caches import LRUCache
+from .._plan.plan import MeshGroup, Plan, PlanEntry
+from .._run import checks as _checks
+from .._run import compile as _compile
+from .._run import materialize as _materialize
+from .._run import progress as _progress
+from .._run import strategies as _strategies
+from . import compat as _compat
+from . import host_eval as _host
+from . import jaxpr as _jaxpr
+from . import threefry as _threefry
+from . import trace as _trace
+from .jaxpr import Lit
+from .trace import Traced
 
 
 def _input_value(traced: Traced, n: int, sharding: NamedSharding | None) -> Any:
@@ -82,7 +81,8 @@ def _const_sharding(traced: Traced, n: int, entry: PlanEntry) -> NamedSharding |
         return None
     if tuple(traced.program.avals[n].shape) == entry.spec.shape:
         # on the all-Auto twin that the program is traced under: the same devices
-        return NamedSharding(_compile.auto_twin(entry.mesh), entry.sharding.spec)
+        mesh = cast(Mesh, entry.mesh)  # materialize refuses abstract meshes first
+        return NamedSharding(_compile.auto_twin(mesh), entry.sharding.spec)
     return None
 
 
@@ -100,9 +100,9 @@ def _evaluator(
         prim = node.primitive
         if straight and prim is hash_p:
             return _threefry.threefry2x32(*ins)
-        if straight and prim is wrap_p and _is_threefry(node.params["impl"]):
+        if straight and prim is wrap_p and _threefry.is_threefry(node.params["impl"]):
             return [jax.random.wrap_key_data(ins[0], impl=key_impl)]
-        if straight and prim is seed_p and _is_threefry(node.params["impl"]):
+        if straight and prim is seed_p and _threefry.is_threefry(node.params["impl"]):
             return [jax.random.key(ins[0], impl=key_impl)]
         return other(node, ins)
 
@@ -113,7 +113,7 @@ def _evaluator(
         env: dict[int, Any] = {}
         for n, v, is_key in zip(s.inputs, values, keys, strict=True):
             env[n] = jax.random.wrap_key_data(v, impl=key_impl) if is_key else v
-        _jaxpr.evaluate(prog, s.nodes, env, bind)
+        _jaxpr.run_nodes(prog, s.nodes, env, bind)
         return s.out.value if isinstance(s.out, Lit) else env[s.out]
 
     return run
@@ -127,13 +127,6 @@ def _rehomes(traced: Traced, mesh: Mesh) -> bool:
     """Whether a program for ``mesh`` must trace loop bodies anew
     (:func:`_jaxpr.bind_rehomed`): the constructor was traced under another mesh."""
     return traced.mesh is not None and traced.mesh != _compile.auto_twin(mesh)
-
-
-_THREEFRY = "threefry2x32"
-
-
-def _is_threefry(impl: Any) -> bool:
-    return getattr(impl, "name", None) == _THREEFRY
 
 
 # ------------------------------------------------------------------------ running
@@ -151,7 +144,7 @@ class _Work:
     fallback: tuple[tuple[int, int], ...]  # (position, output index)
 
 
-def materialize(
+def make_arrays(
     plan: Plan,
     traced: Traced,
     outputs: Sequence[int],
@@ -164,11 +157,11 @@ def materialize(
 
     Args:
       plan: the plan of the variables; entry ``i`` is output ``outputs[i]``.
-      traced: from :func:`meshinit._trace.trace`.
+      traced: from :func:`meshinit._engine.trace.trace`.
       outputs: one output index per plan entry, in entry order.
       what: the name the progress bar and the log use.
       existing: dot-joined path -> array, placed instead of made: nothing is cut,
-        compiled or run for those entries (``meshinit._checks.split_given``).
+        compiled or run for those entries (``meshinit._run.checks.split_given``).
 
     Returns:
       The planned tree with a ready array in place of each spec.
@@ -177,7 +170,7 @@ def materialize(
     prog = traced.program
     index = {id(e): outputs[i] for i, e in enumerate(plan.entries)}
     # the host part of just what is made: a given variable's keys are never computed
-    traced = _trace.evaluate(traced, [prog.outputs[index[id(e)]] for e in todo.entries])
+    traced = _trace.evaluate_host_part(traced, [prog.outputs[index[id(e)]] for e in todo.entries])
     memo: dict[Any, Any] = {}
     works: dict[tuple[int, ...], _Work] = {}  # by the ids of a group's entries
     fallen: list[tuple[str, _trace.Fallback]] = []
@@ -196,6 +189,7 @@ def materialize(
                 consts.append((pos, prog.consts[out]))
                 continue
             s = _trace.cut(traced, out, memo)
+            assert s is not None  # None only for literals and constants, handled above
             if isinstance(s, _trace.Fallback):
                 fallback.append((pos, j))
                 fallen.append((entry.path, s))
@@ -271,7 +265,7 @@ class _Rounds:
     def __init__(self, traced: Traced, work: _Work):
         self.traced, self.work_ = traced, work
         self.group = work.group
-        mesh = self.group.mesh
+        mesh = cast(Mesh, self.group.mesh)  # materialize refuses abstract meshes first
         self.on_cpu = bool(self.group.entries) and _compile.on_cpu(mesh)
         self.buckets = _strategies.bucket_batches(self.group, None) if self.group.entries else []
 
@@ -306,7 +300,7 @@ class _Rounds:
         sizes: dict[np.dtype, int] = {}
         layout, args = [], 0
         for k in self._entries(bucket):
-            items = []
+            items: list[Any] = []
             for n in self.work_.slices[k].inputs:
                 struct = _input_struct(self.traced, n, None)
                 if n in self.traced.host:
@@ -329,8 +323,8 @@ class _Rounds:
             totals = dict.fromkeys(dtypes, 0)
             for k, items in zip(firsts, layout, strict=True):
                 s = self.work_.slices[k]
-                straight = self.on_cpu and not s.units
-                impl = _threefry.STRAIGHT_LINE if straight else _THREEFRY
+                straight = self.on_cpu and not s.has_control_flow
+                impl = _threefry.STRAIGHT_LINE if straight else _threefry.SHARDING_INVARIANT_IMPL
                 fns.append(_evaluator(self.traced, s, impl, straight, self.group.mesh))
                 for item, n, sh in zip(items, s.inputs, self._shardings(k), strict=True):
                     if item[0] == "host":
@@ -417,13 +411,14 @@ def _fallback_exe(traced: Traced, group: MeshGroup, work: _Work, cache: LRUCache
     outs = [prog.outputs[j] for _, j in work.fallback]
     order = _trace.nodes_read(prog, outs)
     entries = [group.entries[pos] for pos, _ in work.fallback]
-    bind = _jaxpr.bind_rehomed if _rehomes(traced, group.mesh) else None
+    mesh = cast(Mesh, group.mesh)  # materialize refuses abstract meshes first
+    bind = _jaxpr.bind_rehomed if _rehomes(traced, mesh) else None
 
     def build():
         def program(*args):
             env = dict(zip(prog.inputs, args, strict=True))
             env.update(prog.consts)
-            _jaxpr.evaluate(prog, order, env, bind)
+            _jaxpr.run_nodes(prog, order, env, bind)
             return [o.value if isinstance(o, Lit) else env[o] for o in outs]
 
         structs = [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in traced.args]

@@ -1,21 +1,24 @@
-"""A threefry2x32 key implementation whose hash XLA can fuse, for CPU programs.
+"""Every piece of threefry2x32 code meshinit has, shared by the host and the programs.
 
-On CPU, jax lowers the Threefry-2x32 hash as a rolled loop of 5 steps of 4 rounds (a
-while loop in the compiled program), which keeps the program small. Each step writes
-the whole counter array back to memory, and nothing fuses across the loop: the hash,
-the conversion to floats and the initializer's arithmetic run as separate passes over
-the parameter. On GPU and TPU, jax emits the 20 rounds straight-line.
-
-:data:`STRAIGHT_LINE` is jax's own threefry2x32 implementation (its key data, seed,
-``split``, ``fold_in`` and ``random_bits``, so the same counters and the same bits)
-with one change: each hash inside them is emitted straight-line, by
-:func:`threefry2x32`. XLA then fuses counters, hash and arithmetic into one loop per
-parameter. On the 32-layer CPU reference this made both the compile and the run of
-meshinit's programs faster (see benchmarks/README.md).
-
-meshinit uses it for the programs it compiles for CPU meshes; its keys never leave
-them. Values are those of jax's threefry2x32 keys, bit for bit, which the tests check
-against jax's own hash and initializers.
+- :func:`threefry_rounds` is jax's Threefry-2x32 hash (20 rounds) on uint32 arrays,
+  numpy or traced jax alike, and :func:`threefry_ints` the same on Python ints: the
+  host evaluation (:mod:`meshinit._engine.host_eval`) hashes keys and counters with
+  them, and :func:`fold_digests` derives the per-parameter keys from path digests
+  (:mod:`meshinit._paths`) on the host for every strategy.
+- :data:`STRAIGHT_LINE` is a key implementation for the programs meshinit compiles for
+  CPU meshes. On CPU, jax lowers the hash as a rolled loop of 5 steps of 4 rounds (a
+  while loop in the compiled program): each step writes the whole counter array back
+  to memory, and nothing fuses across the loop, so the hash, the conversion to floats
+  and the initializer's arithmetic run as separate passes over the parameter. On GPU
+  and TPU, jax emits the 20 rounds straight-line. :data:`STRAIGHT_LINE` is jax's own
+  threefry2x32 implementation (its key data, seed, ``split``, ``fold_in`` and
+  ``random_bits``, so the same counters and the same bits) with each hash emitted
+  straight-line by :func:`threefry2x32`; XLA then fuses counters, hash and arithmetic
+  into one loop per parameter. On the 32-layer CPU reference this made both the
+  compile and the run of meshinit's programs faster (see benchmarks/README.md). Its
+  keys never leave the programs, and its values are those of jax's threefry2x32 keys,
+  bit for bit, which the tests check against jax's own hash and initializers.
+- :func:`is_threefry` says whether a key implementation is jax's threefry2x32.
 """
 
 from __future__ import annotations
@@ -28,8 +31,79 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import define_prng_impl, threefry2x32_p, threefry_prng_impl
 
-from . import _jaxpr
-from ._paths import threefry_rounds
+from . import jaxpr as _jaxpr
+
+# The only key implementation whose values are independent of sharding, and only while
+# ``jax_threefry_partitionable`` is on (jax's default since 0.5).
+SHARDING_INVARIANT_IMPL = "threefry2x32"
+
+
+def is_threefry(impl: Any) -> bool:
+    """Whether ``impl`` (a jax key implementation) is jax's threefry2x32."""
+    return getattr(impl, "name", None) == SHARDING_INVARIANT_IMPL
+
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry_rounds(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[Any, Any]:
+    """jax's Threefry-2x32 hash (20 rounds), elementwise over uint32 arrays (numpy or jax)."""
+    ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+    x = [x1 + ks[0], x2 + ks[1]]
+    for block in range(5):
+        for r in _ROTATIONS[block % 2]:
+            x[0] = x[0] + x[1]
+            x[1] = (x[1] << np.uint32(r)) | (x[1] >> np.uint32(32 - r))
+            x[1] = x[0] ^ x[1]
+        x[0] = x[0] + ks[(block + 1) % 3]
+        x[1] = x[1] + ks[(block + 2) % 3] + np.uint32(block + 1)
+    return x[0], x[1]
+
+
+_MASK = 0xFFFFFFFF
+
+
+def threefry_ints(k1: int, k2: int, x1: int, x2: int) -> tuple[int, int]:
+    """jax's Threefry-2x32 hash of one counter pair, on Python ints (uint32 values).
+
+    The rounds of :func:`threefry_rounds`, masked to 32 bits by hand
+    (a test compares the two).
+    """
+    ks = (k1, k2, k1 ^ k2 ^ 0x1BD11BDA)
+    a, b = (x1 + k1) & _MASK, (x2 + k2) & _MASK
+    for block in range(5):
+        for r in _ROTATIONS[block % 2]:
+            a = (a + b) & _MASK
+            b = ((b << r) & _MASK) | (b >> (32 - r))
+            b ^= a
+        a = (a + ks[(block + 1) % 3]) & _MASK
+        b = (b + ks[(block + 2) % 3] + block + 1) & _MASK
+    return a, b
+
+
+def fold_digests(key_data: np.ndarray, digests: np.ndarray) -> np.ndarray:
+    """Host twin of :func:`fold_digest` for many digests at once: threefry key data.
+
+    ``fold_digests(key_data, d)[i]`` equals
+    ``key_data(fold_digest(wrap_key_data(key_data), d[i, 0], d[i, 1]))``, bit for bit.
+    Deriving the per-parameter keys here keeps two scalar threefry loops per signature
+    out of every compiled program (a third of its XLA compile time on CPU).
+
+    Args:
+      key_data: uint32[2], threefry key data.
+      digests: uint32[n, 2], (high, low) path digests.
+
+    Returns:
+      uint32[n, 2], one key's data per digest.
+    """
+    digests = np.asarray(digests, dtype=np.uint32).reshape(-1, 2)
+    zero = np.zeros(len(digests), np.uint32)
+    k1 = np.full(len(digests), key_data[0], np.uint32)
+    k2 = np.full(len(digests), key_data[1], np.uint32)
+    with np.errstate(over="ignore"):
+        for column in (0, 1):  # jax.random.fold_in(key, d) hashes the count (0, d)
+            k1, k2 = threefry_rounds(k1, k2, zero, digests[:, column])
+    return np.stack([k1, k2], axis=1)
 
 
 def threefry2x32(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[jax.Array, jax.Array]:
@@ -37,7 +111,7 @@ def threefry2x32(k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[jax.Array, jax.Arr
 
     Computes what jax's ``threefry2x32`` primitive computes: the key ``(k1, k2)``
     hashes the counters ``(x1, x2)``; all four broadcast together. The rounds are
-    :mod:`meshinit._paths`' host hash, which works on traced jax arrays alike.
+    :func:`threefry_rounds`, which works on traced jax arrays alike.
     """
     shape = np.broadcast_shapes(*(np.shape(a) for a in (k1, k2, x1, x2)))
     k1, k2 = jnp.asarray(k1, np.uint32), jnp.asarray(k2, np.uint32)

@@ -1,9 +1,9 @@
 """Tracing an unchanged constructor once, and evaluating its small part on the host.
 
-The first half of the constructor engine (:mod:`meshinit._constructor` is the other):
+The first half of the constructor engine (:mod:`meshinit._engine.run` is the other):
 :func:`trace` turns a framework's constructor, as a function of host values, into a
-flat program (:func:`meshinit._jaxpr.flatten`) and evaluates its keys, counters and
-small integer values with numpy (:mod:`meshinit._host`); :func:`cut` then takes the
+flat program (:func:`meshinit._engine.jaxpr.flatten`) and evaluates its keys, counters and
+small integer values with numpy (:mod:`meshinit._engine.host_eval`); :func:`cut` then takes the
 slice of one output: the equations between its host inputs and it. Nothing is
 compiled or allocated; the plan previews stop before the cut.
 """
@@ -22,8 +22,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from . import _compat, _compile, _host, _jaxpr
-from ._jaxpr import Lit, Program
+from .._run import compile as _compile
+from . import compat as _compat
+from . import host_eval as _host
+from . import jaxpr as _jaxpr
+from .jaxpr import Lit, Program
 
 SMALL_BYTES = 1 << 14
 """Values of at most this many bytes are evaluated on the host when they can be.
@@ -48,7 +51,7 @@ class Traced:
     """A constructor traced once: its flat program and its host-evaluated part.
 
     Attributes:
-      program: the flat program (:class:`meshinit._jaxpr.Program`).
+      program: the flat program (:class:`meshinit._engine.jaxpr.Program`).
       host: value number -> its host value (numpy array or ``_host.HostKey``).
       args: the host arguments the constructor was traced with.
       dynamic: the values that depend on those arguments (key data, example inputs).
@@ -154,7 +157,7 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any) -> Traced:
     return Traced(prog, {}, tuple(args), mesh=twin)
 
 
-def evaluate(traced: Traced, outputs: Sequence[int | Lit]) -> Traced:
+def evaluate_host_part(traced: Traced, outputs: Sequence[int | Lit]) -> Traced:
     """``traced`` with the small part that ``outputs`` depend on evaluated on the host.
 
     Only the equations some output reads, directly or through others, are looked at:
@@ -236,7 +239,7 @@ class Slice:
     inputs: tuple[int, ...]
     out: int | Lit
     digest: str
-    units: bool  # holds control flow, whose bodies must keep jax's key implementation
+    has_control_flow: bool  # whose bodies must keep jax's key implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +277,7 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
     recompute = out in host
     if recompute and out in traced.dynamic and out not in prog.producer:
         # an argument itself: its program only places it
-        return Slice((), (out,), out, _jaxpr.fingerprint(prog, (), (out,), out, memo), False)
+        return Slice((), (out,), out, _jaxpr.slice_fingerprint(prog, (), (out,), out, memo), False)
     nodes: set[int] = set()
     inputs: set[int] = set()
     stack = [out]
@@ -309,9 +312,9 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
     order = tuple(sorted(nodes))
     ins = tuple(sorted(inputs))
     try:
-        digest = _jaxpr.fingerprint(prog, order, ins, out, memo)
+        digest = _jaxpr.slice_fingerprint(prog, order, ins, out, memo)
     except _jaxpr.Unfingerprintable as e:
         fix = _CALLBACK_FIX if e.callable else _VALUE_FIX
         return Fallback(f"{e}, which meshinit cannot compare between variables", fix)
-    units = any(prog.nodes[i].control for i in order)
-    return Slice(order, ins, out, digest, units)
+    has_control_flow = any(prog.nodes[i].control for i in order)
+    return Slice(order, ins, out, digest, has_control_flow)

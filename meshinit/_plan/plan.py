@@ -1,221 +1,24 @@
-"""The plan as data: :class:`PlanEntry`, :class:`MeshGroup` and :class:`Plan`.
+"""The plan as data: :class:`Plan`, of :class:`~meshinit._plan.entries.MeshGroup` s of
+:class:`~meshinit._plan.entries.PlanEntry` s (re-exported here).
 
 Every spec resolved to its exact ``NamedSharding``, grouped by mesh, with the byte
-accounting the reports and the checks read. :mod:`meshinit._planner` builds it; it is
+accounting the reports and the checks read. :mod:`meshinit._plan.planner` builds it; it is
 pure and cheap, allocates nothing and works on ``AbstractMesh``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from . import _paths, _plot, _records, _renamed, _report, _rules
-from ._spec import ParamSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanEntry(_renamed.EntryRenames):
-    """One planned parameter.
-
-    Attributes:
-      path: the dot-joined path, for example ``"layers.0.attn.q"``.
-      spec: the :class:`ParamSpec` declared there.
-      sharding: the exact ``NamedSharding`` its array will have.
-      signature: equal for entries that compile to the same work (initializer,
-        shape, dtype and PartitionSpec); used to deduplicate compilation.
-      leaf_index: the spec's position among the tree's leaves.
-
-    Examples:
-      >>> m = jax.make_mesh((2, 4), ("a", "b"))
-      >>> p = meshinit.plan({"w": meshinit.param((8, 8), init, axes=("a", "b"), mesh=m)})
-      >>> e = p.entries[0]
-      >>> e.path, e.sharding.spec, e.shard_shape, e.device_bytes
-      ('w', P('a', 'b'), (4, 2), 32)
-    """
-
-    path: str
-    spec: ParamSpec
-    sharding: NamedSharding
-    signature: Hashable = dataclasses.field(repr=False)
-    leaf_index: int = dataclasses.field(repr=False)
-
-    @property
-    def mesh(self) -> Mesh | AbstractMesh:
-        """The mesh this parameter is placed on: ``sharding.mesh``."""
-        return self.sharding.mesh
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        """The shape of the block each device holds."""
-        return self.sharding.shard_shape(self.spec.shape)
-
-    @property
-    def device_bytes(self) -> int:
-        """Bytes this parameter takes on each device of its mesh."""
-        n = 1
-        for d in self.shard_shape:
-            n *= d
-        return n * self.spec.dtype.itemsize
-
-    @property
-    def struct(self) -> jax.ShapeDtypeStruct:
-        """``jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)``; allocates nothing.
-
-        :meth:`Plan.abstract` is the tree of these.
-        """
-        return jax.ShapeDtypeStruct(self.spec.shape, self.spec.dtype, sharding=self.sharding)
-
-    @property
-    def memory_kind(self) -> str:
-        """The memory its shards live in: the planned sharding's memory kind, or
-        ``"device"`` where none was asked for on an ``AbstractMesh``."""
-        return self.sharding.memory_kind or "device"
-
-    @property
-    def replicated_axes(self) -> tuple[str, ...]:
-        """The mesh axes of size > 1 that shard no dimension, in mesh order.
-
-        Every device along such an axis holds the same copy of this parameter.
-
-        Examples:
-          >>> m = AbstractMesh((2, 4), ("data", "tensor"))
-          >>> meshinit.plan(meshinit.param((8, 8), init, axes=(None, "tensor"),
-          ...                              mesh=m)).entries[0].replicated_axes
-          ('data',)
-        """
-        return tuple(
-            a for a, _ in _rules.shard_options(self.spec.shape, self.sharding.spec, self.mesh)
-        )
-
-    def shard_dims(self, axis: str) -> tuple[int, ...]:
-        """The dimensions that the replicated mesh axis ``axis`` could shard evenly.
-
-        The rule: dimension ``d`` qualifies when ``shape[d]`` is divisible by the
-        product of the sizes of the mesh axes already sharding it (1 if none) times
-        the size of ``axis``; so ``axis`` could shard a replicated dimension, or join
-        the axes of a sharded one. A parameter with no elements has none.
-
-        Args:
-          axis: a mesh axis name; axes that already shard this parameter, or have
-            size 1, have no dimensions to offer.
-
-        Returns:
-          The qualifying dimensions, in increasing order; empty if there are none.
-
-        Examples:
-          >>> m = AbstractMesh((2, 4), ("data", "tensor"))
-          >>> e = meshinit.plan(meshinit.param((6, 8), init, axes=(None, "tensor"),
-          ...                                  mesh=m)).entries[0]
-          >>> e.shard_dims("data")  # 6 % 2 == 0 and 8 % (4 * 2) == 0
-          (0, 1)
-        """
-        options = _rules.shard_options(self.spec.shape, self.sharding.spec, self.mesh)
-        return next((dims for a, dims in options if a == axis), ())
-
-    @property
-    def shardable_axes(self) -> tuple[str, ...]:
-        """The :attr:`replicated_axes` that could shard this parameter (see :meth:`shard_dims`).
-
-        Non-empty means each device holds more of it than it would need to: the
-        parameter is replicated across a mesh axis although that axis could shard it.
-        Axes the spec marks as replicated on purpose (``param(replicated=...)``) are
-        left out.
-        """
-        meant = self.spec.replicated
-        return tuple(
-            a
-            for a, dims in _rules.shard_options(self.spec.shape, self.sharding.spec, self.mesh)
-            if dims and a not in meant
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshGroup:
-    """All entries placed on one mesh; materialized by one compiled computation.
-
-    Attributes:
-      mesh: the mesh every entry is placed on.
-      entries: the plan's entries on this mesh, in tree-flatten order.
-
-    Examples:
-      >>> for group in meshinit.plan(specs).groups:
-      ...     print(group.mesh.shape, len(group.entries), group.device_bytes)
-    """
-
-    mesh: Mesh | AbstractMesh
-    entries: tuple[PlanEntry, ...]
-
-    @property
-    def is_abstract(self) -> bool:
-        """Whether the mesh is an ``AbstractMesh`` (plannable, not materializable)."""
-        return isinstance(self.mesh, AbstractMesh)
-
-    @property
-    def nbytes(self) -> int:
-        """Total bytes of the group's parameters, unsharded."""
-        return sum(e.spec.nbytes for e in self.entries)
-
-    @property
-    def device_bytes(self) -> int:
-        """Bytes the group's parameters take on each device of the mesh.
-
-        Every device of the mesh holds the same amount: planning only accepts shardings
-        that divide each dimension evenly.
-        """
-        return sum(e.device_bytes for e in self.entries)
-
-    @functools.cached_property
-    def bytes_per_memory_kind(self) -> dict[str, int]:
-        """:attr:`device_bytes` split by memory kind: ``{"device": ..., "pinned_host":
-        ...}``, the kinds in order of first appearance."""
-        out: dict[str, int] = {}
-        for e in self.entries:
-            out[e.memory_kind] = out.get(e.memory_kind, 0) + e.device_bytes
-        return out
-
-    @functools.cached_property
-    def shardable_entries(self) -> tuple[PlanEntry, ...]:
-        """The entries replicated across a mesh axis that could shard them.
-
-        Those whose :attr:`PlanEntry.shardable_axes` is not empty, in entry order.
-        """
-        return tuple(e for e in self.entries if e.shardable_axes)
-
-    @property
-    def replicated_bytes(self) -> int:
-        """Bytes of :attr:`shardable_entries` on each device of the mesh.
-
-        How much of :attr:`device_bytes` sits on a device only because a parameter is
-        replicated across an axis that could shard it. Replicating across a data axis
-        may be deliberate (it saves gathers); this says what it costs.
-        """
-        return sum(e.device_bytes for e in self.shardable_entries)
-
-    @functools.cached_property
-    def batches(self) -> tuple[tuple[int, ...], ...]:
-        """Positions in ``entries`` of the entries that share a signature.
-
-        One batch compiles to one piece of work, whatever the number of entries in it.
-        """
-        by_signature: dict[Hashable, list[int]] = {}
-        for i, e in enumerate(self.entries):
-            by_signature.setdefault(e.signature, []).append(i)
-        return tuple(tuple(positions) for positions in by_signature.values())
-
-    @functools.cached_property
-    def digests(self) -> np.ndarray:
-        """uint32[n, 2]: each entry's path digest, in batch order."""
-        return np.array(
-            [_paths.path_digest(self.entries[i].path) for b in self.batches for i in b],
-            dtype=np.uint32,
-        ).reshape(len(self.entries), 2)
+from .._report import plot as _plot
+from .._report import records as _records
+from .._report import report as _report
+from . import renamed as _renamed
+from .entries import MeshGroup, PlanEntry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +34,11 @@ class Plan(_renamed.PlanRenames):
     Examples:
       >>> plan = meshinit.plan(specs)  # allocates nothing
       >>> print(plan)  # one table per mesh: paths, shapes, axes, bytes per device
+      mesh 0: Mesh(fsdp=2, tensor=4; Explicit; devices 0-7)
+        path         shape      dtype    logical axes    mesh axes        PartitionSpec ...
+        embed        (256, 64)  float32  (vocab, embed)  tensor=4,fsdp=2  P('tensor', 'fsdp') ...
+      ...
+      total: 4 params, 256.0 KiB, 1 mesh, most on one device 32.0 KiB
       >>> params = meshinit.materialize(plan, jax.random.key(0))
     """
 
@@ -264,6 +72,8 @@ class Plan(_renamed.PlanRenames):
           with one of the same shape: nothing says which devices they will get.
 
         Examples:
+          >>> mesh_2x4 = jax.make_mesh((2, 4), ("x", "y"))
+          >>> mesh_8 = jax.make_mesh((8,), ("z",))  # the same 8 devices
           >>> p = meshinit.plan({
           ...     "a": meshinit.param((8, 8), init, axes=("x", "y"), mesh=mesh_2x4),
           ...     "b": meshinit.param((8, 8), init, axes=("z", None), mesh=mesh_8)})
@@ -299,6 +109,7 @@ class Plan(_renamed.PlanRenames):
 
         Examples:
           >>> meshinit.plan(specs).max_device_bytes / 2**30  # GiB a device needs
+          3.0517578125e-05
         """
         return max(self.bytes_per_device().values(), default=0)
 
@@ -403,6 +214,9 @@ class Plan(_renamed.PlanRenames):
           A dict of lists, dicts, strings, ints, bools and None.
 
         Examples:
+          >>> m = AbstractMesh((2, 4), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+          >>> specs = {"layers": [{"up": meshinit.param((256, 1024), init,
+          ...     axes=("fsdp", "tensor"), mesh=m)} for _ in range(32)]}
           >>> d = meshinit.plan(specs).to_dict()  # the specs of the compact() example
           >>> d["params"][0]["partition_spec"], d["totals"]["max_device_bytes"]
           (['fsdp', 'tensor'], 4194304)
@@ -421,6 +235,7 @@ class Plan(_renamed.PlanRenames):
 
         Examples:
           >>> pathlib.Path("plan.json").write_text(meshinit.plan(specs).to_json())
+          1854
         """
         return _records.to_json(self, indent)
 
@@ -460,7 +275,10 @@ class Plan(_renamed.PlanRenames):
           leaves as they were.
 
         Examples:
-          >>> restored = checkpointer.restore(path, meshinit.plan(specs).abstract())
+          >>> target = meshinit.plan(specs).abstract()
+          >>> restored = checkpointer.restore(path, target)  # doctest: +SKIP
+
+          (The restore needs a checkpoint on disk: not run in the tests.)
         """
         return self.fill([e.struct for e in self.entries])
 

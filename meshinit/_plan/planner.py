@@ -14,13 +14,14 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import _caches, _input, _paths
-from ._errors import PlanError, Problem
-from ._format import describe_mesh, some
-from ._plan import MeshGroup, Plan, PlanEntry
-from ._rules import missing_axis_problems, partition
-from ._signature import check_init, fingerprint
-from ._spec import ParamSpec
+from .. import _caches, _paths
+from .._errors import PlanError, Problem
+from .._format import describe_mesh, some
+from .._spec import input as _input
+from .._spec.fingerprints import check_init, initializer_fingerprint
+from .._spec.rules import missing_axis_problems, partition
+from .._spec.spec import ParamSpec
+from .plan import MeshGroup, Plan, PlanEntry
 
 
 @_caches.memo(maxsize=4096)
@@ -83,7 +84,7 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
     """:func:`plan`, for adapters.
 
     Adapters whose values come from a constructor, not from the specs' initializers
-    (the constructor engine, ``meshinit._constructor``), skip the abstract init check,
+    (the constructor engine, ``meshinit._engine.run``), skip the abstract init check,
     and pass the problems they found themselves, so that everything is raised once.
     """
     flat, treedef = _input.flatten(tree)
@@ -155,13 +156,14 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
         if too_big:
             mine.append(too_big)
         elif callable(spec.init):
-            fp = fingerprint(spec.init, local)
+            fp = initializer_fingerprint(spec.init, local)
             msg = check_init(spec.init, fp, spec.shape, spec.dtype) if check_inits else None
             if msg:
                 mine.append(msg)
         if mine:
             problems += [Problem(path, m) for m in mine]
             continue
+        assert spec.mesh is not None  # no mesh is one of the problems above
         kind = spec.memory_kind
         skey = (spec.mesh, entries_, kind)
         if skey not in shardings:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .._errors import RenamedWarning
+
 
 def _warn(old: str, new: str) -> None:
-    warnings.warn(f"{old} is now {new}", DeprecationWarning, stacklevel=3)
+    warnings.warn(f"{old} is now {new}", RenamedWarning, stacklevel=3)
 
 
 class PlanRenames:

@@ -7,7 +7,8 @@ from typing import Any
 
 import jax
 
-from . import _paths
+from .. import _paths
+from .._errors import PlanError, Problem
 
 
 def shardings(tree: Any) -> Any:
@@ -23,8 +24,8 @@ def shardings(tree: Any) -> Any:
       ``nnx.State``'s tree).
 
     Raises:
-      TypeError: a leaf carries no sharding (a Python number, a numpy array, or a
-        ``ShapeDtypeStruct`` without one); the message lists each such path.
+      PlanError: a leaf carries no sharding (a Python number, a numpy array, or a
+        ``ShapeDtypeStruct`` without one); one problem per such path.
 
     Examples:
       >>> params = meshinit.materialize(meshinit.plan(specs), 0)
@@ -36,14 +37,14 @@ def shardings(tree: Any) -> Any:
         tree = nnx.state(tree)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     missing = [
-        f"{_paths.path_str(p) or '<root>'}: {type(x).__name__}"
+        Problem(_paths.path_str(p), f"a {type(x).__name__} with no sharding")
         for p, x in flat
         if getattr(x, "sharding", None) is None
     ]
     if missing:
-        raise TypeError(
-            "these leaves carry no sharding; place them (jax.device_put, "
-            "meshinit.materialize) or give each ShapeDtypeStruct a sharding:\n  "
-            + "\n  ".join(missing)
+        raise PlanError(
+            missing,
+            header="these leaves carry no sharding; place them (jax.device_put, "
+            "meshinit.materialize) or give each ShapeDtypeStruct a sharding:",
         )
     return jax.tree_util.tree_unflatten(treedef, [x.sharding for _, x in flat])

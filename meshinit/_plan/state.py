@@ -2,7 +2,7 @@
 
 :func:`mirrors_of` matches state leaves to parameters by path and shape;
 :func:`assign` gives each leaf its parameter's sharding, sharded further over
-``shard_over`` (ZeRO-1, :func:`further`) and in ``memory_kind`` if asked, and puts
+``shard_over`` (ZeRO-1, :func:`sharded_further`) and in ``memory_kind`` if asked, and puts
 the leaves that mirror nothing (step counts) on one mesh. :mod:`meshinit.optax`
 compiles and runs what this decides.
 """
@@ -16,10 +16,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _paths
-from ._errors import PlanError, Problem
-from ._planner import memory_kind_problem
-from ._spec import axis_names
+from .. import _paths
+from .._errors import PlanError, Problem
+from .._spec.spec import axis_names
+from .planner import memory_kind_problem
 
 
 def _common_tail(a: list[str], b: list[str]) -> int:
@@ -73,7 +73,7 @@ def shard_over_axes(shard_over: Any) -> tuple[str, ...]:
     return () if shard_over is None else axis_names(shard_over, "shard_over")
 
 
-def further(sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ...]) -> Any:
+def sharded_further(sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ...]) -> Any:
     """``sharding``'s PartitionSpec, sharded further over those of ``axes`` its mesh has.
 
     The axes (those of this mesh of size > 1 that the spec does not use yet, in the
@@ -111,18 +111,22 @@ def check_placement(
     devices do not offer: all of them in one error."""
     meshes = list({id(x.sharding.mesh): x.sharding.mesh for x in leaves}.values())
     names = {a for m in meshes for a in m.axis_names}
-    unknown = [a for a in shard_over if a not in names]
-    if unknown:
-        raise ValueError(
-            f"shard_over names {', '.join(map(repr, unknown))}, which no mesh of the "
-            f"parameters has (they have: {', '.join(sorted(names))}); fix the name or drop it"
-        )
-    if memory_kind is None:
-        return
-    if not isinstance(memory_kind, str):
+    if memory_kind is not None and not isinstance(memory_kind, str):
         raise TypeError(f"memory_kind must be a memory kind's name or None, got {memory_kind!r}")
-    said = [memory_kind_problem(memory_kind, mesh) for mesh in meshes]
-    problems = [Problem("", text) for text in said if text]
+    unknown = [a for a in shard_over if a not in names]
+    problems = []
+    if unknown:
+        problems.append(
+            Problem(
+                "",
+                f"shard_over names {', '.join(map(repr, unknown))}, which no mesh of the "
+                f"parameters has (they have: {', '.join(sorted(names))}); fix the name or "
+                f"drop it",
+            )
+        )
+    if memory_kind is not None:
+        said = [memory_kind_problem(memory_kind, mesh) for mesh in meshes]
+        problems += [Problem("", text) for text in said if text]
     if problems:
         raise PlanError(problems, header="meshinit.optax cannot place the state there:")
 
@@ -138,7 +142,7 @@ def assign(
     """Each state leaf's sharding, and the parameter it mirrors (-1: on ``scalars_on``).
 
     A mirroring leaf gets its parameter's sharding, sharded further over
-    ``shard_over`` (:func:`further`) and in ``memory_kind`` if given; the others are
+    ``shard_over`` (:func:`sharded_further`) and in ``memory_kind`` if given; the others are
     replicated on ``scalars_on``, in device memory.
     """
     shapes = [tuple(np.shape(x)) for x in leaves]
@@ -153,7 +157,7 @@ def assign(
             shardings.append(replicated)
             continue
         own = leaves[m].sharding
-        spec = further(own, shapes[m], shard_over)
+        spec = sharded_further(own, shapes[m], shard_over)
         key = (id(own), spec)
         if key not in made:
             kind = memory_kind if memory_kind is not None else own.memory_kind

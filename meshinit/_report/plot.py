@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._format import describe_mesh, human_bytes
+from .._format import describe_mesh, human_bytes
 
 if TYPE_CHECKING:
-    from ._plan import Plan
+    from .._plan.plan import Plan
 
 MISSING = "drawing a plan needs matplotlib: pip install 'meshinit[plot]'"
 _ANNOTATE_UP_TO = 64  # cells; beyond that the numbers would not fit
@@ -67,7 +67,8 @@ def heatmap(plan: Plan) -> Any:
             keys: list[Any] = [(mesh, k) for k in range(mesh.size)]
         else:
             keys = list(mesh.devices.flat)
-        values = np.array([per_device[k] for k in keys], dtype=np.float64)
+        # a plain ndarray: numpy 2.5's float64 overloads of max() fail mypy for Python 3.11
+        values: np.ndarray = np.array([per_device[k] for k in keys], dtype=np.float64)
         grid, rows, cols, note = _grid(values, tuple(mesh.axis_names), tuple(mesh.axis_sizes))
         image = ax.imshow(
             grid, cmap="viridis", vmin=0, vmax=top, aspect="auto", interpolation="nearest"

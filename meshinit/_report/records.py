@@ -6,11 +6,11 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from ._format import describe_mesh
-from ._report import MeshSource
+from .._format import describe_mesh
+from .report import MeshSource
 
 if TYPE_CHECKING:
-    from ._plan import MeshGroup, Plan, PlanEntry
+    from .._plan.plan import MeshGroup, Plan, PlanEntry
 
 SCHEMA = "meshinit.plan/1"
 

@@ -6,12 +6,12 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import printable
-from ._format import axes_text, describe_mesh, human_bytes
+from .._errors import printable
+from .._format import axes_text, describe_mesh, human_bytes, some
 
 if TYPE_CHECKING:
-    from ._plan import MeshGroup, Plan, PlanEntry
-    from ._spec import ParamSpec
+    from .._plan.plan import MeshGroup, Plan, PlanEntry
+    from .._spec.spec import ParamSpec
 
 MeshSource = Callable[["MeshGroup"], str]
 """Says where a group's mesh came from, e.g. ``"--abstract-mesh"`` or ``"spec"``."""
@@ -37,15 +37,10 @@ def _columns(rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
 
 def _path_list(head: str, paths: Sequence[str], limit: int = 3, width: int = 100) -> str:
     """``head``, then up to ``limit`` paths that fit in ``width`` columns, then a count."""
-    shown: list[str] = []
-    for i, path in enumerate(paths[:limit]):
-        rest = len(paths) - i - 1
-        line = head + ", ".join([*shown, path]) + (f", +{rest} more" if rest else "")
-        if shown and len(line) > width:
-            break
-        shown.append(path)
-    rest = len(paths) - len(shown)
-    return head + ", ".join(shown) + (f", +{rest} more" if rest else "")
+    n = 1
+    while n < min(limit, len(paths)) and len(head + some(paths, n + 1)) <= width:
+        n += 1
+    return head + some(paths, n)
 
 
 def group_summary(

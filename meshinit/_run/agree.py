@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import PeerFailure
+from .._errors import PeerFailure
 
 # The arrays made so far by the outermost collective call in progress, or None.
 _call: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(

@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _caches
-from ._errors import PlanError, Problem
-from ._format import describe_mesh, human_bytes
-from ._plan import MeshGroup, Plan, PlanEntry
+from .. import _caches
+from .._errors import PlanError, Problem
+from .._format import describe_mesh, human_bytes
+from .._plan.plan import MeshGroup, Plan, PlanEntry
 
 
 def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[int, Any], list]:

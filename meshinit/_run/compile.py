@@ -18,17 +18,20 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jaxlib
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from . import _caches, _compat, _options, _progress
-from ._caches import LRUCache
-from ._format import describe_mesh
-from ._options import CPU_COMPILER_OPTIONS
-from ._plan import MeshGroup
+from .. import _caches
+from .._caches import LRUCache
+from .._engine import compat as _compat
+from .._format import describe_mesh, some
+from .._plan.plan import MeshGroup
+from . import options as _options
+from . import progress as _progress
+from .options import CPU_COMPILER_OPTIONS
 
 
 def auto_twin(mesh: Mesh) -> Mesh:
@@ -53,7 +56,7 @@ def on_cpu(mesh: Mesh) -> bool:
 
 def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
     """The XLA options this call compiles ``mesh``'s programs with
-    (:func:`meshinit._options.options`; by default :func:`default_cpu_options` on CPU,
+    (:func:`meshinit._run.options.options`; by default :func:`default_cpu_options` on CPU,
     and XLA's defaults elsewhere)."""
     chosen = _options.current().compiler_options
     if chosen is not None:
@@ -65,14 +68,14 @@ def compiler_options(mesh: Mesh) -> dict[str, Any] | None:
 
 def default_cpu_options() -> dict[str, Any]:
     """meshinit's own CPU options that the installed jaxlib knows: decided per jaxlib
-    version (:func:`meshinit._options.cpu_options_for`), so a compile never names an
+    version (:func:`meshinit._run.options.cpu_options_for`), so a compile never names an
     option this jaxlib has retired, less any that a compile here rejected anyway."""
     known = _options.cpu_options_for(jaxlib.__version__, tuple(CPU_COMPILER_OPTIONS.items()))
     return {k: v for k, v in known if k not in unknown_options}
 
 
 # Of CPU_COMPILER_OPTIONS, those a compile rejected although meshinit's table of retired
-# options (meshinit._options.CPU_OPTIONS_RETIRED_IN) did not expect it: a jaxlib newer
+# options (meshinit._run.options.CPU_OPTIONS_RETIRED_IN) did not expect it: a jaxlib newer
 # than the tested ones.
 unknown_options: set[str] = set()
 _NO_SUCH_OPTION = re.compile(r"No such compile option: '([^']+)'")
@@ -98,6 +101,7 @@ def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
             name = found and found.group(1)
             if not own or name not in CPU_COMPILER_OPTIONS or name in tried:
                 raise
+            assert name is not None  # None is not in CPU_COMPILER_OPTIONS
             tried.add(name)
             with lock:  # compiles run in threads: say it once
                 new = name not in unknown_options
@@ -105,7 +109,7 @@ def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
             if new:
                 _progress.logger.info(
                     "meshinit: jaxlib %s has no XLA option %r; not using it "
-                    "(meshinit._options.CPU_OPTIONS_RETIRED_IN does not know this jaxlib)",
+                    "(meshinit._run.options.CPU_OPTIONS_RETIRED_IN does not know this jaxlib)",
                     jaxlib.__version__,
                     name,
                 )
@@ -121,7 +125,7 @@ def lower(mesh: Mesh, program: Callable[..., Any], out_shardings: Any, args: Seq
         return jax.jit(program, out_shardings=out_shardings).lower(*args)
 
 
-def compile_note(e: BaseException, mesh: Mesh, making: str) -> None:
+def compile_note(e: BaseException, mesh: Mesh | AbstractMesh, making: str) -> None:
     e.add_note(f"meshinit: while compiling for the mesh {mesh} ({making})")
 
 
@@ -174,7 +178,8 @@ def compiled(
     if hit is not None:
         _progress.cache_hit(cache_key)
         return hit
-    compiled = compile_now(group.mesh, *build(), making=some_paths(group), key=cache_key)
+    mesh = cast(Mesh, group.mesh)  # materialize refuses abstract groups before compiling
+    compiled = compile_now(mesh, *build(), making=some_paths(group), key=cache_key)
     with lock:
         cache.put(cache_key, compiled)
     return compiled
@@ -226,14 +231,15 @@ def precompile(
         futures: list[tuple[Future, Hashable, int, MeshGroup]] = []
         try:
             for full, (index, group, build) in pending.items():
+                mesh = cast(Mesh, group.mesh)  # materialize refuses abstract groups
                 try:
-                    lowered = lower(group.mesh, *build())
+                    lowered = lower(mesh, *build())
                 except Exception as e:
-                    compile_note(e, group.mesh, some_paths(group))
+                    compile_note(e, mesh, some_paths(group))
                     raise
                 # with this call's options (a context variable) in the worker thread
                 context = contextvars.copy_context()
-                future = pool.submit(context.run, compile_one, lowered, group.mesh)
+                future = pool.submit(context.run, compile_one, lowered, mesh)
                 futures.append((future, full, index, group))
             for future, full, index, group in futures:  # reported in order
                 try:
@@ -252,6 +258,4 @@ def precompile(
 
 
 def some_paths(group: MeshGroup, n: int = 5) -> str:
-    paths = ", ".join(e.path for e in group.entries[:n])
-    more = len(group.entries) - n
-    return paths + (f" and {more} more" if more > 0 else "")
+    return some([e.path for e in group.entries], n)

@@ -1,10 +1,10 @@
 """Materialization: compiled per mesh group, with exact out_shardings.
 
 ``materialize``, ``init`` and the run loop they share with the constructor engine
-(:func:`run_plan`): check everything (:mod:`meshinit._checks`), compile what is not
-cached (:mod:`meshinit._compile`), call each group's strategy
-(:mod:`meshinit._strategies`), and delete everything made if anything fails; under
-``jax.distributed`` every process agrees on the outcome (:mod:`meshinit._agree`).
+(:func:`run_plan`): check everything (:mod:`meshinit._run.checks`), compile what is not
+cached (:mod:`meshinit._run.compile`), call each group's strategy
+(:mod:`meshinit._run.strategies`), and delete everything made if anything fails; under
+``jax.distributed`` every process agrees on the outcome (:mod:`meshinit._run.agree`).
 
 No computation ever mixes meshes, so jit never resolves outputs across meshes. Every
 output carries its planned sharding as an out_sharding, and tracing happens under an
@@ -16,16 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from . import _agree, _caches, _paths, _progress, _strategies
-from ._caches import LRUCache
-from ._checks import (
+from .. import _caches, _paths
+from .._caches import LRUCache
+from .._errors import PlanError
+from .._format import describe_mesh, some
+from .._plan.plan import MeshGroup, Plan
+from .._plan.planner import plan
+from . import agree as _agree
+from . import progress as _progress
+from . import strategies as _strategies
+from .checks import (
     abstract_problems,
     bound_problems,
     given_arrays,
@@ -33,12 +40,8 @@ from ._checks import (
     stale_problems,
     subplan,
 )
-from ._compile import Build, is_cached, lock, precompile, some_paths
-from ._errors import PlanError
-from ._format import describe_mesh
-from ._plan import MeshGroup, Plan
-from ._planner import plan
-from ._strategies import Needs, Rounds, Runner, key_impl
+from .compile import Build, is_cached, lock, precompile, some_paths
+from .strategies import Needs, Rounds, Runner, program_key_impl
 
 
 def materialize(
@@ -132,12 +135,12 @@ def _materialize(
         raise PlanError(problems, header="cannot materialize this plan:")
     return run_plan(
         plan,
-        lambda group: strategy.prepare(group, key_impl(group, impl)),
+        lambda group: strategy.prepare(group, program_key_impl(group, impl)),
         key_data,
         given=given,
         max_bytes_per_call=max_bytes_per_call,
-        work=lambda group: strategy.work(group, key_impl(group, impl)),
-        builds=lambda group: strategy.builds(group, key_impl(group, impl)),
+        work=lambda group: strategy.work(group, program_key_impl(group, impl)),
+        builds=lambda group: strategy.builds(group, program_key_impl(group, impl)),
         progress=progress,
     )
 
@@ -166,7 +169,7 @@ def from_constructor(key: Any, shape: Any, dtype: Any) -> Any:
     """The ``init`` of specs whose values come from a module's constructor.
 
     ``meshinit.nnx.init``, ``meshinit.linen.init`` and ``meshinit.eqx.init`` plan such
-    specs and fill them with the constructor engine (:mod:`meshinit._constructor`); the
+    specs and fill them with the constructor engine (:mod:`meshinit._engine.run`); the
     initializer itself is never meant to be called.
     """
     raise TypeError(
@@ -177,12 +180,12 @@ def from_constructor(key: Any, shape: Any, dtype: Any) -> Any:
 
 
 def run_plan(plan: Plan, prepare: Callable[[MeshGroup], Runner], *args: Any, **kwargs: Any) -> Any:
-    """:func:`_run_here`, agreed between processes (:mod:`meshinit._agree`).
+    """:func:`_run_here`, agreed between processes (:mod:`meshinit._run.agree`).
 
     Under ``jax.distributed`` it returns only when every process succeeded; when any
     failed, every process raises (its own error, or ``PeerFailure`` naming the failed
     process) with every array it made deleted. Alone, it is :func:`_run_here`. Inside
-    a caller's :func:`meshinit._agree.collective` call (an adapter's init), that call
+    a caller's :func:`meshinit._run.agree.collective` call (an adapter's init), that call
     agrees instead, once, when it ends.
     """
     with _agree.collective(kwargs.get("what", "materialize")):  # or the caller's call
@@ -252,7 +255,7 @@ def _run_here(
 
         def failed(n: int) -> str:
             return (
-                f"meshinit: materialize failed while {where}; deleted the {n} arrays "
+                f"meshinit: {what} failed while {where}; deleted the {n} arrays "
                 f"it had made, and returned nothing"
             )
 
@@ -316,8 +319,7 @@ def _failed(plan: Plan, values: Mapping[int, jax.Array], made: Sequence[jax.Arra
             array.block_until_ready()
         except Exception:
             failed.append(path_of.get(id(array), "?"))
-    shown = ", ".join(failed[:8]) + (f" and {len(failed) - 8} more" if len(failed) > 8 else "")
-    return f"the arrays of {shown}" if failed else "an array"
+    return f"the arrays of {some(failed, 8)}" if failed else "an array"
 
 
 def place(value: Any, sharding: NamedSharding) -> jax.Array:
@@ -360,6 +362,7 @@ def init(tree: Any, key: Any, *, progress: bool | None = None) -> Any:
       PlanError: what :func:`meshinit.plan` or :func:`materialize` finds.
 
     Examples:
+      >>> m = jax.make_mesh((2, 4), ("a", "b"))
       >>> params = meshinit.init({"w": meshinit.param((8, 8), init, mesh=m)}, 0)
     """
     with _agree.collective("meshinit.init"):  # a plan failing on one process agrees too
@@ -386,7 +389,11 @@ def _key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, i
 
 def _blocks_held(value: jax.Array, sharding: NamedSharding) -> bool:
     held = {_key(s.index, value.shape) for s in value.addressable_shards}
-    wanted = sharding.addressable_devices_indices_map(value.shape).values()
+    # a NamedSharding gives every addressable device an index; jax's annotation allows None
+    wanted = cast(
+        "Iterable[tuple[slice, ...]]",
+        sharding.addressable_devices_indices_map(value.shape).values(),
+    )
     return all(_key(i, value.shape) in held for i in wanted)
 
 

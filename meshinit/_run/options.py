@@ -17,11 +17,11 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from . import _caches
+from .. import _caches
 
 __all__ = ["options"]
 
-STRATEGY_NAMES = ("rounds", "per_signature")  # meshinit._strategies.STRATEGIES, in order
+STRATEGY_NAMES = ("rounds", "per_signature")  # meshinit._run.strategies.STRATEGIES, in order
 
 # meshinit's own XLA options on CPU, used unless compiler_options= says otherwise.
 # Backend optimization level 1 instead of the default (less compile time for some run
@@ -105,7 +105,7 @@ def _check_strategy(strategy: Any) -> Any:
     if missing:
         raise TypeError(
             f"strategy must be a name ({', '.join(map(repr, STRATEGY_NAMES))}) or an object "
-            f"with builds, work and prepare (meshinit._strategies.Strategy); "
+            f"with builds, work and prepare (meshinit._run.strategies.Strategy); "
             f"{type(strategy).__name__} has no {', '.join(missing)}"
         )
     return strategy
@@ -150,14 +150,16 @@ def options(
         with equally many parameters, so compile time does not grow with depth) or
         ``"per_signature"`` (one small executable per signature, called once per
         parameter). An object with ``builds``, ``work`` and ``prepare``
-        (``meshinit._strategies.Strategy``) is also accepted; that protocol is
+        (``meshinit._run.strategies.Strategy``) is also accepted; that protocol is
         internal and may change. A ``max_bytes_per_call`` always uses rounds.
       compiler_options: XLA options for every compile, on every platform, instead of
         meshinit's choice (on CPU ``xla_backend_optimization_level=1`` and
         ``xla_cpu_use_fusion_emitters=False``, XLA's defaults elsewhere);
         ``{}`` means XLA's defaults everywhere. An option this jaxlib does not know
-        is an error here; of meshinit's own, only those the installed jaxlib knows
-        are passed (``xla_cpu_use_fusion_emitters`` is gone from jaxlib 0.11.1 on).
+        is an error when meshinit next compiles inside the block (XLA rejects it
+        then; the error names the option), not here; of meshinit's own, only those
+        the installed jaxlib knows are passed (``xla_cpu_use_fusion_emitters`` is
+        gone from jaxlib 0.11.1 on).
 
     Examples:
       >>> with meshinit.options(strategy="per_signature", compiler_options={}):

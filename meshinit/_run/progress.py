@@ -25,8 +25,8 @@ import warnings
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
-from ._errors import FallbackWarning
-from ._format import human_bytes, some
+from .._errors import FallbackWarning
+from .._format import human_bytes, some
 
 logger = logging.getLogger("meshinit")
 logger.addHandler(logging.NullHandler())

@@ -3,7 +3,7 @@
 Work is deduplicated by signature (initializer fingerprint, shape, dtype,
 PartitionSpec). The default strategy, :class:`Rounds`, compiles one executable per
 bucket of signatures with equally many parameters, so compile time does not grow with
-depth. Per-parameter keys are derived on the host (``_paths.fold_digests``,
+depth. Per-parameter keys are derived on the host (``_threefry.fold_digests``,
 bit-identical to ``param_key``) and passed in as key data, so a new key, or another
 model with the same signatures, reuses the cached executables: zero compilations.
 
@@ -18,21 +18,24 @@ from __future__ import annotations
 import types
 import typing
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from . import _options, _paths, _threefry
-from ._compile import Build, compiled, on_cpu
-from ._plan import MeshGroup
+from .._engine import threefry as _threefry
+from .._format import some
+from .._plan.plan import MeshGroup
+from . import options as _options
+from .compile import Build, compiled, on_cpu
 
 KeyImpl = Any  # what jax.random.wrap_key_data takes as impl: a name or a PRNGSpec
 
 _KEY = jax.ShapeDtypeStruct((2,), np.uint32)
 
 
-def key_impl(group: MeshGroup, impl: str) -> KeyImpl:
+def program_key_impl(group: MeshGroup, impl: str) -> KeyImpl:
     """The key implementation that ``group``'s programs wrap their key data with.
 
     On CPU, jax's threefry2x32 with its hash emitted straight-line
@@ -41,7 +44,8 @@ def key_impl(group: MeshGroup, impl: str) -> KeyImpl:
     code's choices"). Other platforms already get a straight-line hash from jax and
     keep its implementation.
     """
-    if impl == _paths.SHARDING_INVARIANT_IMPL and on_cpu(group.mesh):
+    # materialize refuses abstract groups before it picks key implementations
+    if impl == _threefry.SHARDING_INVARIANT_IMPL and on_cpu(cast(Mesh, group.mesh)):
         return _threefry.STRAIGHT_LINE
     return impl
 
@@ -90,9 +94,7 @@ def call(exe: Any, args: Sequence[Any], group: MeshGroup, positions: Sequence[in
 
 
 def _paths_of(group: MeshGroup, positions: Sequence[int], n: int = 8) -> str:
-    paths = [group.entries[p].path for p in positions]
-    more = f" and {len(paths) - n} more" if len(paths) > n else ""
-    return ", ".join(paths[:n]) + more
+    return some([group.entries[p].path for p in positions], n)
 
 
 def _executables_of(group: MeshGroup, builds: Sequence[tuple[Hashable, Build]]) -> list[Any]:
@@ -102,7 +104,7 @@ def _executables_of(group: MeshGroup, builds: Sequence[tuple[Hashable, Build]]) 
 class _Cached:
     """Executables from ``self.builds(group, impl)``, each compiled once and cached."""
 
-    def executables(self, group: MeshGroup, impl: KeyImpl) -> list[Any]:
+    def executables(self: Strategy, group: MeshGroup, impl: KeyImpl) -> list[Any]:
         return _executables_of(group, self.builds(group, impl))
 
 
@@ -139,7 +141,7 @@ class PerSignature(_Cached):
         exes = self.executables(group, impl)
 
         def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
-            keys = iter(_paths.fold_digests(key_data, group.digests))
+            keys = iter(_threefry.fold_digests(key_data, group.digests))
             for batch, exe in zip(group.batches, exes, strict=True):
                 for pos in batch:
                     yield pos, call(exe, (next(keys),), group, (pos,))
@@ -201,7 +203,7 @@ class Rounds(_Cached):
         ]
 
         def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
-            keys = _paths.fold_digests(key_data, group.digests)
+            keys = _threefry.fold_digests(key_data, group.digests)
             for bucket, exe, index in zip(buckets, exes, rows, strict=True):
                 for r in range(index.shape[0]):
                     made = [group.batches[i][r] for i in bucket]

@@ -19,12 +19,12 @@ import functools
 import hashlib
 import types
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 
-from . import _caches
+from .. import _caches
 
 _MAX_DEPTH = 6
 # Arrays an initializer reads are fingerprinted by their bytes up to this size; a larger
@@ -155,7 +155,9 @@ def _callable(f: Any, depth: int, walk: _Walk) -> Hashable:
 _EMPTY = object()
 
 
-def fingerprint(init: Callable[..., Any], local: dict[int, Hashable] | None = None) -> Hashable:
+def initializer_fingerprint(
+    init: Callable[..., Any], local: dict[int, Hashable] | None = None
+) -> Hashable:
     """A hashable value equal only for initializers that compute the same thing.
 
     By value: the code, the closure, the defaults and, for a user's function, the module
@@ -192,7 +194,7 @@ def value_fingerprint(fn: Callable[..., Any]) -> Hashable | None:
     not sound across calls (what it reads may have changed in place since), so a
     cache keyed on it would serve stale results.
     """
-    fp = fingerprint(fn)
+    fp = cast("tuple[Any, ...]", initializer_fingerprint(fn))  # always a tagged tuple
     return fp if fp[0] == "fp" else None
 
 
@@ -231,6 +233,7 @@ def check_init(
     memo_key = (fp, shape, dtype)
     if memo_key in _CHECKS:
         return _CHECKS[memo_key]
+    problem: str | None
     try:
         out = jax.eval_shape(lambda: init(jax.random.key(0), shape, dtype))
     except Exception as e:  # the user's init failed; report it with the path

@@ -10,8 +10,8 @@ from typing import Any
 
 import jax
 
-from ._errors import PlanError, Problem
-from ._spec import ParamSpec
+from .._errors import PlanError, Problem
+from .spec import ParamSpec
 
 _INT64_MAX = 2**63 - 1
 

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _caches
+from .. import _caches
 
 AxisEntry = str | tuple[str, ...] | None
 Rule = tuple[str, str | tuple[str, ...] | None]
@@ -107,7 +107,7 @@ def logical_to_mesh_axes(
 
 @_caches.memo(maxsize=4096)
 def _resolve(
-    axes: tuple[str | None, ...], rules: Rules, mesh_axis_names: tuple[str, ...] | None
+    axes: tuple[AxisEntry, ...], rules: Rules, mesh_axis_names: tuple[str, ...] | None
 ) -> tuple[AxisEntry, ...]:
     result: list[Any] = [_UNASSIGNED if isinstance(a, str) else a for a in axes]
     for name, target in rules:

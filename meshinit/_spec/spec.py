@@ -13,14 +13,14 @@ import math
 import operator
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 from jax import numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
-from ._rules import AxisEntry, Rules, normalize_rules
+from .rules import AxisEntry, Rules, normalize_rules
 
 
 class MeshAxes:
@@ -328,7 +328,8 @@ def param(
         rules=rules,  # type: ignore[arg-type]
         dtype=dtype,
         metadata=metadata,
-        replicated=ctx.replicated if replicated is None else replicated,
+        # a str or any sequence of names: __post_init__ normalizes it to a tuple
+        replicated=cast("tuple[str, ...]", ctx.replicated if replicated is None else replicated),
         memory_kind=ctx.memory_kind if memory_kind is None else memory_kind,
     )
 

@@ -1,0 +1,1 @@
+"""The command line (:mod:`.cli`): ``meshinit demo`` (:mod:`.demo`) and ``meshinit plan``."""
