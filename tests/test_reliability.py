@@ -563,12 +563,15 @@ def test_nnx_and_linen_spell_partition_specs_as_flax_does():
 # ------------------------------------------------------------ out of memory, named
 
 
-def _failing_calls(monkeypatch, *, at_wait: bool):
+def _failing_calls(monkeypatch, *, at_wait: bool, where=None):
     """Every compiled call after the first fails as an out-of-memory would: at once,
-    or (``at_wait``) asynchronously, when its arrays are waited for."""
+    or (``at_wait``) asynchronously, when its arrays are waited for. ``where`` is the
+    module whose ``compiled`` is replaced: the spec path's strategies by default,
+    ``meshinit._run.compile`` for the constructor engine's programs."""
     from meshinit._run import strategies as _strategies
 
-    real = _strategies.compiled
+    where = _strategies if where is None else where
+    real = where.compiled
     calls = []
 
     class Failed:  # an array whose computation failed on the device
@@ -591,7 +594,7 @@ def _failing_calls(monkeypatch, *, at_wait: bool):
 
         return run
 
-    monkeypatch.setattr(_strategies, "compiled", compiled)
+    monkeypatch.setattr(where, "compiled", compiled)
 
 
 @pytest.mark.parametrize("at_wait", [False, True], ids=["at-dispatch", "at-wait"])
@@ -620,23 +623,9 @@ def test_an_out_of_memory_names_the_parameters_of_the_failed_call(monkeypatch, m
 def test_a_failed_adapter_init_names_the_adapter_not_materialize(monkeypatch, mesh):
     from flax import nnx
 
-    from meshinit._engine import run as _engine_run
+    from meshinit._run import compile as _compile
 
-    real = _engine_run._compile.compiled
-    calls = []
-
-    def compiled(*args, **kwargs):
-        exe = real(*args, **kwargs)
-
-        def run(*a):
-            calls.append(1)
-            if len(calls) > 1:
-                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (injected)")
-            return exe(*a)
-
-        return run
-
-    monkeypatch.setattr(_engine_run._compile, "compiled", compiled)
+    _failing_calls(monkeypatch, at_wait=False, where=_compile)  # the engine's programs
 
     class Two(nnx.Module):
         def __init__(self, rngs):
