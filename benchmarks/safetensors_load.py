@@ -76,13 +76,23 @@ def load_case(
             for i in range(tensors)
         }
         plan = meshinit.plan(specs)
-        reader = st._reader
+        from meshinit._adapters import safetensors_read
 
-        def counting(*args):
-            fn = reader(*args)
-            return lambda index: read.__setitem__(0, read[0] + (out := fn(index)).nbytes) or out
+        reader = safetensors_read.source
 
-        st._reader = counting
+        def counting(*args):  # the bytes of every block read
+            source = reader(*args)
+            block = source.block
+
+            def counted(index):
+                out = block(index)
+                read[0] += out.nbytes
+                return out
+
+            source.block = counted
+            return source
+
+        safetensors_read.source = counting
         names = (lambda p: st.Tensor(p, permute=(1, 0))) if transposed else None
 
         def run():

@@ -11,6 +11,7 @@ from ._errors import PeerFailure as PeerFailure
 from ._errors import PlanError as PlanError
 from ._errors import Problem as Problem
 from ._errors import UnusedPatternWarning as UnusedPatternWarning
+from ._errors import UnusedTensorWarning as UnusedTensorWarning
 from ._paths import param_key as param_key
 from ._plan.entries import MeshGroup as MeshGroup
 from ._plan.entries import PlanEntry as PlanEntry

@@ -91,6 +91,38 @@ class UnusedPatternWarning(UserWarning):
     """
 
 
+class UnusedTensorWarning(UserWarning):
+    """Warned when tensors of a checkpoint go unused: no plan path claims them.
+
+    :func:`meshinit.safetensors.load` reads each plan path's tensor; a stored tensor
+    that no path's ``names=`` target names would otherwise vanish without a word, and a
+    name map that misses a layer would leave that layer to be made at random by
+    ``existing=``'s init. As Hugging Face's "Some weights of the model checkpoint were
+    not used", the warning names the count and every unused tensor (also in
+    ``.tensors``). ``unused="error"`` makes them a :class:`PlanError` instead, and
+    ``unused="ignore"`` silences them; :func:`meshinit.safetensors.inventory` lists them
+    without reading anything.
+
+    Args:
+      message: the warning's text.
+      tensors: the unused tensors' names.
+
+    Attributes:
+      tensors: the unused tensors' names, sorted.
+
+    Examples:
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("error", meshinit.UnusedTensorWarning)
+      ...     loaded = meshinit.safetensors.load(plan, "ckpt/", names=names)  # doctest: +SKIP
+
+      (The load needs a checkpoint in ``ckpt/``: not run in the tests.)
+    """
+
+    def __init__(self, message: str, tensors: Iterable[str] = ()):
+        super().__init__(message)
+        self.tensors = tuple(tensors)
+
+
 class FallbackWarning(UserWarning):
     """Warned when the constructor engine cannot cut some variables out of an unchanged
     constructor, and makes them with one program per mesh holding the whole

@@ -1,4 +1,4 @@
-"""Pretrained weights from safetensors files, read shard by shard into a plan.
+"""Pretrained weights from safetensors files, checked, then read shard by shard into a plan.
 
 :func:`load` maps each planned parameter to a tensor of a (possibly sharded) Hugging
 Face style checkpoint, through renames, reshapes and transposes, and reads from the
@@ -10,287 +10,346 @@ result feeds ``existing=`` of :func:`meshinit.nnx.init` (or ``linen``/``eqx``, o
                                        names=hf_names, missing="skip")
     model = meshinit.nnx.init(factory, existing=loaded)
 
-The file format is read here (an 8-byte little-endian header length, a JSON header of
-``{name: {dtype, shape, data_offsets}}``, then the raw row-major data), because the
-per-shard read needs the offsets, which ``safetensors.safe_open`` does not expose.
+Files are untrusted: every one is checked as the format requires, and by the
+``safetensors`` package itself, before a byte of data is read or allocated
+(:mod:`meshinit._adapters.safetensors_file`). Every stored tensor is accounted for:
+one that no plan path claims is named (:class:`~meshinit.UnusedTensorWarning`), and
+:func:`inventory` shows what a load would read, skip and leave, reading nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import mmap
+import difflib
 import os
 import pathlib
-import struct
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
-from ._errors import PlanError, Problem
-from ._plan.plan import Plan, PlanEntry
+from ._adapters import common as _adapters
+from ._adapters import safetensors_file as _file
+from ._adapters import safetensors_names as _names
+from ._adapters import safetensors_read as _read
+from ._adapters.safetensors_names import Tensor as Tensor
+from ._errors import PlanError, Problem, UnusedTensorWarning, printable
+from ._format import some
+from ._plan.plan import Plan
 
-__all__ = ["Tensor", "load"]
+__all__ = ["Inventory", "Tensor", "inventory", "load"]
 
-_DTYPES: Mapping[str, Any] = {
-    "BOOL": np.bool_,
-    "U8": np.uint8,
-    "I8": np.int8,
-    "U16": np.uint16,
-    "I16": np.int16,
-    "U32": np.uint32,
-    "I32": np.int32,
-    "U64": np.uint64,
-    "I64": np.int64,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "F32": np.float32,
-    "F64": np.float64,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2,
-}
+Tensor.__module__ = __name__  # documented and shown as meshinit.safetensors.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
-class Tensor:
-    """A stored tensor, reshaped then transposed into a parameter.
-
-    The parameter is ``stored.reshape(shape).transpose(permute)``: ``shape`` row-major,
-    as numpy reshapes (None keeps the stored shape), then ``permute`` as for
-    ``np.transpose`` (None keeps the order).
+class Inventory:
+    """What a load reads, skips and leaves: every plan path and every stored tensor
+    accounted for, as :func:`inventory` finds them without reading any data.
 
     Attributes:
-      name: the tensor's name in the files (``model.layers.0.mlp.up_proj.weight``).
-      shape: the shape to reshape the stored tensor to, or None.
-      permute: the axis order after the reshape, or None.
+      files: the files checked, in the order read.
+      loaded: plan path -> the :class:`Tensor` it is read from (name and transforms).
+      skipped: plan paths that ``names=`` maps to None: not in the files by design.
+      missing: plan path -> the tensor name it wants, which no file holds.
+      unused: the stored tensors that no plan path claims, sorted.
 
     Examples:
-      >>> Tensor("model.layers.0.mlp.up_proj.weight", permute=(1, 0))  # (out, in) -> (in, out)
-      Tensor(name='model.layers.0.mlp.up_proj.weight', shape=None, permute=(1, 0))
-      >>> heads, head_dim, d_model = 32, 128, 4096
-      >>> Tensor("model.layers.0.self_attn.q_proj.weight",
-      ...        shape=(heads, head_dim, d_model), permute=(2, 0, 1))
-      Tensor(name='model.layers.0.self_attn.q_proj.weight', shape=(32, 128, 4096),
-             permute=(2, 0, 1))
+      >>> from safetensors.numpy import save_file
+      >>> save_file({"embed": np.zeros((256, 64), np.float32),
+      ...            "layers.0.up": np.zeros((64, 256), np.float32),
+      ...            "lm_head": np.zeros((64, 256), np.float32)}, "ckpt.safetensors")
+      >>> found = meshinit.safetensors.inventory(plan, "ckpt.safetensors", names={"head": None})
+      >>> found.skipped, found.missing, found.unused
+      (('head',), {'layers.1.up': 'layers.1.up'}, ('lm_head',))
     """
 
-    name: str
-    shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
-    permute: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
+    files: tuple[pathlib.Path, ...]
+    loaded: Mapping[str, Tensor]
+    skipped: tuple[str, ...]
+    missing: Mapping[str, str]
+    unused: tuple[str, ...]
 
+    def __str__(self) -> str:
+        def line(what: str, items: list[str]) -> str:
+            return f"{what}: {len(items)}" + (f" {some(items, 5)}" if items else "")
 
-@dataclasses.dataclass(frozen=True)
-class _Stored:
-    file: pathlib.Path
-    dtype: Any
-    shape: tuple[int, ...]
-    offset: int  # of the tensor's first byte in the file
-
-
-def _files(files: Any) -> list[pathlib.Path]:
-    if isinstance(files, str | os.PathLike):
-        path = pathlib.Path(files)
-        if path.is_dir():
-            found = sorted(path.glob("*.safetensors"))
-            if not found:
-                raise FileNotFoundError(f"no *.safetensors file in the directory {path}")
-            return found
-        return [path]
-    if isinstance(files, Sequence) and files:
-        return [pathlib.Path(f) for f in files]
-    raise TypeError(
-        f"files must be a path, a list of paths or a directory of *.safetensors files, "
-        f"got {files!r}"
-    )
-
-
-def _index(files: list[pathlib.Path]) -> dict[str, _Stored]:
-    """Every tensor of ``files`` by name, from their headers."""
-    index: dict[str, _Stored] = {}
-    for file in files:
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if name in index:
-                raise ValueError(
-                    f"the tensor {name!r} is in both {index[name].file} and {file}: one "
-                    f"checkpoint's files hold each tensor once"
-                )
-            dtype = _DTYPES.get(info["dtype"], info["dtype"])
-            start = info["data_offsets"][0]
-            index[name] = _Stored(file, dtype, tuple(info["shape"]), 8 + length + start)
-    return index
-
-
-def _target(entry: PlanEntry, names: Callable[[str], Any] | None) -> Tensor | None:
-    found = entry.path if names is None else names(entry.path)
-    if found is None or isinstance(found, Tensor):
-        return found
-    if isinstance(found, str):
-        return Tensor(found)
-    raise TypeError(
-        f"names({entry.path!r}) returned {type(found).__name__}; it must return a tensor "
-        f"name, a meshinit.safetensors.Tensor, or None for a path not in the files"
-    )
-
-
-def _transformed(stored: _Stored, tensor: Tensor) -> tuple[tuple[int, ...] | None, str | None]:
-    """The shape ``tensor``'s transforms give the stored tensor, or why they cannot."""
-    shape = stored.shape
-    if tensor.shape is not None:
-        if int(np.prod(tensor.shape)) != int(np.prod(shape)):
-            return None, f"cannot be reshaped from {shape} to {tuple(tensor.shape)}"
-        shape = tuple(tensor.shape)
-    if tensor.permute is not None:
-        if sorted(tensor.permute) != list(range(len(shape))):
-            return None, f"permute={tuple(tensor.permute)} is not an order of {len(shape)} axes"
-        shape = tuple(shape[i] for i in tensor.permute)
-    return shape, None
-
-
-def _reader(stored: _Stored, tensor: Tensor, dtype: Any) -> Callable[[Any], np.ndarray]:
-    """``index -> the parameter's block there``, read from the memory-mapped file: a
-    reshape and a transpose are views, so only the block's bytes are touched. After
-    each read the mapping's pages are released (``MADV_DONTNEED``; they stay in the
-    page cache), so the file's bytes never count in this process's memory."""
-    itemsize = np.dtype(stored.dtype).itemsize
-    count = int(np.prod(stored.shape))
-    start = stored.offset - stored.offset % mmap.ALLOCATIONGRANULARITY
-    with open(stored.file, "rb") as f:
-        mapped = mmap.mmap(
-            f.fileno(),
-            stored.offset - start + count * itemsize,
-            access=mmap.ACCESS_READ,
-            offset=start,
+        n = len(self.files)
+        return "\n".join(
+            [
+                f"{n} file{'s' * (n != 1)}: {len(self.loaded)} plan paths loaded",
+                line("skipped (names= gives None)", [repr(printable(p)) for p in self.skipped]),
+                line(
+                    "missing (no file holds them)",
+                    [f"{printable(p)} <- {printable(t)!r}" for p, t in self.missing.items()],
+                ),
+                line(
+                    "unused (no plan path claims them)", [repr(printable(t)) for t in self.unused]
+                ),
+            ]
         )
-    flat = np.frombuffer(mapped, stored.dtype, count, stored.offset - start)
-    view = flat.reshape(stored.shape if tensor.shape is None else tensor.shape)
-    if tensor.permute is not None:
-        view = view.transpose(tensor.permute)
 
-    def read(index: Any) -> np.ndarray:
-        block = np.array(view[index], dtype=dtype)  # a copy: the mapping is not kept
-        if hasattr(mapped, "madvise"):
-            mapped.madvise(mmap.MADV_DONTNEED)
-        return block
 
-    return read
+def _kind(dtype: Any) -> str:
+    for kind in (np.bool_, np.integer, np.complexfloating, np.floating):
+        if jax.dtypes.issubdtype(dtype, kind):
+            return kind.__name__
+    return str(dtype)
+
+
+def _why_not(stored: _file.Stored, planned: np.dtype) -> str | None:
+    """Why the stored dtype cannot be read into ``planned``, or None."""
+    if stored.dtype not in _file.READABLE:
+        return f"has dtype {stored.dtype}, which meshinit does not read; convert the file"
+    have = _kind(_file.READABLE[stored.dtype])
+    if have != _kind(planned):
+        return (
+            f"is {stored.dtype}, planned {planned.name}: meshinit casts within a kind "
+            f"(floats to floats, ints to ints), never across; plan the stored kind, or "
+            f"convert the file"
+        )
+    return None
+
+
+def _survey(
+    plan: Plan, files: Any, names: Any, what: str
+) -> tuple[Inventory, list[_read.Job], dict[pathlib.Path, _file.Checked], list[Problem]]:
+    """Every file checked, every plan path matched: the inventory, the reads, the
+    checked files and every problem (bad files, a bad map, shapes that differ)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"{what} takes a Plan (meshinit.nnx.plan(factory), ...), got {plan!r}")
+    paths = _file.listing(files)
+    problems: list[Problem] = []
+    checked: dict[pathlib.Path, _file.Checked] = {}
+    for p in paths:
+        c, found = _file.check(p)
+        problems += found
+        if c is not None:
+            checked[p] = c
+    if isinstance(files, str | os.PathLike) and pathlib.Path(files).is_dir():
+        problems += _file.read_index(pathlib.Path(files), checked.values())
+    bad_files = bool(problems)
+    index: dict[str, _file.Stored] = {}
+    for c in checked.values():
+        for name, held in c.tensors.items():
+            if name in index:
+                problems.append(
+                    Problem(
+                        str(held.file),
+                        f"tensor {name!r} is also in {index[name].file}: one checkpoint's "
+                        f"files hold each tensor once",
+                    )
+                )
+            else:
+                index[name] = held
+    targets, found = _names.targets([e.path for e in plan.entries], names, what)
+    problems += found
+    loaded: dict[str, Tensor] = {}
+    skipped: list[str] = []
+    missing: dict[str, str] = {}
+    jobs: list[_read.Job] = []
+    for entry in plan.entries:
+        tensor = targets[entry.path]
+        if tensor is None:
+            skipped.append(entry.path)
+            continue
+        stored = index.get(tensor.name)
+        if stored is None:
+            missing[entry.path] = tensor.name
+            continue
+        why = _why_not(stored, entry.spec.dtype)
+        shape: tuple[int, ...] = ()
+        order: tuple[int, ...] = ()
+        if why is None:
+            try:
+                shape, order = tensor.transformed(stored.shape)
+            except ValueError as e:
+                why = str(e)
+            else:
+                transformed = tuple(shape[a] for a in order)
+                if transformed != entry.spec.shape:
+                    why = f"gives shape {transformed}, planned {entry.spec.shape}"
+        if why is not None:
+            problems.append(
+                Problem(
+                    entry.path,
+                    f"tensor {tensor.name!r} in {stored.file.name}, stored {stored.dtype} "
+                    f"{stored.shape}, {why}",
+                )
+            )
+            continue
+        loaded[entry.path] = tensor
+        jobs.append(_read.Job(entry, stored, shape, order))
+    claimed = {t.name for t in targets.values() if t is not None}
+    inventory = Inventory(
+        files=tuple(paths),
+        loaded=loaded,
+        skipped=tuple(skipped),
+        missing={} if bad_files else missing,  # a file that failed holds unknown names
+        unused=tuple(sorted(set(index) - claimed)),
+    )
+    return inventory, jobs, checked, problems
+
+
+def inventory(plan: Plan, files: Any, *, names: Any = None) -> Inventory:
+    """What :func:`load` would read, skip and leave, checking every file but reading no
+    data: the one place to see a name map's effect before a long load.
+
+    Works on plans over abstract meshes too: a name map can be checked before the
+    hardware exists.
+
+    Args:
+      plan: the plan to fill (:func:`meshinit.plan`, ``meshinit.nnx.plan(factory)``).
+      files: as for :func:`load`.
+      names: as for :func:`load`.
+
+    Returns:
+      An :class:`Inventory`: plan paths loaded (and from which tensor), skipped (names
+      gives None) and missing (no file holds their tensor), and the unused tensors.
+
+    Raises:
+      PlanError: a file fails the format's checks, ``names`` is malformed or maps a
+        path that is not planned, or a tensor's shape or dtype does not fit its path;
+        all of them at once.
+      TypeError: ``files`` or ``names`` are of the wrong kind.
+
+    Examples:
+      >>> from safetensors.numpy import save_file
+      >>> save_file({"embed": np.zeros((256, 64), np.float32),
+      ...            "layers.0.up": np.zeros((64, 256), np.float32),
+      ...            "lm_head": np.zeros((64, 256), np.float32)}, "ckpt.safetensors")
+      >>> print(meshinit.safetensors.inventory(
+      ...     plan, "ckpt.safetensors", names=[(r"head", "lm_head")]))
+      1 file: 3 plan paths loaded
+      skipped (names= gives None): 0
+      missing (no file holds them): 1 layers.1.up <- 'layers.1.up'
+      unused (no plan path claims them): 0
+    """
+    found, _, _, problems = _survey(plan, files, names, "meshinit.safetensors.inventory")
+    if problems:
+        raise PlanError(problems, header="meshinit.safetensors.inventory:")
+    return found
 
 
 def load(
     plan: Plan,
     files: Any,
     *,
-    names: Callable[[str], Any] | None = None,
+    names: Any = None,
     missing: str = "error",
+    unused: str = "warn",
 ) -> dict[str, jax.Array]:
-    """Reads the plan's parameters from safetensors files onto their planned shardings.
+    r"""Reads the plan's parameters from safetensors files onto their planned shardings.
 
-    Each process reads, from memory-mapped files, only the blocks its own devices'
-    shards hold (``jax.make_array_from_callback``), so it works under
-    ``jax.distributed`` and a host never holds a full copy of a sharded parameter.
+    Every file is checked first, as the format requires and by the ``safetensors``
+    package itself (header length within the file and the format's cap, UTF-8 JSON,
+    known dtypes, offsets that tile the data exactly, no name twice), and every plan
+    path is matched to its tensor, before a byte of data is read or allocated. Then
+    each process reads, from memory-mapped files, only the blocks its own devices'
+    shards hold, each distinct block once, so it works under ``jax.distributed`` and a
+    host never holds a full copy of a sharded parameter. On any failure,
+    ``KeyboardInterrupt`` included, every array it made is deleted.
 
     Args:
       plan: the plan to fill, from :func:`meshinit.plan` or an adapter's ``plan``
         (``meshinit.nnx.plan(factory)``); its meshes must be concrete.
       files: a ``.safetensors`` path, a list of them, or a directory holding the
-        ``*.safetensors`` files of a sharded checkpoint.
-      names: ``names(path)`` gives, for each plan path, the tensor's name in the
-        files, a :class:`Tensor` (a name with a reshape and a transpose), or None for
-        a path the files do not hold. Default: the plan path itself.
-      missing: ``"error"`` (default): a named tensor absent from the files is an
-        error. ``"skip"``: such paths are left out of the result, for ``existing=``
-        and an init to make.
+        ``*.safetensors`` files of a sharded checkpoint (hidden files skipped; its
+        ``model.safetensors.index.json``, where there is one, must agree with them).
+      names: which tensor fills each plan path: a name, a :class:`Tensor` (a name
+        with a reshape and a transpose), or None for a path the files do not hold.
+        Given as a callable (``names(path)``), a Mapping from plan paths, or a rule
+        table: ordered ``(regex, target)`` pairs, the first full match of the path
+        winning, whose target names may use the match's groups (``\1``). A path that
+        a Mapping lacks or no rule matches, and every path by default, is looked up
+        under its own name.
+      missing: ``"error"`` (default): a named tensor that no file holds is an error.
+        ``"skip"``: such paths are left out of the result, for ``existing=`` and an
+        init to make.
+      unused: what to do with stored tensors that no plan path claims: ``"warn"``
+        (default: one :class:`~meshinit.UnusedTensorWarning` naming them all),
+        ``"error"`` (a :class:`~meshinit.PlanError` naming them, before anything is
+        read) or ``"ignore"``.
 
     Returns:
-      Plan path -> ``jax.Array`` on the entry's sharding, cast to its dtype
-      (``astype``), for every path that a tensor fills.
+      Plan path -> ``jax.Array`` on the entry's sharding, cast to its dtype (within a
+      kind: floats to floats, ints to ints), for every path that a tensor fills.
 
     Raises:
-      PlanError: every tensor that is missing (with ``missing="error"``), whose
-        shape after the transforms is not the planned one, or whose dtype is unknown,
-        each naming the path, the tensor and both shapes; and a plan on abstract
-        meshes. Raised before anything is read.
-      TypeError: ``files``, ``names`` or ``missing`` are of the wrong kind.
+      PlanError: all at once, before anything is read: each file that fails a check
+        (naming the file, the tensor and what is wrong), each missing tensor (with
+        ``missing="error"``), unused tensor (with ``unused="error"``), tensor whose
+        shape after the transforms is not the planned one or whose dtype cannot be
+        cast to the planned one; a malformed ``names``; a plan on abstract meshes.
+        While reading: a value that does not fit the planned dtype (an int out of
+        range, a float that overflows), or a file changed since it was checked.
+      TypeError: ``files``, ``names``, ``missing`` or ``unused`` are of the wrong kind.
 
     Examples:
-      >>> def hf_names(path):  # nnx path -> Hugging Face name, (out, in) -> (in, out)
-      ...     layer, rest = re.fullmatch(r"layers\\.(\\d+)\\.(.*)", path).groups()
-      ...     return Tensor(f"model.layers.{layer}.{HF[rest]}.weight", permute=(1, 0))
-      >>> loaded = meshinit.safetensors.load(
-      ...     plan, "ckpt/", names=hf_names, missing="skip")  # doctest: +SKIP
+      >>> names = [  # nnx path -> Hugging Face name; (out, in) -> (in, out)
+      ...     (r"embed\.embedding", "model.embed_tokens.weight"),
+      ...     (r"layers\.(\d+)\.mlp\.(up|down)\.kernel",
+      ...      Tensor(r"model.layers.\1.mlp.\2_proj.weight", permute=(1, 0))),
+      ...     (r"head\.kernel", None),  # new: made by the init
+      ... ]
+      >>> loaded = meshinit.safetensors.load(plan, "ckpt/", names=names)  # doctest: +SKIP
 
       (The load needs a downloaded Hugging Face checkpoint in ``ckpt/``: not run in the tests.)
     """
+    what = "meshinit.safetensors.load"
     if missing not in ("error", "skip"):
         raise TypeError(f'missing must be "error" or "skip", got {missing!r}')
-    index = _index(_files(files))
-    problems: list[Problem] = []
-    jobs: list[tuple[PlanEntry, _Stored, Tensor]] = []
-    for entry in plan.entries:
-        tensor = _target(entry, names)
-        if tensor is None:
-            continue
-        if isinstance(entry.mesh, jax.sharding.AbstractMesh):
-            problems.append(
-                Problem(entry.path, "is planned on an AbstractMesh: load needs devices")
+    if unused not in ("warn", "error", "ignore"):
+        raise TypeError(f'unused must be "warn", "error" or "ignore", got {unused!r}')
+    found, jobs, checked, problems = _survey(plan, files, names, what)
+    problems += [
+        Problem(j.entry.path, "is planned on an AbstractMesh: load needs devices")
+        for j in jobs
+        if isinstance(j.entry.mesh, jax.sharding.AbstractMesh)
+    ]
+    if missing == "error":
+        problems += _missing_problems(found.missing, checked)
+    if unused == "error":
+        stored = {n: s for c in checked.values() for n, s in c.tensors.items()}
+        problems += [
+            Problem(
+                str(stored[n].file),
+                f"tensor {n!r}: no plan path claims it; map a path to it with names=, or "
+                f'pass unused="ignore"',
             )
-            continue
-        stored = index.get(tensor.name)
-        if stored is None:
-            if missing == "error":
-                problems.append(Problem(entry.path, f"tensor {tensor.name!r} is not in the files"))
-            continue
-        if isinstance(stored.dtype, str):
-            problems.append(
-                Problem(entry.path, f"tensor {tensor.name!r} has dtype {stored.dtype}, unknown")
-            )
-            continue
-        shape, why = _transformed(stored, tensor)
-        if why is None and shape != entry.spec.shape:
-            why = f"gives shape {shape}, planned {entry.spec.shape}"
-        if why is not None:
-            problems.append(
-                Problem(entry.path, f"tensor {tensor.name!r}, stored {stored.shape}, {why}")
-            )
-            continue
-        jobs.append((entry, stored, tensor))
+            for n in found.unused
+        ]
     if problems:
-        raise PlanError(problems, header="meshinit.safetensors.load:")
-    out: dict[str, jax.Array] = {}
-    try:
-        for entry, stored, tensor in jobs:
-            out[entry.path] = _array(entry, _reader(stored, tensor, entry.spec.dtype))
-    except BaseException:
-        for array in out.values():  # nothing half-loaded outlives a failed read
-            array.delete()
-        raise
-    return out
+        raise PlanError(problems, header=f"{what}: nothing was read:")
+    if unused == "warn" and found.unused:
+        n = len(found.unused)
+        warnings.warn(
+            UnusedTensorWarning(
+                f"{what}: {n} tensor{'s' * (n != 1)} of the checkpoint went unused (no "
+                f"plan path claims them): {', '.join(map(repr, found.unused))}. Map them "
+                f'with names=, or pass unused="ignore" if they are not part of this model',
+                found.unused,
+            ),
+            stacklevel=_adapters.outside_stacklevel(),
+        )
+    return _read.read(jobs, checked)
 
 
-def _array(entry: PlanEntry, read: Callable[[Any], np.ndarray]) -> jax.Array:
-    """The entry's array, one block at a time: each distinct block of this process's
-    devices is read once, put on each device that holds it, and dropped, so the host
-    holds one block beside the arrays (``jax.make_array_from_callback`` keeps every
-    block of the array until all are read)."""
-    sharding, shape = entry.sharding, entry.spec.shape
-    holders: dict[tuple[tuple[Any, Any, Any], ...], tuple[Any, list[Any]]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        assert index is not None  # a NamedSharding gives every addressable device an index
-        key = tuple((s.start, s.stop, s.step) for s in index)  # slices hash from 3.12 only
-        holders.setdefault(key, (index, []))[1].append(device)
-    shards = []
-    for index, devices in holders.values():
-        block = read(index)
-        for device in devices:
-            where = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
-            shards.append(jax.device_put(block, where))
-        del block
-    # dtype: a process whose devices hold none of it passes no shards to tell it
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=entry.spec.dtype)
+def _missing_problems(
+    missing: Mapping[str, str], checked: Mapping[pathlib.Path, _file.Checked]
+) -> list[Problem]:
+    stored = sorted(n for c in checked.values() for n in c.tensors)
+    problems = []
+    for i, (path, name) in enumerate(missing.items()):
+        close = difflib.get_close_matches(name, stored, n=1) if i < 20 else []
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        problems.append(
+            Problem(
+                path,
+                f"tensor {name!r} is not in the files{hint} (names= maps the path to None, "
+                f'or missing="skip" leaves it to the init)',
+            )
+        )
+    return problems

@@ -151,18 +151,28 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
         name, shape, permute = ST_TENSORS[path]
         return st.Tensor(name, shape=shape, permute=permute)
 
+    from meshinit._adapters import safetensors_read
+
     read: list[int] = []
-    reader = st._reader
+    reader = safetensors_read.source
 
     def counting(*args: Any) -> Any:  # counts what each shard's read returns
-        fn = reader(*args)
-        return lambda index: read.append((out := fn(index)).size) or out
+        source = reader(*args)
+        block = source.block
 
-    st._reader = counting
+        def counted(index: Any) -> Any:
+            out = block(index)
+            read.append(out.size)
+            return out
+
+        source.block = counted
+        return source
+
+    safetensors_read.source = counting
     try:
         loaded = st.load(plan, file, names=names)
     finally:
-        st._reader = reader
+        safetensors_read.source = reader
     failures, shards, owned = [], 0, 0
     for path, array in loaded.items():
         want = np.asarray(reference[f"single-0-{path}"])

@@ -141,28 +141,30 @@ def test_load_reads_each_local_block_once_and_holds_one_at_a_time(tmp_path, monk
     import gc
     import weakref
 
-    from meshinit import safetensors as st
+    from meshinit._adapters import safetensors_read
 
     value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
     save_file({"w": value}, str(tmp_path / "w.safetensors"))
     spec = meshinit.param((8, 6), jax.nn.initializers.zeros, axes=("fsdp", None), mesh=mesh8())
     plan = meshinit.plan({"w": spec})
     reads, alive = [], []
-    reader = st._reader
+    reader = safetensors_read.source
 
     def counting(*args):
-        fn = reader(*args)
+        source = reader(*args)
+        block = source.block
 
         def read(index):
             gc.collect()
             alive.append(sum(r() is not None for r in reads))
-            block = fn(index)
-            reads.append(weakref.ref(block))
-            return block
+            out = block(index)
+            reads.append(weakref.ref(out))
+            return out
 
-        return read
+        source.block = read
+        return source
 
-    monkeypatch.setattr(st, "_reader", counting)
+    monkeypatch.setattr(safetensors_read, "source", counting)
     (array,) = meshinit.safetensors.load(plan, tmp_path).values()
     assert len(reads) == 2, len(reads)  # not 8: one read per distinct block
     assert alive == [0, 0], alive  # block 0 was gone when block 1 was read

@@ -134,16 +134,22 @@ def idle_message(names: Sequence[str], paths: Sequence[str], noun: str) -> str:
     )
 
 
-def warn_idle(what: str, names: Sequence[str], paths: Sequence[str], noun: str) -> None:
+def warn_idle(
+    what: str,
+    names: Sequence[str],
+    paths: Sequence[str],
+    noun: str,
+    effect: str = "It places nothing (every leaf is placed without it)",
+) -> None:
     """Warns (:class:`~meshinit.UnusedPatternWarning`) that the patterns ``names``
-    matched no path, pointing at the caller's line outside meshinit."""
+    matched no path, pointing at the caller's line outside meshinit; ``effect`` says
+    what an idle pattern does not do."""
     if not names:
         return
     message = (
-        f"{what}: {idle_message(names, paths, noun)}. It places nothing (every leaf is "
-        f"placed without it): fix the regex, or drop the pattern"
+        f"{what}: {idle_message(names, paths, noun)}. {effect}: fix the regex, or drop the pattern"
     )
-    warnings.warn(message, UnusedPatternWarning, stacklevel=_outside_stacklevel())
+    warnings.warn(message, UnusedPatternWarning, stacklevel=outside_stacklevel())
 
 
 def warn_idle_meshes(
@@ -156,7 +162,7 @@ def warn_idle_meshes(
     warn_idle(what, names, paths, "variable path")
 
 
-def _outside_stacklevel() -> int:
+def outside_stacklevel() -> int:
     """The ``stacklevel`` of the innermost frame outside the meshinit package, as seen
     from the function that calls :func:`warnings.warn`."""
     # meshinit/, two levels up from meshinit/_adapters/common.py
