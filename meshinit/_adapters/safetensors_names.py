@@ -210,7 +210,9 @@ def targets(
         idle = [
             common.pattern_name("names", r.index, r.pattern) for r in rules if r.index not in used
         ]
-        common.warn_idle(what, idle, paths, "plan path")
+        common.warn_idle(
+            what, idle, paths, "plan path", "It maps nothing (every path is matched without it)"
+        )
         source = ""
     elif callable(names):
         found = {p: _target(names(p)) for p in paths}
