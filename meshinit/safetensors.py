@@ -38,6 +38,7 @@ from ._adapters.safetensors_names import Tensor as Tensor
 from ._errors import PlanError, Problem, UnusedTensorWarning, printable
 from ._format import some
 from ._plan.plan import Plan
+from ._run import agree as _agree
 
 __all__ = ["Inventory", "Tensor", "inventory", "load"]
 
@@ -303,6 +304,17 @@ def load(
         raise TypeError(f'missing must be "error" or "skip", got {missing!r}')
     if unused not in ("warn", "error", "ignore"):
         raise TypeError(f'unused must be "warn", "error" or "ignore", got {unused!r}')
+    # Collective: under jax.distributed a process whose copy of a file fails its checks
+    # fails every process, and none returns arrays that lack its shards.
+    with _agree.collective(what):
+        arrays = _load(plan, files, names, missing, unused, what)
+        _agree.keep(arrays.values())
+    return arrays
+
+
+def _load(
+    plan: Plan, files: Any, names: Any, missing: str, unused: str, what: str
+) -> dict[str, jax.Array]:
     found, jobs, checked, problems = _survey(plan, files, names, what)
     problems += [
         Problem(j.entry.path, "is planned on an AbstractMesh: load needs devices")

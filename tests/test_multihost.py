@@ -180,6 +180,8 @@ def test_safetensors_load_reads_only_the_shards_each_process_owns(workers, proce
     # other stage's w has no shard here, and nothing of it is read
     assert got["shards"] == 3 * worker.LOCAL_DEVICES, got
     assert got["read"] == got["owned"], got  # each local block once, and nothing else
+    # process 1's copy of the file is truncated: it refuses it, and process 0 fails too
+    assert got["corrupt"] == ("PeerFailure" if process == 0 else "PlanError"), got
 
 
 def test_nnx_init_places_every_shard_with_eager_values_and_one_host_part(workers):
