@@ -8,17 +8,24 @@ A checkpoint of ``--tensors`` f32 tensors of ``--rows`` x ``--cols`` (default 16
 - ``meshinit-transposed``: the same tensors read through ``Tensor(name, permute=(1,
   0))`` onto a ``(cols, rows)`` plan, as a Hugging Face ``(out, in)`` weight is;
 - ``orbax-v1``: ``ocp.load(dir, abstract)`` under
-  ``ocp.Context(checkpoint_layout="safetensors")``.
+  ``ocp.Context(checkpoint_layout="safetensors")``;
+- ``floor``: jax's own transfer floor: each device's shard, as a strided view of the
+  memory-mapped file, handed to ``jax.device_put`` on its device and assembled with
+  ``jax.make_array_from_single_device_arrays``: no checks, no casts, offsets trusted.
+
+meshinit's goals (issue 33): at most 1.2x the floor with every check on, and at most
+0.35x orbax v1.
 
 The files are read once first, so the page cache is warm for every recipe. Each
-process loads ``--repeats`` + 1 times: the time is the best after the first, the peak
-RSS increase is the first load's (arrays included, over the process after jax's
+process loads ``--repeats`` + 1 times, and each recipe runs in ``--rounds`` fresh
+processes, the recipes taking turns: the time is the best after each process's first,
+the peak RSS increase the largest first load's (arrays included, over the process after jax's
 runtime is set up), and ``meshinit`` counts the bytes it read with a wrapped reader.
 A second part measures the fine-tuning init: the reference stack's nnx model at
 ``--layers`` layers, cold, in full and with ``existing=`` of all but the head, best of
 ``--repeats`` fresh processes each.
 
-Run: python benchmarks/safetensors_load.py [--dir DIR] [--tensors N]
+Run: python benchmarks/safetensors_load.py [--dir DIR] [--tensors N] [--rounds R] [--load-only]
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import json
 import os
 import resource
+import struct
 import subprocess
 import sys
 import tempfile
@@ -97,6 +105,27 @@ def load_case(
 
         def run():
             return st.load(plan, directory, names=names)
+    elif recipe == "floor":
+
+        def run():
+            out = {}
+            for f in sorted(Path(directory).glob("*.safetensors")):
+                with open(f, "rb") as stream:
+                    (n,) = struct.unpack("<Q", stream.read(8))
+                    header = json.loads(stream.read(n))
+                mapped = np.memmap(f, dtype=np.uint8, mode="r")
+                for name, info in header.items():
+                    if name == "__metadata__":
+                        continue
+                    begin, end = info["data_offsets"]
+                    view = mapped[8 + n + begin : 8 + n + end].view(np.float32)
+                    view = view.reshape(info["shape"])
+                    shards = [
+                        jax.device_put(view[index], device)
+                        for device, index in sharding.addressable_devices_indices_map(shape).items()
+                    ]
+                    out[name] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+            return out
     else:
         import orbax.checkpoint.experimental.v1 as ocp
 
@@ -201,8 +230,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--cols", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="fresh processes per load recipe")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--case", nargs="*")
+    ap.add_argument("--load-only", action="store_true", help="skip the partial init part")
     args = ap.parse_args()
     if args.case:
         kind, *rest = args.case
@@ -227,22 +258,30 @@ def main() -> None:
             f"checkpoint: {args.tensors} x ({args.rows}, {args.cols}) f32, {size / 2**30:.2f} GiB"
         )
         shape = [f"--tensors={args.tensors}", f"--rows={args.rows}", f"--cols={args.cols}"]
-        results = [
-            spawn(["load", r, str(directory), *shape, f"--repeats={args.repeats}"])
-            for r in ("orbax-v1", "meshinit", "meshinit-transposed")
-        ]
-    anchor = results[0]["seconds"]
+        recipes = ("orbax-v1", "floor", "meshinit", "meshinit-transposed")
+        best: dict[str, dict] = {}
+        for _ in range(args.rounds):  # the recipes take turns, fresh processes each
+            for r in recipes:
+                got = spawn(["load", r, str(directory), *shape, f"--repeats={args.repeats}"])
+                kept = best.setdefault(r, got)
+                kept["seconds"] = min(kept["seconds"], got["seconds"])
+                kept["rss_increase"] = max(kept["rss_increase"], got["rss_increase"])
+        results = [best[r] for r in recipes]
+    orbax, floor = results[0]["seconds"], results[1]["seconds"]
     print(
-        "| recipe | seconds (warm) | / orbax v1 | bytes read / owned "
+        "| recipe | seconds (warm) | / floor | / orbax v1 | bytes read / owned "
         "| peak RSS increase / (1.2 share + largest shard) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in results:
         ratio = "" if r["read_bytes"] is None else f"{r['read_bytes'] / r['owned_bytes']:.3f}"
         print(
-            f"| {r['recipe']} | {r['seconds']:.2f} | {r['seconds'] / anchor:.3f} | {ratio} | "
+            f"| {r['recipe']} | {r['seconds']:.3f} | {r['seconds'] / floor:.3f} | "
+            f"{r['seconds'] / orbax:.3f} | {ratio} | "
             f"{r['rss_increase'] / (1.2 * r['owned_bytes'] + r['largest_shard']):.2f} |"
         )
+    if args.load_only:
+        return
     cold = {  # best of --repeats fresh processes, the cases taking turns
         how: float("inf") for how in ("full", "placed", "numpy")
     }
