@@ -346,7 +346,9 @@ def init(
         (``layers.0.weight``) to arrays, flat or as a nested dict. Each is placed on
         its planned sharding (resharded if it is on another mesh, shard by shard if it
         is numpy); nothing is compiled or run for them, and every other leaf gets
-        exactly the value a full init gives.
+        exactly the value a full init gives. A big-endian numpy array is placed with
+        its values; a path given twice (flat and nested, or keys ``0`` and ``"0"``)
+        is an error.
 
     Returns:
       What ``factory(key)`` returns, with each array a ready ``jax.Array`` carrying
@@ -357,7 +359,8 @@ def init(
       PlanError: all problems at once: array leaves that no placement matches (one
         per path), malformed placements or regexes, and what planning finds (unknown
         logical axes, indivisible dimensions, a missing mesh, ...), and ``existing``
-        paths that name no leaf or whose shape or dtype differs.
+        paths that name no leaf or are given twice, or whose value is no array (PRNG
+        keys, a ``ShapeDtypeStruct``) or differs in shape or dtype.
       TypeError, ValueError: ``placements`` is not a sequence, or the key is not a
         single sharding-invariant key.
 

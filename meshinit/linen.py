@@ -327,7 +327,9 @@ def init(
         (``params.up.kernel``) to arrays, flat or as a nested variables dict (boxes
         are unboxed). Each is placed on its planned sharding (resharded if it is on
         another mesh, shard by shard if it is numpy); nothing is compiled or run for
-        them, and every other variable gets exactly the value a full init gives.
+        them, and every other variable gets exactly the value a full init gives. A
+        big-endian numpy array is placed with its values; a path given twice (flat
+        and nested) is an error.
       **example_kwargs: keyword arguments of ``module.init`` (``train=False``,
         ``method=...``, ``mutable=...``).
 
@@ -341,8 +343,9 @@ def init(
       PlanError: all problems at once, each naming its variable path: variables
         without an annotation (when no ``default``), names that are not mesh axes or
         have no rule, dimensions that do not divide, a missing mesh or rules, a
-        malformed ``meshes``, an ``existing`` path that names no variable or whose
-        shape or dtype differs.
+        malformed ``meshes``, an ``existing`` path that names no variable or is given
+        twice, or whose value is no array (PRNG keys, a ``ShapeDtypeStruct``) or
+        differs in shape or dtype.
       TypeError, ValueError: a malformed ``default``, or a key that is not a single
         threefry key (or a dict of them).
 
@@ -375,7 +378,7 @@ def init(
                 prep.traced,
                 prep.outputs,
                 what="meshinit.linen.init",
-                existing=_adapters.flat_existing(_unboxed(existing)),
+                existing=_adapters.flat_existing(existing, _linen_meta.value_of),
             )
         )
     boxes = [
@@ -383,8 +386,3 @@ def init(
         for (_, leaf), array in zip(prep.flat, placed, strict=True)
     ]
     return jax.tree_util.tree_unflatten(prep.treedef, boxes)
-
-
-def _unboxed(tree: Any) -> Any:
-    """The arrays in linen's boxes as they are (``nn.unbox`` would constrain each)."""
-    return jax.tree_util.tree_map(_linen_meta.value_of, tree, is_leaf=_linen_meta.is_box)

@@ -310,7 +310,9 @@ def _existing(existing: Any, prep: _Prepared) -> dict[str, Any] | None:
         return None
     keys = {_path(p) for p in prep.keys}
     for path, value in flat.items():
-        if path in keys and _nnx_meta.is_key(value):
+        # Arrays only: a key-typed ShapeDtypeStruct (a restore target) or a duplicated
+        # path is left for the checks to name.
+        if path in keys and isinstance(value, jax.Array) and _nnx_meta.is_key(value):
             flat[path] = jax.random.key_data(value)
     return flat
 
@@ -411,7 +413,8 @@ def init(
         another mesh is resharded, a numpy array is placed shard by shard. Nothing is
         compiled or run for them; every other Variable gets exactly the value a full
         init gives. A typed key (``nnx.Rngs`` state) may be given as a key or as its
-        key data.
+        key data. A big-endian numpy array is placed with its values; a path given
+        twice (flat and nested, or keys ``0`` and ``"0"``) is an error.
 
     Returns:
       The Module, with flax's metadata kept as it was.
@@ -419,8 +422,9 @@ def init(
     Raises:
       PlanError: a sharding names an axis that is not in its mesh, a dimension does
         not divide, or a sharded Variable has no mesh; an ``existing`` path names no
-        Variable, or its shape or dtype differs; each problem names its path, all
-        at once, before anything is allocated.
+        Variable, is given twice, or its value is no array (a key for a weight, a
+        restore target's ``ShapeDtypeStruct``) or differs in shape or dtype; each
+        problem names its path, all at once, before anything is allocated.
       ValueError: the factory leaks tracers, mutates outside state or sets a mesh.
 
     Examples:

@@ -2,6 +2,8 @@
 ``meshinit.eqx.init``: the given variables are placed, not made; every other one gets
 exactly the value a full init gives."""
 
+import re
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -258,3 +260,170 @@ def test_an_array_on_another_mesh_is_placed_block_by_block_never_gathered(monkey
     assert placed.sharding == target
     for shard in placed.addressable_shards:
         assert np.array_equal(np.asarray(shard.data), x[shard.index])
+
+
+# ------------------------------------------ the holes of issue 33, on every adapter
+# A typed PRNG key for a weight, a big-endian array, a path given twice, a restore
+# target given for its values. Each adapter's weight is a float32 (in, out) kernel.
+
+ADAPTERS = ["spec", "nnx", "linen", "eqx"]
+WEIGHT = {"spec": "up.kernel", "nnx": "layers.0.up.kernel", "linen": "params.up.kernel"}
+WEIGHT["eqx"] = "layers.0.weight"
+SHAPE = {"spec": (16, 32), "nnx": (16, 32), "linen": (16, 32), "eqx": (32, 16)}
+EQX_PLACEMENTS = [(r"layers\.\d+\.weight", ("b", "a")), (r".*", None)]
+
+
+def _spec_plan():
+    def param(shape, init, axes):
+        return meshinit.param(shape, init, axes=axes, mesh=mesh8())
+
+    lecun, normal = jax.nn.initializers.lecun_normal(), jax.nn.initializers.normal(0.02)
+    return meshinit.plan(
+        {
+            "up": {"kernel": param((16, 32), lecun, ("a", "b"))},
+            "head": param((32, 8), normal, ("b", None)),
+        }
+    )
+
+
+def _eqx_make(key):
+    return eqx.nn.MLP(16, 8, 32, 2, key=key)
+
+
+def _paths_of(tree):
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    keep = (jax.Array, jax.ShapeDtypeStruct)  # not an MLP's activation function
+    return {meshinit._paths.path_str(kp): v for kp, v in leaves if isinstance(v, keep)}
+
+
+def _init(adapter, existing=None):
+    """The flat result of ``adapter``'s full init, or of its init with ``existing``."""
+    if adapter == "spec":
+        return _paths_of(meshinit.materialize(_spec_plan(), 0, existing=existing))
+    if adapter == "nnx":
+        with jax.set_mesh(mesh8()):
+            return _flat(meshinit.nnx.init(factory, existing=existing))
+    if adapter == "linen":
+        kw = {"mesh": mesh8(), "default": "replicated", "existing": existing}
+        return _linen_flat(meshinit.linen.init(Dense2(), 0, jnp.ones((1, 16)), **kw))
+    got = meshinit.eqx.init(_eqx_make, 0, EQX_PLACEMENTS, mesh=mesh8(), existing=existing)
+    return _paths_of(got)
+
+
+def _restore_target(adapter):
+    """What a checkpointer restores into, given where its values belong."""
+    if adapter == "spec":
+        return _paths_of(_spec_plan().abstract())
+    if adapter == "nnx":
+        with jax.set_mesh(mesh8()):
+            return nnx.state(meshinit.nnx.abstract(factory))
+    if adapter == "linen":
+        kw = {"mesh": mesh8(), "default": "replicated"}
+        return meshinit.linen.plan(Dense2(), 0, jnp.ones((1, 16)), **kw).abstract()
+    return _paths_of(meshinit.eqx.plan(_eqx_make, 0, EQX_PLACEMENTS, mesh=mesh8()).abstract())
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("keys", ["one key", "four keys"])
+def test_typed_prng_keys_given_for_a_weight_are_a_plan_error_naming_the_path(adapter, keys):
+    key = jax.random.key(0)
+    given = key if keys == "one key" else jax.random.split(key, 4)
+    path, shape = WEIGHT[adapter], re.escape(str(SHAPE[adapter]))
+    with pytest.raises(
+        meshinit.PlanError,
+        match=rf"{re.escape(path)}: existing value is an array of typed PRNG keys \(key<fry>.*\), "
+        rf"where the plan makes a float32 {shape} array; pass the parameter's values",
+    ):
+        _init(adapter, {path: given})
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_a_big_endian_array_is_placed_with_its_values_on_the_planned_sharding(adapter):
+    full = _init(adapter)
+    path = WEIGHT[adapter]
+    native = np.asarray(full[path])
+    swapped = native.astype(native.dtype.newbyteorder(">"))
+    assert swapped.dtype.byteorder == ">" and np.array_equal(swapped, native)
+    got = _init(adapter, {path: swapped})
+    assert got[path].sharding == full[path].sharding
+    same_bits(got[path], native, path)
+    assert swapped.dtype.byteorder == ">"  # the caller's array is left as it was
+    with pytest.raises(  # another dtype is still refused, and named as it is
+        meshinit.PlanError,
+        match=rf"{re.escape(path)}: existing array has dtype float64, planned float32; cast",
+    ):
+        _init(adapter, {path: native.astype(">f8")})
+
+
+# (adapter, how): existing= with the adapter's weight given twice, and its two spellings
+DUPLICATES = {
+    ("nnx", "flat and nested"): (
+        lambda a, b: {"layers.0.up.kernel": a, "layers": {0: {"up": {"kernel": b}}}},
+        "existing['layers.0.up.kernel'] and existing['layers'][0]['up']['kernel']",
+    ),
+    ("nnx", "0 and '0'"): (
+        lambda a, b: {"layers": {0: {"up": {"kernel": a}}, "0": {"up": {"kernel": b}}}},
+        "existing['layers'][0]['up']['kernel'] and existing['layers']['0']['up']['kernel']",
+    ),
+    ("linen", "flat and nested"): (
+        lambda a, b: {"params.up.kernel": a, "params": {"up": {"kernel": b}}},
+        "existing['params.up.kernel'] and existing['params']['up']['kernel']",
+    ),
+    ("linen", "partly nested"): (
+        lambda a, b: {"params": {"up.kernel": a, "up": {"kernel": b}}},
+        "existing['params']['up.kernel'] and existing['params']['up']['kernel']",
+    ),
+    ("eqx", "flat and nested"): (
+        lambda a, b: {"layers.0.weight": a, "layers": {0: {"weight": b}}},
+        "existing['layers.0.weight'] and existing['layers'][0]['weight']",
+    ),
+    ("eqx", "0 and '0'"): (
+        lambda a, b: {"layers": {0: {"weight": a}, "0": {"weight": b}}},
+        "existing['layers'][0]['weight'] and existing['layers']['0']['weight']",
+    ),
+}
+
+
+@pytest.mark.parametrize(("adapter", "how"), list(DUPLICATES))
+def test_a_path_given_twice_is_a_plan_error_naming_both_spellings(adapter, how):
+    spell, spellings = DUPLICATES[adapter, how]
+    weight = np.asarray(_init(adapter)[WEIGHT[adapter]])
+    want = f"{WEIGHT[adapter]}: given twice, as {spellings}; give each path once"
+    with pytest.raises(meshinit.PlanError, match=re.escape(want)):  # not one of them silently
+        _init(adapter, spell(weight, np.zeros_like(weight)))
+
+
+@pytest.mark.parametrize("adapter", ["nnx", "linen", "eqx"])
+def test_a_path_given_twice_is_listed_with_the_other_problems_in_one_error(adapter):
+    spell, _ = DUPLICATES[adapter, "flat and nested"]
+    weight = np.asarray(_init(adapter)[WEIGHT[adapter]])
+    existing = spell(weight, weight)
+    other = {"nnx": "head.kernel", "linen": "params.head.kernel", "eqx": "layers.2.weight"}
+    existing[other[adapter]] = np.zeros((3,), np.float32)  # a wrong shape elsewhere
+    with pytest.raises(meshinit.PlanError) as raised:
+        _init(adapter, existing)
+    paths = sorted(p.path for p in raised.value.problems)
+    assert paths == sorted([WEIGHT[adapter], other[adapter]]), str(raised.value)
+    assert "given twice" in str(raised.value) and "has shape (3,)" in str(raised.value)
+
+
+def test_linen_existing_reads_int_and_str_keys_in_order_boxes_and_all():
+    # jax's tree_map sorts dict keys and cannot order 0 against "params"
+    variables = meshinit.linen.init(
+        Dense2(), 0, jnp.ones((1, 16)), mesh=mesh8(), default="replicated"
+    )
+    with pytest.raises(meshinit.PlanError, match=r"\n  0: not a planned parameter"):
+        _init("linen", {**variables, 0: np.zeros((2,), np.float32)})
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_a_restore_target_given_for_the_values_is_a_plan_error_that_says_so(adapter):
+    target = _restore_target(adapter)
+    path = re.escape(WEIGHT[adapter])
+    with pytest.raises(
+        meshinit.PlanError,
+        match=rf"{path}: existing value must be a jax.Array or numpy array, got "
+        r"ShapeDtypeStruct: a restore target \(shapes and shardings\), not values; pass what "
+        r"the checkpointer restored into it",
+    ):
+        _init(adapter, target)

@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from .. import _paths
 from .._errors import PlanError, Problem, UnusedPatternWarning, printable
 from .._plan.plan import MeshGroup, Plan
+from .._run.checks import Duplicate
 
 
 def context_mesh() -> Mesh | None:
@@ -200,10 +201,15 @@ def respell(plan: Plan, lengths: Mapping[str, int]) -> Plan:
     return Plan(entries, groups, plan.treedef, plan.leaves)
 
 
-def flat_existing(existing: Any) -> dict[str, Any] | None:
+def flat_existing(existing: Any, leaf: Callable[[Any], Any] | None = None) -> dict[str, Any] | None:
     """``existing=`` of an adapter's ``init``, as dot-joined path -> array: a nested
     mapping (the pure dict of an nnx State, a linen variables dict) is joined by its
-    keys; a flat one is as it is."""
+    keys; a flat one is as it is. ``leaf``, if given, maps each value (linen unboxes).
+
+    A path spelled more than once (``{"a.b": x, "a": {"b": y}}``, or keys ``0`` and
+    ``"0"`` side by side) holds a :class:`~meshinit._run.checks.Duplicate` naming each
+    spelling, which the checks report with the other problems.
+    """
     if existing is None:
         return None
     if not isinstance(existing, Mapping):
@@ -212,14 +218,19 @@ def flat_existing(existing: Any) -> dict[str, Any] | None:
             f"a nested dict), got {type(existing).__name__}"
         )
     flat: dict[str, Any] = {}
+    spellings: dict[str, list[str]] = {}
 
-    def walk(prefix: str, tree: Mapping[Any, Any]) -> None:
+    def walk(prefix: str, spelled: str, tree: Mapping[Any, Any]) -> None:
         for k, v in tree.items():
-            path = f"{prefix}{k}"
+            path, spelling = f"{prefix}{k}", f"{spelled}[{k!r}]"
             if isinstance(v, Mapping):
-                walk(path + ".", v)
+                walk(path + ".", spelling, v)
             else:
-                flat[path] = v
+                flat.setdefault(path, leaf(v) if leaf is not None else v)
+                spellings.setdefault(path, []).append(spelling)
 
-    walk("", existing)
+    walk("", "existing", existing)
+    for path, spelled in spellings.items():
+        if len(spelled) > 1:
+            flat[path] = Duplicate(tuple(spelled))
     return flat

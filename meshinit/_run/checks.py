@@ -6,6 +6,7 @@ backend, the per-call bound, and the memory each device reports free.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from collections.abc import Mapping, Sequence
@@ -20,8 +21,20 @@ from .._format import describe_mesh, human_bytes
 from .._plan.plan import MeshGroup, Plan, PlanEntry
 
 
+@dataclasses.dataclass(frozen=True)
+class Duplicate:
+    """What an adapter's flattened ``existing=`` holds at a path it was given twice, each
+    spelling as written (``existing['layers'][0]['up']['kernel']``), in order."""
+
+    spellings: tuple[str, ...]
+
+
 def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[int, Any], list]:
-    """``existing`` keyed by ``id`` of its plan entry, and every problem found in it."""
+    """``existing`` keyed by ``id`` of its plan entry, and every problem found in it.
+
+    A non-native byte order (a big-endian numpy array) is data: it comes back in the
+    native order, the same values.
+    """
     if existing is None:
         return {}, []
     if not isinstance(existing, Mapping):
@@ -33,36 +46,21 @@ def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[i
     given: dict[int, Any] = {}
     for path, value in existing.items():
         entry = by_path.get(path)
-        if entry is None:
-            close = difflib.get_close_matches(str(path), by_path, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+        if isinstance(value, Duplicate):
             problems.append(
                 Problem(
                     str(path),
-                    f"not a planned parameter; existing maps the plan's dot-joined paths "
-                    f"(like {plan.entries[0].path!r}) to arrays{hint}"
-                    if plan.entries
-                    else "not a planned parameter: the plan has none",
+                    f"given twice, as {' and '.join(value.spellings)}; give each path once",
                 )
             )
+        if entry is None:
+            problems.append(_unplanned(plan, by_path, str(path)))
             continue
-        if not isinstance(value, jax.Array | np.ndarray) or isinstance(value, jax.core.Tracer):
-            problems.append(
-                Problem(
-                    path,
-                    f"existing value must be a jax.Array or numpy array, got "
-                    f"{type(value).__name__}",
-                )
-            )
+        if isinstance(value, Duplicate):
             continue
-        if isinstance(value, jax.Array) and value.is_deleted():
-            problems.append(
-                Problem(
-                    path,
-                    "existing array was deleted (x.delete(), or donated to a jitted call); "
-                    "pass a live array, or leave the path out to generate it",
-                )
-            )
+        problem = _value_problem(value, entry)
+        if problem is not None:
+            problems.append(Problem(path, problem))
             continue
         spec = entry.spec
         if tuple(value.shape) != spec.shape:
@@ -71,7 +69,7 @@ def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[i
                     path, f"existing array has shape {tuple(value.shape)}, planned {spec.shape}"
                 )
             )
-        if np.dtype(value.dtype) != spec.dtype:
+        if _native_dtype(value.dtype) != spec.dtype:
             problems.append(
                 Problem(
                     path,
@@ -80,7 +78,63 @@ def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[i
                 )
             )
         given[id(entry)] = value
-    return given, problems
+    if problems:  # nothing is placed: no copy for byte order
+        return given, problems
+    return {i: _native(value) for i, value in given.items()}, problems
+
+
+def _unplanned(plan: Plan, by_path: Mapping[str, PlanEntry], path: str) -> Problem:
+    if not plan.entries:
+        return Problem(path, "not a planned parameter: the plan has none")
+    close = difflib.get_close_matches(path, by_path, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return Problem(
+        path,
+        f"not a planned parameter; existing maps the plan's dot-joined paths "
+        f"(like {plan.entries[0].path!r}) to arrays{hint}",
+    )
+
+
+def _value_problem(value: Any, entry: PlanEntry) -> str | None:
+    """What makes ``value`` no array to place for ``entry``, if anything does."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return (
+            "existing value must be a jax.Array or numpy array, got ShapeDtypeStruct: a "
+            "restore target (shapes and shardings), not values; pass what the "
+            "checkpointer restored into it"
+        )
+    if not isinstance(value, jax.Array | np.ndarray) or isinstance(value, jax.core.Tracer):
+        return f"existing value must be a jax.Array or numpy array, got {type(value).__name__}"
+    if isinstance(value, jax.Array) and value.is_deleted():
+        return (
+            "existing array was deleted (x.delete(), or donated to a jitted call); "
+            "pass a live array, or leave the path out to generate it"
+        )
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
+        what = (
+            "typed PRNG keys"
+            if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+            else "an extended dtype"
+        )
+        return (
+            f"existing value is an array of {what} ({value.dtype}{list(value.shape)}), "
+            f"where the plan makes a {entry.spec.dtype.name} {entry.spec.shape} array; "
+            f"pass the parameter's values, not keys"
+        )
+    return None
+
+
+def _native_dtype(dtype: Any) -> np.dtype:
+    """``dtype`` in the machine's byte order: numpy holds either, jax only native."""
+    dtype = np.dtype(dtype)
+    return dtype.newbyteorder("=") if dtype.byteorder not in "=|" else dtype
+
+
+def _native(value: Any) -> Any:
+    """``value`` with the same values in the machine's byte order (a copy if it was not)."""
+    if isinstance(value, np.ndarray) and value.dtype.byteorder not in "=|":
+        return value.astype(_native_dtype(value.dtype))
+    return value
 
 
 def split_given(plan: Plan, existing: Mapping[str, Any] | None, what: str) -> tuple[dict, Plan]:

@@ -68,7 +68,8 @@ def materialize(
         instead of generating those parameters, for example restored from a
         checkpoint; each is placed on its planned sharding. Only the rest are
         generated, with the values a full init gives them. Arrays passed here are never
-        deleted, not even on failure.
+        deleted, not even on failure. A big-endian numpy array is placed with its
+        values, in native byte order.
       max_bytes_per_call: at most this many bytes of parameters made per device by one
         compiled call (default: no bound beyond the strategy's own). Smaller bounds
         mean more, smaller executables.
@@ -86,8 +87,9 @@ def materialize(
 
     Raises:
       PlanError: (a ``ValueError``) before anything is allocated, with every problem:
-        a mesh is an ``AbstractMesh``; an ``existing`` path is not planned or its
-        array has the wrong shape or dtype; a parameter alone exceeds
+        a mesh is an ``AbstractMesh``; an ``existing`` path is not planned, or its
+        value is no array (PRNG keys, a restore target's ``ShapeDtypeStruct``) or has
+        the wrong shape or dtype; a parameter alone exceeds
         ``max_bytes_per_call``; the parameters do not fit in the free memory of a
         device that reports it (``device.memory_stats()``), naming the largest
         parameters on the worst device.
