@@ -14,7 +14,6 @@ The checkpoint is written first, from an eager model, so the script checks itsel
 Run: python examples/finetune_safetensors.py [directory]
 """
 
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -56,24 +55,25 @@ class Llama(nnx.Module):
             self.head = nnx.Linear(D, classes, kernel_init=head, rngs=rngs)
 
 
-# nnx path -> Hugging Face tensor: names, (out, in) -> (in, out), q stored flat
-HF = {"up.kernel": "mlp.up_proj", "down.kernel": "mlp.down_proj"}
-
-
-def hf_names(path):
-    if path == "embed.embedding":
-        return "model.embed_tokens.weight"
-    found = re.fullmatch(r"layers\.(\d+)\.(.*)", path)
-    if found is None:
-        return None  # the head: not in the files
-    layer, rest = found.groups()
-    prefix = f"model.layers.{layer}"
-    if rest == "q":  # (heads * head_dim, embed) -> (embed, heads, head_dim)
-        name = f"{prefix}.self_attn.q_proj.weight"
-        return Tensor(name, shape=(HEADS, HEAD_DIM, D), permute=(2, 0, 1))
-    if rest == "norm.scale":
-        return f"{prefix}.input_layernorm.weight"
-    return Tensor(f"{prefix}.{HF[rest]}.weight", permute=(1, 0))
+# nnx path -> Hugging Face tensor: the first rule that matches the whole path wins,
+# and \1, \2 in a name are its groups. The MLP is stored (out, in), q flat.
+HF_NAMES = [
+    (r"embed\.embedding", "model.embed_tokens.weight"),
+    (  # (heads * head_dim, embed) -> (embed, heads, head_dim)
+        r"layers\.(\d+)\.q",
+        Tensor(
+            r"model.layers.\1.self_attn.q_proj.weight",
+            shape=(HEADS, HEAD_DIM, D),
+            permute=(2, 0, 1),
+        ),
+    ),
+    (
+        r"layers\.(\d+)\.(up|down)\.kernel",
+        Tensor(r"model.layers.\1.mlp.\2_proj.weight", permute=(1, 0)),
+    ),
+    (r"layers\.(\d+)\.norm\.scale", r"model.layers.\1.input_layernorm.weight"),
+    (r"head\..*", None),  # the new head: not in the files, made by the init
+]
 
 
 def write_checkpoint(directory: Path) -> dict[str, np.ndarray]:
@@ -109,7 +109,7 @@ def main(directory: Path) -> None:
         return Llama(nnx.Rngs(0), classes=10)
 
     plan = meshinit.nnx.plan(factory, meshes=stages)
-    loaded = meshinit.safetensors.load(plan, directory, names=hf_names, missing="skip")
+    loaded = meshinit.safetensors.load(plan, directory, names=HF_NAMES)
     model = meshinit.nnx.init(factory, meshes=stages, existing=loaded)
 
     assert set(loaded) == {e.path for e in plan.entries} - {"head.kernel", "head.bias"}

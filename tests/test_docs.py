@@ -364,6 +364,7 @@ SCRIPT_PAGES = {
     "linen.md": 3,
     "equinox.md": 1,
     "checkpoints.md": 1,
+    "pretrained.md": 2,
 }
 
 
