@@ -72,10 +72,11 @@ class Source:
     """A stored tensor memory-mapped, viewed as the parameter: the reshape and the
     transpose are views, so a block touches only its own bytes. The mapped pages are
     released (``MADV_DONTNEED``; they stay in the page cache) once blocks of
-    ``RELEASE_BYTES`` have been read since the last release, and after the last block,
-    so the file's bytes never count much in this process's memory. Not after every
-    block: the kernel maps a block's neighbours with it, and a block's release would
-    drop the next block's pages too (measured: 1.3x the load's time)."""
+    ``RELEASE_BYTES`` have been read since the last release, and unmapped with the
+    source after the tensor's last block, so the file's bytes never count much in this
+    process's memory. Not after every block: the kernel maps a block's neighbours with
+    it, and a block's release would drop the next block's pages too (measured: 1.3x
+    the load's time)."""
 
     def __init__(self, job: Job, f: Any):
         stored = job.stored
@@ -105,9 +106,9 @@ class Source:
         dtype = self.job.entry.spec.dtype
         return block if block.dtype == dtype else cast(block, dtype, self.job)
 
-    def release(self, last: bool = False) -> None:
-        """Drops the mapped pages if enough were read since the last time, or ``last``."""
-        if self._read >= RELEASE_BYTES or (last and self._read):
+    def release(self) -> None:
+        """Drops the mapped pages if enough were read since the last time."""
+        if self._read >= RELEASE_BYTES:
             self._read = 0
             if self._map is not None and hasattr(self._map, "madvise"):
                 self._map.madvise(mmap.MADV_DONTNEED)
@@ -161,7 +162,6 @@ def array(entry: PlanEntry, source: Source) -> jax.Array:
                 first = shards[-1]
             del block, first
             source.release()
-        source.release(last=True)
         # dtype: a process whose devices hold none of it passes no shards to tell it
         return jax.make_array_from_single_device_arrays(
             shape, sharding, shards, dtype=entry.spec.dtype
