@@ -119,24 +119,9 @@ def _parse_placements(placements: Any) -> tuple[list[_Placement], list[Problem]]
             )
             continue
         regex, axes, mesh, memory_kind = (*p, None, None, None)[:4]
-        if isinstance(regex, re.Pattern):
-            pattern = regex
-        elif isinstance(regex, str):
-            try:
-                pattern = re.compile(regex)
-            except re.error as e:
-                problems.append(
-                    Problem("", f"placements[{i}]: regex {regex!r} does not compile: {e}")
-                )
-                continue
-        else:
-            problems.append(
-                Problem(
-                    "",
-                    f"placements[{i}]: the regex must be a str or re.Pattern, got "
-                    f"{type(regex).__name__} {regex!r}",
-                )
-            )
+        pattern = _adapters.compile_regex(f"placements[{i}]", regex)
+        if isinstance(pattern, Problem):
+            problems.append(pattern)
             continue
         parsed.append(_Placement(i, pattern, axes, mesh, memory_kind))
     return parsed, problems

@@ -69,6 +69,20 @@ def unconstrained_problem(path: str, entries: Sequence[Any], where: str) -> Prob
     )
 
 
+def compile_regex(where: str, regex: Any) -> re.Pattern[str] | Problem:
+    """A pattern table's regex (``meshes[2]``, ``names[0]``, ...) compiled, or the
+    problem that says why it cannot be."""
+    if isinstance(regex, re.Pattern):
+        return regex
+    if not isinstance(regex, str):
+        kind = type(regex).__name__
+        return Problem("", f"{where}: the regex must be a str or re.Pattern, got {kind} {regex!r}")
+    try:
+        return re.compile(regex)
+    except re.error as e:
+        return Problem("", f"{where}: regex {regex!r} does not compile: {e}")
+
+
 def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
     """The adapters' ``meshes=``: ordered ``(regex, mesh)`` pairs, compiled; every
     malformed pair is one problem of a single :class:`PlanError`."""
@@ -93,17 +107,10 @@ def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
                     f"got {type(where).__name__}",
                 )
             )
-        elif isinstance(regex, re.Pattern):
-            parsed.append((regex, where))
-        elif not isinstance(regex, str):
-            problems.append(
-                Problem("", f"meshes[{i}]: the regex must be a str or re.Pattern, got {regex!r}")
-            )
+        elif isinstance(pattern := compile_regex(f"meshes[{i}]", regex), Problem):
+            problems.append(pattern)
         else:
-            try:
-                parsed.append((re.compile(regex), where))
-            except re.error as e:
-                problems.append(Problem("", f"meshes[{i}]: regex {regex!r} does not compile: {e}"))
+            parsed.append((pattern, where))
     if problems:
         raise PlanError(problems, header="meshes= is malformed:")
     return parsed

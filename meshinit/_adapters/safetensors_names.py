@@ -141,17 +141,11 @@ def _rules(names: Sequence[Any]) -> list[_Rule]:
                 )
             )
             continue
-        if isinstance(regex, re.Pattern):
-            rules.append(_Rule(i, regex, target))
-        elif not isinstance(regex, str):
-            problems.append(
-                Problem("", f"names[{i}]: the regex must be a str or re.Pattern, got {regex!r}")
-            )
+        pattern = common.compile_regex(f"names[{i}]", regex)
+        if isinstance(pattern, Problem):
+            problems.append(pattern)
         else:
-            try:
-                rules.append(_Rule(i, re.compile(regex), target))
-            except re.error as e:
-                problems.append(Problem("", f"names[{i}]: regex {regex!r} does not compile: {e}"))
+            rules.append(_Rule(i, pattern, target))
     if problems:
         raise PlanError(problems, header="names= is malformed:")
     return rules
