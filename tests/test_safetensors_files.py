@@ -384,3 +384,10 @@ def test_an_interrupt_mid_load_leaves_nothing_alive_while_the_exception_is_held(
     assert held.value.__traceback__ is not None  # held, as a notebook holds it
     assert len(made) == 13 and all(a.is_deleted() for a in made)
     assert blocks and all(b() is None for b in blocks)
+
+
+def test_without_the_safetensors_package_the_error_says_how_to_install_it(tmp_path, monkeypatch):
+    save_file({"a": np.ones(4, np.float32)}, str(tmp_path / "m.safetensors"))
+    monkeypatch.setitem(__import__("sys").modules, "safetensors", None)
+    with pytest.raises(ImportError, match=r"pip install 'meshinit\[safetensors\]'"):
+        st.load(plan_for({"a": (4,)}), tmp_path)

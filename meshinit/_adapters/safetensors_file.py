@@ -331,7 +331,13 @@ def _tiling(tensors: list[Stored], data_start: int, data_size: int) -> list[str]
 def _package_agrees(path: pathlib.Path, tensors: Mapping[str, Stored]) -> list[str]:
     """The ``safetensors`` package's own verdict on the file, and its reading of the
     names, dtypes and shapes, which must be meshinit's."""
-    from safetensors import safe_open
+    try:
+        from safetensors import safe_open
+    except ImportError as e:
+        raise ImportError(
+            "meshinit.safetensors checks every file with the safetensors package: "
+            "pip install 'meshinit[safetensors]'"
+        ) from e
 
     try:
         f: Any = safe_open(str(path), framework="numpy")  # its mapping goes with f
