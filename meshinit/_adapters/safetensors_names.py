@@ -166,7 +166,6 @@ def targets(
     Mapping or rule table against the paths. A path that a Mapping lacks or that no
     rule matches is looked up under its own name, as with ``names=None``; a rule that
     matches no path is an :class:`~meshinit.UnusedPatternWarning`."""
-    out: dict[str, Tensor | None] = {}
     problems: list[Problem] = []
     if names is None:
         return {p: Tensor(p) for p in paths}, []
@@ -221,5 +220,4 @@ def targets(
             f"target must be a tensor name, a meshinit.safetensors.Tensor, or None for a "
             f"path the files do not hold"
         )
-    out = {p: t for p, t in found.items() if not isinstance(t, str)}
-    return out, problems
+    return {p: t for p, t in found.items() if not isinstance(t, str)}, problems

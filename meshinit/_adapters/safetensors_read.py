@@ -9,6 +9,7 @@ hold, each once, as views of the file (no copy where no cast is needed).
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import pathlib
@@ -81,7 +82,7 @@ class Source:
     def __init__(self, job: Job, f: Any):
         stored = job.stored
         stored_dtype = _file.READABLE[stored.dtype]
-        count = int(np.prod(stored.shape))
+        count = math.prod(stored.shape)
         self._map: mmap.mmap | None = None
         if stored.nbytes == 0:  # no bytes to map (an empty tensor at the end of the file)
             flat = np.zeros(count, stored_dtype)
