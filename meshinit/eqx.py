@@ -248,6 +248,16 @@ def _prepare(
     )
     specs, problems = _specs_from_placements(abstract, placements, mesh, rules, what)
     plan_ = build_plan(specs, check_inits=False, problems=problems)
+    # A leaf placed with axes None is replicated, spelled as jax spells a replicated
+    # array on its mesh: P() under Auto axes (jax.jit's outputs, NamedSharding(mesh,
+    # P())), one None per dimension where an axis is Explicit (the sharding is then
+    # part of the type, and every computed array carries it so), so == holds both ways.
+    replicated = {
+        e.path: 0
+        for e in plan_.entries
+        if e.spec.axes is None and jax.sharding.AxisType.Explicit not in e.mesh.axis_types
+    }
+    plan_ = _adapters.respell(plan_, replicated)
     flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
     arrays = [_paths.path_str(kp) for kp, leaf in flat if isinstance(leaf, jax.ShapeDtypeStruct)]
     position = {path: i for i, path in enumerate(arrays)}

@@ -203,11 +203,11 @@ def _prepare(
     plan = _planner.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
     )
-    # flax's spelling (nn.logical_to_mesh_sharding: one entry per name), so == holds
+    # flax's spelling (nn.logical_to_mesh_sharding of nn.get_partition_spec): one entry
+    # per name of a box, none for a leaf without one (P()), so == holds
     lengths = {
-        _paths.path_str(k): len(leaf.names)
+        _paths.path_str(k): len(leaf.names) if isinstance(leaf, meta.Partitioned) else 0
         for k, leaf in flat
-        if isinstance(leaf, meta.Partitioned)
     }
     plan = _adapters.respell(plan, lengths)
     outputs = [outputs_of[e.path] for e in plan.entries]

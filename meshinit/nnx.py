@@ -251,11 +251,13 @@ def _prepare_here(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> 
     # back to its metadata, the context mesh or the default device), likely a typo.
     _adapters.warn_idle_meshes(what, patterns, [_path(p) for p in paths])
     plan = _planner.build_plan(_nest(specs), check_inits=False, problems=problems)
-    # flax's spelling of each annotated spec (nnx.get_partition_spec), so == holds
+    # flax's spelling (nnx.get_named_sharding of the abstract state), so == holds: as
+    # many entries as the annotation has, and P() for a Variable without one. Typed
+    # keys keep the key array's rank, the only spelling jax gives a key array.
     lengths = {  # flax's pspec is None only for a Variable without a shape
         _path(p): len(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(by_path[p])))
         for p in specs
-        if p not in keys and _nnx_meta.has_sharding(by_path[p].get_metadata())
+        if p not in keys
     }
     plan = _adapters.respell(plan, lengths)
     position = {_path(p): i for i, p in enumerate(paths)}

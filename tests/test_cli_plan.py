@@ -174,7 +174,7 @@ def test_ordinary_nnx_code_is_planned_without_calling_it(capsys, new_arrays, vie
         assert list(specs) == [*NNX_PATHS, "head"]  # nnx paths, as meshinit.nnx.init's
         assert specs["blocks.1.up.kernel"] == (0, ["fsdp", "tensor"])
         assert specs["blocks.2.down.kernel"] == (0, ["tensor", "fsdp"])
-        assert specs["blocks.0.norm.scale"] == (0, [None])  # no metadata: replicated
+        assert specs["blocks.0.norm.scale"] == (0, [])  # no metadata: replicated, P()
         assert specs["head"] == (1, [None, "tensor"])  # its own mesh=
     else:
         heads = [line for line in out.splitlines() if line.startswith("mesh ")]

@@ -124,8 +124,8 @@ def test_nnx_meshes_split_an_unchanged_model_into_disjoint_stages(explicit):
         assert array.sharding.mesh == on, path
         assert_close(array, want[path], path)
     assert got["layers.3.q"].sharding == NamedSharding(stage1, P("fsdp", "tensor"))
-    # no sharding metadata (the RMSNorm scale): replicated on its stage
-    assert got["layers.0.norm.scale"].sharding == NamedSharding(stage0, P(None))
+    # no sharding metadata (the RMSNorm scale): replicated on its stage, spelled P()
+    assert got["layers.0.norm.scale"].sharding == NamedSharding(stage0, P())
 
 
 def test_an_empty_partition_spec_keeps_the_variable_mesh_and_mesh_alone_replicates():
@@ -139,7 +139,7 @@ def test_an_empty_partition_spec_keeps_the_variable_mesh_and_mesh_alone_replicat
     with jax.set_mesh(stage0):
         model = meshinit.nnx.init(Norms)
     assert model.q_norm.get_value().sharding == NamedSharding(stage1, P())  # flax's spelling
-    assert model.k_norm.get_value().sharding == NamedSharding(stage1, P(None))  # no annotation
+    assert model.k_norm.get_value().sharding == NamedSharding(stage1, P())  # no annotation
 
 
 def test_set_mesh_inside_the_factory_says_what_to_do_instead():
@@ -457,7 +457,7 @@ def test_what_cannot_be_cut_falls_back_with_a_warning_saying_why_and_what_to_do(
     assert any("odd.0, odd.1, odd.2, odd.3" in m for m in debug), debug  # every path
     for i in range(4):
         np.testing.assert_array_equal(np.asarray(model.odd[i].get_value()), np.full((64, 64), 6.0))
-        assert model.odd[i].get_value().sharding == NamedSharding(mesh, P(None, None))
+        assert model.odd[i].get_value().sharding == NamedSharding(mesh, P())
     want = eager(lambda: Model(nnx.Rngs(0)))
     assert_close(model.w.get_value(), want["w"], "w")
 

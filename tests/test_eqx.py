@@ -217,14 +217,22 @@ MLP_PLACEMENTS = [
     (r"layers\.1\.weight", (None, "tensor")),
     (r"layers\.\d+\.(weight|bias)", None),
 ]
-MLP_SPECS = {
+MLP_SPECS = {  # on an Auto mesh
     "layers.0.weight": P("tensor", None),
     "layers.0.bias": P("tensor"),
     "layers.1.weight": P(None, "tensor"),
-    "layers.1.bias": P(None),
-    "layers.2.weight": P(None, None),
-    "layers.2.bias": P(None),
+    # a None placement replicates, spelled as jax spells a replicated array: P() on an
+    # Auto mesh, one None per dimension on an Explicit one (see replicated_spec)
+    "layers.1.bias": P(),
+    "layers.2.weight": P(),
+    "layers.2.bias": P(),
 }
+
+
+def replicated_spec(mesh, ndim):
+    """How jax spells a replicated array on ``mesh``: what a jit gives back."""
+    explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+    return P(*([None] * ndim)) if explicit else P()
 
 
 def assert_same_values(got, want):
@@ -263,6 +271,8 @@ def test_init_places_an_existing_constructor_exactly_with_its_own_values(kind, e
     placed = by_path(out)
     assert sorted(placed) == sorted(MLP_SPECS)
     for path, spec in MLP_SPECS.items():
+        if spec == P():
+            spec = replicated_spec(mesh, placed[path].ndim)
         assert_placed(placed[path], mesh, spec, path)
     eager = mlp(jax.random.key(key) if isinstance(key, int) else key)
     assert_same_values(out, eager)
@@ -286,7 +296,7 @@ def test_init_on_disjoint_submeshes_with_per_placement_meshes(context):
         out = meshinit.eqx.init(mlp, jax.random.key(1), placements, mesh=first)
     placed = by_path(out)
     assert_placed(placed["layers.0.weight"], first, P("fsdp", "tensor"), "layers.0.weight")
-    assert_placed(placed["layers.1.bias"], first, P(None), "layers.1.bias")
+    assert_placed(placed["layers.1.bias"], first, P(), "layers.1.bias")
     assert_placed(placed["layers.2.weight"], last, P("tensor", "fsdp"), "layers.2.weight")
     assert_placed(placed["layers.2.bias"], last, P("tensor"), "layers.2.bias")
     assert {d.id for d in placed["layers.0.weight"].devices()} == {0, 1, 2, 3}
@@ -305,7 +315,7 @@ def test_first_matching_placement_wins():
     a = meshinit.eqx.init(linear, 0, [specific, general], mesh=mesh)
     b = meshinit.eqx.init(linear, 0, [general, specific], mesh=mesh)
     assert_placed(a.weight, mesh, P("tensor", "fsdp"), "weight")
-    assert_placed(a.bias, mesh, P(None), "bias")
+    assert_placed(a.bias, mesh, P(None), "bias")  # an Explicit mesh: jax's full-rank spelling
     assert_placed(b.weight, mesh, P(None, None), "weight")
     assert np.array_equal(a.weight, b.weight)
 

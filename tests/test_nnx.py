@@ -120,8 +120,9 @@ def test_disjoint_submeshes_with_random_init_equal_eager_construction(explicit):
     ]:
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want.get_value()))
     # Unannotated Variables are replicated on the context mesh.
-    assert model.plain.get_value().sharding == NamedSharding(context, P(None))
-    assert model.first.bias.get_value().sharding == NamedSharding(context, P(None))
+    # (spelled P(), as nnx.get_named_sharding says)
+    assert model.plain.get_value().sharding == NamedSharding(context, P())
+    assert model.first.bias.get_value().sharding == NamedSharding(context, P())
 
 
 def test_unannotated_variables_go_to_the_default_device_without_a_context():
