@@ -260,6 +260,11 @@ def _prepare_here(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> 
         if p not in keys
     }
     plan = _adapters.respell(plan, lengths)
+    # names resolved through logical axis rules: without the mesh axes of size 1, as
+    # MaxText's own nnx init and jax's sharding types spell them
+    plan = _adapters.drop_unit_axes(
+        plan, [_path(p) for p, s in specs.items() if "logical" in s.metadata]
+    )
     position = {_path(p): i for i, p in enumerate(paths)}
     outputs = [position[e.path] for e in plan.entries]
     return _Prepared(plan, traced, outputs, graphdef, flat, specs, keys)

@@ -193,3 +193,38 @@ def test_eqx_none_placement_is_spelled_as_jax_spells_a_replicated_array(kind):
     jitted = jax.jit(lambda b: b + 0)(jitted)
     assert linear.bias.sharding == jitted.sharding, (linear.bias.sharding, jitted.sharding)
     assert linear.weight.sharding == NamedSharding(mesh, P("fsdp", None))
+
+
+class Logical(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w = nnx.Param(init(rngs.params(), (16, 8)), out_sharding=("embed", "mlp"))
+        self.direct = nnx.Param(init(rngs.params(), (16, 8)), out_sharding=("fsdp", "context"))
+
+
+@KINDS
+def test_nnx_names_resolved_by_rules_leave_out_mesh_axes_of_size_1_as_maxtext_does(kind):
+    # MaxText's rules list several mesh axes per logical name, most of size 1 on a
+    # given mesh; its own nnx init (and jax's sharding types) leave those out.
+    devices = np.array(jax.devices()).reshape(2, 4, 1, 1)
+    names = ("fsdp", "tensor", "context", "stage")
+    mesh = jax.sharding.Mesh(devices, names, axis_types=(kind,) * 4)
+    rules = (("embed", ("fsdp", "context")), ("mlp", ("tensor", "stage")))
+    with jax.set_mesh(mesh):
+        model = meshinit.nnx.init(lambda: Logical(nnx.Rngs(0)), rules=rules)
+        plan = meshinit.nnx.plan(lambda: Logical(nnx.Rngs(0)), rules=rules)
+    assert model.w.get_value().sharding == NamedSharding(mesh, P("fsdp", "tensor"))
+    assert plan.entries[1].path == "w" and plan.entries[1].sharding.spec == P("fsdp", "tensor")
+    # under rules, every name is resolved as MaxText resolves it: a mesh axis passes
+    # through, and one of size 1 is left out the same way
+    assert model.direct.get_value().sharding == NamedSharding(mesh, P("fsdp", None))
+    # without rules, the metadata is the user's own spelling, as flax keeps it
+    with jax.set_mesh(mesh):
+        direct = meshinit.nnx.init(lambda: Direct(nnx.Rngs(0)))
+    assert direct.direct.get_value().sharding == NamedSharding(mesh, P("fsdp", "context"))
+
+
+class Direct(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.direct = nnx.Param(init(rngs.params(), (16, 8)), out_sharding=("fsdp", "context"))

@@ -197,8 +197,45 @@ def respell(plan: Plan, lengths: Mapping[str, int]) -> Plan:
         spec = tuple(e.sharding.spec)
         if n is None or n >= len(spec) or any(x is not None for x in spec[n:]):
             continue
-        sharding = NamedSharding(e.mesh, PartitionSpec(*spec[:n]))
+        sharding = NamedSharding(
+            e.mesh, PartitionSpec(*spec[:n]), memory_kind=e.sharding.memory_kind
+        )
         new[id(e)] = dataclasses.replace(e, sharding=sharding)
+    return _replace_entries(plan, new)
+
+
+def drop_unit_axes(plan: Plan, paths: Iterable[str]) -> Plan:
+    """``plan`` with the mesh axes of size 1 left out of the specs of ``paths``.
+
+    A logical name whose rule lists several mesh axes (MaxText's ``embed`` ->
+    ``fsdp, fsdp_transpose, context, ...``) resolves to all of them, and most have
+    size 1 on a given mesh. MaxText's own nnx init, as jax's sharding types, spells
+    the spec without them (``P(("fsdp", "context"), "stage")`` on a mesh where only
+    ``fsdp`` is larger than 1 is ``P("fsdp", None)``). An axis of size 1 splits
+    nothing, so the placement is the same.
+    """
+    new: dict[int, Any] = {}
+    wanted = set(paths)
+    for e in plan.entries:
+        if e.path not in wanted:
+            continue
+        sizes = dict(e.mesh.shape)
+        spec = tuple(
+            x if x is None else tuple(a for a in _axis_tuple(x) if sizes.get(a, 1) != 1)
+            for x in e.sharding.spec
+        )
+        if PartitionSpec(*spec) == e.sharding.spec:
+            continue
+        sharding = NamedSharding(e.mesh, PartitionSpec(*spec), memory_kind=e.sharding.memory_kind)
+        new[id(e)] = dataclasses.replace(e, sharding=sharding)
+    return _replace_entries(plan, new)
+
+
+def _axis_tuple(x: Any) -> tuple[str, ...]:
+    return tuple(x) if isinstance(x, tuple) else (x,)
+
+
+def _replace_entries(plan: Plan, new: Mapping[int, Any]) -> Plan:
     if not new:
         return plan
     entries = tuple(new.get(id(e), e) for e in plan.entries)
