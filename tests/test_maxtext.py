@@ -22,6 +22,7 @@ maxtext = pytest.importorskip(
     "maxtext", reason="MaxText is not installed (it needs Python 3.12 and jax >= 0.11.1)"
 )
 
+import conformance  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -132,9 +133,9 @@ def maxtext_nnx_init(config, mesh):
     return maxtext_utils_nnx.create_nnx_sharded_model(abstract, create, mesh=mesh)
 
 
-@LAYOUTS
-def test_nnx_transformer_matches_maxtext_init_on_every_leaf(scan_layers):
-    config = tiny_config(scan_layers)
+@conformance.parametrize("maxtext", "shardings", "values", "metadata", case="nnx-.*")
+def test_nnx_transformer_matches_maxtext_init_on_every_leaf(row):
+    config = tiny_config(row.case.endswith("-scanned"))
     mesh = maxtext_mesh(config)
     factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
     with warnings.catch_warnings(record=True) as caught:
@@ -206,9 +207,9 @@ def linen_leaves(variables) -> tuple[dict, dict]:
     return arrays, boxes
 
 
-@LAYOUTS
-def test_linen_transformer_matches_maxtext_init_on_every_leaf(scan_layers):
-    config = tiny_config(scan_layers)
+@conformance.parametrize("maxtext", "shardings", "values", "metadata", case="linen-.*")
+def test_linen_transformer_matches_maxtext_init_on_every_leaf(row):
+    config = tiny_config(row.case.endswith("-scanned"))
     mesh = maxtext_mesh(config)
     model, args, kwargs = linen_model_and_inputs(config, mesh)
     key, keys = linen_keys(config)
@@ -263,3 +264,9 @@ def test_init_compiles_as_many_executables_at_3_and_6_layers(
         counts[layers] = compiled.count
     assert counts[3] > 0, "a cold init compiled nothing: the compile counter is not counting"
     assert len(set(counts.values())) == 1, f"executables compiled, by depth: {counts}"
+
+
+def test_every_conformance_cell_claimed_for_maxtext_is_checked_here():
+    assert conformance.claimed("maxtext"), "tests/conformance.py claims nothing for MaxText"
+    missing = conformance.unchecked("maxtext")
+    assert not missing, f"claimed in tests/conformance.py but run by no test: {missing}"

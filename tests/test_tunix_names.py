@@ -5,7 +5,7 @@ whose transforms are ``(permute, reshape)``, transpose first. The same checkpoin
 read by tunix's loader and by ``meshinit.safetensors.load`` through the rule table
 that ``docs/pretrained.md`` derives from tunix's, must give every parameter of
 tunix's own model bit for bit, on the same shardings. Skipped where tunix is not
-installed (it is not a dependency); run it with::
+installed (it is not a dependency); ``.ci/run`` runs it in ``.venv-tunix``, or::
 
     python3.12 -m venv /work/tunix312
     /work/tunix312/bin/pip install google-tunix==0.1.7 safetensors
@@ -18,27 +18,15 @@ import pytest
 pytest.importorskip("tunix")
 
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import tunix_models as tm  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
-from tunix.models.llama3 import model as llama  # noqa: E402
 from tunix.models.llama3 import params as llama_params  # noqa: E402
 from tunix.utils.mesh import create_mesh  # noqa: E402
 
 import meshinit  # noqa: E402
 from meshinit.safetensors import Tensor  # noqa: E402
 
-CONFIG = llama.ModelConfig(
-    num_layers=2,
-    vocab_size=256,
-    embed_dim=64,
-    hidden_dim=128,
-    num_heads=8,
-    head_dim=16,
-    num_kv_heads=4,
-    rope_theta=500_000,
-    norm_eps=1e-5,
-    weight_tying=False,  # a separate lm_head: one more transposed tensor
-)
+CONFIG = tm.LLAMA3  # weight_tying=False: a separate lm_head, one more transposed tensor
 D, HEAD_DIM, HEADS = CONFIG.embed_dim, CONFIG.head_dim, CONFIG.num_heads
 
 # tunix's table read the other way round: plan path -> Hugging Face tensor. Where
@@ -105,12 +93,8 @@ def hf_checkpoint(directory):
     return tensors
 
 
-def factory():
-    return llama.Llama3(CONFIG, rngs=nnx.Rngs(params=0))
-
-
-def flat(model):
-    return {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
+factory = tm.llama3_model
+flat = tm.arrays
 
 
 @pytest.mark.slow
