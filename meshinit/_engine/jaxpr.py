@@ -266,7 +266,10 @@ def _unplaced(x: Any) -> Any:
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return x
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        data = np.asarray(jax.random.key_data(x))
+        # a key constant (one made outside the factory, of an implementation the host
+        # part cannot pass in) read inside a program's trace: its data stays concrete
+        with jax.ensure_compile_time_eval():
+            data = np.asarray(jax.random.key_data(x))
         # jax accepts a numpy array here; its annotation says Array
         return jax.random.wrap_key_data(cast(jax.Array, data), impl=jax.random.key_impl(x))
     return np.asarray(x)
