@@ -2,16 +2,28 @@
 
 Hypothesis draws small constructors (2-6 variables) out of jax's random functions and
 initializers, key chains, scalars of every Python, numpy and jax kind, shared jitted
-helpers, control flow, remat and stacking, in several dtypes, with some variables
-sharded on meshes of the 8 simulated CPU devices. Each drawn constructor is written as
-ordinary flax nnx, flax linen and equinox code, and what the engine builds is compared
-with the same code run eagerly and under ``jax.jit``:
+helpers, control flow, remat and stacking, in several dtypes and shapes (narrow last
+dimensions of 1 to 8 included), with some variables sharded on meshes of the 8
+simulated CPU devices, in memory kinds, or moved to a stage mesh by ``meshes=`` (made
+inside a loop or branch, under a context mesh of another size). Each drawn constructor
+is written as ordinary flax nnx, flax linen and equinox code, and built under a drawn
+jax configuration (:class:`Config`: ``jax_threefry_partitionable``,
+``jax_enable_x64``, the default PRNG implementation, and meshinit's host bound, low
+in most examples, so that most variables go through the compiled programs); an nnx
+constructor is sometimes built a second time with partitionable threefry flipped. What
+the engine builds is compared with the same code run eagerly and under ``jax.jit``,
+under the same configuration:
 
 * every output lands exactly where the adapter's own ``plan(...)`` says, by path, and
-  the plan says what the code's annotations (or placements) say;
+  the plan says what the code's annotations (or placements) say, memory kinds included;
 * values follow :func:`assert_matches`: bit-identical to ``jax.jit`` of the same
   construction, else within a stated tolerance of eager construction; integers, bools
-  and PRNG keys are always bit-identical to eager.
+  and PRNG keys are always bit-identical to eager;
+* where an adapter refuses the configuration (linen and equinox take the key as an
+  argument and refuse one whose values would depend on the sharding: rbg, unsafe_rbg,
+  threefry without partitionable), plan and init both raise its ValueError; where the
+  engine falls back (a closed-over key of another implementation than threefry), it
+  warns its documented reason and the values still keep the contract.
 
 ``MESHINIT_FUZZ_EXAMPLES=N`` sets the total number of drawn constructors across the
 three frameworks (default 200, what CI runs); the draws are derandomized, so a run is
@@ -44,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
+from meshinit._engine import trace as _trace
 
 EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", "200"))
 
@@ -299,7 +312,40 @@ class Var:
     vary: bool = False  # its scalars change with the layer index
     axes: tuple | None = None  # mesh axes per dimension; None: no annotation
     mesh: str = "ab"
-    memory: str | None = None  # an equinox placement's memory kind
+    memory: str | None = None  # its memory kind (nnx metadata, an equinox placement)
+    memory_even: bool = False  # in that memory in even layers only (odd: the default)
+
+    def memory_in(self, layer: int) -> str | None:
+        """Its memory kind in layer ``layer`` (None where unannotated: nothing asks)."""
+        if self.axes is None or (self.memory_even and layer % 2):
+            return None
+        return self.memory
+
+
+THREEFRY = "threefry2x32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """jax's configuration that changes bits, and meshinit's host bound, for one init
+    and its references (:func:`configured`)."""
+
+    partitionable: bool = True  # jax_threefry_partitionable
+    x64: bool = False  # jax_enable_x64
+    prng_impl: str = THREEFRY  # jax_default_prng_impl
+    host_eval_bytes: int | None = None  # meshinit.options(host_eval_bytes=); None: 16 KiB
+
+
+@contextlib.contextmanager
+def configured(config: Config) -> Iterator[None]:
+    """``config`` in force for a block, with jax's own context managers: jax's previous
+    configuration is back afterwards, also when the block fails."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.threefry_partitionable(config.partitionable))
+        stack.enter_context(jax.enable_x64(config.x64))
+        stack.enter_context(jax.default_prng_impl(config.prng_impl))
+        stack.enter_context(meshinit.options(host_eval_bytes=config.host_eval_bytes))
+        yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +354,8 @@ class Constructor:
     layers: int = 1
     seed: int = 0
     framework: tuple = ()  # (name, value) options of one framework's spelling
+    config: Config = Config()
+    again: Config | None = None  # a second configuration the same code is built under
 
     def option(self, name: str) -> Any:
         return dict(self.framework).get(name)
@@ -804,6 +852,11 @@ def op_lists(draw, dtype: str, leaf: Leaf) -> tuple:
     return tuple(drawn)
 
 
+NARROW = st.integers(1, 8)
+"""A narrow last dimension: where jax 0.12 rounded a per-variable program differently
+from eager construction (``lecun_normal`` at ``(N, 4)``)."""
+
+
 def _axes_for(draw, shape: tuple[int, ...], mesh: Mesh) -> tuple:
     free = list(mesh.axis_names)
     axes = []
@@ -820,7 +873,7 @@ def variables(draw, name: str, mesh_names: tuple[str, ...], linear: bool) -> Var
     mesh = draw(st.sampled_from(mesh_names))
     placed = draw(st.booleans())
     if linear and draw(st.integers(0, 5)) == 0:  # a framework layer: nnx.Linear, nn.Dense
-        shape = (draw(st.sampled_from([8, 16])), draw(st.sampled_from([8, 16])))
+        shape = (draw(st.sampled_from([8, 16])), draw(st.sampled_from([8, 16]) | NARROW))
         init = draw(st.sampled_from(LINEAR_INITS))
         dtype = "float32" if init == "orthogonal" else draw(st.sampled_from(FLOATS))  # QR
         leaf = Leaf("linear", dtype, (init, draw(st.booleans())))
@@ -834,9 +887,11 @@ def variables(draw, name: str, mesh_names: tuple[str, ...], linear: bool) -> Var
         wrapper = draw(st.sampled_from(STACKED))
     dims = st.sampled_from([8, 16])
     inner = tuple(draw(st.lists(dims, min_size=1, max_size=2)))
+    if draw(st.integers(0, 2)) == 0:  # a narrow last dimension (a few heads, a gate)
+        inner = (*inner[:-1], draw(NARROW))
     size = draw(st.integers(0, 11))
-    if size == 0:
-        inner = (64, 128)  # 32 KiB in float32: above the host part's 16 KiB
+    if size == 0:  # above the host part's default 16 KiB in float32
+        inner = draw(st.sampled_from([(64, 128), (1024, 5), (2048, 4)]))
     elif size == 1:
         inner = ()  # a scalar variable
     stack = draw(st.sampled_from([2, 4])) if wrapper in STACKED else 1
@@ -857,23 +912,71 @@ def variables(draw, name: str, mesh_names: tuple[str, ...], linear: bool) -> Var
     )
 
 
+LOW_HOST_BOUND = 64
+"""The host bound of most examples (``meshinit.options(host_eval_bytes=...)``): every
+key array the constructors draw (at most 7 threefry keys, from equinox's split per
+variable) stays on the host, and every variable of more than 64 bytes goes through the
+compiled programs. Not lower: a slice that hashes a key twice in a row with meshinit's
+straight-line threefry (``split(split(k)[1])``) took over 15 minutes to compile on
+jaxlib 0.12.0.1 (under a second on 0.10.2)."""
+
+MEMORIES = ("pinned_host", "unpinned_host", "device")
+"""The memory kinds of jax's CPU devices (``jax.devices()[0].addressable_memories()``)."""
+
+
+@st.composite
+def configs(draw, refusing: bool) -> Config:
+    """jax's configuration for one init; ``refusing``: the framework's adapter refuses a
+    key implementation other than threefry and unpartitionable threefry (linen, eqx),
+    so those are drawn less often."""
+    rare = st.sampled_from([True] + [False] * (5 if refusing else 2))
+    impls = st.sampled_from(["rbg", "unsafe_rbg"])
+    return Config(
+        partitionable=not draw(rare),
+        x64=draw(st.sampled_from([False, False, True])),
+        prng_impl=draw(impls) if draw(rare) else THREEFRY,
+        host_eval_bytes=draw(st.sampled_from([LOW_HOST_BOUND] * 3 + [None])),
+    )
+
+
 @st.composite
 def constructors(
-    draw, mesh_names: tuple[str, ...], linear: bool = True, **framework: st.SearchStrategy
+    draw,
+    mesh_names: tuple[str, ...],
+    linear: bool = True,
+    memory: bool = False,
+    refusing: bool = False,
+    **framework: st.SearchStrategy,
 ) -> Constructor:
-    """2-6 variables in all (per layer, times 1-3 layers), and one framework's options."""
+    """2-6 variables in all (per layer, times 1-3 layers; 7 with a twin), one framework's
+    options, and jax's configuration. ``memory``: the framework places variables in
+    memory kinds; ``refusing``: as for :func:`configs`."""
     layers = draw(st.sampled_from([1, 1, 2, 3]))
     n = draw(st.integers(2, 6)) if layers == 1 else draw(st.integers(1, 6 // layers))
     vs = [draw(variables(f"v{i}", mesh_names, linear)) for i in range(n)]
+    if memory:  # a memory kind for some placed variables, in every layer or in even ones
+        kinds = st.sampled_from((None, None, *MEMORIES))
+        vs = [
+            dataclasses.replace(v, memory=draw(kinds), memory_even=draw(st.booleans())) for v in vs
+        ]
     sources = [v for v in vs if _is_float(v.dtype) and v.leaf.kind != "linear"]
     if sources and len(vs) < 6 and draw(st.integers(0, 4)) == 0:  # a tied / derived variable
         src = draw(st.sampled_from(sources))
         mesh = draw(st.sampled_from(mesh_names))
         axes = _axes_for(draw, src.shape, meshes()[mesh]) if draw(st.booleans()) else None
         tie = Leaf("tie", src.dtype, (src.name, draw(scalars())))
-        vs.append(Var(f"v{n}", src.shape, src.dtype, tie, axes=axes, mesh=mesh, vary=True))
+        vs.append(Var(f"v{len(vs)}", src.shape, src.dtype, tie, axes=axes, mesh=mesh, vary=True))
+    placed = [v for v in vs if v.axes is not None and v.leaf.kind != "tie"]
+    if placed and draw(st.integers(0, 3)) == 0:
+        # a twin: the same code and placement, so the same signature, maybe in another
+        # memory; only the key it is given differs
+        src = draw(st.sampled_from(placed))
+        other = draw(st.sampled_from([k for k in (None, *MEMORIES) if k != src.memory]))
+        vs.append(dataclasses.replace(src, name=f"v{len(vs)}", memory=other if memory else None))
     options = tuple((k, draw(s)) for k, s in framework.items())
-    return Constructor(tuple(vs), layers, draw(st.integers(0, 2**31 - 1)), options)
+    # a seed of more than 32 bits: its high bits count under x64 only
+    seed = draw(st.integers(0, 2**31 - 1) | st.integers(2**32, 2**40))
+    return Constructor(tuple(vs), layers, seed, options, draw(configs(refusing)))
 
 
 # ----------------------------------------------------------------------------- comparing
@@ -903,15 +1006,54 @@ def check_placement(plan: Any, outputs: dict[str, Any], expected: dict[str, Any]
 
 
 @contextlib.contextmanager
-def cut_per_variable() -> Iterator[None]:
+def cut_per_variable(allowed: str | None = None) -> Iterator[None]:
     """Asserts that the engine cut every variable: nothing these constructors hold (no
     callbacks, no side effects) may fall back to the whole-constructor program, which
-    the engine says with a ``meshinit.FallbackWarning``."""
+    the engine says with a ``meshinit.FallbackWarning``; but for one whose message
+    matches ``allowed`` (a regex), a fallback the engine documents."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", meshinit.FallbackWarning)
         yield
     fell = [str(w.message) for w in caught if issubclass(w.category, meshinit.FallbackWarning)]
+    fell = [m for m in fell if allowed is None or not re.search(allowed, m)]
     assert not fell, f"the engine fell back to the whole-constructor program: {fell}"
+
+
+OUTSIDE_KEY = "key made outside the factory"
+"""The fallback of a variable that reads a key made outside the factory, of another
+implementation than threefry: only threefry keys have host data to pass in."""
+
+
+def outside_key(closes_over_a_key: bool, config: Config) -> str | None:
+    """The fallback allowed for a constructor that reads a key it closes over, made under
+    ``config`` (None: none allowed)."""
+    return OUTSIDE_KEY if closes_over_a_key and config.prng_impl != THREEFRY else None
+
+
+def refusal(c: Constructor, config: Config) -> str | None:
+    """What ``meshinit.linen`` and ``meshinit.eqx`` say when they refuse ``c``'s key under
+    ``config``: they take the key as an argument, and refuse one whose values would
+    depend on the sharding (docs/faq.md); None where they accept it."""
+    impl = THREEFRY if c.option("key_kind") == "threefry" else config.prng_impl
+    if impl != THREEFRY:
+        return f"key implementation '{impl}' generates values that depend on the sharding"
+    if not config.partitionable:
+        return "jax_threefry_partitionable is off, so random values would depend on the sharding"
+    return None
+
+
+def check_refused(why: str, *calls: Callable[[], Any]) -> None:
+    """Each of ``calls`` (plan, init) refuses with a ValueError saying ``why``."""
+    for call in calls:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            call()
+
+
+def configurations(c: Constructor) -> list[Config]:
+    """The configurations ``c`` is built under, in turn: ``c.config``, then ``c.again``
+    (the same code, so the same fingerprints: a cache keyed without the configuration
+    would return the first one's values)."""
+    return [config for config in (c.config, c.again) if config is not None]
 
 
 ALWAYS_JIT = False
@@ -1027,6 +1169,27 @@ def _stageable(c: Constructor) -> bool:
     return bool(v1) and (v1[0].axes is None or v1[0].mesh in ("ab", "ab_explicit", "stage"))
 
 
+LOOPS = ("cond", "fori", "fori_closure", "while")
+
+
+def staged(draw: Callable[..., Any], c: Constructor) -> Constructor:
+    """``c``, with ``v1`` moved to the ``stage`` mesh by ``meshes=`` a third of the time
+    it can be; then half of the time ``v1`` is made inside a loop or a branch, whose
+    body is traced under the context mesh (when there is one) and compiled for the
+    stage mesh, which has other devices and another size."""
+    stage = _stageable(c) and draw(st.integers(0, 2)) == 0
+    vs = c.vars
+    if stage and draw(st.booleans()):
+        loop = draw(st.sampled_from(LOOPS))
+        vs = tuple(
+            dataclasses.replace(v, wrapper=loop)
+            if v.name == "v1" and v.wrapper == "none" and v.leaf.kind not in ("linear", "tie")
+            else v
+            for v in vs
+        )
+    return dataclasses.replace(c, vars=vs, framework=c.framework + (("stage", stage),))
+
+
 STAGE_PATTERNS = {"nnx": r"(layers\.(\d+\.)?)?v1(\..*)?", "linen": r"params\.\w+\.v1(\..*)?"}
 """``meshes=`` patterns that move every copy of ``v1`` to the ``stage`` mesh."""
 
@@ -1054,7 +1217,7 @@ def _expected(
     out = {}
     if stacked is not None:
         paths = {(v.name, 0): f"{stacked}{v.name}" for v in c.vars}
-    for (name, _), path in paths.items():
+    for (name, layer), path in paths.items():
         var = by_name[name]
         if var.axes is None:
             continue
@@ -1065,7 +1228,7 @@ def _expected(
                 axes = axes[::-1]
         if stacked is not None and axes:  # flax adds no axis to an empty out_sharding
             axes = (None, *axes)
-        out[path] = NamedSharding(mesh_of(var), P(*axes))
+        out[path] = NamedSharding(mesh_of(var), P(*axes), memory_kind=var.memory_in(layer))
     return out
 
 
@@ -1083,7 +1246,7 @@ def nnx_factory(c: Constructor, annotate: bool = True, keys: dict | None = None)
     stream = c.option("stream")
     closed_key = jax.random.key(c.seed)  # made outside the factory, closed over
 
-    def metadata(var: Var) -> dict[str, Any]:
+    def metadata(var: Var, layer: int) -> dict[str, Any]:
         if not annotate or var.axes is None:
             return {}
         meta: dict[str, Any] = {"out_sharding": var.axes}
@@ -1092,6 +1255,8 @@ def nnx_factory(c: Constructor, annotate: bool = True, keys: dict | None = None)
             meta["sharding_rules"] = RULES
         if not under_context:
             meta["mesh"] = meshes()[var.mesh]
+        if var.memory_in(layer) is not None:
+            meta["memory_kind"] = var.memory_in(layer)
         return meta
 
     def variable(var: Var, rngs: nnx.Rngs, layer: int, env: dict) -> Any:
@@ -1102,13 +1267,13 @@ def nnx_factory(c: Constructor, annotate: bool = True, keys: dict | None = None)
                 *var.shape,
                 use_bias=bias,
                 param_dtype=jnp.dtype(var.leaf.dtype),
-                kernel_metadata=metadata(var),
+                kernel_metadata=metadata(var, layer),
                 rngs=rngs,
                 **kw,
             )
         key = rngs() if stream == "call" else getattr(rngs, stream)()
         env[var.name] = value = value_fn(var, layer, keys)(key, env)
-        return (nnx.Param if _is_float(var.dtype) else Mask)(value, **metadata(var))
+        return (nnx.Param if _is_float(var.dtype) else Mask)(value, **metadata(var, layer))
 
     class Layer(nnx.Module):
         def __init__(self, rngs: nnx.Rngs, layer: int = 0):
@@ -1149,6 +1314,8 @@ def nnx_factory(c: Constructor, annotate: bool = True, keys: dict | None = None)
             return nnx.Rngs(c.seed, noise=c.seed + 1)  # default (params falls back to it), noise
         if seed == "key":
             return nnx.Rngs(jax.random.key(c.seed))
+        if seed == "threefry":  # whatever the default implementation
+            return nnx.Rngs(jax.random.key(c.seed, impl=THREEFRY))
         if seed == "closed_key":
             return nnx.Rngs(closed_key)
         return nnx.Rngs(jax.random.PRNGKey(c.seed))
@@ -1185,7 +1352,10 @@ def nnx_constructors(draw) -> Constructor:
     c = draw(
         constructors(
             names,
-            seed_kind=st.sampled_from(["int", "int", "streams", "key", "closed_key", "legacy"]),
+            memory=True,
+            seed_kind=st.sampled_from(
+                ["int", "int", "streams", "key", "closed_key", "legacy", "threefry"]
+            ),
             stream=st.sampled_from(["params", "params", "noise", "call"]),
             keep_rngs=st.booleans(),
             logical=st.booleans(),
@@ -1193,12 +1363,18 @@ def nnx_constructors(draw) -> Constructor:
             stacking=st.sampled_from(["list", "list", "remat", "vmap", "scan"]),
         )
     )
-    stage = _stageable(c) and draw(st.integers(0, 3)) == 0
-    return dataclasses.replace(c, framework=c.framework + (("stage", stage),))
+    if draw(st.integers(0, 2)) == 0:  # built again with partitionable threefry flipped
+        c = dataclasses.replace(
+            c, again=dataclasses.replace(c.config, partitionable=not c.config.partitionable)
+        )
+    return staged(draw, c)
 
 
-def run_nnx(c: Constructor, record: list | None = None) -> None:
-    """Builds ``c`` as nnx code with meshinit.nnx.init, eagerly and under jax.jit."""
+def run_nnx(c: Constructor, config: Config = Config(), record: list | None = None) -> None:
+    """Builds ``c`` as nnx code with meshinit.nnx.init, eagerly and under jax.jit, all
+    under ``config`` (in force: :func:`configured`). nnx.init takes every key
+    implementation and either setting of partitionable threefry: the keys are the
+    factory's own."""
     released()
     factory = nnx_factory(c)
     context = c.option("context_mesh")
@@ -1206,7 +1382,7 @@ def run_nnx(c: Constructor, record: list | None = None) -> None:
         if context is not None:
             stack.enter_context(jax.set_mesh(meshes()[context]))
         plan = meshinit.nnx.plan(factory, meshes=_stage_meshes(c, "nnx"))
-        with cut_per_variable():
+        with cut_per_variable(outside_key(c.option("seed_kind") == "closed_key", config)):
             model = meshinit.nnx.init(factory, meshes=_stage_meshes(c, "nnx"))
     got = _nnx_flat(model)
     check_placement(plan, got, nnx_expected(c))
@@ -1224,7 +1400,9 @@ def run_nnx(c: Constructor, record: list | None = None) -> None:
 @given(nnx_constructors())
 @_settings(0.4)
 def test_nnx_init_matches_eager_and_jit_and_places_exactly(c):
-    run_nnx(c)
+    for config in configurations(c):
+        with configured(config):
+            run_nnx(c, config)
 
 
 # ----------------------------------------------------------------------------- linen
@@ -1335,7 +1513,8 @@ def linen_constructors(draw) -> Constructor:
     c = draw(
         constructors(
             names,
-            key_kind=st.sampled_from(["legacy", "key", "int"]),
+            refusing=True,
+            key_kind=st.sampled_from(["legacy", "key", "int", "threefry"]),
             logical=st.booleans(),
             box_mesh=st.just(box_mesh),
             init_mesh=st.just(init_mesh),
@@ -1343,8 +1522,7 @@ def linen_constructors(draw) -> Constructor:
             stacking=st.sampled_from(["list", "list", "remat", "scan"]),
         )
     )
-    stage = _stageable(c) and draw(st.integers(0, 3)) == 0
-    return dataclasses.replace(c, framework=c.framework + (("stage", stage),))
+    return staged(draw, c)
 
 
 def _key(c: Constructor) -> tuple[Any, Any]:
@@ -1354,11 +1532,14 @@ def _key(c: Constructor) -> tuple[Any, Any]:
         return jax.random.PRNGKey(c.seed), jax.random.PRNGKey(c.seed)
     if kind == "key":
         return jax.random.key(c.seed), jax.random.key(c.seed)
+    if kind == "threefry":  # whatever the default implementation
+        return jax.random.key(c.seed, impl=THREEFRY), jax.random.key(c.seed, impl=THREEFRY)
     return c.seed, jax.random.key(c.seed)
 
 
-def run_linen(c: Constructor, record: list | None = None) -> None:
-    """Builds ``c`` as linen code with meshinit.linen.init, eagerly and under jax.jit."""
+def run_linen(c: Constructor, config: Config = Config(), record: list | None = None) -> None:
+    """Builds ``c`` as linen code with meshinit.linen.init, eagerly and under jax.jit, all
+    under ``config`` (in force); or checks that plan and init refuse its key there."""
     released()
     module = linen_module(c)
     key, ref_key = _key(c)
@@ -1371,6 +1552,14 @@ def run_linen(c: Constructor, record: list | None = None) -> None:
             stack.enter_context(jax.set_mesh(meshes()[c.option("init_mesh")]))
         else:
             kw["mesh"] = meshes()[c.option("init_mesh")]
+        why = refusal(c, config)
+        if why is not None:
+            check_refused(
+                why,
+                lambda: meshinit.linen.plan(module, key, x, **kw),
+                lambda: meshinit.linen.init(module, key, x, **kw),
+            )
+            return
         plan = meshinit.linen.plan(module, key, x, **kw)
         with cut_per_variable():
             got = _tree_flat(_values(meshinit.linen.init(module, key, x, **kw)))
@@ -1390,7 +1579,9 @@ def run_linen(c: Constructor, record: list | None = None) -> None:
 @given(linen_constructors())
 @_settings(0.3)
 def test_linen_init_matches_eager_and_jit_and_places_exactly(c):
-    run_linen(c)
+    for config in configurations(c):
+        with configured(config):
+            run_linen(c, config)
 
 
 # ----------------------------------------------------------------------------- equinox
@@ -1435,12 +1626,12 @@ def _eqx_paths(c: Constructor) -> dict[tuple[str, int], str]:
     return _paths(c, lambda i: "vars." if c.layers == 1 else f"{i}.vars.")
 
 
-def run_eqx(c: Constructor, record: list | None = None) -> None:
-    """Builds ``c`` as an equinox factory with meshinit.eqx.init, eagerly and under jit."""
+def run_eqx(c: Constructor, config: Config = Config(), record: list | None = None) -> None:
+    """Builds ``c`` as an equinox factory with meshinit.eqx.init, eagerly and under jit,
+    all under ``config`` (in force); or checks that plan and init refuse its key there."""
     released()
     factory = eqx_factory(c)
     key, ref_key = _key(c)
-    by_name = {v.name: v for v in c.vars}
     own = c.option("own_mesh")
     init_mesh = meshes()[c.option("init_mesh")]
     expected = _expected(
@@ -1448,16 +1639,25 @@ def run_eqx(c: Constructor, record: list | None = None) -> None:
     )
     placements: list[tuple] = []
     for path, sharding in expected.items():
-        var = by_name[path.split(".")[-2 if path.endswith(".weight") else -1]]
         entry = (re.escape(path), tuple(sharding.spec), sharding.mesh if own else None)
-        if var.memory is not None:
-            expected[path] = NamedSharding(sharding.mesh, sharding.spec, memory_kind=var.memory)
-            entry += (var.memory,)
+        if sharding.memory_kind is not None:
+            entry += (sharding.memory_kind,)
         placements.append(entry)
     placements.append((r".*", None))
-    plan = meshinit.eqx.plan(factory, key, placements, mesh=init_mesh)
-    with cut_per_variable():
-        got = _tree_flat(meshinit.eqx.init(factory, key, placements, mesh=init_mesh))
+    with contextlib.ExitStack() as stack:
+        if c.option("context"):  # traced under a context mesh, as with linen and nnx
+            stack.enter_context(jax.set_mesh(init_mesh))
+        why = refusal(c, config)
+        if why is not None:
+            check_refused(
+                why,
+                lambda: meshinit.eqx.plan(factory, key, placements, mesh=init_mesh),
+                lambda: meshinit.eqx.init(factory, key, placements, mesh=init_mesh),
+            )
+            return
+        plan = meshinit.eqx.plan(factory, key, placements, mesh=init_mesh)
+        with cut_per_variable(outside_key(c.option("closed_key"), config)):
+            got = _tree_flat(meshinit.eqx.init(factory, key, placements, mesh=init_mesh))
     check_placement(plan, got, expected)
     keys: dict = {}
     eager = _tree_flat(eqx_factory(c, keys)(ref_key))
@@ -1476,21 +1676,24 @@ def eqx_constructors(draw) -> Constructor:
     c = draw(
         constructors(
             names,
-            key_kind=st.sampled_from(["legacy", "key", "int"]),
+            memory=True,
+            refusing=True,
+            key_kind=st.sampled_from(["legacy", "key", "int", "threefry"]),
             closed_key=st.sampled_from([False, False, False, True]),
             own_mesh=st.just(own_mesh),
             init_mesh=st.just(init_mesh),
+            context=st.booleans(),
         )
     )
-    memory = st.sampled_from([None, None, None, "pinned_host", "device"])
-    vs = tuple(dataclasses.replace(v, memory=draw(memory)) for v in c.vars)
-    return dataclasses.replace(c, vars=vs)
+    return c
 
 
 @given(eqx_constructors())
 @_settings(0.3)
 def test_eqx_init_matches_eager_and_jit_and_places_exactly(c):
-    run_eqx(c)
+    for config in configurations(c):
+        with configured(config):
+            run_eqx(c, config)
 
 
 # ----------------------------------------------------------------------------- the helper itself
@@ -1519,6 +1722,46 @@ def test_assert_matches_rejects_what_the_contract_forbids():
         assert_matches(jax.random.key(1), k, jax.random.key(1))
     with pytest.raises(AssertionError, match="eager construction gives float32"):
         assert_matches(x.astype(jnp.bfloat16), x, x)
+
+
+def test_configured_puts_jax_configuration_back_even_when_the_block_fails():
+    before = (
+        jax.config.jax_threefry_partitionable,
+        jax.config.jax_enable_x64,
+        str(jax.config.jax_default_prng_impl),
+    )
+    changed = Config(not before[0], not before[1], "rbg", host_eval_bytes=8)
+    with pytest.raises(RuntimeError, match="inside"):
+        with configured(changed):
+            assert jax.config.jax_threefry_partitionable is changed.partitionable
+            assert jax.config.jax_enable_x64 is changed.x64
+            assert jax.random.key_impl(jax.random.key(0)) == jax.random.key_impl(
+                jax.random.key(0, impl="rbg")
+            )
+            assert _trace.host_bound() == 8
+            raise RuntimeError("inside")
+    after = (
+        jax.config.jax_threefry_partitionable,
+        jax.config.jax_enable_x64,
+        str(jax.config.jax_default_prng_impl),
+    )
+    assert after == before
+    assert _trace.host_bound() == _trace.SMALL_BYTES
+
+
+def test_the_adapters_refuse_what_refusal_says_they_refuse():
+    factory = eqx_factory(Constructor((Var("v0", (8,), "float32", Leaf("normal", "float32")),)))
+    mesh = meshes()["ab"]
+    for config in (Config(prng_impl="rbg"), Config(prng_impl="unsafe_rbg"), Config(False)):
+        c = Constructor((), framework=(("key_kind", "int"),))
+        with configured(config):
+            why = refusal(c, config)
+            assert why is not None
+            check_refused(why, lambda: meshinit.eqx.init(factory, 0, [(".*", None)], mesh=mesh))
+    assert (
+        refusal(Constructor((), framework=(("key_kind", "threefry"),)), Config(prng_impl="rbg"))
+        is None
+    )
 
 
 def test_cut_per_variable_fails_on_a_fallback():

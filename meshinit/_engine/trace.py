@@ -23,13 +23,15 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._run import compile as _compile
+from .._run import options as _options
 from . import compat as _compat
 from . import host_eval as _host
 from . import jaxpr as _jaxpr
 from .jaxpr import Lit, Program
 
 SMALL_BYTES = 1 << 14
-"""Values of at most this many bytes are evaluated on the host when they can be.
+"""Values of at most this many bytes are evaluated on the host when they can be, unless
+``meshinit.options(host_eval_bytes=...)`` says otherwise (:func:`host_bound`).
 
 What the host part is for: keys (8 bytes), counters and scalars, which then enter each
 variable's program as arguments. A variable the host made itself is recomputed in its
@@ -37,6 +39,13 @@ program anyway (``_cut``), so the bound only decides which intermediate values t
 into the launches. Measured (benchmarks/README.md): 512 B against 64 KiB made no
 difference on the reference stack beyond the machine's noise.
 """
+
+
+def host_bound() -> int:
+    """The host part's size bound in force: ``meshinit.options(host_eval_bytes=...)``,
+    else :data:`SMALL_BYTES`."""
+    given = _options.current().host_eval_bytes
+    return SMALL_BYTES if given is None else given
 
 
 def _nbytes(aval: Any) -> int:
@@ -177,8 +186,9 @@ def evaluate_host_part(traced: Traced, outputs: Sequence[int | Lit]) -> Traced:
     for n, a in zip(prog.inputs, args, strict=True):
         host[n] = np.asarray(a)
     needed = nodes_read(prog, outputs)
+    bound = host_bound()
     for n, c in prog.consts.items():
-        if _nbytes(prog.avals[n]) <= SMALL_BYTES:
+        if _nbytes(prog.avals[n]) <= bound:
             try:
                 host[n] = _host.as_host(c, prog.avals[n])
             except _host.NotHost:
@@ -190,7 +200,7 @@ def evaluate_host_part(traced: Traced, outputs: Sequence[int | Lit]) -> Traced:
         size = sizes.get(id(aval))
         if size is None:
             size = sizes[id(aval)] = _nbytes(aval)
-        return size <= SMALL_BYTES
+        return size <= bound
 
     dynamic = set(prog.inputs)
     nodes = prog.nodes

@@ -1,4 +1,5 @@
-"""How meshinit compiles and calls: the strategy and the compiler options, as data.
+"""How meshinit compiles and calls: the strategy, the compiler options and the constructor
+engine's host bound, as data.
 
 :func:`options` sets them for a block, in a context variable (as :func:`meshinit.defaults`
 does for specs), so nothing is configured by assigning to a module's globals, and
@@ -74,11 +75,14 @@ def cpu_options_for(
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """What :func:`options` set: a strategy name (or object), and the compiler options
-    (None: meshinit's choice per platform; a tuple of pairs: exactly these)."""
+    """What :func:`options` set: a strategy name (or object), the compiler options
+    (None: meshinit's choice per platform; a tuple of pairs: exactly these), and the
+    constructor engine's host bound in bytes (None: its default,
+    ``meshinit._engine.trace.SMALL_BYTES``)."""
 
     strategy: Any = STRATEGY_NAMES[0]
     compiler_options: tuple[tuple[str, Any], ...] | None = None
+    host_eval_bytes: int | None = None
 
 
 _OPTIONS: contextvars.ContextVar[Options] = contextvars.ContextVar(
@@ -131,17 +135,33 @@ def _check_compiler_options(given: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(given.items()))
 
 
+def _check_host_eval_bytes(given: Any) -> int:
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise TypeError(
+            "host_eval_bytes must be a number of bytes (an int, 0 or more; 16384 by "
+            f"default), got {type(given).__name__} {given!r}"
+        )
+    if given < 0:
+        raise ValueError(
+            f"host_eval_bytes must be 0 or more (0: nothing but the constructor's "
+            f"arguments is evaluated on the host), got {given}"
+        )
+    return int(given)
+
+
 @contextlib.contextmanager
 def options(
     *,
     strategy: Any = None,
     compiler_options: Mapping[str, Any] | None = None,
+    host_eval_bytes: int | None = None,
 ) -> Iterator[None]:
     """Sets how ``materialize`` and the adapters' ``init`` compile, for a block.
 
     Nestable; an inner block overrides only what it sets. Values, shardings and
     placement never depend on these: only compile time, run time and the number of
-    executables do. Executables are cached per options, so blocks may alternate.
+    executables do. Executables are cached per options (a host bound gives other
+    programs, fingerprinted apart), so blocks may alternate.
 
     Args:
       strategy: for :func:`meshinit.materialize` and :func:`meshinit.init` (the
@@ -160,6 +180,21 @@ def options(
         then; the error names the option), not here; of meshinit's own, only those
         the installed jaxlib knows are passed (``xla_cpu_use_fusion_emitters`` is
         gone from jaxlib 0.11.1 on).
+      host_eval_bytes: for the adapters' constructor engine (``meshinit.nnx.init``,
+        ``linen.init``, ``eqx.init``): the largest value, in bytes, that it evaluates
+        on the host with numpy, where numpy gives jax's bits (keys, RNG counters,
+        integer scalars and small arrays; 16 KiB by default). What it evaluates enters
+        the compiled programs as arguments; everything else is computed in them. ``0``
+        leaves everything to them but the constructor's arguments. Only the programs
+        change, and so their compile time: a bound below the size of the key arrays a
+        constructor splits puts its key derivations into the programs, which compiled
+        much slower (over 15 minutes for ``split(split(k)[1])`` on jaxlib 0.12.0.1).
+        The differential fuzzer (``tests/test_fuzz_constructor.py``) lowers it to 64
+        so that most of its variables go through the compiled programs.
+
+    Raises:
+      TypeError: a strategy, compiler options or bound of the wrong kind.
+      ValueError: an unknown strategy name, or a negative bound.
 
     Examples:
       >>> with meshinit.options(strategy="per_signature", compiler_options={}):
@@ -173,6 +208,11 @@ def options(
                 outer.compiler_options
                 if compiler_options is None
                 else _check_compiler_options(compiler_options)
+            ),
+            host_eval_bytes=(
+                outer.host_eval_bytes
+                if host_eval_bytes is None
+                else _check_host_eval_bytes(host_eval_bytes)
             ),
         )
     )

@@ -1,0 +1,100 @@
+"""meshinit.options(host_eval_bytes=...): the constructor engine's host bound, as data."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import meshinit
+from meshinit._engine import trace as _trace
+
+
+@pytest.mark.parametrize(
+    "bound, error, says",
+    [
+        ("16k", TypeError, "host_eval_bytes must be a number of bytes .* got str '16k'"),
+        (1.5, TypeError, "host_eval_bytes must be a number of bytes .* got float 1.5"),
+        (True, TypeError, "host_eval_bytes must be a number of bytes .* got bool True"),
+        (-1, ValueError, "host_eval_bytes must be 0 or more .* got -1"),
+    ],
+)
+def test_a_host_bound_that_is_not_a_count_of_bytes_is_refused(bound, error, says):
+    with pytest.raises(error, match=says):
+        with meshinit.options(host_eval_bytes=bound):
+            pass
+
+
+def test_the_host_bound_nests_and_is_restored():
+    assert _trace.host_bound() == _trace.SMALL_BYTES
+    with meshinit.options(host_eval_bytes=8):
+        assert _trace.host_bound() == 8
+        with meshinit.options(strategy="per_signature"):  # sets only the strategy
+            assert _trace.host_bound() == 8
+        with meshinit.options(host_eval_bytes=0):
+            assert _trace.host_bound() == 0
+        assert _trace.host_bound() == 8
+    assert _trace.host_bound() == _trace.SMALL_BYTES
+
+
+def _host_made(bound):
+    """Which of a key (8 bytes), its 256 bytes of random bits and a 4-byte count the
+    host part makes under ``bound``."""
+
+    def fn(data):
+        key = jax.random.wrap_key_data(data)
+        bits = jax.random.bits(key, (8, 8))
+        count = jax.lax.slice(data, (0,), (1,)) * jnp.uint32(3)
+        return [jax.random.key_data(jax.random.fold_in(key, 3)), bits, count]
+
+    traced = _trace.trace(fn, np.array([0, 7], np.uint32))
+    outs = traced.program.outputs
+    with meshinit.options(host_eval_bytes=bound):
+        traced = _trace.evaluate_host_part(traced, outs)
+    return [
+        name for name, o in zip(("key", "bits", "count"), outs, strict=True) if o in traced.host
+    ]
+
+
+@pytest.mark.parametrize(
+    "bound, made",
+    [(None, ["key", "bits", "count"]), (256, ["key", "bits", "count"]), (255, ["key", "count"])]
+    + [(8, ["key", "count"]), (4, ["count"]), (0, [])],
+)
+def test_the_host_bound_decides_what_the_host_part_makes(bound, made):
+    assert _host_made(bound) == made
+
+
+def test_values_and_placement_do_not_depend_on_the_host_bound():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(
+                jax.random.normal(rngs.params(), (16, 8)), out_sharding=("a", "b"), mesh=mesh
+            )
+            self.s = nnx.Param(jax.random.uniform(rngs.params(), (8,)) * 1.37)
+            key = rngs.params()
+            self.c = nnx.Param(
+                jax.lax.fori_loop(
+                    0,
+                    3,
+                    lambda i, x: x * 0.5 + jax.random.normal(jax.random.fold_in(key, i), x.shape),
+                    jnp.zeros((4, 3)),
+                )
+            )
+
+    def factory():
+        return M(nnx.Rngs(0))
+
+    with nnx.use_eager_sharding(False):
+        want = nnx.to_flat_state(nnx.state(factory()))
+    for bound in (None, 0, 8, 64):
+        with meshinit.options(host_eval_bytes=bound):
+            got = nnx.to_flat_state(nnx.state(meshinit.nnx.init(factory)))
+        for (path, g), (_, w) in zip(got, want, strict=True):
+            assert np.asarray(g.get_value()).tobytes() == np.asarray(w.get_value()).tobytes(), (
+                f"host_eval_bytes={bound}: {path} differs from eager construction"
+            )
+        assert got[-1][1].get_value().sharding.spec == jax.sharding.PartitionSpec("a", "b")
