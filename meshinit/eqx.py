@@ -33,6 +33,7 @@ except ImportError as e:
 
 from . import _paths
 from ._adapters import common as _adapters
+from ._adapters import placements as _placements
 from ._engine import entry as _engine
 from ._errors import Problem
 from ._format import some
@@ -41,7 +42,7 @@ from ._plan.planner import plan as _plan_tree
 from ._run import agree as _agree
 from ._run.materialize import from_constructor
 from ._run.materialize import materialize as _materialize_plan
-from ._spec.spec import param
+from ._spec.spec import MESH_AXES, param
 
 __all__ = ["init", "materialize", "plan"]
 
@@ -83,48 +84,8 @@ def materialize(module: Any, key: Any) -> Any:
         return _materialize_plan(_plan_tree(module), key)
 
 
-Placement = tuple[Any, ...]
+Placement = _placements.Placement
 """``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex, axes, mesh, memory_kind)``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Placement:
-    index: int
-    pattern: re.Pattern[str]
-    axes: Any
-    mesh: Mesh | AbstractMesh | None
-    memory_kind: str | None = None
-
-    @property
-    def name(self) -> str:
-        return f'placements[{self.index}] r"{self.pattern.pattern}"'
-
-
-def _parse_placements(placements: Any) -> tuple[list[_Placement], list[Problem]]:
-    if isinstance(placements, str | bytes) or not isinstance(placements, Sequence):
-        raise TypeError(
-            f"placements must be an ordered sequence of (regex, axes), (regex, axes, mesh) "
-            f"or (regex, axes, mesh, memory_kind) tuples, first match wins; got "
-            f"{type(placements).__name__}"
-        )
-    parsed, problems = [], []
-    for i, p in enumerate(placements):
-        if not isinstance(p, tuple | list) or len(p) not in (2, 3, 4):
-            problems.append(
-                Problem(
-                    "",
-                    f"placements[{i}] must be (regex, axes), (regex, axes, mesh) or (regex, "
-                    f"axes, mesh, memory_kind); got {p!r}",
-                )
-            )
-            continue
-        regex, axes, mesh, memory_kind = (*p, None, None, None)[:4]
-        pattern = _adapters.compile_regex(f"placements[{i}]", regex)
-        if isinstance(pattern, Problem):
-            problems.append(pattern)
-            continue
-        parsed.append(_Placement(i, pattern, axes, mesh, memory_kind))
-    return parsed, problems
 
 
 def _specs_from_placements(
@@ -133,20 +94,21 @@ def _specs_from_placements(
     mesh: Mesh | AbstractMesh | None,
     rules: Any,
     what: str,
-) -> tuple[Any, list[Problem]]:
-    """The abstract module with a spec in place of each array leaf, and the problems.
+) -> tuple[Any, list[Problem], dict[str, int]]:
+    """The abstract module with a spec in place of each array leaf, the problems, and
+    the number of entries each leaf placed by a PartitionSpec or None is spelled with.
 
     A placement that matches no leaf, while every leaf is matched, is warned about
     (:class:`~meshinit.UnusedPatternWarning`); with unmatched leaves it is named in
     the problems, as their likely cause.
     """
-    parsed, problems = _parse_placements(placements)
+    table, problems = _placements.parse(placements)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     leaves: list[Any] = []
     unmatched: list[Problem] = []
     bad_placements: dict[int, Problem] = {}
-    used: set[int] = set()
     paths: list[str] = []
+    spelled: dict[str, int] = {}
     for keypath, leaf in flat:
         leaves.append(leaf)
         if not isinstance(leaf, jax.ShapeDtypeStruct):
@@ -159,9 +121,9 @@ def _specs_from_placements(
             problems.append(problem)
             continue
         paths.append(path)
-        matching = [p for p in parsed if p.pattern.fullmatch(path)]
-        used.update(p.index for p in matching)
-        placement = matching[0] if matching else None
+        placement = table.match(path)
+        if placement is not None and placement.broken:
+            continue  # said once, for the placement
         if placement is None:
             unmatched.append(
                 Problem(
@@ -176,9 +138,10 @@ def _specs_from_placements(
             spec = param(
                 leaf.shape,
                 from_constructor,
-                axes=placement.axes,
+                axes=placement.axes_for(leaf.ndim),
                 mesh=placement.mesh if placement.mesh is not None else mesh,
-                rules=rules,
+                # a PartitionSpec names mesh axes, whatever the rules
+                rules=MESH_AXES if placement.mesh_axes else rules,
                 dtype=leaf.dtype,
                 memory_kind=placement.memory_kind,  # None: the defaults() one
             )
@@ -198,7 +161,9 @@ def _specs_from_placements(
             )
             continue
         leaves[-1] = spec
-    idle = [p.name for p in parsed if p.index not in used]
+        if placement.mesh_axes or placement.axes is None:
+            spelled[path] = placement.spelled  # P('a') as P('a'), None as P()
+    idle = table.idle(paths)
     if not unmatched:
         # As in partition-rule tables (t5x, EasyLM): a rule that places nothing is
         # allowed, but likely a typo, so it is warned about; an unplaced leaf is an error.
@@ -208,7 +173,7 @@ def _specs_from_placements(
         shown = some([u.path for u in unmatched], 5)
         unmatched = [Problem("", f"{len(unmatched)} array leaves matched no placement: {shown}")]
     problems += [*bad_placements.values(), *unmatched]
-    return jax.tree_util.tree_unflatten(treedef, leaves), problems
+    return jax.tree_util.tree_unflatten(treedef, leaves), problems, spelled
 
 
 def _array_leaves(tree: Any) -> list[Any]:
@@ -246,16 +211,17 @@ def _prepare(
         lambda x: jax.ShapeDtypeStruct(next(avals).shape, x.dtype) if eqx.is_array(x) else x,
         found[0],
     )
-    specs, problems = _specs_from_placements(abstract, placements, mesh, rules, what)
+    specs, problems, spelled = _specs_from_placements(abstract, placements, mesh, rules, what)
     plan_ = build_plan(specs, check_inits=False, problems=problems)
     # A leaf placed with axes None is replicated, spelled as jax spells a replicated
     # array on its mesh: P() under Auto axes (jax.jit's outputs, NamedSharding(mesh,
     # P())), one None per dimension where an axis is Explicit (the sharding is then
     # part of the type, and every computed array carries it so), so == holds both ways.
+    # A PartitionSpec is spelled as given under Auto axes (P("a") stays P("a")).
     replicated = {
-        e.path: 0
+        e.path: spelled[e.path]
         for e in plan_.entries
-        if e.spec.axes is None and jax.sharding.AxisType.Explicit not in e.mesh.axis_types
+        if e.path in spelled and jax.sharding.AxisType.Explicit not in e.mesh.axis_types
     }
     plan_ = _adapters.respell(plan_, replicated)
     flat = jax.tree_util.tree_flatten_with_path(abstract)[0]

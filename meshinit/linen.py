@@ -33,6 +33,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from . import _paths
 from ._adapters import common as _adapters
 from ._adapters import linen_meta as _linen_meta
+from ._adapters import placements as _placements
 from ._engine import entry as _engine
 from ._errors import PlanError, Problem
 from ._format import describe_mesh
@@ -135,6 +136,7 @@ class _Prepared:
     outputs: list[int]
     flat: list[tuple[Any, Any]]  # (key path, box or value) of every variable, traced
     treedef: Any
+    placed: dict[str, bool]  # placed by placements=: whether its box names the mesh
 
 
 def _abstract(leaf: Any, aval: Any) -> Any:
@@ -152,10 +154,13 @@ def _prepare(
     rules: Any,
     default: Any,
     meshes: Any,
+    placements: Any,
     what: str,
 ) -> _Prepared:
     """Traces ``module.init`` once and plans its variables; compiles and allocates nothing."""
     patterns = _adapters.parse_meshes(meshes)
+    table, problems = _placements.parse(placements)
+    _adapters.check_mesh("mesh", mesh)
     placement = _linen_meta.default_placement(default, mesh)
     key_data, make_rngs = _host_keys(key)
     input_data, make_inputs = _host_inputs((example_args, example_kwargs))
@@ -180,8 +185,9 @@ def _prepare(
     traced = _engine.trace(run_init, *host)
     flat, treedef = found[0]
     avals = iter(traced.out_avals)
-    problems: list[Problem] = []
     specs, outputs_of, count = [], {}, 0
+    placed: dict[str, bool] = {}
+    lengths: dict[str, int] = {}
     for keypath, leaf in flat:
         path = _paths.path_str(keypath)
         value = _linen_meta.value_of(leaf)
@@ -192,6 +198,19 @@ def _prepare(
         # A meshes= match wins over every other mesh; an unannotated variable it
         # matches is replicated there (or laid out as default= says).
         override = next((m for pattern, m in patterns if pattern.fullmatch(path)), None)
+        entry = table.match(path) if table else None
+        if entry is not None:
+            spec = None  # a broken entry is said once, for itself
+            if not entry.broken:
+                spec = _linen_meta.placed_spec(path, leaf, entry, mesh, rules, override, problems)
+            specs.append(spec)
+            if spec is not None:
+                own = isinstance(leaf, meta.Partitioned) and leaf.mesh is not None
+                placed[path] = entry.mesh is not None or override is not None or own
+                lengths[path] = entry.spelled
+            continue
+        if isinstance(leaf, meta.Partitioned):
+            lengths[path] = len(leaf.names)
         fallback = placement
         if override is not None:
             fallback = (override, None if placement is None else placement[1])
@@ -199,19 +218,24 @@ def _prepare(
             _linen_meta.spec_for(path, leaf, mesh, rules, fallback, problems, override=override)
         )
     # A meshes= pattern that matches no variable places nothing: likely a typo, warned.
-    _adapters.warn_idle_meshes(what, patterns, [_paths.path_str(k) for k, _ in flat])
+    names = [_paths.path_str(k) for k, _ in flat]
+    _adapters.warn_idle_meshes(what, patterns, names)
+    _adapters.warn_idle(
+        what,
+        table.idle(names),
+        names,
+        "variable path",
+        "It places nothing (each variable keeps its own annotation)",
+    )
     plan = _planner.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
     )
     # flax's spelling (nn.logical_to_mesh_sharding of nn.get_partition_spec): one entry
-    # per name of a box, none for a leaf without one (P()), so == holds
-    lengths = {
-        _paths.path_str(k): len(leaf.names) if isinstance(leaf, meta.Partitioned) else 0
-        for k, leaf in flat
-    }
-    plan = _adapters.respell(plan, lengths)
+    # per name of a box (a placed variable's new box included), none for a leaf
+    # without one (P()), so == holds
+    plan = _adapters.respell(plan, {p: lengths.get(p, 0) for p in names})
     outputs = [outputs_of[e.path] for e in plan.entries]
-    return _Prepared(plan, traced, outputs, flat, treedef)
+    return _Prepared(plan, traced, outputs, flat, treedef, placed)
 
 
 def plan(
@@ -222,6 +246,7 @@ def plan(
     rules: Any = None,
     default: str | Mesh | NamedSharding | None = None,
     meshes: Any = None,
+    placements: Any = None,
     **example_kwargs: Any,
 ) -> Plan:
     """The plan :func:`init` would follow, without compiling or allocating anything.
@@ -238,6 +263,7 @@ def plan(
       rules: as for :func:`init`.
       default: as for :func:`init`.
       meshes: as for :func:`init`; its meshes may be ``AbstractMesh`` es.
+      placements: as for :func:`init`; its meshes may be ``AbstractMesh`` es.
       **example_kwargs: as for :func:`init`.
 
     Returns:
@@ -267,6 +293,7 @@ def plan(
         rules=rules,
         default=default,
         meshes=meshes,
+        placements=placements,
         what="meshinit.linen.plan",
     ).plan
 
@@ -279,14 +306,15 @@ def init(
     rules: Any = None,
     default: str | Mesh | NamedSharding | None = None,
     meshes: Any = None,
+    placements: Any = None,
     existing: Any = None,
     **example_kwargs: Any,
 ) -> Any:
     """Runs ``module.init(key, *example_args, **example_kwargs)`` with every variable placed.
 
     Each variable annotated with ``nn.with_logical_partitioning`` or
-    ``nn.with_partitioning`` comes back on exactly the ``NamedSharding`` its
-    annotation describes: on the first ``meshes`` mesh whose regex full-matches its
+    ``nn.with_partitioning`` (or placed by a ``placements`` table kept outside the
+    model) comes back on exactly the ``NamedSharding`` its annotation describes: on the first ``meshes`` mesh whose regex full-matches its
     path, else on the annotation's own ``mesh=``, else on ``mesh``, else on the
     ``jax.set_mesh`` context mesh. Logical names resolve with the annotation's own
     ``rules=``, else ``rules``, else the rules of an active ``nn.logical_axis_rules``,
@@ -323,6 +351,20 @@ def init(
         that mesh, overriding its annotation's mesh, ``mesh`` and the context mesh:
         how an existing model is split into pipeline stages unchanged. A pattern that
         matches no variable path is warned about (:class:`meshinit.UnusedPatternWarning`).
+      placements: the sharding kept outside the model: ordered ``(regex, axes)``,
+        ``(regex, axes, mesh)`` or ``(regex, axes, mesh, memory_kind)``, as
+        :func:`meshinit.eqx.init` takes them. The first regex that full-matches a
+        variable's path (``params.layers_0.up.kernel``) places it, overriding its
+        annotation (and ``default``); its box then says what was placed: an
+        ``nn.LogicallyPartitioned`` with the logical names where they resolved through
+        rules, else an ``nn.Partitioned`` with the mesh axes, naming the mesh where the
+        placement, ``meshes`` or the annotation named one. ``axes``: None
+        (replicated), a ``jax.sharding.PartitionSpec`` (mesh axes, padded with None to
+        the rank), or one entry per dimension: logical names where rules are in effect
+        (``rules``, or an active ``nn.logical_axis_rules``), else mesh axes. The mesh is
+        a ``meshes`` match, else the placement's, else ``mesh``, else the context mesh.
+        An entry that matches no variable is warned about
+        (:class:`meshinit.UnusedPatternWarning`).
       existing: the values of some variables, made elsewhere: their plan paths
         (``params.up.kernel``) to arrays, flat or as a nested variables dict (boxes
         are unboxed). Each is placed on its planned sharding (resharded if it is on
@@ -370,6 +412,7 @@ def init(
             rules=rules,
             default=default,
             meshes=meshes,
+            placements=placements,
             what="meshinit.linen.init",
         )
         placed = jax.tree_util.tree_leaves(
@@ -381,8 +424,13 @@ def init(
                 existing=_adapters.flat_existing(existing, _linen_meta.value_of),
             )
         )
-    boxes = [
-        leaf.replace_boxed(array) if _linen_meta.is_box(leaf) else array
-        for (_, leaf), array in zip(prep.flat, placed, strict=True)
-    ]
+    entries = {e.path: e for e in prep.plan.entries} if prep.placed else {}
+    boxes = []
+    for (keypath, leaf), array in zip(prep.flat, placed, strict=True):
+        path = _paths.path_str(keypath) if prep.placed else ""
+        if path in prep.placed:  # its box says what was placed
+            e = entries[path]
+            boxes.append(_linen_meta.placed_box(leaf, array, e.spec, e.sharding, prep.placed[path]))
+        else:
+            boxes.append(leaf.replace_boxed(array) if _linen_meta.is_box(leaf) else array)
     return jax.tree_util.tree_unflatten(prep.treedef, boxes)

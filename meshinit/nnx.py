@@ -35,9 +35,11 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
 
 import jax
+from jax.sharding import AbstractMesh, Mesh
 
 from ._adapters import common as _adapters
 from ._adapters import nnx_meta as _nnx_meta
+from ._adapters import placements as _placements
 from ._adapters.nnx_optimizer import optimizer
 from ._engine import entry as _engine
 from ._errors import PlanError, Problem
@@ -76,9 +78,11 @@ def _get(tree: dict[str, Any], path: tuple[Any, ...]) -> Any:
     return tree
 
 
-def _placed_metadata(entry: PlanEntry) -> dict[str, Any]:
-    """Metadata that makes flax's own tools report the placed PartitionSpec."""
-    meta: dict[str, Any] = {"out_sharding": tuple(entry.sharding.spec), "mesh": entry.mesh}
+def _placed_metadata(entry: PlanEntry, ndim: int | None = None) -> dict[str, Any]:
+    """Metadata that makes flax's own tools report the placed PartitionSpec (its first
+    ``ndim`` entries: a typed key's, planned as its key data)."""
+    spec = tuple(entry.sharding.spec)[:ndim]
+    meta: dict[str, Any] = {"out_sharding": spec, "mesh": entry.mesh}
     if entry.spec.rules is not None:
         meta["logical_axes"] = entry.spec.axes  # the logical names, kept for readers
     if entry.spec.memory_kind is not None:
@@ -175,9 +179,17 @@ class _Prepared:
     flat: list[tuple[tuple[Any, ...], nnx.Variable]]
     specs: dict[tuple[Any, ...], ParamSpec]
     keys: dict[tuple[Any, ...], tuple[Any, Any]]  # typed key Variables: (struct, impl)
+    placed: frozenset[tuple[Any, ...]]  # the Variables a placements= entry placed
 
 
-def _prepare(factory: Callable[[], nnx.Module], meshes: Any, rules: Any, what: str) -> _Prepared:
+def _prepare(
+    factory: Callable[[], nnx.Module],
+    meshes: Any,
+    rules: Any,
+    what: str,
+    placements: Any = None,
+    mesh: Any = None,
+) -> _Prepared:
     """Traces ``factory`` once and plans its Variables; compiles and allocates nothing.
 
     ``rules``, if given, is flax's logical axis rule table for the call: the factory
@@ -185,14 +197,18 @@ def _prepare(factory: Callable[[], nnx.Module], meshes: Any, rules: Any, what: s
     as if the caller had entered it.
     """
     if rules is None:
-        return _prepare_here(factory, meshes, what)
+        return _prepare_here(factory, meshes, what, placements, mesh)
     table = _rules.normalize_rules(rules)  # a malformed table: one clear error, here
     with flax_spmd.logical_axis_rules(table):
-        return _prepare_here(factory, meshes, what)
+        return _prepare_here(factory, meshes, what, placements, mesh)
 
 
-def _prepare_here(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> _Prepared:
+def _prepare_here(
+    factory: Callable[[], nnx.Module], meshes: Any, what: str, placements: Any, mesh: Any
+) -> _Prepared:
     patterns = _adapters.parse_meshes(meshes)
+    table, problems = _placements.parse(placements)
+    _adapters.check_mesh("mesh", mesh)
     if not callable(factory):
         raise TypeError(
             f"factory must be a zero-argument callable returning an nnx Module, got "
@@ -239,23 +255,36 @@ def _prepare_here(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> 
             ),
         )
     avals = dict(zip(paths, traced.out_avals, strict=True))
-    problems: list[Problem] = []
     specs: dict[tuple[Any, ...], ParamSpec] = {}
+    placed: dict[tuple[Any, ...], int] = {}  # path -> entries the placement spells
     by_path = dict(flat)
     for p in paths:
         struct = keys[p][0] if p in keys else jax.ShapeDtypeStruct(avals[p].shape, avals[p].dtype)
-        spec = _nnx_meta.spec_for(by_path[p], struct, problems, _path(p), patterns)
+        placement = table.match(_path(p)) if table else None
+        spec = _nnx_meta.spec_for(by_path[p], struct, problems, _path(p), patterns, mesh, placement)
         if spec is not None:
             specs[p] = spec
+            if placement is not None:
+                placed[p] = placement.spelled
     # A pattern that matches no Variable places nothing: legal (every Variable falls
     # back to its metadata, the context mesh or the default device), likely a typo.
-    _adapters.warn_idle_meshes(what, patterns, [_path(p) for p in paths])
+    names = [_path(p) for p in paths]
+    _adapters.warn_idle_meshes(what, patterns, names)
+    _adapters.warn_idle(
+        what,
+        table.idle(names),
+        names,
+        "variable path",
+        "It places nothing (each Variable keeps its own metadata)",
+    )
     plan = _planner.build_plan(_nest(specs), check_inits=False, problems=problems)
     # flax's spelling (nnx.get_named_sharding of the abstract state), so == holds: as
     # many entries as the annotation has, and P() for a Variable without one. Typed
     # keys keep the key array's rank, the only spelling jax gives a key array.
     lengths = {  # flax's pspec is None only for a Variable without a shape
-        _path(p): len(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(by_path[p])))
+        _path(p): placed[p]
+        if p in placed  # as many as the placement gives: flax's spelling of the metadata
+        else len(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(by_path[p])))
         for p in specs
         if p not in keys
     }
@@ -267,10 +296,29 @@ def _prepare_here(factory: Callable[[], nnx.Module], meshes: Any, what: str) -> 
     )
     position = {_path(p): i for i, p in enumerate(paths)}
     outputs = [position[e.path] for e in plan.entries]
-    return _Prepared(plan, traced, outputs, graphdef, flat, specs, keys)
+    return _Prepared(plan, traced, outputs, graphdef, flat, specs, keys, frozenset(placed))
 
 
-def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None, rules: Any = None) -> Plan:
+def _placement_of(
+    prep: _Prepared, entries: dict[str, PlanEntry], path: tuple[Any, ...]
+) -> dict[str, Any]:
+    """The metadata a Variable that ``placements=`` placed gets (none for the others):
+    the placed spec and mesh, so flax's tools report what was placed."""
+    if path not in prep.placed:
+        return {}
+    entry = entries[_path(path)]
+    ndim = len(prep.keys[path][0].shape) if path in prep.keys else None
+    return _placed_metadata(entry, ndim)
+
+
+def plan(
+    factory: Callable[[], nnx.Module],
+    *,
+    placements: Any = None,
+    mesh: Mesh | AbstractMesh | None = None,
+    meshes: Any = None,
+    rules: Any = None,
+) -> Plan:
     """The plan :func:`init` would follow, without compiling or allocating anything.
 
     The factory is traced abstractly once; every Variable's placement is resolved as
@@ -279,6 +327,8 @@ def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None, rules: Any = 
 
     Args:
       factory: as for :func:`init`.
+      placements: as for :func:`init`; their meshes may be ``AbstractMesh`` es.
+      mesh: as for :func:`init`; an ``AbstractMesh`` plans before hardware exists.
       meshes: as for :func:`init`; ``AbstractMesh`` es work, for planning before the
         hardware exists.
       rules: as for :func:`init`.
@@ -305,7 +355,9 @@ def plan(factory: Callable[[], nnx.Module], *, meshes: Any = None, rules: Any = 
       <BLANKLINE>
       total: 5 params, 96.5 KiB, 1 mesh, most on one device 12.5 KiB
     """
-    return _prepare(factory, meshes, rules, what="meshinit.nnx.plan").plan
+    return _prepare(
+        factory, meshes, rules, "meshinit.nnx.plan", placements=placements, mesh=mesh
+    ).plan
 
 
 def _existing(existing: Any, prep: _Prepared) -> dict[str, Any] | None:
@@ -325,7 +377,12 @@ def _existing(existing: Any, prep: _Prepared) -> dict[str, Any] | None:
 
 
 def abstract(
-    factory: Callable[[], nnx.Module], *, meshes: Any = None, rules: Any = None
+    factory: Callable[[], nnx.Module],
+    *,
+    placements: Any = None,
+    mesh: Mesh | AbstractMesh | None = None,
+    meshes: Any = None,
+    rules: Any = None,
 ) -> nnx.Module:
     r"""The Module :func:`init` would return, each Variable's value a
     ``jax.ShapeDtypeStruct`` with its exact ``NamedSharding``; nothing is compiled or
@@ -339,6 +396,9 @@ def abstract(
 
     Args:
       factory: as for :func:`init`.
+      placements: as for :func:`init`; a placed Variable's metadata says what was
+        placed, as in :func:`init`.
+      mesh: as for :func:`init`; an ``AbstractMesh`` plans before hardware exists.
       meshes: as for :func:`init`; ``AbstractMesh`` es work, for a target planned
         before the hardware exists.
       rules: as for :func:`init`.
@@ -357,8 +417,11 @@ def abstract(
       (The restore needs a checkpoint on disk: not run in the tests.)
     """
     with _agree.collective("meshinit.nnx.abstract"):
-        prep = _prepare(factory, meshes, rules, what="meshinit.nnx.plan")
+        prep = _prepare(
+            factory, meshes, rules, "meshinit.nnx.abstract", placements=placements, mesh=mesh
+        )
     structs = prep.plan.abstract()
+    entries = {e.path: e for e in prep.plan.entries} if prep.placed else {}
     placed = []
     for path, var in prep.flat:
         if path in prep.specs:
@@ -370,7 +433,11 @@ def abstract(
                     sharding.mesh, spec, memory_kind=sharding.memory_kind
                 )
                 struct = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding)
-            var = var.replace(struct, eager_sharding=nnx.using_eager_sharding())
+            var = var.replace(
+                struct,
+                eager_sharding=nnx.using_eager_sharding(),
+                **_placement_of(prep, entries, path),
+            )
         placed.append((path, var))
     return nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
 
@@ -378,18 +445,23 @@ def abstract(
 def init(
     factory: Callable[[], nnx.Module],
     *,
+    placements: Any = None,
+    mesh: Mesh | AbstractMesh | None = None,
     meshes: Any = None,
     rules: Any = None,
     existing: Any = None,
 ) -> nnx.Module:
-    r"""Builds an ordinary nnx Module with every Variable placed as its metadata says.
+    r"""Builds an ordinary nnx Module with every Variable placed as its metadata, or a
+    placement table, says.
 
     Every Variable with flax sharding metadata comes back on
     ``NamedSharding(mesh, flax's partition spec)``, Variables without it (RNG state,
     unannotated arrays, or the empty ``P()``) replicated on that mesh. The mesh is the
     first ``meshes`` pattern that full-matches the Variable's dot-joined path, else
-    its ``mesh=`` metadata, else the ``jax.set_mesh`` context mesh, else the default
-    device. Values are the factory's own, from its own ``nnx.Rngs``.
+    its ``mesh=`` metadata, else ``mesh``, else the ``jax.set_mesh`` context mesh,
+    else the default device. A ``placements`` entry that matches a Variable's path
+    overrides its metadata. Values are the factory's own, from its own ``nnx.Rngs``;
+    a placement moves a Variable and never changes its bits.
 
     The factory is traced once, abstractly, and compiled by meshinit's constructor
     engine: the keys, counters and small values are computed once on the host, and
@@ -402,6 +474,21 @@ def init(
       factory: a zero-argument callable returning an nnx Module. It is traced, so it
         must build its own ``nnx.Rngs``, must not mutate outside state, and must not
         call ``jax.set_mesh``.
+      placements: the sharding kept outside the model (EasyDeL's partition rules,
+        t5x's): ordered ``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex, axes,
+        mesh, memory_kind)``, as :func:`meshinit.eqx.init` takes them. Each regex is
+        full-matched against a Variable's dot-joined path (``layers.0.attn.q.kernel``);
+        the first match wins and overrides the Variable's own sharding metadata,
+        which then says what was placed (``out_sharding``, ``mesh``, and
+        ``logical_axes`` for logical names), so ``nnx.get_partition_spec`` reports
+        it. ``axes``: None (replicated), a ``jax.sharding.PartitionSpec`` (mesh axes,
+        padded with None to the rank, as jax pads it), or one entry per dimension:
+        logical names where rules are in effect (``rules``, or flax's context rules),
+        else mesh axes. A placement's mesh comes after a ``meshes`` match and before
+        ``mesh``. A Variable no entry matches keeps its metadata; an entry that matches
+        no Variable is warned about (:class:`meshinit.UnusedPatternWarning`).
+      mesh: the mesh of placements that name none, and of Variables whose metadata
+        names none; without it, the ``jax.set_mesh`` context mesh.
       meshes: ordered ``(regex, mesh)`` pairs. The first regex that full-matches a
         Variable's path puts it on that mesh, overriding its ``mesh=`` metadata and
         the context mesh: how existing code is split into pipeline stages unchanged.
@@ -442,7 +529,9 @@ def init(
     """
     # Collective: a factory that fails while tracing on one process fails every process.
     with _agree.collective("meshinit.nnx.init"), _engine.paused_gc():
-        prep = _prepare(factory, meshes, rules, what="meshinit.nnx.init")
+        prep = _prepare(
+            factory, meshes, rules, "meshinit.nnx.init", placements=placements, mesh=mesh
+        )
         arrays = _engine.make_arrays(
             prep.plan,
             prep.traced,
@@ -450,6 +539,7 @@ def init(
             what="meshinit.nnx.init",
             existing=_existing(existing, prep),
         )
+        entries = {e.path: e for e in prep.plan.entries} if prep.placed else {}
         placed = []
         for path, var in prep.flat:
             if path in prep.specs:
@@ -457,7 +547,11 @@ def init(
                 if path in prep.keys:  # the key data, placed: a key of eager's type again
                     array = jax.random.wrap_key_data(array, impl=prep.keys[path][1])
                 # Traced with eager sharding off; give back what the user's flax would record.
-                var = var.replace(array, eager_sharding=nnx.using_eager_sharding())
+                var = var.replace(
+                    array,
+                    eager_sharding=nnx.using_eager_sharding(),
+                    **_placement_of(prep, entries, path),
+                )
             placed.append((path, var))
         module = nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
         del prep, arrays, placed

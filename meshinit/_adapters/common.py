@@ -34,6 +34,15 @@ def default_mesh() -> Mesh:
     return Mesh(np.array(device), ())
 
 
+def check_mesh(name: str, mesh: Any) -> None:
+    """Refuses a ``mesh=`` argument that is neither None nor a (abstract) mesh."""
+    if mesh is not None and not isinstance(mesh, Mesh | AbstractMesh):
+        raise TypeError(
+            f"{name} must be a jax.sharding.Mesh, an AbstractMesh or None, got "
+            f"{type(mesh).__name__}"
+        )
+
+
 def traced_key(key: Any) -> tuple[np.ndarray, Callable[[Any], Any]]:
     """A key's host data, and the function that rebuilds the key from it inside a trace.
 

@@ -4,7 +4,7 @@ unannotated variables, translated into a spec."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 try:
     import flax.linen as nn
@@ -19,6 +19,7 @@ from .._errors import Problem
 from .._run import materialize as _materialize
 from .._spec.spec import ParamSpec, memory_kind_default, replicated_default
 from . import common as _adapters
+from .placements import Parsed
 
 
 def is_box(x: Any) -> bool:
@@ -151,3 +152,78 @@ def spec_for(
     except (TypeError, ValueError) as e:
         problems.append(Problem(path, str(e)))
         return None
+
+
+def placed_spec(
+    path: str,
+    leaf: Any,
+    placement: Parsed,
+    mesh: Any,
+    rules: Any,
+    override: Any,
+    problems: list[Problem],
+) -> ParamSpec | None:
+    """The spec of a variable that a ``placements=`` entry matches, boxed or not.
+
+    The entry's axes replace the box's names: logical names resolve through ``rules``
+    (else an active ``nn.logical_axis_rules``, else the box's own rules), a
+    PartitionSpec names mesh axes. The mesh is ``override`` (a ``meshes=`` match), else
+    the entry's, else ``mesh``, else the context mesh, else the box's own.
+    """
+    value = value_of(leaf)
+    if not isinstance(value, jax.ShapeDtypeStruct):
+        problems.append(
+            Problem(path, f"holds {type(value).__name__}, not an array; meshinit cannot place it")
+        )
+        return None
+    problem = _adapters.key_array_problem(path, value.dtype)
+    if problem is not None:
+        problems.append(problem)
+        return None
+    own = leaf.mesh if isinstance(leaf, meta.Partitioned) else None
+    candidates = (override, placement.mesh, mesh, _adapters.context_mesh(), own)
+    where = next((m for m in candidates if m is not None), None)
+    axes = placement.axes_for(len(value.shape))
+    table = rules if rules is not None else (nn.get_logical_axis_rules() or None)
+    if table is None and isinstance(leaf, nn.LogicallyPartitioned):
+        table = leaf.rules
+    if where is None:
+        if axes is not None and any(a is not None for a in axes):
+            problems.append(
+                Problem(
+                    path,
+                    f"{placement.name} shards it but there is no mesh: pass mesh= to "
+                    f"meshinit.linen.init, call under jax.set_mesh, or give the placement "
+                    f"its own as (regex, axes, mesh)",
+                )
+            )
+            return None
+        where = _adapters.default_mesh()
+    memory_kind = placement.memory_kind
+    try:
+        return ParamSpec(
+            shape=value.shape,
+            init=_materialize.from_constructor,
+            replicated=replicated_default(),
+            memory_kind=memory_kind if memory_kind is not None else memory_kind_default(),
+            axes=axes,
+            mesh=where,
+            rules=placement.rules_for(table),
+            dtype=value.dtype,
+        )
+    except (TypeError, ValueError) as e:
+        problems.append(Problem(path, f"{placement.name}: {e}"))
+        return None
+
+
+def placed_box(leaf: Any, array: Any, spec: ParamSpec, sharding: Any, keep_mesh: bool) -> Any:
+    """The box a placed variable comes back in, saying what was placed: its logical
+    names (``nn.LogicallyPartitioned``, the box's own rules kept) where they resolved
+    through rules, else the placed mesh axes (``nn.Partitioned``). It names the mesh it
+    was placed on where the placement, ``meshes=`` or the box itself named one."""
+    where = sharding.mesh if keep_mesh else None
+    if spec.rules is not None and spec.axes is not None:
+        own = leaf.rules if isinstance(leaf, nn.LogicallyPartitioned) else None
+        names = cast(tuple[str | None, ...], tuple(spec.axes))
+        return nn.LogicallyPartitioned(array, names, mesh=where, rules=own)
+    return nn.Partitioned(array, tuple(sharding.spec), mesh=where)

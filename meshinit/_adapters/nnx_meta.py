@@ -14,12 +14,14 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from .._errors import Problem
 from .._run import materialize as _materialize
+from .._spec import rules as _rules
 from .._spec.spec import ParamSpec, memory_kind_default, replicated_default
 from . import common as _adapters
+from .placements import Parsed
 
 
 def is_key(value: Any) -> bool:
@@ -66,6 +68,8 @@ def spec_for(
     problems: list[Problem],
     path: str,
     meshes: Sequence[tuple[re.Pattern[str], Any]],
+    mesh: Mesh | AbstractMesh | None = None,
+    placement: Parsed | None = None,
 ) -> ParamSpec | None:
     """Translates flax's sharding metadata into a spec whose axes are mesh axes.
 
@@ -73,18 +77,26 @@ def spec_for(
     shorter sharding tuple pads with None, and names without a rule pass through as
     mesh axis names (the core then checks they are axes of the mesh). The mesh is the
     first ``meshes`` pattern that matches ``path``, else the Variable's ``mesh=``, else
-    the context mesh (else the default device). A ``memory_kind=`` in the metadata
-    (``nnx.Param(x, memory_kind="pinned_host")``) places it in that memory.
+    ``mesh`` (the call's ``mesh=``), else the context mesh (else the default device).
+    A ``memory_kind=`` in the metadata (``nnx.Param(x, memory_kind="pinned_host")``)
+    places it in that memory.
+
+    A ``placement`` (the first ``placements=`` entry that matches ``path``) overrides
+    the metadata: its axes, and its mesh (else ``mesh``, else the context mesh, else
+    the Variable's own), unless a ``meshes`` pattern matches; :func:`placed_spec`.
     """
     shape, dtype = value.shape, value.dtype
     if is_key(value):  # keys travel as their uint32 data; rewrapped after placement
         data = jax.eval_shape(jax.random.key_data, value)
         shape, dtype = data.shape, data.dtype
     meta = var.get_metadata()
-    mesh = next((m for pattern, m in meshes if pattern.fullmatch(path)), None)
+    override = next((m for pattern, m in meshes if pattern.fullmatch(path)), None)
+    if placement is not None:
+        if placement.broken:
+            return None  # said once, for the placement
+        return placed_spec(var, value, (shape, dtype), problems, path, override, mesh, placement)
+    mesh = override if override is not None else _own_mesh(meta) or mesh
     if mesh is None:
-        mesh = meta.get("mesh")
-    if mesh is None or (isinstance(mesh, Mesh) and mesh.empty):
         mesh = _adapters.context_mesh()
     axes = None
     logical = None
@@ -130,3 +142,75 @@ def spec_for(
         metadata={} if logical is None else {"logical": logical},
         replicated=meant or replicated_default(),
     )
+
+
+def _own_mesh(meta: dict[str, Any]) -> Mesh | AbstractMesh | None:
+    """A Variable's ``mesh=`` metadata, None for none or an empty Mesh."""
+    mesh = meta.get("mesh")
+    return None if mesh is None or (isinstance(mesh, Mesh) and mesh.empty) else mesh
+
+
+def placed_spec(
+    var: nnx.Variable,
+    value: Any,
+    planned: tuple[tuple[int, ...], Any],
+    problems: list[Problem],
+    path: str,
+    override: Mesh | AbstractMesh | None,
+    mesh: Mesh | AbstractMesh | None,
+    placement: Parsed,
+) -> ParamSpec | None:
+    """The spec of a Variable that a ``placements=`` entry matches.
+
+    The entry's axes replace the metadata's: logical names resolve through the rules
+    in effect (the call's ``rules=`` or flax's context rules), a PartitionSpec names
+    mesh axes. The mesh is the matching ``meshes`` one, else the entry's, else
+    ``mesh``, else the context mesh, else the Variable's own. ``planned`` is the
+    planned shape and dtype (a typed key's data: its extra dimension is replicated).
+    """
+    shape, dtype = planned
+    meta = var.get_metadata()
+    where = next(
+        (
+            m
+            for m in (override, placement.mesh, mesh, _adapters.context_mesh(), _own_mesh(meta))
+            if m is not None
+        ),
+        None,
+    )
+    axes = placement.axes_for(len(value.shape))
+    if axes is not None and len(axes) == len(value.shape):
+        axes = axes + (None,) * (len(shape) - len(value.shape))  # a key's data dimension
+    context = flax_spmd.get_logical_axis_rules()
+    rules = placement.rules_for(_rules.normalize_rules(context) if context else None)
+    if where is None:
+        if axes is not None and any(a is not None for a in axes):
+            problems.append(
+                Problem(
+                    path,
+                    f"{placement.name} shards it but there is no mesh: pass mesh= to the "
+                    f"call, call under jax.set_mesh, or give the placement its own as "
+                    f"(regex, axes, mesh)",
+                )
+            )
+            return None
+        where = _adapters.default_mesh()
+    meant = tuple(where.axis_names) if isinstance(var, nnx.RngState) or not shape else ()
+    memory_kind = placement.memory_kind
+    if memory_kind is None:
+        memory_kind = meta.get("memory_kind", memory_kind_default())
+    try:
+        return ParamSpec(
+            shape=shape,
+            init=_materialize.from_constructor,
+            memory_kind=memory_kind,
+            axes=axes,
+            mesh=where,
+            rules=rules,
+            dtype=dtype,
+            metadata={} if rules is None else {"logical": placement.axes_for(len(shape))},
+            replicated=meant or replicated_default(),
+        )
+    except (TypeError, ValueError) as e:
+        problems.append(Problem(path, f"{placement.name}: {e}"))
+        return None
