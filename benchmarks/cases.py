@@ -434,6 +434,73 @@ def planning(kind: str, specs: int = 10_000) -> dict:
     }
 
 
+def planning_table(variables: int = 2_000, entries: int = 50) -> dict:
+    """What a ``placements=`` table costs ``meshinit.nnx.plan``: ``variables`` Params
+    without sharding metadata (250 layers of 8) against a table of ``entries``, every
+    path tried against the entries that match nothing first (the worst order).
+
+    ``table``: reading the table (parsing it, each path's first match, the check for
+    entries that match nothing), first call and best of 3 more. ``plan_table`` and
+    ``plan_metadata``: the whole ``nnx.plan`` (tracing the factory included) of the
+    Module placed by the table, and of the same Module annotated in code, best of 3.
+    """
+    import warnings
+
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    import meshinit.nnx
+    from meshinit._adapters import placements as _placements
+
+    mesh = setup_cpu()
+    names = [f"w{i}" for i in range(8)]
+    layers = -(-variables // len(names))
+
+    class Layer(nnx.Module):
+        def __init__(self, annotated: bool):
+            meta = {"out_sharding": ("fsdp", "tensor")} if annotated else {}
+            for n in names:
+                setattr(self, n, nnx.Param(jnp.zeros((8, 8)), **meta))
+
+    class Stack(nnx.Module):
+        def __init__(self, annotated: bool):
+            self.layers = nnx.List([Layer(annotated) for _ in range(layers)])
+
+    decoys = [(rf"layers\.\d+\.unused{i}", P("tensor")) for i in range(entries - len(names))]
+    table = decoys + [(rf"layers\.\d+\.{n}", P("fsdp", "tensor")) for n in names]
+    paths = [f"layers.{i}.{n}" for i in range(layers) for n in names]
+
+    def read() -> float:
+        start = time.perf_counter()
+        parsed, _ = _placements.parse(table)
+        for path in paths:
+            parsed.match(path)
+        parsed.idle(paths)
+        return time.perf_counter() - start
+
+    reads = [read() for _ in range(4)]
+    plans: dict[str, list[float]] = {"plan_table": [], "plan_metadata": []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", meshinit.UnusedPatternWarning)  # the decoys
+        for _ in range(3):
+            for key, kwargs in (
+                ("plan_table", {"placements": table}),
+                ("plan_metadata", {}),
+            ):
+                annotated = not kwargs
+                start = time.perf_counter()
+                plan = meshinit.nnx.plan(lambda a=annotated: Stack(a), mesh=mesh, **kwargs)
+                plans[key].append(time.perf_counter() - start)
+    return {
+        "variables": len(plan.entries),
+        "entries": len(table),
+        "table_first": reads[0],
+        "table": min(reads[1:]),
+        **{k: min(v) for k, v in plans.items()},
+    }
+
+
 CASES = {
     "cold": cold,
     "restart": restart,
@@ -441,6 +508,7 @@ CASES = {
     "warm_depth": warm_depth,
     "host_memory": host_memory,
     "planning": planning,
+    "planning_table": planning_table,
     "real_size": real_size,
     "prefault": prefault,
 }

@@ -65,9 +65,11 @@ SPEC_RECIPES = (
 CONSTRUCTOR_RECIPES = (
     "meshinit.nnx",
     "meshinit.nnx:2mesh",
+    "meshinit.nnx:table",
     "linen.jit",
     "meshinit.linen",
     "meshinit.linen:2mesh",
+    "meshinit.linen:table",
     "eqx.filter_jit",
     "meshinit.eqx",
 )
@@ -246,14 +248,17 @@ def fused_jit(model: Model, mesh: Any, key_impl: Any = None) -> Any:
     return jax.jit(build, out_shardings=shardings)
 
 
-def nnx_module(model: Model, mesh: Any) -> type:
-    """A flax nnx Module class whose ``__init__(rngs)`` builds ``model``'s parameters."""
+def nnx_module(model: Model, mesh: Any, annotated: bool = True) -> type:
+    """A flax nnx Module class whose ``__init__(rngs)`` builds ``model``'s parameters;
+    ``annotated=False`` leaves out their sharding metadata (a table places them)."""
     from flax import nnx
 
     dtype = model.jnp_dtype
 
     def param(rngs: nnx.Rngs, leaf: Leaf) -> nnx.Param:
         value = leaf.init()(rngs.params(), leaf.shape, dtype)
+        if not annotated:
+            return nnx.Param(value)
         return nnx.Param(value, out_sharding=mesh_axes(leaf.axes), mesh=mesh)
 
     class Layer(nnx.Module):
@@ -360,19 +365,42 @@ def stage_patterns(model: Model, mesh: Any, prefix: str = "", layer: str = "laye
     ]
 
 
-def meshinit_nnx_init(model: Model, mesh: Any, two_stages: bool = False) -> Any:
-    """``meshinit.nnx.init`` of the ``nnx.jit`` recipe's Module, its code unchanged."""
+def table(
+    model: Model, prefix: str = "", layer: str = r"layers\.\d+\.", logical: bool = False
+) -> list:
+    """``placements=`` that place ``model`` as its annotations do: one entry per
+    parameter name (``embed``, ``head``, ``layers.<i>.<name>``), its axes a
+    PartitionSpec of mesh axes, or (``logical``) the logical names."""
+    from jax.sharding import PartitionSpec as P
+
+    start = re.escape(prefix)
+    tree = model.tree()
+
+    def axes(leaf: Leaf) -> Any:
+        return tuple(leaf.axes) if logical else P(*mesh_axes(leaf.axes))
+
+    entries = [(rf"{start}{name}", axes(tree[name])) for name in ("embed", "head")]
+    entries += [(rf"{start}{layer}{name}", axes(leaf)) for name, leaf in model.layer().items()]
+    return entries
+
+
+def meshinit_nnx_init(
+    model: Model, mesh: Any, two_stages: bool = False, by_table: bool = False
+) -> Any:
+    """``meshinit.nnx.init`` of the ``nnx.jit`` recipe's Module, its code unchanged;
+    ``by_table``: the same Module without sharding metadata, placed by :func:`table`."""
     from flax import nnx
 
     import meshinit.nnx
 
-    Transformer = nnx_module(model, mesh)
+    Transformer = nnx_module(model, mesh, annotated=not by_table)
     meshes = stage_patterns(model, mesh) if two_stages else None
-    module = meshinit.nnx.init(lambda: Transformer(nnx.Rngs(0)), meshes=meshes)
+    placed = {"placements": table(model), "mesh": mesh} if by_table else {}
+    module = meshinit.nnx.init(lambda: Transformer(nnx.Rngs(0)), meshes=meshes, **placed)
     return nnx_arrays(model, module)
 
 
-def linen_module(model: Model) -> Any:
+def linen_module(model: Model, annotated: bool = True) -> Any:
     """A linen Module (an instance) that declares ``model``'s params as linen code does.
 
     Params are ``self.param(name, nn.with_logical_partitioning(init, axes), shape,
@@ -384,7 +412,7 @@ def linen_module(model: Model) -> Any:
     dtype = model.jnp_dtype
 
     def param(module: nn.Module, name: str, leaf: Leaf) -> Any:
-        init = nn.with_logical_partitioning(leaf.init(), leaf.axes)
+        init = nn.with_logical_partitioning(leaf.init(), leaf.axes) if annotated else leaf.init()
         return module.param(name, init, leaf.shape, dtype)
 
     class Layer(nn.Module):
@@ -448,17 +476,22 @@ def linen_jit_init(model: Model, mesh: Any) -> Any:
     return linen_arrays(model, variables)
 
 
-def meshinit_linen_init(model: Model, mesh: Any, two_stages: bool = False) -> Any:
+def meshinit_linen_init(
+    model: Model, mesh: Any, two_stages: bool = False, by_table: bool = False
+) -> Any:
     """``meshinit.linen.init`` of :func:`linen_module`; ``two_stages`` splits it as
-    ``meshinit.nnx:2mesh`` does, with ``meshes=``."""
+    ``meshinit.nnx:2mesh`` does, with ``meshes=``; ``by_table``: the Module without
+    annotations, placed by :func:`table` (its logical names, through the rules)."""
     import jax
 
     import meshinit.linen
 
-    module = linen_module(model)
-    staged = {}
+    module = linen_module(model, annotated=not by_table)
+    staged: dict[str, Any] = {}
     if two_stages:
         staged["meshes"] = stage_patterns(model, mesh, prefix="params.", layer="layers_")
+    if by_table:
+        staged["placements"] = table(model, "params.", r"layers_\d+\.", logical=True)
     variables = meshinit.linen.init(
         module, jax.random.key(0), linen_tokens(), mesh=mesh, rules=RULES, **staged
     )
@@ -594,9 +627,11 @@ _RUN = {
     "eager-nnx": eager_nnx_init,
     "meshinit.nnx": meshinit_nnx_init,
     "meshinit.nnx:2mesh": lambda model, mesh: meshinit_nnx_init(model, mesh, two_stages=True),
+    "meshinit.nnx:table": lambda model, mesh: meshinit_nnx_init(model, mesh, by_table=True),
     "linen.jit": linen_jit_init,
     "meshinit.linen": meshinit_linen_init,
     "meshinit.linen:2mesh": lambda model, mesh: meshinit_linen_init(model, mesh, two_stages=True),
+    "meshinit.linen:table": lambda model, mesh: meshinit_linen_init(model, mesh, by_table=True),
     "eqx.filter_jit": eqx_jit_init,
     "meshinit.eqx": meshinit_eqx_init,
 }

@@ -161,6 +161,10 @@ def measure(args: argparse.Namespace) -> dict:
             "problems": next((r["problems"] for r in ok if r["problems"]), []),
         }
         results["cold"].setdefault(recipe, {})[str(layers)] = best
+    if args.only == "constructor" or args.with_constructor:
+        log("planning by a placements= table ...")
+        size = {"variables": 200} if args.smoke else {}
+        results["planning_table"] = spawn("planning_table", args.timeout, **size)
     if args.only == "constructor":
         return results
 

@@ -181,6 +181,8 @@ def _built(recipe, layers):
         ("meshinit.linen", 2),
         ("meshinit.linen:2mesh", 2),
         ("meshinit.linen:2mesh", 1),
+        ("meshinit.nnx:table", 2),
+        ("meshinit.linen:table", 2),
         ("eqx.filter_jit", 2),
         ("meshinit.eqx", 2),
     ],
@@ -234,7 +236,9 @@ def test_eqx_check_expects_linear_weights_as_out_by_in():
     [
         ("meshinit.nnx", "eager-nnx", True),  # the engine promises eager's bits
         ("meshinit.nnx:2mesh", "eager-nnx", True),
+        ("meshinit.nnx:table", "meshinit.nnx", True),  # a table moves values, never changes them
         ("meshinit.linen", "linen.jit", False),  # compiled both ways: within rounding
+        ("meshinit.linen:table", "meshinit.linen", True),
         ("meshinit.eqx", "eqx.filter_jit", False),
     ],
 )
@@ -267,9 +271,11 @@ def test_only_constructor_runs_the_issue_cases_and_nothing_else():
             "meshinit",
             "meshinit.nnx",
             "meshinit.nnx:2mesh",
+            "meshinit.nnx:table",
             "linen.jit",
             "meshinit.linen",
             "meshinit.linen:2mesh",
+            "meshinit.linen:table",
             "eqx.filter_jit",
             "meshinit.eqx",
         )
@@ -287,8 +293,11 @@ def test_only_constructor_measures_best_of_fresh_processes_and_reports(monkeypat
     calls = []
 
     def spawn(case, timeout, **kwargs):
+        if case == "planning_table":
+            calls.append((case, None, None))
+            return {"variables": 2000, "entries": 50, "table_first": 0.03}
         calls.append((case, kwargs["recipe"], kwargs["layers"]))
-        slow = 1.0 if len(calls) <= 11 else 2.0  # the second repeat is slower
+        slow = 1.0 if len(calls) <= 13 else 2.0  # the second repeat is slower
         seconds = {"nnx.jit": 30.0, "eager-nnx": 4.0, "linen.jit": 20.0}.get(kwargs["recipe"])
         return {
             "seconds": (seconds or 1.0) * slow,
@@ -303,8 +312,9 @@ def test_only_constructor_measures_best_of_fresh_processes_and_reports(monkeypat
     monkeypatch.setattr(suite.report, "machine", lambda: {})
     args = suite.parse(["--only", "constructor", "--repeats", "2"])
     results = suite.measure(args)
-    assert {case for case, *_ in calls} == {"cold"}  # no warm, restart, memory, planning
-    assert len(calls) == 2 * 11
+    # no warm, restart, memory or spec planning: the table's planning, once
+    assert [case for case, *_ in calls if case != "cold"] == ["planning_table"]
+    assert len(calls) == 2 * 13 + 1
     assert results["cold"]["meshinit.nnx"]["32"]["runs"] == [1.0, 2.0]
     assert results["cold"]["meshinit.nnx"]["32"]["seconds"] == 1.0  # the best
     assert suite.failures(results, strict=True) == []
@@ -344,6 +354,13 @@ def test_report_computes_and_prints_the_constructor_goals():
         "cold meshinit.linen / linen.jit, 32 layers": ["0.150", "<= 0.1", "NOT met"],
         "cold meshinit.eqx / eqx.filter_jit, 32 layers": ["n/a", "<= 0.1", "n/a"],  # not run
         "cold meshinit.nnx:2mesh / meshinit.nnx, 32 layers": ["1.500", "<= 1.6", "met"],
+        "cold meshinit.nnx:table / meshinit.nnx, 32 layers": ["n/a", "<= 1.05", "n/a"],
+        "cold meshinit.linen:table / meshinit.linen, 32 layers": ["n/a", "<= 1.05", "n/a"],
+        "read 2,000 variables against a 50-entry table (placements=), first call (s)": [
+            "n/a",
+            "<= 0.1",
+            "n/a",
+        ],
     }
     tables = report._cold_tables(results)
     assert "| meshinit.nnx / nnx.jit |  | 0.050 |" in tables  # no 8-layer anchor: no ratio

@@ -47,6 +47,7 @@ def test_demo_rejects_a_device_count_it_cannot_lay_out():
         "train_state.py",
         "zero1_offload.py",
         "finetune_safetensors.py",
+        "placements_table.py",
     ],
 )
 def test_examples_run(script):
