@@ -168,17 +168,27 @@ def test_a_partitionspec_names_mesh_axes_even_where_rules_are_given():
     assert module.lm_head.kernel.get_value().sharding.spec == P("fsdp", "tp")
 
 
-def test_nnx_stages_take_a_tables_axes_on_each_stages_mesh():
+@pytest.mark.parametrize("logical", [False, True], ids=["partitionspecs", "logical"])
+def test_nnx_stages_take_a_tables_axes_on_each_stages_mesh(logical):
     s0, s1 = stages()
     meshes = [(r"embed_tokens\..*|layers\.[01]\..*", s0), (r".*", s1)]
+    table = {"placements": LOGICAL, "rules": RULES} if logical else {"placements": TABLE}
 
     def stage(path):
         return s0 if re.fullmatch(meshes[0][0], path) else s1
 
-    module = meshinit.nnx.init(model, placements=TABLE, meshes=meshes)
-    check_nnx(module, stage)
-    plan = meshinit.nnx.plan(model, placements=TABLE, meshes=meshes)
+    module = meshinit.nnx.init(model, meshes=meshes, **table)
+    check_nnx(module, stage, logical=logical)
+    plan = meshinit.nnx.plan(model, meshes=meshes, **table)
     assert [g.mesh for g in plan.groups] == [s0, s1]
+    made = flat(module)
+    assert {e.path: e.sharding for e in plan.entries} == {
+        p: v.get_value().sharding for p, v in made.items()
+    }
+    target = flat(meshinit.nnx.abstract(model, meshes=meshes, **table))
+    for path, var in target.items():
+        assert var.get_value().sharding == made[path].get_value().sharding, path
+        assert var.get_metadata() == made[path].get_metadata(), path
 
 
 def test_a_placement_overrides_metadata_and_the_rest_keeps_it():
@@ -479,6 +489,30 @@ def test_linen_placement_overrides_an_annotation_and_unplaced_keep_theirs():
     assert boxes["params.layers_1.down_proj.kernel"].names == (None, "tp")  # its annotation
     assert boxes["params.layers_1.down_proj.kernel"].value.sharding.spec == P(None, "tp")
     assert boxes["params.lm_head.kernel"].sharding.spec == P()  # unboxed, default=
+
+
+def test_linen_placements_compose_with_existing_and_memory_kinds():
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if "pinned_host" not in kinds:
+        pytest.skip("this backend has no pinned_host memory")
+    mesh = mesh8()
+    table = [(r"params\.lm_head\.kernel", P("fsdp", "tp"), None, "pinned_host"), *LINEN_TABLE]
+    given = np.arange(32 * 64, dtype=np.float32).reshape(32, 64)
+    variables = meshinit.linen.init(
+        LinenModel(),
+        jax.random.key(0),
+        TOKENS,
+        mesh=mesh,
+        rules=RULES,
+        placements=table,
+        existing={"params.layers_0.up_proj.kernel": given},
+    )
+    boxes = linen_paths(variables)
+    head = boxes["params.lm_head.kernel"].value
+    assert head.sharding == NamedSharding(mesh, P("fsdp", "tp"), memory_kind="pinned_host")
+    up = boxes["params.layers_0.up_proj.kernel"].value
+    assert up.sharding == NamedSharding(mesh, P("fsdp", "tp"))
+    np.testing.assert_array_equal(np.asarray(up), given)
 
 
 def test_linen_table_problems_are_one_plan_error():

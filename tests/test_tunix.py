@@ -34,6 +34,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import tunix_models as tm  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 from tunix.sft.checkpoint_manager import CheckpointManager  # noqa: E402
 from tunix.utils import torch_utils  # noqa: E402
@@ -201,6 +202,31 @@ def test_abstract_restores_a_checkpoint_tunix_saved_onto_tunix_shardings(row, tm
 
 
 # -- safetensors: a round trip through tunix's own name maps -----------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(tm.FACTORIES))
+def test_tunix_shardings_as_a_placement_table_place_each_leaf_as_its_metadata_does(case):
+    """tunix's own answer written as an EasyDeL-style table (``placements=``, one
+    ``(path, PartitionSpec)`` entry per leaf) places every leaf ``==`` tunix's, with
+    eager's bits; and an entry overrides a leaf's metadata, which then says so."""
+    mesh = tm.mesh()
+    factory = tm.FACTORIES[case]
+    want = tm.tunix_shardings(factory, mesh)
+    table = [(re.escape(p), s.spec) for p, s in want.items()]
+    got = tm.arrays(meshinit.nnx.init(factory, placements=table, mesh=mesh))
+    placed = placement_problems(got, want)
+    assert not placed, "placed unlike tunix:\n" + "\n".join(placed)
+    values = value_problems(got, eager_arrays(case))
+    assert not values, "values unlike eager construction:\n" + "\n".join(values)
+    # one sharded leaf replicated by a table entry; every other leaf keeps tunix's
+    moved = next(p for p, s in want.items() if any(a is not None for a in s.spec))
+    model = meshinit.nnx.init(factory, placements=[(re.escape(moved), P())], mesh=mesh)
+    got = tm.arrays(model)
+    assert got[moved].sharding == jax.sharding.NamedSharding(mesh, P())
+    reported = nnx.get_named_sharding(nnx.state(model), mesh)
+    assert tm.arrays(reported)[moved] == got[moved].sharding  # flax reports the move
+    rest = {p: a for p, a in got.items() if p != moved}
+    assert not placement_problems(rest, {p: s for p, s in want.items() if p != moved})
 
 
 @pytest.mark.parametrize("case", sorted(tm.NAME_MAPS))
