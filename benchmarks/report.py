@@ -20,12 +20,12 @@ CONSTRUCTOR_CASES = (
     "eager-nnx",
     "meshinit",
     "meshinit.nnx",
+    "meshinit.nnx:table",  # right after its anchor: side by side
     "meshinit.nnx:2mesh",
-    "meshinit.nnx:table",
     "linen.jit",
     "meshinit.linen",
-    "meshinit.linen:2mesh",
     "meshinit.linen:table",
+    "meshinit.linen:2mesh",
     "eqx.filter_jit",
     "meshinit.eqx",
 )
@@ -708,6 +708,12 @@ ordinary framework code, against the framework's own sharded-init recipe:
   (fsdp=2, tensor=2) stage meshes: `embed` and the first half of the layers on
   devices 0-3, the rest and `head` on devices 4-7; each array is checked against its
   stage's mesh.
+- `meshinit.nnx:table`: the same Module without sharding metadata (`nnx.Param(init(...))`),
+  placed by a table kept outside it: `meshinit.nnx.init(..., placements=table,
+  mesh=mesh)`, one `(regex, PartitionSpec)` entry per parameter name
+  (`layers\\.\\d+\\.q`, ...). `meshinit.linen:table` is the linen Module without its
+  `nn.with_logical_partitioning` boxes, placed by the same table in logical names
+  (`rules=rules`). The goal: the same speed as the annotated model.
 - `linen.jit`: a linen Module whose params are `self.param(name,
   nn.with_logical_partitioning(init, axes), shape, dtype)`, initialized by flax's
   recipe: `jax.eval_shape(module.init, ...)`, `nn.get_partition_spec`,

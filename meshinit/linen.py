@@ -314,9 +314,10 @@ def init(
 
     Each variable annotated with ``nn.with_logical_partitioning`` or
     ``nn.with_partitioning`` (or placed by a ``placements`` table kept outside the
-    model) comes back on exactly the ``NamedSharding`` its annotation describes: on the first ``meshes`` mesh whose regex full-matches its
-    path, else on the annotation's own ``mesh=``, else on ``mesh``, else on the
-    ``jax.set_mesh`` context mesh. Logical names resolve with the annotation's own
+    model) comes back on exactly the ``NamedSharding`` its annotation describes: on
+    the first ``meshes`` mesh whose regex full-matches its path, else on the
+    annotation's own ``mesh=``, else on ``mesh``, else on the ``jax.set_mesh`` context
+    mesh. Logical names resolve with the annotation's own
     ``rules=``, else ``rules``, else the rules of an active ``nn.logical_axis_rules``,
     by linen's algorithm (see :func:`meshinit.logical_to_mesh_axes`), strictly: a
     logical name without a rule is an error, not silently replicated. Values are

@@ -471,6 +471,14 @@ def test_linen_stages_take_a_tables_axes_on_each_stages_mesh():
     check_linen(variables, stage)
     # a box placed on a stage names its mesh: linen's unbox constrains it there
     assert linen_paths(variables)["params.lm_head.kernel"].mesh == s1
+    plan = meshinit.linen.plan(
+        LinenModel(), 0, TOKENS, rules=RULES, meshes=meshes, placements=LINEN_TABLE
+    )
+    assert [g.mesh for g in plan.groups] == [s0, s1]
+    placed = linen_paths(variables)
+    assert {e.path: e.sharding for e in plan.entries} == {
+        p: b.value.sharding for p, b in placed.items()
+    }
 
 
 def test_linen_placement_overrides_an_annotation_and_unplaced_keep_theirs():
