@@ -22,13 +22,11 @@ gets the same values as ``meshinit.init`` on a dict with the same paths.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 try:
-    from flax import errors as flax_errors
     from flax import nnx
     from flax.core import spmd as flax_spmd
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
@@ -44,7 +42,7 @@ from ._adapters.nnx_optimizer import optimizer
 from ._engine import entry as _engine
 from ._errors import PlanError, Problem
 from ._plan import planner as _planner
-from ._plan.plan import Plan, PlanEntry
+from ._plan.plan import Plan
 from ._run import agree as _agree
 from ._run import materialize as _materialize
 from ._spec import rules as _rules
@@ -76,18 +74,6 @@ def _get(tree: dict[str, Any], path: tuple[Any, ...]) -> Any:
     for part in path:
         tree = tree[str(part)]
     return tree
-
-
-def _placed_metadata(entry: PlanEntry, ndim: int | None = None) -> dict[str, Any]:
-    """Metadata that makes flax's own tools report the placed PartitionSpec (its first
-    ``ndim`` entries: a typed key's, planned as its key data)."""
-    spec = tuple(entry.sharding.spec)[:ndim]
-    meta: dict[str, Any] = {"out_sharding": spec, "mesh": entry.mesh}
-    if entry.spec.rules is not None:
-        meta["logical_axes"] = entry.spec.axes  # the logical names, kept for readers
-    if entry.spec.memory_kind is not None:
-        meta["memory_kind"] = entry.memory_kind  # where it lives, as it was asked for
-    return meta
 
 
 def _specs(flat: list[tuple[tuple[Any, ...], nnx.Variable]]) -> dict[tuple[Any, ...], ParamSpec]:
@@ -142,32 +128,9 @@ def materialize(module: nnx.Module, key: Any) -> nnx.Module:
     for path, var in flat:
         if path in specs:
             entry = entries[_path(path)]
-            var = var.replace(_get(arrays, path), **_placed_metadata(entry))
+            var = var.replace(_get(arrays, path), **_nnx_meta.placed_metadata(entry))
         placed.append((path, var))
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
-
-
-@contextlib.contextmanager
-def _clear_factory_errors(what: str = "meshinit.nnx.init") -> Iterator[None]:
-    """Turns jax's and flax's trace errors from a misbehaving factory into one clear error."""
-    try:
-        yield
-    except (jax.errors.UnexpectedTracerError, flax_errors.TraceContextError) as e:
-        raise ValueError(f"{what}: {_FACTORY_RULES} ({type(e).__name__})") from e
-    except ValueError as e:
-        if "set_mesh" in str(e) and "outside of `jax.jit`" in str(e):
-            raise ValueError(
-                f"{what} traces the factory, and jax.set_mesh cannot be called "
-                "while tracing: call jax.set_mesh around meshinit.nnx.init instead, or "
-                "give each Variable its mesh with meshes=[(regex, mesh), ...]"
-            ) from e
-        raise
-
-
-_FACTORY_RULES = (
-    "the factory is traced (abstractly, once), so it must build its own nnx.Rngs and "
-    "must not touch outside state"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +200,7 @@ def _prepare_here(
         found.append((graphdef, flat, [p for p, _ in arrays], keys))
         return [jax.random.key_data(x) if _nnx_meta.is_key(x) else x for _, x in arrays]
 
-    with _clear_factory_errors(what):
+    with _nnx_meta.factory_errors(what):
         traced = _engine.trace(build)
     graphdef, flat, paths, keys = found[0]
     declared = [_path(p) for p, v in flat if isinstance(v.get_value(), ParamSpec)]
@@ -299,18 +262,6 @@ def _prepare_here(
     return _Prepared(plan, traced, outputs, graphdef, flat, specs, keys, frozenset(placed))
 
 
-def _placement_of(
-    prep: _Prepared, entries: dict[str, PlanEntry], path: tuple[Any, ...]
-) -> dict[str, Any]:
-    """The metadata a Variable that ``placements=`` placed gets (none for the others):
-    the placed spec and mesh, so flax's tools report what was placed."""
-    if path not in prep.placed:
-        return {}
-    entry = entries[_path(path)]
-    ndim = len(prep.keys[path][0].shape) if path in prep.keys else None
-    return _placed_metadata(entry, ndim)
-
-
 def plan(
     factory: Callable[[], nnx.Module],
     *,
@@ -358,22 +309,6 @@ def plan(
     return _prepare(
         factory, meshes, rules, "meshinit.nnx.plan", placements=placements, mesh=mesh
     ).plan
-
-
-def _existing(existing: Any, prep: _Prepared) -> dict[str, Any] | None:
-    """``existing=`` as plan path -> array; typed keys as their key data, as planned."""
-    if isinstance(existing, nnx.State):
-        existing = nnx.to_pure_dict(existing)
-    flat = _adapters.flat_existing(existing)
-    if flat is None:
-        return None
-    keys = {_path(p) for p in prep.keys}
-    for path, value in flat.items():
-        # Arrays only: a key-typed ShapeDtypeStruct (a restore target) or a duplicated
-        # path is left for the checks to name.
-        if path in keys and isinstance(value, jax.Array) and _nnx_meta.is_key(value):
-            flat[path] = jax.random.key_data(value)
-    return flat
 
 
 def abstract(
@@ -436,7 +371,7 @@ def abstract(
             var = var.replace(
                 struct,
                 eager_sharding=nnx.using_eager_sharding(),
-                **_placement_of(prep, entries, path),
+                **_nnx_meta.placement_of(prep.placed, prep.keys, entries, path),
             )
         placed.append((path, var))
     return nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
@@ -537,7 +472,7 @@ def init(
             prep.traced,
             prep.outputs,
             what="meshinit.nnx.init",
-            existing=_existing(existing, prep),
+            existing=_nnx_meta.existing_arrays(existing, prep.keys),
         )
         entries = {e.path: e for e in prep.plan.entries} if prep.placed else {}
         placed = []
@@ -550,7 +485,7 @@ def init(
                 var = var.replace(
                     array,
                     eager_sharding=nnx.using_eager_sharding(),
-                    **_placement_of(prep, entries, path),
+                    **_nnx_meta.placement_of(prep.placed, prep.keys, entries, path),
                 )
             placed.append((path, var))
         module = nnx.merge(prep.graphdef, nnx.from_flat_state(placed))

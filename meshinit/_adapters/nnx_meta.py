@@ -3,11 +3,13 @@ flax reads them, translated into a spec whose axes are mesh axes."""
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 try:
+    from flax import errors as flax_errors
     from flax import nnx
     from flax.core import spmd as flax_spmd
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
@@ -17,6 +19,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from .._errors import Problem
+from .._plan.plan import PlanEntry
 from .._run import materialize as _materialize
 from .._spec import rules as _rules
 from .._spec.spec import ParamSpec, memory_kind_default, replicated_default
@@ -214,3 +217,69 @@ def placed_spec(
     except (TypeError, ValueError) as e:
         problems.append(Problem(path, f"{placement.name}: {e}"))
         return None
+
+
+def placed_metadata(entry: PlanEntry, ndim: int | None = None) -> dict[str, Any]:
+    """Metadata that makes flax's own tools report the placed PartitionSpec (its first
+    ``ndim`` entries: a typed key's, planned as its key data)."""
+    spec = tuple(entry.sharding.spec)[:ndim]
+    meta: dict[str, Any] = {"out_sharding": spec, "mesh": entry.mesh}
+    if entry.spec.rules is not None:
+        meta["logical_axes"] = entry.spec.axes  # the logical names, kept for readers
+    if entry.spec.memory_kind is not None:
+        meta["memory_kind"] = entry.memory_kind  # where it lives, as it was asked for
+    return meta
+
+
+def placement_of(
+    placed: frozenset[tuple[Any, ...]],
+    keys: dict[tuple[Any, ...], tuple[Any, Any]],
+    entries: dict[str, PlanEntry],
+    path: tuple[Any, ...],
+) -> dict[str, Any]:
+    """The metadata a Variable that ``placements=`` placed gets (none for the others):
+    the placed spec and mesh, so flax's tools report what was placed."""
+    if path not in placed:
+        return {}
+    ndim = len(keys[path][0].shape) if path in keys else None
+    return placed_metadata(entries[".".join(map(str, path))], ndim)
+
+
+@contextlib.contextmanager
+def factory_errors(what: str = "meshinit.nnx.init") -> Iterator[None]:
+    """Turns jax's and flax's trace errors from a misbehaving factory into one clear error."""
+    try:
+        yield
+    except (jax.errors.UnexpectedTracerError, flax_errors.TraceContextError) as e:
+        raise ValueError(f"{what}: {_FACTORY_RULES} ({type(e).__name__})") from e
+    except ValueError as e:
+        if "set_mesh" in str(e) and "outside of `jax.jit`" in str(e):
+            raise ValueError(
+                f"{what} traces the factory, and jax.set_mesh cannot be called "
+                "while tracing: call jax.set_mesh around meshinit.nnx.init instead, or "
+                "give each Variable its mesh with meshes=[(regex, mesh), ...]"
+            ) from e
+        raise
+
+
+_FACTORY_RULES = (
+    "the factory is traced (abstractly, once), so it must build its own nnx.Rngs and "
+    "must not touch outside state"
+)
+
+
+def existing_arrays(existing: Any, keys: dict[tuple[Any, ...], Any]) -> dict[str, Any] | None:
+    """``existing=`` as plan path -> array; typed keys (at ``keys``' paths) as their key
+    data, as planned."""
+    if isinstance(existing, nnx.State):
+        existing = nnx.to_pure_dict(existing)
+    flat = _adapters.flat_existing(existing)
+    if flat is None:
+        return None
+    key_paths = {".".join(map(str, p)) for p in keys}
+    for path, value in flat.items():
+        # Arrays only: a key-typed ShapeDtypeStruct (a restore target) or a duplicated
+        # path is left for the checks to name.
+        if path in key_paths and isinstance(value, jax.Array) and is_key(value):
+            flat[path] = jax.random.key_data(value)
+    return flat
