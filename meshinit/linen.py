@@ -220,13 +220,7 @@ def _prepare(
     # A meshes= pattern that matches no variable places nothing: likely a typo, warned.
     names = [_paths.path_str(k) for k, _ in flat]
     _adapters.warn_idle_meshes(what, patterns, names)
-    _adapters.warn_idle(
-        what,
-        table.idle(names),
-        names,
-        "variable path",
-        "It places nothing (each variable keeps its own annotation)",
-    )
+    table.warn_idle(what, names, "annotation")
     plan = _planner.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
     )

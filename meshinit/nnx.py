@@ -233,13 +233,7 @@ def _prepare_here(
     # back to its metadata, the context mesh or the default device), likely a typo.
     names = [_path(p) for p in paths]
     _adapters.warn_idle_meshes(what, patterns, names)
-    _adapters.warn_idle(
-        what,
-        table.idle(names),
-        names,
-        "variable path",
-        "It places nothing (each Variable keeps its own metadata)",
-    )
+    table.warn_idle(what, names, "metadata")
     plan = _planner.build_plan(_nest(specs), check_inits=False, problems=problems)
     # flax's spelling (nnx.get_named_sharding of the abstract state), so == holds: as
     # many entries as the annotation has, and P() for a Variable without one. Typed

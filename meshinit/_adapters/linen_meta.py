@@ -67,6 +67,22 @@ _NO_ANNOTATION = (
 )
 
 
+def _placeable(path: str, leaf: Any, problems: list[Problem]) -> Any:
+    """A variable's abstract value, or None with its problem recorded: not an array,
+    or an array of PRNG keys."""
+    value = value_of(leaf)
+    if not isinstance(value, jax.ShapeDtypeStruct):
+        problems.append(
+            Problem(path, f"holds {type(value).__name__}, not an array; meshinit cannot place it")
+        )
+        return None
+    problem = _adapters.key_array_problem(path, value.dtype)
+    if problem is not None:
+        problems.append(problem)
+        return None
+    return value
+
+
 def spec_for(
     path: str,
     leaf: Any,
@@ -81,15 +97,8 @@ def spec_for(
     ``override`` (a ``meshes=`` match) wins over the annotation's own mesh.
     """
     boxed = isinstance(leaf, meta.Partitioned)
-    value = value_of(leaf)
-    if not isinstance(value, jax.ShapeDtypeStruct):
-        problems.append(
-            Problem(path, f"holds {type(value).__name__}, not an array; meshinit cannot place it")
-        )
-        return None
-    problem = _adapters.key_array_problem(path, value.dtype)
-    if problem is not None:
-        problems.append(problem)
+    value = _placeable(path, leaf, problems)
+    if value is None:
         return None
     ndim = len(value.shape)
     spec_rules: Any = None  # any table of rules: ParamSpec normalizes it
@@ -170,15 +179,8 @@ def placed_spec(
     PartitionSpec names mesh axes. The mesh is ``override`` (a ``meshes=`` match), else
     the entry's, else ``mesh``, else the context mesh, else the box's own.
     """
-    value = value_of(leaf)
-    if not isinstance(value, jax.ShapeDtypeStruct):
-        problems.append(
-            Problem(path, f"holds {type(value).__name__}, not an array; meshinit cannot place it")
-        )
-        return None
-    problem = _adapters.key_array_problem(path, value.dtype)
-    if problem is not None:
-        problems.append(problem)
+    value = _placeable(path, leaf, problems)
+    if value is None:
         return None
     own = leaf.mesh if isinstance(leaf, meta.Partitioned) else None
     candidates = (override, placement.mesh, mesh, _adapters.context_mesh(), own)
@@ -188,15 +190,8 @@ def placed_spec(
     if table is None and isinstance(leaf, nn.LogicallyPartitioned):
         table = leaf.rules
     if where is None:
-        if axes is not None and any(a is not None for a in axes):
-            problems.append(
-                Problem(
-                    path,
-                    f"{placement.name} shards it but there is no mesh: pass mesh= to "
-                    f"meshinit.linen.init, call under jax.set_mesh, or give the placement "
-                    f"its own as (regex, axes, mesh)",
-                )
-            )
+        if placement.shards(axes):
+            problems.append(placement.no_mesh(path, "meshinit.linen.init"))
             return None
         where = _adapters.default_mesh()
     memory_kind = placement.memory_kind

@@ -187,15 +187,8 @@ def placed_spec(
     context = flax_spmd.get_logical_axis_rules()
     rules = placement.rules_for(_rules.normalize_rules(context) if context else None)
     if where is None:
-        if axes is not None and any(a is not None for a in axes):
-            problems.append(
-                Problem(
-                    path,
-                    f"{placement.name} shards it but there is no mesh: pass mesh= to the "
-                    f"call, call under jax.set_mesh, or give the placement its own as "
-                    f"(regex, axes, mesh)",
-                )
-            )
+        if placement.shards(axes):
+            problems.append(placement.no_mesh(path, "the call"))
             return None
         where = _adapters.default_mesh()
     meant = tuple(where.axis_names) if isinstance(var, nnx.RngState) or not shape else ()

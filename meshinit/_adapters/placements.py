@@ -59,6 +59,19 @@ class Parsed:
         names are mesh axes) or replicated axes, else ``rules``."""
         return None if self.mesh_axes or self.axes is None else rules
 
+    @staticmethod
+    def shards(axes: tuple[Any, ...] | None) -> bool:
+        """Whether ``axes`` shard any dimension (so a mesh is needed)."""
+        return axes is not None and any(a is not None for a in axes)
+
+    def no_mesh(self, path: str, call: str) -> Problem:
+        """The problem of ``path``, which this entry shards, having no mesh."""
+        return Problem(
+            path,
+            f"{self.name} shards it but there is no mesh: pass mesh= to {call}, call under "
+            f"jax.set_mesh, or give the placement its own as (regex, axes, mesh)",
+        )
+
     @property
     def spelled(self) -> int:
         """How many entries the framework spells the placed spec with: as many as given
@@ -83,6 +96,12 @@ class Table:
                 self._used.add(entry.index)
                 return entry
         return None
+
+    def warn_idle(self, what: str, paths: Sequence[str], keeps: str) -> None:
+        """Warns (:class:`~meshinit.UnusedPatternWarning`) about the entries that match
+        none of ``paths``; ``keeps`` says what an unplaced variable keeps."""
+        effect = f"It places nothing (each variable keeps its own {keeps})"
+        _adapters.warn_idle(what, self.idle(paths), paths, "variable path", effect)
 
     def idle(self, paths: Sequence[str]) -> list[str]:
         """The names of the entries that full-match none of ``paths``: an entry shadowed
