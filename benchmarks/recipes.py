@@ -682,7 +682,7 @@ def meshinit_options() -> dict[str, Any]:
 def meshinit_key_impl() -> Any:
     """The key implementation meshinit traces its CPU programs with: jax's threefry2x32
     with a straight-line hash (the same bits)."""
-    from meshinit._engine import threefry as _threefry
+    from meshinit._jax import threefry as _threefry
 
     return _threefry.STRAIGHT_LINE
 

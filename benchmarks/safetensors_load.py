@@ -84,9 +84,9 @@ def load_case(
             for i in range(tensors)
         }
         plan = meshinit.plan(specs)
-        from meshinit._adapters import safetensors_read
+        from meshinit._load import read as _read
 
-        reader = safetensors_read.source
+        reader = _read.source
 
         def counting(*args):  # the bytes of every block read
             source = reader(*args)
@@ -100,7 +100,7 @@ def load_case(
             source.block = counted
             return source
 
-        safetensors_read.source = counting
+        _read.source = counting
         names = (lambda p: st.Tensor(p, permute=(1, 0))) if transposed else None
 
         def run():

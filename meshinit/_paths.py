@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from ._engine.threefry import SHARDING_INVARIANT_IMPL
+from ._jax.threefry import SHARDING_INVARIANT_IMPL
 
 
 def path_str(keypath: Sequence[Any]) -> str:

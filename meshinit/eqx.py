@@ -31,7 +31,7 @@ try:
 except ImportError as e:
     raise ImportError("meshinit.eqx needs equinox: pip install meshinit[eqx]") from e
 
-from . import _paths
+from . import _paths, _patterns
 from ._adapters import common as _adapters
 from ._adapters import placements as _placements
 from ._engine import entry as _engine
@@ -167,9 +167,9 @@ def _specs_from_placements(
     if not unmatched:
         # As in partition-rule tables (t5x, EasyLM): a rule that places nothing is
         # allowed, but likely a typo, so it is warned about; an unplaced leaf is an error.
-        _adapters.warn_idle(what, idle, paths, "array leaf")
+        _patterns.warn_idle(what, idle, paths, "array leaf")
     elif idle:  # the leaves a mistyped regex missed: one line, not one each
-        problems += [Problem("", _adapters.idle_message([n], paths, "array leaf")) for n in idle]
+        problems += [Problem("", _patterns.idle_message([n], paths, "array leaf")) for n in idle]
         shown = some([u.path for u in unmatched], 5)
         unmatched = [Problem("", f"{len(unmatched)} array leaves matched no placement: {shown}")]
     problems += [*bad_placements.values(), *unmatched]

@@ -23,7 +23,7 @@ computes is told as the spec path tells it for initializers
 (:mod:`meshinit._spec.fingerprints`): by its code and closure, dicts and small arrays by their
 contents, your own functions with the module globals they read. A ``tx.init`` whose
 closure has no such fingerprint (an object hashed by identity, a deep chain) is told
-by its traced computation instead (:func:`meshinit._engine.jaxpr.slice_fingerprint`), and one
+by its traced computation instead (:func:`meshinit._jax.jaxpr.slice_fingerprint`), and one
 that neither describes is compiled afresh on every call. So a ``tx.init`` that reads a
 dict changed since the last call never gets the last call's state.
 
@@ -49,9 +49,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from . import _caches, _paths
-from ._engine import jaxpr as _jaxpr
 from ._errors import PlanError, Problem
 from ._format import describe_mesh
+from ._jax import jaxpr as _jaxpr
 from ._plan import state as _state
 from ._plan.plan import Plan
 from ._run import agree as _agree
@@ -188,7 +188,7 @@ def _computation(closed: Any, state: Any) -> Hashable | None:
     """What a traced ``tx.init`` computes, structurally, or None if it cannot be told.
 
     Per state leaf: the digest of the equations it is made by
-    (:func:`meshinit._engine.jaxpr.slice_fingerprint`: primitives, parameters, shapes, dtypes,
+    (:func:`meshinit._jax.jaxpr.slice_fingerprint`: primitives, parameters, shapes, dtypes,
     literals, never Python identity), and which parameters and constants (by their
     bytes) they read; with the state's tree structure. Equal descriptions compute the
     same state from the same parameters.

@@ -12,7 +12,7 @@ result feeds ``existing=`` of :func:`meshinit.nnx.init` (or ``linen``/``eqx``, o
 
 Files are untrusted: every one is checked as the format requires, and by the
 ``safetensors`` package itself, before a byte of data is read or allocated
-(:mod:`meshinit._adapters.safetensors_file`). Every stored tensor is accounted for:
+(:mod:`meshinit._load.file`). Every stored tensor is accounted for:
 one that no plan path claims is named (:class:`~meshinit.UnusedTensorWarning`), and
 :func:`inventory` shows what a load would read, skip and leave, reading nothing.
 """
@@ -30,13 +30,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._adapters import common as _adapters
-from ._adapters import safetensors_file as _file
-from ._adapters import safetensors_names as _names
-from ._adapters import safetensors_read as _read
-from ._adapters.safetensors_names import Tensor as Tensor
+from . import _patterns
 from ._errors import PlanError, Problem, UnusedTensorWarning, printable
 from ._format import some
+from ._load import file as _file
+from ._load import names as _names
+from ._load import read as _read
+from ._load.names import Tensor as Tensor
 from ._plan.plan import Plan
 from ._run import agree as _agree
 
@@ -344,7 +344,7 @@ def _load(
                 f'with names=, or pass unused="ignore" if they are not part of this model',
                 found.unused,
             ),
-            stacklevel=_adapters.outside_stacklevel(),
+            stacklevel=_patterns.outside_stacklevel(),
         )
     return _read.read(jobs, checked)
 

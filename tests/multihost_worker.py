@@ -151,10 +151,10 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
         name, shape, permute = ST_TENSORS[path]
         return st.Tensor(name, shape=shape, permute=permute)
 
-    from meshinit._adapters import safetensors_read
+    from meshinit._load import read as _read
 
     read: list[int] = []
-    reader = safetensors_read.source
+    reader = _read.source
 
     def counting(*args: Any) -> Any:  # counts what each shard's read returns
         source = reader(*args)
@@ -168,11 +168,11 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
         source.block = counted
         return source
 
-    safetensors_read.source = counting
+    _read.source = counting
     try:
         loaded = st.load(plan, file, names=names)
     finally:
-        safetensors_read.source = reader
+        _read.source = reader
     failures, shards, owned = [], 0, 0
     for path, array in loaded.items():
         want = np.asarray(reference[f"single-0-{path}"])

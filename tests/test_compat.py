@@ -1,4 +1,4 @@
-"""The one module that holds every jax internal the engine uses (meshinit/_engine/compat.py)."""
+"""The one module that holds every jax internal the engine uses (meshinit/_jax/compat.py)."""
 
 import pathlib
 import re
@@ -10,10 +10,10 @@ import pytest
 from jax.extend.random import threefry_prng_impl
 from jax.sharding import PartitionSpec as P
 
-from meshinit._engine import compat as _compat
 from meshinit._engine import host_eval as _host
-from meshinit._engine import jaxpr as _jaxpr
 from meshinit._engine import trace as _trace
+from meshinit._jax import compat as _compat
+from meshinit._jax import jaxpr as _jaxpr
 
 PACKAGE = pathlib.Path(_compat.__file__).parents[1]  # meshinit/
 
@@ -85,7 +85,7 @@ def test_no_module_but_compat_recognizes_a_primitive_by_its_name():
     pattern = re.compile(r"primitive\.name\s*(==|!=|in\b|not in\b)|\.name\s*==\s*\"")
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(PACKAGE).as_posix() == "_engine/compat.py":
+        if path.relative_to(PACKAGE).as_posix() == "_jax/compat.py":
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line):

@@ -21,9 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 import meshinit
 from meshinit._engine import host_eval as _host
-from meshinit._engine import jaxpr as _jaxpr
-from meshinit._engine import threefry as _threefry
 from meshinit._engine import trace as _trace
+from meshinit._jax import jaxpr as _jaxpr
+from meshinit._jax import threefry as _threefry
 
 lecun = jax.nn.initializers.lecun_normal
 

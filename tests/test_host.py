@@ -35,7 +35,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshinit._engine import host_eval as _host
-from meshinit._engine import jaxpr as _jaxpr
+from meshinit._jax import jaxpr as _jaxpr
 
 # ------------------------------------------------------------ the coverage table
 

@@ -5,7 +5,7 @@ import pytest
 
 import meshinit
 from meshinit import _paths
-from meshinit._engine import threefry as _threefry
+from meshinit._jax import threefry as _threefry
 
 
 def test_path_str_joins_dict_keys_indices_and_attributes():

@@ -141,14 +141,14 @@ def test_load_reads_each_local_block_once_and_holds_one_at_a_time(tmp_path, monk
     import gc
     import weakref
 
-    from meshinit._adapters import safetensors_read
+    from meshinit._load import read as _read
 
     value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
     save_file({"w": value}, str(tmp_path / "w.safetensors"))
     spec = meshinit.param((8, 6), jax.nn.initializers.zeros, axes=("fsdp", None), mesh=mesh8())
     plan = meshinit.plan({"w": spec})
     reads, alive = [], []
-    reader = safetensors_read.source
+    reader = _read.source
 
     def counting(*args):
         source = reader(*args)
@@ -164,7 +164,7 @@ def test_load_reads_each_local_block_once_and_holds_one_at_a_time(tmp_path, monk
         source.block = read
         return source
 
-    monkeypatch.setattr(safetensors_read, "source", counting)
+    monkeypatch.setattr(_read, "source", counting)
     (array,) = meshinit.safetensors.load(plan, tmp_path).values()
     assert len(reads) == 2, len(reads)  # not 8: one read per distinct block
     assert alive == [0, 0], alive  # block 0 was gone when block 1 was read

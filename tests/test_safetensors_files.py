@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 import meshinit
 from meshinit import safetensors as st
-from meshinit._adapters import safetensors_read
+from meshinit._load import read as _read
 
 save_file = pytest.importorskip("safetensors.numpy").save_file
 safe_open = pytest.importorskip("safetensors").safe_open
@@ -193,7 +193,7 @@ def test_every_bad_file_of_a_load_is_named_in_one_error_and_nothing_is_read(
     raw(tmp_path / "ckpt" / "b.safetensors", {"x": {**F32_2, "data_offsets": [-8, 0]}}, DATA[:8])
     (tmp_path / "ckpt" / "c.safetensors").write_bytes(b"")
     reads = []
-    monkeypatch.setattr(safetensors_read, "source", lambda *a: reads.append(a))
+    monkeypatch.setattr(_read, "source", lambda *a: reads.append(a))
     with new_arrays() as made:
         error = refused(
             plan_for({"good": (4,), "x": (2,)}), tmp_path / "ckpt", "b.safetensors", "c.safetensors"

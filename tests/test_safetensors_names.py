@@ -275,10 +275,10 @@ def test_unused_tensors_warn_by_default_naming_the_count_and_every_name(tmp_path
 
 
 def test_unused_error_refuses_before_reading_anything(tmp_path, monkeypatch, new_arrays):
-    from meshinit._adapters import safetensors_read
+    from meshinit._load import read as _read
 
     plan, names, layer1 = _tunix_like(tmp_path)
-    monkeypatch.setattr(safetensors_read, "source", lambda *a: pytest.fail("read"))
+    monkeypatch.setattr(_read, "source", lambda *a: pytest.fail("read"))
     with new_arrays() as made, pytest.raises(meshinit.PlanError) as raised:
         meshinit.safetensors.load(plan, tmp_path, names=names, unused="error")
     assert made == []
@@ -298,10 +298,10 @@ def test_unused_ignore_is_silent_and_bad_values_are_type_errors(tmp_path):
 
 
 def test_inventory_accounts_for_every_path_and_tensor_without_reading(tmp_path, monkeypatch):
-    from meshinit._adapters import safetensors_read
+    from meshinit._load import read as _read
 
     plan, names, layer1 = _tunix_like(tmp_path)
-    monkeypatch.setattr(safetensors_read, "source", lambda *a: pytest.fail("read"))
+    monkeypatch.setattr(_read, "source", lambda *a: pytest.fail("read"))
     late = [*names, (r"layers\.2\.norm", "gone")]  # an earlier rule takes the path
     with pytest.warns(meshinit.UnusedPatternWarning, match=r"names\[7\] .* It maps nothing"):
         found = meshinit.safetensors.inventory(plan, tmp_path, names=late)

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit._engine import threefry as _threefry
+from meshinit._jax import threefry as _threefry
 from meshinit._run import compile as _compile
 from meshinit._run import materialize as _materialize
 from meshinit._run import strategies as _strategies

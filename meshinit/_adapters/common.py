@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import sys
-import types
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -16,7 +12,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from .. import _paths
-from .._errors import PlanError, Problem, UnusedPatternWarning, printable
+from .._errors import PlanError, Problem
+from .._patterns import compile_regex, idle_patterns, pattern_name, warn_idle
 from .._plan.plan import MeshGroup, Plan
 from .._run.checks import Duplicate
 
@@ -78,20 +75,6 @@ def unconstrained_problem(path: str, entries: Sequence[Any], where: str) -> Prob
     )
 
 
-def compile_regex(where: str, regex: Any) -> re.Pattern[str] | Problem:
-    """A pattern table's regex (``meshes[2]``, ``names[0]``, ...) compiled, or the
-    problem that says why it cannot be."""
-    if isinstance(regex, re.Pattern):
-        return regex
-    if not isinstance(regex, str):
-        kind = type(regex).__name__
-        return Problem("", f"{where}: the regex must be a str or re.Pattern, got {kind} {regex!r}")
-    try:
-        return re.compile(regex)
-    except re.error as e:
-        return Problem("", f"{where}: regex {regex!r} does not compile: {e}")
-
-
 def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
     """The adapters' ``meshes=``: ordered ``(regex, mesh)`` pairs, compiled; every
     malformed pair is one problem of a single :class:`PlanError`."""
@@ -125,50 +108,6 @@ def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
     return parsed
 
 
-def idle_patterns(patterns: Sequence[re.Pattern[str]], paths: Iterable[str]) -> list[int]:
-    """The indices of ``patterns`` that full-match none of ``paths``."""
-    idle = dict.fromkeys(range(len(patterns)))
-    for path in paths:
-        for i in [i for i in idle if patterns[i].fullmatch(path)]:
-            del idle[i]
-        if not idle:
-            break
-    return list(idle)
-
-
-def pattern_name(kind: str, index: int, pattern: re.Pattern[str]) -> str:
-    r"""How messages name a pattern: ``meshes[1] r"layers\.9\..*"``."""
-    return f'{kind}[{index}] r"{printable(pattern.pattern)}"'
-
-
-def idle_message(names: Sequence[str], paths: Sequence[str], noun: str) -> str:
-    """The one line that says which patterns matched nothing, with the full-match hint."""
-    example = f"; the paths are like {', '.join(repr(printable(p)) for p in paths[:3])}"
-    return (
-        f"{' and '.join(names)} matched no {noun}. Each regex must match a whole path "
-        f"(re.fullmatch): r'.*weight' matches every path ending in weight"
-        f"{example if paths else ''}"
-    )
-
-
-def warn_idle(
-    what: str,
-    names: Sequence[str],
-    paths: Sequence[str],
-    noun: str,
-    effect: str = "It places nothing (every leaf is placed without it)",
-) -> None:
-    """Warns (:class:`~meshinit.UnusedPatternWarning`) that the patterns ``names``
-    matched no path, pointing at the caller's line outside meshinit; ``effect`` says
-    what an idle pattern does not do."""
-    if not names:
-        return
-    message = (
-        f"{what}: {idle_message(names, paths, noun)}. {effect}: fix the regex, or drop the pattern"
-    )
-    warnings.warn(message, UnusedPatternWarning, stacklevel=outside_stacklevel())
-
-
 def warn_idle_meshes(
     what: str, patterns: Sequence[tuple[re.Pattern[str], Any]], paths: Sequence[str]
 ) -> None:
@@ -177,18 +116,6 @@ def warn_idle_meshes(
     idle = idle_patterns([pattern for pattern, _ in patterns], paths)
     names = [pattern_name("meshes", i, patterns[i][0]) for i in idle]
     warn_idle(what, names, paths, "variable path")
-
-
-def outside_stacklevel() -> int:
-    """The ``stacklevel`` of the innermost frame outside the meshinit package, as seen
-    from the function that calls :func:`warnings.warn`."""
-    # meshinit/, two levels up from meshinit/_adapters/common.py
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame: types.FrameType | None
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def respell(plan: Plan, lengths: Mapping[str, int]) -> Plan:

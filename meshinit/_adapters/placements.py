@@ -21,8 +21,8 @@ from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from .. import _patterns
 from .._errors import Problem, printable
-from . import common as _adapters
 
 Placement = tuple[Any, ...]
 """``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex, axes, mesh, memory_kind)``."""
@@ -101,13 +101,13 @@ class Table:
         """Warns (:class:`~meshinit.UnusedPatternWarning`) about the entries that match
         none of ``paths``; ``keeps`` says what an unplaced variable keeps."""
         effect = f"It places nothing (each variable keeps its own {keeps})"
-        _adapters.warn_idle(what, self.idle(paths), paths, "variable path", effect)
+        _patterns.warn_idle(what, self.idle(paths), paths, "variable path", effect)
 
     def idle(self, paths: Sequence[str]) -> list[str]:
         """The names of the entries that full-match none of ``paths``: an entry shadowed
         by an earlier one still counts as matching (it is not a typo)."""
         unused = [e for e in self.entries if e.index not in self._used]
-        idle = _adapters.idle_patterns([e.pattern for e in unused], paths)
+        idle = _patterns.idle_patterns([e.pattern for e in unused], paths)
         return [unused[i].name for i in idle]
 
 
@@ -131,7 +131,7 @@ def parse(placements: Any) -> tuple[Table, list[Problem]]:
             problems.append(Problem("", f"placements[{i}] must be {_FORMS}; got {p!r}"))
             continue
         regex, axes, mesh, memory_kind = (*p, None, None, None)[:4]
-        pattern = _adapters.compile_regex(f"placements[{i}]", regex)
+        pattern = _patterns.compile_regex(f"placements[{i}]", regex)
         if isinstance(pattern, Problem):
             problems.append(pattern)  # it names placements[i]
             name = f"placements[{i}]"

@@ -4,13 +4,11 @@ traced once, cut per variable, and compiled per signature onto the plan's meshes
 Adapters call it through :mod:`.entry` only. Its steps, in order:
 
 - :mod:`.trace`: trace the constructor once; cut each variable's slice out of the trace;
-- :mod:`.jaxpr`: the trace as a flat program, and fingerprints of its slices;
 - :mod:`.host_eval` (with :mod:`.host_numeric`): the small part (keys, counters,
   scalars), evaluated exactly on the host;
-- :mod:`.run`: the slices grouped by signature, compiled and called per mesh group;
-- :mod:`.threefry`: every piece of threefry code the host and the programs share;
-- :mod:`.compat`: every jax internal the engine uses.
+- :mod:`.run`: the slices grouped by signature, compiled and called per mesh group.
 
-This ``__init__`` imports nothing: :mod:`meshinit._paths` needs :mod:`.threefry` before
-the rest of the engine can load.
+The jax-facing pieces it shares with every other stage (the flat program and its
+fingerprints, the threefry code, jax's internals) are the base layer,
+:mod:`meshinit._jax`.
 """

@@ -7,7 +7,7 @@ dispatch, and the same bits on every process of a multi-host run.
 
 Only primitives whose numpy twin gives jax's bits are evaluated here: integer and
 bitwise arithmetic, moves, casts and broadcasts, and jax's threefry2x32 keys (the hash
-is :func:`meshinit._engine.threefry.threefry_rounds`). Float arithmetic is not: XLA contracts a
+is :func:`meshinit._jax.threefry.threefry_rounds`). Float arithmetic is not: XLA contracts a
 multiply and an add inside a jitted initializer into one fused multiply-add, which
 numpy's two roundings miss. That, and anything else (``erf``, ``exp``, a float to int
 conversion, another key implementation), raises :class:`NotHost`, and the value is
@@ -23,10 +23,10 @@ import jax
 import numpy as np
 
 from .. import _caches
-from . import compat as _compat
-from . import jaxpr as _jaxpr
+from .._jax import compat as _compat
+from .._jax import jaxpr as _jaxpr
+from .._jax.threefry import SHARDING_INVARIANT_IMPL, threefry_ints, threefry_rounds
 from .host_numeric import FLOATS, NotHost, convert, int_div, int_rem, moved, shift, subnormal
-from .threefry import SHARDING_INVARIANT_IMPL, threefry_ints, threefry_rounds
 
 
 class HostKey:
@@ -370,7 +370,7 @@ def _on_key_data(node: _jaxpr.Node, ins: list[Any], name: str) -> list[Any]:
 
 @_caches.memo(maxsize=1)
 def _by_primitive() -> dict[Any, tuple[str, Callable[..., Any]]]:
-    """The rules by the installed jax's primitive objects (:mod:`meshinit._engine.compat`)."""
+    """The rules by the installed jax's primitive objects (:mod:`meshinit._jax.compat`)."""
     table = {}
     for name, rule in _RULES.items():
         primitive = _compat.prim(name)

@@ -5,14 +5,14 @@ framework's constructor here as a function of host values (key data, example inp
 that returns one array per variable. The engine:
 
 1. **traces it once** to a jaxpr (:func:`meshinit._engine.trace.trace`), abstractly;
-2. **flattens** nested calls (:func:`meshinit._engine.jaxpr.flatten`): jitted initializers,
+2. **flattens** nested calls (:func:`meshinit._jax.jaxpr.flatten`): jitted initializers,
    ``custom_jvp``/``custom_vjp``, ``checkpoint``; control flow stays one unit;
 3. **evaluates the small part on the host** (:func:`meshinit._engine.trace.evaluate_host_part`, with
    :mod:`meshinit._engine.host_eval`): keys, RNG counters, scalars and arrays of at most
    ``meshinit._engine.trace.SMALL_BYTES``, with numpy, exactly, for just the variables it makes;
 4. **cuts one slice per remaining variable** (:func:`meshinit._engine.trace.cut`): the
    equations between its small inputs and its value, fingerprinted structurally
-   (:func:`meshinit._engine.jaxpr.slice_fingerprint`);
+   (:func:`meshinit._jax.jaxpr.slice_fingerprint`);
 5. **compiles once per (mesh, fingerprint, sharding)**, with exact out_shardings,
    through the spec path's rounds (:func:`meshinit._run.strategies.bucket_batches`): a bucket's
    executable makes one variable of each of its signatures per call, so a 32-layer
@@ -39,18 +39,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from .._caches import LRUCache
+from .._jax import compat as _compat
+from .._jax import jaxpr as _jaxpr
+from .._jax import threefry as _threefry
+from .._jax.jaxpr import Lit
 from .._plan.plan import MeshGroup, Plan, PlanEntry
 from .._run import checks as _checks
 from .._run import compile as _compile
 from .._run import materialize as _materialize
 from .._run import progress as _progress
 from .._run import strategies as _strategies
-from . import compat as _compat
 from . import host_eval as _host
-from . import jaxpr as _jaxpr
-from . import threefry as _threefry
 from . import trace as _trace
-from .jaxpr import Lit
 from .trace import Traced
 
 

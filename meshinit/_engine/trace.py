@@ -2,7 +2,7 @@
 
 The first half of the constructor engine (:mod:`meshinit._engine.run` is the other):
 :func:`trace` turns a framework's constructor, as a function of host values, into a
-flat program (:func:`meshinit._engine.jaxpr.flatten`) and evaluates its keys, counters and
+flat program (:func:`meshinit._jax.jaxpr.flatten`) and evaluates its keys, counters and
 small integer values with numpy (:mod:`meshinit._engine.host_eval`); :func:`cut` then takes the
 slice of one output: the equations between its host inputs and it. Nothing is
 compiled or allocated; the plan previews stop before the cut.
@@ -22,12 +22,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from .._jax import compat as _compat
+from .._jax import jaxpr as _jaxpr
+from .._jax.jaxpr import Lit, Program
 from .._run import compile as _compile
 from .._run import options as _options
-from . import compat as _compat
 from . import host_eval as _host
-from . import jaxpr as _jaxpr
-from .jaxpr import Lit, Program
 
 SMALL_BYTES = 1 << 14
 """Values of at most this many bytes are evaluated on the host when they can be, unless
@@ -60,7 +60,7 @@ class Traced:
     """A constructor traced once: its flat program and its host-evaluated part.
 
     Attributes:
-      program: the flat program (:class:`meshinit._engine.jaxpr.Program`).
+      program: the flat program (:class:`meshinit._jax.jaxpr.Program`).
       host: value number -> its host value (numpy array or ``_host.HostKey``).
       args: the host arguments the constructor was traced with.
       dynamic: the values that depend on those arguments (key data, example inputs).

@@ -26,8 +26,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from .. import _caches
 from .._caches import LRUCache
-from .._engine import compat as _compat
 from .._format import describe_mesh, some
+from .._jax import compat as _compat
 from .._plan.plan import MeshGroup
 from . import options as _options
 from . import progress as _progress

@@ -24,8 +24,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from .._engine import threefry as _threefry
 from .._format import some
+from .._jax import threefry as _threefry
 from .._plan.plan import MeshGroup
 from . import options as _options
 from .compile import Build, compiled, on_cpu

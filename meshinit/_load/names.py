@@ -11,8 +11,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .. import _patterns
 from .._errors import PlanError, Problem, printable
-from . import common
 
 FORMS = (
     "a callable (path -> name, Tensor or None), a Mapping of plan paths to those, or a "
@@ -141,7 +141,7 @@ def _rules(names: Sequence[Any]) -> list[_Rule]:
                 )
             )
             continue
-        pattern = common.compile_regex(f"names[{i}]", regex)
+        pattern = _patterns.compile_regex(f"names[{i}]", regex)
         if isinstance(pattern, Problem):
             problems.append(pattern)
         else:
@@ -195,15 +195,17 @@ def targets(
                         problems.append(
                             Problem(
                                 p,
-                                f"{common.pattern_name('names', rule.index, rule.pattern)}"
+                                f"{_patterns.pattern_name('names', rule.index, rule.pattern)}"
                                 f": its target does not expand: {e}",
                             )
                         )
                     break
         idle = [
-            common.pattern_name("names", r.index, r.pattern) for r in rules if r.index not in used
+            _patterns.pattern_name("names", r.index, r.pattern)
+            for r in rules
+            if r.index not in used
         ]
-        common.warn_idle(
+        _patterns.warn_idle(
             what, idle, paths, "plan path", "It maps nothing (every path is matched without it)"
         )
         source = ""

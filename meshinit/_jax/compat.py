@@ -1,9 +1,9 @@
-"""Every jax internal the constructor engine uses, in one place.
+"""Every jax internal meshinit uses (the constructor engine most of all), in one place.
 
-The engine reads jaxprs (:mod:`meshinit._engine.jaxpr`), evaluates some equations with numpy
+The engine reads jaxprs (:mod:`meshinit._jax.jaxpr`), evaluates some equations with numpy
 (:mod:`meshinit._engine.host_eval`) and rebinds the rest (:mod:`meshinit._engine.run`). That
 touches jax's interpreter surface, which ``jax.extend`` exposes without promising
-compatibility across releases. Nothing else in the engine names a jax internal:
+compatibility across releases. No other module of meshinit names a jax internal:
 
 - **Primitives by object.** Equations are recognized by their primitive object, as
   jax2tf does, never by a name string: a rename (``checkpoint``, printed ``remat2``)

@@ -1,7 +1,7 @@
 """Reading checked safetensors files into a plan's shardings, block by block.
 
 Only :mod:`meshinit.safetensors` calls this, after every file passed
-:func:`meshinit._adapters.safetensors_file.check` and every path was matched: each
+:func:`meshinit._load.file.check` and every path was matched: each
 process reads, from memory-mapped files, only the distinct blocks its own devices
 hold, each once, as views of the file (no copy where no cast is needed).
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 from .._errors import PlanError, Problem
 from .._plan.plan import PlanEntry
-from . import safetensors_file as _file
+from . import file as _file
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,14 @@
+"""The loader: pretrained weights in, arrays on a plan's shardings out.
+
+Its public face is :mod:`meshinit.safetensors` (``load`` and ``inventory``). Its steps:
+
+- :mod:`.file`: every file checked as the safetensors format requires (and by the
+  ``safetensors`` package) before a byte of data is read;
+- :mod:`.names`: ``names=``, which stored tensor fills each plan path, and how
+  (:class:`~meshinit.safetensors.Tensor`);
+- :mod:`.read`: the checked files read block by block onto the plan's shardings, each
+  process reading only what its devices hold; nothing left alive on failure.
+
+It needs no framework: it sits above the run stage (agreement between processes) and
+below the adapters.
+"""
