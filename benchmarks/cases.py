@@ -1,69 +1,23 @@
-"""Measurements, each meant to run in a fresh process (``suite.py`` spawns them).
+"""The measurements of time, each meant to run in a fresh process (``suite.py`` spawns
+them): cold and restarted init, warm re-init with per-device memory, warm re-init at
+each depth, planning; and :data:`CASES`, every case by name, the memory cases of
+``cases_memory.py`` included.
 
 Every case sets up 8 simulated CPU devices with the persistent compilation cache off,
-creates the (fsdp=2, tensor=4) mesh, and only then starts its clock. Each returns a
-JSON-serializable dict.
+creates the (fsdp=2, tensor=4) mesh, and only then starts its clock
+(``harness.py``). Each returns a JSON-serializable dict.
 """
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any
 
+import checks
 import recipes
-from recipes import Model
-
-
-def setup_cpu() -> Any:
-    """8 CPU devices, no persistent compilation cache; returns the reference mesh."""
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 8)
-    jax.config.update("jax_enable_compilation_cache", False)
-    shape, names = recipes.CPU_MESH
-    return jax.make_mesh(shape, names)
-
-
-class CompileClock:
-    """Sums XLA backend compile time and counts compilations (a jax.monitoring listener)."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self) -> None:
-        import jax
-
-        self.seconds = 0.0
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-
-    def _listen(self, event: str, duration: float, **_: Any) -> None:
-        if event == self.EVENT:
-            self.seconds += duration
-            self.count += 1
-
-    def reset(self) -> None:
-        self.seconds, self.count = 0.0, 0
-
-
-def _timed(recipe: str, model: Model, mesh: Any, seed: int = 0) -> tuple[Any, dict]:
-    """``recipe``'s init, timed until every array is ready, with its compiles counted."""
-    import jax
-
-    clock = CompileClock()
-    start = time.perf_counter()
-    with recipes.options_for(recipe):
-        out = recipes.run(recipe, model, mesh, seed)
-        jax.block_until_ready(out)
-    seconds = time.perf_counter() - start
-    return out, {"seconds": seconds, "compile_s": clock.seconds, "compiles": clock.count}
-
-
-def _delete(tree: Any) -> None:
-    import jax
-
-    for array in jax.tree.leaves(tree):
-        array.delete()
+from cases_memory import host_memory, prefault, real_size
+from harness import CompileClock, delete_arrays, setup_cpu, timed_init
+from models import Model
 
 
 def cold(
@@ -75,7 +29,7 @@ def cold(
 ) -> dict:
     """One cold init: from after imports and mesh creation until every array is ready.
 
-    The placement check is ``recipe``'s (:func:`recipes.expected`); the value contract
+    The placement check is ``recipe``'s (:func:`checks.expected`); the value contract
     (``check_values``) is the spec path's, so it is checked for those recipes only.
 
     With ``cache_dir``, jax's persistent compilation cache is on, in that directory.
@@ -91,15 +45,15 @@ def cold(
     model = Model.cpu(layers, width)
     recipes.preload(recipe)
     strategy = recipes.strategy_of(recipe) if recipes.is_spec_path(recipe) else None
-    out, timed = _timed(recipe, model, mesh)
+    out, timed = timed_init(recipe, model, mesh)
     result = {
         **timed,
         "strategy": strategy,
         "nbytes": model.nbytes,
-        "problems": recipes.placement_problems(model, mesh, out, recipe=recipe),
+        "problems": checks.placement_problems(model, mesh, out, recipe=recipe),
     }
     if check_values and strategy is not None:
-        result["problems"] += recipes.value_problems(out, 0, model)
+        result["problems"] += checks.value_problems(out, 0, model)
     return result
 
 
@@ -190,21 +144,21 @@ def warm(layers: int, meshinit_recipes: list[str], repeats: int, width: int = 1)
         start = time.perf_counter()
         plans[recipe] = plan = meshinit.plan(recipes.meshinit_specs(model, mesh))
         with recipes.options_for(recipe):
-            _delete(meshinit.materialize(plan, 0))
+            delete_arrays(meshinit.materialize(plan, 0))
         result["meshinit"][recipe] = {"strategy": strategy, "first": time.perf_counter() - start}
     for recipe in meshinit_recipes:  # clear_cache above dropped the earlier recipes'
         with recipes.options_for(recipe):
-            _delete(meshinit.materialize(plans[recipe], 0))
+            delete_arrays(meshinit.materialize(plans[recipe], 0))
 
     start = time.perf_counter()  # like meshinit's first call: trace, compile, run
     lowered = recipes.fused_jit(model, mesh).lower(jax.random.key(0))
     fused = lowered.compile()
-    _delete(jax.block_until_ready(fused(jax.random.key(0))))
+    delete_arrays(jax.block_until_ready(fused(jax.random.key(0))))
     fused_first = time.perf_counter() - start
     options = recipes.meshinit_options()
     alike = recipes.fused_jit(model, mesh, key_impl=recipes.meshinit_key_impl())
     fused_alike = alike.lower(jax.random.key(0)).compile(options or None)
-    _delete(jax.block_until_ready(fused_alike(jax.random.key(0))))
+    delete_arrays(jax.block_until_ready(fused_alike(jax.random.key(0))))
 
     def meshinit_call(recipe: str) -> Any:
         def call(seed: int) -> Any:
@@ -224,7 +178,7 @@ def warm(layers: int, meshinit_recipes: list[str], repeats: int, width: int = 1)
             start = time.perf_counter()
             out = jax.block_until_ready(call(seed))
             times[name].append(time.perf_counter() - start)
-            _delete(out)
+            delete_arrays(out)
     compiles = clock.count  # during the timed re-inits, of every recipe: must be 0
     for recipe in meshinit_recipes:
         entry = result["meshinit"][recipe]
@@ -267,7 +221,7 @@ def warm_depth(depths: list[int], repeats: int, width: int = 1) -> dict:
     mesh = setup_cpu()
     plans = {n: meshinit.plan(recipes.meshinit_specs(Model.cpu(n, width), mesh)) for n in depths}
     for plan in plans.values():
-        _delete(jax.block_until_ready(meshinit.materialize(plan, 0)))
+        delete_arrays(jax.block_until_ready(meshinit.materialize(plan, 0)))
     clock = CompileClock()
     times: dict[int, list[float]] = {n: [] for n in depths}
     for seed in range(1, repeats + 1):
@@ -275,128 +229,13 @@ def warm_depth(depths: list[int], repeats: int, width: int = 1) -> dict:
             start = time.perf_counter()
             out = jax.block_until_ready(meshinit.materialize(plan, seed))
             times[n].append(time.perf_counter() - start)
-            _delete(out)
+            delete_arrays(out)
     return {
         "warm": {str(n): min(ts) for n, ts in times.items()},
         "nbytes": {str(n): plan.nbytes for n, plan in plans.items()},
         "compiles": clock.count,  # during the timed re-inits: must be 0
         "repeats": repeats,
     }
-
-
-def prefault(nbytes: int) -> dict:
-    """Touches ``nbytes`` of fresh memory once, then frees it. On a virtual machine the
-    first touch of a guest page since boot can cost far more than any later one (this
-    machine: about 3 s per GB, against well under 1 s once touched), so the first recipe
-    of a real-size run would pay for every page the machine never used. This makes every
-    recipe start from memory the machine has touched before."""
-    import numpy as np
-
-    start = time.perf_counter()
-    chunk, held = 1 << 28, []
-    for _ in range(nbytes // chunk):
-        held.append(np.ones(chunk // 8))
-    return {"bytes": len(held) * chunk, "seconds": time.perf_counter() - start}
-
-
-def _rss_now() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no VmRSS")
-
-
-def _rss_peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no VmHWM")
-
-
-def host_memory(recipe: str, layers: int, width: int) -> dict:
-    """Peak host RSS increase over the pre-init baseline during one cold init.
-
-    On Linux the high-water mark is reset right before the clock starts (writing 5 to
-    /proc/self/clear_refs), so the peak is that of the init alone. Otherwise the
-    baseline is ``ru_maxrss`` before, an underestimate only if something earlier in
-    the process peaked higher than the init.
-    """
-    import resource
-
-    import jax
-
-    mesh = setup_cpu()
-    model = Model.cpu(layers, width)
-    recipes.preload(recipe)
-    jax.block_until_ready(jax.numpy.zeros(8))  # start the backend before the baseline
-    gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        baseline, method = _rss_now(), "VmHWM after reset - VmRSS before"
-    except OSError:
-        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        method = "ru_maxrss after - ru_maxrss before"
-    start = time.perf_counter()
-    with recipes.options_for(recipe):
-        out = recipes.run(recipe, model, mesh)
-        jax.block_until_ready(out)
-    seconds = time.perf_counter() - start
-    if method.startswith("VmHWM"):
-        peak = _rss_peak()
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {
-        "seconds": seconds,
-        "increase": peak - baseline,
-        "nbytes": model.nbytes,
-        "method": method,
-        "problems": recipes.placement_problems(model, mesh, out, recipe=recipe),
-    }
-
-
-REAL_SIZES = {
-    "1b": lambda: Model.cpu(16, 8),  # 0.99 B parameters, f32: 3.96 GB
-    "8b": Model.llama3_8b,  # Llama-3-8B's shapes, bf16: 16.06 GB
-    "tiny": lambda: Model.cpu(2, 1),  # the same code path in seconds, for the tests
-}
-
-
-def real_size(recipe: str, size: str) -> dict:
-    """One cold init of a real-size model (:data:`REAL_SIZES`): its time, its peak host
-    RSS increase (as :func:`host_memory`), and, for the spec path, the floor.
-
-    The floor is what generating the bytes costs once nothing is left to compile: the
-    first arrays are deleted, then the same plan is made again with a new key, so the
-    compiled programs are cached but fresh memory must be touched again.
-    """
-    import jax
-
-    mesh = setup_cpu()
-    model = REAL_SIZES[size]()
-    recipes.preload(recipe)
-    jax.block_until_ready(jax.numpy.zeros(8))  # start the backend before the baseline
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM: the peak is this init's
-    baseline = _rss_now()
-    out, timed = _timed(recipe, model, mesh)
-    result = {
-        **timed,
-        "increase": _rss_peak() - baseline,
-        "nbytes": model.nbytes,
-        "params": model.num_params,
-        "problems": recipes.placement_problems(model, mesh, out, recipe=recipe),
-    }
-    if recipes.is_spec_path(recipe):
-        _delete(out)
-        del out
-        gc.collect()
-        _, again = _timed(recipe, model, mesh, seed=1)
-        result["floor"] = again["seconds"]
-    return result
 
 
 def planning(kind: str, specs: int = 10_000) -> dict:

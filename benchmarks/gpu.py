@@ -30,16 +30,11 @@ import sys
 import time
 from typing import Any
 
+import checks
 import recipes
-from cases import CompileClock
-from recipes import Model
-
-
-def _delete(tree: Any) -> None:
-    import jax
-
-    for array in jax.tree.leaves(tree):
-        array.delete()
+import recipes_nnx
+from harness import CompileClock, delete_arrays
+from models import Model
 
 
 def _best(fn: Any, repeats: int) -> float:
@@ -50,7 +45,7 @@ def _best(fn: Any, repeats: int) -> float:
         start = time.perf_counter()
         out = jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-        _delete(out)
+        delete_arrays(out)
     return min(times)
 
 
@@ -72,8 +67,8 @@ def measure(model: Model, devices: list[Any], repeats: int) -> dict[str, Any]:
     out = jax.block_until_ready(meshinit.materialize(plan, 0))
     r["meshinit_cold"] = time.perf_counter() - start
     r["meshinit_compile"], r["meshinit_compiles"] = clock.seconds, clock.count
-    r["meshinit_problems"] = recipes.placement_problems(model, mesh, out)
-    _delete(out)
+    r["meshinit_problems"] = checks.placement_problems(model, mesh, out)
+    delete_arrays(out)
 
     clock.reset()
     start = time.perf_counter()
@@ -81,8 +76,8 @@ def measure(model: Model, devices: list[Any], repeats: int) -> dict[str, Any]:
     out = jax.block_until_ready(fused(jax.random.key(0)))
     r["fused_cold"] = time.perf_counter() - start
     r["fused_compile"], r["fused_compiles"] = clock.seconds, clock.count
-    r["fused_problems"] = recipes.placement_problems(model, mesh, out)
-    _delete(out)
+    r["fused_problems"] = checks.placement_problems(model, mesh, out)
+    delete_arrays(out)
 
     seeds = iter(range(1, 10**6))
     clock.reset()
@@ -95,11 +90,11 @@ def measure(model: Model, devices: list[Any], repeats: int) -> dict[str, Any]:
     meshinit.clear_cache()  # the spec path's executables are not the engine's to reuse
     clock.reset()
     start = time.perf_counter()
-    out = jax.block_until_ready(recipes.meshinit_nnx_init(model, mesh))
+    out = jax.block_until_ready(recipes_nnx.meshinit_nnx_init(model, mesh))
     r["nnx_cold"] = time.perf_counter() - start
     r["nnx_compile"], r["nnx_compiles"] = clock.seconds, clock.count
-    r["nnx_problems"] = recipes.placement_problems(model, mesh, out, recipe="meshinit.nnx")
-    _delete(out)
+    r["nnx_problems"] = checks.placement_problems(model, mesh, out, recipe="meshinit.nnx")
+    delete_arrays(out)
     r["nbytes"] = model.nbytes
     r["mesh"] = dict(zip(mesh.axis_names, np.shape(mesh.devices), strict=True))
     return r

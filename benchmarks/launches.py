@@ -21,8 +21,8 @@ import argparse
 import time
 from typing import Any
 
-import recipes
-from cases import setup_cpu
+from harness import setup_cpu
+from models import mesh_axes
 
 SHAPE = (256, 1024)
 AXES = ("embed", "mlp")
@@ -39,7 +39,7 @@ def _multi_device(mesh: Any, n: int, launches: int) -> tuple[Any, list[Any], flo
 
     auto = auto_twin(mesh)
     init = jax.nn.initializers.lecun_normal()
-    out = NamedSharding(auto, P(*recipes.mesh_axes(AXES)))
+    out = NamedSharding(auto, P(*mesh_axes(AXES)))
     rep = NamedSharding(auto, P())
 
     def program(keys):

@@ -178,17 +178,18 @@ def partial_case(layers: int, how: str) -> dict:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
+    import models
     import numpy as np
-    import recipes
+    import recipes_nnx
     from flax import nnx
 
     import meshinit
 
-    model = recipes.Model.cpu(layers, 1)
+    model = models.Model.cpu(layers, 1)
     jax.config.update("jax_enable_compilation_cache", False)
-    shape, names = recipes.CPU_MESH
+    shape, names = models.CPU_MESH
     mesh = jax.make_mesh(shape, names)
-    transformer = recipes.nnx_module(model, mesh)
+    transformer = recipes_nnx.nnx_module(model, mesh)
 
     def factory():
         return transformer(nnx.Rngs(0))

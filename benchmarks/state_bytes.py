@@ -1,6 +1,6 @@
 """Per-device bytes of Adam's state with and without ``shard_over``, and offloaded.
 
-The reference Llama-style stack (``recipes.Model``) with its weights sharded as the
+The reference Llama-style stack (``models.Model``) with its weights sharded as the
 suite's rules say over ``fsdp`` and ``tensor`` and replicated over ``data`` (DDP/HSDP),
 on an 8-device CPU mesh (data=2, fsdp=2, tensor=2) by default. For each placement of
 ``optax.adam``'s state made by ``meshinit.optax.init``, the bytes each device holds,
@@ -18,6 +18,7 @@ import argparse
 import time
 
 import jax
+import models
 import recipes
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -51,7 +52,7 @@ def main() -> None:
 
     auto = (jax.sharding.AxisType.Auto,) * 3
     mesh = jax.make_mesh(tuple(args.mesh), MESH_AXES, axis_types=auto)
-    model = recipes.Model.cpu(layers)
+    model = models.Model.cpu(layers)
     with meshinit.defaults(replicated="data"):  # replicated over data on purpose
         specs = recipes.meshinit_specs(model, mesh)
     plan = meshinit.plan(specs)

@@ -36,12 +36,14 @@ from typing import Any
 
 import recipes
 import report
+import report_goals
+import report_real_size
 
 HERE = Path(__file__).resolve().parent
 
 
 def spawn(case: str, timeout: float, *, cap_bytes: int | None = None, **kwargs: Any) -> dict:
-    """Runs ``cases.<case>(**kwargs)`` in a fresh process; ``{"error": ...}`` if it fails.
+    """Runs ``cases.CASES[case](**kwargs)`` in a fresh process; ``{"error": ...}`` if it fails.
 
     With ``cap_bytes``, the process is killed once its resident memory passes that many
     bytes, and the result says so (``"killed_for_memory"``): a recipe that would take
@@ -113,7 +115,7 @@ def log(message: str) -> None:
 def constructor_cases(hi: int = 32, lo: int = 8) -> list[tuple[str, int]]:
     """The constructor engine's cold cases, (recipe, layers): every recipe of its goals
     at ``hi`` layers, and ``meshinit.nnx`` at ``lo`` too (the depth goal)."""
-    return [("meshinit.nnx", lo), *((recipe, hi) for recipe in report.CONSTRUCTOR_CASES)]
+    return [("meshinit.nnx", lo), *((recipe, hi) for recipe in report_goals.CONSTRUCTOR_CASES)]
 
 
 def cold_cases(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -245,11 +247,11 @@ def measure_real_size(args: argparse.Namespace) -> dict:
         "machine": report.machine(),
         "real_size": {},
     }
-    import cases
+    import cases_memory
 
     available = _mem_available()
-    largest = max(cases.REAL_SIZES[size]().nbytes for size in args.sizes)
-    if available:  # cf. cases.prefault; a killed prefault only means less was touched
+    largest = max(cases_memory.REAL_SIZES[size]().nbytes for size in args.sizes)
+    if available:  # cf. cases_memory.prefault; a killed prefault only means less was touched
         touch = max(0, min(cap, available - (1 << 30), 2 * largest))
         results["prefault"] = spawn("prefault", args.timeout, cap_bytes=cap, nbytes=touch)
         log(f"touched {touch / 1e9:.1f} GB of fresh memory first: {results['prefault']}")
@@ -386,24 +388,30 @@ def main(argv: list[str] | None = None) -> int:
         results = measure_real_size(args) if real else measure(args)
         results["wall_s"] = time.perf_counter() - start
         results["command"] = "python benchmarks/suite.py " + " ".join(sys.argv[1:])
-    print(report.real_size_table(results) if real else report.text(results))
+    print(report_real_size.real_size_table(results) if real else report.text(results))
     if args.json and not args.from_json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     png = None
     if args.png:
-        message = (report.real_size_plot if real else report.plot)(results, args.png)
+        message = (report_real_size.real_size_plot if real else report.plot)(results, args.png)
         print(message)
         if message.startswith("wrote") and args.out:
             png = os.path.relpath(args.png, Path(args.out).parent)
     if args.out and real:  # the page keeps everything else: only its real-size section
         page = Path(args.out).read_text() if Path(args.out).exists() else ""
-        section = report.real_size_section(results, png)
-        Path(args.out).write_text(report.with_real_size(page, section))
+        section = report_real_size.real_size_section(results, png)
+        Path(args.out).write_text(report_real_size.with_real_size(page, section))
         print(f"wrote the real-size section of {args.out}")
     elif args.out:  # a real-size section the page had is kept
         page = report.markdown(results, png)
-        kept = report.real_size_of(Path(args.out).read_text()) if Path(args.out).exists() else None
-        Path(args.out).write_text(page if kept is None else report.with_real_size(page, kept))
+        kept = (
+            report_real_size.real_size_of(Path(args.out).read_text())
+            if Path(args.out).exists()
+            else None
+        )
+        Path(args.out).write_text(
+            page if kept is None else report_real_size.with_real_size(page, kept)
+        )
         print(f"wrote {args.out}")
     found = failures(results, strict=args.smoke)
     for line in found:

@@ -29,6 +29,13 @@ def run_script(name, *args, timeout=600):
     return r
 
 
+def test_every_benchmark_module_stays_under_500_lines():
+    # the package's norm (tests/test_layout.py) holds for the benchmarks too
+    modules = sorted((ROOT / "benchmarks").glob("*.py"))
+    long = {p.name: n for p in modules if (n := len(p.read_text().splitlines())) > 500}
+    assert modules and long == {}
+
+
 @pytest.mark.slow
 def test_benchmark_suite_smoke_runs_and_places_exactly():
     r = subprocess.run(
@@ -81,6 +88,7 @@ def test_real_size_run_records_time_floor_and_memory_and_kills_what_does_not_fit
     assert capped.stderr.count("real size tiny eager-nnx") == 1  # not tried again
 
 
+@pytest.mark.slow
 def test_warm_depth_case_times_each_depth_without_compiling():
     suite = _bench("suite")
     r = suite.spawn("warm_depth", 300, depths=[1, 3], repeats=2)
@@ -102,6 +110,7 @@ def test_gpu_script_exits_cleanly_without_a_gpu():
     assert "no GPU" in r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_gpu_script_code_path_runs_on_cpu_and_places_exactly():
     # The GPU comparison's own code (specs, plan, fused recipe, warm re-inits, the
     # table) on 8 simulated CPU devices with a tiny model: a GPU run only swaps the
@@ -114,6 +123,7 @@ def test_gpu_script_code_path_runs_on_cpu_and_places_exactly():
     assert "NOT exact" not in r.stdout
 
 
+@pytest.mark.slow
 def test_launches_script_runs_every_case():
     r = run_script("launches.py", "--params", "4", "--outputs", "1", "2", "--repeats", "1")
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "ms |" in line]
@@ -125,11 +135,7 @@ def test_launches_script_runs_every_case():
 
 
 def test_report_lists_every_process_of_a_cold_case_fastest_first():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    tables = _bench("report_tables")
     case = {"compile_s": 1.0, "compiles": 3, "problems": [], "strategy": "rounds"}
     results = {
         "cold": {
@@ -139,7 +145,7 @@ def test_report_lists_every_process_of_a_cold_case_fastest_first():
             }
         }
     }
-    text = report._cold_tables(results)
+    text = tables.cold_tables(results)
     assert "| meshinit (rounds) | 1.40 s | 2.00 s |" in text  # the best of each case
     assert "| meshinit (rounds) | 1.40, 1.70 s (1 failed) | 2.00 s |" in text
 
@@ -165,10 +171,10 @@ def _built(recipe, layers):
     """(model, mesh, arrays) of ``recipe`` on a tiny stack and the (2, 4) reference mesh."""
     import jax
 
-    recipes = _bench("recipes")
-    model = recipes.Model(layers, **TINY)
-    mesh = jax.make_mesh(*recipes.CPU_MESH)
-    return model, mesh, jax.block_until_ready(recipes.run(recipe, model, mesh))
+    models = _bench("models")
+    model = models.Model(layers, **TINY)
+    mesh = jax.make_mesh(*models.CPU_MESH)
+    return model, mesh, jax.block_until_ready(_bench("recipes").run(recipe, model, mesh))
 
 
 @pytest.mark.parametrize(
@@ -188,9 +194,9 @@ def _built(recipe, layers):
     ],
 )
 def test_constructor_recipes_place_every_array_exactly(recipe, layers):
-    recipes = _bench("recipes")
+    checks = _bench("checks")
     model, mesh, arrays = _built(recipe, layers)
-    assert recipes.placement_problems(model, mesh, arrays, recipe=recipe) == []
+    assert checks.placement_problems(model, mesh, arrays, recipe=recipe) == []
 
 
 @pytest.mark.parametrize("recipe", ["linen.jit", "eqx.filter_jit"])
@@ -199,24 +205,24 @@ def test_framework_anchors_place_exactly_on_auto_axes_too(recipe):
     # other branch (eqx.filter_shard, a sharding constraint).
     import jax
 
-    recipes = _bench("recipes")
-    model = recipes.Model(1, **TINY)
-    shape, names = recipes.CPU_MESH
+    models = _bench("models")
+    model = models.Model(1, **TINY)
+    shape, names = models.CPU_MESH
     mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    arrays = jax.block_until_ready(recipes.run(recipe, model, mesh))
-    assert recipes.placement_problems(model, mesh, arrays, recipe=recipe) == []
+    arrays = jax.block_until_ready(_bench("recipes").run(recipe, model, mesh))
+    assert _bench("checks").placement_problems(model, mesh, arrays, recipe=recipe) == []
 
 
 def test_two_stage_check_uses_the_stage_meshes():
     # One-mesh arrays fail the two-stage check (and the reverse), path by path: the
     # check compares each array with its own stage's mesh, not the reference mesh.
-    recipes = _bench("recipes")
+    checks = _bench("checks")
     model, mesh, one = _built("meshinit.nnx", 2)
     _, _, two = _built("meshinit.nnx:2mesh", 2)
-    problems = recipes.placement_problems(model, mesh, one, limit=100, recipe="meshinit.nnx:2mesh")
+    problems = checks.placement_problems(model, mesh, one, limit=100, recipe="meshinit.nnx:2mesh")
     assert len(problems) == model.num_specs and problems[0].startswith("embed: placed by")
-    assert recipes.placement_problems(model, mesh, two, recipe="meshinit.nnx") != []
-    first, second = recipes.stage_meshes(mesh)
+    assert checks.placement_problems(model, mesh, two, recipe="meshinit.nnx") != []
+    first, second = _bench("models").stage_meshes(mesh)
     assert set(first.devices.flat).isdisjoint(second.devices.flat)
     assert two["embed"].sharding.mesh == first and two["head"].sharding.mesh == second
     assert two["layers"][0]["q"].sharding.mesh == first  # 2 layers: layer 0 on stage 0
@@ -224,10 +230,10 @@ def test_two_stage_check_uses_the_stage_meshes():
 
 
 def test_eqx_check_expects_linear_weights_as_out_by_in():
-    recipes = _bench("recipes")
+    checks = _bench("checks")
     model, mesh, arrays = _built("eqx.filter_jit", 2)
     assert arrays["layers"][0]["gate"].shape == (model.ffn, model.d)  # eqx.nn.Linear: (out, in)
-    problems = recipes.placement_problems(model, mesh, arrays, limit=100, recipe="meshinit")
+    problems = checks.placement_problems(model, mesh, arrays, limit=100, recipe="meshinit")
     assert "layers.0.gate: float32(128, 64), want (64, 128)" in problems
 
 
@@ -330,7 +336,7 @@ def _constructor_results(seconds):
 
 
 def test_report_computes_and_prints_the_constructor_goals():
-    report = _bench("report")
+    report_goals, report_tables = _bench("report_goals"), _bench("report_tables")
     results = _constructor_results(
         {
             ("meshinit.nnx", 8): 1.0,
@@ -344,7 +350,7 @@ def test_report_computes_and_prints_the_constructor_goals():
             ("eqx.filter_jit", 32): 20.0,
         }
     )
-    rows = {row[0]: row[1:] for row in report.goals(results)}
+    rows = {row[0]: row[1:] for row in report_goals.goals(results)}
     assert rows == {
         "cold meshinit.nnx / nnx.jit, 32 layers": ["0.050", "<= 0.1", "met"],
         "cold meshinit.nnx / eager-nnx, 32 layers": ["0.533", "<= 0.5", "NOT met"],
@@ -362,17 +368,17 @@ def test_report_computes_and_prints_the_constructor_goals():
             "n/a",
         ],
     }
-    tables = report._cold_tables(results)
+    tables = report_tables.cold_tables(results)
     assert "| meshinit.nnx / nnx.jit |  | 0.050 |" in tables  # no 8-layer anchor: no ratio
     assert "| meshinit.nnx:2mesh / meshinit.nnx |  | 1.500 |" in tables
     assert "| meshinit.nnx | 1.00 s | 1.60 s |" in tables
-    text = report.text(results | {"machine": _MACHINE})
+    text = _bench("report").text(results | {"machine": _MACHINE})
     assert "cold meshinit / nnx.jit" not in text  # the spec path's goals: not this run's
     assert "## GPU" not in text and "## Planning" not in text
 
 
 def test_depth_goal_is_flat_compiles_and_cold_slope_against_warm_slope():
-    report = _bench("report")
+    report_goals, report_tables = _bench("report_goals"), _bench("report_tables")
     # cold: 25 ms per layer, but the 16-layer process was slow (noise): the slope is
     # fitted over every depth, so one noisy point moves it little
     results = _constructor_results(
@@ -383,25 +389,26 @@ def test_depth_goal_is_flat_compiles_and_cold_slope_against_warm_slope():
     # warm: 20 ms per layer
     warm = {"8": 0.12, "16": 0.28, "32": 0.6, "64": 1.24}
     results["warm_depth"] = {"warm": warm, "compiles": 0}
-    rows = {row[0]: row[1:] for row in report.goals(results)}
+    rows = {row[0]: row[1:] for row in report_goals.goals(results)}
     assert rows["compiles, meshinit, 8 and 32 layers"] == ["9 and 10", "equal", "NOT met"]
     assert rows["compile time, meshinit, 32 / 8 layers"] == ["1.500", "<= 1.25", "NOT met"]
     slope = "per layer, 8, 16, 32, 64 layers: meshinit's cold slope / its warm slope"
-    cold, per_layer = report.slopes(results)
+    cold, per_layer = report_goals.slopes(results)
     assert per_layer == pytest.approx(0.02) and 0.02 < cold < 0.025  # not (1.6-1.5)/16
     assert rows[slope] == [f"{cold / 0.02:.3f}", "<= 1.5", "met"]
-    assert f"| meshinit | {cold * 1e3:.2f} ms | {cold / 0.02:.2f} |" in report._cold_tables(results)
+    tables = report_tables.cold_tables(results)
+    assert f"| meshinit | {cold * 1e3:.2f} ms | {cold / 0.02:.2f} |" in tables
     del results["warm_depth"]  # not measured: no slope, and no claim
-    assert {row[0]: row[1:] for row in report.goals(results)}[slope][0] == "n/a"
+    assert {row[0]: row[1:] for row in report_goals.goals(results)}[slope][0] == "n/a"
 
 
 def test_full_report_shows_the_constructor_goals_after_the_spec_goals():
-    report = _bench("report")
+    report_goals = _bench("report_goals")
     results = _constructor_results(
         {("meshinit.nnx", 32): 1.6, ("nnx.jit", 32): 32.0, ("meshinit", 32): 1.0}
     )
     results |= {"config": {}, "host_memory": {}, "planning": {}}
-    what = [row[0] for row in report.goals(results)]
+    what = [row[0] for row in report_goals.goals(results)]
     assert what[0] == "cold meshinit / nnx.jit, 32 layers"
     ours = what.index("cold meshinit.nnx / nnx.jit, 32 layers")
     assert ours > what.index("plan Llama-3-405B, first call (s)")
@@ -418,6 +425,7 @@ _MACHINE = {
 }
 
 
+@pytest.mark.slow
 def test_state_bytes_script_measures_zero1_and_offload():
     r = run_script("state_bytes.py", "--smoke")
     rows = {
