@@ -1,4 +1,5 @@
-"""8 simulated CPU devices, set once for the whole suite, before any backend starts."""
+"""8 simulated CPU devices, set once for the whole suite, before any backend starts;
+and the test tiers (``MESHINIT_TESTS``, see :data:`helpers.TIER`)."""
 
 import jax
 
@@ -6,8 +7,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import contextlib  # noqa: E402
 import gc  # noqa: E402
+import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
+from helpers import TIER, TIERS  # noqa: E402
 
 _compiles: list[str] = []
 
@@ -100,3 +103,41 @@ def fail_group():
             return made
 
         yield inject
+
+
+def pytest_configure(config):
+    if TIER not in TIERS:
+        raise pytest.UsageError(
+            f"MESHINIT_TESTS={TIER!r} is not a test tier; use one of {', '.join(TIERS)} "
+            f"(unset means fast)"
+        )
+
+
+def pytest_report_header(config):
+    if TIER == "all":
+        return "meshinit tests: all tiers (MESHINIT_TESTS=all)"
+    return (
+        "meshinit tests: the fast tier; tests marked slow are deselected and the fuzzers "
+        "run small (MESHINIT_TESTS=all runs everything, as CI does)"
+    )
+
+
+def _named(config) -> bool:
+    """Whether the command line chose tests itself: a marker expression, or a module or
+    test named (a folder, such as ``tests``, chooses nothing)."""
+    if config.option.markexpr:
+        return True
+    return any(
+        not pathlib.Path(arg.split("::")[0]).is_dir() for arg in config.option.file_or_dir or []
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    # The fast tier is the default run of the whole suite; a run that names what it wants
+    # (`-m slow`, tests/test_multihost.py) gets exactly that.
+    if TIER == "all" or _named(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]

@@ -1,10 +1,26 @@
 """Helpers the test modules share (no test module imports another)."""
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 import meshinit
+
+TIERS = ("fast", "all")
+TIER = os.environ.get("MESHINIT_TESTS", "fast")
+"""Which tests run (``MESHINIT_TESTS``): ``fast``, the default, leaves out the tests
+marked ``slow`` and runs the fuzzers and large property tests at a smaller size;
+``all`` (what CI sets) runs every test at full size. ``tests/conftest.py`` refuses any
+other value."""
+
+
+def examples(full: int, fast: int) -> int:
+    """A property test's ``max_examples``: ``full`` with ``MESHINIT_TESTS=all``,
+    ``fast`` (at most ``full``) by default."""
+    return full if TIER == "all" else min(full, fast)
+
 
 lecun = jax.nn.initializers.lecun_normal
 RULES = (("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor"))

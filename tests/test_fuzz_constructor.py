@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
@@ -58,7 +59,9 @@ from jax.sharding import PartitionSpec as P
 import meshinit
 from meshinit._engine import trace as _trace
 
-EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", examples(200, 20)))
+"""Drawn constructors per run: 200 (CI size) with ``MESHINIT_TESTS=all``, 20 in the
+fast tier; ``MESHINIT_FUZZ_EXAMPLES`` sets it outright."""
 
 
 RELEASE_EVERY = 50

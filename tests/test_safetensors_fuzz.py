@@ -20,6 +20,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import examples
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
@@ -29,7 +30,7 @@ import meshinit
 save_file = pytest.importorskip("safetensors.numpy").save_file
 safetensors = pytest.importorskip("safetensors")
 
-EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", examples(200, 50)))
 
 # What both read with numpy (safetensors 0.4.5 cannot give numpy its float8 types),
 # and jax holds without x64.

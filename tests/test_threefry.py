@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -22,7 +23,7 @@ def jax_hash(k1, k2, x1, x2):
     return [np.asarray(a) for a in jax.jit(threefry2x32_p.bind)(k1, k2, x1, x2)]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30, 8), deadline=None)
 @given(
     k1=u32,
     k2=u32,
