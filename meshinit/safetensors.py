@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import pathlib
 import warnings
@@ -34,15 +35,19 @@ from . import _patterns
 from ._errors import PlanError, Problem, UnusedTensorWarning, printable
 from ._format import some
 from ._load import file as _file
+from ._load import layout as _layout
 from ._load import names as _names
 from ._load import read as _read
+from ._load.names import Concat as Concat
+from ._load.names import Stack as Stack
 from ._load.names import Tensor as Tensor
 from ._plan.plan import Plan
 from ._run import agree as _agree
 
-__all__ = ["Inventory", "Tensor", "inventory", "load"]
+__all__ = ["Concat", "Inventory", "Stack", "Tensor", "inventory", "load"]
 
-Tensor.__module__ = __name__  # documented and shown as meshinit.safetensors.Tensor
+for _public in (Tensor, Stack, Concat):  # documented and shown as meshinit.safetensors.X
+    _public.__module__ = __name__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +57,12 @@ class Inventory:
 
     Attributes:
       files: the files checked, in the order read.
-      loaded: plan path -> the :class:`Tensor` it is read from (name and transforms).
+      loaded: plan path -> the target it is read from: a :class:`Tensor` (name and
+        transforms), or a :class:`Stack` or :class:`Concat` of parts.
       skipped: plan paths that ``names=`` maps to None: not in the files by design.
       missing: plan path -> the tensor name it wants, which no file holds.
       unused: the stored tensors that no plan path claims, sorted.
+      reads: plan path -> the stored tensors it reads, in order (one, or every part's).
 
     Examples:
       >>> from safetensors.numpy import save_file
@@ -68,10 +75,11 @@ class Inventory:
     """
 
     files: tuple[pathlib.Path, ...]
-    loaded: Mapping[str, Tensor]
+    loaded: Mapping[str, Tensor | Stack | Concat]
     skipped: tuple[str, ...]
     missing: Mapping[str, str]
     unused: tuple[str, ...]
+    reads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         def line(what: str, items: list[str]) -> str:
@@ -116,9 +124,12 @@ def _why_not(stored: _file.Stored, planned: np.dtype) -> str | None:
 
 def _survey(
     plan: Plan, files: Any, names: Any, what: str
-) -> tuple[Inventory, list[_read.Job], dict[pathlib.Path, _file.Checked], list[Problem]]:
-    """Every file checked, every plan path matched: the inventory, the reads, the
-    checked files and every problem (bad files, a bad map, shapes that differ)."""
+) -> tuple[
+    Inventory, list[_read.Job], dict[pathlib.Path, _file.Checked], list[Problem], list[Problem]
+]:
+    """Every file checked, every plan path resolved to its parts: the inventory, the
+    reads, the checked files, every problem (bad files, a bad map, parts that do not
+    fit) and, apart, the problems of paths whose tensors no file holds."""
     if not isinstance(plan, Plan):
         raise TypeError(f"{what} takes a Plan (meshinit.nnx.plan(factory), ...), got {plan!r}")
     paths = _file.listing(files)
@@ -147,51 +158,76 @@ def _survey(
                 index[name] = held
     targets, found = _names.targets([e.path for e in plan.entries], names, what)
     problems += found
-    loaded: dict[str, Tensor] = {}
+    loaded: dict[str, _names.Target] = {}
+    reads: dict[str, tuple[str, ...]] = {}
     skipped: list[str] = []
     missing: dict[str, str] = {}
+    absent: list[Problem] = []
+    names_held: list[str] = []  # sorted, for the hints of absent tensors
     jobs: list[_read.Job] = []
     for entry in plan.entries:
-        tensor = targets[entry.path]
-        if tensor is None:
+        target = targets[entry.path]
+        if target is None:
             skipped.append(entry.path)
             continue
-        stored = index.get(tensor.name)
-        if stored is None:
-            missing[entry.path] = tensor.name
-            continue
-        why = _why_not(stored, entry.spec.dtype)
-        shape: tuple[int, ...] = ()
-        order: tuple[int, ...] = ()
-        if why is None:
-            try:
-                shape, order = tensor.transformed(stored.shape)
-            except ValueError as e:
-                why = str(e)
-            else:
-                transformed = tuple(shape[a] for a in order)
-                if transformed != entry.spec.shape:
-                    why = f"gives shape {transformed}, planned {entry.spec.shape}"
-        if why is not None:
-            problems.append(
-                Problem(
-                    entry.path,
-                    f"tensor {tensor.name!r} in {stored.file.name}, stored {stored.dtype} "
-                    f"{stored.shape}, {why}",
+        try:
+            why_not = functools.partial(_why_not, planned=entry.spec.dtype)
+            node = _layout.resolve(target, index, why_not)
+            if node.result != entry.spec.shape:
+                raise _layout.Refused(
+                    f"{_describe(node)} gives shape {node.result}, planned {entry.spec.shape}"
                 )
-            )
+        except _layout.Refused as refused:
+            if refused.missing:
+                missing[entry.path] = refused.missing[0][1]
+                names_held = names_held or sorted(index)
+                absent.append(_absent(entry.path, refused.missing, names_held, len(absent) < 20))
+            else:
+                problems.append(Problem(entry.path, refused.message))
             continue
-        loaded[entry.path] = tensor
-        jobs.append(_read.Job(entry, stored, shape, order))
-    claimed = {t.name for t in targets.values() if t is not None}
+        loaded[entry.path] = target
+        reads[entry.path] = tuple(dict.fromkeys(leaf.stored.name for leaf in _layout.leaves(node)))
+        jobs.append(_read.Job(entry, node))
+    claimed = {t.name for target in targets.values() if target for t in _names.leaves(target)}
     inventory = Inventory(
         files=tuple(paths),
         loaded=loaded,
         skipped=tuple(skipped),
         missing={} if bad_files else missing,  # a file that failed holds unknown names
         unused=tuple(sorted(set(index) - claimed)),
+        reads=reads,
     )
-    return inventory, jobs, checked, problems
+    return inventory, jobs, checked, problems, [] if bad_files else absent
+
+
+def _describe(node: _layout.Node) -> str:
+    """How a shape message names what was read: the tensor, or the joined parts."""
+    if isinstance(node, _layout.Leaf):
+        held = node.stored
+        where = f"in {held.file.name}, stored {held.dtype} {held.shape},"
+        return f"tensor {printable(held.name)!r} {where}"
+    kind = "Stack" if node.stacked else "Concat"
+    return f"{kind} of {len(node.parts)} parts along axis {node.axis}"
+
+
+def _absent(path: str, parts: list[tuple[str, str]], stored: list[str], hint: bool) -> Problem:
+    """The problem of a path whose tensor (or some of its parts' tensors) no file holds;
+    with ``hint``, the closest stored name of each of the first three."""
+    fix = '(names= maps the path to None, or missing="skip" leaves it to the init)'
+    guesses = [
+        difflib.get_close_matches(name, stored, n=1) if hint and k < 3 else []
+        for k, (_, name) in enumerate(parts)
+    ]
+    if len(parts) == 1 and not parts[0][0]:
+        guess = f"; did you mean {guesses[0][0]!r}?" if guesses[0] else ""
+        return Problem(path, f"tensor {parts[0][1]!r} is not in the files{guess} {fix}")
+    shown = [
+        f"{label}tensor {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        for (label, name), close in zip(parts, guesses, strict=True)
+    ]
+    more = f" and {len(parts) - 5} more" if len(parts) > 5 else ""
+    verb = "is" if len(parts) == 1 else "are"
+    return Problem(path, f"{', '.join(shown[:5])}{more} {verb} not in the files {fix}")
 
 
 def inventory(plan: Plan, files: Any, *, names: Any = None) -> Inventory:
@@ -228,7 +264,7 @@ def inventory(plan: Plan, files: Any, *, names: Any = None) -> Inventory:
       missing (no file holds them): 1 layers.1.up <- 'layers.1.up'
       unused (no plan path claims them): 0
     """
-    found, _, _, problems = _survey(plan, files, names, "meshinit.safetensors.inventory")
+    found, _, _, problems, _ = _survey(plan, files, names, "meshinit.safetensors.inventory")
     if problems:
         raise PlanError(problems, header="meshinit.safetensors.inventory:")
     return found
@@ -315,14 +351,14 @@ def load(
 def _load(
     plan: Plan, files: Any, names: Any, missing: str, unused: str, what: str
 ) -> dict[str, jax.Array]:
-    found, jobs, checked, problems = _survey(plan, files, names, what)
+    found, jobs, checked, problems, absent = _survey(plan, files, names, what)
     problems += [
         Problem(j.entry.path, "is planned on an AbstractMesh: load needs devices")
         for j in jobs
         if isinstance(j.entry.mesh, jax.sharding.AbstractMesh)
     ]
     if missing == "error":
-        problems += _missing_problems(found.missing, checked)
+        problems += absent
     if unused == "error":
         stored = {n: s for c in checked.values() for n, s in c.tensors.items()}
         problems += [
@@ -347,21 +383,3 @@ def _load(
             stacklevel=_patterns.outside_stacklevel(),
         )
     return _read.read(jobs, checked)
-
-
-def _missing_problems(
-    missing: Mapping[str, str], checked: Mapping[pathlib.Path, _file.Checked]
-) -> list[Problem]:
-    stored = sorted(n for c in checked.values() for n in c.tensors)
-    problems = []
-    for i, (path, name) in enumerate(missing.items()):
-        close = difflib.get_close_matches(name, stored, n=1) if i < 20 else []
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        problems.append(
-            Problem(
-                path,
-                f"tensor {name!r} is not in the files{hint} (names= maps the path to None, "
-                f'or missing="skip" leaves it to the init)',
-            )
-        )
-    return problems

@@ -112,7 +112,14 @@ def test_the_public_surface_is_what_the_docs_cover():
     assert sorted(meshinit.eqx.__all__) == ["init", "materialize", "plan"]
     assert sorted(meshinit.optax.__all__) == ["abstract", "init"]
     assert sorted(meshinit.linen.__all__) == ["init", "plan"]
-    assert sorted(meshinit.safetensors.__all__) == ["Inventory", "Tensor", "inventory", "load"]
+    assert sorted(meshinit.safetensors.__all__) == [
+        "Concat",
+        "Inventory",
+        "Stack",
+        "Tensor",
+        "inventory",
+        "load",
+    ]
     assert "bytes_per_device" in _public_members(meshinit.Plan)
     assert "shard_dims" in _public_members(meshinit.PlanEntry)
     assert "replicated_bytes" in _public_members(meshinit.MeshGroup)

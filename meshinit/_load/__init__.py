@@ -4,8 +4,11 @@ Its public face is :mod:`meshinit.safetensors` (``load`` and ``inventory``). Its
 
 - :mod:`.file`: every file checked as the safetensors format requires (and by the
   ``safetensors`` package) before a byte of data is read;
-- :mod:`.names`: ``names=``, which stored tensor fills each plan path, and how
-  (:class:`~meshinit.safetensors.Tensor`);
+- :mod:`.names`: ``names=``, which stored tensors fill each plan path, and how
+  (:class:`~meshinit.safetensors.Tensor`, :class:`~meshinit.safetensors.Stack`,
+  :class:`~meshinit.safetensors.Concat`);
+- :mod:`.layout`: each path's target checked against the stored tensors, and a
+  device's block of the parameter read from the parts it reaches;
 - :mod:`.read`: the checked files read block by block onto the plan's shardings, each
   process reading only what its devices hold; nothing left alive on failure.
 

@@ -1,5 +1,7 @@
-"""``names=`` of :func:`meshinit.safetensors.load`: which stored tensor fills each plan
-path, and how (:class:`Tensor`: a reshape, then a transpose, as numpy does them)."""
+"""``names=`` of :func:`meshinit.safetensors.load`: which stored tensors fill each plan
+path, and how: :class:`Tensor` (a slice, a reshape, a transpose and a scale of one
+stored tensor), :class:`Stack` and :class:`Concat` (several parts, as ``np.stack`` and
+``np.concatenate`` join them), nested as the layout needs."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from .. import _patterns
 from .._errors import PlanError, Problem, printable
 
 FORMS = (
-    "a callable (path -> name, Tensor or None), a Mapping of plan paths to those, or a "
-    "rule table: a sequence of (regex, name or Tensor or None) pairs, the first full "
-    "match winning, whose names may use the match's groups (\\1)"
+    "a callable (path -> target or None), a Mapping of plan paths to those, or a rule "
+    "table: a sequence of (regex, target or None) pairs, the first full match winning, "
+    "whose names may use the match's groups (\\1); a target is a tensor name, a Tensor, "
+    "a Stack or a Concat"
 )
 
 
@@ -33,15 +36,55 @@ def _ints(value: Any, what: str) -> tuple[int, ...] | None:
     return out
 
 
+def _slices(index: Any) -> tuple[slice, ...] | None:
+    """``index`` (a slice or a tuple of them, as ``np.s_`` gives) as a tuple of slices;
+    TypeError for anything else: an int, an array, a step other than 1, an Ellipsis."""
+    if index is None:
+        return None
+    parts = index if isinstance(index, tuple) else (index,)
+    for s in parts:
+        bounds = (s.start, s.stop) if isinstance(s, slice) else ()
+        if (
+            not isinstance(s, slice)
+            or s.step not in (None, 1)
+            or any(b is not None and (isinstance(b, bool) or not _is_int(b)) for b in bounds)
+        ):
+            raise TypeError(
+                f"Tensor index must be basic slices with a step of 1, one per leading axis "
+                f"(np.s_[:4096], np.s_[:, 512:1024]); got {index!r}"
+            )
+    return tuple(
+        slice(*(None if b is None else operator.index(b) for b in (s.start, s.stop))) for s in parts
+    )
+
+
+def _is_int(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """A stored tensor, reshaped then transposed into a parameter.
+    """A stored tensor, sliced, reshaped, transposed and scaled into a parameter (or a
+    part of one, in a :class:`Stack` or :class:`Concat`).
 
-    The parameter is ``stored.reshape(shape).transpose(permute)``, as numpy does them:
-    ``shape`` row-major, with at most one ``-1`` for the size the others leave (None
-    keeps the stored shape); then ``permute`` as for ``np.transpose``, negative axes
-    counting from the end (None keeps the order). Both are views of the memory-mapped
-    file: only the bytes of each shard are read.
+    The parameter is ``stored[index].reshape(shape).transpose(permute)``, as numpy does
+    them: ``index`` a basic slice (``np.s_[:4096]``, ``np.s_[:, 512:1024]``: slices with
+    a step of 1, one per leading axis, None for the whole tensor), so that one fused
+    stored tensor (``qkv_proj``, ``gate_up_proj``) feeds several parameters; ``shape``
+    row-major, with at most one ``-1`` for the size the others leave (None keeps the
+    shape); then ``permute`` as for ``np.transpose``, negative axes counting from the end
+    (None keeps the order). All three are views of the memory-mapped file: only the
+    bytes of each shard are read. A slice that the reshape could not view without a
+    copy is refused before anything is read.
+
+    ``scale`` multiplies the values as MaxText's conversion hooks do (its query scale
+    ``1 / sqrt(head_dim)``): the stored values in float32, times ``scale`` rounded to
+    float32, rounded back to the stored dtype; then cast to the planned dtype like any
+    tensor. Floating-point tensors only.
 
     A map written for tunix or MaxText transposes first, then reshapes. For a split
     of a torch ``(out, in)`` weight the two agree once the reshape is moved first:
@@ -54,27 +97,41 @@ class Tensor:
 
     Attributes:
       name: the tensor's name in the files (``model.layers.0.mlp.up_proj.weight``).
-      shape: the shape to reshape the stored tensor to, or None.
+      shape: the shape to reshape the stored tensor (or its slice) to, or None.
       permute: the axis order after the reshape, or None.
+      index: the slice of the stored tensor taken first, or None.
+      scale: a Python float the values are multiplied by, or None.
 
     Examples:
       >>> Tensor("model.layers.0.mlp.up_proj.weight", permute=(1, 0))  # (out, in) -> (in, out)
-      Tensor(name='model.layers.0.mlp.up_proj.weight', shape=None, permute=(1, 0))
+      Tensor(name='model.layers.0.mlp.up_proj.weight', shape=None, permute=(1, 0),
+             index=None, scale=None)
       >>> heads, head_dim = 32, 128
       >>> Tensor("model.layers.0.self_attn.q_proj.weight",
       ...        shape=(heads, head_dim, -1), permute=(-1, 0, 1))
       Tensor(name='model.layers.0.self_attn.q_proj.weight', shape=(32, 128, -1),
-             permute=(-1, 0, 1))
+             permute=(-1, 0, 1), index=None, scale=None)
+      >>> Tensor("model.layers.0.mlp.gate_up_proj.weight", index=np.s_[:14336]).index  # gate half
+      (slice(None, 14336, None),)
     """
 
     name: str
     shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
     permute: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
+    index: tuple[slice, ...] | None = dataclasses.field(default=None, kw_only=True)
+    scale: float | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise TypeError(f"Tensor name must be a str, got {self.name!r}")
         shape, permute = _ints(self.shape, "shape"), _ints(self.permute, "permute")
+        object.__setattr__(self, "index", _slices(self.index))
+        if self.scale is not None:
+            if isinstance(self.scale, bool) or not isinstance(self.scale, int | float):
+                raise TypeError(f"Tensor scale must be a Python float, got {self.scale!r}")
+            if not math.isfinite(self.scale):
+                raise ValueError(f"Tensor scale must be finite, got {self.scale!r}")
+            object.__setattr__(self, "scale", float(self.scale))
         if shape is not None:
             if sum(d == -1 for d in shape) > 1 or any(d < -1 for d in shape):
                 raise ValueError(
@@ -84,10 +141,19 @@ class Tensor:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "permute", permute)
 
+    def sliced(self, stored: tuple[int, ...]) -> tuple[slice, ...]:
+        """``index`` over every axis of a stored tensor of shape ``stored``, each slice's
+        bounds resolved as numpy resolves them; ValueError where numpy would refuse it."""
+        index = self.index or ()
+        if len(index) > len(stored):
+            raise ValueError(f"index has {len(index)} slices for {len(stored)} axes")
+        padded = index + (slice(None),) * (len(stored) - len(index))
+        return tuple(slice(*s.indices(n)[:2]) for s, n in zip(padded, stored, strict=True))
+
     def transformed(self, stored: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shape of the reshape (its ``-1`` resolved) and the transpose's axis order
-        (negative axes resolved), for a stored tensor of shape ``stored``; ValueError
-        saying why where numpy would refuse them."""
+        (negative axes resolved), for a stored tensor (after ``index``) of shape
+        ``stored``; ValueError saying why where numpy would refuse them."""
         size = math.prod(stored)
         shape = stored
         if self.shape is not None:
@@ -109,16 +175,107 @@ class Tensor:
         return shape, order
 
 
+def _part(part: Any, kind: str, i: int) -> Tensor | Stack | Concat:
+    if isinstance(part, str):
+        return Tensor(part)
+    if isinstance(part, Tensor | Stack | Concat):
+        return part
+    raise TypeError(
+        f"{kind} parts[{i}] must be a tensor name, a Tensor, a Stack or a Concat, got "
+        f"{type(part).__name__}"
+    )
+
+
+def _joined(self: Stack | Concat) -> None:
+    kind = type(self).__name__
+    parts = self.parts
+    if isinstance(parts, str | bytes) or not isinstance(parts, Sequence) or not parts:
+        raise TypeError(f"{kind} parts must be a non-empty sequence of parts, got {parts!r}")
+    if isinstance(self.axis, bool) or not _is_int(self.axis):
+        raise TypeError(f"{kind} axis must be an int, got {self.axis!r}")
+    object.__setattr__(self, "parts", tuple(_part(p, kind, i) for i, p in enumerate(parts)))
+    object.__setattr__(self, "axis", operator.index(self.axis))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """Parts stacked along a new axis into one parameter, as ``np.stack`` does: every
+    layer's stored tensor in the layer axis of a scanned model.
+
+    Each part is a tensor name, a :class:`Tensor` or a nested :class:`Stack` or
+    :class:`Concat`, and all must give the same shape. ``axis`` counts as in
+    ``np.stack`` (negative from the end of the result). Each device reads only its own
+    shard of each part it holds: a device whose shard spans layers 0-3 of a 16-layer
+    stack reads its block of those four stored tensors, and nothing of the others.
+
+    In a rule table, the parts' names may use the groups of the rule's regex.
+
+    Attributes:
+      parts: the parts, in order (names are read as ``Tensor(name)``).
+      axis: the new axis.
+
+    Examples:
+      >>> n = 4  # MaxText's scanned query kernel: [embed, layers, heads, head_dim]
+      >>> Stack([Tensor(f"model.layers.{i}.self_attn.q_proj.weight",
+      ...               shape=(8, 64, -1), permute=(2, 0, 1)) for i in range(n)], axis=1).axis
+      1
+    """
+
+    parts: tuple[Tensor | Stack | Concat, ...]
+    axis: int
+
+    def __post_init__(self) -> None:
+        _joined(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Concat:
+    """Parts concatenated along an existing axis into one parameter, as
+    ``np.concatenate`` does: k and v into a fused ``kv_einsum``, gate and up into
+    ``gating_einsum``.
+
+    Each part is a tensor name, a :class:`Tensor` or a nested :class:`Stack` or
+    :class:`Concat`; the parts agree on every axis but ``axis`` (negative from the
+    end). Each device reads only the parts, and the bytes of each, that its shard holds.
+
+    Attributes:
+      parts: the parts, in order (names are read as ``Tensor(name)``).
+      axis: the axis they are joined along.
+
+    Examples:
+      >>> Concat(["model.layers.0.mlp.gate_proj.weight",
+      ...         "model.layers.0.mlp.up_proj.weight"], axis=0).parts[1].name
+      'model.layers.0.mlp.up_proj.weight'
+    """
+
+    parts: tuple[Tensor | Stack | Concat, ...]
+    axis: int
+
+    def __post_init__(self) -> None:
+        _joined(self)
+
+
+Target = Tensor | Stack | Concat
+"""What fills one plan path: a stored tensor, or parts of several."""
+
+
+def leaves(target: Target) -> list[Tensor]:
+    """Every :class:`Tensor` of ``target``, in order."""
+    if isinstance(target, Tensor):
+        return [target]
+    return [t for part in target.parts for t in leaves(part)]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Rule:
     index: int
     pattern: re.Pattern[str]
-    target: str | Tensor | None
+    target: str | Target | None
 
 
-def _target(found: Any) -> Tensor | None | str:
-    """A name, a Tensor or None as a Tensor or None; anything else as its type's name."""
-    if found is None or isinstance(found, Tensor):
+def _target(found: Any) -> Target | None | str:
+    """A name, a target or None as a target or None; anything else as its type's name."""
+    if found is None or isinstance(found, Tensor | Stack | Concat):
         return found
     if isinstance(found, str):
         return Tensor(found)
@@ -132,12 +289,13 @@ def _rules(names: Sequence[Any]) -> list[_Rule]:
             problems.append(Problem("", f"names[{i}] must be a (regex, target) pair; got {pair!r}"))
             continue
         regex, target = pair
-        if not (target is None or isinstance(target, str | Tensor)):
+        if not (target is None or isinstance(target, str | Tensor | Stack | Concat)):
             problems.append(
                 Problem(
                     "",
                     f"names[{i}]: the target must be a tensor name, a "
-                    f"meshinit.safetensors.Tensor or None, got {type(target).__name__}",
+                    f"meshinit.safetensors.Tensor, Stack or Concat, or None, got "
+                    f"{type(target).__name__}",
                 )
             )
             continue
@@ -151,18 +309,22 @@ def _rules(names: Sequence[Any]) -> list[_Rule]:
     return rules
 
 
-def _expand(rule: _Rule, match: re.Match[str]) -> Tensor | None:
-    if rule.target is None:
+def _expand(target: str | Target | None, match: re.Match[str]) -> Target | None:
+    """``target`` with every tensor name expanded by the rule's match (``\\1``)."""
+    if target is None:
         return None
-    if isinstance(rule.target, str):
-        return Tensor(match.expand(rule.target))
-    return dataclasses.replace(rule.target, name=match.expand(rule.target.name))
+    if isinstance(target, str):
+        return Tensor(match.expand(target))
+    if isinstance(target, Tensor):
+        return dataclasses.replace(target, name=match.expand(target.name))
+    parts = [_expand(p, match) for p in target.parts]
+    return dataclasses.replace(target, parts=tuple(p for p in parts if p is not None))
 
 
 def targets(
     paths: Sequence[str], names: Any, what: str
-) -> tuple[dict[str, Tensor | None], list[Problem]]:
-    """Each plan path's stored tensor (None: not in the files), and the problems of a
+) -> tuple[dict[str, Target | None], list[Problem]]:
+    """Each plan path's target (None: not in the files), and the problems of a
     Mapping or rule table against the paths. A path that a Mapping lacks or that no
     rule matches is looked up under its own name, as with ``names=None``; a rule that
     matches no path is an :class:`~meshinit.UnusedPatternWarning`."""
@@ -190,7 +352,7 @@ def targets(
                 if m := rule.pattern.fullmatch(p):
                     used.add(rule.index)
                     try:
-                        found[p] = _expand(rule, m)
+                        found[p] = _expand(rule.target, m)
                     except (re.error, IndexError) as e:
                         problems.append(
                             Problem(
@@ -219,7 +381,7 @@ def targets(
         shown = "; ".join(source.format(path=printable(p), kind=k) for p, k in bad[:3])
         raise TypeError(
             f"{shown}{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}: each path's "
-            f"target must be a tensor name, a meshinit.safetensors.Tensor, or None for a "
-            f"path the files do not hold"
+            f"target must be a tensor name, a meshinit.safetensors.Tensor, Stack or "
+            f"Concat, or None for a path the files do not hold"
         )
     return {p: t for p, t in found.items() if not isinstance(t, str)}, problems

@@ -1,9 +1,11 @@
 """Reading checked safetensors files into a plan's shardings, block by block.
 
 Only :mod:`meshinit.safetensors` calls this, after every file passed
-:func:`meshinit._load.file.check` and every path was matched: each
-process reads, from memory-mapped files, only the distinct blocks its own devices
-hold, each once, as views of the file (no copy where no cast is needed).
+:func:`meshinit._load.file.check` and every path was resolved to its parts
+(:mod:`.layout`): each process reads, from memory-mapped files, only the distinct
+blocks its own devices hold, each once, and of each block only the bytes of the parts
+it reaches, as views of the file (no copy where one part fills the block and no cast
+or scale is needed).
 """
 
 from __future__ import annotations
@@ -23,35 +25,43 @@ import numpy as np
 from .._errors import PlanError, Problem
 from .._plan.plan import PlanEntry
 from . import file as _file
+from . import layout as _layout
+
+BYTES_READ = "/meshinit/safetensors/bytes_read"
+"""The ``jax.monitoring`` scalar each process records once per load: the bytes it read
+from the files (in their stored dtypes), every part of every parameter counted."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One plan path's read: the stored tensor, viewed as ``shape`` then ``order``."""
+    """One plan path's read: its parts, resolved against the checked files."""
 
     entry: PlanEntry
-    stored: _file.Stored
-    shape: tuple[int, ...]
-    order: tuple[int, ...]
+    node: _layout.Node
 
 
 def read(jobs: list[Job], checked: Mapping[pathlib.Path, _file.Checked]) -> dict[str, jax.Array]:
     """The arrays of ``jobs``: every file reopened and known to be the one checked
-    before anything is read; on any failure, nothing read stays alive."""
+    before anything is read; on any failure, nothing read stays alive. Records the
+    bytes read (:data:`BYTES_READ`) once the load is whole."""
     opened: dict[pathlib.Path, Any] = {}
     out: dict[str, jax.Array] = {}
+    total = [0]
     try:
         changed = []
         for job in jobs:
-            path = job.stored.file
-            if path not in opened:
-                opened[path] = open(path, "rb")  # noqa: SIM115 (closed in finally)
-                if _file.identity(os.fstat(opened[path].fileno())) != checked[path].identity:
-                    changed.append(Problem(str(path), "changed since it was checked; load again"))
+            for leaf in _layout.leaves(job.node):
+                path = leaf.stored.file
+                if path not in opened:
+                    opened[path] = open(path, "rb")  # noqa: SIM115 (closed in finally)
+                    if _file.identity(os.fstat(opened[path].fileno())) != checked[path].identity:
+                        changed.append(
+                            Problem(str(path), "changed since it was checked; load again")
+                        )
         if changed:
             raise PlanError(changed, header="meshinit.safetensors.load: nothing was read:")
         for job in jobs:
-            out[job.entry.path] = array(job.entry, source(job, opened[job.stored.file]))
+            out[job.entry.path] = array(job.entry, source(job, opened, total))
     except BaseException as e:
         for made in out.values():
             made.delete()
@@ -63,6 +73,7 @@ def read(jobs: list[Job], checked: Mapping[pathlib.Path, _file.Checked]) -> dict
     finally:
         for f in opened.values():
             f.close()
+    jax.monitoring.record_scalar(BYTES_READ, float(total[0]))
     return out
 
 
@@ -70,17 +81,17 @@ RELEASE_BYTES = 64 << 20
 
 
 class Source:
-    """A stored tensor memory-mapped, viewed as the parameter: the reshape and the
-    transpose are views, so a block touches only its own bytes. The mapped pages are
-    released (``MADV_DONTNEED``; they stay in the page cache) once blocks of
-    ``RELEASE_BYTES`` have been read since the last release, and unmapped with the
-    source after the tensor's last block, so the file's bytes never count much in this
-    process's memory. Not after every block: the kernel maps a block's neighbours with
-    it, and a block's release would drop the next block's pages too (measured: 1.3x
-    the load's time)."""
+    """A stored tensor memory-mapped, viewed as a part of the parameter: the slice, the
+    reshape and the transpose are views, so a block touches only its own bytes. The
+    mapped pages are released (``MADV_DONTNEED``; they stay in the page cache) once
+    blocks of ``RELEASE_BYTES`` have been read since the last release, and unmapped
+    with the source after the parameter's last block, so the file's bytes never count
+    much in this process's memory. Not after every block: the kernel maps a block's
+    neighbours with it, and a block's release would drop the next block's pages too
+    (measured: 1.3x the load's time)."""
 
-    def __init__(self, job: Job, f: Any):
-        stored = job.stored
+    def __init__(self, leaf: _layout.Leaf, entry: PlanEntry, f: Any, total: list[int]):
+        stored = leaf.stored
         stored_dtype = _file.READABLE[stored.dtype]
         count = math.prod(stored.shape)
         self._map: mmap.mmap | None = None
@@ -95,17 +106,29 @@ class Source:
                 offset=base,
             )
             flat = np.frombuffer(self._map, stored_dtype, count, stored.start - base)
-        self.view = flat.reshape(job.shape).transpose(job.order)
-        self.job = job
+        whole = flat.reshape(stored.shape)
+        if leaf.index:  # not on a 0-d tensor: [()] of one is a numpy scalar, not a view
+            whole = whole[leaf.index]
+        self.view = whole.reshape(leaf.shape).transpose(leaf.order)
+        # resolve() checked that the slice reshapes as a view: a copy here would read
+        # the whole slice, bytes this process does not own
+        assert whole.size == 0 or np.may_share_memory(self.view, whole)
+        self.leaf, self.entry = leaf, entry
         self._read = 0
+        self._total = total
 
     def block(self, index: Any) -> np.ndarray:
-        """The parameter's block at ``index``: a view of the file where no cast is
-        needed (``device_put`` copies it), else the cast copy, checked."""
+        """The part's block at ``index``: a view of the file where no cast or scale is
+        needed (``device_put`` copies it), else the cast (checked) and scaled copy."""
         block = self.view[index]
         self._read += block.nbytes
-        dtype = self.job.entry.spec.dtype
-        return block if block.dtype == dtype else cast(block, dtype, self.job)
+        self._total[0] += block.nbytes
+        dtype = self.entry.spec.dtype
+        if block.dtype != dtype:
+            block = cast(block, dtype, self.entry.path, self.leaf)
+        if self.leaf.tensor.scale is not None:  # as MaxText's hooks: float32, then back
+            block = (block.astype(np.float32) * np.float32(self.leaf.tensor.scale)).astype(dtype)
+        return block
 
     def release(self) -> None:
         """Drops the mapped pages if enough were read since the last time."""
@@ -115,13 +138,38 @@ class Source:
                 self._map.madvise(mmap.MADV_DONTNEED)
 
 
-def source(job: Job, f: Any) -> Source:
-    return Source(job, f)
+class Sources:
+    """Every part of one parameter, mapped: :meth:`block` reads the parameter's block
+    at an index from the parts it reaches."""
+
+    def __init__(self, job: Job, opened: Mapping[pathlib.Path, Any], total: list[int]):
+        self.job = job
+        self.parts = {
+            id(leaf): Source(leaf, job.entry, opened[leaf.stored.file], total)
+            for leaf in _layout.leaves(job.node)
+        }
+
+    def block(self, index: tuple[slice, ...]) -> np.ndarray:
+        return _layout.block(
+            self.job.node,
+            index,
+            lambda leaf, at: self.parts[id(leaf)].block(at),
+            self.job.entry.spec.dtype,
+        )
+
+    def release(self) -> None:
+        for part in self.parts.values():
+            part.release()
 
 
-def cast(block: np.ndarray, dtype: np.dtype, job: Job) -> np.ndarray:
+def source(job: Job, opened: Mapping[pathlib.Path, Any], total: list[int]) -> Sources:
+    return Sources(job, opened, total)
+
+
+def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _layout.Leaf) -> np.ndarray:
     """``block`` cast to ``dtype``; a value the cast would change beyond rounding (an
-    int out of range, a finite float that overflows) is a PlanError naming the path."""
+    int out of range, a finite float that overflows) is a PlanError naming the path
+    and the part."""
     why = None
     if jax.dtypes.issubdtype(dtype, np.integer) and block.size:
         info = np.iinfo(dtype)
@@ -136,13 +184,13 @@ def cast(block: np.ndarray, dtype: np.dtype, job: Job) -> np.ndarray:
             why = f"holds {block[grew].flat[0]}, which overflows {dtype.name}"
     if why is not None:
         raise PlanError(
-            [Problem(job.entry.path, f"tensor {job.stored.name!r} {why}; plan a wider dtype")],
+            [Problem(path, f"{leaf.label}tensor {leaf.stored.name!r} {why}; plan a wider dtype")],
             header="meshinit.safetensors.load: a value does not fit the planned dtype:",
         )
     return out
 
 
-def array(entry: PlanEntry, source: Source) -> jax.Array:
+def array(entry: PlanEntry, source: Sources) -> jax.Array:
     """The entry's array, one block at a time: each distinct block of this process's
     devices is read once onto the first device that holds it, copied from there to the
     others, and dropped, so the host holds at most one block beside the arrays."""
@@ -150,8 +198,9 @@ def array(entry: PlanEntry, source: Source) -> jax.Array:
     holders: dict[tuple[tuple[Any, Any, Any], ...], tuple[Any, list[Any]]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         assert index is not None  # a NamedSharding gives every addressable device an index
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
         key = tuple((s.start, s.stop, s.step) for s in index)  # slices hash from 3.12 only
-        holders.setdefault(key, (index, []))[1].append(device)
+        holders.setdefault(key, (tuple(slice(*b) for b in bounds), []))[1].append(device)
     shards: list[jax.Array] = []
     try:
         for index, devices in holders.values():

@@ -1,0 +1,409 @@
+"""Stacked, concatenated, sliced and scaled parameters (issue 41): ``Stack``, ``Concat``,
+``Tensor(index=, scale=)``, read shard by shard, against numpy's own stack,
+concatenate and slicing of the stored tensors, with bytes read == bytes owned."""
+
+import math
+import re
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import meshinit
+from meshinit.safetensors import Concat, Stack, Tensor
+
+save_file = pytest.importorskip("safetensors.numpy").save_file
+
+BYTES_READ = "/meshinit/safetensors/bytes_read"
+
+
+def mesh8():
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
+
+
+def plan_of(shapes, dtype=np.float32, mesh=None):
+    """A plan of zeros-initialized params: ``{path: (shape, axes)}``."""
+    mesh = mesh or mesh8()
+    init = jax.nn.initializers.zeros
+    return meshinit.plan(
+        {p: meshinit.param(s, init, axes=a, mesh=mesh, dtype=dtype) for p, (s, a) in shapes.items()}
+    )
+
+
+def stored(tmp_path, tensors, name="model.safetensors"):
+    save_file(tensors, str(tmp_path / name))
+    return tmp_path / name
+
+
+class Reads:
+    """The bytes-read scalars one ``with`` block's loads recorded."""
+
+    def __enter__(self):
+        self.values = []
+
+        def on(event, value, **kwargs):
+            if event == BYTES_READ:
+                self.values.append(value)
+
+        self._on = on
+        jax.monitoring.register_scalar_listener(on)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_scalar_listener(self._on)
+
+
+def owned_bytes(plan, itemsize):
+    """The bytes of this process's distinct blocks of every entry, at ``itemsize``."""
+    total = 0
+    for e in plan.entries:
+        blocks = {
+            tuple(s.indices(n)[:2] for s, n in zip(index, e.spec.shape, strict=True))
+            for index in e.sharding.addressable_devices_indices_map(e.spec.shape).values()
+        }
+        total += sum(math.prod(b - a for a, b in block) for block in blocks) * itemsize
+    return total
+
+
+def assert_placed(array, want, entry):
+    assert array.sharding == entry.sharding
+    assert array.dtype == want.dtype
+    for shard in array.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+
+
+def layers(n, shape, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return {f"model.layers.{i}.w": rng.standard_normal(shape).astype(dtype) for i in range(n)}
+
+
+@pytest.mark.parametrize(
+    "axis, axes",
+    [
+        (1, ("tensor", "fsdp", None)),  # MaxText's [embed, layers, ...]: layers on fsdp
+        (0, ("fsdp", None, "tensor")),  # the layer axis split: each half reads its layers
+        (-1, (None, "fsdp", "tensor")),
+    ],
+)
+def test_stack_is_numpys_stack_and_each_device_reads_only_its_own_bytes(tmp_path, axis, axes):
+    held = layers(4, (8, 8))
+    stored(tmp_path, held)
+    want = np.stack(list(held.values()), axis=axis)
+    plan = plan_of({"w": (want.shape, axes)})
+    names = {"w": Stack([f"model.layers.{i}.w" for i in range(4)], axis=axis)}
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
+    assert_placed(loaded["w"], want, plan.entries[0])
+    assert reads.values == [owned_bytes(plan, 4)]  # once per load; read == owned
+
+
+def test_a_rule_builds_one_stack_for_every_layer_with_transforms(tmp_path):
+    # The issue's MaxText example: q_proj (heads * head_dim, d) of each layer as
+    # (d, heads, head_dim), stacked at axis 1 into [embed, layers, heads, head_dim].
+    n, d, heads, head_dim = 4, 8, 4, 2
+    rng = np.random.default_rng(1)
+    held = {
+        f"model.layers.{i}.self_attn.{p}_proj.weight": rng.standard_normal(
+            (heads * head_dim, d)
+        ).astype(np.float32)
+        for i in range(n)
+        for p in ("q", "k")
+    }
+    stored(tmp_path, held)
+    plan = plan_of(
+        {
+            f"decoder.layers.self_attention.{p}.kernel": (
+                (d, n, heads, head_dim),
+                ("fsdp", None, "tensor", None),
+            )
+            for p in ("query", "key")
+        }
+    )
+    part = dict(shape=(heads, head_dim, -1), permute=(2, 0, 1))
+    names = [
+        (
+            r"decoder\.layers\.self_attention\.(q|k)\w*\.kernel",
+            Stack(
+                [Tensor(rf"model.layers.{i}.self_attn.\1_proj.weight", **part) for i in range(n)],
+                axis=1,
+            ),
+        )
+    ]
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
+    for entry in plan.entries:
+        p = "q" if ".query." in entry.path else "k"
+        per_layer = [
+            held[f"model.layers.{i}.self_attn.{p}_proj.weight"]
+            .reshape(heads, head_dim, d)
+            .transpose(2, 0, 1)
+            for i in range(n)
+        ]
+        assert_placed(loaded[entry.path], np.stack(per_layer, axis=1), entry)
+    assert reads.values == [owned_bytes(plan, 4)]
+
+
+@pytest.mark.parametrize("sizes", [(3, 5), (4, 4), (1, 2, 5)])
+def test_concat_is_numpys_concatenate_and_blocks_cut_across_parts(tmp_path, sizes):
+    # 8 rows in parts of 3 and 5 over fsdp=2: each device's block (rows 0-3 or 4-7)
+    # takes rows from both parts, or one.
+    rng = np.random.default_rng(2)
+    held = {f"p{i}": rng.standard_normal((n, 4)).astype(np.float32) for i, n in enumerate(sizes)}
+    stored(tmp_path, held)
+    want = np.concatenate(list(held.values()), axis=0)
+    plan = plan_of({"fused": (want.shape, ("fsdp", "tensor"))})
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(
+            plan, tmp_path, names={"fused": Concat(list(held), axis=0)}
+        )
+    assert_placed(loaded["fused"], want, plan.entries[0])
+    assert reads.values == [owned_bytes(plan, 4)]
+
+
+def test_gemma_style_fused_kv_and_gating_from_separate_tensors(tmp_path):
+    # gemma's kv_einsum: (2, kv_heads, d, head_dim) from k_proj and v_proj, each
+    # (kv_heads * head_dim, d) in torch's layout; gating_einsum: (2, ffn, d).
+    kv, d, hd, ffn = 2, 8, 4, 16
+    rng = np.random.default_rng(3)
+    held = {
+        "k": rng.standard_normal((kv * hd, d)).astype(np.float32),
+        "v": rng.standard_normal((kv * hd, d)).astype(np.float32),
+        "gate": rng.standard_normal((ffn, d)).astype(np.float32),
+        "up": rng.standard_normal((ffn, d)).astype(np.float32),
+    }
+    stored(tmp_path, held)
+    plan = plan_of(
+        {
+            "kv_einsum": ((2, kv, d, hd), (None, "fsdp", "tensor", None)),
+            "gating_einsum": ((2, ffn, d), (None, "tensor", "fsdp")),
+        }
+    )
+    head = dict(shape=(kv, hd, d), permute=(0, 2, 1))
+    names = {
+        "kv_einsum": Stack([Tensor("k", **head), Tensor("v", **head)], axis=0),
+        "gating_einsum": Stack(["gate", "up"], axis=0),
+    }
+    loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
+    kv_want = np.stack([held[n].reshape(kv, hd, d).transpose(0, 2, 1) for n in ("k", "v")])
+    assert_placed(loaded["kv_einsum"], kv_want, plan.entries[1])
+    assert_placed(loaded["gating_einsum"], np.stack([held["gate"], held["up"]]), plan.entries[0])
+
+
+def test_a_fused_stored_tensor_feeds_several_parameters_by_index(tmp_path):
+    # Phi-3's qkv_proj (q + k + v rows, d) and gate_up_proj, split into parameters.
+    d, q_rows, kv_rows, ffn = 8, 16, 8, 12
+    rng = np.random.default_rng(4)
+    qkv = rng.standard_normal((q_rows + 2 * kv_rows, d)).astype(np.float32)
+    gate_up = rng.standard_normal((2 * ffn, d)).astype(np.float32)
+    stored(tmp_path, {"qkv_proj": qkv, "gate_up_proj": gate_up})
+    plan = plan_of(
+        {
+            "q": ((d, 4, 4), ("fsdp", "tensor", None)),
+            "k": ((d, kv_rows), ("fsdp", "tensor")),
+            "v": ((kv_rows, d), ("tensor", "fsdp")),
+            "gate": ((d, ffn), ("fsdp", "tensor")),
+            "up": ((ffn, 2, 4), (None, "fsdp", "tensor")),
+        }
+    )
+    names = {
+        "q": Tensor("qkv_proj", index=np.s_[:q_rows], shape=(4, 4, d), permute=(2, 0, 1)),
+        "k": Tensor("qkv_proj", index=np.s_[q_rows : q_rows + kv_rows], permute=(1, 0)),
+        "v": Tensor("qkv_proj", index=np.s_[-kv_rows:]),
+        "gate": Tensor("gate_up_proj", index=np.s_[:ffn], permute=(1, 0)),
+        "up": Tensor("gate_up_proj", index=(slice(ffn, None), slice(None)), shape=(ffn, 2, 4)),
+    }
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
+    wants = {
+        "q": qkv[:q_rows].reshape(4, 4, d).transpose(2, 0, 1),
+        "k": qkv[q_rows : q_rows + kv_rows].T,
+        "v": qkv[-kv_rows:],
+        "gate": gate_up[:ffn].T,
+        "up": gate_up[ffn:].reshape(ffn, 2, 4),
+    }
+    for entry in plan.entries:
+        assert_placed(loaded[entry.path], wants[entry.path], entry)
+    assert reads.values == [owned_bytes(plan, 4)]
+    found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    assert found.unused == ()  # both fused tensors are read by some part
+    assert found.reads["up"] == ("gate_up_proj",)
+
+
+def test_a_slice_along_a_later_axis_keeps_reading_only_owned_bytes(tmp_path):
+    held = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    stored(tmp_path, {"w": held})
+    plan = plan_of({"a": ((8, 4), ("fsdp", "tensor")), "b": ((8, 2, 4), ("fsdp", None, "tensor"))})
+    names = {
+        "a": Tensor("w", index=np.s_[:, :4]),
+        "b": Tensor("w", index=np.s_[:, 4:], shape=(8, 2, 4)),  # splitting an axis is a view
+    }
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
+    assert_placed(loaded["a"], held[:, :4], plan.entries[0])
+    assert_placed(loaded["b"], held[:, 4:].reshape(8, 2, 4), plan.entries[1])
+    assert reads.values == [owned_bytes(plan, 4)]
+
+
+@pytest.mark.parametrize(
+    "stored_dtype, planned",
+    [
+        (ml_dtypes.bfloat16, ml_dtypes.bfloat16),  # MaxText's default: bf16 in, bf16 out
+        (np.float32, np.float32),
+        (np.float32, ml_dtypes.bfloat16),  # cast to the planned dtype first, as MaxText
+        (np.float16, np.float32),
+    ],
+)
+def test_scale_gives_the_bits_of_maxtexts_query_scaling(tmp_path, stored_dtype, planned):
+    head_dim = 128
+    rng = np.random.default_rng(5)
+    held = (rng.standard_normal((8, 16)) * 3).astype(stored_dtype)
+    stored(tmp_path, {"q": held})
+    plan = plan_of({"q": ((8, 16), ("fsdp", "tensor"))}, dtype=planned)
+    scale = 1 / np.sqrt(head_dim)
+    loaded = meshinit.safetensors.load(plan, tmp_path, names={"q": Tensor("q", scale=scale)})
+    # MaxText 0.2.5's scale_query_layer on a tensor already in its save dtype:
+    x = held.astype(planned)
+    depth_scale = np.dtype("float32").type(1 / np.sqrt(head_dim))
+    want = (x.astype(np.float32) * depth_scale).astype(x.dtype)
+    got = np.asarray(loaded["q"])
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit
+
+
+def test_a_stack_of_concats_is_maxtexts_scanned_fused_layout(tmp_path):
+    n, d, ffn = 4, 8, 6
+    rng = np.random.default_rng(6)
+    held = {
+        f"model.layers.{i}.mlp.{p}_proj.weight": rng.standard_normal((ffn, d)).astype(np.float32)
+        for i in range(n)
+        for p in ("gate", "up")
+    }
+    stored(tmp_path, held)
+    plan = plan_of({"wi": ((d, n, 2 * ffn), ("fsdp", None, "tensor"))})
+    names = [
+        (
+            r"wi",
+            Stack(
+                [
+                    Concat(
+                        [
+                            Tensor(f"model.layers.{i}.mlp.gate_proj.weight", permute=(1, 0)),
+                            Tensor(f"model.layers.{i}.mlp.up_proj.weight", permute=(1, 0)),
+                        ],
+                        axis=-1,
+                    )
+                    for i in range(n)
+                ],
+                axis=1,
+            ),
+        )
+    ]
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
+    want = np.stack(
+        [
+            np.concatenate(
+                [held[f"model.layers.{i}.mlp.{p}_proj.weight"].T for p in ("gate", "up")], -1
+            )
+            for i in range(n)
+        ],
+        axis=1,
+    )
+    assert_placed(loaded["wi"], want, plan.entries[0])
+    assert reads.values == [owned_bytes(plan, 4)]
+    found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    assert found.reads["wi"] == tuple(held)  # every layer's gate, then up, in order
+    assert isinstance(found.loaded["wi"], Stack)
+
+
+def test_every_part_that_cannot_fit_is_one_problem_naming_path_and_part(tmp_path, new_arrays):
+    held = {
+        "a": np.zeros((4, 4), np.float32),
+        "b": np.zeros((4, 5), np.float32),
+        "w": np.zeros((8, 12), np.float32),
+    }
+    stored(tmp_path, held)
+    plan = plan_of(
+        {
+            "stack": ((2, 4, 4), (None, "fsdp", "tensor")),
+            "concat": ((8, 4), ("fsdp", "tensor")),
+            "far": ((4, 4, 2), (None, None, None)),
+            "gone": ((3, 4, 4), (None, "fsdp", "tensor")),
+            "merged": ((16,), ("fsdp",)),
+            "shape": ((4, 8), ("fsdp", "tensor")),
+        }
+    )
+    names = {
+        "stack": Stack(["a", "b"], axis=0),
+        "concat": Concat(["a", "b"], axis=0),
+        "far": Stack(["a", "a"], axis=3),
+        "gone": Stack(["a", "missing.0", Concat(["a", "missing.1"], axis=0)], axis=0),
+        "merged": Tensor("w", index=np.s_[:4, :4], shape=(16,)),
+        "shape": Stack(["a", "a"], axis=0),
+    }
+    with new_arrays() as made, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=names)
+    assert made == []
+    found = {p.path: p.message for p in raised.value.problems}
+    assert found["stack"] == "Stack parts give different shapes: [0] (4, 4), [1] (4, 5)"
+    assert found["concat"].startswith("Concat parts must agree on every axis but 0")
+    assert found["far"] == "Stack axis 3 is out of range for 3 axes"
+    assert re.fullmatch(
+        r"Stack part \[1\] tensor 'missing\.0'.*, Stack part \[2\] Concat part \[1\] tensor "
+        r"'missing\.1'.* are not in the files .*",
+        found["gone"],
+    ), found["gone"]
+    assert "cannot be reshaped without a copy" in found["merged"]
+    assert found["shape"] == "Stack of 2 parts along axis 0 gives shape (2, 4, 4), planned (4, 8)"
+    assert len(found) == 6
+
+
+def test_scale_is_refused_on_an_integer_tensor(tmp_path):
+    stored(tmp_path, {"i": np.zeros((4, 4), np.int32)})
+    plan = plan_of({"i": ((4, 4), ("fsdp", "tensor"))}, dtype=np.int32)
+    with pytest.raises(meshinit.PlanError, match="i: tensor 'i' .* scale= is for floating-point"):
+        meshinit.safetensors.load(plan, tmp_path, names={"i": Tensor("i", scale=0.5)})
+
+
+def test_a_stack_with_an_absent_part_is_skipped_whole_with_missing_skip(tmp_path):
+    stored(tmp_path, {"a": np.ones((4, 4), np.float32), "extra": np.ones(2, np.float32)})
+    plan = plan_of({"s": ((2, 4, 4), (None, "fsdp", "tensor"))})
+    names = {"s": Stack(["a", "b"], axis=0)}
+    found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    assert found.missing == {"s": "b"} and found.unused == ("extra",)
+    with pytest.warns(meshinit.UnusedTensorWarning):
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names, missing="skip")
+    assert loaded == {}
+
+
+def test_a_part_that_overflows_the_planned_dtype_leaves_nothing_alive(tmp_path, new_arrays):
+    big = np.full((4, 4), 1e30, np.float32)
+    stored(tmp_path, {"ok": np.ones((4, 4), np.float32), "big": big})
+    plan = plan_of(
+        {"first": ((4, 4), ("fsdp", "tensor")), "s": ((2, 4, 4), (None, "fsdp", "tensor"))},
+        dtype=np.float16,
+    )
+    names = {"first": "ok", "s": Stack(["ok", "big"], axis=0)}
+    with new_arrays() as made, pytest.raises(meshinit.PlanError, match=r"s: Stack part \[1\] "):
+        meshinit.safetensors.load(plan, tmp_path, names=names)
+    assert made == []
+
+
+@pytest.mark.parametrize(
+    "make, error",
+    [
+        (lambda: Tensor("w", index=np.s_[::2]), "basic slices with a step of 1"),
+        (lambda: Tensor("w", index=np.s_[..., :2]), "basic slices with a step of 1"),
+        (lambda: Tensor("w", index=3), "basic slices with a step of 1"),
+        (lambda: Tensor("w", scale="2"), "scale must be a Python float"),
+        (lambda: Stack([], axis=0), "non-empty sequence"),
+        (lambda: Stack("ab", axis=0), "non-empty sequence"),
+        (lambda: Concat(["a", 3], axis=0), r"Concat parts\[1\] must be a tensor name"),
+        (lambda: Concat(["a"], axis=1.0), "axis must be an int"),
+    ],
+)
+def test_malformed_parts_are_type_errors(make, error):
+    with pytest.raises(TypeError, match=error):
+        make()
