@@ -1,7 +1,9 @@
 """Pretrained weights from safetensors files, checked, then read shard by shard into a plan.
 
 :func:`load` maps each planned parameter to a tensor of a (possibly sharded) Hugging
-Face style checkpoint, through renames, reshapes and transposes, and reads from the
+Face style checkpoint, through renames, slices, reshapes, transposes and scales, or to
+several (:class:`Stack`, :class:`Concat`: scanned layers, fused projections), and
+reads from the
 memory-mapped files only the bytes of the shards this process's devices own. Its
 result feeds ``existing=`` of :func:`meshinit.nnx.init` (or ``linen``/``eqx``, or
 :func:`meshinit.materialize`), which then makes only what the files lack::
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import itertools
 import os
 import pathlib
 import warnings
@@ -177,6 +180,10 @@ def _survey(
                 raise _layout.Refused(
                     f"{_describe(node)} gives shape {node.result}, planned {entry.spec.shape}"
                 )
+            if any(leaf.groups for leaf in _layout.leaves(node)):
+                cut = _layout.check(node, _blocks(entry))
+                if cut is not None:
+                    raise _layout.Refused(cut)
         except _layout.Refused as refused:
             if refused.missing:
                 missing[entry.path] = refused.missing[0][1]
@@ -198,6 +205,16 @@ def _survey(
         reads=reads,
     )
     return inventory, jobs, checked, problems, [] if bad_files else absent
+
+
+def _blocks(entry: Any) -> list[tuple[slice, ...]]:
+    """Every distinct block of the entry's sharding, on any process (the plan divides
+    each sharded dimension evenly), concrete or abstract mesh alike."""
+    per_dim = [
+        [slice(i, i + s) for i in range(0, n, s)] if s else [slice(0, 0)]
+        for n, s in zip(entry.spec.shape, entry.shard_shape, strict=True)
+    ]
+    return list(itertools.product(*per_dim))
 
 
 def _describe(node: _layout.Node) -> str:
@@ -285,9 +302,12 @@ def load(
     known dtypes, offsets that tile the data exactly, no name twice), and every plan
     path is matched to its tensor, before a byte of data is read or allocated. Then
     each process reads, from memory-mapped files, only the blocks its own devices'
-    shards hold, each distinct block once, so it works under ``jax.distributed`` and a
-    host never holds a full copy of a sharded parameter. On any failure,
-    ``KeyboardInterrupt`` included, every array it made is deleted.
+    shards hold, each distinct block once (and of a stacked or concatenated parameter,
+    only the parts the block reaches), so it works under ``jax.distributed`` and a
+    host never holds a full copy of a sharded parameter. Each process records the
+    bytes it read as the ``jax.monitoring`` scalar ``/meshinit/safetensors/bytes_read``,
+    once per load. On any failure, ``KeyboardInterrupt`` included, every array it made
+    is deleted.
 
     Args:
       plan: the plan to fill, from :func:`meshinit.plan` or an adapter's ``plan``
@@ -295,8 +315,10 @@ def load(
       files: a ``.safetensors`` path, a list of them, or a directory holding the
         ``*.safetensors`` files of a sharded checkpoint (hidden files skipped; its
         ``model.safetensors.index.json``, where there is one, must agree with them).
-      names: which tensor fills each plan path: a name, a :class:`Tensor` (a name
-        with a reshape and a transpose), or None for a path the files do not hold.
+      names: which tensors fill each plan path: a name, a :class:`Tensor` (a name
+        with a slice, a reshape, a transpose, a scale), a :class:`Stack` or
+        :class:`Concat` of parts (scanned layers, fused projections), or None for a
+        path the files do not hold.
         Given as a callable (``names(path)``), a Mapping from plan paths, or a rule
         table: ordered ``(regex, target)`` pairs, the first full match of the path
         winning, whose target names may use the match's groups (``\1``). A path that

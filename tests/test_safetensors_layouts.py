@@ -407,3 +407,58 @@ def test_a_part_that_overflows_the_planned_dtype_leaves_nothing_alive(tmp_path, 
 def test_malformed_parts_are_type_errors(make, error):
     with pytest.raises(TypeError, match=error):
         make()
+
+
+def maxtext_query(hf, heads, head_dim, scale):
+    """MaxText 0.2.5's HF -> MaxText query hooks, in its order: reshape_kernel
+    (transpose, reshape), adjust_rope (HF's halves to MaxText's interleaved pairs),
+    scale_query_layer (float32, back to the dtype)."""
+    x = hf.transpose().reshape(hf.shape[1], heads, head_dim)
+    half = head_dim // 2
+    x = np.stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
+    if scale:
+        depth_scale = np.dtype("float32").type(1 / np.sqrt(head_dim))
+        x = (x.astype(np.float32) * depth_scale).astype(x.dtype)
+    return x
+
+
+@pytest.mark.parametrize("axes", [("fsdp", "tensor", None), ("fsdp", None, "tensor")])
+def test_out_shape_interleaves_rotary_halves_as_maxtexts_adjust_rope(tmp_path, axes):
+    d, heads, head_dim, n = 8, 4, 8, 2
+    rng = np.random.default_rng(7)
+    held = {
+        f"model.layers.{i}.self_attn.q_proj.weight": rng.standard_normal(
+            (heads * head_dim, d)
+        ).astype(ml_dtypes.bfloat16)
+        for i in range(n)
+    }
+    stored(tmp_path, held)
+    plan = plan_of(
+        {"query": ((d, n, heads, head_dim), (axes[0], None, *axes[1:]))}, dtype=ml_dtypes.bfloat16
+    )
+    rope = dict(
+        shape=(heads, 2, head_dim // 2, -1),
+        permute=(3, 0, 2, 1),
+        out_shape=(d, heads, head_dim),
+        scale=1 / np.sqrt(head_dim),
+    )
+    names = {"query": Stack([Tensor(name, **rope) for name in held], axis=1)}
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
+    want = np.stack([maxtext_query(w, heads, head_dim, True) for w in held.values()], axis=1)
+    assert_placed(loaded["query"], want, plan.entries[0])
+    assert reads.values == [owned_bytes(plan, 2)]
+
+
+def test_out_shape_refuses_what_is_no_merge_and_blocks_that_cut_a_row(tmp_path):
+    stored(tmp_path, {"w": np.zeros((6, 8), np.float32), "v": np.zeros((2, 3, 8), np.float32)})
+    plan = plan_of({"cut": ((8, 6), (None, "fsdp")), "split": ((4, 12), (None, None))})
+    names = {
+        "cut": Tensor("w", shape=(3, 2, 8), permute=(2, 0, 1), out_shape=(8, 6)),
+        "split": Tensor("v", permute=(2, 0, 1), out_shape=(4, 12)),
+    }
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    found = {p.path: p.message for p in raised.value.problems}
+    assert "the block [0:8, 0:3] cuts a merged axis within a row" in found["cut"]
+    assert "does not merge side-by-side axes of the transposed view (8, 2, 3)" in found["split"]

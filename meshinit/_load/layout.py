@@ -38,10 +38,16 @@ class Leaf:
     shape: tuple[int, ...]
     order: tuple[int, ...]
     label: str  # how messages name the part: "" for a whole parameter, "Stack part [3] "
+    groups: tuple[int, ...] | None = None  # out_shape: how many view axes each axis merges
+
+    @property
+    def view(self) -> tuple[int, ...]:
+        """The shape of the transposed view, before ``out_shape`` merges its axes."""
+        return tuple(self.shape[a] for a in self.order)
 
     @property
     def result(self) -> tuple[int, ...]:
-        return tuple(self.shape[a] for a in self.order)
+        return self.tensor.out_shape if self.groups is not None else self.view  # type: ignore[return-value]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,12 +175,76 @@ def _leaf(
                     f"reshaped without a copy of all of it (the reshape merges a sliced "
                     f"axis); slice a whole row range instead, or reshape without index"
                 )
+    groups = None
+    if why is None and tensor.out_shape is not None:
+        view = tuple(shape[a] for a in order)
+        groups = merges(view, tensor.out_shape)
+        if groups is None:
+            why = (
+                f"out_shape={tensor.out_shape} does not merge side-by-side axes of the "
+                f"transposed view {view}"
+            )
     if why is not None:
         raise Refused(
             f"{label}tensor {printable(tensor.name)!r} in {held.file.name}, stored "
             f"{held.dtype} {held.shape}, {why}"
         )
-    return Leaf(tensor, held, index, shape, order, label)
+    return Leaf(tensor, held, index, shape, order, label, groups)
+
+
+def merges(view: tuple[int, ...], out: tuple[int, ...]) -> tuple[int, ...] | None:
+    """How many axes of ``view`` each axis of ``out`` merges (an axis of size 1 may
+    merge none), or None where ``out`` is no such merge of ``view``."""
+    if 0 in view or 0 in out:
+        return tuple([1] * len(view)) if view == out else None
+    groups, k = [], 0
+    for n in out:
+        size, start = 1, k
+        while size < n and k < len(view):
+            size, k = size * view[k], k + 1
+        if size != n:
+            return None
+        groups.append(k - start)
+    while k < len(view) and view[k] == 1:  # trailing axes of size 1 join the last group
+        k += 1
+        if groups:
+            groups[-1] += 1
+    return tuple(groups) if k == len(view) and groups else None
+
+
+def unmerge(
+    index: tuple[slice, ...], groups: tuple[int, ...], view: tuple[int, ...]
+) -> tuple[slice, ...] | None:
+    """The slices of the view that a block at ``index`` of the merged shape covers, or
+    None where the block is no rectangle of the view (it cuts a merged axis within an
+    inner row)."""
+    out: list[slice] = []
+    k = 0
+    for s, g in zip(index, groups, strict=True):
+        dims = view[k : k + g]
+        k += g
+        part = _split(s.start, s.stop, dims)
+        if part is None:
+            return None
+        out += part
+    return tuple(out)
+
+
+def _split(a: int, b: int, dims: tuple[int, ...]) -> list[slice] | None:
+    if not dims:
+        return []
+    if b <= a:
+        return [slice(0, 0)] + [slice(0, d) for d in dims[1:]]
+    if len(dims) == 1:
+        return [slice(a, b)]
+    inner = math.prod(dims[1:])
+    if a % inner == 0 and b % inner == 0:
+        return [slice(a // inner, b // inner)] + [slice(0, d) for d in dims[1:]]
+    row = a // inner
+    if row == (b - 1) // inner:
+        rest = _split(a - row * inner, b - row * inner, dims[1:])
+        return None if rest is None else [slice(row, row + 1), *rest]
+    return None
 
 
 def _views(stored: tuple[int, ...], index: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
@@ -202,9 +272,21 @@ def block(
 ) -> Any:
     """The parameter's block at ``index`` (slices with resolved bounds, one per axis of
     ``node.result``), in ``dtype``, asking ``read(leaf, index)`` for each stored tensor's
-    part of it: parts the block does not reach are never asked."""
+    part of it (at an index of its transposed view): parts the block does not reach are
+    never asked. A ``read`` that returns None makes it a dry run (:func:`check`)."""
     if isinstance(node, Leaf):
-        return read(node, index)
+        if node.groups is None:
+            return read(node, index)
+        at = unmerge(index, node.groups, node.view)
+        if at is None:
+            bounds = ", ".join(f"{s.start}:{s.stop}" for s in index)
+            raise Refused(
+                f"{node.label}out_shape={node.tensor.out_shape}: the block [{bounds}] cuts "
+                f"a merged axis within a row of the view {node.view}; shard the merged "
+                f"axis into whole rows, or not at all"
+            )
+        got = read(node, at)
+        return None if got is None else got.reshape(tuple(s.stop - s.start for s in index))
     axis, along = node.axis, index[node.axis]
     if along.stop <= along.start:  # an empty block reads nothing
         return np.zeros(tuple(max(0, s.stop - s.start) for s in index), dtype)
@@ -212,6 +294,8 @@ def block(
     if node.stacked:
         parts = range(along.start, along.stop)
         got = [block(node.parts[i], rest, read, dtype) for i in parts]
+        if any(g is None for g in got):  # a dry run (check): nothing to join
+            return None
         if len(got) == 1:  # one layer: a view, no copy
             return np.expand_dims(got[0], axis)
         return np.stack(got, axis=axis)
@@ -222,4 +306,18 @@ def block(
         if lo < hi:
             sub = index[:axis] + (slice(lo - start, hi - start),) + index[axis + 1 :]
             got.append(block(part, sub, read, dtype))
+    if any(g is None for g in got):  # a dry run (check): nothing to join
+        return None
     return got[0] if len(got) == 1 else np.concatenate(got, axis=axis)
+
+
+def check(node: Node, indices: list[tuple[slice, ...]]) -> str | None:
+    """Why some block at ``indices`` cannot be read as it is planned (an ``out_shape``
+    whose merged axis the block cuts inside a row), or None: a dry run that reads and
+    allocates nothing."""
+    try:
+        for index in indices:
+            block(node, index, lambda leaf, at: None, None)
+    except Refused as e:
+        return e.message
+    return None

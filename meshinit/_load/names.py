@@ -81,6 +81,14 @@ class Tensor:
     bytes of each shard are read. A slice that the reshape could not view without a
     copy is refused before anything is read.
 
+    ``out_shape`` reshapes the transposed view once more, and may only merge axes
+    that are side by side (``(d, heads, head_dim // 2, 2)`` to ``(d, heads,
+    head_dim)``): MaxText's interleaved rotary layout is Hugging Face's halves,
+    ``Tensor(name, shape=(heads, 2, head_dim // 2, -1), permute=(3, 0, 2, 1),
+    out_shape=(d, heads, head_dim))``. Each block is read from the view and merged
+    alone; a sharding whose blocks cut a merged axis other than along its outer
+    axis is refused before anything is read.
+
     ``scale`` multiplies the values as MaxText's conversion hooks do (its query scale
     ``1 / sqrt(head_dim)``): the stored values in float32, times ``scale`` rounded to
     float32, rounded back to the stored dtype; then cast to the planned dtype like any
@@ -101,16 +109,18 @@ class Tensor:
       permute: the axis order after the reshape, or None.
       index: the slice of the stored tensor taken first, or None.
       scale: a Python float the values are multiplied by, or None.
+      out_shape: the shape the transposed view is reshaped to last, merging axes
+        that the transpose left side by side, or None.
 
     Examples:
       >>> Tensor("model.layers.0.mlp.up_proj.weight", permute=(1, 0))  # (out, in) -> (in, out)
       Tensor(name='model.layers.0.mlp.up_proj.weight', shape=None, permute=(1, 0),
-             index=None, scale=None)
+             index=None, scale=None, out_shape=None)
       >>> heads, head_dim = 32, 128
       >>> Tensor("model.layers.0.self_attn.q_proj.weight",
       ...        shape=(heads, head_dim, -1), permute=(-1, 0, 1))
       Tensor(name='model.layers.0.self_attn.q_proj.weight', shape=(32, 128, -1),
-             permute=(-1, 0, 1), index=None, scale=None)
+             permute=(-1, 0, 1), index=None, scale=None, out_shape=None)
       >>> Tensor("model.layers.0.mlp.gate_up_proj.weight", index=np.s_[:14336]).index  # gate half
       (slice(None, 14336, None),)
     """
@@ -120,6 +130,7 @@ class Tensor:
     permute: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
     index: tuple[slice, ...] | None = dataclasses.field(default=None, kw_only=True)
     scale: float | None = dataclasses.field(default=None, kw_only=True)
+    out_shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -138,8 +149,12 @@ class Tensor:
                     f"Tensor shape {shape}: sizes are non-negative, with at most one -1 "
                     f"(inferred, as numpy's reshape)"
                 )
+        out_shape = _ints(self.out_shape, "out_shape")
+        if out_shape is not None and any(d < 0 for d in out_shape):
+            raise ValueError(f"Tensor out_shape {out_shape}: sizes are non-negative")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "permute", permute)
+        object.__setattr__(self, "out_shape", out_shape)
 
     def sliced(self, stored: tuple[int, ...]) -> tuple[slice, ...]:
         """``index`` over every axis of a stored tensor of shape ``stored``, each slice's
