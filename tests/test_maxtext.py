@@ -12,8 +12,6 @@ grow with depth.
 MaxText needs Python 3.12 and jax >= 0.11.1; the module is skipped where it is missing.
 """
 
-import functools
-import os
 import warnings
 
 import pytest
@@ -25,15 +23,12 @@ maxtext = pytest.importorskip(
 import conformance  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
+import maxtext_models as mm  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from maxtext.configs import pyconfig  # noqa: E402
 from maxtext.utils import (  # noqa: E402
-    maxtext_utils,
-    maxtext_utils_nnx,
     model_creation_utils,
 )
-from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
 
 import meshinit  # noqa: E402
 
@@ -45,40 +40,6 @@ pytestmark = pytest.mark.slow
 # layer's two RNG counters), so 2 layers compile one executable fewer than 3 or more.
 DEPTHS = (3, 6)
 LAYOUTS = pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-
-
-@functools.cache
-def tiny_config(scan_layers: bool, layers: int = 2):
-    """MaxText's base.yml with a tiny model on fsdp=4 x tensor=2, nothing downloaded."""
-    return pyconfig.initialize(
-        ["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")],
-        base_emb_dim=64,
-        base_num_query_heads=4,
-        base_num_kv_heads=4,
-        head_dim=16,
-        base_mlp_dim=128,
-        base_num_decoder_layers=layers,
-        vocab_size=256,
-        max_target_length=16,
-        per_device_batch_size=1,
-        scan_layers=scan_layers,
-        ici_fsdp_parallelism=4,
-        ici_tensor_parallelism=2,
-        dcn_data_parallelism=1,
-        hardware="cpu",
-        enable_checkpointing=False,
-        dataset_type="synthetic",
-        skip_jax_distributed_system=True,
-        # base.yml turns on jax's persistent compilation cache (~/jax_cache) for the
-        # whole process: compiles would be served from disk and not counted.
-        jax_cache_dir="",
-        log_config=False,
-    )
-
-
-def maxtext_mesh(config):
-    """MaxText's own mesh for the config: every axis of ``config.mesh_axes``."""
-    return maxtext_utils.get_mesh_from_config(config)
 
 
 def key_free(array):
@@ -127,16 +88,10 @@ def nnx_leaves(model) -> tuple[dict, dict]:
     return {p: v.get_value() for p, v in flat}, {p: type(v) for p, v in flat}
 
 
-def maxtext_nnx_init(config, mesh):
-    """MaxText's own NNX init, as ``from_pretrained`` and the trainer's abstract model do."""
-    create, abstract = model_creation_utils.create_nnx_abstract_model(config, mesh)
-    return maxtext_utils_nnx.create_nnx_sharded_model(abstract, create, mesh=mesh)
-
-
 @conformance.parametrize("maxtext", "shardings", "values", "metadata", case="nnx-.*")
 def test_nnx_transformer_matches_maxtext_init_on_every_leaf(row):
-    config = tiny_config(row.case.endswith("-scanned"))
-    mesh = maxtext_mesh(config)
+    config = mm.tiny_config(row.case.endswith("-scanned"))
+    mesh = mm.maxtext_mesh(config)
     factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -146,7 +101,7 @@ def test_nnx_transformer_matches_maxtext_init_on_every_leaf(row):
         f"meshinit fell back on MaxText's Transformer: {fallbacks(caught)}"
     )
 
-    want = maxtext_nnx_init(config, mesh)
+    want = mm.maxtext_nnx_init(config, mesh)
     got_arrays, got_types = nnx_leaves(got)
     want_arrays, want_types = nnx_leaves(want)
     assert type(got) is type(want), f"meshinit returns a {type(got)}, MaxText a {type(want)}"
@@ -165,36 +120,6 @@ def test_nnx_transformer_matches_maxtext_init_on_every_leaf(row):
 # -- linen: transformer_as_linen, init by MaxText's jit recipe ----------------------------
 
 
-def linen_model_and_inputs(config, mesh):
-    """MaxText's linen model and what ``maxtext_utils.init_initial_state`` passes to init."""
-    model = model_creation_utils.from_config(config, mesh=mesh)  # no rngs: the linen wrapper
-    shape = (config.micro_batch_size_to_train_on, config.max_target_length)
-    tokens = np.ones(shape, np.int32)
-    kwargs = {"encoder_images": None, "encoder_audios": None}
-    return model, (tokens, tokens), kwargs
-
-
-def linen_keys(config):
-    """MaxText's init key, and ``init_initial_state``'s split of it into the model's streams."""
-    key = jax.random.PRNGKey(config.init_weights_seed)
-    params_key, dropout_key, aqt_key = jax.random.split(key, 3)
-    return key, {"params": params_key, "dropout": dropout_key, "aqt": aqt_key}
-
-
-def maxtext_linen_init(config, mesh, model, key):
-    """``init_initial_state`` jitted onto flax's shardings of its logical annotations."""
-
-    def init_variables():
-        return maxtext_utils.init_initial_state(model, None, config, False, key).params
-
-    rules = config.logical_axis_rules
-    with nn.logical_axis_rules(rules):
-        abstract = jax.eval_shape(init_variables)
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        return jax.jit(init_variables, out_shardings=shardings)()
-
-
 def is_box(x) -> bool:
     return isinstance(x, nn.meta.AxisMetadata)
 
@@ -209,10 +134,10 @@ def linen_leaves(variables) -> tuple[dict, dict]:
 
 @conformance.parametrize("maxtext", "shardings", "values", "metadata", case="linen-.*")
 def test_linen_transformer_matches_maxtext_init_on_every_leaf(row):
-    config = tiny_config(row.case.endswith("-scanned"))
-    mesh = maxtext_mesh(config)
-    model, args, kwargs = linen_model_and_inputs(config, mesh)
-    key, keys = linen_keys(config)
+    config = mm.tiny_config(row.case.endswith("-scanned"))
+    mesh = mm.maxtext_mesh(config)
+    model, args, kwargs = mm.linen_model_and_inputs(config, mesh)
+    key, keys = mm.linen_keys(config)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = meshinit.linen.init(
@@ -222,7 +147,7 @@ def test_linen_transformer_matches_maxtext_init_on_every_leaf(row):
         f"meshinit fell back on MaxText's linen model: {fallbacks(caught)}"
     )
 
-    want = maxtext_linen_init(config, mesh, model, key)
+    want = mm.maxtext_linen_init(config, mesh, model, key)
     got_arrays, got_boxes = linen_leaves(got)
     want_arrays, want_boxes = linen_leaves(want)
     problems = leaf_problems(got_arrays, want_arrays)
@@ -238,14 +163,14 @@ def test_linen_transformer_matches_maxtext_init_on_every_leaf(row):
 
 def _meshinit_init(framework, config):
     """``meshinit.nnx.init`` or ``meshinit.linen.init`` of MaxText's model for ``config``."""
-    mesh = maxtext_mesh(config)
+    mesh = mm.maxtext_mesh(config)
     rules = config.logical_axis_rules
     if framework == "nnx":
         factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
         with jax.set_mesh(mesh):
             return meshinit.nnx.init(factory, rules=rules)
-    model, args, kwargs = linen_model_and_inputs(config, mesh)
-    _, keys = linen_keys(config)
+    model, args, kwargs = mm.linen_model_and_inputs(config, mesh)
+    _, keys = mm.linen_keys(config)
     return meshinit.linen.init(model, keys, *args, mesh=mesh, rules=rules, **kwargs)
 
 
@@ -256,7 +181,7 @@ def test_init_compiles_as_many_executables_at_3_and_6_layers(
 ):
     counts = {}
     for layers in DEPTHS:
-        config = tiny_config(scan_layers, layers)
+        config = mm.tiny_config(scan_layers, layers)
         meshinit.clear_cache()
         jax.clear_caches()
         with count_compiles() as compiled:
