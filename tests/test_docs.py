@@ -371,7 +371,7 @@ SCRIPT_PAGES = {
     "linen.md": 4,
     "equinox.md": 1,
     "checkpoints.md": 1,
-    "pretrained.md": 2,
+    "pretrained.md": 4,
 }
 
 
