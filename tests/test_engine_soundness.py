@@ -27,6 +27,21 @@ def same_bits(got, want, what):
     assert got.tobytes() == want.tobytes(), f"{what}: the engine's values differ from eager's"
 
 
+def near_bits(got, want, what, ulp=4, share=0.1):
+    """Eager's bits, or within ``ulp`` in at most ``share`` of the elements: for normals
+    (erf_inv) on a host whose XLA CPU code rounds by program structure (jaxlib
+    0.12.0.1 on an AMD EPYC: up to 3 ulp in 15 of 256 elements of a (16, 16) normal;
+    docs/concepts.md). A wrong key or scale is off in nearly every element."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    ints = {2: np.int16, 4: np.int32}[got.dtype.itemsize]
+    off = np.abs(got.view(ints).astype(np.int64) - want.view(ints).astype(np.int64))
+    bad = int((off != 0).sum())
+    assert off.max() <= ulp and bad <= share * off.size, (
+        f"{what}: {bad} of {off.size} elements up to {off.max()} ulp off eager's bits"
+    )
+
+
 @pytest.fixture
 def fallbacks(recwarn):
     """The warnings about variables built by the whole-constructor fallback."""
@@ -243,7 +258,7 @@ def test_remat_and_checkpoint_are_cut_not_fallen_back(how, fallbacks, count_comp
     assert eight.count == 0, "a deeper remat stack compiled anew: its layers were not cut"
     want = stack(8)()
     for i in range(8):
-        same_bits(got.layers[i].w[...], want.layers[i].w[...], f"layers.{i}.w")
+        near_bits(got.layers[i].w[...], want.layers[i].w[...], f"layers.{i}.w")
     assert two.count >= 1
 
 
@@ -363,6 +378,6 @@ def test_a_constraint_made_with_no_context_mesh_fingerprints(fallbacks):
     )
     want = nn.unbox(jax.jit(M().init)(jax.random.key(0), x))["params"]
     assert got["params"]["w"].value.sharding.mesh == stage
-    same_bits(got["params"]["w"].value, want["w"], "w")
-    same_bits(got["params"]["tied"], want["tied"], "tied")
+    near_bits(got["params"]["w"].value, want["w"], "w")
+    near_bits(got["params"]["tied"], want["tied"], "tied")
     assert fallbacks() == []

@@ -419,7 +419,7 @@ def test_an_option_this_jaxlib_lacks_is_dropped_not_fatal(monkeypatch, caplog):
         assert _compile.unknown_options == {"xla_meshinit_no_such_option"}
         said = [r for r in caplog.records if "xla_meshinit_no_such_option" in r.getMessage()]
         assert len(said) == 1
-    assert _compile.compiler_options(mesh) == expected
+    assert _compile.compiler_options(mesh) == (expected or None)  # None: XLA's defaults
 
 
 def test_meshinit_compiler_options_change_no_value():
@@ -442,7 +442,8 @@ def test_meshinit_compiler_options_change_no_value():
         }
     )
     shipped = _compile.default_cpu_options()  # those this jaxlib knows
-    assert shipped  # else this compares XLA's defaults with themselves
+    if not shipped:
+        pytest.skip("this jaxlib compiles with XLA's defaults: nothing to compare them with")
     ours = flat_values(meshinit.materialize(plan, 3))
     with meshinit.options(compiler_options={}):
         xla_defaults = flat_values(meshinit.materialize(plan, 3))
@@ -537,7 +538,8 @@ def test_options_travel_as_data_into_the_parallel_compiles(monkeypatch):
     assert threads and all(options == chosen for _, options in seen)
     seen.clear()
     meshinit.materialize(plan, 0)  # other options: other executables, compiled again
-    assert seen and all(options == _compile.default_cpu_options() for _, options in seen)
+    defaults = _compile.default_cpu_options() or None  # None: XLA's own
+    assert seen and all(options == defaults for _, options in seen)
 
 
 def test_an_option_the_caller_names_is_never_dropped():

@@ -92,8 +92,8 @@ def _evaluator(
     """``s`` as a traceable function of its inputs' values (keys as their data), in
     a program for ``mesh``."""
     prog = traced.program
-    hash_p, wrap_p, seed_p = (
-        _compat.prim(n) for n in ("threefry2x32", "random_wrap", "random_seed")
+    hash_p, wrap_p, seed_p, bits_p = (
+        _compat.prim(n) for n in ("threefry2x32", "random_wrap", "random_seed", "random_bits")
     )
 
     def bind(node: _jaxpr.Node, ins: list[Any]) -> Sequence[Any]:
@@ -104,13 +104,20 @@ def _evaluator(
             return [jax.random.wrap_key_data(ins[0], impl=key_impl)]
         if straight and prim is seed_p and _threefry.is_threefry(node.params["impl"]):
             return [jax.random.key(ins[0], impl=key_impl)]
+        if straight and prim is bits_p:
+            # the float math after the hash in a loop of its own, as jax's rolled hash
+            # leaves it: fused into the hash's loop, XLA's CPU code rounded erf_inv
+            # otherwise (jaxlib 0.12.0.1, AMD EPYC: up to 3 ulp off eager's bits)
+            return [jax.lax.optimization_barrier(x) for x in other(node, ins)]
         return other(node, ins)
 
     other = _jaxpr.bind_rehomed if _rehomes(traced, mesh) else _jaxpr.bind_node
     keys = [jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended) for n in s.inputs]
 
+    fixed = {n: np.asarray(prog.consts[n]) for n in s.consts}  # constants, as jit has them
+
     def run(*values: Any) -> Any:
-        env: dict[int, Any] = {}
+        env: dict[int, Any] = dict(fixed)
         for n, v, is_key in zip(s.inputs, values, keys, strict=True):
             env[n] = jax.random.wrap_key_data(v, impl=key_impl) if is_key else v
         _jaxpr.run_nodes(prog, s.nodes, env, bind)

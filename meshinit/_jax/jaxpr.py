@@ -6,10 +6,9 @@ variable. It needs every equation at one level, so that a value made inside a ne
 normal, gelu, relu) or a ``checkpoint`` can be cut like any other. :func:`flatten`
 inlines those calls. Control flow (``scan``, ``while``, ``cond``: what ``nnx.scan`` and
 ``nn.scan`` produce for stacked layers) stays one :class:`Node`, evaluated as a unit.
-``vmap`` needs nothing: it leaves batched primitives in the jaxpr.
-
-The same inner jaxpr may be inlined many times (one per layer), so values are
-renumbered: a :class:`Program`'s values are ints, not jax's ``Var`` objects.
+``vmap`` needs nothing: it leaves batched primitives in the jaxpr. The same inner
+jaxpr may be inlined many times (one per layer), so values are renumbered: a
+:class:`Program`'s values are ints, not jax's ``Var`` objects.
 """
 
 from __future__ import annotations
@@ -429,9 +428,10 @@ def _canon_params(primitive: Any, params: dict[str, Any], memo: dict[Any, Any]) 
 
 
 def slice_fingerprint(
-    prog: Program, nodes: Sequence[int], inputs: Sequence[int], out: int | Lit, memo: dict[Any, Any]
+    prog: Program, nodes: Sequence[int], inputs: Sequence[int], out: Any, memo: dict, consts=()
 ) -> str:
-    """A digest of the computation ``nodes`` make of ``inputs`` up to ``out``.
+    """A digest of the computation ``nodes`` make of ``inputs`` up to ``out`` (a value
+    or a Lit), with the captured constants ``consts`` in it by value.
 
     Structural: primitives, parameters (nested jaxprs included), shapes, dtypes and
     every literal operand's value, never Python identity; two slices with equal digests
@@ -442,7 +442,9 @@ def slice_fingerprint(
     Raises:
       Unfingerprintable: a parameter is a Python callable.
     """
-    names: dict[int, int] = {n: k for k, n in enumerate(inputs)}
+    names: dict[int, Any] = {n: k for k, n in enumerate(inputs)}
+    for n in consts:  # a constant read in the slice is described by its value
+        names[n] = ("const", _canon_aval(prog.avals[n]), _canon_const(prog.consts[n]))
     parts: list[Any] = [tuple([_aval_key(prog.avals[n], memo) for n in inputs])]
     all_nodes = prog.nodes
     for i in nodes:
@@ -454,7 +456,7 @@ def slice_fingerprint(
             raise Unfingerprintable(f"{node.primitive.name}'s {e}", e.callable) from None
         for n in node.outs:
             if n >= 0:
-                names[n] = len(names)
+                names[n] = len(names) - len(consts)
         parts.append((key, ins))
     parts.append(_lit_key(out, memo) if isinstance(out, Lit) else names[out])
     whole = ("slice", tuple(parts))  # equal tuples, equal digests: one repr per structure
