@@ -304,7 +304,10 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
     from its own equations, down to the values that depend on the constructor's
     arguments. Those equations are all exact (host rules only exist for exact ones),
     so XLA computes, or folds, the same bits; and computing a 1 KiB ones in the program
-    was faster than shipping it into every launch (benchmarks/README.md).
+    was faster than shipping it into every launch (benchmarks/README.md). Floats that
+    depend on no argument (:func:`folds`) and small captured constants
+    (:func:`embedded_const`) are in the program too, as ``jax.jit`` has them: XLA can
+    round a loop otherwise when they come in as arguments.
     """
     prog, host = traced.program, traced.host
     if isinstance(out, Lit) or out in prog.consts:
