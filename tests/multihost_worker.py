@@ -186,6 +186,10 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
             blocks.add(block)
     for array in loaded.values():
         array.delete()
+    # The three stored w's as the layers of one scanned parameter on the global mesh:
+    # each process reads its own rows of every layer, as the loader reports it.
+    stack_failures, stacked = check_stacked(plan, reference, file)
+    failures += stack_failures
     # Each host's own copy of the weights, process 1's cut short (a download it lost):
     # process 1 refuses its file, and process 0 must not return arrays without
     # process 1's shards: it fails too.
@@ -200,7 +204,47 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
         corrupt = "returned"
     except (meshinit.PlanError, meshinit.PeerFailure) as e:
         corrupt = type(e).__name__
-    return failures, {"shards": shards, "read": sum(read), "owned": owned, "corrupt": corrupt}
+    found = {"shards": shards, "read": sum(read), "owned": owned, "corrupt": corrupt}
+    return failures, found | stacked
+
+
+STACKED = ("global_auto", "stage0", "stage1")  # the stored w's, as layers (issue 41)
+
+
+def check_stacked(plan: meshinit.Plan, reference: Any, file: str) -> tuple[list[str], dict]:
+    """A ``Stack`` of stored tensors onto a mesh over both processes: every addressable
+    shard against numpy's stack of the single-process values, and the bytes this
+    process reports it read against the bytes of its own distinct blocks."""
+    from meshinit import safetensors as st
+    from meshinit._load import read as _read
+
+    mesh = next(e.sharding.mesh for e in plan.entries if e.path == "global_auto.w")
+    shape = (16, len(STACKED), 32)
+    zeros = jax.nn.initializers.zeros
+    spec = meshinit.param(shape, zeros, axes=("fsdp", None, "tensor"), mesh=mesh)
+    stacked = meshinit.plan({"stack": spec})
+    parts = [st.Tensor(f"w.{m}", permute=(1, 0)) for m in STACKED]
+    reported: list[float] = []
+
+    def on(event: str, value: float, **kwargs: Any) -> None:
+        if event == _read.BYTES_READ:
+            reported.append(value)
+
+    jax.monitoring.register_scalar_listener(on)
+    try:
+        loaded = st.load(stacked, file, names={"stack": st.Stack(parts, axis=1)}, unused="ignore")
+    finally:
+        jax.monitoring.unregister_scalar_listener(on)
+    want = np.stack([np.asarray(reference[f"single-0-{m}.w"]) for m in STACKED], axis=1)
+    failures, blocks, owned = [], set(), 0
+    for s in loaded["stack"].addressable_shards:
+        if not np.array_equal(np.asarray(s.data, np.float32), want[s.index]):
+            failures.append(f"process {jax.process_index()}, stacked: shard {s.index}")
+        block = tuple((i.start, i.stop) for i in s.index)
+        owned += 0 if block in blocks else s.data.size * 4  # stored as f32
+        blocks.add(block)
+    loaded["stack"].delete()
+    return failures, {"stack_read": reported, "stack_owned": owned}
 
 
 def check(

@@ -180,6 +180,9 @@ def test_safetensors_load_reads_only_the_shards_each_process_owns(workers, proce
     # other stage's w has no shard here, and nothing of it is read
     assert got["shards"] == 3 * worker.LOCAL_DEVICES, got
     assert got["read"] == got["owned"], got  # each local block once, and nothing else
+    # a Stack of three stored tensors over both processes: this process's rows of every
+    # layer (half of them), as the loader reports it, once
+    assert got["stack_read"] == [got["stack_owned"]] == [16 * 3 * 32 * 4 // 2], got
     # process 1's copy of the file is truncated: it refuses it, and process 0 fails too
     assert got["corrupt"] == ("PeerFailure" if process == 0 else "PlanError"), got
 
