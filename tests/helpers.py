@@ -1,5 +1,6 @@
 """Helpers the test modules share (no test module imports another)."""
 
+import math
 import os
 
 import jax
@@ -101,3 +102,40 @@ def two_stage_specs():
 
 class Boom(RuntimeError):
     pass
+
+
+BYTES_READ = "/meshinit/safetensors/bytes_read"
+
+
+class Reads:
+    """The bytes-read scalars (:data:`BYTES_READ`) the loads of one ``with`` block
+    recorded, in ``values``."""
+
+    def __enter__(self):
+        self.values = []
+
+        def on(event, value, **kwargs):
+            if event == BYTES_READ:
+                self.values.append(value)
+
+        self._on = on
+        jax.monitoring.register_scalar_listener(on)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_scalar_listener(self._on)
+
+
+def owned_bytes(plan, itemsize, paths=None):
+    """The bytes of this process's distinct blocks of every entry (of ``paths``, where
+    given), at ``itemsize`` bytes an element."""
+    total = 0
+    for e in plan.entries:
+        if paths is not None and e.path not in paths:
+            continue
+        blocks = {
+            tuple(s.indices(n)[:2] for s, n in zip(index, e.spec.shape, strict=True))
+            for index in e.sharding.addressable_devices_indices_map(e.spec.shape).values()
+        }
+        total += sum(math.prod(b - a for a, b in block) for block in blocks) * itemsize
+    return total

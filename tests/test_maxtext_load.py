@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import maxtext_models as mm  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from helpers import Reads, owned_bytes  # noqa: E402
 from maxtext.checkpoint_conversion import to_maxtext  # noqa: E402
 from maxtext.checkpoint_conversion.utils import param_mapping  # noqa: E402
 from maxtext.checkpoint_conversion.utils.tensor_handling import apply_hook_fns  # noqa: E402
@@ -40,7 +41,6 @@ from meshinit.safetensors import Stack, Tensor  # noqa: E402
 pytestmark = pytest.mark.slow
 
 LAYOUTS = pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-BYTES_READ = "/meshinit/safetensors/bytes_read"
 
 
 def hf_config(config) -> dict:
@@ -188,31 +188,6 @@ def nnx_params(model) -> dict[str, jax.Array]:
     return {".".join(map(str, p)): v.get_value() for p, v in flat}
 
 
-class Reads:
-    def __enter__(self):
-        self.values = []
-        self._on = lambda event, value, **_: (
-            self.values.append(value) if event == BYTES_READ else None
-        )
-        jax.monitoring.register_scalar_listener(self._on)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_scalar_listener(self._on)
-
-
-def owned(plan, paths) -> int:
-    total = 0
-    for e in plan.entries:
-        if e.path in paths:
-            blocks = {
-                tuple(s.indices(n)[:2] for s, n in zip(i, e.spec.shape, strict=True))
-                for i in e.sharding.addressable_devices_indices_map(e.spec.shape).values()
-            }
-            total += sum(math.prod(b - a for a, b in k) for k in blocks) * 4
-    return total
-
-
 def check(loaded: dict, want: dict, shardings: dict) -> list[str]:
     """Every way a loaded leaf differs from MaxText's conversion or placement."""
     problems = []
@@ -245,7 +220,7 @@ def test_nnx_load_is_maxtexts_own_conversion_bit_for_bit(tmp_path, scan_layers):
     assert sorted(loaded) == sorted(own), "every Param of MaxText's model, and only those"
     problems = check(loaded, want, {p: a.sharding for p, a in own.items()})
     assert not problems, "\n".join(problems)
-    assert reads.values == [owned(plan, loaded)]  # bytes read == bytes owned
+    assert reads.values == [owned_bytes(plan, 4, loaded)]  # bytes read == bytes owned
 
     with jax.set_mesh(mesh):  # the model, with the loaded weights, as MaxText builds it
         model = meshinit.nnx.init(factory, rules=rules, existing=loaded)

@@ -2,21 +2,19 @@
 ``Tensor(index=, scale=)``, read shard by shard, against numpy's own stack,
 concatenate and slicing of the stored tensors, with bytes read == bytes owned."""
 
-import math
 import re
 
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import Reads, owned_bytes
 from jax.sharding import Mesh
 
 import meshinit
 from meshinit.safetensors import Concat, Stack, Tensor
 
 save_file = pytest.importorskip("safetensors.numpy").save_file
-
-BYTES_READ = "/meshinit/safetensors/bytes_read"
 
 
 def mesh8():
@@ -35,36 +33,6 @@ def plan_of(shapes, dtype=np.float32, mesh=None):
 def stored(tmp_path, tensors, name="model.safetensors"):
     save_file(tensors, str(tmp_path / name))
     return tmp_path / name
-
-
-class Reads:
-    """The bytes-read scalars one ``with`` block's loads recorded."""
-
-    def __enter__(self):
-        self.values = []
-
-        def on(event, value, **kwargs):
-            if event == BYTES_READ:
-                self.values.append(value)
-
-        self._on = on
-        jax.monitoring.register_scalar_listener(on)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_scalar_listener(self._on)
-
-
-def owned_bytes(plan, itemsize):
-    """The bytes of this process's distinct blocks of every entry, at ``itemsize``."""
-    total = 0
-    for e in plan.entries:
-        blocks = {
-            tuple(s.indices(n)[:2] for s, n in zip(index, e.spec.shape, strict=True))
-            for index in e.sharding.addressable_devices_indices_map(e.spec.shape).values()
-        }
-        total += sum(math.prod(b - a for a, b in block) for block in blocks) * itemsize
-    return total
 
 
 def assert_placed(array, want, entry):
