@@ -98,10 +98,11 @@ def test_warm_depth_case_times_each_depth_without_compiling():
     assert r["nbytes"]["3"] > r["nbytes"]["1"]
 
 
-def test_maxtext_script_says_it_skips_where_maxtext_is_absent():
+@pytest.mark.parametrize("script", ["maxtext_init.py", "maxtext_load.py"])
+def test_maxtext_scripts_say_they_skip_where_maxtext_is_absent(script):
     if importlib.util.find_spec("maxtext") is not None:
-        pytest.skip("maxtext is installed: the script measures instead (tests/test_maxtext.py)")
-    r = run_script("maxtext_init.py")
+        pytest.skip("maxtext is installed: the scripts measure instead (tests/test_maxtext*.py)")
+    r = run_script(script)
     assert "skipped: maxtext is not installed here" in r.stdout, r.stdout
 
 

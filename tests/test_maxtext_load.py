@@ -15,7 +15,9 @@ the bytes it owns.
 MaxText needs Python 3.12 and jax >= 0.11.1; the module is skipped where it is missing.
 """
 
-import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,16 +38,10 @@ from maxtext.utils import model_creation_utils  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 import meshinit  # noqa: E402
-from meshinit.safetensors import Stack, Tensor  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 LAYOUTS = pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-
-
-def hf_config(config) -> dict:
-    """What MaxText's Llama mapping reads of a Hugging Face config."""
-    return {"num_hidden_layers": config.num_decoder_layers, "head_dim": config.head_dim}
 
 
 def mt_key(path: str) -> str:
@@ -53,45 +49,15 @@ def mt_key(path: str) -> str:
     return "params-" + path.removeprefix("params.").replace(".", "-")
 
 
-def hf_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the Hugging Face Llama checkpoint, in torch's (out, in) layout."""
-    emb, heads, kv, hd = (
-        config.emb_dim,
-        config.num_query_heads,
-        config.num_kv_heads,
-        config.head_dim,
-    )
-    mlp, vocab = config.mlp_dim, config.vocab_size
-    shapes = {
-        "model.embed_tokens.weight": (vocab, emb),
-        "model.norm.weight": (emb,),
-        "lm_head.weight": (vocab, emb),
-    }
-    for i in range(config.num_decoder_layers):
-        layer = f"model.layers.{i}"
-        shapes |= {
-            f"{layer}.self_attn.q_proj.weight": (heads * hd, emb),
-            f"{layer}.self_attn.k_proj.weight": (kv * hd, emb),
-            f"{layer}.self_attn.v_proj.weight": (kv * hd, emb),
-            f"{layer}.self_attn.o_proj.weight": (emb, heads * hd),
-            f"{layer}.mlp.gate_proj.weight": (mlp, emb),
-            f"{layer}.mlp.up_proj.weight": (mlp, emb),
-            f"{layer}.mlp.down_proj.weight": (emb, mlp),
-            f"{layer}.input_layernorm.weight": (emb,),
-            f"{layer}.post_attention_layernorm.weight": (emb,),
-        }
-    return shapes
-
-
 def write_hf_checkpoint(config, params: dict[str, np.ndarray], path) -> dict[str, np.ndarray]:
     """MaxText's own MaxText -> HF conversion of ``params`` (MaxText key -> array),
     written as one safetensors file; returns what it wrote."""
     scan = config.scan_layers
-    mapping = param_mapping.LLAMA31_MAXTEXT_TO_HF_PARAM_MAPPING(hf_config(config), config, scan)
+    mapping = param_mapping.LLAMA31_MAXTEXT_TO_HF_PARAM_MAPPING(mm.hf_config(config), config, scan)
     hooks = param_mapping.LLAMA31_MAXTEXT_TO_HF_PARAM_HOOK_FN(
-        hf_config(config), config, scan, saving_to_hf=True
+        mm.hf_config(config), config, scan, saving_to_hf=True
     )
-    shapes = hf_shapes(config)
+    shapes = mm.hf_shapes(config)
     out = {}
     for key, value in params.items():
         names = mapping[key]
@@ -113,9 +79,9 @@ def maxtext_conversion(config, stored: dict[str, np.ndarray], targets: dict) -> 
     """MaxText's own HF -> MaxText conversion of ``stored``: its mapping, its hooks
     (``saving_to_hf=False``) and its stacking, for each MaxText key's target shape."""
     scan = config.scan_layers
-    mapping = param_mapping.LLAMA31_MAXTEXT_TO_HF_PARAM_MAPPING(hf_config(config), config, scan)
+    mapping = param_mapping.LLAMA31_MAXTEXT_TO_HF_PARAM_MAPPING(mm.hf_config(config), config, scan)
     hooks = param_mapping.LLAMA31_MAXTEXT_TO_HF_PARAM_HOOK_FN(
-        hf_config(config), config, scan, saving_to_hf=False
+        mm.hf_config(config), config, scan, saving_to_hf=False
     )
     out = {}
     for key, shape in targets.items():
@@ -127,60 +93,6 @@ def maxtext_conversion(config, stored: dict[str, np.ndarray], targets: dict) -> 
         else:
             out[key] = np.asarray(apply_hook_fns(stored[names], shape, hooks.get(key)))
     return out
-
-
-def names_table(config, nnx_rngs: bool = True) -> list:
-    """The ``names=`` rule table for MaxText's Llama, scanned or unrolled, nnx or linen
-    (whose plan has no RNG state): every row of MaxText's mapping and hooks, as layouts."""
-    emb, heads, kv, hd = (
-        config.emb_dim,
-        config.num_query_heads,
-        config.num_kv_heads,
-        config.head_dim,
-    )
-    n = config.num_decoder_layers
-
-    def rope(count):  # reshape_kernel, then adjust_rope (HF halves -> MaxText pairs)
-        return dict(
-            shape=(count, 2, hd // 2, emb), permute=(3, 0, 2, 1), out_shape=(emb, count, hd)
-        )
-
-    kernels = {  # MaxText name -> (HF name, Tensor transforms)
-        r"self_attention\.query\.kernel": (
-            "self_attn.q_proj",
-            rope(heads) | {"scale": 1 / math.sqrt(hd)},
-        ),
-        r"self_attention\.key\.kernel": ("self_attn.k_proj", rope(kv)),
-        r"self_attention\.value\.kernel": (
-            "self_attn.v_proj",
-            dict(shape=(kv, hd, emb), permute=(2, 0, 1)),
-        ),
-        r"self_attention\.out\.kernel": (
-            "self_attn.o_proj",
-            dict(shape=(emb, heads, hd), permute=(1, 2, 0)),
-        ),
-        r"mlp\.wi_0\.kernel": ("mlp.gate_proj", dict(permute=(1, 0))),
-        r"mlp\.wi_1\.kernel": ("mlp.up_proj", dict(permute=(1, 0))),
-        r"mlp\.wo\.kernel": ("mlp.down_proj", dict(permute=(1, 0))),
-        r"pre_self_attention_layer_norm\.scale": ("input_layernorm", {}),
-        r"post_self_attention_layer_norm\.scale": ("post_attention_layernorm", {}),
-    }
-    table: list = []
-    for regex, (hf, transform) in kernels.items():
-        if config.scan_layers:
-            parts = [Tensor(f"model.layers.{i}.{hf}.weight", **transform) for i in range(n)]
-            axis = config.param_scan_axis  # every scanned leaf here has 2 axes or more
-            table.append((rf"(?:params\.)?decoder\.layers\.{regex}", Stack(parts, axis=axis)))
-        else:
-            target = Tensor(rf"model.layers.\1.{hf}.weight", **transform)
-            table.append((rf"(?:params\.)?decoder\.layers_(\d+)\.{regex}", target))
-    return [
-        *table,
-        (r"(?:params\.)?decoder\.decoder_norm\.scale", "model.norm.weight"),
-        (r"(?:params\.)?decoder\.logits_dense\.kernel", Tensor("lm_head.weight", permute=(1, 0))),
-        (r"(?:params\.)?token_embedder\.embedding", "model.embed_tokens.weight"),
-        *([(r".*rngs.*", None)] if nnx_rngs else []),  # RNG state: made by the init
-    ]
 
 
 def nnx_params(model) -> dict[str, jax.Array]:
@@ -216,7 +128,7 @@ def test_nnx_load_is_maxtexts_own_conversion_bit_for_bit(tmp_path, scan_layers):
     with jax.set_mesh(mesh):
         plan = meshinit.nnx.plan(factory, rules=rules)
     with Reads() as reads:
-        loaded = meshinit.safetensors.load(plan, tmp_path, names=names_table(config))
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=mm.names_table(config))
     assert sorted(loaded) == sorted(own), "every Param of MaxText's model, and only those"
     problems = check(loaded, want, {p: a.sharding for p, a in own.items()})
     assert not problems, "\n".join(problems)
@@ -246,7 +158,7 @@ def test_linen_load_is_maxtexts_own_conversion_bit_for_bit(tmp_path, scan_layers
     want = maxtext_conversion(config, stored, {k: v.shape for k, v in params.items()})
 
     plan = meshinit.linen.plan(model, keys, *args, mesh=mesh, rules=rules, **kwargs)
-    loaded = meshinit.safetensors.load(plan, tmp_path, names=names_table(config, False))
+    loaded = meshinit.safetensors.load(plan, tmp_path, names=mm.names_table(config, False))
     assert sorted(loaded) == sorted(arrays)
     problems = check(loaded, want, {p: a.sharding for p, a in arrays.items()})
     assert not problems, "\n".join(problems)
@@ -276,7 +188,7 @@ def test_scanned_nnx_load_onto_two_disjoint_stages(tmp_path):
     factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
     with jax.set_mesh(mesh):
         plan = meshinit.nnx.plan(factory, rules=rules, meshes=meshes)
-    loaded = meshinit.safetensors.load(plan, tmp_path, names=names_table(config))
+    loaded = meshinit.safetensors.load(plan, tmp_path, names=mm.names_table(config))
     by_path = {e.path: e.sharding for e in plan.entries}
     problems = check(loaded, want, by_path)
     assert not problems, "\n".join(problems)
@@ -286,3 +198,14 @@ def test_scanned_nnx_load_onto_two_disjoint_stages(tmp_path):
     with jax.set_mesh(mesh):
         model = meshinit.nnx.init(factory, rules=rules, meshes=meshes, existing=loaded)
     assert nnx_params(model).keys() == loaded.keys()
+
+
+def test_benchmark_routes_give_the_same_model():
+    """benchmarks/maxtext_load.py at one layer: MaxText's whole route (``to_maxtext``,
+    its orbax save, ``from_pretrained``'s restore) and meshinit's load must leave every
+    Param with the same bytes and the same sharding, or the script fails."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "maxtext_load.py"
+    command = [sys.executable, str(script), "--layers", "1", "--repeats", "1"]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "every Param of both models: same bytes, same sharding (12)" in r.stdout, r.stdout

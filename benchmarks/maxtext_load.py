@@ -1,0 +1,290 @@
+"""A Hugging Face Llama checkpoint into MaxText's scanned model: MaxText's own route
+against ``meshinit.safetensors.load``, on the same file, in fresh processes (issue 41).
+
+The checkpoint is one ``model.safetensors`` in Hugging Face's names and layouts, bf16,
+of a Llama of ``--layers`` layers (default 16: emb 1536, 12 query heads and 4 kv heads
+of 128, mlp 4096, vocab 32000; about 1 GB). MaxText's model is its NNX ``Transformer``
+on that config (``weight_dtype=bfloat16``, ``scan_layers=True``) on MaxText's own mesh
+(fsdp=4, tensor=2) of 8 simulated CPU devices, with MaxText's own logical axis rules.
+
+- ``maxtext``: MaxText's own route, the one ``from_pretrained`` takes when it converts:
+  ``to_maxtext.main`` (its lazy loader, its Llama mapping and hooks, its stacking, then
+  the orbax save through its checkpoint manager, 8 simulated devices), in one process;
+  then ``from_pretrained`` with ``load_parameters_path`` (the sharded model, then the
+  orbax restore of its params) in a second, as MaxText runs them. The only patch: the
+  entry ``HF_MODEL_CONFIGS["llama3.1-8b"]``, so that MaxText's mapping sees this
+  model's layers and head size rather than the 8B's.
+- ``meshinit``: ``meshinit.nnx.plan`` of MaxText's own factory, ``meshinit.safetensors
+  .load`` with the ``names=`` table of tests/maxtext_models.py (``Stack`` over the
+  layers), then ``meshinit.nnx.init(factory, existing=loaded)``: the same model.
+
+Each process times its work from after its imports and config until every array is
+ready, and reports its peak RSS (``ru_maxrss``, the whole process) and its RSS when the
+work began. A route's time is the sum of its processes' times, its peak RSS the largest
+of theirs. Afterwards each route's model is fingerprinted: every Param's bytes and
+sharding must be the same in both, or the run fails. Best of ``--repeats`` rounds, the
+routes taking turns; the file is read once first, so the page cache is warm for both.
+
+Goals (issue 41): meshinit at most 0.2x MaxText's time and at most 0.5x its peak RSS.
+
+MaxText needs Python 3.12 and jax >= 0.11.1 (``pip install 'maxtext[tpu]==0.2.5'`` in a
+venv of its own). Where it is not installed, this prints a note and exits 0.
+
+Run: python benchmarks/maxtext_load.py [--layers 16] [--repeats 2] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODEL = "llama3.1-8b"  # MaxText's Llama family: its mapping and hooks; sizes below
+SIZE = {
+    "base_emb_dim": 1536,
+    "base_num_query_heads": 12,
+    "base_num_kv_heads": 4,
+    "head_dim": 128,
+    "base_mlp_dim": 4096,
+    "vocab_size": 32000,
+}
+
+
+def config_for(layers: int, **extra):
+    from maxtext.configs import pyconfig
+    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
+
+    args = {
+        "model_name": MODEL,
+        "override_model_config": True,
+        **SIZE,
+        "base_num_decoder_layers": layers,
+        "weight_dtype": "bfloat16",
+        "scan_layers": True,
+        "max_target_length": 16,
+        "per_device_batch_size": 1,
+        "ici_fsdp_parallelism": 4,
+        "ici_tensor_parallelism": 2,
+        "dcn_data_parallelism": 1,
+        "hardware": "cpu",
+        "dataset_type": "synthetic",
+        "skip_jax_distributed_system": True,
+        "jax_cache_dir": "",  # base.yml turns jax's persistent cache on: cold means cold
+        "log_config": False,
+        **extra,
+    }
+    argv = ["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")]
+    return pyconfig.initialize(argv + [f"{k}={v}" for k, v in args.items()]), argv, args
+
+
+def tests_helpers():
+    sys.path.insert(0, str(ROOT / "tests"))
+    import maxtext_models
+
+    return maxtext_models
+
+
+def write(directory: Path, layers: int) -> int:
+    """The Hugging Face checkpoint: every tensor of ``hf_shapes``, bf16, one file."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    config, _, _ = config_for(layers)
+    rng = np.random.default_rng(0)
+    tensors = {
+        name: (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+        for name, shape in tests_helpers().hf_shapes(config).items()
+    }
+    save_file(tensors, str(directory / "model.safetensors"))
+    return sum(a.nbytes for a in tensors.values())
+
+
+def fingerprint(params: dict) -> dict[str, str]:
+    """Each Param's bytes (sha256) and sharding, by MaxText's path."""
+    import numpy as np
+
+    out = {}
+    for path, array in sorted(params.items()):
+        digest = hashlib.sha256()
+        for shard in sorted(array.addressable_shards, key=lambda s: s.device.id):
+            digest.update(str(shard.index).encode())
+            digest.update(np.asarray(shard.data).tobytes())
+        s = array.sharding
+        out[path] = f"{digest.hexdigest()} {s.spec} {s.mesh.axis_names} {s.mesh.devices.shape}"
+    return out
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def params_of(model) -> dict:
+    from flax import nnx
+
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {".".join(map(str, p)): v.get_value() for p, v in flat}
+
+
+def case(step: str, directory: str, layers: int) -> dict:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    from maxtext.utils import maxtext_utils, model_creation_utils
+
+    out = Path(directory) / "maxtext"
+    if step == "convert":  # MaxText's to_maxtext, as its __main__ runs it
+        import transformers
+        from maxtext.checkpoint_conversion import to_maxtext
+
+        jax.config.update("jax_default_prng_impl", "unsafe_rbg")
+        config, argv, args = config_for(layers, base_output_directory=out)
+        to_maxtext.HF_MODEL_CONFIGS[MODEL] = transformers.LlamaConfig(
+            num_hidden_layers=layers,
+            head_dim=SIZE["head_dim"],
+            hidden_size=SIZE["base_emb_dim"],
+            num_attention_heads=SIZE["base_num_query_heads"],
+            num_key_value_heads=SIZE["base_num_kv_heads"],
+            intermediate_size=SIZE["base_mlp_dim"],
+            vocab_size=SIZE["vocab_size"],
+        )
+        start_rss, start = rss(), time.perf_counter()
+        to_maxtext.main(
+            argv + [f"{k}={v}" for k, v in args.items()],
+            lazy_load_tensors=True,
+            hf_model_path=directory,
+            simulated_cpu_devices_count=8,
+        )
+        return {"seconds": time.perf_counter() - start, "rss": start_rss, "peak": peak_rss()}
+
+    if step == "restore":  # from_pretrained of the converted checkpoint
+        config, _, _ = config_for(layers, load_parameters_path=out / "0" / "items")
+        mesh = maxtext_utils.get_mesh_from_config(config)
+        start_rss, start = rss(), time.perf_counter()
+        model = model_creation_utils.from_pretrained(config, mesh)
+    else:  # meshinit: plan, load, init with the loaded weights
+        import meshinit
+
+        config, _, _ = config_for(layers)
+        mesh = maxtext_utils.get_mesh_from_config(config)
+        table = tests_helpers().names_table(config)
+        start_rss, start = rss(), time.perf_counter()
+        factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
+        rules = config.logical_axis_rules
+        with jax.set_mesh(mesh):
+            plan = meshinit.nnx.plan(factory, rules=rules)
+        loaded = meshinit.safetensors.load(plan, directory, names=table)
+        with jax.set_mesh(mesh):
+            model = meshinit.nnx.init(factory, rules=rules, existing=loaded)
+    params = params_of(model)
+    jax.block_until_ready(params)
+    seconds, peak = time.perf_counter() - start, peak_rss()
+    nbytes = sum(a.nbytes for a in params.values())
+    prints = fingerprint(params)
+    return {"seconds": seconds, "rss": start_rss, "peak": peak, "nbytes": nbytes, "params": prints}
+
+
+def spawn(step: str, directory: str, layers: int, timeout: float) -> dict:
+    command = [sys.executable, __file__, "--case", step, directory, str(layers)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}  # this checkout
+    try:
+        r = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line.removeprefix("RESULT "))
+    tail = [line for line in r.stderr.splitlines() if line.strip()][-3:]
+    return {"error": f"exit {r.returncode}: " + " | ".join(tail)[-600:]}
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dir", help="where to write the checkpoint (default: a temporary folder)")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        step, directory, layers = args.case
+        print("RESULT " + json.dumps(case(step, directory, int(layers))))
+        return 0
+    if importlib.util.find_spec("maxtext") is None:
+        print(
+            "benchmarks/maxtext_load.py: skipped: maxtext is not installed here (it needs "
+            "Python 3.12: pip install 'maxtext[tpu]==0.2.5' in a venv of its own)"
+        )
+        return 0
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        nbytes = write(Path(tmp), args.layers)
+        Path(tmp, "model.safetensors").read_bytes()  # the page cache is warm for both
+        print(f"checkpoint: {gb(nbytes)} in {tmp}", file=sys.stderr)
+        best: dict[str, dict] = {}
+        failed, compared = [], 0
+        for _ in range(args.repeats):
+            runs = {}
+            for step in ("convert", "restore", "meshinit"):
+                r = runs[step] = spawn(step, tmp, args.layers, args.timeout)
+                shown = r.get("error") or f"{r['seconds']:.2f} s, peak RSS {gb(r['peak'])}"
+                print(f"{step}: {shown}", file=sys.stderr)
+            if any("error" in r for r in runs.values()):
+                failed += [f"{s}: {r['error']}" for s, r in runs.items() if "error" in r]
+                continue
+            route = {
+                "maxtext": {
+                    "seconds": runs["convert"]["seconds"] + runs["restore"]["seconds"],
+                    "peak": max(runs["convert"]["peak"], runs["restore"]["peak"]),
+                    "rss": runs["restore"]["rss"],
+                },
+                "meshinit": runs["meshinit"],
+            }
+            theirs, ours = runs["restore"].pop("params"), runs["meshinit"].pop("params")
+            if theirs != ours:  # every round: the same model, or the run fails
+                differ = [p for p in theirs if theirs[p] != ours.get(p)] or sorted(ours)
+                failed.append(f"the models differ (bytes or sharding) at {differ[:5]}")
+            compared = len(ours)
+            for name, r in route.items():
+                if name not in best or r["seconds"] < best[name]["seconds"]:
+                    best[name] = r | {"parts": runs}
+    if "maxtext" in best:
+        m, t = best["meshinit"], best["maxtext"]
+        parts = t["parts"]
+        print(f"| {args.layers}-layer Llama, {gb(nbytes)} bf16 | time | peak RSS | RSS at start |")
+        print("|---|---|---|---|")
+        for name, r in (("convert", parts["convert"]), ("restore", parts["restore"])):
+            print(f"| MaxText: {name} | {r['seconds']:.2f} s | {gb(r['peak'])} | {gb(r['rss'])} |")
+        print(f"| MaxText's route | {t['seconds']:.2f} s | {gb(t['peak'])} | |")
+        print(f"| meshinit | {m['seconds']:.2f} s | {gb(m['peak'])} | {gb(m['rss'])} |")
+        print(
+            f"| meshinit / MaxText | {m['seconds'] / t['seconds']:.3f}x (goal 0.2x) | "
+            f"{m['peak'] / t['peak']:.3f}x (goal 0.5x) | |"
+        )
+        if compared and not any("differ" in f for f in failed):
+            print(f"every Param of both models: same bytes, same sharding ({compared})")
+    for line in failed:
+        print(f"FAILED: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
