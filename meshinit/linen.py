@@ -85,7 +85,7 @@ def _host_keys(key: Any) -> tuple[list[np.ndarray], Callable[[list[Any]], Any]]:
     """
     names = list(key) if isinstance(key, Mapping) else None
     keys = [key[n] for n in names] if names is not None else [key]
-    data, makers = zip(*(_adapters.traced_key(k) for k in keys), strict=True)
+    data, makers = zip(*(_traced_key(k, names, i) for i, k in enumerate(keys)), strict=True)
     data = list(data)
 
     def rebuild(values: list[Any]) -> Any:
@@ -93,6 +93,18 @@ def _host_keys(key: Any) -> tuple[list[np.ndarray], Callable[[list[Any]], Any]]:
         return dict(zip(names, rebuilt, strict=True)) if names is not None else rebuilt[0]
 
     return data, rebuild
+
+
+def _traced_key(
+    key: Any, names: list[Any] | None, i: int
+) -> tuple[np.ndarray, Callable[[Any], Any]]:
+    """:func:`_adapters.traced_key`, its error naming the entry of a dict of keys."""
+    try:
+        return _adapters.traced_key(key)
+    except (TypeError, ValueError) as e:
+        if names is None:
+            raise
+        raise type(e)(f"key[{names[i]!r}]: {e}") from e
 
 
 def _host_inputs(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
@@ -329,7 +341,10 @@ def init(
       module: a linen Module.
       key: what ``module.init`` takes as rngs: a legacy key (``jax.random.PRNGKey``),
         a typed key, or a dict of them (``{"params": k1, "dropout": k2}``); an int
-        seed means ``jax.random.key(seed)``. Keys must be threefry.
+        seed means ``jax.random.key(seed)``. Keys must be threefry. An object that
+        holds a key (a pytree whose only leaf is the key, or one with
+        ``__jax_array__``: kauldron's ``kd.random.PRNGKey``, as in
+        ``RngStreams.init_rngs()``) stands for the key it holds.
       *example_args: the example inputs of ``module.init``. Arrays enter as host
         values (so they must be fully addressable); a ``jax.ShapeDtypeStruct``
         stands for zeros of its shape and allocates nothing outside the trace;

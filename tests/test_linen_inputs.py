@@ -112,3 +112,90 @@ def test_a_parameter_computed_from_a_captured_array_has_jits_bits_nnx_and_eqx():
     want_e = eqx.filter_jit(Eqx)(key)
     same_bits(got_e.w, want_e.w, "eqx w")
     assert got_e.w.sharding == NamedSharding(mesh, P("fsdp", None))
+
+
+# ------------------------------------------------- item 16: keys held by a wrapper
+
+
+@jax.tree_util.register_pytree_node_class
+class PRNGKey:
+    """A stand-in for kauldron's ``kd.random.PRNGKey``: a registered pytree whose one
+    leaf is the jax key it wraps, named as jax's ``jax.random.PRNGKey`` is."""
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def tree_flatten(self):
+        return [self.rng], None
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        return cls(leaves[0])
+
+
+class Opaque:
+    """A wrapper that holds a key by no protocol jax knows: refused."""
+
+    def __init__(self, rng):
+        self.rng = rng
+
+
+Opaque.__name__ = Opaque.__qualname__ = "PRNGKey"
+Opaque.__module__ = "somewhere.random"
+
+
+class Array:
+    """A wrapper that gives its key through ``__jax_array__``."""
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def __jax_array__(self):
+        return self.rng
+
+
+class Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "fsdp"))
+        x = nn.Dense(64, kernel_init=init, use_bias=False)(x)
+        return nn.Dropout(0.5, deterministic=False)(x)
+
+
+@pytest.mark.parametrize("wrap", [PRNGKey, Array], ids=["pytree", "jax_array"])
+@pytest.mark.parametrize("raw", [jax.random.PRNGKey(3), jax.random.key(3)], ids=["legacy", "typed"])
+def test_a_key_held_by_a_wrapper_stands_for_its_key(wrap, raw):
+    mesh = auto_mesh()
+    x = np.ones((2, 16), np.float32)
+    model = Dense()
+    want = nn.unbox(jax.jit(model.init)({"params": raw, "dropout": raw}, x))["params"]
+    rngs = {"params": wrap(raw), "dropout": wrap(raw)}  # as RngStreams.init_rngs() gives
+    got = nn.unbox(meshinit.linen.init(model, rngs, x, mesh=mesh))["params"]
+    same_bits(got["Dense_0"]["kernel"], want["Dense_0"]["kernel"], "kernel")
+    assert got["Dense_0"]["kernel"].sharding == NamedSharding(mesh, P(None, "fsdp"))
+    single = nn.unbox(meshinit.linen.init(model, wrap(raw), x, mesh=mesh))["params"]
+    same_bits(single["Dense_0"]["kernel"], want["Dense_0"]["kernel"], "kernel (one key)")
+    # the other doors that take a key: eqx.init and the spec path
+    lin = meshinit.eqx.init(
+        lambda k: eqx.nn.Linear(4, 8, key=k), wrap(raw), [(r".*", None)], mesh=mesh
+    )
+    same_bits(lin.weight, eqx.nn.Linear(4, 8, key=raw).weight, "eqx weight")
+    init = jax.nn.initializers.normal()
+    specs = {"w": meshinit.param((8, 4), init, axes=("fsdp", None), mesh=mesh)}
+    same_bits(meshinit.init(specs, wrap(raw))["w"], meshinit.init(specs, raw)["w"], "spec w")
+
+
+def test_a_key_of_an_unknown_wrapper_is_refused_naming_its_full_type():
+    model, x = Dense(), np.ones((2, 16), np.float32)
+    with pytest.raises(TypeError, match=r"got somewhere\.random\.PRNGKey\. Pass the jax key"):
+        meshinit.linen.init(model, Opaque(jax.random.key(0)), x, mesh=auto_mesh())
+    with pytest.raises(TypeError, match=r"key\['dropout'\]: .*got somewhere\.random\.PRNGKey"):
+        meshinit.linen.init(
+            model,
+            {"params": jax.random.key(0), "dropout": Opaque(jax.random.key(1))},
+            x,
+            mesh=auto_mesh(),
+        )
+    # a pytree of two keys, or of something else than a key, holds no one key
+    with pytest.raises(TypeError, match=r"got .*test_linen_inputs\.PRNGKey"):
+        meshinit.linen.init(model, PRNGKey(np.zeros((3,), np.float32)), x, mesh=auto_mesh())
