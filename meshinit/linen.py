@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -178,6 +179,7 @@ def _prepare(
     input_data, make_inputs = _host_inputs((example_args, example_kwargs))
     n_keys = len(key_data)
     found: list[Any] = []
+    notes: list[str | None] = []  # what capture_intermediates= gave (linen_meta)
 
     def run_init(*values: Any) -> list[Any]:
         args, kwargs = make_inputs(list(values[n_keys:]))
@@ -188,6 +190,8 @@ def _prepare(
             if problem is None:
                 raise
             raise PlanError([problem]) from e
+        variables, note = _linen_meta.without_intermediates(variables, example_kwargs, what)
+        notes.append(note)
         flat, treedef = jax.tree_util.tree_flatten_with_path(variables, is_leaf=_linen_meta.is_box)
         found.append((flat, treedef))
         leaves = [_linen_meta.value_of(leaf) for _, leaf in flat]
@@ -195,6 +199,8 @@ def _prepare(
 
     host = [*key_data, *input_data]
     traced = _engine.trace(run_init, *host)
+    if notes[0] is not None:
+        warnings.warn(notes[0], stacklevel=3)
     flat, treedef = found[0]
     avals = iter(traced.out_avals)
     specs, outputs_of, count = [], {}, 0
@@ -383,10 +389,19 @@ def init(
         big-endian numpy array is placed with its values; a path given twice (flat
         and nested) is an error.
       **example_kwargs: keyword arguments of ``module.init`` (``train=False``,
-        ``method=...``, ``mutable=...``).
+        ``method=...``, ``mutable=...``). With ``capture_intermediates=``, flax
+        returns the forward pass's activations as an ``'intermediates'`` collection;
+        meshinit leaves it out (computes and returns none of it), as flax's default
+        ``mutable=DenyList('intermediates')`` would, and warns with their count: made
+        as variables, each activation is one more program output that recomputes
+        the forward pass up to it (kauldron's ``TrainStep`` passes
+        ``capture_intermediates=True`` and then drops the collection). A ``mutable=``
+        that names it (``True``, or a list with ``'intermediates'``) keeps it, with a
+        warning of the count; being unannotated, they then need ``default=``.
 
     Returns:
-      The variables ``module.init`` returns, in the same structure: annotated
+      The variables ``module.init`` returns, in the same structure (less an
+      ``'intermediates'`` collection ``mutable=`` does not name): annotated
       variables stay in their ``nn.Partitioned`` / ``nn.LogicallyPartitioned`` boxes,
       with a placed ``jax.Array`` inside. Unbox with ``nn.unbox(variables)`` (or
       ``flax.core.meta.unbox``) before ``module.apply`` if your code does not.

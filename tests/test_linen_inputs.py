@@ -199,3 +199,89 @@ def test_a_key_of_an_unknown_wrapper_is_refused_naming_its_full_type():
     # a pytree of two keys, or of something else than a key, holds no one key
     with pytest.raises(TypeError, match=r"got .*test_linen_inputs\.PRNGKey"):
         meshinit.linen.init(model, PRNGKey(np.zeros((3,), np.float32)), x, mesh=auto_mesh())
+
+
+# ------------------------------------------------- item 17: capture_intermediates
+
+
+class Mlp(nn.Module):
+    layers: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "fsdp"))
+        for _ in range(self.layers):
+            x = nn.relu(nn.Dense(64, kernel_init=init, use_bias=False)(x))
+        self.sow("intermediates", "last", x)
+        return x
+
+
+def _outputs(plan):
+    return [e.path for e in plan.entries]
+
+
+def test_capture_intermediates_leaves_the_activations_out_and_says_so(count_compiles):
+    mesh = auto_mesh()
+    model, x = Mlp(), np.ones((2, 64), np.float32)
+    key = jax.random.PRNGKey(0)
+    flax_vars = model.init(key, x, capture_intermediates=True)
+    assert set(flax_vars) == {"params", "intermediates"}  # what flax gives
+    activations = len(jax.tree_util.tree_leaves(flax_vars["intermediates"]))
+    assert activations == 6  # 4 Dense, the module's own __call__, the sown value
+
+    meshinit.clear_cache()
+    with count_compiles() as plain:
+        base = meshinit.linen.init(model, key, x, mesh=mesh, default="replicated")
+    meshinit.clear_cache()
+    with pytest.warns(UserWarning, match=r"collected 6 arrays .* 'intermediates' collection"):
+        with count_compiles() as captured:
+            got = meshinit.linen.init(
+                model, key, x, mesh=mesh, default="replicated", capture_intermediates=True
+            )
+    assert set(got) == {"params"}
+    assert captured.count == plain.count, "the activations were compiled"
+    with pytest.warns(UserWarning, match=r"collected 6 arrays"):
+        plan = meshinit.linen.plan(
+            model, key, x, mesh=mesh, default="replicated", capture_intermediates=True
+        )
+    assert _outputs(plan) == [f"params.Dense_{i}.kernel" for i in range(4)]
+    want = nn.unbox(jax.jit(model.init)(key, x))["params"]  # capture changes no parameter
+    for i in range(4):
+        kernel = got["params"][f"Dense_{i}"]["kernel"].value
+        same_bits(kernel, want[f"Dense_{i}"]["kernel"], f"Dense_{i}")
+        assert kernel.sharding == NamedSharding(mesh, P(None, "fsdp"))
+        same_bits(kernel, base["params"][f"Dense_{i}"]["kernel"].value, f"Dense_{i} (base)")
+
+
+@pytest.mark.parametrize("mutable", [True, ["params", "intermediates"]], ids=["all", "named"])
+def test_a_mutable_that_names_intermediates_keeps_them_with_their_count(mutable):
+    mesh = auto_mesh()
+    model, x = Mlp(layers=2), np.ones((2, 64), np.float32)
+    key = jax.random.PRNGKey(0)
+    want = jax.jit(lambda k, x: model.init(k, x, capture_intermediates=True, mutable=mutable))(
+        key, x
+    )
+    with pytest.warns(UserWarning, match=r"holds 4 arrays .* mutable= keeps it"):
+        got = meshinit.linen.init(
+            model,
+            key,
+            x,
+            mesh=mesh,
+            default="replicated",
+            capture_intermediates=True,
+            mutable=mutable,
+        )
+    assert set(got) == {"params", "intermediates"}
+    got_leaves = jax.tree_util.tree_leaves_with_path(got["intermediates"])
+    want_leaves = jax.tree_util.tree_leaves_with_path(want["intermediates"])
+    assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves]
+    for (path, a), (_, b) in zip(got_leaves, want_leaves, strict=True):
+        same_bits(a, b, str(path))
+
+
+def test_without_capture_intermediates_nothing_is_warned():
+    model, x = Mlp(layers=1), np.ones((2, 64), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = meshinit.linen.init(model, 0, x, mesh=auto_mesh(), default="replicated")
+    assert set(got) == {"params"}
