@@ -90,23 +90,70 @@ def seed_data(seed: int) -> np.ndarray:
     return np.array([hi, seed & 0xFFFFFFFF], dtype=np.uint32)
 
 
+def _is_key_array(x: Any) -> bool:
+    """Whether ``x`` is a key array: typed keys, or legacy uint32 key data."""
+    if not isinstance(x, jax.Array | np.ndarray):
+        return False
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return True
+    return x.dtype == np.uint32 and x.shape[-1:] == (2,)
+
+
+def unwrap_key(key: Any) -> Any:
+    """The jax key a wrapper holds (kauldron's ``kd.random.PRNGKey``), else ``key``.
+
+    Two protocols are taken, both jax's own: an object whose ``__jax_array__()`` gives
+    a key array, and a registered pytree node (not a tuple, list, dict or None) whose
+    one and only leaf is a key array, as kauldron's ``PRNGKey`` holds its ``rng``.
+    jax and flax take such a wrapper only where it is unwrapped first (kauldron's own
+    patch of them does that), so its values are those of the key it holds. Anything
+    else is returned as it is, for :func:`host_key` to check.
+    """
+    if isinstance(key, bool | int | np.integer | jax.Array | np.ndarray | tuple | list | dict):
+        return key
+    if key is None:
+        return key
+    if callable(getattr(type(key), "__jax_array__", None)):
+        try:
+            held = key.__jax_array__()
+        except Exception:
+            return key
+        return held if _is_key_array(held) else key
+    leaves, treedef = jax.tree_util.tree_flatten(key)
+    if jax.tree_util.treedef_is_leaf(treedef) or len(leaves) != 1:
+        return key
+    return leaves[0] if _is_key_array(leaves[0]) else key
+
+
+def key_type_error(key: Any) -> TypeError:
+    """What :func:`host_key` says of a key of a type it does not take: the full type
+    (kauldron's ``PRNGKey`` has the name of ``jax.random.PRNGKey``), and what to pass."""
+    kind = type(key)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    return TypeError(
+        f"key must be an int seed, a jax.random.key, a jax.random.PRNGKey (uint32[2]), or "
+        f"an object holding one (a pytree whose only leaf is the key, as kauldron's "
+        f"kd.random.PRNGKey, or one with __jax_array__); got {name}. Pass the jax key "
+        f"itself (jax.random.key(0), or the key array your wrapper holds)"
+    )
+
+
 def host_key(key: Any) -> tuple[np.ndarray, str]:
     """Splits ``key`` into host key data and its implementation.
 
     materialize passes the data into each group's computation as a numpy value and
     rebuilds the key there with ``wrap_key_data``: a key placed on a context mesh, or
     a multi-process run where ``device_put`` to other processes' devices fails, then
-    cannot get in the way.
+    cannot get in the way. A wrapper that holds a key (:func:`unwrap_key`) stands for
+    the key it holds.
 
     Raises:
       TypeError: ``key`` is not a seed or a single key, or is traced.
       ValueError: the key's values would depend on sharding.
     """
+    key = unwrap_key(key)
     if isinstance(key, bool) or not isinstance(key, int | np.integer | jax.Array | np.ndarray):
-        raise TypeError(
-            f"key must be an int seed, a jax.random.key or a jax.random.PRNGKey; "
-            f"got {type(key).__name__}"
-        )
+        raise key_type_error(key)
     if isinstance(key, jax.core.Tracer):
         raise TypeError("materialize runs outside jit: pass a concrete key, not a traced one")
     data: jax.Array | np.ndarray

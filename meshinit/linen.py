@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -85,7 +86,7 @@ def _host_keys(key: Any) -> tuple[list[np.ndarray], Callable[[list[Any]], Any]]:
     """
     names = list(key) if isinstance(key, Mapping) else None
     keys = [key[n] for n in names] if names is not None else [key]
-    data, makers = zip(*(_adapters.traced_key(k) for k in keys), strict=True)
+    data, makers = zip(*(_traced_key(k, names, i) for i, k in enumerate(keys)), strict=True)
     data = list(data)
 
     def rebuild(values: list[Any]) -> Any:
@@ -93,6 +94,18 @@ def _host_keys(key: Any) -> tuple[list[np.ndarray], Callable[[list[Any]], Any]]:
         return dict(zip(names, rebuilt, strict=True)) if names is not None else rebuilt[0]
 
     return data, rebuild
+
+
+def _traced_key(
+    key: Any, names: list[Any] | None, i: int
+) -> tuple[np.ndarray, Callable[[Any], Any]]:
+    """:func:`_adapters.traced_key`, its error naming the entry of a dict of keys."""
+    try:
+        return _adapters.traced_key(key)
+    except (TypeError, ValueError) as e:
+        if names is None:
+            raise
+        raise type(e)(f"key[{names[i]!r}]: {e}") from e
 
 
 def _host_inputs(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
@@ -166,6 +179,7 @@ def _prepare(
     input_data, make_inputs = _host_inputs((example_args, example_kwargs))
     n_keys = len(key_data)
     found: list[Any] = []
+    notes: list[str | None] = []  # what capture_intermediates= gave (linen_meta)
 
     def run_init(*values: Any) -> list[Any]:
         args, kwargs = make_inputs(list(values[n_keys:]))
@@ -176,6 +190,8 @@ def _prepare(
             if problem is None:
                 raise
             raise PlanError([problem]) from e
+        variables, note = _linen_meta.without_intermediates(variables, example_kwargs, what)
+        notes.append(note)
         flat, treedef = jax.tree_util.tree_flatten_with_path(variables, is_leaf=_linen_meta.is_box)
         found.append((flat, treedef))
         leaves = [_linen_meta.value_of(leaf) for _, leaf in flat]
@@ -183,6 +199,8 @@ def _prepare(
 
     host = [*key_data, *input_data]
     traced = _engine.trace(run_init, *host)
+    if notes[0] is not None:
+        warnings.warn(notes[0], stacklevel=3)
     flat, treedef = found[0]
     avals = iter(traced.out_avals)
     specs, outputs_of, count = [], {}, 0
@@ -329,7 +347,10 @@ def init(
       module: a linen Module.
       key: what ``module.init`` takes as rngs: a legacy key (``jax.random.PRNGKey``),
         a typed key, or a dict of them (``{"params": k1, "dropout": k2}``); an int
-        seed means ``jax.random.key(seed)``. Keys must be threefry.
+        seed means ``jax.random.key(seed)``. Keys must be threefry. An object that
+        holds a key (a pytree whose only leaf is the key, or one with
+        ``__jax_array__``: kauldron's ``kd.random.PRNGKey``, as in
+        ``RngStreams.init_rngs()``) stands for the key it holds.
       *example_args: the example inputs of ``module.init``. Arrays enter as host
         values (so they must be fully addressable); a ``jax.ShapeDtypeStruct``
         stands for zeros of its shape and allocates nothing outside the trace;
@@ -368,10 +389,19 @@ def init(
         big-endian numpy array is placed with its values; a path given twice (flat
         and nested) is an error.
       **example_kwargs: keyword arguments of ``module.init`` (``train=False``,
-        ``method=...``, ``mutable=...``).
+        ``method=...``, ``mutable=...``). With ``capture_intermediates=``, flax
+        returns the forward pass's activations as an ``'intermediates'`` collection;
+        meshinit leaves it out (computes and returns none of it), as flax's default
+        ``mutable=DenyList('intermediates')`` would, and warns with their count: made
+        as variables, each activation is one more program output that recomputes
+        the forward pass up to it (kauldron's ``TrainStep`` passes
+        ``capture_intermediates=True`` and then drops the collection). A ``mutable=``
+        that names it (``True``, or a list with ``'intermediates'``) keeps it, with a
+        warning of the count; being unannotated, they then need ``default=``.
 
     Returns:
-      The variables ``module.init`` returns, in the same structure: annotated
+      The variables ``module.init`` returns, in the same structure (less an
+      ``'intermediates'`` collection ``mutable=`` does not name): annotated
       variables stay in their ``nn.Partitioned`` / ``nn.LogicallyPartitioned`` boxes,
       with a placed ``jax.Array`` inside. Unbox with ``nn.unbox(variables)`` (or
       ``flax.core.meta.unbox``) before ``module.apply`` if your code does not.

@@ -362,6 +362,21 @@ def _scripts(page: str) -> list[tuple[str, str | None, list[str]]]:
     return out
 
 
+def test_the_readme_requirements_name_every_extra():
+    """Each extra of pyproject.toml is named in the README's requirements, with what it
+    brings (issue 42: ``safetensors`` was missing, though the loader needs it)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Requirements", 1)[1].split("\n## ", 1)[0]
+    missing = [name for name in extras if f"`{name}`" not in section]
+    assert not missing, f"README's requirements do not name the extras {missing}"
+    assert "pip install 'meshinit[safetensors]'" in section
+
+
 # The pages whose complete scripts run in the tests, and how many each has at least.
 SCRIPT_PAGES = {
     "getting-started.md": 1,
@@ -370,7 +385,7 @@ SCRIPT_PAGES = {
     "nnx.md": 3,
     "linen.md": 4,
     "equinox.md": 1,
-    "checkpoints.md": 1,
+    "checkpoints.md": 2,
     "pretrained.md": 4,
 }
 

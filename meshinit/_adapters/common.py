@@ -49,6 +49,7 @@ def traced_key(key: Any) -> tuple[np.ndarray, Callable[[Any], Any]]:
     implementation. Validates as :func:`meshinit._paths.host_key` does: one key, of a
     sharding-invariant implementation.
     """
+    key = _paths.unwrap_key(key)  # kauldron's PRNGKey: the key it holds
     data, impl = _paths.host_key(key)
     legacy = isinstance(key, jax.Array | np.ndarray) and not jax.dtypes.issubdtype(
         key.dtype, jax.dtypes.prng_key

@@ -7,10 +7,14 @@ from __future__ import annotations
 from typing import Any, cast
 
 try:
+    import flax.core
     import flax.linen as nn
     from flax.core import meta
+    from flax.core import scope as _scope
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.linen needs flax: pip install meshinit[linen]") from e
+
+from collections.abc import Mapping
 
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
@@ -222,3 +226,47 @@ def placed_box(leaf: Any, array: Any, spec: ParamSpec, sharding: Any, keep_mesh:
         names = cast(tuple[str | None, ...], tuple(spec.axes))
         return nn.LogicallyPartitioned(array, names, mesh=where, rules=own)
     return nn.Partitioned(array, tuple(sharding.spec), mesh=where)
+
+
+INTERMEDIATES = "intermediates"
+
+
+def without_intermediates(
+    variables: Any, kwargs: Mapping[str, Any], what: str
+) -> tuple[Any, str | None]:
+    """``module.init``'s variables without the activations ``capture_intermediates=``
+    collected, unless ``mutable=`` asks for them; and what to warn, if anything.
+
+    flax returns the ``'intermediates'`` collection whenever ``capture_intermediates``
+    is set, whatever ``mutable=`` says; its ``mutable`` default,
+    ``DenyList('intermediates')``, leaves it out otherwise. Each activation is a value
+    of the forward pass: made as a variable, it is one more program output that
+    recomputes the forward pass up to it (kauldron's ``TrainStep`` passes
+    ``capture_intermediates=True`` to ``init``, then drops the collection; meshinit
+    took 37-75x longer for it). So meshinit leaves it out, as that ``mutable=`` would,
+    and keeps it only where ``mutable=`` names it (``True``, or a list with
+    ``'intermediates'``). Nothing else changes: the parameters do not depend on it.
+    """
+    if not isinstance(variables, dict | flax.core.FrozenDict) or INTERMEDIATES not in variables:
+        return variables, None
+    mutable = kwargs.get("mutable", _scope.DenyList(INTERMEDIATES))
+    leaves = jax.tree_util.tree_leaves(variables[INTERMEDIATES])
+    count = sum(isinstance(x, jax.Array) for x in leaves)
+    if _scope.in_filter(mutable, INTERMEDIATES):
+        if not count:
+            return variables, None
+        return variables, (
+            f"{what}: the {INTERMEDIATES!r} collection holds {count} arrays (activations "
+            f"of the forward pass), and mutable= keeps it: each is made as a variable, "
+            f"one more program output that recomputes the forward pass up to it. Leave "
+            f"{INTERMEDIATES!r} out of mutable= (flax's default leaves it out) if you "
+            f"do not use them"
+        )
+    variables, _ = flax.core.pop(variables, INTERMEDIATES)
+    return variables, (
+        f"{what}: capture_intermediates= collected {count} arrays (activations of the "
+        f"forward pass) in the {INTERMEDIATES!r} collection; they are left out of the "
+        f"result and never computed, as flax's default mutable=DenyList({INTERMEDIATES!r}) "
+        f"would (each would be one more program output recomputing the forward pass). "
+        f"Pass mutable=True, or a list of collections naming {INTERMEDIATES!r}, to keep them"
+    )

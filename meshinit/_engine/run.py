@@ -296,13 +296,15 @@ class _Rounds:
         return ("constructor", self.group.mesh, tuple(signatures), self.on_cpu)
 
     def _layout(self, bucket: tuple[int, ...]) -> tuple[list[np.dtype], list[list[Any]]]:
-        """How one call's inputs travel: host values packed into one flat buffer per
-        dtype (a launch with 7 signatures then takes 2 arguments, not 40), captured
-        constants as arguments of their own, already placed.
+        """How one call's inputs travel: integer host values (keys, counters, token ids)
+        packed into one flat buffer per dtype (a launch with 7 signatures then takes 2
+        arguments, not 40); float host values (example inputs, small captured
+        constants) and captured constants as arguments of their own (:func:`_packed`).
 
         Returns:
           The buffers' dtypes, and per signature of the bucket, per input of its slice,
-          ``("host", dtype, start, shape)`` or ``("arg", position)``.
+          ``("host", dtype, start, shape)``, ``("own", position)`` (a host value in its
+          own shape) or ``("arg", position)`` (a captured constant, already placed).
         """
         sizes: dict[np.dtype, int] = {}
         layout, args = [], 0
@@ -310,13 +312,13 @@ class _Rounds:
             items: list[Any] = []
             for n in self.work_.slices[k].inputs:
                 struct = _input_struct(self.traced, n, None)
-                if n in self.traced.host:
+                if _packed(self.traced, n):
                     dtype = np.dtype(struct.dtype)
                     start = sizes.get(dtype, 0)
                     sizes[dtype] = start + math.prod(struct.shape)
                     items.append(("host", dtype, start, tuple(struct.shape)))
                 else:
-                    items.append(("arg", args))
+                    items.append(("own" if n in self.traced.host else "arg", args))
                     args += 1
             layout.append(items)
         return sorted(sizes, key=str), layout
@@ -353,6 +355,8 @@ class _Rounds:
                             # Replicated, as it arrived: else the partitioner may shard
                             # the buffer and move pieces between devices to cut it.
                             ins.append(_replicated(flat.reshape(shape), self.group.mesh))
+                        elif item[0] == "own":
+                            ins.append(_replicated(rest[item[1]], self.group.mesh))
                         else:
                             ins.append(rest[item[1]])
                     outs.append(fn(*ins))
@@ -377,11 +381,11 @@ class _Rounds:
                 rounds = [[batches[i][r] for i in bucket] for r in range(len(batches[bucket[0]]))]
                 buffers = self._host_buffers(bucket, rounds)
                 for r, ks in enumerate(rounds):
-                    args = [  # large captured constants: placed one call at a time
-                        _input_value(self.traced, n, sh)
+                    args = [  # float host values; large captured constants, placed
+                        _input_value(self.traced, n, sh)  # one call at a time
                         for k in ks
                         for n, sh in self._inputs(k)
-                        if n not in self.traced.host
+                        if not _packed(self.traced, n)
                     ]
                     inputs = [*(b[r] for b in buffers), *args]
                     outs = _strategies.call(exe, inputs, self.group, ks)
@@ -393,16 +397,32 @@ class _Rounds:
         """Every call's packed host inputs at once: per dtype of :meth:`_layout`, one
         row per call (a call's inputs all have the same layout)."""
         dtypes, _ = self._layout(bucket)
-        host = self.traced.host
         parts: dict[np.dtype, list[np.ndarray]] = {d: [] for d in dtypes}
         for ks in rounds:
             for k in ks:
                 for n in self.work_.slices[k].inputs:
-                    if n in host:
+                    if _packed(self.traced, n):
                         value = _input_value(self.traced, n, None)
                         parts[np.dtype(value.dtype)].append(np.ravel(value))
         flat = [np.concatenate(parts[d]) for d in dtypes]
         return [f.reshape(len(rounds), f.size // len(rounds)) for f in flat]
+
+
+def _packed(traced: Traced, n: int) -> bool:
+    """Whether host value ``n`` travels in its dtype's flat buffer: integers and keys,
+    whose arithmetic is exact in any order. A float goes in its own shape, as
+    ``jax.jit`` has an argument: XLA simplifies a reduction over a slice of the flat
+    buffer, reshaped, into one reduction over the flat elements, whose order rounds
+    otherwise (a linen parameter scaled by its example input's mean was off
+    ``jax.jit(module.init)`` in every element near a cancellation)."""
+    if n not in traced.host:
+        return False
+    dtype = traced.program.avals[n].dtype
+    return bool(
+        jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+        or jax.dtypes.issubdtype(dtype, np.integer)
+        or jax.dtypes.issubdtype(dtype, np.bool_)
+    )
 
 
 def _replicated(x: Any, mesh: Any) -> Any:
