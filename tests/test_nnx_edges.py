@@ -31,9 +31,7 @@ def mesh8(explicit=True):
 
 def flat(module) -> dict:
     """``path -> value`` of every Variable of ``module``."""
-    return {
-        ".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(module))
-    }
+    return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(module))}
 
 
 def bits(x) -> bytes:
@@ -281,9 +279,7 @@ class HeldKey(nnx.Module):
     "how",
     ["placement", "metadata"],
 )
-def test_a_sharding_longer_than_a_keys_rank_is_one_plan_error_naming_the_path(
-    how, count_compiles
-):
+def test_a_sharding_longer_than_a_keys_rank_is_one_plan_error_naming_the_path(how, count_compiles):
     if how == "placement":
         path, kwargs = "rngs.default.key", {"placements": [(r"rngs\.default\.key", P("fsdp"))]}
         factory = lambda: HeldKey(nnx.Rngs(0))  # noqa: E731
