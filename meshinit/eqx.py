@@ -327,12 +327,11 @@ def init(
       existing: the values of some leaves, made elsewhere: their plan paths
         (``layers.0.weight``) to arrays, flat or as a nested dict, or a Module of the
         factory's structure (a checkpoint restored into it), whose array leaves are
-        taken by their paths. Each is placed on
-        its planned sharding (resharded if it is on another mesh, shard by shard if it
-        is numpy); nothing is compiled or run for them, and every other leaf gets
-        exactly the value a full init gives. A big-endian numpy array is placed with
-        its values; a path given twice (flat and nested, or keys ``0`` and ``"0"``)
-        is an error.
+        taken by their paths. Each is placed on its planned sharding (resharded if it
+        is on another mesh, shard by shard if it is numpy); nothing is compiled or run
+        for them, and every other leaf gets exactly the value a full init gives. A
+        big-endian numpy array is placed with its values; a path given twice (flat and
+        nested, or keys ``0`` and ``"0"``) is an error.
 
     Returns:
       What ``factory(key)`` returns, with each array a ready ``jax.Array`` carrying
