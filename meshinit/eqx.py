@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -181,6 +181,27 @@ def _array_leaves(tree: Any) -> list[Any]:
     return [leaf for leaf in jax.tree_util.tree_leaves(tree) if eqx.is_array(leaf)]
 
 
+def _existing(existing: Any) -> dict[str, Any] | None:
+    """``existing=`` as plan path -> value: a mapping (flat or nested) as the other
+    adapters take it, or a Module (any pytree: a checkpoint restored into the model's
+    structure, or ``eqx.filter_eval_shape``'s restore target, which the checks name) by
+    the paths of its array leaves; its other leaves (activations, ints) are no
+    parameters."""
+    if existing is None or isinstance(existing, Mapping):
+        return _adapters.flat_existing(existing)
+    flat = jax.tree_util.tree_flatten_with_path(existing)[0]
+    if any(not keypath for keypath, _ in flat):  # a bare array names no path
+        raise TypeError(
+            f"existing must map the plan's dot-joined paths to arrays, or be a Module of "
+            f"the factory's structure, got {type(existing).__name__}"
+        )
+    return {
+        _paths.path_str(keypath): leaf
+        for keypath, leaf in flat
+        if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
     plan: Any
@@ -304,12 +325,13 @@ def init(
       mesh: the mesh of placements that name none; defaults to ``meshinit.defaults()``.
       rules: the logical-to-mesh rule table, as in :func:`meshinit.param`.
       existing: the values of some leaves, made elsewhere: their plan paths
-        (``layers.0.weight``) to arrays, flat or as a nested dict. Each is placed on
-        its planned sharding (resharded if it is on another mesh, shard by shard if it
-        is numpy); nothing is compiled or run for them, and every other leaf gets
-        exactly the value a full init gives. A big-endian numpy array is placed with
-        its values; a path given twice (flat and nested, or keys ``0`` and ``"0"``)
-        is an error.
+        (``layers.0.weight``) to arrays, flat or as a nested dict, or a Module of the
+        factory's structure (a checkpoint restored into it), whose array leaves are
+        taken by their paths. Each is placed on its planned sharding (resharded if it
+        is on another mesh, shard by shard if it is numpy); nothing is compiled or run
+        for them, and every other leaf gets exactly the value a full init gives. A
+        big-endian numpy array is placed with its values; a path given twice (flat and
+        nested, or keys ``0`` and ``"0"``) is an error.
 
     Returns:
       What ``factory(key)`` returns, with each array a ready ``jax.Array`` carrying
@@ -321,7 +343,8 @@ def init(
         per path), malformed placements or regexes, and what planning finds (unknown
         logical axes, indivisible dimensions, a missing mesh, ...), and ``existing``
         paths that name no leaf or are given twice, or whose value is no array (PRNG
-        keys, a ``ShapeDtypeStruct``) or differs in shape or dtype.
+        keys, a ``ShapeDtypeStruct`` of a restore target such as
+        ``eqx.filter_eval_shape``'s) or differs in shape or dtype.
       TypeError, ValueError: ``placements`` is not a sequence, or the key is not a
         single sharding-invariant key.
 
@@ -345,5 +368,5 @@ def init(
             prep.traced,
             prep.outputs,
             what="meshinit.eqx.init",
-            existing=_adapters.flat_existing(existing),
+            existing=_existing(existing),
         )

@@ -135,7 +135,8 @@ def materialize(module: nnx.Module, key: Any) -> nnx.Module:
 
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
-    plan: Plan
+    plan: Plan  # typed keys as the key arrays init gives back
+    made: Plan  # what the engine makes: typed keys as their key data
     traced: Any
     outputs: list[int]
     graphdef: Any
@@ -190,7 +191,11 @@ def _prepare_here(
             graphdef, state = nnx.split(made)
         flat = list(nnx.to_flat_state(state))
         arrays = [(p, v.get_value()) for p, v in flat]
-        arrays = [(p, x) for p, x in arrays if isinstance(x, jax.Array)]
+        # numpy values too (the trace holds them as constants): planned where flax's
+        # eager sharding or a placement places them
+        arrays = [
+            (p, x) for p, x in arrays if isinstance(x, jax.Array) or _nnx_meta.is_host_array(x)
+        ]
         # typed keys travel as their data and are wrapped again once placed
         keys = {
             p: (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.random.key_impl(x))
@@ -221,9 +226,12 @@ def _prepare_here(
     specs: dict[tuple[Any, ...], ParamSpec] = {}
     placed: dict[tuple[Any, ...], int] = {}  # path -> entries the placement spells
     by_path = dict(flat)
+    problems += _nnx_meta.unholdable_problems(flat, table)
     for p in paths:
         struct = keys[p][0] if p in keys else jax.ShapeDtypeStruct(avals[p].shape, avals[p].dtype)
         placement = table.match(_path(p)) if table else None
+        if _nnx_meta.left_as_is(by_path[p], placement):
+            continue  # numpy that flax leaves as it is: so does meshinit
         spec = _nnx_meta.spec_for(by_path[p], struct, problems, _path(p), patterns, mesh, placement)
         if spec is not None:
             specs[p] = spec
@@ -237,7 +245,7 @@ def _prepare_here(
     plan = _planner.build_plan(_nest(specs), check_inits=False, problems=problems)
     # flax's spelling (nnx.get_named_sharding of the abstract state), so == holds: as
     # many entries as the annotation has, and P() for a Variable without one. Typed
-    # keys keep the key array's rank, the only spelling jax gives a key array.
+    # keys are planned as their data, and shown as jax spells the key (typed_key_plan).
     lengths = {  # flax's pspec is None only for a Variable without a shape
         _path(p): placed[p]
         if p in placed  # as many as the placement gives: flax's spelling of the metadata
@@ -253,7 +261,9 @@ def _prepare_here(
     )
     position = {_path(p): i for i, p in enumerate(paths)}
     outputs = [position[e.path] for e in plan.entries]
-    return _Prepared(plan, traced, outputs, graphdef, flat, specs, keys, frozenset(placed))
+    # the plan shows typed keys as init gives them back, the engine makes their data
+    shown = _nnx_meta.typed_key_plan(plan, {_path(p): k[0] for p, k in keys.items()})
+    return _Prepared(shown, plan, traced, outputs, graphdef, flat, specs, keys, frozenset(placed))
 
 
 def plan(
@@ -279,7 +289,8 @@ def plan(
       rules: as for :func:`init`.
 
     Returns:
-      A :class:`meshinit.Plan`.
+      A :class:`meshinit.Plan`. Typed keys (``nnx.Rngs`` state) are entries of their own
+      shape and key dtype (``key<fry>``), on the sharding :func:`init` gives them.
 
     Raises:
       PlanError: as for :func:`init`.
@@ -354,16 +365,8 @@ def abstract(
     placed = []
     for path, var in prep.flat:
         if path in prep.specs:
-            struct = _get(structs, path)
-            if path in prep.keys:  # planned as its key data: the key's own shape and dtype
-                key, sharding = prep.keys[path][0], struct.sharding
-                spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[: len(key.shape)])
-                sharding = jax.sharding.NamedSharding(
-                    sharding.mesh, spec, memory_kind=sharding.memory_kind
-                )
-                struct = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding)
             var = var.replace(
-                struct,
+                _get(structs, path),
                 eager_sharding=nnx.using_eager_sharding(),
                 **_nnx_meta.placement_of(prep.placed, prep.keys, entries, path),
             )
@@ -390,7 +393,10 @@ def init(
     its ``mesh=`` metadata, else ``mesh``, else the ``jax.set_mesh`` context mesh,
     else the default device. A ``placements`` entry that matches a Variable's path
     overrides its metadata. Values are the factory's own, from its own ``nnx.Rngs``;
-    a placement moves a Variable and never changes its bits.
+    a placement moves a Variable and never changes its bits. A numpy value
+    (``nnx.Param(np.ones(...), out_sharding=...)``) is placed as flax's eager sharding
+    places it, where its sharding is not empty or a placement names it; else it stays
+    numpy, as flax leaves it.
 
     The factory is traced once, abstractly, and compiled by meshinit's constructor
     engine: the keys, counters and small values are computed once on the host, and
@@ -431,20 +437,22 @@ def init(
         flax applies it.
       existing: the values of some Variables, made elsewhere (a checkpoint, pretrained
         weights): their plan paths (``layers.1.up.kernel``) to arrays, flat or as a
-        nested dict (``nnx.to_pure_dict(state)``, or an ``nnx.State``). Each is placed
+        nested dict (``nnx.to_pure_dict(state)``, an ``nnx.State``, a Module). Each is placed
         on its planned sharding: an array already there is used as it is, one on
         another mesh is resharded, a numpy array is placed shard by shard. Nothing is
         compiled or run for them; every other Variable gets exactly the value a full
-        init gives. A typed key (``nnx.Rngs`` state) may be given as a key or as its
-        key data. A big-endian numpy array is placed with its values; a path given
-        twice (flat and nested, or keys ``0`` and ``"0"``) is an error.
+        init gives. A typed key (``nnx.Rngs`` state) may be given as a key (compared as
+        one: shape and implementation) or as its key data. A big-endian numpy array is
+        placed with its values; a path given twice (flat and nested, or keys ``0``
+        and ``"0"``) is an error.
 
     Returns:
       The Module, with flax's metadata kept as it was.
 
     Raises:
       PlanError: a sharding names an axis that is not in its mesh, a dimension does
-        not divide, or a sharded Variable has no mesh; an ``existing`` path names no
+        not divide, a sharded Variable has no mesh, or a typed key's sharding has more
+        entries than the key has dimensions; an ``existing`` path names no
         Variable, is given twice, or its value is no array (a key for a weight, a
         restore target's ``ShapeDtypeStruct``) or differs in shape or dtype; each
         problem names its path, all at once, before anything is allocated.
@@ -462,19 +470,20 @@ def init(
             factory, meshes, rules, "meshinit.nnx.init", placements=placements, mesh=mesh
         )
         arrays = _engine.make_arrays(
-            prep.plan,
+            prep.made,
             prep.traced,
             prep.outputs,
             what="meshinit.nnx.init",
             existing=_nnx_meta.existing_arrays(existing, prep.keys),
         )
-        entries = {e.path: e for e in prep.plan.entries} if prep.placed else {}
+        entries = {e.path: e for e in prep.plan.entries}
         placed = []
         for path, var in prep.flat:
             if path in prep.specs:
                 array = _get(arrays, path)
                 if path in prep.keys:  # the key data, placed: a key of eager's type again
-                    array = jax.random.wrap_key_data(array, impl=prep.keys[path][1])
+                    sharding = entries[_path(path)].sharding  # as the plan shows it
+                    array = _nnx_meta.rewrapped(array, prep.keys[path][1], sharding)
                 # Traced with eager sharding off; give back what the user's flax would record.
                 var = var.replace(
                     array,

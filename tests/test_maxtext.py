@@ -97,6 +97,7 @@ def test_nnx_transformer_matches_maxtext_init_on_every_leaf(row):
         warnings.simplefilter("always")
         with jax.set_mesh(mesh):
             got = meshinit.nnx.init(factory, rules=config.logical_axis_rules)
+            plan = meshinit.nnx.plan(factory, rules=config.logical_axis_rules)
     assert not fallbacks(caught), (
         f"meshinit fell back on MaxText's Transformer: {fallbacks(caught)}"
     )
@@ -113,6 +114,14 @@ def test_nnx_transformer_matches_maxtext_init_on_every_leaf(row):
         f"{path}: meshinit gives a {got_types[path].__name__}, MaxText a {kind.__name__}"
         for path, kind in want_types.items()
         if path in got_types and got_types[path] is not kind
+    ]
+    # the plan shows what init makes, typed keys (rngs.aqt.key) included
+    problems += [
+        f"{e.path}: planned {e.spec.dtype}{e.spec.shape} on {e.sharding}, init made {a.dtype}"
+        f"{a.shape} on {a.sharding}"
+        for e in plan.entries
+        if ((a := got_arrays[e.path]).shape, a.dtype, a.sharding)
+        != (e.spec.shape, e.spec.dtype, e.sharding)
     ]
     assert not problems, "\n".join(problems)
 

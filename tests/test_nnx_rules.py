@@ -58,8 +58,8 @@ def test_rules_place_as_flax_logical_axis_rules_does():
     assert got["up.kernel"] == NamedSharding(mesh, P("fsdp", "tensor"))
     assert got["up.bias"] == NamedSharding(mesh, P("tensor"))
     planned = {e.path: e.sharding for e in plan.entries}
-    assert planned.pop("rngs.default.key").spec == P(None)  # planned as its key data
-    assert planned == {p: s for p, s in got.items() if p != "rngs.default.key"}
+    assert planned["rngs.default.key"].spec == P()  # the scalar key, as init gives it
+    assert planned == got
     for path, var in nnx.to_flat_state(nnx.state(abstract)):
         assert var.get_value().sharding == got[".".join(map(str, path))]
     # flax's metadata is kept as written: the logical names, not the mesh axes
@@ -117,6 +117,7 @@ def test_nnx_plans_show_flax_names_and_never_suggest_sharding_rng_state_or_scala
     assert not any(p.startswith("rngs.") for p in flagged), flagged
     assert "up.kernel" not in flagged  # sharded over both axes: nothing to suggest
     key = next(e for e in plan.entries if e.path == "rngs.default.key")
-    assert key.spec.shape == (2,) and key.shardable_axes == ()
+    assert key.spec.shape == () and key.spec.dtype == jax.random.key(0).dtype  # as init gives it
+    assert key.shardable_axes == ()
     bare_rows = [line for line in str(bare).splitlines() if line.startswith("  kernel")]
     assert bare_rows and " - " in bare_rows[0]

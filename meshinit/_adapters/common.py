@@ -138,7 +138,7 @@ def respell(plan: Plan, lengths: Mapping[str, int]) -> Plan:
             e.mesh, PartitionSpec(*spec[:n]), memory_kind=e.sharding.memory_kind
         )
         new[id(e)] = dataclasses.replace(e, sharding=sharding)
-    return _replace_entries(plan, new)
+    return replace_entries(plan, new)
 
 
 def drop_unit_axes(plan: Plan, paths: Iterable[str]) -> Plan:
@@ -165,14 +165,15 @@ def drop_unit_axes(plan: Plan, paths: Iterable[str]) -> Plan:
             continue
         sharding = NamedSharding(e.mesh, PartitionSpec(*spec), memory_kind=e.sharding.memory_kind)
         new[id(e)] = dataclasses.replace(e, sharding=sharding)
-    return _replace_entries(plan, new)
+    return replace_entries(plan, new)
 
 
 def _axis_tuple(x: Any) -> tuple[str, ...]:
     return tuple(x) if isinstance(x, tuple) else (x,)
 
 
-def _replace_entries(plan: Plan, new: Mapping[int, Any]) -> Plan:
+def replace_entries(plan: Plan, new: Mapping[int, Any]) -> Plan:
+    """``plan`` with ``new[id(entry)]`` in place of each entry it names."""
     if not new:
         return plan
     entries = tuple(new.get(id(e), e) for e in plan.entries)

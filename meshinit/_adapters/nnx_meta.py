@@ -4,6 +4,7 @@ flax reads them, translated into a spec whose axes are mesh axes."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -16,19 +17,93 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
 
 import jax
-from jax.sharding import AbstractMesh, Mesh
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from .._errors import Problem
-from .._plan.plan import PlanEntry
+from .._plan.plan import Plan, PlanEntry
 from .._run import materialize as _materialize
+from .._run.checks import Refused
 from .._spec import rules as _rules
-from .._spec.spec import ParamSpec, memory_kind_default, replicated_default
+from .._spec.spec import ParamSpec, key_spec, memory_kind_default, replicated_default
 from . import common as _adapters
-from .placements import Parsed
+from .placements import Parsed, Table
 
 
 def is_key(value: Any) -> bool:
     return jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key)
+
+
+def is_host_array(value: Any) -> bool:
+    """A numpy array or scalar (``np.float32(1)``) of a type jax holds: placed like a
+    ``jax.Array`` when flax's eager sharding would make one of it (:func:`shards_eagerly`)
+    or a ``placements=`` entry names it, else left as it is."""
+    if not isinstance(value, np.ndarray | np.generic):
+        return False
+    try:
+        jax.typeof(value)  # big-endian, str, object: what jax refuses, as flax does
+    except TypeError:
+        return False
+    return True
+
+
+def shards_eagerly(var: nnx.Variable) -> bool:
+    """Whether flax's eager sharding turns ``var``'s value into a placed ``jax.Array``:
+    sharding metadata that is not empty. flax leaves a numpy value with no sharding, or
+    an empty one (``()``, ``P()``), as it is (``flax.core.spmd.shard_value``), and
+    ``nnx.jit`` would return it as a jax.Array: where the two differ, meshinit leaves it."""
+    meta = var.get_metadata()
+    return any(bool(meta.get(k)) for k in ("out_sharding", "sharding", "sharding_names"))
+
+
+def left_as_is(var: nnx.Variable, placement: Parsed | None) -> bool:
+    """Whether ``var`` holds a numpy value that flax leaves as it is, and so does
+    meshinit: no placement names it and its sharding is empty (:func:`shards_eagerly`)."""
+    return isinstance(var.get_value(), np.ndarray | np.generic) and not (
+        placement is not None or shards_eagerly(var)
+    )
+
+
+def unholdable_problems(
+    flat: Sequence[tuple[tuple[Any, ...], nnx.Variable]], table: Table
+) -> list[Problem]:
+    """The problem of each numpy value jax cannot hold (big-endian, str, object) that
+    its sharding or a ``placements=`` entry asks to place; the others stay as they are."""
+    problems = []
+    for p, var in flat:
+        value = var.get_value()
+        if not isinstance(value, np.ndarray | np.generic) or is_host_array(value):
+            continue
+        path = ".".join(map(str, p))
+        placement = table.match(path) if table else None
+        if left_as_is(var, placement):
+            continue
+        why = placement.name if placement is not None else "its sharding metadata"
+        problems.append(
+            Problem(
+                path,
+                f"holds a numpy array of dtype {value.dtype}, which jax cannot hold, and "
+                f"{why} places it; flax's own sharding refuses it too: convert it first "
+                f"(x.astype(x.dtype.newbyteorder('=')) for a big-endian array)",
+            )
+        )
+    return problems
+
+
+def key_rank_problem(path: str, key: Any, entries: Sequence[Any], given: str) -> Problem | None:
+    """The problem of a placement (``given``) with more entries than the typed key array
+    ``key`` has dimensions, if it has: jax shards a key only along its own dimensions,
+    never its key data's trailing one."""
+    if len(entries) <= len(key.shape):
+        return None
+    n = len(entries)
+    return Problem(
+        path,
+        f"{given} gives {PartitionSpec(*entries)}, {n} {'entry' if n == 1 else 'entries'}, "
+        f"for a typed PRNG key array {key.dtype}{list(key.shape)} of rank {len(key.shape)}: "
+        f"a key is placed by at most one entry per dimension of its own (jax never shards "
+        f"its key data's trailing dimension); drop the extra entries",
+    )
 
 
 def has_sharding(meta: dict[str, Any]) -> bool:
@@ -124,6 +199,8 @@ def spec_for(
             logical = tuple(raw) + (None,) * (len(value.shape) - len(raw))
         entries = pspec + (None,) * (len(value.shape) - len(pspec))
         problem = _adapters.unconstrained_problem(path, entries, "sharding")
+        if problem is None and is_key(value):
+            problem = key_rank_problem(path, value, pspec, f"its sharding {tuple(raw)}")
         if problem is not None:
             problems.append(problem)
             return None
@@ -182,6 +259,11 @@ def placed_spec(
         None,
     )
     axes = placement.axes_for(len(value.shape))
+    if axes is not None and is_key(value):
+        problem = key_rank_problem(path, value, axes, placement.name)
+        if problem is not None:
+            problems.append(problem)
+            return None
     if axes is not None and len(axes) == len(value.shape):
         axes = axes + (None,) * (len(shape) - len(value.shape))  # a key's data dimension
     context = flax_spmd.get_logical_axis_rules()
@@ -263,16 +345,87 @@ _FACTORY_RULES = (
 
 def existing_arrays(existing: Any, keys: dict[tuple[Any, ...], Any]) -> dict[str, Any] | None:
     """``existing=`` as plan path -> array; typed keys (at ``keys``' paths) as their key
-    data, as planned."""
+    data, as planned. A Module stands for its state, as an ``nnx.State`` does.
+
+    A typed key is checked as a key: its shape and implementation against the planned
+    key's (a split key, an ``rbg`` key for a ``threefry2x32`` one), not as key data.
+    """
+    if isinstance(existing, nnx.Module):
+        existing = nnx.state(existing)
     if isinstance(existing, nnx.State):
         existing = nnx.to_pure_dict(existing)
     flat = _adapters.flat_existing(existing)
     if flat is None:
         return None
-    key_paths = {".".join(map(str, p)) for p in keys}
+    planned = {".".join(map(str, p)): k for p, k in keys.items()}
     for path, value in flat.items():
         # Arrays only: a key-typed ShapeDtypeStruct (a restore target) or a duplicated
         # path is left for the checks to name.
-        if path in key_paths and isinstance(value, jax.Array) and is_key(value):
-            flat[path] = jax.random.key_data(value)
+        if path not in planned or not isinstance(value, jax.Array | np.ndarray):
+            continue
+        key, impl = planned[path]
+        if is_key(value):
+            wrong = _key_mismatch(value, key, impl)
+            flat[path] = Refused(wrong) if wrong else jax.random.key_data(value)
+            continue
+        data = jax.eval_shape(jax.random.key_data, key)
+        if tuple(value.shape) != data.shape:
+            flat[path] = Refused(
+                f"existing key data has shape {tuple(value.shape)}, planned {data.shape}: "
+                f"the data of a {impl} key array of shape {key.shape} ({key.dtype}); pass "
+                f"the key (or its jax.random.key_data) as the model holds it"
+            )
     return flat
+
+
+def _key_mismatch(value: Any, key: Any, impl: Any) -> str | None:
+    """How the typed key array ``value`` differs from the planned ``key`` (a struct of
+    implementation ``impl``), compared as keys, or None."""
+    if value.dtype != key.dtype:
+        return (
+            f"existing key's implementation is {jax.random.key_impl(value)} ({value.dtype}), "
+            f"planned {impl} ({key.dtype}): the implementations differ; pass a {impl} key "
+            f"(jax.random.key(seed, impl={str(impl)!r})), or leave the path out to make it"
+        )
+    if tuple(value.shape) != tuple(key.shape):
+        return (
+            f"existing key array has shape {tuple(value.shape)}, planned {tuple(key.shape)} "
+            f"({key.dtype}); pass the key as the model holds it (a split key has a "
+            f"dimension more)"
+        )
+    return None
+
+
+def typed_key_plan(plan: Plan, keys: dict[str, Any]) -> Plan:
+    """``plan``, planned with typed keys as their key data, with each key's entry shown
+    as the key array the init gives back: its own shape and dtype (``key<fry>[]``), and
+    the sharding jax gives the key wrapped from that data (the data's spec, padded with
+    None to the data's rank, less the trailing dimension: :func:`key_sharding`).
+    """
+    new: dict[int, Any] = {}
+    for e in plan.entries:
+        if e.path in keys:
+            key = keys[e.path]
+            sharding = key_sharding(e.sharding, len(e.spec.shape), len(key.shape))
+            new[id(e)] = dataclasses.replace(e, spec=key_spec(e.spec, key), sharding=sharding)
+    return _adapters.replace_entries(plan, new)
+
+
+def key_sharding(data: NamedSharding, data_ndim: int, ndim: int) -> NamedSharding:
+    """The sharding of a key array of ``ndim`` dimensions wrapped from key data placed on
+    ``data``, as jax spells it on a mesh of several devices (on one device jax 0.10
+    keeps the data's spec, which :func:`rewrapped` respells)."""
+    spec = tuple(data.spec)
+    spec += (None,) * (data_ndim - len(spec))
+    return NamedSharding(data.mesh, PartitionSpec(*spec[:ndim]), memory_kind=data.memory_kind)
+
+
+def rewrapped(data: jax.Array, impl: Any, sharding: NamedSharding) -> jax.Array:
+    """The typed key array of the placed key ``data``, on exactly ``sharding`` (the
+    plan's): jax 0.10 spells a key wrapped on one device with its data's spec, which
+    places alike; its shards are taken as they are, nothing is copied."""
+    key = jax.random.wrap_key_data(data, impl=impl)
+    if key.sharding == sharding:
+        return key
+    shards = [s.data for s in key.addressable_shards]
+    return jax.make_array_from_single_device_arrays(key.shape, sharding, shards)

@@ -29,6 +29,15 @@ class Duplicate:
     spellings: tuple[str, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """What an adapter's flattened ``existing=`` holds at a path whose value it found
+    wrong itself (a typed key of another shape or implementation): why, said with the
+    other problems."""
+
+    reason: str
+
+
 def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[int, Any], list]:
     """``existing`` keyed by ``id`` of its plan entry, and every problem found in it.
 
@@ -57,6 +66,9 @@ def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[i
             problems.append(_unplanned(plan, by_path, str(path)))
             continue
         if isinstance(value, Duplicate):
+            continue
+        if isinstance(value, Refused):
+            problems.append(Problem(path, value.reason))
             continue
         problem = _value_problem(value, entry)
         if problem is not None:

@@ -190,6 +190,21 @@ class ParamSpec:
         )
 
 
+def key_spec(spec: ParamSpec, key: Any) -> ParamSpec:
+    """``spec``, which plans a typed PRNG key array as its key data (uint32), shown as
+    the key array ``key`` (a struct) itself: its shape and key dtype (``key<fry>``).
+
+    For the plans of the constructor adapters, which give such keys back as the
+    constructor made them; :func:`param` refuses key dtypes (meshinit makes numbers),
+    so no initializer ever sees one.
+    """
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        raise TypeError(f"key_spec takes a typed PRNG key array, got {key.dtype}")
+    shown = dataclasses.replace(spec, shape=tuple(key.shape))
+    object.__setattr__(shown, "dtype", key.dtype)  # past _normalize_dtype, on purpose
+    return shown
+
+
 @dataclasses.dataclass(frozen=True)
 class _Defaults:
     mesh: Mesh | AbstractMesh | None = None
