@@ -198,7 +198,7 @@ def _prepare(
         # A meshes= match wins over every other mesh; an unannotated variable it
         # matches is replicated there (or laid out as default= says).
         override = next((m for pattern, m in patterns if pattern.fullmatch(path)), None)
-        entry = table.match(path) if table else None
+        entry = table.match(path, _linen_meta.value_of(leaf)) if table else None
         if entry is not None:
             spec = None  # a broken entry is said once, for itself
             if not entry.broken:
@@ -220,7 +220,7 @@ def _prepare(
     # A meshes= pattern that matches no variable places nothing: likely a typo, warned.
     names = [_paths.path_str(k) for k, _ in flat]
     _adapters.warn_idle_meshes(what, patterns, names)
-    table.warn_idle(what, names, "annotation")
+    problems += table.finish(what, names, "annotation")
     plan = _planner.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
     )

@@ -170,7 +170,7 @@ def _prepare_here(
     factory: Callable[[], nnx.Module], meshes: Any, what: str, placements: Any, mesh: Any
 ) -> _Prepared:
     patterns = _adapters.parse_meshes(meshes)
-    table, problems = _placements.parse(placements)
+    table, problems = _placements.parse(_nnx_meta.placements_tree(placements))
     _adapters.check_mesh("mesh", mesh)
     if not callable(factory):
         raise TypeError(
@@ -223,7 +223,7 @@ def _prepare_here(
     by_path = dict(flat)
     for p in paths:
         struct = keys[p][0] if p in keys else jax.ShapeDtypeStruct(avals[p].shape, avals[p].dtype)
-        placement = table.match(_path(p)) if table else None
+        placement = table.match(_path(p), struct) if table else None
         spec = _nnx_meta.spec_for(by_path[p], struct, problems, _path(p), patterns, mesh, placement)
         if spec is not None:
             specs[p] = spec
@@ -233,7 +233,8 @@ def _prepare_here(
     # back to its metadata, the context mesh or the default device), likely a typo.
     names = [_path(p) for p in paths]
     _adapters.warn_idle_meshes(what, patterns, names)
-    table.warn_idle(what, names, "metadata")
+    others = [(_path(p), v.get_value()) for p, v in flat if p not in avals]  # int, None
+    problems += table.finish(what, names, "metadata", others)
     plan = _planner.build_plan(_nest(specs), check_inits=False, problems=problems)
     # flax's spelling (nnx.get_named_sharding of the abstract state), so == holds: as
     # many entries as the annotation has, and P() for a Variable without one. Typed

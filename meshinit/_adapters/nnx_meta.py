@@ -212,6 +212,17 @@ def placed_spec(
         return None
 
 
+def placements_tree(placements: Any) -> Any:
+    """``placements=`` with nnx's containers as plain trees: an ``nnx.State`` (what
+    ``nnx.get_partition_spec`` and ``nnx.get_named_sharding`` give) or a Module as its
+    pure dict, keyed by the same paths as the Variables."""
+    if isinstance(placements, nnx.Module):
+        placements = nnx.state(placements)
+    if isinstance(placements, nnx.State):
+        return nnx.to_pure_dict(placements)
+    return placements
+
+
 def placed_metadata(entry: PlanEntry, ndim: int | None = None) -> dict[str, Any]:
     """Metadata that makes flax's own tools report the placed PartitionSpec (its first
     ``ndim`` entries: a typed key's, planned as its key data)."""
