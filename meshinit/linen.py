@@ -199,6 +199,9 @@ def _prepare(
         # matches is replicated there (or laid out as default= says).
         override = next((m for pattern, m in patterns if pattern.fullmatch(path)), None)
         entry = table.match(path, _linen_meta.value_of(leaf)) if table else None
+        if entry is None and table.lacks(path):  # a tree without it: said by the tree
+            specs.append(None)
+            continue
         if entry is not None:
             spec = None  # a broken entry is said once, for itself
             if not entry.broken:

@@ -92,6 +92,11 @@ class Placements:
         """The placement of ``path`` (its ``jax.ShapeDtypeStruct`` is ``struct``), or None."""
         raise NotImplementedError
 
+    def lacks(self, path: str) -> bool:
+        """Whether ``path`` has no placement here though it must have one (a tree
+        without its leaf, said once by :meth:`finish`): the adapter places nothing."""
+        return False
+
     def refuse(self, others: Iterable[tuple[str, Any]], paths: Sequence[str] = ()) -> list[Problem]:
         """The problems of the variables ``others`` (path, value), which hold no array,
         where the placements meant to place them; ``paths`` are the array paths."""
@@ -143,7 +148,7 @@ def given(name: str, value: Any, own_mesh: str) -> Parsed | str:
         # defaults() memory kind, as a table entry without one does
         memory_kind = None if memory_kind == "device" else memory_kind
         value = value.spec
-    elif not (value is None or isinstance(value, PartitionSpec | tuple | list)):
+    elif not (value is None or isinstance(value, PartitionSpec | tuple | list | str)):
         return (
             f"got {type(value).__name__} {value!r}; give a jax.sharding.NamedSharding, a "
             f"PartitionSpec, a tuple of axes or None (replicated)"

@@ -60,6 +60,9 @@ class Tree(Placements):
             return Parsed(TREE, None, False, None, None, broken=True)
         return placed
 
+    def lacks(self, path: str) -> bool:
+        return path not in self.leaves
+
     def refuse(self, others: Iterable[tuple[str, Any]], paths: Sequence[str] = ()) -> list[Problem]:
         """A variable holding no array whose leaf shards it cannot be placed; a
         replicated leaf (None, ``P()``) leaves it as it is."""
@@ -94,7 +97,7 @@ class Tree(Placements):
                 Problem(
                     "",
                     f"{TREE} has {len(extra)} leaf(s) at paths that are no variable's: "
-                    f"{some(extra, 8)}; the variables' paths are like {some(list(paths), 3)}"
+                    f"{some(extra, 8)}; the variables' paths are like {', '.join(paths[:3])}"
                     f"{'' if missing else hint}",
                 )
             )
@@ -131,6 +134,7 @@ class Rule(Placements):
     def __init__(self, rule: Any) -> None:
         self.rule = rule
         label = getattr(rule, "__qualname__", None) or type(rule).__name__
+        label = label.rsplit("<locals>.", 1)[-1]  # a closure by its own name
         self.name = f"placements={label}"
         self._problems: list[Problem] = []
 
