@@ -19,7 +19,7 @@ Paths are the dot-joined pytree paths the core uses everywhere: ``layers.0.weigh
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -89,7 +89,7 @@ Placement = _placements.Placement
 
 def _specs_from_placements(
     abstract: Any,
-    placements: Sequence[Placement],
+    placements: Any,
     mesh: Mesh | AbstractMesh | None,
     rules: Any,
     what: str,
@@ -210,7 +210,7 @@ class _Prepared:
 def _prepare(
     factory: Callable[[Any], Any],
     key: Any,
-    placements: Sequence[Placement],
+    placements: Any,
     mesh: Mesh | AbstractMesh | None,
     rules: Any,
     what: str,
@@ -252,7 +252,7 @@ def _prepare(
 def plan(
     factory: Callable[[Any], Any],
     key: Any,
-    placements: Sequence[Placement],
+    placements: Any,
     *,
     mesh: Mesh | AbstractMesh | None = None,
     rules: Any = None,
@@ -285,7 +285,7 @@ def plan(
 def init(
     factory: Callable[[Any], Any],
     key: Any,
-    placements: Sequence[Placement],
+    placements: Any,
     *,
     mesh: Mesh | AbstractMesh | None = None,
     rules: Any = None,
@@ -319,7 +319,15 @@ def init(
         rules) or None per dimension, or None for replicated. A placement's mesh
         overrides ``mesh``. A placement that matches no leaf is warned about
         (:class:`meshinit.UnusedPatternWarning`) when every leaf is matched, and named
-        in the error when some leaf is not.
+        in the error when some leaf is not; one written for a leaf that holds no array
+        (an int, None) is an error. ``meshinit.searched(rules)`` is a table matched by
+        ``re.search`` on ``/``-joined paths (EasyDeL's rules, unchanged). Or a tree: a
+        Module (or pytree) of the factory's structure holding a ``PartitionSpec``, a
+        ``NamedSharding`` (its mesh and memory kind too) or None (replicated) at each
+        array leaf, as ``jax.eval_shape`` plus a strategy gives; every array leaf must
+        have one. Or a rule: ``placements(path, shape_dtype)`` (the dot-joined path and
+        the leaf's ``jax.ShapeDtypeStruct``) returning a ``NamedSharding``, a
+        ``PartitionSpec``, a tuple of axes or None. Every form is checked alike.
       mesh: the mesh of placements that name none; defaults to ``meshinit.defaults()``.
       rules: the logical-to-mesh rule table, as in :func:`meshinit.param`.
       existing: the values of some leaves, made elsewhere: their plan paths
@@ -338,11 +346,12 @@ def init(
     Raises:
       PlanError: all problems at once: array leaves that no placement matches (one
         per path), malformed placements or regexes, and what planning finds (unknown
-        logical axes, indivisible dimensions, a missing mesh, ...), and ``existing``
+        logical axes, indivisible dimensions, a missing mesh, ...), a tree of
+        placements that lacks a leaf or has one no leaf has, and ``existing``
         paths that name no leaf or are given twice, or whose value is no array (PRNG
         keys, a ``ShapeDtypeStruct``) or differs in shape or dtype.
-      TypeError, ValueError: ``placements`` is not a sequence, or the key is not a
-        single sharding-invariant key.
+      TypeError, ValueError: ``placements`` is a str, or the key is not a single
+        sharding-invariant key.
 
     Examples:
       >>> mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))

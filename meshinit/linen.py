@@ -199,9 +199,6 @@ def _prepare(
         # matches is replicated there (or laid out as default= says).
         override = next((m for pattern, m in patterns if pattern.fullmatch(path)), None)
         entry = table.match(path, _linen_meta.value_of(leaf)) if table else None
-        if entry is None and table.lacks(path):  # a tree without it: said by the tree
-            specs.append(None)
-            continue
         if entry is not None:
             spec = None  # a broken entry is said once, for itself
             if not entry.broken:
@@ -211,6 +208,9 @@ def _prepare(
                 own = isinstance(leaf, meta.Partitioned) and leaf.mesh is not None
                 placed[path] = entry.mesh is not None or override is not None or own
                 lengths[path] = entry.spelled
+            continue
+        if table.lacks(path):  # a tree without it: said once, by the tree
+            specs.append(None)
             continue
         if isinstance(leaf, meta.Partitioned):
             lengths[path] = len(leaf.names)
@@ -362,7 +362,17 @@ def init(
         (``rules``, or an active ``nn.logical_axis_rules``), else mesh axes. The mesh is
         a ``meshes`` match, else the placement's, else ``mesh``, else the context mesh.
         An entry that matches no variable is warned about
-        (:class:`meshinit.UnusedPatternWarning`).
+        (:class:`meshinit.UnusedPatternWarning`). ``meshinit.searched(rules)`` is a
+        table matched by ``re.search`` on ``/``-joined paths (EasyDeL's rules,
+        unchanged). ``placements`` may also be a tree of the variables' structure
+        holding a ``PartitionSpec``, a ``NamedSharding`` (its mesh and memory kind
+        too) or None (replicated) per variable, as ``nn.get_partition_spec`` of
+        ``jax.eval_shape(module.init, ...)`` gives (the whole variables dict, with its
+        ``params`` level): every variable must have a leaf, and every leaf a variable.
+        Or a rule: ``placements(path, shape_dtype)``, called once per variable with
+        its dot-joined path and ``jax.ShapeDtypeStruct``, returning a
+        ``NamedSharding``, a ``PartitionSpec``, a tuple of axes or None. Every form is
+        checked as a table is.
       existing: the values of some variables, made elsewhere: their plan paths
         (``params.up.kernel``) to arrays, flat or as a nested variables dict (boxes
         are unboxed). Each is placed on its planned sharding (resharded if it is on

@@ -416,7 +416,12 @@ def init(
         logical names where rules are in effect (``rules``, or flax's context rules),
         else mesh axes. A placement's mesh comes after a ``meshes`` match and before
         ``mesh``. A Variable no entry matches keeps its metadata; an entry that matches
-        no Variable is warned about (:class:`meshinit.UnusedPatternWarning`).
+        no Variable is warned about (:class:`meshinit.UnusedPatternWarning`), one for
+        a Variable holding no array (an int, None) is an error. Also: EasyDeL's rules
+        as ``meshinit.searched(rules)``; a tree of a ``PartitionSpec``,
+        ``NamedSharding`` or None per Variable (``nnx.get_partition_spec(state)``, an
+        ``nnx.State`` or pure dict, no path missing or extra); or a rule
+        ``(path, shape_dtype) -> axes or NamedSharding``. All are checked alike.
       mesh: the mesh of placements that name none, and of Variables whose metadata
         names none; without it, the ``jax.set_mesh`` context mesh.
       meshes: ordered ``(regex, mesh)`` pairs. The first regex that full-matches a
@@ -445,7 +450,9 @@ def init(
 
     Raises:
       PlanError: a sharding names an axis that is not in its mesh, a dimension does
-        not divide, or a sharded Variable has no mesh; an ``existing`` path names no
+        not divide, or a sharded Variable has no mesh; a placement is malformed, or a
+        tree of placements lacks a Variable or has a leaf no Variable has; an
+        ``existing`` path names no
         Variable, is given twice, or its value is no array (a key for a weight, a
         restore target's ``ShapeDtypeStruct``) or differs in shape or dtype; each
         problem names its path, all at once, before anything is allocated.
