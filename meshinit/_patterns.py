@@ -15,7 +15,7 @@ import re
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ._errors import Problem, UnusedPatternWarning, printable
@@ -55,9 +55,6 @@ class Searched:
     def path(self, path: str) -> str:
         """``path`` (dot-joined) as this table's regexes see it."""
         return path.replace(".", self.sep)
-
-    def matches(self, pattern: re.Pattern[str], path: str) -> bool:
-        return pattern.search(self.path(path)) is not None
 
 
 def searched(rules: Sequence[Any], sep: str = "/") -> Searched:
@@ -112,20 +109,15 @@ def searched(rules: Sequence[Any], sep: str = "/") -> Searched:
     return Searched(tuple(rules), sep)
 
 
-def _fullmatch(pattern: re.Pattern[str], path: str) -> bool:
-    return pattern.fullmatch(path) is not None
-
-
 def idle_patterns(
-    patterns: Sequence[re.Pattern[str]],
-    paths: Iterable[str],
-    match: Callable[[re.Pattern[str], str], bool] = _fullmatch,
+    patterns: Sequence[re.Pattern[str]], paths: Iterable[str], searched: Searched | None = None
 ) -> list[int]:
-    """The indices of ``patterns`` that match none of ``paths`` (by ``match``: a full
-    match unless a :class:`Searched` table says otherwise)."""
+    """The indices of ``patterns`` that match none of ``paths``: full-match none, or
+    for a :class:`Searched` table, are found in none as it spells them."""
+    tests = [p.fullmatch if searched is None else p.search for p in patterns]
     idle = dict.fromkeys(range(len(patterns)))
-    for path in paths:
-        for i in [i for i in idle if match(patterns[i], path)]:
+    for path in paths if searched is None else map(searched.path, paths):
+        for i in [i for i in idle if tests[i](path)]:
             del idle[i]
         if not idle:
             break

@@ -52,6 +52,11 @@ class Table(Placements):
         self.entries = tuple(entries)
         self._pattern = {e.index: p for e, p in zip(entries, patterns, strict=True)}
         self.searched = searched  # re.search on sep-joined paths; None: re.fullmatch
+        self._test = re.Pattern.fullmatch if searched is None else re.Pattern.search
+        self._order = tuple(  # each entry with its bound matcher: one call per entry
+            (e, p.fullmatch if searched is None else p.search)
+            for e, p in zip(entries, patterns, strict=True)
+        )
         self._used: set[int] = set()  # the indices of entries some path matched first
         self._held: set[int] = set()  # entries refused for a variable holding no array
 
@@ -70,13 +75,19 @@ class Table(Placements):
             return re.escape(path)
         return re.escape(self.searched.path(path)).join("^$")
 
+    def _key(self, path: str) -> str:
+        """``path`` as this table's regexes see it."""
+        return path if self.searched is None else self.searched.path(path)
+
     def _matches(self, pattern: re.Pattern[str], path: str) -> bool:
-        if self.searched is not None:
-            return self.searched.matches(pattern, path)
-        return pattern.fullmatch(path) is not None
+        return self._test(pattern, self._key(path)) is not None
 
     def _first(self, path: str) -> Parsed | None:
-        return next((e for e in self.entries if self._matches(self._pattern[e.index], path)), None)
+        key = self._key(path)
+        for entry, match in self._order:
+            if match(key) is not None:
+                return entry
+        return None
 
     def match(self, path: str, struct: Any = None) -> Parsed | None:
         """The first entry whose regex matches ``path``, or None."""
@@ -146,7 +157,7 @@ class Table(Placements):
         that holds no array (said by :meth:`refuse`)."""
         unused = [e for e in self.entries if e.index not in self._used | self._held]
         patterns = [self._pattern[e.index] for e in unused]
-        idle = _patterns.idle_patterns(patterns, paths, self._matches)
+        idle = _patterns.idle_patterns(patterns, paths, self.searched)
         return [unused[i] for i in idle]
 
 
