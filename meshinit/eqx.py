@@ -160,8 +160,8 @@ def _specs_from_placements(
                 bad_placements.setdefault(placement.index, Problem("", f"{placement.name}: {e}"))
             continue
         if spec.mesh is None:
-            bad_placements.setdefault(
-                path if placement.per_path else placement.index,
+            bad_placements.setdefault(  # a tree's or a rule's leaves without one: said once
+                placement.name if placement.per_path else placement.index,
                 Problem(
                     "",
                     f"{placement.name}: no mesh for the leaves it places ({path}, ...); pass "

@@ -149,9 +149,11 @@ def given(name: str, value: Any, own_mesh: str) -> Parsed | str:
         memory_kind = None if memory_kind == "device" else memory_kind
         value = value.spec
     elif not (value is None or isinstance(value, PartitionSpec | tuple | list | str)):
+        kind, shown = type(value).__name__, repr(value)
+        shown = shown if shown.startswith(kind) else f"{kind} {shown}"
         return (
-            f"got {type(value).__name__} {value!r}; give a jax.sharding.NamedSharding, a "
-            f"PartitionSpec, a tuple of axes or None (replicated)"
+            f"got {shown}; give a jax.sharding.NamedSharding, a PartitionSpec, a tuple of "
+            f"axes or None (replicated)"
         )
     axes, wrong = axes_of(value)
     if wrong:
