@@ -68,11 +68,12 @@ class Llama(nnx.Module):
         self.lm_head = linear(d, vocab, rngs)
 
 
-# EasyDeL's Llama rules ('/'-joined paths, re.search), as meshinit reads them:
-# dot-joined paths, each regex full-matched, the first match winning.
+# EasyDeL 0.3.0's Llama rules ('/'-joined paths, re.search), as meshinit reads a table:
+# dot-joined paths, each regex full-matched, the first match winning. (EasyDeL's own
+# rules go in unchanged as placements=meshinit.searched(rules): docs/nnx.md.)
 FSDP = ("fsdp", "sp")
 PLACEMENTS = [
-    (r"embed_tokens\.embedding", P("tp", FSDP)),
+    (r"embed_tokens\.embedding", P(FSDP, "tp")),
     (r".*self_attn\.(q_proj|k_proj|v_proj)\.kernel", P(FSDP, "tp")),
     (r".*self_attn\.o_proj\.kernel", P("tp", FSDP)),
     (r".*mlp\.(gate_proj|up_proj)\.kernel", P(FSDP, "tp")),

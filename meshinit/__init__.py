@@ -13,6 +13,7 @@ from ._errors import Problem as Problem
 from ._errors import UnusedPatternWarning as UnusedPatternWarning
 from ._errors import UnusedTensorWarning as UnusedTensorWarning
 from ._paths import param_key as param_key
+from ._patterns import searched as searched
 from ._plan.entries import MeshGroup as MeshGroup
 from ._plan.entries import PlanEntry as PlanEntry
 from ._plan.plan import Plan as Plan

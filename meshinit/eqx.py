@@ -19,8 +19,7 @@ Paths are the dot-joined pytree paths the core uses everywhere: ``layers.0.weigh
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -31,7 +30,7 @@ try:
 except ImportError as e:
     raise ImportError("meshinit.eqx needs equinox: pip install meshinit[eqx]") from e
 
-from . import _paths, _patterns
+from . import _paths
 from ._adapters import common as _adapters
 from ._adapters import placements as _placements
 from ._engine import entry as _engine
@@ -90,7 +89,7 @@ Placement = _placements.Placement
 
 def _specs_from_placements(
     abstract: Any,
-    placements: Sequence[Placement],
+    placements: Any,
     mesh: Mesh | AbstractMesh | None,
     rules: Any,
     what: str,
@@ -106,13 +105,20 @@ def _specs_from_placements(
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     leaves: list[Any] = []
     unmatched: list[Problem] = []
-    bad_placements: dict[int, Problem] = {}
+    bad_placements: dict[int | str, Problem] = {}
     paths: list[str] = []
     spelled: dict[str, int] = {}
+    # ints, None, activation functions: they stay as they are, unless a placement
+    # was meant for them (it is refused)
+    others = [
+        (_paths.path_str(kp), leaf)
+        for kp, leaf in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_none)[0]
+        if not isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
     for keypath, leaf in flat:
         leaves.append(leaf)
         if not isinstance(leaf, jax.ShapeDtypeStruct):
-            continue  # activation functions and other non-array leaves stay as they are
+            continue
         path = _paths.path_str(keypath)
         problem = _adapters.key_array_problem(
             path, leaf.dtype, "make it a static field or create it after init"
@@ -121,18 +127,19 @@ def _specs_from_placements(
             problems.append(problem)
             continue
         paths.append(path)
-        placement = table.match(path)
+        placement = table.match(path, leaf)
         if placement is not None and placement.broken:
             continue  # said once, for the placement
         if placement is None:
-            unmatched.append(
-                Problem(
-                    path,
-                    f"no placement matched this path (each regex must match the whole "
-                    f"path; the first match wins); add one, for example "
-                    f'(r"{re.escape(path)}", None) to replicate it',
+            if isinstance(table, _placements.Table):  # a tree lacking it: said by the tree
+                unmatched.append(
+                    Problem(
+                        path,
+                        f"no placement matched this path ({table.how()}; the first match "
+                        f'wins); add one, for example (r"{table.example(path)}", None) to '
+                        f"replicate it",
+                    )
                 )
-            )
             continue
         try:
             spec = param(
@@ -147,33 +154,45 @@ def _specs_from_placements(
             )
         except (TypeError, ValueError) as e:
             # The same malformed axes would repeat for every leaf it matches: say it once.
-            bad_placements.setdefault(placement.index, Problem("", f"{placement.name}: {e}"))
+            if placement.per_path:  # a tree's leaf or a rule's answer: this path's own
+                bad_placements[path] = Problem(path, f"{placement.name}: {e}")
+            else:
+                bad_placements.setdefault(placement.index, Problem("", f"{placement.name}: {e}"))
             continue
         if spec.mesh is None:
-            bad_placements.setdefault(
-                placement.index,
+            bad_placements.setdefault(  # a tree's or a rule's leaves without one: said once
+                placement.name if placement.per_path else placement.index,
                 Problem(
                     "",
                     f"{placement.name}: no mesh for the leaves it places ({path}, ...); pass "
-                    f"mesh= to meshinit.eqx.init, or give the placement its own as "
-                    f"(regex, axes, mesh)",
+                    f"mesh= to meshinit.eqx.init, or {placement.own_mesh}",
                 ),
             )
             continue
         leaves[-1] = spec
         if placement.mesh_axes or placement.axes is None:
             spelled[path] = placement.spelled  # P('a') as P('a'), None as P()
-    idle = table.idle(paths)
-    if not unmatched:
-        # As in partition-rule tables (t5x, EasyLM): a rule that places nothing is
-        # allowed, but likely a typo, so it is warned about; an unplaced leaf is an error.
-        _patterns.warn_idle(what, idle, paths, "array leaf")
-    elif idle:  # the leaves a mistyped regex missed: one line, not one each
-        problems += [Problem("", _patterns.idle_message([n], paths, "array leaf")) for n in idle]
-        shown = some([u.path for u in unmatched], 5)
-        unmatched = [Problem("", f"{len(unmatched)} array leaves matched no placement: {shown}")]
+    if isinstance(table, _placements.Table):
+        problems += table.refuse(others, paths)
+        idle = table.idle(paths)
+        if not unmatched:
+            # As in partition-rule tables (t5x, EasyLM): a rule that places nothing is
+            # allowed, but likely a typo, so it is warned about; an unplaced leaf is an error.
+            table.warn(what, idle, paths, "array leaf")
+        elif idle:  # the leaves a mistyped regex missed: one line, not one each
+            problems += [Problem("", table.idle_message(e, paths, "array leaf")) for e in idle]
+            shown = some([u.path for u in unmatched], 5)
+            unmatched = [
+                Problem("", f"{len(unmatched)} array leaves matched no placement: {shown}")
+            ]
+    else:  # a tree or a rule: each leaf its own placement
+        problems += table.finish(what, paths, "placement", others)
     problems += [*bad_placements.values(), *unmatched]
     return jax.tree_util.tree_unflatten(treedef, leaves), problems, spelled
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
 
 
 def _array_leaves(tree: Any) -> list[Any]:
@@ -212,7 +231,7 @@ class _Prepared:
 def _prepare(
     factory: Callable[[Any], Any],
     key: Any,
-    placements: Sequence[Placement],
+    placements: Any,
     mesh: Mesh | AbstractMesh | None,
     rules: Any,
     what: str,
@@ -254,7 +273,7 @@ def _prepare(
 def plan(
     factory: Callable[[Any], Any],
     key: Any,
-    placements: Sequence[Placement],
+    placements: Any,
     *,
     mesh: Mesh | AbstractMesh | None = None,
     rules: Any = None,
@@ -287,7 +306,7 @@ def plan(
 def init(
     factory: Callable[[Any], Any],
     key: Any,
-    placements: Sequence[Placement],
+    placements: Any,
     *,
     mesh: Mesh | AbstractMesh | None = None,
     rules: Any = None,
@@ -321,7 +340,15 @@ def init(
         rules) or None per dimension, or None for replicated. A placement's mesh
         overrides ``mesh``. A placement that matches no leaf is warned about
         (:class:`meshinit.UnusedPatternWarning`) when every leaf is matched, and named
-        in the error when some leaf is not.
+        in the error when some leaf is not; one written for a leaf that holds no array
+        (an int, None) is an error. ``meshinit.searched(rules)`` is a table matched by
+        ``re.search`` on ``/``-joined paths (EasyDeL's rules, unchanged). Or a tree: a
+        Module (or pytree) of the factory's structure holding a ``PartitionSpec``, a
+        ``NamedSharding`` (its mesh and memory kind too) or None (replicated) at each
+        array leaf, as ``jax.eval_shape`` plus a strategy gives; every array leaf must
+        have one. Or a rule: ``placements(path, shape_dtype)`` (the dot-joined path and
+        the leaf's ``jax.ShapeDtypeStruct``) returning a ``NamedSharding``, a
+        ``PartitionSpec``, a tuple of axes or None. Every form is checked alike.
       mesh: the mesh of placements that name none; defaults to ``meshinit.defaults()``.
       rules: the logical-to-mesh rule table, as in :func:`meshinit.param`.
       existing: the values of some leaves, made elsewhere: their plan paths
@@ -341,12 +368,13 @@ def init(
     Raises:
       PlanError: all problems at once: array leaves that no placement matches (one
         per path), malformed placements or regexes, and what planning finds (unknown
-        logical axes, indivisible dimensions, a missing mesh, ...), and ``existing``
+        logical axes, indivisible dimensions, a missing mesh, ...), a tree of
+        placements that lacks a leaf or has one no leaf has, and ``existing``
         paths that name no leaf or are given twice, or whose value is no array (PRNG
         keys, a ``ShapeDtypeStruct`` of a restore target such as
         ``eqx.filter_eval_shape``'s) or differs in shape or dtype.
-      TypeError, ValueError: ``placements`` is not a sequence, or the key is not a
-        single sharding-invariant key.
+      TypeError, ValueError: ``placements`` is a str, or the key is not a single
+        sharding-invariant key.
 
     Examples:
       >>> mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))

@@ -216,7 +216,7 @@ def _prepare(
         # A meshes= match wins over every other mesh; an unannotated variable it
         # matches is replicated there (or laid out as default= says).
         override = next((m for pattern, m in patterns if pattern.fullmatch(path)), None)
-        entry = table.match(path) if table else None
+        entry = table.match(path, _linen_meta.value_of(leaf)) if table else None
         if entry is not None:
             spec = None  # a broken entry is said once, for itself
             if not entry.broken:
@@ -226,6 +226,9 @@ def _prepare(
                 own = isinstance(leaf, meta.Partitioned) and leaf.mesh is not None
                 placed[path] = entry.mesh is not None or override is not None or own
                 lengths[path] = entry.spelled
+            continue
+        if table.lacks(path):  # a tree without it: said once, by the tree
+            specs.append(None)
             continue
         if isinstance(leaf, meta.Partitioned):
             lengths[path] = len(leaf.names)
@@ -238,7 +241,7 @@ def _prepare(
     # A meshes= pattern that matches no variable places nothing: likely a typo, warned.
     names = [_paths.path_str(k) for k, _ in flat]
     _adapters.warn_idle_meshes(what, patterns, names)
-    table.warn_idle(what, names, "annotation")
+    problems += table.finish(what, names, "annotation")
     plan = _planner.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
     )
@@ -380,7 +383,17 @@ def init(
         (``rules``, or an active ``nn.logical_axis_rules``), else mesh axes. The mesh is
         a ``meshes`` match, else the placement's, else ``mesh``, else the context mesh.
         An entry that matches no variable is warned about
-        (:class:`meshinit.UnusedPatternWarning`).
+        (:class:`meshinit.UnusedPatternWarning`). ``meshinit.searched(rules)`` is a
+        table matched by ``re.search`` on ``/``-joined paths (EasyDeL's rules,
+        unchanged). ``placements`` may also be a tree of the variables' structure
+        holding a ``PartitionSpec``, a ``NamedSharding`` (its mesh and memory kind
+        too) or None (replicated) per variable, as ``nn.get_partition_spec`` of
+        ``jax.eval_shape(module.init, ...)`` gives (the whole variables dict, with its
+        ``params`` level): every variable must have a leaf, and every leaf a variable.
+        Or a rule: ``placements(path, shape_dtype)``, called once per variable with
+        its dot-joined path and ``jax.ShapeDtypeStruct``, returning a
+        ``NamedSharding``, a ``PartitionSpec``, a tuple of axes or None. Every form is
+        checked as a table is.
       existing: the values of some variables, made elsewhere: their plan paths
         (``params.up.kernel``) to arrays, flat or as a nested variables dict (boxes
         are unboxed). Each is placed on its planned sharding (resharded if it is on

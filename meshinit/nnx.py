@@ -22,63 +22,26 @@ gets the same values as ``meshinit.init`` on a dict with the same paths.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 try:
     from flax import nnx
-    from flax.core import spmd as flax_spmd
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
 
-import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from ._adapters import common as _adapters
 from ._adapters import nnx_meta as _nnx_meta
-from ._adapters import placements as _placements
+from ._adapters import nnx_prepare as _prep
 from ._adapters.nnx_optimizer import optimizer
 from ._engine import entry as _engine
-from ._errors import PlanError, Problem
 from ._plan import planner as _planner
 from ._plan.plan import Plan
 from ._run import agree as _agree
 from ._run import materialize as _materialize
-from ._spec import rules as _rules
-from ._spec.spec import ParamSpec
 
 __all__ = ["materialize", "init", "plan", "abstract", "optimizer"]
-
-
-def _path(path: tuple[Any, ...]) -> str:
-    return ".".join(map(str, path))
-
-
-def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
-    """``{("layers", 0, "w"): x}`` -> ``{"layers": {"0": {"w": x}}}``.
-
-    String keys, so the core's paths are exactly the dot-joined nnx paths, and paths
-    that join to the same string are reported as duplicates.
-    """
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        for part in path[:-1]:
-            node = node.setdefault(str(part), {})
-        node[str(path[-1])] = value
-    return tree
-
-
-def _get(tree: dict[str, Any], path: tuple[Any, ...]) -> Any:
-    for part in path:
-        tree = tree[str(part)]
-    return tree
-
-
-def _specs(flat: list[tuple[tuple[Any, ...], nnx.Variable]]) -> dict[tuple[Any, ...], ParamSpec]:
-    """The ``ParamSpec``s that a flat state's Variables hold, by nnx path."""
-    return {path: var.get_value() for path, var in flat if isinstance(var.get_value(), ParamSpec)}
 
 
 def spec_tree(module: nnx.Module) -> dict[str, Any]:
@@ -87,7 +50,7 @@ def spec_tree(module: nnx.Module) -> dict[str, Any]:
     Paths in its plan are the Module's nnx paths (``layers.0.w``).
     """
     _, state = nnx.split(module)
-    return _nest(_specs(list(nnx.to_flat_state(state))))
+    return _prep.nest(_prep.specs_of(list(nnx.to_flat_state(state))))
 
 
 def materialize(module: nnx.Module, key: Any) -> nnx.Module:
@@ -119,151 +82,18 @@ def materialize(module: nnx.Module, key: Any) -> nnx.Module:
         )
     graphdef, state = nnx.split(module)
     flat = list(nnx.to_flat_state(state))
-    specs = _specs(flat)
+    specs = _prep.specs_of(flat)
     with _agree.collective("meshinit.nnx.materialize"):  # a plan failing on one process too
-        plan = _planner.plan(_nest(specs))
+        plan = _planner.plan(_prep.nest(specs))
         arrays = _materialize.materialize(plan, key)
     entries = {e.path: e for e in plan.entries}
     placed = []
     for path, var in flat:
         if path in specs:
-            entry = entries[_path(path)]
-            var = var.replace(_get(arrays, path), **_nnx_meta.placed_metadata(entry))
+            entry = entries[_prep.dotted(path)]
+            var = var.replace(_prep.get(arrays, path), **_nnx_meta.placed_metadata(entry))
         placed.append((path, var))
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prepared:
-    plan: Plan  # typed keys as the key arrays init gives back
-    made: Plan  # what the engine makes: typed keys as their key data
-    traced: Any
-    outputs: list[int]
-    graphdef: Any
-    flat: list[tuple[tuple[Any, ...], nnx.Variable]]
-    specs: dict[tuple[Any, ...], ParamSpec]
-    keys: dict[tuple[Any, ...], tuple[Any, Any]]  # typed key Variables: (struct, impl)
-    placed: frozenset[tuple[Any, ...]]  # the Variables a placements= entry placed
-
-
-def _prepare(
-    factory: Callable[[], nnx.Module],
-    meshes: Any,
-    rules: Any,
-    what: str,
-    placements: Any = None,
-    mesh: Any = None,
-) -> _Prepared:
-    """Traces ``factory`` once and plans its Variables; compiles and allocates nothing.
-
-    ``rules``, if given, is flax's logical axis rule table for the call: the factory
-    is traced and its Variables planned under ``flax.linen.logical_axis_rules(rules)``,
-    as if the caller had entered it.
-    """
-    if rules is None:
-        return _prepare_here(factory, meshes, what, placements, mesh)
-    table = _rules.normalize_rules(rules)  # a malformed table: one clear error, here
-    with flax_spmd.logical_axis_rules(table):
-        return _prepare_here(factory, meshes, what, placements, mesh)
-
-
-def _prepare_here(
-    factory: Callable[[], nnx.Module], meshes: Any, what: str, placements: Any, mesh: Any
-) -> _Prepared:
-    patterns = _adapters.parse_meshes(meshes)
-    table, problems = _placements.parse(placements)
-    _adapters.check_mesh("mesh", mesh)
-    if not callable(factory):
-        raise TypeError(
-            f"factory must be a zero-argument callable returning an nnx Module, got "
-            f"{type(factory).__name__}; write meshinit.nnx.init(lambda: Model(...))"
-        )
-    found: list[Any] = []
-
-    def build() -> list[Any]:
-        with nnx.use_eager_sharding(False):
-            made = factory()
-            if not isinstance(made, nnx.Module):
-                raise TypeError(
-                    f"{what}: the factory returned {type(made).__name__}, not an nnx Module; "
-                    f"it must build and return the Module (lambda: Model(rngs=nnx.Rngs(0)))"
-                )
-            graphdef, state = nnx.split(made)
-        flat = list(nnx.to_flat_state(state))
-        arrays = [(p, v.get_value()) for p, v in flat]
-        # numpy values too (the trace holds them as constants): planned where flax's
-        # eager sharding or a placement places them
-        arrays = [
-            (p, x) for p, x in arrays if isinstance(x, jax.Array) or _nnx_meta.is_host_array(x)
-        ]
-        # typed keys travel as their data and are wrapped again once placed
-        keys = {
-            p: (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.random.key_impl(x))
-            for p, x in arrays
-            if _nnx_meta.is_key(x)
-        }
-        found.append((graphdef, flat, [p for p, _ in arrays], keys))
-        return [jax.random.key_data(x) if _nnx_meta.is_key(x) else x for _, x in arrays]
-
-    with _nnx_meta.factory_errors(what):
-        traced = _engine.trace(build)
-    graphdef, flat, paths, keys = found[0]
-    declared = [_path(p) for p, v in flat if isinstance(v.get_value(), ParamSpec)]
-    if declared:
-        raise PlanError(
-            [
-                Problem(p, "holds a meshinit.param spec, which this Module declares")
-                for p in declared
-            ],
-            header=(
-                f"{what} is for Modules whose constructors make arrays; this one "
-                f"declares specs (nnx.Param(meshinit.param(...))): place it with "
-                f"meshinit.nnx.materialize(Model(...), key), or preview it with "
-                f"meshinit.plan(Model(...)):"
-            ),
-        )
-    avals = dict(zip(paths, traced.out_avals, strict=True))
-    specs: dict[tuple[Any, ...], ParamSpec] = {}
-    placed: dict[tuple[Any, ...], int] = {}  # path -> entries the placement spells
-    by_path = dict(flat)
-    problems += _nnx_meta.unholdable_problems(flat, table)
-    for p in paths:
-        struct = keys[p][0] if p in keys else jax.ShapeDtypeStruct(avals[p].shape, avals[p].dtype)
-        placement = table.match(_path(p)) if table else None
-        if _nnx_meta.left_as_is(by_path[p], placement):
-            continue  # numpy that flax leaves as it is: so does meshinit
-        spec = _nnx_meta.spec_for(by_path[p], struct, problems, _path(p), patterns, mesh, placement)
-        if spec is not None:
-            specs[p] = spec
-            if placement is not None:
-                placed[p] = placement.spelled
-    # A pattern that matches no Variable places nothing: legal (every Variable falls
-    # back to its metadata, the context mesh or the default device), likely a typo.
-    names = [_path(p) for p in paths]
-    _adapters.warn_idle_meshes(what, patterns, names)
-    table.warn_idle(what, names, "metadata")
-    plan = _planner.build_plan(_nest(specs), check_inits=False, problems=problems)
-    # flax's spelling (nnx.get_named_sharding of the abstract state), so == holds: as
-    # many entries as the annotation has, and P() for a Variable without one. Typed
-    # keys are planned as their data, and shown as jax spells the key (typed_key_plan).
-    lengths = {  # flax's pspec is None only for a Variable without a shape
-        _path(p): placed[p]
-        if p in placed  # as many as the placement gives: flax's spelling of the metadata
-        else len(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(by_path[p])))
-        for p in specs
-        if p not in keys
-    }
-    plan = _adapters.respell(plan, lengths)
-    # names resolved through logical axis rules: without the mesh axes of size 1, as
-    # MaxText's own nnx init and jax's sharding types spell them
-    plan = _adapters.drop_unit_axes(
-        plan, [_path(p) for p, s in specs.items() if "logical" in s.metadata]
-    )
-    position = {_path(p): i for i, p in enumerate(paths)}
-    outputs = [position[e.path] for e in plan.entries]
-    # the plan shows typed keys as init gives them back, the engine makes their data
-    shown = _nnx_meta.typed_key_plan(plan, {_path(p): k[0] for p, k in keys.items()})
-    return _Prepared(shown, plan, traced, outputs, graphdef, flat, specs, keys, frozenset(placed))
 
 
 def plan(
@@ -311,7 +141,7 @@ def plan(
       <BLANKLINE>
       total: 5 params, 96.5 KiB, 1 mesh, most on one device 12.5 KiB
     """
-    return _prepare(
+    return _prep.prepare(
         factory, meshes, rules, "meshinit.nnx.plan", placements=placements, mesh=mesh
     ).plan
 
@@ -357,7 +187,7 @@ def abstract(
       (The restore needs a checkpoint on disk: not run in the tests.)
     """
     with _agree.collective("meshinit.nnx.abstract"):
-        prep = _prepare(
+        prep = _prep.prepare(
             factory, meshes, rules, "meshinit.nnx.abstract", placements=placements, mesh=mesh
         )
     structs = prep.plan.abstract()
@@ -366,7 +196,7 @@ def abstract(
     for path, var in prep.flat:
         if path in prep.specs:
             var = var.replace(
-                _get(structs, path),
+                _prep.get(structs, path),
                 eager_sharding=nnx.using_eager_sharding(),
                 **_nnx_meta.placement_of(prep.placed, prep.keys, entries, path),
             )
@@ -421,7 +251,12 @@ def init(
         logical names where rules are in effect (``rules``, or flax's context rules),
         else mesh axes. A placement's mesh comes after a ``meshes`` match and before
         ``mesh``. A Variable no entry matches keeps its metadata; an entry that matches
-        no Variable is warned about (:class:`meshinit.UnusedPatternWarning`).
+        no Variable is warned about (:class:`meshinit.UnusedPatternWarning`), one for
+        a Variable holding no array (an int, None) is an error. Also: EasyDeL's rules
+        as ``meshinit.searched(rules)``; a tree of a ``PartitionSpec``,
+        ``NamedSharding`` or None per Variable (``nnx.get_partition_spec(state)``, an
+        ``nnx.State`` or pure dict, no path missing or extra); or a rule
+        ``(path, shape_dtype) -> axes or NamedSharding``. All are checked alike.
       mesh: the mesh of placements that name none, and of Variables whose metadata
         names none; without it, the ``jax.set_mesh`` context mesh.
       meshes: ordered ``(regex, mesh)`` pairs. The first regex that full-matches a
@@ -452,7 +287,9 @@ def init(
     Raises:
       PlanError: a sharding names an axis that is not in its mesh, a dimension does
         not divide, a sharded Variable has no mesh, or a typed key's sharding has more
-        entries than the key has dimensions; an ``existing`` path names no
+        entries than the key has dimensions; a placement is malformed, or a tree of
+        placements lacks a Variable or has a leaf no Variable has; an ``existing`` path
+        names no
         Variable, is given twice, or its value is no array (a key for a weight, a
         restore target's ``ShapeDtypeStruct``) or differs in shape or dtype; each
         problem names its path, all at once, before anything is allocated.
@@ -466,7 +303,7 @@ def init(
     """
     # Collective: a factory that fails while tracing on one process fails every process.
     with _agree.collective("meshinit.nnx.init"), _engine.paused_gc():
-        prep = _prepare(
+        prep = _prep.prepare(
             factory, meshes, rules, "meshinit.nnx.init", placements=placements, mesh=mesh
         )
         arrays = _engine.make_arrays(
@@ -480,9 +317,9 @@ def init(
         placed = []
         for path, var in prep.flat:
             if path in prep.specs:
-                array = _get(arrays, path)
+                array = _prep.get(arrays, path)
                 if path in prep.keys:  # the key data, placed: a key of eager's type again
-                    sharding = entries[_path(path)].sharding  # as the plan shows it
+                    sharding = entries[_prep.dotted(path)].sharding  # as the plan shows it
                     array = _nnx_meta.rewrapped(array, prep.keys[path][1], sharding)
                 # Traced with eager sharding off; give back what the user's flax would record.
                 var = var.replace(

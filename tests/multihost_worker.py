@@ -102,11 +102,13 @@ def check_nnx(named: Mapping[str, Mesh], reference: Any) -> tuple[list[str], dic
 
     from flax import nnx
 
+    from meshinit._adapters import nnx_prepare
+
     model = nnx_model()
     meshes = [(p, named[n]) for p, n in NNX_MESHES]
     factory = lambda: model(nnx.Rngs(3))  # noqa: E731
     out = meshinit.nnx.init(factory, meshes=meshes)
-    traced = meshinit.nnx._prepare(factory, meshes, None, what="meshinit.nnx.init").traced
+    traced = nnx_prepare.prepare(factory, meshes, None, what="meshinit.nnx.init").traced
     traced = meshinit._engine.trace.evaluate_host_part(traced, traced.program.outputs)
     digest = hashlib.blake2b(digest_size=8)
     for n in sorted(traced.host):

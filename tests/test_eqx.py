@@ -424,8 +424,11 @@ def test_the_factory_is_traced_exactly_once():
 
 
 def test_placements_must_be_a_sequence():
-    with pytest.raises(TypeError, match="placements must be an ordered sequence"):
+    # a dict is a tree of shardings (issue 42); one keyed by regexes says what a table is
+    with pytest.raises(meshinit.PlanError, match=r"a list of \(regex, axes\) tuples"):
         meshinit.eqx.init(mlp, 0, {r".*": None})
+    with pytest.raises(TypeError, match="placements must be an ordered sequence"):
+        meshinit.eqx.init(mlp, 0, r".*")
 
 
 def test_the_placeholder_init_is_never_a_silent_value():

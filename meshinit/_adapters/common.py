@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from .. import _paths
 from .._errors import PlanError, Problem
-from .._patterns import compile_regex, idle_patterns, pattern_name, warn_idle
+from .._patterns import Searched, compile_regex, idle_patterns, pattern_name, warn_idle
 from .._plan.plan import MeshGroup, Plan
 from .._run.checks import Duplicate
 
@@ -81,6 +81,11 @@ def parse_meshes(meshes: Any) -> list[tuple[re.Pattern[str], Any]]:
     malformed pair is one problem of a single :class:`PlanError`."""
     if meshes is None:
         return []
+    if isinstance(meshes, Searched):
+        raise TypeError(
+            "meshinit.searched(...) marks a placements= table; meshes= is matched with "
+            "re.fullmatch on dot-joined paths (layers.0.mlp.kernel): write its regexes so"
+        )
     if isinstance(meshes, str | bytes | Mapping) or not isinstance(meshes, Sequence):
         raise TypeError(
             f"meshes must be an ordered sequence of (regex, mesh) pairs, first full match "

@@ -23,6 +23,7 @@ from .._errors import Problem
 from .._run import materialize as _materialize
 from .._spec.spec import ParamSpec, memory_kind_default, replicated_default
 from . import common as _adapters
+from .placement import not_an_array
 from .placements import Parsed
 
 
@@ -71,14 +72,16 @@ _NO_ANNOTATION = (
 )
 
 
-def _placeable(path: str, leaf: Any, problems: list[Problem]) -> Any:
+def _placeable(path: str, leaf: Any, problems: list[Problem], by: str = "") -> Any:
     """A variable's abstract value, or None with its problem recorded: not an array,
-    or an array of PRNG keys."""
+    or an array of PRNG keys; ``by`` names the placement that matched it, if any."""
     value = value_of(leaf)
     if not isinstance(value, jax.ShapeDtypeStruct):
-        problems.append(
-            Problem(path, f"holds {type(value).__name__}, not an array; meshinit cannot place it")
-        )
+        if by:
+            problems.append(not_an_array(path, by, value))
+        else:
+            text = f"holds {type(value).__name__}, not an array; meshinit cannot place it"
+            problems.append(Problem(path, text))
         return None
     problem = _adapters.key_array_problem(path, value.dtype)
     if problem is not None:
@@ -183,7 +186,7 @@ def placed_spec(
     PartitionSpec names mesh axes. The mesh is ``override`` (a ``meshes=`` match), else
     the entry's, else ``mesh``, else the context mesh, else the box's own.
     """
-    value = _placeable(path, leaf, problems)
+    value = _placeable(path, leaf, problems, placement.name)
     if value is None:
         return None
     own = leaf.mesh if isinstance(leaf, meta.Partitioned) else None

@@ -27,7 +27,7 @@ from .._run.checks import Refused
 from .._spec import rules as _rules
 from .._spec.spec import ParamSpec, key_spec, memory_kind_default, replicated_default
 from . import common as _adapters
-from .placements import Parsed, Table
+from .placement import Parsed, Placements
 
 
 def is_key(value: Any) -> bool:
@@ -65,7 +65,7 @@ def left_as_is(var: nnx.Variable, placement: Parsed | None) -> bool:
 
 
 def unholdable_problems(
-    flat: Sequence[tuple[tuple[Any, ...], nnx.Variable]], table: Table
+    flat: Sequence[tuple[tuple[Any, ...], nnx.Variable]], table: Placements
 ) -> list[Problem]:
     """The problem of each numpy value jax cannot hold (big-endian, str, object) that
     its sharding or a ``placements=`` entry asks to place; the others stay as they are."""
@@ -292,6 +292,17 @@ def placed_spec(
     except (TypeError, ValueError) as e:
         problems.append(Problem(path, f"{placement.name}: {e}"))
         return None
+
+
+def placements_tree(placements: Any) -> Any:
+    """``placements=`` with nnx's containers as plain trees: an ``nnx.State`` (what
+    ``nnx.get_partition_spec`` and ``nnx.get_named_sharding`` give) or a Module as its
+    pure dict, keyed by the same paths as the Variables."""
+    if isinstance(placements, nnx.Module):
+        placements = nnx.state(placements)
+    if isinstance(placements, nnx.State):
+        return nnx.to_pure_dict(placements)
+    return placements
 
 
 def placed_metadata(entry: PlanEntry, ndim: int | None = None) -> dict[str, Any]:

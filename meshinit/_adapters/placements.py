@@ -1,130 +1,203 @@
-"""Placement tables: ``placements=`` of ``meshinit.eqx.init``, ``nnx.init`` and ``linen.init``.
+"""``placements=`` of ``meshinit.eqx.init``, ``nnx.init`` and ``linen.init``: the sharding
+kept outside the model, in whichever form the caller has it.
 
 A table is an ordered sequence of ``(regex, axes)``, ``(regex, axes, mesh)`` or
 ``(regex, axes, mesh, memory_kind)``: the sharding kept outside the model, as in
 EasyDeL's partition rules, t5x's and Levanter's. Each regex is full-matched against a
-variable's dot-joined path and the first match wins. ``axes`` is None (replicated), a
-tuple with one entry per dimension (logical names where the call has rules, else mesh
-axis names), or a ``jax.sharding.PartitionSpec``, whose names are mesh axes whatever
-the rules (jax's meaning), padded with None to the variable's rank as jax pads it.
+variable's dot-joined path and the first match wins; a table wrapped in
+:func:`meshinit.searched` is matched by ``re.search`` on ``/``-joined paths instead, as
+EasyDeL matches its rules. ``axes`` is None (replicated), a tuple with one entry per
+dimension (logical names where the call has rules, else mesh axis names), or a
+``jax.sharding.PartitionSpec``, whose names are mesh axes whatever the rules (jax's
+meaning), padded with None to the variable's rank as jax pads it.
 
-One parser for the three adapters: :func:`parse` checks every entry and collects what
-is wrong, and :meth:`Table.match` finds a path's placement, once per path.
+``placements=`` may also be a tree of shardings or a rule (:mod:`.placement_forms`).
+One parser for the three adapters: :func:`parse` reads any form into a
+:class:`~.placement.Placements` that gives each path its :class:`~.placement.Parsed`
+placement, checks every entry and collects what is wrong.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from .. import _patterns
-from .._errors import Problem, printable
+from .._errors import Problem
+from .placement import Parsed as Parsed
+from .placement import Placements, axes_of, not_an_array
+from .placement_forms import Rule, Tree
 
 Placement = tuple[Any, ...]
 """``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex, axes, mesh, memory_kind)``."""
 
 _FORMS = "(regex, axes), (regex, axes, mesh) or (regex, axes, mesh, memory_kind)"
 
-
-@dataclasses.dataclass(frozen=True)
-class Parsed:
-    """One well-formed entry of a table."""
-
-    index: int
-    pattern: re.Pattern[str]
-    axes: tuple[Any, ...] | None  # as given (a PartitionSpec's entries), None: replicated
-    mesh_axes: bool  # given as a PartitionSpec: mesh axes, never resolved through rules
-    mesh: Mesh | AbstractMesh | None
-    memory_kind: str | None
-    broken: bool = False  # malformed, and said so: what it matches is placed by nothing
-
-    @property
-    def name(self) -> str:
-        return f'placements[{self.index}] r"{printable(self.pattern.pattern)}"'
-
-    def axes_for(self, ndim: int) -> tuple[Any, ...] | None:
-        """The axes for a variable of ``ndim`` dimensions: a PartitionSpec shorter than
-        that pads with None, as jax pads it; a tuple is as given (the planner says when
-        its length is not the rank)."""
-        if self.axes is None or not self.mesh_axes or len(self.axes) >= ndim:
-            return self.axes
-        return self.axes + (None,) * (ndim - len(self.axes))
-
-    def rules_for(self, rules: Any) -> Any:
-        """The rules this entry's axes resolve through: none for a PartitionSpec (its
-        names are mesh axes) or replicated axes, else ``rules``."""
-        return None if self.mesh_axes or self.axes is None else rules
-
-    @staticmethod
-    def shards(axes: tuple[Any, ...] | None) -> bool:
-        """Whether ``axes`` shard any dimension (so a mesh is needed)."""
-        return axes is not None and any(a is not None for a in axes)
-
-    def no_mesh(self, path: str, call: str) -> Problem:
-        """The problem of ``path``, which this entry shards, having no mesh."""
-        return Problem(
-            path,
-            f"{self.name} shards it but there is no mesh: pass mesh= to {call}, call under "
-            f"jax.set_mesh, or give the placement its own as (regex, axes, mesh)",
-        )
-
-    @property
-    def spelled(self) -> int:
-        """How many entries the framework spells the placed spec with: as many as given
-        (``P()`` for None, as flax spells a Variable without sharding)."""
-        return 0 if self.axes is None else len(self.axes)
+_NOT_ARRAY_FIX = "narrow the regex so that it leaves this path out"
 
 
-class Table:
-    """A parsed table: the first full match per path, and which entries matched none."""
+class Table(Placements):
+    """A parsed table: the first match per path, and which entries matched none."""
 
-    def __init__(self, entries: Sequence[Parsed]) -> None:
+    def __init__(
+        self,
+        entries: Sequence[Parsed],
+        patterns: Sequence[re.Pattern[str]] = (),
+        searched: _patterns.Searched | None = None,
+    ) -> None:
         self.entries = tuple(entries)
+        self._pattern = {e.index: p for e, p in zip(entries, patterns, strict=True)}
+        self.searched = searched  # re.search on sep-joined paths; None: re.fullmatch
+        self._test = re.Pattern.fullmatch if searched is None else re.Pattern.search
+        self._order = tuple(  # each entry with its bound matcher: one call per entry
+            (e, p.fullmatch if searched is None else p.search)
+            for e, p in zip(entries, patterns, strict=True)
+        )
         self._used: set[int] = set()  # the indices of entries some path matched first
+        self._held: set[int] = set()  # entries refused for a variable holding no array
 
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def match(self, path: str) -> Parsed | None:
-        """The first entry whose regex full-matches ``path``, or None."""
-        for entry in self.entries:
-            if entry.pattern.fullmatch(path):
-                self._used.add(entry.index)
+    def how(self) -> str:
+        """How this table's regexes are matched, for messages."""
+        if self.searched is None:
+            return "each regex must match the whole path"
+        return f"each regex is searched in the {self.searched.sep!r}-joined path"
+
+    def example(self, path: str) -> str:
+        """A regex that matches ``path`` alone, as this table spells paths."""
+        if self.searched is None:
+            return re.escape(path)
+        return re.escape(self.searched.path(path)).join("^$")
+
+    def _key(self, path: str) -> str:
+        """``path`` as this table's regexes see it."""
+        return path if self.searched is None else self.searched.path(path)
+
+    def _matches(self, pattern: re.Pattern[str], path: str) -> bool:
+        return self._test(pattern, self._key(path)) is not None
+
+    def _first(self, path: str) -> Parsed | None:
+        key = self._key(path)
+        for entry, match in self._order:
+            if match(key) is not None:
                 return entry
         return None
+
+    def match(self, path: str, struct: Any = None) -> Parsed | None:
+        """The first entry whose regex matches ``path``, or None."""
+        entry = self._first(path)
+        if entry is not None:
+            self._used.add(entry.index)
+        return entry
+
+    def refuse(self, others: Iterable[tuple[str, Any]], paths: Sequence[str] = ()) -> list[Problem]:
+        """A variable holding no array (an int, None) that an entry matches first is
+        the entry's problem where the entry matches no array path (``paths``): it was
+        written for that variable, which cannot be placed. An entry that also matches
+        arrays (a catch-all ``.*``) leaves such a variable as it is."""
+        problems = []
+        for path, value in others:
+            entry = self._first(path)
+            if entry is None:
+                continue
+            self._held.add(entry.index)  # it matched a variable: no typo
+            pattern = self._pattern[entry.index]
+            if entry.broken or any(self._matches(pattern, p) for p in paths):
+                continue
+            problems.append(not_an_array(path, entry.name, value, _NOT_ARRAY_FIX))
+        return problems
+
+    def finish(
+        self, what: str, paths: Sequence[str], keeps: str, others: Iterable[tuple[str, Any]] = ()
+    ) -> list[Problem]:
+        problems = self.refuse(others, paths)
+        self.warn_idle(what, paths, keeps)
+        return problems
 
     def warn_idle(self, what: str, paths: Sequence[str], keeps: str) -> None:
         """Warns (:class:`~meshinit.UnusedPatternWarning`) about the entries that match
         none of ``paths``; ``keeps`` says what an unplaced variable keeps."""
         effect = f"It places nothing (each variable keeps its own {keeps})"
-        _patterns.warn_idle(what, self.idle(paths), paths, "variable path", effect)
+        self.warn(what, self.idle(paths), paths, "variable path", effect)
 
-    def idle(self, paths: Sequence[str]) -> list[str]:
-        """The names of the entries that full-match none of ``paths``: an entry shadowed
-        by an earlier one still counts as matching (it is not a typo)."""
-        unused = [e for e in self.entries if e.index not in self._used]
-        idle = _patterns.idle_patterns([e.pattern for e in unused], paths)
-        return [unused[i].name for i in idle]
+    def warn(
+        self,
+        what: str,
+        idle: Sequence[Parsed],
+        paths: Sequence[str],
+        noun: str,
+        effect: str = "It places nothing (every leaf is placed without it)",
+    ) -> None:
+        """Warns about the ``idle`` entries, with the hint that fits them."""
+        names = [e.name for e in idle]
+        _patterns.warn_idle(what, names, paths, noun, effect, self.searched, self.hint(idle))
+
+    def idle_message(self, entry: Parsed, paths: Sequence[str], noun: str) -> str:
+        """The line that says ``entry`` matched none of ``paths``, with its hint."""
+        text = _patterns.idle_message([entry.name], paths, noun, self.searched)
+        hint = self.hint([entry])
+        return f"{text}. {hint}" if hint else text
+
+    def hint(self, idle: Sequence[Parsed]) -> str:
+        """What may be wrong with ``idle`` entries: a ``/`` in a full-matched regex is
+        a path spelled with slashes, as EasyDeL spells them."""
+        slashed = any("/" in self._pattern[e.index].pattern for e in idle)
+        slashed = slashed and self.searched is None
+        return _patterns.SLASH_HINT if slashed else ""
+
+    def idle(self, paths: Sequence[str]) -> list[Parsed]:
+        """The entries that match none of ``paths``: an entry shadowed by an earlier one
+        still counts as matching (it is not a typo), as does one matching a variable
+        that holds no array (said by :meth:`refuse`)."""
+        unused = [e for e in self.entries if e.index not in self._used | self._held]
+        patterns = [self._pattern[e.index] for e in unused]
+        idle = _patterns.idle_patterns(patterns, paths, self.searched)
+        return [unused[i] for i in idle]
 
 
-def parse(placements: Any) -> tuple[Table, list[Problem]]:
-    """The table of ``placements`` (None: an empty one), and every malformed entry.
+def parse(placements: Any) -> tuple[Placements, list[Problem]]:
+    """The placements of ``placements`` (None: an empty table), in any form, and every
+    malformed entry.
 
     Raises:
-      TypeError: ``placements`` is not an ordered sequence.
+      TypeError: ``placements`` is none of the forms.
     """
     if placements is None:
         return Table(()), []
-    if isinstance(placements, str | bytes | Mapping) or not isinstance(placements, Sequence):
+    if isinstance(placements, _patterns.Searched):
+        return _table(placements.rules, placements)
+    if isinstance(placements, str | bytes):
         raise TypeError(
-            f"placements must be an ordered sequence of {_FORMS} tuples, first full match "
-            f"wins; got {type(placements).__name__}"
+            f"placements must be an ordered sequence of {_FORMS} tuples (first match wins), a "
+            f"tree of shardings or a callable; got {type(placements).__name__}"
         )
+    if isinstance(placements, Sequence):
+        return _table(placements, None)
+    if callable(placements) and _is_leaf(placements):
+        return Rule(placements), []
+    return Tree(placements), []
+
+
+def _is_leaf(value: Any) -> bool:
+    """Whether ``value`` is one leaf to jax (a function), not a tree (an eqx Module of
+    shardings is callable, and a tree)."""
+    if isinstance(value, jax.tree_util.Partial):
+        return True
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=lambda x: x is None)
+    return len(leaves) == 1 and leaves[0] is value
+
+
+def _table(
+    placements: Sequence[Any], searched: _patterns.Searched | None
+) -> tuple[Table, list[Problem]]:
     parsed: list[Parsed] = []
+    patterns: list[re.Pattern[str]] = []
     problems: list[Problem] = []
     for i, p in enumerate(placements):
         if not isinstance(p, tuple | list) or len(p) not in (2, 3, 4):
@@ -136,7 +209,7 @@ def parse(placements: Any) -> tuple[Table, list[Problem]]:
             problems.append(pattern)  # it names placements[i]
             name = f"placements[{i}]"
         else:
-            name = f'placements[{i}] r"{printable(pattern.pattern)}"'
+            name = _patterns.pattern_name("placements", i, pattern)
         wrong = []
         if mesh is not None and not isinstance(mesh, Mesh | AbstractMesh):
             wrong.append(
@@ -148,7 +221,7 @@ def parse(placements: Any) -> tuple[Table, list[Problem]]:
                 f"the memory kind must be a str ('device', 'pinned_host', ...) or None, got "
                 f"{type(memory_kind).__name__} {memory_kind!r}"
             )
-        given, axes_problem = _axes(axes)
+        given, axes_problem = axes_of(axes)
         if axes_problem:
             wrong.append(axes_problem)
         problems += [Problem("", f"{name}: {w}") for w in wrong]
@@ -157,32 +230,6 @@ def parse(placements: Any) -> tuple[Table, list[Problem]]:
         # A malformed entry still matches its paths, so that they are not also named as
         # unplaced: its problem is said once, for the entry.
         mesh_axes = isinstance(axes, PartitionSpec)
-        parsed.append(Parsed(i, pattern, given, mesh_axes, mesh, memory_kind, bool(wrong)))
-    return Table(parsed), problems
-
-
-def _axes(axes: Any) -> tuple[tuple[Any, ...] | None, str | None]:
-    """A placement's axes as a tuple of entries, or what is wrong with them."""
-    if axes is None:
-        return None, None
-    if isinstance(axes, PartitionSpec):
-        entries = tuple(axes)
-        if any(e is PartitionSpec.UNCONSTRAINED for e in entries):
-            return None, (
-                "UNCONSTRAINED cannot be placed exactly; name mesh axes or None per dimension"
-            )
-    elif isinstance(axes, str) or not isinstance(axes, Sequence):
-        return None, (
-            f"axes must be None, a jax.sharding.PartitionSpec, or a tuple with one entry per "
-            f"dimension (a name, a tuple of names, or None); got {axes!r}"
-            + (f"; for one dimension write ({axes!r},)" if isinstance(axes, str) else "")
-        )
-    else:
-        entries = tuple(axes)
-    for e in entries:
-        names = e if isinstance(e, tuple) else (e,)
-        if e is not None and not all(isinstance(n, str) for n in names):
-            return None, (
-                f"each axes entry must be a name, a tuple of names or None; got {e!r} in {axes!r}"
-            )
-    return entries, None
+        parsed.append(Parsed(name, given, mesh_axes, mesh, memory_kind, bool(wrong), i))
+        patterns.append(pattern)
+    return Table(parsed, patterns, searched), problems
