@@ -25,7 +25,6 @@ import dataclasses
 import difflib
 import functools
 import itertools
-import os
 import pathlib
 import warnings
 from collections.abc import Mapping
@@ -135,16 +134,16 @@ def _survey(
     fit) and, apart, the problems of paths whose tensors no file holds."""
     if not isinstance(plan, Plan):
         raise TypeError(f"{what} takes a Plan (meshinit.nnx.plan(factory), ...), got {plan!r}")
-    paths = _file.listing(files)
-    problems: list[Problem] = []
+    listed = _file.listing(files)
+    paths = listed.paths
+    problems: list[Problem] = list(listed.problems)
     checked: dict[pathlib.Path, _file.Checked] = {}
     for p in paths:
         c, found = _file.check(p)
         problems += found
         if c is not None:
             checked[p] = c
-    if isinstance(files, str | os.PathLike) and pathlib.Path(files).is_dir():
-        problems += _file.read_index(pathlib.Path(files), checked.values())
+    problems += _file.read_index(listed, checked.values())
     bad_files = bool(problems)
     index: dict[str, _file.Stored] = {}
     for c in checked.values():

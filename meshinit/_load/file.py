@@ -20,12 +20,14 @@ import dataclasses
 import json
 import logging
 import math
+import operator
 import os
 import pathlib
 import stat
 import struct
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -92,9 +94,9 @@ if hasattr(ml_dtypes, "float8_e8m0fnu"):  # ml_dtypes >= 0.5
 READABLE: Mapping[str, np.dtype] = {k: np.dtype(v) for k, v in _NUMPY.items()}
 
 
-@dataclasses.dataclass(frozen=True)
-class Stored:
-    """One tensor of a checked file: where its bytes are."""
+class Stored(NamedTuple):
+    """One tensor of a checked file: where its bytes are (a tuple: a header makes
+    hundreds of thousands)."""
 
     file: pathlib.Path
     name: str
@@ -118,46 +120,123 @@ def identity(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def listing(files: Any) -> list[pathlib.Path]:
-    """The files of ``files``: a path, a sequence of paths, or a directory, whose
-    ``*.safetensors`` regular files are taken and hidden ones (macOS's ``._x``
-    AppleDouble files, editors' swap files) skipped."""
+class Listing(NamedTuple):
+    """The files to check, and what the folder's listing found."""
+
+    paths: list[pathlib.Path]
+    problems: list[Problem]
+    directory: pathlib.Path | None = None  # where ``files`` named a folder
+    weight_map: dict[str, str] | None = None  # its index's, where it has one
+
+
+def listing(files: Any) -> Listing:
+    """The files of ``files``, and the problems of a folder's listing: a path, a
+    sequence of paths, or a directory. A directory's ``*.safetensors`` entries are
+    taken and hidden ones (macOS's ``._x`` AppleDouble files, editors' swap files)
+    skipped; where its ``model.safetensors.index.json`` is, only the files the index
+    lists (as transformers reads a sharded checkpoint), the others left with a warning.
+    Folders are passed over; any other entry that is not a regular file (a dangling
+    link, a FIFO) stays in the list for :func:`check` to name: no weight file is left
+    out without a word."""
     if isinstance(files, str | os.PathLike):
         path = pathlib.Path(files)
         if not path.is_dir():
-            return [path]
-        found = []
-        for p in sorted(path.glob("*.safetensors")):
-            if p.name.startswith("."):
-                logger.debug("meshinit.safetensors: skipped the hidden file %s", p)
-            elif p.is_file():
-                found.append(p)
-        if not found:
+            return Listing([path], [])
+        try:
+            with os.scandir(path) as entries:
+                names = sorted(
+                    e.name for e in entries if e.name.endswith(".safetensors") and not e.is_dir()
+                )
+        except OSError as e:
+            why = e.strerror or str(e)
+            fix = "give this process read access to it"
+            return Listing([], [Problem(str(path), f"cannot be listed ({why}); {fix}")], path)
+        for name in names:
+            if name.startswith("."):
+                logger.debug("meshinit.safetensors: skipped the hidden file %s", path / name)
+        found = [path / name for name in names if not name.startswith(".")]
+        weight_map, problems = _index(path)
+        if weight_map is not None and not problems:
+            listed = set(weight_map.values())
+            unlisted = [p.name for p in found if p.name not in listed]
+            if unlisted:
+                warnings.warn(
+                    f"meshinit.safetensors: {path / INDEX} does not list "
+                    f"{', '.join(map(repr, unlisted))}: left unread, as transformers leaves "
+                    f"them (a stale shard of an earlier download?). Remove them, or give "
+                    f"the files as a list to read them",
+                    stacklevel=3,
+                )
+            found = [p for p in found if p.name in listed]
+        if not found and not problems and weight_map is None:
             raise FileNotFoundError(f"no *.safetensors file in the directory {path}")
-        return found
+        return Listing(found, problems, path, weight_map)
     if isinstance(files, Sequence) and not isinstance(files, bytes) and files:
         if all(isinstance(f, str | os.PathLike) for f in files):
             out: dict[str, pathlib.Path] = {}  # one file named twice is read once
             for f in files:
                 out.setdefault(os.path.realpath(f), pathlib.Path(f))
-            return list(out.values())
+            return Listing(list(out.values()), [])
     raise TypeError(
         f"files must be a path, a list of paths or a directory of *.safetensors files, "
         f"got {files!r}"
     )
 
 
+def _kind_of(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: pathlib.Path) -> tuple[Any, os.stat_result | None, str | None]:
+    """``path`` opened for reading if it is a regular file: ``(file, its stat, None)``,
+    else ``(None, None, why)``. Its type is known before it is opened (opening a FIFO
+    blocks until a writer comes), and it is opened without blocking and checked again,
+    in case it was replaced in between."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            target = os.readlink(path)
+            return (
+                None,
+                None,
+                f"is a link to {target}, which does not exist: an incomplete download "
+                f"(the Hugging Face cache links each file to a blob)? Download it again",
+            )
+        return None, None, "cannot be opened: No such file or directory"
+    except OSError as e:
+        return None, None, f"cannot be opened: {e.strerror or e}"
+    if not stat.S_ISREG(st.st_mode):
+        return None, None, f"is {_kind_of(st.st_mode)}, not a regular file"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        return None, None, f"cannot be opened: {e.strerror or e}"
+    f = os.fdopen(fd, "rb")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        f.close()
+        return None, None, f"is {_kind_of(st.st_mode)}, not a regular file"
+    return f, st, None
+
+
 def check(path: pathlib.Path) -> tuple[Checked | None, list[Problem]]:
     """``path`` checked as the format requires, or every problem found in it."""
     where = str(path)
-    try:
-        f = open(path, "rb")  # noqa: SIM115 (closed below, on every path)
-    except OSError as e:
-        return None, [Problem(where, f"cannot be opened: {e.strerror or e}")]
+    f, st, why = open_regular(path)
+    if why is not None:
+        return None, [Problem(where, why)]
+    assert f is not None and st is not None
     with f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            return None, [Problem(where, "is not a regular file")]
         header, length, problems = _header(f, st.st_size)
         if problems:
             return None, [Problem(where, p) for p in problems]
@@ -208,15 +287,16 @@ def _header(f: Any, size: int) -> tuple[dict[str, Any], int, list[str]]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         return {}, 0, [f"its header is not UTF-8 (byte {e.start} of it): not a safetensors file"]
-    twice: list[str] = []
+    last: list[list[str]] = [[]]
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: dict[str, Any] = {}
-        for k, v in items:
-            if k in seen:
-                twice.append(k)
-            seen[k] = v
-        return seen
+        # The hook sees every object, the whole header last: its names given twice
+        # are the duplicates that hide a tensor (a key twice inside an entry is
+        # refused by the package's parser below). dict() in C, not a loop: a header
+        # may hold hundreds of thousands of entries.
+        out = dict(items)
+        last[0] = [] if len(out) == len(items) else _twice(items)
+        return out
 
     try:
         header = json.loads(text, object_pairs_hook=pairs)
@@ -225,14 +305,21 @@ def _header(f: Any, size: int) -> tuple[dict[str, Any], int, list[str]]:
     if not isinstance(header, dict):
         kind = type(header).__name__
         return {}, 0, [f"its header is a JSON {kind}, not an object of tensors"]
-    # One name twice at the top level hides a tensor; a key twice inside an entry is
-    # refused by the package's parser below.
-    top = [k for k in dict.fromkeys(twice) if k in header]
     return (
         header,
         length,
-        [f"names {_q(k)} twice in its header; the format allows each once" for k in top],
+        [f"names {_q(k)} twice in its header; the format allows each once" for k in last[0]],
     )
+
+
+def _twice(items: list[tuple[str, Any]]) -> list[str]:
+    seen: set[str] = set()
+    twice: dict[str, None] = {}
+    for k, _ in items:
+        if k in seen:
+            twice[k] = None
+        seen.add(k)
+    return list(twice)
 
 
 def _q(name: str) -> str:
@@ -260,47 +347,84 @@ def _entries(
     ):
         problems.append("its __metadata__ must be an object of strings to strings")
     tensors: dict[str, Stored] = {}
+    ints = {int}
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        what = f"tensor {_q(name)}"
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-            problems.append(f"{what}: its entry must be an object of dtype, shape and data_offsets")
-            continue
-        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        count = _count(shape)
-        bad = []
-        if not isinstance(dtype, str) or dtype not in BITS:
-            bad.append(f"dtype {dtype!r} is not one of the format's ({', '.join(BITS)})")
-        if count is None:
-            bad.append(f"shape {shape!r} is not a list of non-negative integers")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_natural, offsets))):
-            bad.append(f"data_offsets {offsets!r} are not two non-negative integers")
-        elif offsets[1] < offsets[0]:
-            bad.append(f"data_offsets {offsets!r} end before they begin")
-        if bad:
-            problems.append(f"{what}: {'; '.join(bad)}")
-            continue
-        assert count is not None
-        bits = count * BITS[dtype]
-        begin, end = offsets
-        if bits % 8 or end - begin != bits // 8:
-            problems.append(
-                f"{what}: {dtype} {tuple(shape)} is {bits / 8:g} bytes, but its data_offsets "
-                f"[{begin}, {end}] hold {end - begin}"
-            )
-            continue
-        tensors[name] = Stored(path, name, dtype, tuple(shape), data_start + begin, end - begin)
+        # The common entry, checked without a call per value: a header may hold
+        # hundreds of thousands (the format's cap is 100 MB); any other goes to _entry.
+        if type(info) is dict:
+            dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+            if (
+                type(dtype) is str
+                and dtype in BITS
+                and type(shape) is list
+                and set(map(type, shape)) <= ints
+                and min(shape, default=0) >= 0
+                and type(offsets) is list
+                and len(offsets) == 2
+                and set(map(type, offsets)) == ints
+                and 0 <= offsets[0] <= offsets[1]
+            ):
+                bits = math.prod(shape) * BITS[dtype]
+                begin, end = offsets
+                if not bits % 8 and end - begin == bits // 8:
+                    tensors[name] = Stored(
+                        path, name, dtype, tuple(shape), data_start + begin, end - begin
+                    )
+                    continue
+        if name != "__metadata__":
+            found = _entry(path, name, info, data_start)
+            if isinstance(found, str):
+                problems.append(found)
+            else:
+                tensors[name] = found
     if problems:
         return {}, problems
     return tensors, _tiling(list(tensors.values()), data_start, size - data_start)
 
 
+def _entry(path: pathlib.Path, name: str, info: Any, data_start: int) -> Stored | str:
+    """A tensor's entry that the common check passed over: what is wrong with it."""
+    what = f"tensor {_q(name)}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        return f"{what}: its entry must be an object of dtype, shape and data_offsets"
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    count = _count(shape)
+    bad = []
+    if not isinstance(dtype, str) or dtype not in BITS:
+        bad.append(f"dtype {dtype!r} is not one of the format's ({', '.join(BITS)})")
+    if count is None:
+        bad.append(f"shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_natural, offsets))):
+        bad.append(f"data_offsets {offsets!r} are not two non-negative integers")
+    elif offsets[1] < offsets[0]:
+        bad.append(f"data_offsets {offsets!r} end before they begin")
+    if bad:
+        return f"{what}: {'; '.join(bad)}"
+    assert count is not None
+    bits = count * BITS[dtype]
+    begin, end = offsets
+    if bits % 8 or end - begin != bits // 8:
+        return (
+            f"{what}: {dtype} {tuple(shape)} is {bits / 8:g} bytes, but its data_offsets "
+            f"[{begin}, {end}] hold {end - begin}"
+        )
+    return Stored(path, name, dtype, tuple(shape), data_start + begin, end - begin)
+
+
 def _tiling(tensors: list[Stored], data_start: int, data_size: int) -> list[str]:
     """The tensors must tile the data section: from byte 0, no gap, no overlap, to its end."""
+    order = sorted(tensors, key=operator.itemgetter(4, 5))  # by start, then nbytes
+    at = data_start
+    for t in order:  # the common case, without a message in the making
+        if t.start != at:
+            break
+        at += t.nbytes
+    else:
+        if at == data_start + data_size:
+            return []
     problems: list[str] = []
     at, previous = 0, None
-    for t in sorted(tensors, key=lambda t: (t.start, t.nbytes)):
+    for t in order:
         begin, end = t.start - data_start, t.start - data_start + t.nbytes
         if begin < at:
             assert previous is not None
@@ -329,8 +453,13 @@ def _tiling(tensors: list[Stored], data_start: int, data_size: int) -> list[str]
 
 
 def _package_agrees(path: pathlib.Path, tensors: Mapping[str, Stored]) -> list[str]:
-    """The ``safetensors`` package's own verdict on the file, and its reading of the
-    names, dtypes and shapes, which must be meshinit's."""
+    """The ``safetensors`` package's own verdict on the file, and its names, which must
+    be meshinit's. Its dtypes and shapes are not read back one by one: both parsers
+    are strict JSON, each refuses what the other might read two ways (a key twice
+    inside an entry: the package; a name twice: meshinit), and each checks that the
+    entries tile the data section, so the same names mean the same entries. The
+    read-back cost a call per tensor, each linear in the header's size before
+    safetensors 0.7: hours for a header of 200,000 entries."""
     try:
         from safetensors import safe_open
     except ImportError as e:
@@ -341,39 +470,52 @@ def _package_agrees(path: pathlib.Path, tensors: Mapping[str, Stored]) -> list[s
 
     try:
         f: Any = safe_open(str(path), framework="numpy")  # its mapping goes with f
-        seen = {}
-        for n in f.keys():
-            part = f.get_slice(n)
-            seen[n] = (part.get_dtype(), tuple(part.get_shape()))
+        seen = f.keys()
         del f
     except Exception as e:  # SafetensorError, or the package's own limits
         return [f"the safetensors package refuses it: {str(e)[:300]}"]
-    ours = {n: (t.dtype, t.shape) for n, t in tensors.items()}
-    if seen != ours:
-        odd = sorted(set(seen.items()) ^ set(ours.items()), key=str)[:3]
-        return [f"the safetensors package reads its header differently: {odd}"]
+    if len(seen) != len(tensors) or not tensors.keys() >= set(seen):
+        odd = sorted(set(seen) ^ tensors.keys())[:3]
+        return [f"the safetensors package reads other tensor names in it: {odd}"]
     return []
 
 
-def read_index(directory: pathlib.Path, checked: Iterable[Checked]) -> list[Problem]:
-    """Problems of a sharded checkpoint's ``model.safetensors.index.json``, where there
-    is one: a shard it names that is absent (an incomplete download), or a tensor in
-    another file than it says."""
+def _index(directory: pathlib.Path) -> tuple[dict[str, str] | None, list[Problem]]:
+    """A sharded checkpoint's weight map (tensor name to file name), None where the
+    folder has no index, or the index's problems."""
     index = directory / INDEX
     if not index.is_file():
-        return []
+        return None, []
     where = str(index)
     if index.stat().st_size > MAX_HEADER:
-        return [Problem(where, f"is over {MAX_HEADER} bytes: not a checkpoint index")]
+        return {}, [Problem(where, f"is over {MAX_HEADER} bytes: not a checkpoint index")]
     try:
         weight_map = json.loads(index.read_bytes().decode("utf-8")).get("weight_map")
     except (ValueError, AttributeError, RecursionError) as e:
-        return [Problem(where, f"is not a JSON object with a weight_map ({str(e)[:200]})")]
+        return {}, [Problem(where, f"is not a JSON object with a weight_map ({str(e)[:200]})")]
+    except OSError as e:
+        return {}, [Problem(where, f"cannot be read ({e.strerror or e})")]
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        return [Problem(where, "its weight_map must be an object of tensor names to file names")]
+        return {}, [
+            Problem(where, "its weight_map must be an object of tensor names to file names")
+        ]
+    return weight_map, []
+
+
+def read_index(listed: Listing, checked: Iterable[Checked]) -> list[Problem]:
+    """Problems of a sharded checkpoint's ``model.safetensors.index.json``, where there
+    is one: a shard it names that is absent (an incomplete download), or a tensor in
+    another file than it says."""
+    directory, weight_map = listed.directory, listed.weight_map
+    if directory is None or not weight_map:
+        return []
+    where = str(directory / INDEX)
+    checked = list(checked)
     held = {name: c.path.name for c in checked for name in c.tensors}
     problems = []
-    absent = sorted({f for f in weight_map.values() if not (directory / f).is_file()})
+    present = {p.name for p in listed.paths}
+    failed = present - {c.path.name for c in checked}  # their own problems say why
+    absent = sorted({f for f in weight_map.values() if f not in present})
     for f in absent:
         n = sum(v == f for v in weight_map.values())
         problems.append(
@@ -384,7 +526,7 @@ def read_index(directory: pathlib.Path, checked: Iterable[Checked]) -> list[Prob
             )
         )
     for name, f in weight_map.items():
-        if f not in absent and held.get(name) != f:
+        if f not in absent and f not in failed and held.get(name) != f:
             now = f"in {held[name]!r}" if name in held else "in no file"
             problems.append(Problem(where, f"puts tensor {_q(name)} in {f!r}, but it is {now}"))
     return problems

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from .._errors import PlanError, Problem
@@ -41,27 +42,24 @@ class Job:
 
 
 def read(jobs: list[Job], checked: Mapping[pathlib.Path, _file.Checked]) -> dict[str, jax.Array]:
-    """The arrays of ``jobs``: every file reopened and known to be the one checked
-    before anything is read; on any failure, nothing read stays alive. Records the
-    bytes read (:data:`BYTES_READ`) once the load is whole."""
-    opened: dict[pathlib.Path, Any] = {}
+    """The arrays of ``jobs``: every file known to be the one checked before anything
+    is read, and again as it is opened; on any failure, nothing read stays alive.
+    Records the bytes read (:data:`BYTES_READ`) once the load is whole."""
     out: dict[str, jax.Array] = {}
     total = [0]
     try:
-        changed = []
-        for job in jobs:
-            for leaf in _layout.leaves(job.node):
-                path = leaf.stored.file
-                if path not in opened:
-                    opened[path] = open(path, "rb")  # noqa: SIM115 (closed in finally)
-                    if _file.identity(os.fstat(opened[path].fileno())) != checked[path].identity:
-                        changed.append(
-                            Problem(str(path), "changed since it was checked; load again")
-                        )
+        needed = dict.fromkeys(
+            leaf.stored.file for job in jobs for leaf in _layout.leaves(job.node)
+        )
+        changed = [
+            Problem(str(path), "changed since it was checked; load again")
+            for path in needed
+            if _now(path) != checked[path].identity
+        ]
         if changed:
             raise PlanError(changed, header="meshinit.safetensors.load: nothing was read:")
         for job in jobs:
-            out[job.entry.path] = array(job.entry, source(job, opened, total))
+            out[job.entry.path] = array(job.entry, source(job, checked, total))
     except BaseException as e:
         for made in out.values():
             made.delete()
@@ -70,42 +68,46 @@ def read(jobs: list[Job], checked: Mapping[pathlib.Path, _file.Checked]) -> dict
         # alive, and with them the block being read: drop their locals.
         traceback.clear_frames(e.__traceback__)
         raise
-    finally:
-        for f in opened.values():
-            f.close()
     jax.monitoring.record_scalar(BYTES_READ, float(total[0]))
     return out
+
+
+def _now(path: pathlib.Path) -> tuple[int, ...] | None:
+    try:
+        return _file.identity(os.stat(path))
+    except OSError:
+        return None
+
+
+def _reopen(path: pathlib.Path, checked: _file.Checked) -> Any:
+    """``path`` opened again, known to be the file that was checked."""
+    f, st, why = _file.open_regular(path)
+    if f is not None and st is not None and _file.identity(st) == checked.identity:
+        return f
+    if f is not None:
+        f.close()
+    raise PlanError(
+        [Problem(str(path), why or "changed since it was checked; load again")],
+        header="meshinit.safetensors.load: a file changed while it was read (nothing loaded):",
+    )
 
 
 RELEASE_BYTES = 64 << 20
 
 
 class Source:
-    """A stored tensor memory-mapped, viewed as a part of the parameter: the slice, the
-    reshape and the transpose are views, so a block touches only its own bytes. The
-    mapped pages are released (``MADV_DONTNEED``; they stay in the page cache) once
-    blocks of ``RELEASE_BYTES`` have been read since the last release, and unmapped
-    with the source after the parameter's last block, so the file's bytes never count
-    much in this process's memory. Not after every block: the kernel maps a block's
-    neighbours with it, and a block's release would drop the next block's pages too
-    (measured: 1.3x the load's time)."""
+    """A stored tensor viewed as a part of the parameter, in its file's mapping: the
+    slice, the reshape and the transpose are views, so a block touches only its own
+    bytes."""
 
-    def __init__(self, leaf: _layout.Leaf, entry: PlanEntry, f: Any, total: list[int]):
+    def __init__(self, leaf: _layout.Leaf, entry: PlanEntry, mapped: Any, base: int, tally: _Tally):
         stored = leaf.stored
         stored_dtype = _file.READABLE[stored.dtype]
         count = math.prod(stored.shape)
-        self._map: mmap.mmap | None = None
         if stored.nbytes == 0:  # no bytes to map (an empty tensor at the end of the file)
             flat = np.zeros(count, stored_dtype)
         else:
-            base = stored.start - stored.start % mmap.ALLOCATIONGRANULARITY
-            self._map = mmap.mmap(
-                f.fileno(),
-                stored.start - base + stored.nbytes,
-                access=mmap.ACCESS_READ,
-                offset=base,
-            )
-            flat = np.frombuffer(self._map, stored_dtype, count, stored.start - base)
+            flat = np.frombuffer(mapped, stored_dtype, count, stored.start - base)
         whole = flat.reshape(stored.shape)
         if leaf.index:  # not on a 0-d tensor: [()] of one is a numpy scalar, not a view
             whole = whole[leaf.index]
@@ -113,16 +115,13 @@ class Source:
         # resolve() checked that the slice reshapes as a view: a copy here would read
         # the whole slice, bytes this process does not own
         assert whole.size == 0 or np.may_share_memory(self.view, whole)
-        self.leaf, self.entry = leaf, entry
-        self._read = 0
-        self._total = total
+        self.leaf, self.entry, self._tally = leaf, entry, tally
 
     def block(self, index: Any) -> np.ndarray:
         """The part's block at ``index``: a view of the file where no cast or scale is
         needed (``device_put`` copies it), else the cast (checked) and scaled copy."""
         block = self.view[index]
-        self._read += block.nbytes
-        self._total[0] += block.nbytes
+        self._tally.add(block.nbytes)
         dtype = self.entry.spec.dtype
         if block.dtype != dtype:
             block = cast(block, dtype, self.entry.path, self.leaf)
@@ -130,24 +129,54 @@ class Source:
             block = (block.astype(np.float32) * np.float32(self.leaf.tensor.scale)).astype(dtype)
         return block
 
-    def release(self) -> None:
-        """Drops the mapped pages if enough were read since the last time."""
-        if self._read >= RELEASE_BYTES:
-            self._read = 0
-            if self._map is not None and hasattr(self._map, "madvise"):
-                self._map.madvise(mmap.MADV_DONTNEED)
+
+class _Tally:
+    """Bytes read: since the last release of a parameter's pages, and in the load."""
+
+    def __init__(self, total: list[int]):
+        self.read, self.total = 0, total
+
+    def add(self, nbytes: int) -> None:
+        self.read += nbytes
+        self.total[0] += nbytes
 
 
 class Sources:
-    """Every part of one parameter, mapped: :meth:`block` reads the parameter's block
-    at an index from the parts it reaches."""
+    """Every part of one parameter: :meth:`block` reads the parameter's block at an
+    index from the parts it reaches.
 
-    def __init__(self, job: Job, opened: Mapping[pathlib.Path, Any], total: list[int]):
+    Each file the parameter reads is opened again (known to be the file checked),
+    memory-mapped over the span of its parts, and closed: a mapping holds one
+    descriptor (Python duplicates it), so a load holds one per file of the parameter
+    being read, whatever the checkpoint's count of files (241-shard checkpoints meet
+    macOS's limit of 256). The mapped pages are released (``MADV_DONTNEED``; they stay
+    in the page cache) once blocks of ``RELEASE_BYTES`` have been read since the last
+    release, and unmapped after the parameter's last block, so the file's bytes never
+    count much in this process's memory. Not after every block: the kernel maps a
+    block's neighbours with it, and a block's release would drop the next block's
+    pages too (measured: 1.3x the load's time)."""
+
+    def __init__(self, job: Job, checked: Mapping[pathlib.Path, _file.Checked], total: list[int]):
         self.job = job
-        self.parts = {
-            id(leaf): Source(leaf, job.entry, opened[leaf.stored.file], total)
-            for leaf in _layout.leaves(job.node)
-        }
+        self._tally = _Tally(total)  # not self: a cycle would keep the mappings open
+        leaves = list(_layout.leaves(job.node))
+        spans: dict[pathlib.Path, list[int]] = {}
+        for leaf in leaves:
+            held = leaf.stored
+            if held.nbytes:
+                span = spans.setdefault(held.file, [held.start, held.start + held.nbytes])
+                span[0], span[1] = min(span[0], held.start), max(span[1], held.start + held.nbytes)
+        self._maps: dict[pathlib.Path, tuple[mmap.mmap, int]] = {}
+        for path, (start, end) in spans.items():
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            with _reopen(path, checked[path]) as f:
+                mapped = mmap.mmap(f.fileno(), end - base, access=mmap.ACCESS_READ, offset=base)
+            self._maps[path] = (mapped, base)
+        self.parts = {}
+        for leaf in leaves:
+            mapping = self._maps.get(leaf.stored.file)
+            view, at = mapping if mapping is not None else (None, 0)
+            self.parts[id(leaf)] = Source(leaf, job.entry, view, at, self._tally)
 
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         return _layout.block(
@@ -158,12 +187,16 @@ class Sources:
         )
 
     def release(self) -> None:
-        for part in self.parts.values():
-            part.release()
+        """Drops the mapped pages if enough were read since the last time."""
+        if self._tally.read >= RELEASE_BYTES:
+            self._tally.read = 0
+            for mapped, _ in self._maps.values():
+                if hasattr(mapped, "madvise"):
+                    mapped.madvise(mmap.MADV_DONTNEED)
 
 
-def source(job: Job, opened: Mapping[pathlib.Path, Any], total: list[int]) -> Sources:
-    return Sources(job, opened, total)
+def source(job: Job, checked: Mapping[pathlib.Path, _file.Checked], total: list[int]) -> Sources:
+    return Sources(job, checked, total)
 
 
 def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _layout.Leaf) -> np.ndarray:
@@ -172,7 +205,7 @@ def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _layout.Leaf) -> n
     and the part."""
     why = None
     if jax.dtypes.issubdtype(dtype, np.integer) and block.size:
-        info = np.iinfo(dtype)
+        info = ml_dtypes.iinfo(dtype)
         low, high = block.min(), block.max()
         if low < info.min or high > info.max:
             why = f"holds values from {low} to {high}, outside {dtype.name}'s range"
