@@ -6,6 +6,7 @@ non-zero when a meshinit case crashes, misplaces an array or breaks the value co
 
 import functools
 import importlib.util
+import json
 import pathlib
 import subprocess
 import sys
@@ -122,6 +123,16 @@ def test_gpu_script_code_path_runs_on_cpu_and_places_exactly():
     assert "| jax.jit fused warm re-init (new key) |" in r.stdout
     assert ", re-init 0;" in r.stdout  # the warm re-init compiled nothing
     assert "NOT exact" not in r.stdout
+
+
+def test_header_check_script_times_meshinit_against_the_package(tmp_path):
+    out = tmp_path / "header.json"
+    args = ("--entries", "3000", "--rounds", "1", "--json", str(out))
+    r = run_script("safetensors_header.py", *args)
+    assert "| meshinit |" in r.stdout and "| safe_open |" in r.stdout
+    found = json.loads(out.read_text())
+    assert found["entries"] == 3000 and found["meshinit"] > 0 and found["safe_open"] > 0
+    assert found["ratio"] == found["meshinit"] / found["safe_open"]
 
 
 @pytest.mark.slow

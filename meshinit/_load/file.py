@@ -16,7 +16,10 @@ package does not expose offsets, and the per-shard reads need them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import itertools
 import json
 import logging
 import math
@@ -26,7 +29,7 @@ import pathlib
 import stat
 import struct
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import ml_dtypes
@@ -236,11 +239,12 @@ def check(path: pathlib.Path) -> tuple[Checked | None, list[Problem]]:
     if why is not None:
         return None, [Problem(where, why)]
     assert f is not None and st is not None
-    with f:
+    with f, _no_collection():
         header, length, problems = _header(f, st.st_size)
         if problems:
             return None, [Problem(where, p) for p in problems]
         tensors, problems = _entries(path, header, 8 + length, st.st_size)
+        del header
         if not problems:
             problems = _package_agrees(path, tensors)
         if not problems and identity(os.stat(path)) != identity(st):
@@ -248,6 +252,20 @@ def check(path: pathlib.Path) -> tuple[Checked | None, list[Problem]]:
     if problems:
         return None, [Problem(where, p) for p in problems]
     return Checked(path, identity(st), tensors), []
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """The cyclic collector held off while a header is parsed and its entries made:
+    they are acyclic, and a header of 200,000 entries set off collections that each
+    walked all of it (a quarter of the check's time)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _header(f: Any, size: int) -> tuple[dict[str, Any], int, list[str]]:
@@ -287,24 +305,26 @@ def _header(f: Any, size: int) -> tuple[dict[str, Any], int, list[str]]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         return {}, 0, [f"its header is not UTF-8 (byte {e.start} of it): not a safetensors file"]
-    last: list[list[str]] = [[]]
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        # The hook sees every object, the whole header last: its names given twice
-        # are the duplicates that hide a tensor (a key twice inside an entry is
-        # refused by the package's parser below). dict() in C, not a loop: a header
-        # may hold hundreds of thousands of entries.
-        out = dict(items)
-        last[0] = [] if len(out) == len(items) else _twice(items)
-        return out
-
     try:
-        header = json.loads(text, object_pairs_hook=pairs)
+        header = json.loads(text)
     except (ValueError, RecursionError) as e:
         return {}, 0, [f"its header is not valid JSON ({str(e)[:200]}): not a safetensors file"]
     if not isinstance(header, dict):
         kind = type(header).__name__
         return {}, 0, [f"its header is a JSON {kind}, not an object of tensors"]
+    # A name given twice hides a tensor (a key twice inside an entry is refused by the
+    # package's parser). The parse above keeps the last; a second parse in C counts
+    # the header's members, and only where the counts differ does a hook in Python
+    # name them: a header may hold hundreds of thousands.
+    if json.loads(text, object_pairs_hook=len) == len(header):
+        return header, length, []
+    last: list[list[str]] = [[]]
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        last[0] = _twice(items)  # the whole header is the last object to close
+        return dict(items)
+
+    json.loads(text, object_pairs_hook=pairs)
     return (
         header,
         length,
@@ -346,32 +366,11 @@ def _entries(
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         problems.append("its __metadata__ must be an object of strings to strings")
-    tensors: dict[str, Stored] = {}
-    ints = {int}
-    for name, info in header.items():
-        # The common entry, checked without a call per value: a header may hold
-        # hundreds of thousands (the format's cap is 100 MB); any other goes to _entry.
-        if type(info) is dict:
-            dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-            if (
-                type(dtype) is str
-                and dtype in BITS
-                and type(shape) is list
-                and set(map(type, shape)) <= ints
-                and min(shape, default=0) >= 0
-                and type(offsets) is list
-                and len(offsets) == 2
-                and set(map(type, offsets)) == ints
-                and 0 <= offsets[0] <= offsets[1]
-            ):
-                bits = math.prod(shape) * BITS[dtype]
-                begin, end = offsets
-                if not bits % 8 and end - begin == bits // 8:
-                    tensors[name] = Stored(
-                        path, name, dtype, tuple(shape), data_start + begin, end - begin
-                    )
-                    continue
-        if name != "__metadata__":
+    entries = {name: info for name, info in header.items() if name != "__metadata__"}
+    tensors = _common(path, entries, data_start)
+    if tensors is None:  # not all of the common kind: one by one, naming each problem
+        tensors = {}
+        for name, info in entries.items():
             found = _entry(path, name, info, data_start)
             if isinstance(found, str):
                 problems.append(found)
@@ -380,6 +379,42 @@ def _entries(
     if problems:
         return {}, problems
     return tensors, _tiling(list(tensors.values()), data_start, size - data_start)
+
+
+def _common(
+    path: pathlib.Path, entries: dict[str, Any], data_start: int
+) -> dict[str, Stored] | None:
+    """The entries as :func:`_entry` takes them, checked all at once (a header may hold
+    hundreds of thousands; each check is a pass in C over every entry's values), or
+    None where any entry needs :func:`_entry`'s look."""
+    infos = list(entries.values())
+    if set(map(type, infos)) - {dict}:
+        return None
+    dtypes = [info.get("dtype") for info in infos]
+    shapes = [info.get("shape") for info in infos]
+    offsets = [info.get("data_offsets") for info in infos]
+    if set(map(type, dtypes)) - {str} or set(dtypes) - BITS.keys():
+        return None
+    if set(map(type, shapes)) - {list} or set(map(type, offsets)) - {list}:
+        return None
+    if set(map(len, offsets)) - {2}:
+        return None
+    dims = list(itertools.chain.from_iterable(shapes))
+    ends = list(itertools.chain.from_iterable(offsets))
+    if set(map(type, dims)) - {int} or set(map(type, ends)) - {int}:
+        return None  # bool is not int here, as in _natural
+    if min(dims, default=0) < 0 or min(ends, default=0) < 0:
+        return None
+    begins, ends = ends[0::2], ends[1::2]
+    nbytes = list(map(operator.sub, ends, begins))
+    if min(nbytes, default=0) < 0:
+        return None
+    bits = map(operator.mul, map(math.prod, shapes), map(BITS.__getitem__, dtypes))
+    if not all(map(operator.eq, bits, map((8).__mul__, nbytes))):
+        return None
+    starts = map(data_start.__add__, begins)
+    made = map(Stored, itertools.repeat(path), entries, dtypes, map(tuple, shapes), starts, nbytes)
+    return dict(zip(entries, made, strict=True))
 
 
 def _entry(path: pathlib.Path, name: str, info: Any, data_start: int) -> Stored | str:
