@@ -2,7 +2,8 @@
 
 Its public face is :mod:`meshinit.safetensors` (``load`` and ``inventory``). Its steps:
 
-- :mod:`.file`: every file checked as the safetensors format requires (and by the
+- :mod:`.file`: a checkpoint's files found (only those its index lists) and each
+  checked (by :mod:`.header`, as the safetensors format requires, and by the
   ``safetensors`` package) before a byte of data is read;
 - :mod:`.names`: ``names=``, which stored tensors fill each plan path, and how
   (:class:`~meshinit.safetensors.Tensor`, :class:`~meshinit.safetensors.Stack`,
