@@ -71,6 +71,18 @@ def assert_exact(plan, tree):
     return by_path
 
 
+def plan_for(shapes, dtype=np.float32, axes=None):
+    """A plan of one zeros parameter per name of ``shapes``, replicated (or sharded by
+    ``axes``) on the (2, 4) mesh ``("fsdp", "tensor")`` of the 8 devices."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
+    return meshinit.plan(
+        {
+            n: meshinit.param(s, jax.nn.initializers.zeros, dtype=dtype, axes=axes, mesh=mesh)
+            for n, s in shapes.items()
+        }
+    )
+
+
 def submesh(ids, shape, names, explicit=False):
     devices = [jax.devices()[i] for i in ids]
     if explicit:

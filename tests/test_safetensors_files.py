@@ -13,6 +13,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import plan_for
 from jax.sharding import Mesh
 
 import meshinit
@@ -25,16 +26,6 @@ safe_open = pytest.importorskip("safetensors").safe_open
 
 def mesh8():
     return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
-
-
-def plan_for(shapes, dtype=np.float32, axes=None):
-    """A plan with one replicated (or ``axes``-sharded) parameter per name."""
-    return meshinit.plan(
-        {
-            n: meshinit.param(s, jax.nn.initializers.zeros, dtype=dtype, axes=axes, mesh=mesh8())
-            for n, s in shapes.items()
-        }
-    )
 
 
 def raw(path, header, data=b"", length=None):

@@ -10,31 +10,17 @@ import os
 import resource
 import signal
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from helpers import plan_for
 
 import meshinit
 from meshinit import safetensors as st
 
 save_file = pytest.importorskip("safetensors.numpy").save_file
 safetensors = pytest.importorskip("safetensors")
-
-
-def mesh8():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
-
-
-def plan_for(shapes, dtype=np.float32, axes=None):
-    return meshinit.plan(
-        {
-            n: meshinit.param(s, jax.nn.initializers.zeros, dtype=dtype, axes=axes, mesh=mesh8())
-            for n, s in shapes.items()
-        }
-    )
 
 
 def package_reads(*files):
