@@ -98,9 +98,16 @@ RELEASE_BYTES = 64 << 20
 class Source:
     """A stored tensor viewed as a part of the parameter, in its file's mapping: the
     slice, the reshape and the transpose are views, so a block touches only its own
-    bytes."""
+    bytes. Its own pages of the mapping are released (``MADV_DONTNEED``; they stay in
+    the page cache) once blocks of ``RELEASE_BYTES`` have been read from it since the
+    last release. Not after every block: the kernel maps a block's neighbours with
+    it, and a block's release would drop the next block's pages too (measured: 1.3x
+    the load's time); nor the whole mapping at once, which would drop the other
+    parts' pages (a stacked parameter's layers)."""
 
-    def __init__(self, leaf: _layout.Leaf, entry: PlanEntry, mapped: Any, base: int, tally: _Tally):
+    def __init__(
+        self, leaf: _layout.Leaf, entry: PlanEntry, mapped: Any, base: int, total: list[int]
+    ):
         stored = leaf.stored
         stored_dtype = _file.READABLE[stored.dtype]
         count = math.prod(stored.shape)
@@ -115,13 +122,18 @@ class Source:
         # resolve() checked that the slice reshapes as a view: a copy here would read
         # the whole slice, bytes this process does not own
         assert whole.size == 0 or np.may_share_memory(self.view, whole)
-        self.leaf, self.entry, self._tally = leaf, entry, tally
+        self.leaf, self.entry, self._total = leaf, entry, total
+        self._map, self._read = mapped, 0
+        if mapped is not None:  # its own pages of the mapping
+            low = stored.start - base
+            self._pages = (low - low % mmap.PAGESIZE, low + stored.nbytes)
 
     def block(self, index: Any) -> np.ndarray:
         """The part's block at ``index``: a view of the file where no cast or scale is
         needed (``device_put`` copies it), else the cast (checked) and scaled copy."""
         block = self.view[index]
-        self._tally.add(block.nbytes)
+        self._read += block.nbytes
+        self._total[0] += block.nbytes
         dtype = self.entry.spec.dtype
         if block.dtype != dtype:
             block = cast(block, dtype, self.entry.path, self.leaf)
@@ -129,16 +141,13 @@ class Source:
             block = (block.astype(np.float32) * np.float32(self.leaf.tensor.scale)).astype(dtype)
         return block
 
-
-class _Tally:
-    """Bytes read: since the last release of a parameter's pages, and in the load."""
-
-    def __init__(self, total: list[int]):
-        self.read, self.total = 0, total
-
-    def add(self, nbytes: int) -> None:
-        self.read += nbytes
-        self.total[0] += nbytes
+    def release(self) -> None:
+        """Drops its mapped pages if enough were read since the last time."""
+        if self._read >= RELEASE_BYTES and self._map is not None:
+            self._read = 0
+            if hasattr(self._map, "madvise"):
+                low, high = self._pages
+                self._map.madvise(mmap.MADV_DONTNEED, low, high - low)
 
 
 class Sources:
@@ -149,16 +158,12 @@ class Sources:
     memory-mapped over the span of its parts, and closed: a mapping holds one
     descriptor (Python duplicates it), so a load holds one per file of the parameter
     being read, whatever the checkpoint's count of files (241-shard checkpoints meet
-    macOS's limit of 256). The mapped pages are released (``MADV_DONTNEED``; they stay
-    in the page cache) once blocks of ``RELEASE_BYTES`` have been read since the last
-    release, and unmapped after the parameter's last block, so the file's bytes never
-    count much in this process's memory. Not after every block: the kernel maps a
-    block's neighbours with it, and a block's release would drop the next block's
-    pages too (measured: 1.3x the load's time)."""
+    macOS's limit of 256). Each part releases its pages as it goes (:class:`Source`),
+    and the mappings go with the parameter's last block, so the file's bytes never
+    count much in this process's memory."""
 
     def __init__(self, job: Job, checked: Mapping[pathlib.Path, _file.Checked], total: list[int]):
         self.job = job
-        self._tally = _Tally(total)  # not self: a cycle would keep the mappings open
         leaves = list(_layout.leaves(job.node))
         spans: dict[pathlib.Path, list[int]] = {}
         for leaf in leaves:
@@ -176,7 +181,7 @@ class Sources:
         for leaf in leaves:
             mapping = self._maps.get(leaf.stored.file)
             view, at = mapping if mapping is not None else (None, 0)
-            self.parts[id(leaf)] = Source(leaf, job.entry, view, at, self._tally)
+            self.parts[id(leaf)] = Source(leaf, job.entry, view, at, total)
 
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         return _layout.block(
@@ -187,12 +192,8 @@ class Sources:
         )
 
     def release(self) -> None:
-        """Drops the mapped pages if enough were read since the last time."""
-        if self._tally.read >= RELEASE_BYTES:
-            self._tally.read = 0
-            for mapped, _ in self._maps.values():
-                if hasattr(mapped, "madvise"):
-                    mapped.madvise(mmap.MADV_DONTNEED)
+        for part in self.parts.values():
+            part.release()
 
 
 def source(job: Job, checked: Mapping[pathlib.Path, _file.Checked], total: list[int]) -> Sources:
