@@ -219,18 +219,18 @@ class Handler(BaseHTTPRequestHandler):
         length = total if length is None else length
         drop = self.owner.take("drop", method, path) if method == "GET" and total else None
         keep = total if drop is None else min(total // 2 if drop.keep is None else drop.keep, total)
-        self.send_response(status)
-        for name, value in headers:
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(length))
-        self.end_headers()
-        # Recorded before the body goes out, so a client that has its bytes finds them
+        # Recorded before anything goes out, so a client that has its answer finds it
         # counted; a write that fails corrects the count.
         keep = 0 if method == "HEAD" else keep
         ranged = span if status == 206 else None
         at = self.owner.counters.record(Served(method, path, status, keep, ranged))
         sent = 0
         try:
+            self.send_response(status)
+            for name, value in headers:
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(length))
+            self.end_headers()
             while sent < keep:
                 n = min(CHUNK, keep - sent)
                 piece = (

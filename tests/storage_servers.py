@@ -3,9 +3,10 @@ proxy) and a ranged HTTP file server that also answers as the Hugging Face Hub. 
 count what they send and inject faults (see :mod:`storage_http`); both start and stop
 inside the tests.
 
-Use the fixtures by importing them into a test module or a conftest::
+Use the fixtures by importing them into a test module or a conftest (pytest finds them
+by their names, ``s3_server`` and ``file_server``)::
 
-    from storage_servers import file_server, s3_server  # noqa: F401
+    from storage_servers import file_server_fixture, s3_server_fixture  # noqa: F401
 
 - ``s3_server``: one :class:`S3Server` for the session, its counters and faults reset
   and its environment (``AWS_ENDPOINT_URL``, fake keys, ...) set for each test.
@@ -441,8 +442,8 @@ _CLEARED = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPO
 _shared: dict[str, S3Server] = {}
 
 
-@pytest.fixture
-def s3_server(request, monkeypatch):
+@pytest.fixture(name="s3_server")
+def s3_server_fixture(request, monkeypatch):
     """The session's :class:`S3Server` (moto's own answers), counters and faults reset,
     its :attr:`~S3Server.env` set for this test; make buckets with ``.bucket()``."""
     if "s3" not in _shared:
@@ -458,8 +459,8 @@ def s3_server(request, monkeypatch):
     server.reset()
 
 
-@pytest.fixture
-def file_server(tmp_path, monkeypatch):
+@pytest.fixture(name="file_server")
+def file_server_fixture(tmp_path, monkeypatch):
     """A :class:`FileServer` over a fresh folder (``.root``), ``HF_ENDPOINT`` set to it."""
     root = tmp_path / "served"
     root.mkdir()
@@ -469,4 +470,4 @@ def file_server(tmp_path, monkeypatch):
         yield server
 
 
-__all__ = ["FileServer", "S3Server", "Served", "file_server", "s3_server"]
+__all__ = ["FileServer", "S3Server", "Served", "file_server_fixture", "s3_server_fixture"]
