@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import socket
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -242,9 +241,7 @@ class Handler(BaseHTTPRequestHandler):
             if sent != keep:
                 self.owner.counters.amend(at, sent)
         if drop is not None:
-            self.close_connection = True
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True  # the server closes the socket after this answer
 
     def send_object(
         self,
