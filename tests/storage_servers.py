@@ -47,6 +47,8 @@ class _FileHandler(Handler):
         owner: FileServer = self.owner  # type: ignore[assignment]
         if m := _API.match(url.path):
             return self.api(method, url, m, body)
+        if url.path.startswith("/api/"):  # what the Hub says of a repo id it does not know
+            return self.error(method, url.path, 404, "RepoNotFound", url.path)
         repo = None
         if m := _RESOLVE.match(url.path):
             repo, revision, file = (urllib.parse.unquote(g) for g in m.groups())
