@@ -13,8 +13,10 @@ each client fetches exactly those ranges concurrently into memory, or the whole 
   ranges under 1 MiB apart, 10 requests at a time), obstore ``get_range_async`` x
   ``--concurrency`` under asyncio; whole: s3fs ``cat_file``, obstore ``get``, and
   obstore ``get_range_async`` of 16 MiB pieces, ``--concurrency`` at a time;
-- HTTP / the Hub (``/{repo}/resolve/main/{file}``): ``HfFileSystem.cat_ranges``,
-  fsspec's ``HTTPFileSystem.cat_ranges``, obstore's ``HTTPStore`` ``get_ranges``.
+- HTTP / the Hub (``/{repo}/resolve/main/{file}``): ``HfFileSystem.cat_ranges`` (its
+  files read ahead 5 MiB blocks), ``HfFileSystem.cat_file`` per range with
+  ``cache_type="none"`` (exact, one after another), fsspec's
+  ``HTTPFileSystem.cat_ranges``, obstore's ``HTTPStore`` ``get_ranges``.
 
 Each is timed ``--rounds`` times (best and median reported) after one untimed call that
 lists or heads the object; every fetched byte is checked. Bytes and requests are what
@@ -182,6 +184,14 @@ def cases(urls: dict, starts: list[int], ends: list[int], size: int, concurrency
         fs.info(f"{REPO}/{FILE}")
         return lambda: fs.cat_ranges([f"{REPO}/{FILE}"] * len(starts), starts, ends)
 
+    def hf_exact(url):
+        fs = HfFileSystem(skip_instance_cache=True, endpoint=url, token=False)
+        fs.info(f"{REPO}/{FILE}")
+        target = f"{REPO}/{FILE}"
+        return lambda: [
+            fs.cat_file(target, s, e, cache_type="none") for s, e in zip(starts, ends, strict=True)
+        ]
+
     def http_ranges(url):
         fs = fsspec.filesystem("http", skip_instance_cache=True)
         target = f"{url}/{REPO}/resolve/main/{FILE}"
@@ -203,6 +213,7 @@ def cases(urls: dict, starts: list[int], ends: list[int], size: int, concurrency
         "s3 | whole: obstore get": ("s3", obstore_whole, True),
         f"s3 | whole: obstore 16 MiB ranges x{concurrency}": ("s3", obstore_pieces, True),
         "hf | HfFileSystem cat_ranges": ("http", hf_ranges, False),
+        "hf | HfFileSystem cat_file, cache_type=none": ("http", hf_exact, False),
         "https | fsspec HTTPFileSystem cat_ranges": ("http", http_ranges, False),
         "https | obstore HTTPStore get_ranges": ("http", obstore_http, False),
     }
