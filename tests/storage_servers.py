@@ -1,0 +1,477 @@
+"""Object storage on localhost for the tests: an S3 server (moto behind a counting
+proxy) and a ranged HTTP file server that also answers as the Hugging Face Hub. Both
+count what they send and inject faults (see :mod:`storage_http`); both start and stop
+inside the tests.
+
+Use the fixtures by importing them into a test module or a conftest (pytest finds them
+by their names, ``s3_server`` and ``file_server``)::
+
+    from storage_servers import file_server_fixture, s3_server_fixture  # noqa: F401
+
+- ``s3_server``: one :class:`S3Server` for the session, its counters and faults reset
+  and its environment (``AWS_ENDPOINT_URL``, fake keys, ...) set for each test.
+- ``file_server``: a :class:`FileServer` over a fresh folder (``file_server.root``) per
+  test, ``HF_ENDPOINT`` set to it.
+
+huggingface_hub reads ``HF_ENDPOINT`` once, when imported: in-process clients get it as
+``HfFileSystem(endpoint=file_server.url)`` (:meth:`FileServer.hf_options`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import urllib.parse
+import uuid
+from pathlib import Path
+from xml.sax.saxutils import escape
+
+import pytest
+from storage_http import Handler, Served, Server
+
+# --- the ranged file server and the Hub ---------------------------------------------
+
+_RESOLVE = re.compile(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
+_API = re.compile(r"^/api/models/([^/]+/[^/]+)(?:/(revision|tree|paths-info)/([^/]+)(/.*)?)?$")
+
+
+class _FileHandler(Handler):
+    def route(self, method):
+        url = urllib.parse.urlsplit(self.path)
+        path = urllib.parse.unquote(url.path)
+        body = self.read_body()
+        owner: FileServer = self.owner  # type: ignore[assignment]
+        if m := _API.match(url.path):
+            return self.api(method, url, m, body)
+        if url.path.startswith("/api/"):  # what the Hub says of a repo id it does not know
+            return self.error(method, url.path, 404, "RepoNotFound", url.path)
+        repo = None
+        if m := _RESOLVE.match(url.path):
+            repo, revision, file = (urllib.parse.unquote(g) for g in m.groups())
+            if (problem := owner.check_repo(repo, revision)) is not None:
+                return self.error(method, path, 404, problem, f"{repo}@{revision}")
+            path = f"{repo}/{file}"
+            if owner.lfs_redirect and file.endswith(".safetensors") and owner.file(path):
+                return self.redirect(method, path, repo)
+        else:
+            path = path.lstrip("/")
+        if method not in ("GET", "HEAD"):
+            return self.error(method, path, 405, "MethodNotAllowed", method)
+        if self.answer_fault(method, path):
+            return
+        file = owner.file(path)
+        if file is None or not file.is_file():
+            return self.error(method, path, 404, "EntryNotFound", path)
+        extra = [("Content-Type", "application/octet-stream")]
+        if repo is not None:
+            extra.append(("X-Repo-Commit", owner.commit(repo)))
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            etag = owner.etag(path, st)
+            self.send_object(method, path, st.st_size, etag, lambda o, n: os.pread(fd, n, o), extra)
+        finally:
+            os.close(fd)
+
+    def redirect(self, method, path, repo):
+        """302 to the plain URL, with the headers the Hub sends with its CDN redirects."""
+        owner: FileServer = self.owner  # type: ignore[assignment]
+        st = owner.file(path).stat()
+        self.send(method, path, 302, [
+            ("Location", owner.url_for(path, cdn=True)),
+            ("X-Repo-Commit", owner.commit(repo)),
+            ("X-Linked-Etag", owner.etag(path, st)),
+            ("X-Linked-Size", str(st.st_size)),
+        ])  # fmt: skip
+
+    def api(self, method, url, m, body):
+        owner: FileServer = self.owner  # type: ignore[assignment]
+        repo, what, revision, sub = m.groups()
+        revision = urllib.parse.unquote(revision or "main")
+        if (problem := owner.check_repo(repo, revision)) is not None:
+            return self.error(method, url.path, 404, problem, f"{repo}@{revision}")
+        if self.answer_fault(method, url.path):
+            return
+        if what in (None, "revision"):
+            files = owner.entries(repo, "", recursive=True)
+            out = {
+                "id": repo,
+                "modelId": repo,
+                "sha": owner.commit(repo),
+                "private": False,
+                "siblings": [{"rfilename": e["path"]} for e in files if e["type"] == "file"],
+            }
+        elif what == "tree":
+            query = urllib.parse.parse_qs(url.query)
+            recursive = query.get("recursive", ["False"])[0].lower() == "true"
+            sub = urllib.parse.unquote(sub or "").strip("/")
+            if owner.file(f"{repo}/{sub}") is None or not owner.file(f"{repo}/{sub}").is_dir():
+                return self.error(method, url.path, 404, "EntryNotFound", sub)
+            out = owner.entries(repo, sub, recursive=recursive)
+        else:
+            form = urllib.parse.parse_qs(body.decode())
+            if "json" in self.headers.get("Content-Type", ""):
+                form = {"paths": json.loads(body)["paths"]}
+            out = [e for p in form.get("paths", []) if (e := owner.entry(repo, p)) is not None]
+        data = json.dumps(out).encode()
+        headers = [("Content-Type", "application/json")]
+        self.send(method, url.path, 200, headers, b"" if method == "HEAD" else data)
+
+
+class FileServer(Server):
+    """Serves the folder ``root`` over HTTP, honouring ``Range`` (206 with
+    ``Content-Range``, 416 past the end), ``If-Match``, ``If-None-Match`` and
+    ``If-Range``, with a strong ``ETag`` per file version, on GET and HEAD:
+
+    - ``{url}/{path}``: the file ``root/{path}`` (:meth:`url_for`);
+    - ``{url}/{org}/{name}/resolve/{revision}/{file}``: the file ``root/{org}/{name}/
+      {file}``, as the Hub's file servers answer (``X-Repo-Commit`` set);
+    - the Hub API that ``huggingface_hub.HfFileSystem`` calls (``HfApi.repo_info``,
+      ``list_repo_tree``, ``get_paths_info``): ``/api/models/{repo}``,
+      ``.../revision/{rev}``, ``.../tree/{rev}[/{path}]`` and ``.../paths-info/{rev}``
+      (POST), one page, no ``xetHash`` (so the client reads over HTTP).
+
+    With ``lfs_redirect=True`` a resolve URL of a ``*.safetensors`` file answers 302 to
+    its plain URL on a second port (another origin, as the Hub's CDN is: its client
+    does not follow it on HEAD) with ``X-Linked-Etag`` and ``X-Linked-Size``.
+
+    A repo is a two-level folder ``org/name`` under ``root``. Its revisions are
+    ``main`` and its current commit (:meth:`commit`, a new one after each
+    :meth:`put` in it); others are 404 ``RevisionNotFound``, a missing repo
+    ``RepoNotFound``, a missing file ``EntryNotFound`` (the ``X-Error-Code`` the Hub's
+    client reads). Counters and faults use the path under ``root`` for file reads, the
+    URL path for the API.
+    """
+
+    handler = _FileHandler
+
+    def __init__(self, root: str | os.PathLike, *, lfs_redirect: bool = False) -> None:
+        self.root = Path(root).resolve()
+        self.lfs_redirect = lfs_redirect
+        self._versions: dict[str, int] = {}
+        self._lock = threading.Lock()
+        super().__init__(ports=2 if lfs_redirect else 1)
+
+    def url_for(self, path: str, *, cdn: bool = False) -> str:
+        """The plain URL of ``root/path``; ``cdn=True``: at the CDN port (see above)."""
+        return f"{self.urls[-1 if cdn else 0]}/{urllib.parse.quote(path)}"
+
+    def hf_url(self, repo: str, file: str, revision: str = "main") -> str:
+        rev = urllib.parse.quote(revision, safe="")
+        return f"{self.url}/{repo}/resolve/{rev}/{urllib.parse.quote(file)}"
+
+    def hf_options(self) -> dict:
+        """Keyword arguments for ``HfFileSystem``: this endpoint, no token."""
+        return {"endpoint": self.url, "token": False}
+
+    @property
+    def env(self) -> dict[str, str]:
+        """For a fresh process's huggingface_hub: this endpoint, offline from the Hub."""
+        return {"HF_ENDPOINT": self.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+    def file(self, path: str) -> Path | None:
+        """``root/path`` if it stays inside ``root``."""
+        file = (self.root / path).resolve()
+        return file if file == self.root or self.root in file.parents else None
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write ``root/path`` as a new file (renamed into place, so a new ETag)."""
+        file = self.file(path)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{file.name}.{uuid.uuid4().hex}")
+        tmp.write_bytes(data)
+        with self._lock:
+            self._versions[path] = self._versions.get(path, 0) + 1
+            repo = "/".join(Path(path).parts[:2])
+            self._versions[repo] = self._versions.get(repo, 0) + 1
+            os.replace(tmp, file)
+
+    def truncate(self, path: str, size: int) -> None:
+        """Keep the first ``size`` bytes of ``root/path`` (a new ETag)."""
+        self.put(path, self.file(path).read_bytes()[:size])
+
+    def etag(self, path: str, st: os.stat_result) -> str:
+        key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{self._versions.get(path, 0)}"
+        return '"' + hashlib.sha256(key.encode()).hexdigest() + '"'
+
+    def commit(self, repo: str) -> str:
+        return hashlib.sha1(f"{repo}@{self._versions.get(repo, 0)}".encode()).hexdigest()
+
+    def check_repo(self, repo: str, revision: str) -> str | None:
+        """``None``, or the Hub's error code for a missing repo or revision."""
+        folder = self.file(repo)
+        if folder is None or not folder.is_dir():
+            return "RepoNotFound"
+        if revision not in ("main", self.commit(repo)):
+            return "RevisionNotFound"
+        return None
+
+    def entry(self, repo: str, path: str) -> dict | None:
+        """The Hub's tree entry of ``path`` in ``repo``."""
+        file = self.file(f"{repo}/{path}")
+        if file is None or not file.exists():
+            return None
+        if file.is_dir():
+            oid = hashlib.sha1(f"{repo}/{path}".encode()).hexdigest()
+            return {"type": "directory", "oid": oid, "path": path}
+        etag = self.etag(f"{repo}/{path}", file.stat())
+        out = {"type": "file", "oid": etag[1:41], "size": file.stat().st_size, "path": path}
+        if path.endswith(".safetensors"):
+            out["lfs"] = {"oid": etag[1:-1], "size": out["size"], "pointerSize": 134}
+        return out
+
+    def entries(self, repo: str, sub: str, *, recursive: bool) -> list[dict]:
+        folder = self.file(f"{repo}/{sub}" if sub else repo)
+        found = folder.rglob("*") if recursive else folder.iterdir()
+        names = sorted(p.relative_to(self.file(repo)).as_posix() for p in found)
+        return [self.entry(repo, n) for n in names if not Path(n).name.startswith(".")]
+
+    def error_body(self, status, code, message):
+        body = json.dumps({"error": f"{code}: {message}"}).encode()
+        return "application/json", body, [("X-Error-Code", code)]
+
+
+# --- S3: moto behind a counting proxy -------------------------------------------------
+
+_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "te", "upgrade"}
+_OWN = {"content-length", "server", "date"}  # what the proxy's answer sets itself
+# conditions the proxy leaves to moto (botocore's x-amz-checksum-mode: ENABLED is served:
+# an answer without a checksum header is not checked)
+_NO_FAST = ("if-modified-since", "if-unmodified-since")
+
+
+class _S3Handler(Handler):
+    def route(self, method):
+        owner: S3Server = self.owner  # type: ignore[assignment]
+        url = urllib.parse.urlsplit(self.path)
+        path = urllib.parse.unquote(url.path).lstrip("/")
+        body = self.read_body()
+        if self.answer_fault(method, path):
+            return
+        query = {k for k in urllib.parse.parse_qs(url.query, keep_blank_values=True)}
+        fast = (
+            owner.fast_reads
+            and method in ("GET", "HEAD")
+            and "/" in path.strip("/")
+            and query <= {"x-id"}
+            and not any(h in self.headers for h in _NO_FAST)
+        )
+        if fast and (obj := owner.cached(path)) is not None:
+            headers, data = obj
+            self.send_object(method, path, len(data), headers["etag"], _slicer(data), [
+                (k, v) for k, v in headers.items()
+                if k not in {"etag", "accept-ranges", "content-range", *_OWN}
+                and not k.startswith("x-amz-checksum")
+            ])  # fmt: skip
+            return
+        self.forward(method, url, path, body)
+        if method in ("PUT", "POST", "DELETE"):
+            owner.forget(path)
+
+    def forward(self, method, url, path, body):
+        owner: S3Server = self.owner  # type: ignore[assignment]
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+        if body or method in ("PUT", "POST"):
+            headers["Content-Length"] = str(len(body))
+        target = url.path + (f"?{url.query}" if url.query else "")
+        status, reply, data = owner.moto_request(method, target, body, headers)
+        span = None
+        if status == 206 and (m := re.match(r"bytes (\d+)-(\d+)/", reply.get("content-range", ""))):
+            span = (int(m[1]), int(m[2]) + 1)
+        out = [(k, v) for k, v in reply.items() if k not in _HOP | _OWN]
+        length = int(reply["content-length"]) if method == "HEAD" else None
+        if span is not None:
+            self.send(method, path, status, out, read=_slicer(data, span[0]), span=span)
+        else:
+            self.send(method, path, status, out, data, length=length)
+
+
+def _slicer(data: bytes, base: int = 0):
+    view = memoryview(data)
+    return lambda offset, n: view[offset - base : offset - base + n]
+
+
+class S3Server(Server):
+    """moto's S3 (``moto.server.ThreadedMotoServer``) on 127.0.0.1, reached through a
+    proxy that counts and injects faults: clients talk to :attr:`url` (the proxy),
+    which forwards every request to moto unchanged; paths are path-style
+    (``bucket/key``), as s3fs and obstore send them to an endpoint URL.
+
+    moto answers a ranged GET by copying the whole object (``FakeKey.value``): about
+    0.15 s per request at 256 MiB here, whatever the range. With ``fast_reads=True``
+    the proxy answers plain GETs and HEADs of objects itself, from one copy per object
+    version fetched from moto on first read (moto's headers, ``Range``/``If-*`` as in
+    :meth:`Handler.send_object`); writes through the proxy or :meth:`put` drop the copy.
+    Requests with a query (``versionId``, ``partNumber``, listings) or other
+    conditions always go to moto. Benchmarks want it; tests keep moto's own answers.
+    """
+
+    handler = _S3Handler
+    region = "us-east-1"
+    key_id = "testing"
+    secret = "testing"
+
+    def __init__(self, *, fast_reads: bool = False) -> None:
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        self.fast_reads = fast_reads
+        # moto's werkzeug logs a line per request to stderr; its warnings stay
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._moto.start()
+        host, port = self._moto.get_host_and_port()
+        self.moto_url = f"http://{host}:{port}"
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=self.moto_url,
+            region_name=self.region,
+            aws_access_key_id=self.key_id,
+            aws_secret_access_key=self.secret,
+        )  # straight to moto: what the tests set up is not counted
+        self._local = threading.local()
+        self._cache: dict[str, tuple[dict, bytes]] = {}
+        self._cache_lock = threading.Lock()
+        super().__init__()
+
+    def stop(self) -> None:
+        super().stop()
+        self._moto.stop()
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Where boto3, s3fs and obstore find the endpoint and the fake keys."""
+        return {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": self.key_id,
+            "AWS_SECRET_ACCESS_KEY": self.secret,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_REGION": self.region,
+            "AWS_ALLOW_HTTP": "true",  # obstore refuses http:// endpoints otherwise
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def s3fs_options(self) -> dict:
+        """``s3fs.S3FileSystem(**...)`` for this server."""
+        return {"endpoint_url": self.url, "key": self.key_id, "secret": self.secret}
+
+    def obstore_options(self) -> dict:
+        """``obstore.store.S3Store(bucket, **...)`` for this server."""
+        return {
+            "endpoint": self.url,
+            "access_key_id": self.key_id,
+            "secret_access_key": self.secret,
+            "region": self.region,
+            "client_options": {"allow_http": True},
+        }
+
+    def bucket(self, name: str | None = None) -> str:
+        """Create a bucket (a fresh name by default) and return its name."""
+        name = name or f"test-{uuid.uuid4().hex[:12]}"
+        self.client.create_bucket(Bucket=name)
+        return name
+
+    def put(self, path: str, data: bytes) -> None:
+        """Store ``data`` at ``bucket/key`` straight in moto (not counted)."""
+        bucket, _, key = path.partition("/")
+        self.client.put_object(Bucket=bucket, Key=key, Body=data)
+        self.forget(path)
+
+    def truncate(self, path: str, size: int) -> None:
+        """Keep the object's first ``size`` bytes (a new ETag, as a re-upload)."""
+        bucket, _, key = path.partition("/")
+        data = self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        self.put(path, data[:size])
+
+    def etag(self, path: str) -> str:
+        bucket, _, key = path.partition("/")
+        return self.client.head_object(Bucket=bucket, Key=key)["ETag"]
+
+    def forget(self, path: str) -> None:
+        with self._cache_lock:
+            bucket = path.split("/")[0]
+            for cached in [p for p in self._cache if p == path or p.split("/")[0] == bucket]:
+                del self._cache[cached]
+
+    def cached(self, path: str) -> tuple[dict, bytes] | None:
+        """moto's headers and bytes of the object at ``path``, or None if it has none."""
+        with self._cache_lock:
+            if path not in self._cache:
+                bucket, _, key = path.partition("/")
+                try:
+                    got = self.client.get_object(Bucket=bucket, Key=key)
+                except self.client.exceptions.ClientError:
+                    return None
+                headers = dict(got["ResponseMetadata"]["HTTPHeaders"])
+                self._cache[path] = headers, got["Body"].read()
+            return self._cache[path]
+
+    def moto_request(self, method, target, body, headers):
+        """One request to moto on this thread's connection: status, headers, body."""
+        import http.client
+
+        for attempt in (0, 1):
+            conn = getattr(self._local, "conn", None)
+            if conn is None:
+                conn = self._local.conn = http.client.HTTPConnection(
+                    self.moto_url.removeprefix("http://"), timeout=60
+                )
+            try:
+                conn.request(method, target, body=body or None, headers=headers)
+                reply = conn.getresponse()
+                data = reply.read()
+                return reply.status, {k.lower(): v for k, v in reply.getheaders()}, data
+            except (ConnectionError, http.client.HTTPException):
+                conn.close()
+                self._local.conn = None
+                if attempt:
+                    raise
+
+    def error_body(self, status, code, message):
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Error><Code>{escape(code)}</Code><Message>{escape(message)}</Message>"
+            f"<RequestId>{uuid.uuid4().hex}</RequestId></Error>"
+        ).encode()
+        return "application/xml", body, []
+
+
+# --- fixtures -----------------------------------------------------------------------
+
+_CLEARED = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL_S3")
+_shared: dict[str, S3Server] = {}
+
+
+@pytest.fixture(name="s3_server")
+def s3_server_fixture(request, monkeypatch):
+    """The session's :class:`S3Server` (moto's own answers), counters and faults reset,
+    its :attr:`~S3Server.env` set for this test; make buckets with ``.bucket()``."""
+    if "s3" not in _shared:
+        _shared["s3"] = S3Server()
+        request.config.add_cleanup(lambda: _shared.pop("s3").stop())
+    server = _shared["s3"]
+    server.reset()
+    for name in _CLEARED:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    yield server
+    server.reset()
+
+
+@pytest.fixture(name="file_server")
+def file_server_fixture(tmp_path, monkeypatch):
+    """A :class:`FileServer` over a fresh folder (``.root``), ``HF_ENDPOINT`` set to it."""
+    root = tmp_path / "served"
+    root.mkdir()
+    with FileServer(root) as server:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        yield server
+
+
+__all__ = ["FileServer", "S3Server", "Served", "file_server_fixture", "s3_server_fixture"]
