@@ -58,7 +58,7 @@ class Inventory:
     accounted for, as :func:`inventory` finds them without reading any data.
 
     Attributes:
-      files: the files checked, in the order read.
+      files: the files checked, in the order read (paths; URLs of remote objects).
       loaded: plan path -> the target it is read from: a :class:`Tensor` (name and
         transforms), or a :class:`Stack` or :class:`Concat` of parts.
       skipped: plan paths that ``names=`` maps to None: not in the files by design.
@@ -76,7 +76,7 @@ class Inventory:
       (('head',), {'layers.1.up': 'layers.1.up'}, ('lm_head',))
     """
 
-    files: tuple[pathlib.Path, ...]
+    files: tuple[pathlib.Path | str, ...]
     loaded: Mapping[str, Tensor | Stack | Concat]
     skipped: tuple[str, ...]
     missing: Mapping[str, str]
@@ -125,19 +125,19 @@ def _why_not(stored: _file.Stored, planned: np.dtype) -> str | None:
 
 
 def _survey(
-    plan: Plan, files: Any, names: Any, what: str
-) -> tuple[
-    Inventory, list[_read.Job], dict[pathlib.Path, _file.Checked], list[Problem], list[Problem]
-]:
+    plan: Plan, files: Any, names: Any, what: str, options: Any = None
+) -> tuple[Inventory, list[_read.Job], dict[Any, _file.Checked], list[Problem], list[Problem]]:
     """Every file checked, every plan path resolved to its parts: the inventory, the
     reads, the checked files, every problem (bad files, a bad map, parts that do not
     fit) and, apart, the problems of paths whose tensors no file holds."""
     if not isinstance(plan, Plan):
         raise TypeError(f"{what} takes a Plan (meshinit.nnx.plan(factory), ...), got {plan!r}")
-    listed = _file.listing(files)
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"storage_options must be a mapping or None, got {options!r}")
+    listed = _file.listing(files, options)
     paths = listed.paths
     problems: list[Problem] = list(listed.problems)
-    checked: dict[pathlib.Path, _file.Checked] = {}
+    checked: dict[Any, _file.Checked] = {}
     for p in paths:
         c, found = _file.check(p)
         problems += found
@@ -196,7 +196,7 @@ def _survey(
         jobs.append(_read.Job(entry, node))
     claimed = {t.name for target in targets.values() if target for t in _names.leaves(target)}
     inventory = Inventory(
-        files=tuple(paths),
+        files=tuple(p if isinstance(p, pathlib.Path) else str(p) for p in paths),
         loaded=loaded,
         skipped=tuple(skipped),
         missing={} if bad_files else missing,  # a file that failed holds unknown names
@@ -246,7 +246,9 @@ def _absent(path: str, parts: list[tuple[str, str]], stored: list[str], hint: bo
     return Problem(path, f"{', '.join(shown[:5])}{more} {verb} not in the files {fix}")
 
 
-def inventory(plan: Plan, files: Any, *, names: Any = None) -> Inventory:
+def inventory(
+    plan: Plan, files: Any, *, names: Any = None, storage_options: Any = None
+) -> Inventory:
     """What :func:`load` would read, skip and leave, checking every file but reading no
     data: the one place to see a name map's effect before a long load.
 
@@ -257,6 +259,7 @@ def inventory(plan: Plan, files: Any, *, names: Any = None) -> Inventory:
       plan: the plan to fill (:func:`meshinit.plan`, ``meshinit.nnx.plan(factory)``).
       files: as for :func:`load`.
       names: as for :func:`load`.
+      storage_options: as for :func:`load`.
 
     Returns:
       An :class:`Inventory`: plan paths loaded (and from which tensor), skipped (names
@@ -280,7 +283,8 @@ def inventory(plan: Plan, files: Any, *, names: Any = None) -> Inventory:
       missing (no file holds them): 1 layers.1.up <- 'layers.1.up'
       unused (no plan path claims them): 0
     """
-    found, _, _, problems, _ = _survey(plan, files, names, "meshinit.safetensors.inventory")
+    what = "meshinit.safetensors.inventory"
+    found, _, _, problems, _ = _survey(plan, files, names, what, storage_options)
     if problems:
         raise PlanError(problems, header="meshinit.safetensors.inventory:")
     return found
@@ -293,6 +297,8 @@ def load(
     names: Any = None,
     missing: str = "error",
     unused: str = "warn",
+    storage_options: Any = None,
+    max_inflight_bytes: int = 1 << 30,
 ) -> dict[str, jax.Array]:
     r"""Reads the plan's parameters from safetensors files onto their planned shardings.
 
@@ -312,8 +318,13 @@ def load(
       plan: the plan to fill, from :func:`meshinit.plan` or an adapter's ``plan``
         (``meshinit.nnx.plan(factory)``); its meshes must be concrete.
       files: a ``.safetensors`` path, a list of them, or a directory holding the
-        ``*.safetensors`` files of a sharded checkpoint (hidden files skipped; its
-        ``model.safetensors.index.json``, where there is one, must agree with them).
+        ``*.safetensors`` files of a sharded checkpoint (hidden files skipped; where it
+        has a ``model.safetensors.index.json``, only the files the index lists, which
+        must hold what it says). Or URLs, listed and read the same way, each process
+        fetching only the byte ranges its devices own: ``s3://bucket/prefix/``,
+        ``gs://bucket/prefix/``, ``hf://org/model`` (``hf://org/model@revision/folder``)
+        and ``https://`` URLs of single files. Credentials and endpoints come from
+        where each client reads them (the environment, config files, the Hub's token).
       names: which tensors fill each plan path: a name, a :class:`Tensor` (a name
         with a slice, a reshape, a transpose, a scale), a :class:`Stack` or
         :class:`Concat` of parts (scanned layers, fused projections), or None for a
@@ -330,6 +341,11 @@ def load(
         (default: one :class:`~meshinit.UnusedTensorWarning` naming them all),
         ``"error"`` (a :class:`~meshinit.PlanError` naming them, before anything is
         read) or ``"ignore"``.
+      storage_options: for URLs, passed to the client as they are: ``obstore``'s
+        store options (``endpoint``, ``access_key_id``, ``client_options``,
+        ``retry_config``, ...); for ``hf://``, also ``endpoint`` and ``token``.
+      max_inflight_bytes: for URLs, the most bytes fetched and not yet placed at once
+        (default 1 GiB): with them, the host's memory bound.
 
     Returns:
       Plan path -> ``jax.Array`` on the entry's sharding, cast to its dtype (within a
@@ -361,18 +377,29 @@ def load(
         raise TypeError(f'missing must be "error" or "skip", got {missing!r}')
     if unused not in ("warn", "error", "ignore"):
         raise TypeError(f'unused must be "warn", "error" or "ignore", got {unused!r}')
+    if not (isinstance(max_inflight_bytes, int) and max_inflight_bytes > 0):
+        raise TypeError(f"max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}")
     # Collective: under jax.distributed a process whose copy of a file fails its checks
     # fails every process, and none returns arrays that lack its shards.
     with _agree.collective(what):
-        arrays = _load(plan, files, names, missing, unused, what)
+        arrays = _load(
+            plan, files, names, missing, unused, what, storage_options, max_inflight_bytes
+        )
         _agree.keep(arrays.values())
     return arrays
 
 
 def _load(
-    plan: Plan, files: Any, names: Any, missing: str, unused: str, what: str
+    plan: Plan,
+    files: Any,
+    names: Any,
+    missing: str,
+    unused: str,
+    what: str,
+    options: Any,
+    budget: int,
 ) -> dict[str, jax.Array]:
-    found, jobs, checked, problems, absent = _survey(plan, files, names, what)
+    found, jobs, checked, problems, absent = _survey(plan, files, names, what, options)
     problems += [
         Problem(j.entry.path, "is planned on an AbstractMesh: load needs devices")
         for j in jobs
@@ -403,4 +430,4 @@ def _load(
             ),
             stacklevel=_patterns.outside_stacklevel(),
         )
-    return _read.read(jobs, checked)
+    return _read.read(jobs, checked, budget)

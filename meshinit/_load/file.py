@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from .._errors import Problem, printable
 from . import header as _header
+from . import remote as _remote
 from .header import BITS as BITS
 from .header import MAX_HEADER as MAX_HEADER
 from .header import READABLE as READABLE
@@ -39,8 +40,8 @@ class Checked:
     """A file that passed every check: its tensors, and who it was when checked (a
     file replaced or rewritten since is refused when it is read)."""
 
-    path: pathlib.Path
-    identity: tuple[int, ...]
+    path: pathlib.Path | _remote.Remote
+    identity: tuple[Any, ...]  # a file's device, inode, size and mtime; an object's ETag
     tensors: Mapping[str, Stored]
 
 
@@ -51,21 +52,29 @@ def identity(st: os.stat_result) -> tuple[int, ...]:
 class Listing(NamedTuple):
     """The files to check, and what the folder's listing found."""
 
-    paths: list[pathlib.Path]
+    paths: list[pathlib.Path | _remote.Remote]
     problems: list[Problem]
-    directory: pathlib.Path | None = None  # where ``files`` named a folder
+    directory: str | None = None  # the folder (a path or URL) ``files`` named
     weight_map: dict[str, str] | None = None  # its index's, where it has one
 
 
-def listing(files: Any) -> Listing:
-    """The files of ``files``, and the problems of a folder's listing: a path, a
-    sequence of paths, or a directory. A directory's ``*.safetensors`` entries are
-    taken and hidden ones (macOS's ``._x`` AppleDouble files, editors' swap files)
-    skipped; where its ``model.safetensors.index.json`` is, only the files the index
-    lists (as transformers reads a sharded checkpoint), the others left with a warning.
-    Folders are passed over; any other entry that is not a regular file (a dangling
-    link, a FIFO) stays in the list for :func:`check` to name: no weight file is left
-    out without a word."""
+def listing(files: Any, options: Mapping[str, Any] | None = None) -> Listing:
+    """The files of ``files``, and the problems of a folder's listing: a path or URL,
+    a sequence of them, or a folder (a directory, or a URL of object storage or the
+    Hub, listed with ``options``). A folder's ``*.safetensors`` entries are taken and
+    hidden ones (macOS's ``._x`` AppleDouble files, editors' swap files) skipped;
+    where its ``model.safetensors.index.json`` is, only the files the index lists (as
+    transformers reads a sharded checkpoint), the others left with a warning.
+    Directories in a directory are passed over; any other entry that is not a regular
+    file (a dangling link, a FIFO) stays in the list for :func:`check` to name: no
+    weight file is left out without a word."""
+    if _remote.is_url(files):
+        folder = _remote.listing(files, options)
+        weight_map, problems = None, list(folder.problems)
+        if folder.index is not None:
+            weight_map, problems = _remote_index(folder.index)
+        found = _indexed(folder.objects, weight_map, problems, folder.index)
+        return Listing(found, problems, files.rstrip("/"), weight_map)
     if isinstance(files, str | os.PathLike):
         path = pathlib.Path(files)
         if not path.is_dir():
@@ -78,37 +87,48 @@ def listing(files: Any) -> Listing:
         except OSError as e:
             why = e.strerror or str(e)
             fix = "give this process read access to it"
-            return Listing([], [Problem(str(path), f"cannot be listed ({why}); {fix}")], path)
+            return Listing([], [Problem(str(path), f"cannot be listed ({why}); {fix}")], str(path))
         for name in names:
             if name.startswith("."):
                 logger.debug("meshinit.safetensors: skipped the hidden file %s", path / name)
-        found = [path / name for name in names if not name.startswith(".")]
         weight_map, problems = _index(path)
-        if weight_map is not None and not problems:
-            listed = set(weight_map.values())
-            unlisted = [p.name for p in found if p.name not in listed]
-            if unlisted:
-                warnings.warn(
-                    f"meshinit.safetensors: {path / INDEX} does not list "
-                    f"{', '.join(map(repr, unlisted))}: left unread, as transformers leaves "
-                    f"them (a stale shard of an earlier download?). Remove them, or give "
-                    f"the files as a list to read them",
-                    stacklevel=3,
-                )
-            found = [p for p in found if p.name in listed]
+        local = [path / name for name in names if not name.startswith(".")]
+        found = _indexed(local, weight_map, problems, path / INDEX)
         if not found and not problems and weight_map is None:
             raise FileNotFoundError(f"no *.safetensors file in the directory {path}")
-        return Listing(found, problems, path, weight_map)
+        return Listing(found, problems, str(path), weight_map)
     if isinstance(files, Sequence) and not isinstance(files, bytes) and files:
         if all(isinstance(f, str | os.PathLike) for f in files):
-            out: dict[str, pathlib.Path] = {}  # one file named twice is read once
+            out: dict[str, pathlib.Path | _remote.Remote] = {}  # one file named twice: once
+            problems = []
             for f in files:
-                out.setdefault(os.path.realpath(f), pathlib.Path(f))
-            return Listing(list(out.values()), [])
+                if _remote.is_url(f):
+                    folder = _remote.listing(f, options)
+                    problems += folder.problems
+                    out.update((str(o), o) for o in folder.objects)
+                else:
+                    out.setdefault(os.path.realpath(f), pathlib.Path(f))
+            return Listing(list(out.values()), problems)
     raise TypeError(
-        f"files must be a path, a list of paths or a directory of *.safetensors files, "
-        f"got {files!r}"
+        f"files must be a path or URL, a list of them, or a folder of *.safetensors "
+        f"files, got {files!r}"
     )
+
+
+def _indexed(found: list[Any], weight_map: Any, problems: list[Problem], index: Any) -> list[Any]:
+    """``found``, less the files a sound index does not list (named in a warning)."""
+    if weight_map is None or problems:
+        return found
+    listed = set(weight_map.values())
+    unlisted = [p.name for p in found if p.name not in listed]
+    if unlisted:
+        warnings.warn(
+            f"meshinit.safetensors: {index} does not list {', '.join(map(repr, unlisted))}: "
+            f"left unread, as transformers leaves them (a stale shard of an earlier "
+            f"download?). Remove them, or give the files as a list to read them",
+            stacklevel=4,
+        )
+    return [p for p in found if p.name in listed]
 
 
 def _kind_of(mode: int) -> str:
@@ -157,9 +177,14 @@ def open_regular(path: pathlib.Path) -> tuple[Any, os.stat_result | None, str | 
     return f, st, None
 
 
-def check(path: pathlib.Path) -> tuple[Checked | None, list[Problem]]:
+def check(path: pathlib.Path | _remote.Remote) -> tuple[Checked | None, list[Problem]]:
     """``path`` checked as the format requires, or every problem found in it."""
     where = str(path)
+    if isinstance(path, _remote.Remote):
+        tensors, problems = _remote.check(path)
+        if problems:
+            return None, [Problem(where, p) for p in problems]
+        return Checked(path, (path.etag, path.size), tensors), []
     f, st, why = open_regular(path)
     if why is not None:
         return None, [Problem(where, why)]
@@ -167,40 +192,12 @@ def check(path: pathlib.Path) -> tuple[Checked | None, list[Problem]]:
     with f:
         tensors, problems = _header.parse(f, st.st_size, path)
         if not problems:
-            problems = _package_agrees(path, tensors)
+            problems = _header.package_agrees(path, tensors)
         if not problems and identity(os.stat(path)) != identity(st):
             problems = ["changed while it was being checked; load it again once it is written"]
     if problems:
         return None, [Problem(where, p) for p in problems]
     return Checked(path, identity(st), tensors), []
-
-
-def _package_agrees(path: pathlib.Path, tensors: Mapping[str, Stored]) -> list[str]:
-    """The ``safetensors`` package's own verdict on the file, and its names, which must
-    be meshinit's. Its dtypes and shapes are not read back one by one: both parsers
-    are strict JSON, each refuses what the other might read two ways (a key twice
-    inside an entry: the package; a name twice: meshinit), and each checks that the
-    entries tile the data section, so the same names mean the same entries. The
-    read-back cost a call per tensor, each linear in the header's size before
-    safetensors 0.7: hours for a header of 200,000 entries."""
-    try:
-        from safetensors import safe_open
-    except ImportError as e:
-        raise ImportError(
-            "meshinit.safetensors checks every file with the safetensors package: "
-            "pip install 'meshinit[safetensors]'"
-        ) from e
-
-    try:
-        f: Any = safe_open(str(path), framework="numpy")  # its mapping goes with f
-        seen = f.keys()
-        del f
-    except Exception as e:  # SafetensorError, or the package's own limits
-        return [f"the safetensors package refuses it: {str(e)[:300]}"]
-    if len(seen) != len(tensors) or not tensors.keys() >= set(seen):
-        odd = sorted(set(seen) ^ tensors.keys())[:3]
-        return [f"the safetensors package reads other tensor names in it: {odd}"]
-    return []
 
 
 def _index(directory: pathlib.Path) -> tuple[dict[str, str] | None, list[Problem]]:
@@ -209,19 +206,33 @@ def _index(directory: pathlib.Path) -> tuple[dict[str, str] | None, list[Problem
     index = directory / INDEX
     if not index.is_file():
         return None, []
-    where = str(index)
     if index.stat().st_size > MAX_HEADER:
-        return {}, [Problem(where, f"is over {MAX_HEADER} bytes: not a checkpoint index")]
+        return {}, [Problem(str(index), f"is over {MAX_HEADER} bytes: not a checkpoint index")]
     try:
-        weight_map = json.loads(index.read_bytes().decode("utf-8")).get("weight_map")
+        data = index.read_bytes()
+    except OSError as e:
+        return {}, [Problem(str(index), f"cannot be read ({e.strerror or e})")]
+    return _weight_map(data, str(index))
+
+
+def _remote_index(index: _remote.Remote) -> tuple[dict[str, str], list[Problem]]:
+    if index.size > MAX_HEADER:
+        return {}, [Problem(index.url, f"is over {MAX_HEADER} bytes: not a checkpoint index")]
+    try:
+        data = _remote.read(index, 0, index.size) if index.size else b""
+    except _remote.Permanent as e:
+        return {}, [Problem(index.url, str(e))]
+    return _weight_map(data, index.url)
+
+
+def _weight_map(data: bytes, where: str) -> tuple[dict[str, str], list[Problem]]:
+    try:
+        weight_map = json.loads(data.decode("utf-8")).get("weight_map")
     except (ValueError, AttributeError, RecursionError) as e:
         return {}, [Problem(where, f"is not a JSON object with a weight_map ({str(e)[:200]})")]
-    except OSError as e:
-        return {}, [Problem(where, f"cannot be read ({e.strerror or e})")]
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        return {}, [
-            Problem(where, "its weight_map must be an object of tensor names to file names")
-        ]
+        why = "its weight_map must be an object of tensor names to file names"
+        return {}, [Problem(where, why)]
     return weight_map, []
 
 
@@ -232,7 +243,7 @@ def read_index(listed: Listing, checked: Iterable[Checked]) -> list[Problem]:
     directory, weight_map = listed.directory, listed.weight_map
     if directory is None or not weight_map:
         return []
-    where = str(directory / INDEX)
+    where = f"{directory}/{INDEX}"
     checked = list(checked)
     held = {name: c.path.name for c in checked for name in c.tensors}
     problems = []

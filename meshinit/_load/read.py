@@ -25,9 +25,12 @@ import numpy as np
 
 from .._errors import PlanError, Problem
 from .._plan.plan import PlanEntry
+from . import fetch as _fetch
 from . import file as _file
 from . import layout as _layout
+from . import remote as _remote
 
+Where = pathlib.Path | _remote.Remote
 BYTES_READ = "/meshinit/safetensors/bytes_read"
 """The ``jax.monitoring`` scalar each process records once per load: the bytes it read
 from the files (in their stored dtypes), every part of every parameter counted."""
@@ -41,10 +44,15 @@ class Job:
     node: _layout.Node
 
 
-def read(jobs: list[Job], checked: Mapping[pathlib.Path, _file.Checked]) -> dict[str, jax.Array]:
+def read(
+    jobs: list[Job], checked: Mapping[Where, _file.Checked], budget: int = 1 << 30
+) -> dict[str, jax.Array]:
     """The arrays of ``jobs``: every file known to be the one checked before anything
-    is read, and again as it is opened; on any failure, nothing read stays alive.
-    Records the bytes read (:data:`BYTES_READ`) once the load is whole."""
+    is read, and again as it is opened (an object: by its ETag, on every read); on
+    any failure, nothing read stays alive. Of remote objects, at most ``budget``
+    bytes are fetched and not yet placed at once. Records the bytes read
+    (:data:`BYTES_READ`; of remote objects, the bytes fetched) once the load is
+    whole."""
     out: dict[str, jax.Array] = {}
     total = [0]
     try:
@@ -54,12 +62,12 @@ def read(jobs: list[Job], checked: Mapping[pathlib.Path, _file.Checked]) -> dict
         changed = [
             Problem(str(path), "changed since it was checked; load again")
             for path in needed
-            if _now(path) != checked[path].identity
+            if isinstance(path, pathlib.Path) and _now(path) != checked[path].identity
         ]
         if changed:
             raise PlanError(changed, header="meshinit.safetensors.load: nothing was read:")
         for job in jobs:
-            out[job.entry.path] = array(job.entry, source(job, checked, total))
+            out[job.entry.path] = array(job.entry, source(job, checked, total, budget))
     except BaseException as e:
         for made in out.values():
             made.delete()
@@ -162,18 +170,23 @@ class Sources:
     and the mappings go with the parameter's last block, so the file's bytes never
     count much in this process's memory."""
 
-    def __init__(self, job: Job, checked: Mapping[pathlib.Path, _file.Checked], total: list[int]):
+    def __init__(
+        self, job: Job, checked: Mapping[Where, _file.Checked], total: list[int], budget: int
+    ):
         self.job = job
         leaves = list(_layout.leaves(job.node))
-        spans: dict[pathlib.Path, list[int]] = {}
+        spans: dict[Where, list[int]] = {}
         for leaf in leaves:
             held = leaf.stored
             if held.nbytes:
                 span = spans.setdefault(held.file, [held.start, held.start + held.nbytes])
                 span[0], span[1] = min(span[0], held.start), max(span[1], held.start + held.nbytes)
-        self._maps: dict[pathlib.Path, tuple[mmap.mmap, int]] = {}
+        self._maps: dict[Where, tuple[mmap.mmap, int]] = {}
         for path, (start, end) in spans.items():
             base = start - start % mmap.ALLOCATIONGRANULARITY
+            if isinstance(path, _remote.Remote):  # anonymous: filled by ranged reads
+                self._maps[path] = (mmap.mmap(-1, end - base, flags=mmap.MAP_PRIVATE), base)
+                continue
             with _reopen(path, checked[path]) as f:
                 mapped = mmap.mmap(f.fileno(), end - base, access=mmap.ACCESS_READ, offset=base)
             self._maps[path] = (mapped, base)
@@ -181,9 +194,20 @@ class Sources:
         for leaf in leaves:
             mapping = self._maps.get(leaf.stored.file)
             view, at = mapping if mapping is not None else (None, 0)
-            self.parts[id(leaf)] = Source(leaf, job.entry, view, at, total)
+            # a remote part's bytes are counted as they are fetched
+            counts = [0] if isinstance(leaf.stored.file, _remote.Remote) else total
+            self.parts[id(leaf)] = Source(leaf, job.entry, view, at, counts)
+        remote = {p: m for p, m in self._maps.items() if isinstance(p, _remote.Remote)}
+        self._fetch = None
+        if remote:
+            views = {key: part.view for key, part in self.parts.items()}
+            blocks = [index for index, _ in holders(job.entry).values()]
+            dtype = job.entry.spec.dtype
+            self._fetch = _fetch.Fetch(job.node, dtype, blocks, views, remote, budget, total)
 
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
+        if self._fetch is not None:
+            self._fetch.ready(index)
         return _layout.block(
             self.job.node,
             index,
@@ -196,8 +220,10 @@ class Sources:
             part.release()
 
 
-def source(job: Job, checked: Mapping[pathlib.Path, _file.Checked], total: list[int]) -> Sources:
-    return Sources(job, checked, total)
+def source(
+    job: Job, checked: Mapping[Where, _file.Checked], total: list[int], budget: int = 1 << 30
+) -> Sources:
+    return Sources(job, checked, total, budget)
 
 
 def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _layout.Leaf) -> np.ndarray:
@@ -224,20 +250,27 @@ def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _layout.Leaf) -> n
     return out
 
 
+def holders(entry: PlanEntry) -> dict[tuple[Any, ...], tuple[tuple[slice, ...], list[Any]]]:
+    """This process's distinct blocks of the entry (bounds resolved), in the order
+    :func:`array` reads them, each with the devices that hold it."""
+    shape = entry.spec.shape
+    out: dict[tuple[Any, ...], tuple[tuple[slice, ...], list[Any]]] = {}
+    for device, index in entry.sharding.addressable_devices_indices_map(shape).items():
+        assert index is not None  # a NamedSharding gives every addressable device an index
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        key = tuple(bounds)  # slices hash from 3.12 only
+        out.setdefault(key, (tuple(slice(*b) for b in bounds), []))[1].append(device)
+    return out
+
+
 def array(entry: PlanEntry, source: Sources) -> jax.Array:
     """The entry's array, one block at a time: each distinct block of this process's
     devices is read once onto the first device that holds it, copied from there to the
     others, and dropped, so the host holds at most one block beside the arrays."""
     sharding, shape = entry.sharding, entry.spec.shape
-    holders: dict[tuple[tuple[Any, Any, Any], ...], tuple[Any, list[Any]]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        assert index is not None  # a NamedSharding gives every addressable device an index
-        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
-        key = tuple((s.start, s.stop, s.step) for s in index)  # slices hash from 3.12 only
-        holders.setdefault(key, (tuple(slice(*b) for b in bounds), []))[1].append(device)
     shards: list[jax.Array] = []
     try:
-        for index, devices in holders.values():
+        for index, devices in holders(entry).values():
             block = source.block(index)
             first = None
             for device in devices:
