@@ -299,6 +299,7 @@ def load(
     unused: str = "warn",
     storage_options: Any = None,
     max_inflight_bytes: int = 1 << 30,
+    progress: bool | None = None,
 ) -> dict[str, jax.Array]:
     r"""Reads the plan's parameters from safetensors files onto their planned shardings.
 
@@ -346,6 +347,9 @@ def load(
         ``retry_config``, ...); for ``hf://``, also ``endpoint`` and ``token``.
       max_inflight_bytes: for URLs, the most bytes fetched and not yet placed at once
         (default 1 GiB): with them, the host's memory bound.
+      progress: for URLs, a bar (tqdm, on stderr) of the bytes fetched and bytes per
+        second: ``True``, ``False``, or ``None`` (default: shown when stderr is a
+        terminal and the load fetches at least 1 GiB).
 
     Returns:
       Plan path -> ``jax.Array`` on the entry's sharding, cast to its dtype (within a
@@ -382,9 +386,8 @@ def load(
     # Collective: under jax.distributed a process whose copy of a file fails its checks
     # fails every process, and none returns arrays that lack its shards.
     with _agree.collective(what):
-        arrays = _load(
-            plan, files, names, missing, unused, what, storage_options, max_inflight_bytes
-        )
+        options, budget = storage_options, max_inflight_bytes
+        arrays = _load(plan, files, names, missing, unused, what, options, budget, progress)
         _agree.keep(arrays.values())
     return arrays
 
@@ -398,6 +401,7 @@ def _load(
     what: str,
     options: Any,
     budget: int,
+    progress: bool | None,
 ) -> dict[str, jax.Array]:
     found, jobs, checked, problems, absent = _survey(plan, files, names, what, options)
     problems += [
@@ -430,4 +434,4 @@ def _load(
             ),
             stacklevel=_patterns.outside_stacklevel(),
         )
-    return _read.read(jobs, checked, budget)
+    return _read.read(jobs, checked, budget, progress)

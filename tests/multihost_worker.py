@@ -210,6 +210,40 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
     return failures, found | stacked
 
 
+def check_remote(plan: meshinit.Plan, reference: Any, url: str) -> tuple[list[str], dict]:
+    """The same load from S3 (issue 43): every addressable shard against the
+    single-process values, and the bytes this process reports it fetched against the
+    bytes of its own distinct blocks."""
+    from meshinit import safetensors as st
+    from meshinit._load import read as _read
+
+    def names(path: str) -> Any:
+        if path not in ST_TENSORS:
+            return None
+        name, shape, permute = ST_TENSORS[path]
+        return st.Tensor(name, shape=shape, permute=permute)
+
+    reported: list[float] = []
+
+    def on(event: str, value: float, **kwargs: Any) -> None:
+        if event == _read.BYTES_READ:
+            reported.append(value)
+
+    jax.monitoring.register_scalar_listener(on)
+    loaded = st.load(plan, url, names=names)
+    failures, owned, blocks = [], 0, set()
+    for path, array in loaded.items():
+        want = np.asarray(reference[f"single-0-{path}"])
+        for s in array.addressable_shards:
+            if not np.array_equal(np.asarray(s.data, np.float32), want[s.index]):
+                failures.append(f"process {jax.process_index()}, remote {path}: {s.index}")
+            block = (path, tuple((i.start, i.stop) for i in s.index))
+            owned += 0 if block in blocks else s.data.nbytes
+            blocks.add(block)
+        array.delete()
+    return failures, {"fetched": reported, "owned": owned}
+
+
 STACKED = ("global_auto", "stage0", "stage1")  # the stored w's, as layers (issue 41)
 
 
@@ -468,6 +502,9 @@ def main(process_id: int, port: int, reference_path: str) -> int:
     weights = os.path.join(os.path.dirname(reference_path), "weights.safetensors")
     found, counts["safetensors"] = check_safetensors(plan, reference, weights)
     failures += found
+    if url := os.environ.get("MESHINIT_TEST_S3_URL"):
+        found, counts["remote"] = check_remote(plan, reference, url)
+        failures += found
     found, counts["nnx"] = check_nnx(named, reference)
     failures += found
     found, counts["prepare"] = check_prepare_failures(named)

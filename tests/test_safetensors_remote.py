@@ -212,3 +212,62 @@ def test_an_https_file_loads(file_server):
     plan = plan_of({"up": SHAPES["up"]})
     options = {"client_options": {"allow_http": True}}
     same(st.load(plan, file_server.url_for("files/m.safetensors"), storage_options=options), a)
+
+
+def test_a_header_longer_than_the_first_read_takes_one_more_read(s3_server):
+    long = {
+        f"model.layers.{i}.mlp.experts.{i % 7}.down_proj.weight_scale": (2,) for i in range(900)
+    }
+    tensors, data = checkpoint(long)
+    n = int.from_bytes(data[:8], "little")
+    assert 8 + n > 1 << 16  # longer than the first read's guess
+    bucket = s3_server.bucket()
+    s3_server.put(f"{bucket}/m.safetensors", data)
+    first = sorted(long)[0]
+    s3_server.reset()
+    found = st.inventory(plan_of({first: (2,)}), f"s3://{bucket}/m.safetensors")
+    assert found.reads == {first: (first,)}
+    reads = [r.range for r in s3_server.counters.log if r.method == "GET"]
+    assert reads == [(0, 1 << 16), (1 << 16, 8 + n)]  # the header only, in two reads
+
+
+def test_fetching_ahead_stays_within_max_inflight_bytes(s3_server, monkeypatch):
+    from meshinit._load import fetch as _fetch
+
+    bucket = s3_server.bucket()
+    shapes = {f"w{i}": (128, 64) for i in range(6)}
+    tensors, data = checkpoint(shapes)
+    s3_server.put(f"{bucket}/m.safetensors", data)
+    plan = plan_for(shapes, axes=("fsdp", "tensor"))
+    seen = []
+    reserve = _fetch.Pipeline._reserve
+
+    def reserving(self, nbytes):
+        ok = reserve(self, nbytes)
+        seen.append(self._inflight)
+        return ok
+
+    monkeypatch.setattr(_fetch.Pipeline, "_reserve", reserving)
+    budget = 3 * 128 * 64 * 4 // 8  # three blocks of 4 KiB
+    same(st.load(plan, f"s3://{bucket}/m.safetensors", max_inflight_bytes=budget), tensors)
+    assert len(seen) == 6 * 8 // 3 + 2 and max(seen) <= budget, (seen, budget)
+
+
+def test_a_long_load_shows_bytes_and_bytes_per_second(s3_server, capsys):
+    bucket = s3_server.bucket()
+    tensors, data = checkpoint({"up": SHAPES["up"]})
+    s3_server.put(f"{bucket}/m.safetensors", data)
+    plan = plan_of({"up": SHAPES["up"]})
+    same(st.load(plan, f"s3://{bucket}/m.safetensors", progress=True), tensors)
+    err = capsys.readouterr().err
+    assert "meshinit: fetching" in err and "B/s" in err and "18.0k/18.0k" in err, err
+    st.load(plan, f"s3://{bucket}/m.safetensors")  # auto: not a terminal, not 1 GiB
+    assert capsys.readouterr().err == ""
+
+
+def test_an_hf_revision_the_hub_does_not_have_is_named(file_server):
+    _, data = checkpoint({"up": SHAPES["up"]})
+    file_server.put("org/model/model.safetensors", data)
+    options = {"endpoint": file_server.url, "token": False}
+    with pytest.raises(meshinit.PlanError, match="the Hub does not give org/model@v9"):
+        st.inventory(plan_of({"up": SHAPES["up"]}), "hf://org/model@v9", storage_options=options)

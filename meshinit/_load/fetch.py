@@ -1,28 +1,38 @@
-"""A parameter's remote bytes fetched into place: exactly the ranges its blocks read.
+"""Remote bytes fetched into place: exactly the ranges the blocks read, ahead of them.
 
 A remote object's part of a parameter is viewed (as a local file's is, by
 :class:`meshinit._load.read.Source`) in an anonymous mapping that stands for the
-object's span: untouched, it costs no memory. Before a block is read, :class:`Fetch`
-has fetched into that mapping the byte ranges the block's views will read, and
-nothing else: each view's elements, in the stored layout, are runs of contiguous
-bytes (a row, a column block of a row), found from the view's strides. Runs of this
+object's span: untouched, it costs no memory. Before a block is read, the byte
+ranges its views will read, and nothing else, have been fetched into that mapping:
+each view's elements, in the stored layout, are runs of contiguous bytes (a row, a
+column block of a row), found from the view's strides (:func:`runs`). Runs of this
 process's blocks are merged where the gap between them is small next to them (at
 most :data:`GAP` and 1/32 of their length, so the bytes fetched stay within a few
-percent of those owned), and fetched concurrently, at most ``budget`` bytes of
-blocks at a time: a chunk's pages are released (``MADV_DONTNEED`` on an anonymous
-mapping frees them) before the next chunk is fetched.
+percent of those owned), in chunks of at most ``budget`` bytes of blocks.
+
+:class:`Pipeline` fetches ahead: a feeder thread prepares each parameter's sources in
+the load's order and hands their chunks to :data:`~meshinit._load.remote.CONCURRENCY`
+reading threads as long as the bytes fetched and not yet placed stay within the
+budget; the caller places one parameter while the next ones arrive. A chunk's pages
+are released (``MADV_DONTNEED`` frees an anonymous mapping's pages) once its blocks
+are placed, and its bytes returned to the budget.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import functools
 import math
 import mmap
-from collections.abc import Mapping, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .._errors import PlanError, Problem
 from . import layout as _layout
 from . import remote as _remote
 
@@ -32,6 +42,12 @@ GAP = 64 << 10
 MAX_RUNS = 1 << 16
 """The most runs one view is read in: a view of more (a column of a row-major
 tensor, say) is read in fewer, longer runs, through the gaps between its elements."""
+
+PIECE = 8 << 20
+"""A long range is read in pieces of at most this, concurrently."""
+
+AHEAD = 8
+"""Parameters prepared ahead of the one being placed (their bytes within the budget)."""
 
 
 def runs(view: np.ndarray, offset: int) -> tuple[np.ndarray, int]:
@@ -68,8 +84,20 @@ def merge(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
+@dataclasses.dataclass(eq=False)
+class Chunk:
+    """Blocks of one parameter fetched together: their merged ranges per object."""
+
+    spans: dict[_remote.Remote, list[tuple[int, int]]]
+    nbytes: int
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    failed: list[tuple[_remote.Remote, int, int, str]] = dataclasses.field(default_factory=list)
+    left: int = 0
+
+
 class Fetch:
-    """The remote ranges of one parameter's blocks, fetched a chunk at a time."""
+    """The remote ranges of one parameter's blocks, in chunks of at most ``budget``
+    bytes (a block larger than that is a chunk of its own)."""
 
     def __init__(
         self,
@@ -79,14 +107,14 @@ class Fetch:
         views: Mapping[int, np.ndarray],
         maps: Mapping[_remote.Remote, tuple[mmap.mmap, int]],
         budget: int,
-        total: list[int],
     ):
-        self._maps, self._total = maps, total
+        self.maps = maps
         origin = {obj: np.frombuffer(m, np.uint8).ctypes.data for obj, (m, _) in maps.items()}
-        self._chunks: list[dict[_remote.Remote, list[tuple[int, int]]]] = []
-        self._chunk_of: dict[tuple[Any, ...], int] = {}
+        self.chunks: list[Chunk] = []
+        self._chunk_of: dict[tuple[Any, ...], Chunk] = {}
         pending: dict[_remote.Remote, list[tuple[int, int]]] = {}
         size = 0
+        members: list[tuple[Any, ...]] = []
         for index in blocks:
             reached: list[tuple[_layout.Leaf, Any]] = []
             _layout.block(node, index, functools.partial(_seen, reached), dtype)
@@ -103,40 +131,174 @@ class Fetch:
                 got = spans.setdefault(obj, [])
                 got.extend((base + int(s), base + int(s) + length) for s in starts)
             n = sum(b - a for found in spans.values() for a, b in found)
-            if pending and size + n > budget:
-                self._close(pending)
-                pending, size = {}, 0
+            if members and size + n > budget:
+                self._close(pending, members)
+                pending, size, members = {}, 0, []
             for obj, found in spans.items():
                 pending.setdefault(obj, []).extend(found)
             size += n
-            self._chunk_of[_key(index)] = len(self._chunks)
-        self._close(pending)
-        self._current: int | None = None
-        self._labels = {
+            members.append(_key(index))
+        if members:
+            self._close(pending, members)
+        self._current: Chunk | None = None
+        self.release: Callable[[Chunk], None] = lambda chunk: None  # set by the pipeline
+        self.labels = {
             obj: f" (tensors {', '.join(sorted(repr(n) for n in names))[:200]})"
             for obj, names in _names(node).items()
         }
 
-    def _close(self, pending: dict[_remote.Remote, list[tuple[int, int]]]) -> None:
-        self._chunks.append({obj: merge(found) for obj, found in pending.items()})
+    def _close(self, pending: dict[_remote.Remote, list[tuple[int, int]]], members: list) -> None:
+        spans = {obj: merge(found) for obj, found in pending.items()}
+        chunk = Chunk(spans, sum(b - a for s in spans.values() for a, b in s))
+        self.chunks.append(chunk)
+        for key in members:
+            self._chunk_of[key] = chunk
 
     def ready(self, index: tuple[slice, ...]) -> None:
-        """The remote bytes of the block at ``index`` fetched: its chunk's, the
-        previous chunk's pages released first."""
+        """Waits for the remote bytes of the block at ``index`` (its chunk), the
+        previous chunk's pages and bytes released first."""
         chunk = self._chunk_of.get(_key(index))
-        if chunk is None or chunk == self._current:
+        if chunk is None or chunk is self._current:
             return
-        if self._current is not None:
-            for mapped, _ in self._maps.values():
-                mapped.madvise(mmap.MADV_DONTNEED)
-        ranges = [
-            (obj, a, b, a - self._maps[obj][1])
-            for obj, spans in self._chunks[chunk].items()
-            for a, b in spans
-        ]
-        into = {obj: mapped for obj, (mapped, _) in self._maps.items()}
-        self._total[0] += _remote.fetch(ranges, into, self._labels)
+        self.finish()
+        chunk.done.wait()
+        if chunk.failed:
+            raise PlanError(
+                [
+                    Problem(obj.url, f"bytes [{lo}, {hi}){self.labels.get(obj, '')}: {why}")
+                    for obj, lo, hi, why in sorted(chunk.failed, key=lambda f: (f[0].url, f[1]))
+                ][:10],
+                header="meshinit.safetensors.load: a read failed (nothing loaded):",
+            )
         self._current = chunk
+
+    def finish(self) -> None:
+        """The current chunk's pages and bytes released: its blocks are placed."""
+        if self._current is not None:
+            for mapped, _ in self.maps.values():
+                mapped.madvise(mmap.MADV_DONTNEED)
+            self.release(self._current)
+            self._current = None
+
+
+class Pipeline:
+    """Each job's sources, made and fetched ahead in the load's order, within a
+    budget of bytes fetched and not yet placed; iterate for ``(job, sources)``."""
+
+    def __init__(
+        self,
+        jobs: Sequence[Any],
+        make: Callable[[Any], Any],
+        budget: int,
+        total: list[int],
+        progress: Callable[[int], None] = lambda n: None,
+    ):
+        self._jobs, self._make, self._budget, self._total = jobs, make, budget, total
+        self._progress = progress
+        self._inflight = 0
+        self._lock = threading.Condition()
+        self._stopped = False
+        self._ready: queue.Queue[Any] = queue.Queue(maxsize=AHEAD)
+        self._pool = concurrent.futures.ThreadPoolExecutor(_remote.CONCURRENCY, "meshinit-fetch")
+        self._feeder = threading.Thread(target=self._feed, name="meshinit-feed", daemon=True)
+
+    def __enter__(self) -> Pipeline:
+        self._feeder.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+        while True:  # unblock a feeder waiting to hand over a job
+            try:
+                self._ready.get_nowait()
+            except queue.Empty:
+                break
+        self._feeder.join()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        for _ in self._jobs:
+            got = self._ready.get()
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+
+    def _feed(self) -> None:
+        try:
+            for job in self._jobs:
+                sources = self._make(job)
+                fetch = getattr(sources, "fetch", None)
+                if fetch is not None:
+                    fetch.release = self._release
+                if not self._put((job, sources)):
+                    return
+                if fetch is None:
+                    continue
+                for chunk in fetch.chunks:
+                    if not self._reserve(chunk.nbytes):
+                        return
+                    self._submit(chunk, fetch.maps)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, raised there
+            self._put(e)
+
+    def _put(self, item: Any) -> bool:
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return False
+            try:
+                self._ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Waits until ``nbytes`` more fit the budget (or nothing is in flight)."""
+        with self._lock:
+            while not self._stopped and self._inflight and self._inflight + nbytes > self._budget:
+                self._lock.wait()
+            self._inflight += nbytes
+            return not self._stopped
+
+    def _release(self, chunk: Chunk) -> None:
+        with self._lock:
+            self._inflight -= chunk.nbytes
+            self._lock.notify_all()
+
+    def _submit(self, chunk: Chunk, maps: Mapping[_remote.Remote, tuple[mmap.mmap, int]]) -> None:
+        pieces = [
+            (obj, lo, min(hi, lo + PIECE))
+            for obj, spans in chunk.spans.items()
+            for a, hi in spans
+            for lo in range(a, hi, PIECE)
+        ]
+        chunk.left = len(pieces)
+        if not pieces:
+            chunk.done.set()
+            return
+        for piece in pieces:
+            self._pool.submit(self._read, chunk, maps, *piece)
+
+    def _read(self, chunk: Chunk, maps: Any, obj: _remote.Remote, lo: int, hi: int) -> None:
+        try:
+            if not chunk.failed:
+                mapped, base = maps[obj]
+                data = _remote.read(obj, lo, hi)
+                mapped[lo - base : hi - base] = memoryview(data)
+                with self._lock:
+                    self._total[0] += hi - lo
+                self._progress(hi - lo)
+        except _remote.Permanent as e:
+            chunk.failed.append((obj, lo, hi, str(e)))
+        except BaseException as e:  # noqa: BLE001 - named to the caller, never lost
+            chunk.failed.append((obj, lo, hi, f"{type(e).__name__}: {e}"))
+        finally:
+            with self._lock:
+                chunk.left -= 1
+                if chunk.left == 0:
+                    chunk.done.set()
 
 
 def _seen(reached: list[tuple[_layout.Leaf, Any]], leaf: _layout.Leaf, at: Any) -> None:

@@ -219,7 +219,7 @@ def _remote_index(index: _remote.Remote) -> tuple[dict[str, str], list[Problem]]
     if index.size > MAX_HEADER:
         return {}, [Problem(index.url, f"is over {MAX_HEADER} bytes: not a checkpoint index")]
     try:
-        data = _remote.read(index, 0, index.size) if index.size else b""
+        data = bytes(_remote.read(index, 0, index.size)) if index.size else b""
     except _remote.Permanent as e:
         return {}, [Problem(index.url, str(e))]
     return _weight_map(data, index.url)

@@ -11,6 +11,7 @@ or scale is needed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import mmap
 import os
@@ -25,6 +26,7 @@ import numpy as np
 
 from .._errors import PlanError, Problem
 from .._plan.plan import PlanEntry
+from .._run import progress as _progress
 from . import fetch as _fetch
 from . import file as _file
 from . import layout as _layout
@@ -45,7 +47,10 @@ class Job:
 
 
 def read(
-    jobs: list[Job], checked: Mapping[Where, _file.Checked], budget: int = 1 << 30
+    jobs: list[Job],
+    checked: Mapping[Where, _file.Checked],
+    budget: int = 1 << 30,
+    progress: bool | None = None,
 ) -> dict[str, jax.Array]:
     """The arrays of ``jobs``: every file known to be the one checked before anything
     is read, and again as it is opened (an object: by its ETag, on every read); on
@@ -66,8 +71,21 @@ def read(
         ]
         if changed:
             raise PlanError(changed, header="meshinit.safetensors.load: nothing was read:")
-        for job in jobs:
-            out[job.entry.path] = array(job.entry, source(job, checked, total, budget))
+        if not any(isinstance(p, _remote.Remote) for p in needed):
+            for job in jobs:
+                out[job.entry.path] = array(job.entry, source(job, checked, total, budget))
+        else:  # fetched ahead, within the budget, while each parameter is placed
+            make = functools.partial(_made, checked=checked, total=total, budget=budget)
+            owned = sum(_owned(job) for job in jobs)
+            with (
+                _progress.byte_bar("fetching", owned, progress) as update,
+                _fetch.Pipeline(jobs, make, budget, total, update) as pipeline,
+            ):
+                for job, sources in pipeline:
+                    out[job.entry.path] = array(job.entry, sources)
+                    if sources.fetch is not None:
+                        sources.fetch.finish()
+                    del sources
     except BaseException as e:
         for made in out.values():
             made.delete()
@@ -78,6 +96,22 @@ def read(
         raise
     jax.monitoring.record_scalar(BYTES_READ, float(total[0]))
     return out
+
+
+def _owned(job: Job) -> int:
+    """About the stored bytes of this process's blocks of the job (for the bar)."""
+    leaf = _layout.leaves(job.node)[0]
+    itemsize = (
+        _file.READABLE[leaf.stored.dtype].itemsize if leaf.stored.dtype in _file.READABLE else 1
+    )
+    return sum(
+        math.prod(s.stop - s.start for s in index) * itemsize
+        for index, _ in holders(job.entry).values()
+    )
+
+
+def _made(job: Job, checked: Mapping[Where, _file.Checked], total: list[int], budget: int) -> Any:
+    return source(job, checked, total, budget)  # looked up when called: tests wrap it
 
 
 def _now(path: pathlib.Path) -> tuple[int, ...] | None:
@@ -198,16 +232,16 @@ class Sources:
             counts = [0] if isinstance(leaf.stored.file, _remote.Remote) else total
             self.parts[id(leaf)] = Source(leaf, job.entry, view, at, counts)
         remote = {p: m for p, m in self._maps.items() if isinstance(p, _remote.Remote)}
-        self._fetch = None
+        self.fetch = None  # what its remote parts need fetched, and when
         if remote:
             views = {key: part.view for key, part in self.parts.items()}
             blocks = [index for index, _ in holders(job.entry).values()]
             dtype = job.entry.spec.dtype
-            self._fetch = _fetch.Fetch(job.node, dtype, blocks, views, remote, budget, total)
+            self.fetch = _fetch.Fetch(job.node, dtype, blocks, views, remote, budget)
 
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
-        if self._fetch is not None:
-            self._fetch.ready(index)
+        if self.fetch is not None:
+            self.fetch.ready(index)
         return _layout.block(
             self.job.node,
             index,

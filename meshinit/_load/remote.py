@@ -17,7 +17,6 @@ the files are read at that commit.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import io
 import os
@@ -26,10 +25,10 @@ import struct
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from .._errors import PlanError, Problem
+from .._errors import Problem
 from . import header as _header
 
 URL = re.compile(r"^(s3|gs|hf|https?)://", re.IGNORECASE)
@@ -45,9 +44,6 @@ short reply) is final; obstore itself retries 5xx replies and failed connections
 
 CONCURRENCY = 16
 """Ranged reads in flight at once, per process."""
-
-CHUNK = 16 << 20
-"""A long range is read in pieces of at most this, concurrently."""
 
 
 def is_url(files: Any) -> bool:
@@ -253,10 +249,10 @@ def _why(e: BaseException) -> str:
     return _said(e)
 
 
-def read(obj: Remote, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of ``obj``, as it was listed: a transient failure is
-    tried again (with backoff, :data:`ATTEMPTS` in all), anything else raises
-    :class:`Permanent`."""
+def read(obj: Remote, start: int, end: int) -> Any:
+    """Bytes ``[start, end)`` of ``obj``, as it was listed (a buffer, not copied): a
+    transient failure is tried again (with backoff, :data:`ATTEMPTS` in all), anything
+    else raises :class:`Permanent`."""
     import obstore
     from obstore import exceptions as ox
 
@@ -282,7 +278,7 @@ def read(obj: Remote, start: int, end: int) -> bytes:
                 raise Permanent(
                     f"is {meta['size']} bytes now, {obj.size} when checked: it changed; load again"
                 )
-            data = bytes(got.bytes())
+            data = got.bytes()
             if len(data) != end - start:
                 raise ConnectionError(f"{len(data)} of {end - start} bytes came")
             return data
@@ -302,11 +298,11 @@ def check(obj: Remote) -> tuple[dict[str, _header.Stored], list[str]]:
     one ranged read (a second where the header is longer than the first guess),
     then the ``safetensors`` package's verdict on the header and the object's size."""
     try:
-        head = read(obj, 0, min(obj.size, FIRST_READ)) if obj.size else b""
+        head = bytes(read(obj, 0, min(obj.size, FIRST_READ))) if obj.size else b""
         if len(head) >= 8:
             (length,) = struct.unpack("<Q", head[:8])
             if len(head) < 8 + length <= min(obj.size, 8 + _header.MAX_HEADER):
-                head += read(obj, len(head), 8 + length)
+                head += bytes(read(obj, len(head), 8 + length))
     except Permanent as e:
         return {}, [str(e)]
     tensors, problems = _header.parse(io.BytesIO(head), obj.size, obj)
@@ -320,47 +316,3 @@ def check(obj: Remote) -> tuple[dict[str, _header.Stored], list[str]]:
         f.flush()
         problems = _header.package_agrees(f.name, tensors)
     return tensors, problems
-
-
-def fetch(
-    ranges: Sequence[tuple[Remote, int, int, Any]],
-    into: Any,
-    labels: Mapping[Remote, str],
-) -> int:
-    """Reads every ``(object, start, end, buffer_offset)`` range concurrently into
-    ``into`` (a writable buffer per object, keyed by the object), long ones in
-    :data:`CHUNK` pieces; returns the bytes read. A failure is a PlanError naming
-    the object's URL and the tensors of the range."""
-    pieces = []
-    for obj, start, end, at in ranges:
-        for lo in range(start, end, CHUNK):
-            pieces.append((obj, lo, min(end, lo + CHUNK), at + lo - start))
-    total = 0
-
-    def one(piece: tuple[Remote, int, int, int]) -> int:
-        obj, lo, hi, at = piece
-        data = read(obj, lo, hi)
-        into[obj][at : at + len(data)] = data
-        return len(data)
-
-    workers = min(CONCURRENCY, max(1, len(pieces)))
-    with concurrent.futures.ThreadPoolExecutor(workers, "meshinit-fetch") as pool:
-        futures = {pool.submit(one, p): p for p in pieces}
-        failed = []
-        for future in concurrent.futures.as_completed(futures):
-            try:
-                total += future.result()
-            except Permanent as e:
-                obj, lo, hi, _ = futures[future]
-                failed.append((obj, lo, hi, str(e)))
-                for other in futures:
-                    other.cancel()
-    if failed:
-        problems = []
-        for obj, lo, hi, why in sorted(failed, key=lambda f: (f[0].url, f[1]))[:10]:
-            what = labels.get(obj, "")
-            problems.append(Problem(obj.url, f"bytes [{lo}, {hi}){what}: {why}"))
-        raise PlanError(
-            problems, header="meshinit.safetensors.load: a read failed (nothing loaded):"
-        )
-    return total

@@ -20,9 +20,10 @@ import contextvars
 import dataclasses
 import logging
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 from .._errors import FallbackWarning
@@ -293,3 +294,38 @@ def fell_back(what: str, fallen: Sequence[tuple[str, Any]]) -> None:
             reason,
             ", ".join(paths),
         )
+
+
+@contextlib.contextmanager
+def byte_bar(what: str, total: int, progress: bool | None) -> Iterator[Callable[[int], None]]:
+    """A bar of bytes and bytes per second (a load fetching ``total`` bytes): shown as
+    ``progress`` says, or by the auto rule (stderr a terminal, at least
+    :data:`MIN_BYTES`). Yields ``update(nbytes)``, which any thread may call."""
+    check_progress(progress)
+    show = progress if progress is not None else _stderr_is_terminal() and total >= MIN_BYTES
+    if not show:
+        yield lambda n: None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=total,
+        desc=f"meshinit: {what}",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        leave=True,
+    )
+    lock = threading.Lock()
+
+    def update(nbytes: int) -> None:
+        with lock:
+            if bar.total is not None and bar.n + nbytes > bar.total:  # an estimate: stay honest
+                bar.total = bar.n + nbytes
+            bar.update(nbytes)
+
+    try:
+        yield update
+    finally:
+        bar.close()

@@ -1,0 +1,262 @@
+"""``meshinit.safetensors.load`` from S3 against its floor and a download (issue 43).
+
+A checkpoint of ``--tensors`` f32 tensors of ``--rows`` x ``--cols`` (default 16 of
+2048 x 8192: 1 GiB, in two files) is stored in moto's S3, served on 127.0.0.1 by
+tests/storage_servers.py in a separate process, behind its counting proxy with
+``fast_reads`` (moto itself copies the whole object on every ranged GET). Each
+recipe runs in fresh processes onto ``P('fsdp', 'tensor')`` of a (2, 4) mesh of 8
+simulated CPU devices (one process owns every block):
+
+- ``meshinit``: ``meshinit.safetensors.load(plan, "s3://bench/ckpt/")``, every check
+  on, ``max_inflight_bytes`` as given (``--inflight-mib``);
+- ``floor``: the same client (obstore) fetching exactly the owned byte ranges, 16 at
+  a time, into memory: no listing of the index, no checks, no placement;
+- ``download``: the same client downloading the files whole, then
+  ``meshinit.safetensors.load`` of the local copies.
+
+Each process loads ``--repeats`` + 1 times; the time is the best after its first,
+and each recipe runs in ``--rounds`` processes, the recipes taking turns. The peak RSS
+increase is the largest first load's (over the process after jax's runtime is set
+up); bytes are what the server sent for data (after each object's header reads) and
+what meshinit reports it fetched (``/meshinit/safetensors/bytes_read``).
+
+Goals: meshinit within 1.2x the floor and at most 0.5x the download; fetched /
+owned <= 1.05; peak RSS <= max_inflight_bytes + 1.2x the owned bytes.
+
+Run: python benchmarks/remote_load.py [--tensors N] [--rounds R] [--inflight-mib M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET, PREFIX = "bench", "ckpt"
+MiB = 1 << 20
+
+
+def serve(folder: str) -> None:
+    """The S3 server with the checkpoint stored; then ``stats``, ``reset``, ``quit``
+    on stdin, one per line."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from storage_servers import S3Server
+
+    server = S3Server(fast_reads=True)
+    server.bucket(BUCKET)
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        server.put(f"{BUCKET}/{PREFIX}/{f.name}", f.read_bytes())
+    print(json.dumps({"url": server.url, "env": server.env}), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "stats":
+            log = [(r.method, r.path, r.status, r.sent, r.range) for r in server.counters.log]
+            print(json.dumps(log), flush=True)
+        elif cmd == "reset":
+            server.counters.reset()
+            print("[]", flush=True)
+        elif cmd == "quit":
+            break
+    server.stop()
+
+
+def case(recipe: str, url: str, repeats: int, inflight: int) -> dict:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import meshinit
+    from meshinit import safetensors as st
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
+    sharding = NamedSharding(mesh, P("fsdp", "tensor"))
+    import obstore
+    from obstore.store import from_url
+
+    store = from_url(f"s3://{BUCKET}")
+    metas = [m for batch in obstore.list(store, prefix=PREFIX) for m in batch]
+    objects = sorted(m["path"] for m in metas if m["path"].endswith(".safetensors"))
+    heads = {}
+    for key in objects:  # the header of each file: the tensors' shapes and ranges
+        n = int.from_bytes(bytes(obstore.get_range(store, key, start=0, end=8)), "little")
+        header = json.loads(bytes(obstore.get_range(store, key, start=8, end=8 + n)))
+        header.pop("__metadata__", None)
+        heads[key] = (8 + n, header)
+    shapes = {name: tuple(i["shape"]) for _, h in heads.values() for name, i in h.items()}
+    init = jax.nn.initializers.zeros
+    plan = meshinit.plan(
+        {n: meshinit.param(s, init, axes=("fsdp", "tensor"), mesh=mesh) for n, s in shapes.items()}
+    )
+    fetched = [0.0]
+
+    def counted(event, value, **kwargs):
+        if event == "/meshinit/safetensors/bytes_read":
+            fetched[0] = value
+
+    jax.monitoring.register_scalar_listener(counted)
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    times, peak = [], 0
+
+    def run() -> None:
+        if recipe == "meshinit":
+            arrays = st.load(plan, url, max_inflight_bytes=inflight)
+            jax.block_until_ready(list(arrays.values()))
+        elif recipe == "floor":
+            import concurrent.futures
+
+            ranges = [
+                (key, start + i["data_offsets"][0], start + i["data_offsets"][1])
+                for key, (start, h) in heads.items()
+                for i in h.values()
+            ]
+            pieces = [
+                (key, lo, min(hi, lo + 16 * MiB))
+                for key, a, hi in ranges
+                for lo in range(a, hi, 16 * MiB)
+            ]
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                got = list(
+                    pool.map(lambda p: obstore.get_range(store, p[0], start=p[1], end=p[2]), pieces)
+                )
+            assert sum(len(g) for g in got) == sum(b - a for _, a, b in pieces)
+            del got
+        else:  # download, then a local load
+            with tempfile.TemporaryDirectory() as d:
+                for key in objects:
+                    with open(Path(d) / key.rsplit("/", 1)[-1], "wb") as f:
+                        for chunk in obstore.get(store, key).stream(min_chunk_size=16 * MiB):
+                            f.write(chunk)
+                arrays = st.load(plan, d)
+                jax.block_until_ready(list(arrays.values()))
+        if recipe != "floor":
+            for name, a in arrays.items():
+                assert a.sharding == sharding and a.shape == shapes[name]
+
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+        if len(times) == 1:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    owned = sum(int(np.prod(s)) * 4 for s in shapes.values())
+    return {
+        "recipe": recipe,
+        "seconds": min(times[1:]),
+        "first": times[0],
+        "rss_increase": peak,
+        "owned": owned,
+        "fetched": fetched[0],
+    }
+
+
+def write(folder: Path, tensors: int, rows: int, cols: int) -> None:
+    """The checkpoint, in two files of half the tensors each, as a sharded one."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    half = tensors // 2
+    for k, names in enumerate((range(half), range(half, tensors))):
+        values = {f"t{i}": rng.standard_normal((rows, cols), np.float32) for i in names}
+        save_file(values, str(folder / f"model-0000{k + 1}-of-00002.safetensors"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--cols", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--inflight-mib", type=int, default=1024)
+    ap.add_argument("--json")
+    ap.add_argument("--serve")
+    ap.add_argument("--case", nargs=2)
+    args = ap.parse_args()
+    if args.serve:
+        serve(args.serve)
+        return
+    if args.case:
+        recipe, url = args.case
+        print(json.dumps(case(recipe, url, args.repeats, args.inflight_mib * MiB)))
+        return
+    with tempfile.TemporaryDirectory() as d:
+        write(Path(d), args.tensors, args.rows, args.cols)
+        server = subprocess.Popen(
+            [sys.executable, __file__, "--serve", d],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            hello = json.loads(server.stdout.readline())
+            env = {**os.environ, **hello["env"], "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+            url = f"s3://{BUCKET}/{PREFIX}/"
+            best: dict[str, dict] = {}
+            for _ in range(args.rounds):
+                for recipe in ("floor", "meshinit", "download"):
+                    server.stdin.write("reset\n")
+                    server.stdin.flush()
+                    server.stdout.readline()
+                    r = subprocess.run(
+                        [sys.executable, __file__, "--case", recipe, url]
+                        + [f"--repeats={args.repeats}", f"--inflight-mib={args.inflight_mib}"],
+                        capture_output=True,
+                        text=True,
+                        env=env,
+                        timeout=900,
+                    )
+                    if r.returncode:
+                        raise RuntimeError(r.stderr[-3000:])
+                    got = json.loads(r.stdout.strip().splitlines()[-1])
+                    server.stdin.write("stats\n")
+                    server.stdin.flush()
+                    log = json.loads(server.stdout.readline())
+                    data = [e for e in log if e[0] == "GET" and e[2] in (200, 206)]
+                    headers = [e for e in data if e[4] and e[4][0] == 0]  # header reads
+                    got["sent_per_load"] = (
+                        sum(e[3] for e in data) - sum(e[3] for e in headers)
+                    ) / (args.repeats + 1)
+                    kept = best.setdefault(recipe, got)
+                    kept["seconds"] = min(kept["seconds"], got["seconds"])
+                    kept["rss_increase"] = max(kept["rss_increase"], got["rss_increase"])
+        finally:
+            server.stdin.write("quit\n")
+            server.stdin.close()
+            server.wait(timeout=60)
+    floor = best["floor"]["seconds"]
+    owned = best["meshinit"]["owned"]
+    print(f"checkpoint: {args.tensors} x ({args.rows}, {args.cols}) f32, {owned / 2**30:.2f} GiB")
+    print("| recipe | seconds | vs floor | peak RSS increase | fetched / owned |")
+    print("|---|---|---|---|---|")
+    for name, r in best.items():
+        ratio = r["sent_per_load"] / owned
+        print(
+            f"| {name} | {r['seconds']:.3f} | {r['seconds'] / floor:.2f}x | "
+            f"{r['rss_increase'] / 2**30:.2f} GiB | {ratio:.3f} |"
+        )
+    m, dl = best["meshinit"], best["download"]
+    bound = args.inflight_mib * MiB + 1.2 * owned
+    print(
+        f"goals: meshinit / floor {m['seconds'] / floor:.2f}x (<= 1.2x), meshinit / download "
+        f"{m['seconds'] / dl['seconds']:.2f}x (<= 0.5x), fetched / owned "
+        f"{m['fetched'] / owned:.3f} reported, {m['sent_per_load'] / owned:.3f} at the server "
+        f"(<= 1.05), peak RSS {m['rss_increase'] / 2**30:.2f} GiB (<= {bound / 2**30:.2f} GiB)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(best, indent=1))
+
+
+if __name__ == "__main__":
+    main()
