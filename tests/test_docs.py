@@ -386,7 +386,7 @@ SCRIPT_PAGES = {
     "linen.md": 4,
     "equinox.md": 1,
     "checkpoints.md": 2,
-    "pretrained.md": 4,
+    "pretrained.md": 5,
 }
 
 
