@@ -140,6 +140,13 @@ class Fetch:
             members.append(_key(index))
         if members:
             self._close(pending, members)
+        for obj, (mapped, _) in maps.items():
+            fetched = sum(b - a for chunk in self.chunks for a, b in chunk.spans.get(obj, ()))
+            if 2 * fetched >= len(mapped) and hasattr(mmap, "MADV_HUGEPAGE"):
+                # dense: huge pages fault in 512x fewer times as the readers fill them
+                # (not where the runs are sparse: a 2 MiB page would hold far more
+                # than its runs)
+                mapped.madvise(mmap.MADV_HUGEPAGE)
         self._current: Chunk | None = None
         self.release: Callable[[Chunk], None] = lambda chunk: None  # set by the pipeline
         self.labels = {
@@ -286,7 +293,10 @@ class Pipeline:
             if not chunk.failed:
                 mapped, base = maps[obj]
                 data = _remote.read(obj, lo, hi)
-                mapped[lo - base : hi - base] = memoryview(data)
+                # numpy copies without the GIL: the readers copy (and fault in) together
+                np.frombuffer(mapped, np.uint8)[lo - base : hi - base] = np.frombuffer(
+                    data, np.uint8
+                )
                 with self._lock:
                     self._total[0] += hi - lo
                 self._progress(hi - lo)
