@@ -12,7 +12,11 @@ simulated CPU devices (one process owns every block):
 - ``floor``: the same client (obstore) fetching exactly the owned byte ranges, 16 at
   a time, into memory: no listing of the index, no checks, no placement;
 - ``download``: the same client downloading the files whole, then
-  ``meshinit.safetensors.load`` of the local copies.
+  ``meshinit.safetensors.load`` of the local copies;
+- anchors: ``orbax-v1`` (``--anchors``): ``ocp.load("s3://...", abstract)`` under
+  orbax's v1 safetensors layout (it reads s3:// through fsspec's s3fs); ``runai``
+  (``--runai-python``, an interpreter with ``runai-model-streamer[s3]`` and torch):
+  Run:ai's ``SafetensorsStreamer`` streaming every tensor into host memory.
 
 Each process loads ``--repeats`` + 1 times; the time is the best after its first,
 and each recipe runs in ``--rounds`` processes, the recipes taking turns. The peak RSS
@@ -65,6 +69,37 @@ def serve(folder: str) -> None:
         elif cmd == "quit":
             break
     server.stop()
+
+
+def runai_case(url: str, repeats: int) -> dict:
+    """Run:ai's model streamer (``runai-model-streamer[s3]``, torch) streaming every
+    tensor of the checkpoint into host memory: an anchor, in its own interpreter."""
+    import resource as res
+
+    from runai_model_streamer import SafetensorsStreamer, list_safetensors
+
+    files = list_safetensors(url)
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    times, peak, nbytes = [], 0, 0
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(files)
+            got = {name: t for name, t in streamer.get_tensors()}
+        nbytes = sum(t.numel() * t.element_size() for t in got.values())
+        del got
+        times.append(time.perf_counter() - start)
+        if len(times) == 1:
+            peak = res.getrusage(res.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return {
+        "recipe": "runai",
+        "seconds": min(times[1:]),
+        "first": times[0],
+        "rss_increase": peak,
+        "owned": nbytes,
+        "fetched": float(nbytes),
+    }
 
 
 def case(recipe: str, url: str, repeats: int, inflight: int, rank: int, port: int) -> dict:
@@ -133,6 +168,16 @@ def case(recipe: str, url: str, repeats: int, inflight: int, rank: int, port: in
             assert sum(len(g) for g in got) == sum(b - a for _, a, b in pieces)
             fetched[0] = sum(len(g) for g in got)
             del got
+        elif recipe == "orbax-v1":  # orbax's v1 safetensors layout, reading s3:// itself
+            import orbax.checkpoint.experimental.v1 as ocp
+
+            abstract = {
+                n: jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+                for n, shape in shapes.items()
+            }
+            with ocp.Context(checkpoint_layout="safetensors"):
+                arrays = ocp.load(url, abstract)
+            jax.block_until_ready(list(arrays.values()))
         else:  # download, then a local load
             with tempfile.TemporaryDirectory() as d:
                 for key in objects:
@@ -142,7 +187,7 @@ def case(recipe: str, url: str, repeats: int, inflight: int, rank: int, port: in
                 arrays = st.load(plan, d)
                 jax.block_until_ready(list(arrays.values()))
         if recipe != "floor":
-            for name, a in arrays.items():
+            for name, a in arrays.items():  # every recipe places exactly
                 assert a.sharding == sharding and a.shape == shapes[name]
 
     for _ in range(repeats + 1):
@@ -179,7 +224,10 @@ def write(folder: Path, tensors: int, rows: int, cols: int) -> None:
 def spawn(recipe: str, url: str, args: argparse.Namespace, env: dict) -> dict:
     """One recipe in fresh processes (two under jax.distributed with --processes 2):
     the slowest process's time and memory, the bytes of both."""
-    cmd = [sys.executable, __file__, "--case", recipe, url]
+    python = args.runai_python if recipe == "runai" else sys.executable
+    if recipe == "runai":  # path-style requests, as the local server takes them
+        env = {**env, "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+    cmd = [python, __file__, "--case", recipe, url]
     cmd += [f"--repeats={args.repeats}", f"--inflight-mib={args.inflight_mib}"]
     port = 0
     if args.processes == 2:
@@ -256,6 +304,10 @@ def main() -> None:
     ap.add_argument("--serve")
     ap.add_argument("--case", nargs=2)
     ap.add_argument("--processes", type=int, choices=(1, 2), default=1)
+    ap.add_argument(
+        "--runai-python", help="an interpreter with runai-model-streamer[s3] (and torch)"
+    )
+    ap.add_argument("--anchors", action="store_true", help="orbax v1 too (needs s3fs)")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args()
@@ -264,6 +316,9 @@ def main() -> None:
         return
     if args.case:
         recipe, url = args.case
+        if recipe == "runai":
+            print(json.dumps(runai_case(url, args.repeats)), flush=True)
+            return
         got = case(recipe, url, args.repeats, args.inflight_mib * MiB, args.rank, args.port)
         print(json.dumps(got), flush=True)
         if args.port:
@@ -285,7 +340,12 @@ def main() -> None:
             url = f"s3://{BUCKET}/{PREFIX}/"
             best: dict[str, dict] = {}
             for _ in range(args.rounds):
-                for recipe in ("floor", "meshinit", "download"):
+                recipes = ["floor", "meshinit", "download"]
+                if args.anchors and args.processes == 1:
+                    recipes.append("orbax-v1")
+                if args.runai_python and args.processes == 1:
+                    recipes.append("runai")
+                for recipe in recipes:
                     server.stdin.write("reset\n")
                     server.stdin.flush()
                     server.stdout.readline()
