@@ -136,6 +136,20 @@ def test_header_check_script_times_meshinit_against_the_package(tmp_path):
 
 
 @pytest.mark.slow
+def test_remote_load_script_runs_against_its_own_s3_server(tmp_path):
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    out = tmp_path / "remote.json"
+    small = ("--tensors", "4", "--rows", "256", "--cols", "512", "--rounds", "1")
+    r = run_script("remote_load.py", *small, "--repeats", "1", "--json", str(out))
+    assert "| meshinit |" in r.stdout and "goals:" in r.stdout, r.stdout
+    found = json.loads(out.read_text())
+    assert set(found) == {"floor", "meshinit", "download"}
+    ((fetched, owned),) = found["meshinit"]["per_process"]
+    assert fetched == owned == 4 * 256 * 512 * 4  # every owned byte fetched once, no more
+
+
+@pytest.mark.slow
 def test_launches_script_runs_every_case():
     r = run_script("launches.py", "--params", "4", "--outputs", "1", "2", "--repeats", "1")
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "ms |" in line]
