@@ -271,3 +271,47 @@ def test_an_hf_revision_the_hub_does_not_have_is_named(file_server):
     options = {"endpoint": file_server.url, "token": False}
     with pytest.raises(meshinit.PlanError, match="the Hub does not give org/model@v9"):
         st.inventory(plan_of({"up": SHAPES["up"]}), "hf://org/model@v9", storage_options=options)
+
+
+def test_runs_follow_the_stored_layout_and_merge_only_small_gaps():
+    from meshinit._load import fetch as _fetch
+
+    stored = np.zeros((8, 16), np.float32)  # rows of 64 bytes
+    base = stored.ctypes.data
+    view = stored.T[4:8, 2:4]  # a transposed part's block: columns 4..7 of rows 2, 3
+    starts, length = _fetch.runs(view, view.ctypes.data - base)
+    assert (starts.tolist(), length) == ([2 * 64 + 16, 3 * 64 + 16], 16)
+    whole = stored[2:4]  # whole rows run on: one run
+    assert [x.tolist() if hasattr(x, "tolist") else x for x in _fetch.runs(whole, 128)] == [
+        [128],
+        128,
+    ]
+    # gaps: joined when small next to the runs, kept when large
+    assert _fetch.merge([(0, 1000), (1010, 2000)]) == [(0, 2000)]
+    assert _fetch.merge([(0, 100), (200, 300)]) == [(0, 100), (200, 300)]
+    assert _fetch.merge([(0, 1 << 20), ((1 << 20) + (100 << 10), 2 << 20)]) == [
+        (0, 1 << 20),
+        ((1 << 20) + (100 << 10), 2 << 20),
+    ]  # 100 KiB is over GAP, however long the runs
+
+
+def test_a_failure_mid_load_leaves_no_array_alive(s3_server, monkeypatch):
+    from meshinit._load import read as _read
+
+    made = []
+    array = _read.array
+    monkeypatch.setattr(_read, "array", lambda *a: made.append(array(*a)) or made[-1])
+    bucket = s3_server.bucket()
+    shapes = {f"w{i}": (64, 64) for i in range(6)}
+    _, first = checkpoint({n: shapes[n] for n in ("w0", "w1", "w2")})
+    _, second = checkpoint({n: shapes[n] for n in ("w3", "w4", "w5")})
+    s3_server.put(f"{bucket}/m/a.safetensors", first)
+    s3_server.put(f"{bucket}/m/b.safetensors", second)
+    plan = plan_for(shapes, axes=("fsdp", "tensor"))
+    live = len(jax.live_arrays())
+    s3_server.fail("*b.safetensors", 403, times=1000, after=1)  # a's parameters arrive first
+    with pytest.raises(meshinit.PlanError, match="access is denied"):
+        st.load(plan, f"s3://{bucket}/m/")
+    assert made and all(a.is_deleted() for a in made)  # some were made, and deleted
+    made.clear()
+    assert len(jax.live_arrays()) == live
