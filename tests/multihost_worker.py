@@ -142,17 +142,20 @@ def stored(path: str, value: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(value.T if permute else value.reshape(-1))
 
 
+def names(path: str) -> Any:
+    """The stored tensor of a plan path (``names=`` of the loads below)."""
+    from meshinit import safetensors as st
+
+    if path not in ST_TENSORS:
+        return None
+    name, shape, permute = ST_TENSORS[path]
+    return st.Tensor(name, shape=shape, permute=permute)
+
+
 def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[list[str], dict]:
     """``meshinit.safetensors.load`` under jax.distributed: every addressable shard
     against the single-process values, and the elements read against those owned."""
     from meshinit import safetensors as st
-
-    def names(path: str) -> Any:
-        if path not in ST_TENSORS:
-            return None
-        name, shape, permute = ST_TENSORS[path]
-        return st.Tensor(name, shape=shape, permute=permute)
-
     from meshinit._load import read as _read
 
     read: list[int] = []
@@ -216,12 +219,6 @@ def check_remote(plan: meshinit.Plan, reference: Any, url: str) -> tuple[list[st
     bytes of its own distinct blocks."""
     from meshinit import safetensors as st
     from meshinit._load import read as _read
-
-    def names(path: str) -> Any:
-        if path not in ST_TENSORS:
-            return None
-        name, shape, permute = ST_TENSORS[path]
-        return st.Tensor(name, shape=shape, permute=permute)
 
     reported: list[float] = []
 

@@ -128,22 +128,23 @@ def _bucket(url: str, scheme: str, options: dict[str, Any]) -> Folder:
         return Folder([_head(obstore, store, root, prefix)], None, [])
     prefix = prefix.rstrip("/")
     found: list[Remote] = []
-    index = None
     for batch in obstore.list(store, prefix=prefix or None):
         for meta in batch:
             key = str(meta["path"])
             rest = key[len(prefix) :].lstrip("/") if prefix else key
             if "/" in rest or rest.startswith("."):
                 continue
-            made = Remote(f"{root}/{key}", key, int(meta["size"]), meta.get("e_tag"), store)
-            if rest == _INDEX:
-                index = made
-            elif rest.endswith(".safetensors"):
-                found.append(made)
-    problems = []
-    if not found and index is None:
-        problems.append(Problem(url, "holds no *.safetensors object: check the URL"))
-    return Folder(sorted(found, key=lambda r: r.key), index, problems)
+            if rest == _INDEX or rest.endswith(".safetensors"):
+                size, etag = int(meta["size"]), meta.get("e_tag")
+                found.append(Remote(f"{root}/{key}", key, size, etag, store))
+    return _folder(url, found, "holds no *.safetensors object: check the URL")
+
+
+def _folder(url: str, found: list[Remote], empty: str) -> Folder:
+    """The folder's files, its index apart; a folder with neither is a problem."""
+    index = next((r for r in found if r.name == _INDEX), None)
+    files = sorted((r for r in found if r.name != _INDEX), key=lambda r: r.key)
+    return Folder(files, index, [] if files or index else [Problem(url, empty)])
 
 
 _INDEX = "model.safetensors.index.json"
@@ -210,7 +211,7 @@ def _hub(url: str, options: dict[str, Any]) -> Folder:
         client.setdefault("allow_http", True)
     base = f"{endpoint}/{repo}/resolve/{commit}/"
     store = HTTPStore.from_url(base, client_options=client, **options)
-    found, index = [], None
+    found: list[Remote] = []
     for entry in tree:
         path = getattr(entry, "path", "")
         name = path.rsplit("/", 1)[-1]
@@ -218,17 +219,9 @@ def _hub(url: str, options: dict[str, Any]) -> Folder:
             continue  # a folder, or a hidden file
         if not (name == _INDEX or name.endswith(".safetensors")):
             continue
-        made = dataclasses.replace(  # its ETag as the resolve URL gives it
-            _head(obstore, store, base.rstrip("/"), path), url=f"hf://{repo}@{commit}/{path}"
-        )
-        if name == _INDEX:
-            index = made
-        elif name.endswith(".safetensors"):
-            found.append(made)
-    problems = []
-    if not found and index is None:
-        problems.append(Problem(url, f"holds no *.safetensors file at commit {commit}"))
-    return Folder(sorted(found, key=lambda r: r.key), index, problems)
+        made = _head(obstore, store, base.rstrip("/"), path)  # the ETag resolve gives
+        found.append(dataclasses.replace(made, url=f"hf://{repo}@{commit}/{path}"))
+    return _folder(url, found, f"holds no *.safetensors file at commit {commit}")
 
 
 def _why(e: BaseException) -> str:
