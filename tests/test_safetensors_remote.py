@@ -315,3 +315,19 @@ def test_a_failure_mid_load_leaves_no_array_alive(s3_server, monkeypatch):
     assert made and all(a.is_deleted() for a in made)  # some were made, and deleted
     made.clear()
     assert len(jax.live_arrays()) == live
+
+
+def test_an_hf_repo_whose_files_redirect_to_a_cdn_loads(tmp_path, monkeypatch):
+    # the Hub answers a large file's resolve URL with a redirect to its CDN
+    from storage_servers import FileServer
+
+    a, data = checkpoint({"up": SHAPES["up"]})
+    root = tmp_path / "served"
+    root.mkdir()
+    with FileServer(root, lfs_redirect=True) as server:
+        server.put("org/model/model.safetensors", data)
+        options = {"endpoint": server.url, "token": False}
+        plan = plan_of({"up": SHAPES["up"]})
+        same(st.load(plan, "hf://org/model", storage_options=options), a)
+        redirected = [r for r in server.counters.log if r.status in (301, 302, 307)]
+        assert redirected, [(r.method, r.path, r.status) for r in server.counters.log]
