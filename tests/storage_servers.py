@@ -277,7 +277,10 @@ class _S3Handler(Handler):
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
         if body or method in ("PUT", "POST"):
             headers["Content-Length"] = str(len(body))
-        target = url.path + (f"?{url.query}" if url.query else "")
+        # "%2D" is "-" (RFC 3986's unreserved characters), as GCS's client spells a
+        # bucket name; moto compares names as sent
+        path_ = _UNRESERVED.sub(lambda m: chr(int(m[1], 16)), url.path)
+        target = path_ + (f"?{url.query}" if url.query else "")
         status, reply, data = owner.moto_request(method, target, body, headers)
         span = None
         if status == 206 and (m := re.match(r"bytes (\d+)-(\d+)/", reply.get("content-range", ""))):
@@ -288,6 +291,9 @@ class _S3Handler(Handler):
             self.send(method, path, status, out, read=_slicer(data, span[0]), span=span)
         else:
             self.send(method, path, status, out, data, length=length)
+
+
+_UNRESERVED = re.compile(r"%(2[DdEe]|5[Ff]|7[Ee]|3[0-9]|[46][1-9A-Fa-f]|[57][0-9Aa])")
 
 
 def _slicer(data: bytes, base: int = 0):
@@ -369,11 +375,33 @@ class S3Server(Server):
             "client_options": {"allow_http": True},
         }
 
-    def bucket(self, name: str | None = None) -> str:
-        """Create a bucket (a fresh name by default) and return its name."""
+    def bucket(self, name: str | None = None, *, public: bool = False) -> str:
+        """Create a bucket (a fresh name by default) and return its name; ``public``:
+        anyone may read its objects without credentials (a bucket policy)."""
         name = name or f"test-{uuid.uuid4().hex[:12]}"
         self.client.create_bucket(Bucket=name)
+        if public:
+            # moto asks a HEAD for s3:HeadObject, which S3 itself folds into GetObject
+            actions = ["s3:GetObject", "s3:HeadObject"]
+            read = {"Effect": "Allow", "Principal": "*", "Action": actions}
+            read["Resource"] = f"arn:aws:s3:::{name}/*"
+            policy = {"Version": "2012-10-17", "Statement": [read]}
+            self.client.put_bucket_policy(Bucket=name, Policy=json.dumps(policy))
         return name
+
+    def gcs_env(self, folder: str | os.PathLike) -> dict[str, str]:
+        """Where obstore's GCS client (``gs://``) finds this server: a service account
+        file (written in ``folder``) whose ``gcs_base_url`` is this proxy and whose
+        ``disable_oauth`` sends no token, as for a public bucket. GCS's XML API, which
+        that client speaks (``?list-type=2`` listings, HEAD, ranged GETs with
+        ``If-Match``), is S3's interoperable API, and moto answers it; read from
+        :meth:`bucket` ``(public=True)``. The client percent-encodes ``-`` in names,
+        which the proxy decodes."""
+        file = Path(folder) / "gcs-service-account.json"
+        fields = {"gcs_base_url": self.url, "disable_oauth": True}
+        key = {"client_email": "", "private_key": "", "private_key_id": ""}  # unused
+        file.write_text(json.dumps({**fields, **key}))
+        return {"GOOGLE_SERVICE_ACCOUNT": str(file), "GOOGLE_ALLOW_HTTP": "true"}
 
     def put(self, path: str, data: bytes) -> None:
         """Store ``data`` at ``bucket/key`` straight in moto (not counted)."""

@@ -176,6 +176,61 @@ def test_max_inflight_bytes_fetches_a_parameter_in_chunks(s3_server):
     assert max(r.sent for r in gets[2:]) <= 8192  # after the header's reads
 
 
+# ------------------------------------------------- GCS
+
+
+@pytest.fixture
+def gcs(s3_server, tmp_path, monkeypatch):
+    """The S3 server as GCS's XML API for ``gs://`` (see ``S3Server.gcs_env``)."""
+    for name, value in s3_server.gcs_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+def test_a_gs_folder_loads_through_the_gcs_client_fetching_only_owned_bytes(gcs):
+    bucket = gcs.bucket(public=True)
+    a, data_a = checkpoint({k: SHAPES[k] for k in ("embed", "up")}, seed=4)
+    b, data_b = checkpoint({k: SHAPES[k] for k in ("down", "norm")}, seed=5)
+    gcs.put(f"{bucket}/llama/model-00001-of-00002.safetensors", data_a)
+    gcs.put(f"{bucket}/llama/model-00002-of-00002.safetensors", data_b)
+    plan = plan_of()
+    gcs.reset()
+    before = len(RECORDED.values)
+    loaded = st.load(plan, f"gs://{bucket}/llama/")
+    same(loaded, {**a, **b})
+    assert all(loaded[e.path].sharding == e.sharding for e in plan.entries)
+    listed = [r for r in gcs.counters.log if r.path == bucket]
+    assert [(r.method, r.status) for r in listed] == [("GET", 200)]  # one listing
+    gets = [r for r in gcs.counters.log if r.method == "GET" and r.range]
+    firsts = {r.path: r for r in reversed(gets)}
+    data_sent = sum(r.sent for r in gets if r not in firsts.values())
+    assert owned(loaded) <= data_sent <= 1.05 * owned(loaded), (data_sent, owned(loaded))
+    assert RECORDED.values[before:] == [float(owned(loaded))]
+    inv = st.inventory(plan, f"gs://{bucket}/llama/")
+    assert sorted(inv.loaded) == sorted(SHAPES) and not inv.unused
+
+
+def test_gs_failures_are_retried_refused_or_named_as_for_s3(gcs):
+    public, private = gcs.bucket(public=True), gcs.bucket()
+    tensors, data = checkpoint({"up": SHAPES["up"], "down": SHAPES["down"]})
+    _, other = checkpoint({"up": SHAPES["up"], "down": SHAPES["down"]}, seed=9)
+    gcs.put(f"{public}/m.safetensors", data)
+    gcs.put(f"{private}/m.safetensors", data)
+    plan = plan_of({"up": SHAPES["up"], "down": SHAPES["down"]})
+    url = f"gs://{public}/m.safetensors"
+    unavailable = gcs.fail("*m.safetensors", 503, times=2)
+    dropped = gcs.drop("*m.safetensors", keep=100, times=1, after=2)
+    same(st.load(plan, url), tensors)
+    assert unavailable.fired == 2 and dropped.fired == 1
+    gcs.replace_after(f"{public}/m.safetensors", other, after=1)
+    with pytest.raises(meshinit.PlanError, match="changed since it was checked") as raised:
+        st.load(plan, url)
+    assert url in str(raised.value)
+    with pytest.raises(meshinit.PlanError, match="access is denied") as raised:
+        st.load(plan, f"gs://{private}/m.safetensors")  # no credentials for it
+    assert f"gs://{private}/m.safetensors" in str(raised.value)
+
+
 def test_without_the_client_the_error_names_the_extra(monkeypatch):
     import builtins
 
