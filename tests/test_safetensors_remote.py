@@ -70,28 +70,44 @@ def plan_of(shapes=SHAPES):
     return meshinit.plan(entries)
 
 
-# ------------------------------------------------- S3
+# ------------------------------------------------- S3 and GCS
 
 
-def test_an_s3_folder_loads_as_the_package_reads_it_fetching_only_owned_bytes(s3_server):
-    bucket = s3_server.bucket()
+@pytest.fixture
+def gcs(s3_server, tmp_path, monkeypatch):
+    """The S3 server as GCS's XML API for ``gs://`` (see ``S3Server.gcs_env``)."""
+    for name, value in s3_server.gcs_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_bucket_folder_loads_as_the_package_reads_it_fetching_only_owned_bytes(
+    s3_server, scheme, request
+):
+    server = request.getfixturevalue("gcs") if scheme == "gs" else s3_server
+    bucket = server.bucket(public=scheme == "gs")
     a, data_a = checkpoint({k: SHAPES[k] for k in ("embed", "up")}, seed=1)
     b, data_b = checkpoint({k: SHAPES[k] for k in ("down", "norm")}, seed=2)
-    s3_server.put(f"{bucket}/llama/model-00001-of-00002.safetensors", data_a)
-    s3_server.put(f"{bucket}/llama/model-00002-of-00002.safetensors", data_b)
+    server.put(f"{bucket}/llama/model-00001-of-00002.safetensors", data_a)
+    server.put(f"{bucket}/llama/model-00002-of-00002.safetensors", data_b)
     plan = plan_of()
-    s3_server.reset()
+    server.reset()
     before = len(RECORDED.values)
-    loaded = st.load(plan, f"s3://{bucket}/llama/")
+    loaded = st.load(plan, f"{scheme}://{bucket}/llama/")
     same(loaded, {**a, **b})
     for entry in plan.entries:
         assert loaded[entry.path].sharding == entry.sharding
-    gets = [r for r in s3_server.counters.log if r.method == "GET" and r.range]
+    listed = [r for r in server.counters.log if r.path == bucket]
+    assert [(r.method, r.status) for r in listed] == [("GET", 200)]  # one listing
+    gets = [r for r in server.counters.log if r.method == "GET" and r.range]
     firsts = {r.path: r for r in reversed(gets)}  # each object's header read
     assert sorted(r.range[0] for r in firsts.values()) == [0, 0]
     data_sent = sum(r.sent for r in gets if r not in firsts.values())
     assert owned(loaded) <= data_sent <= 1.05 * owned(loaded), (data_sent, owned(loaded))
     assert RECORDED.values[before:] == [float(owned(loaded))]
+    inv = st.inventory(plan, f"{scheme}://{bucket}/llama/")
+    assert sorted(inv.loaded) == sorted(SHAPES) and not inv.unused
 
 
 def test_a_single_object_url_and_a_list_of_urls_load(s3_server):
@@ -174,40 +190,6 @@ def test_max_inflight_bytes_fetches_a_parameter_in_chunks(s3_server):
     same(loaded, tensors)
     gets = [r for r in s3_server.counters.log if r.method == "GET" and r.range is not None]
     assert max(r.sent for r in gets[2:]) <= 8192  # after the header's reads
-
-
-# ------------------------------------------------- GCS
-
-
-@pytest.fixture
-def gcs(s3_server, tmp_path, monkeypatch):
-    """The S3 server as GCS's XML API for ``gs://`` (see ``S3Server.gcs_env``)."""
-    for name, value in s3_server.gcs_env(tmp_path).items():
-        monkeypatch.setenv(name, value)
-    return s3_server
-
-
-def test_a_gs_folder_loads_through_the_gcs_client_fetching_only_owned_bytes(gcs):
-    bucket = gcs.bucket(public=True)
-    a, data_a = checkpoint({k: SHAPES[k] for k in ("embed", "up")}, seed=4)
-    b, data_b = checkpoint({k: SHAPES[k] for k in ("down", "norm")}, seed=5)
-    gcs.put(f"{bucket}/llama/model-00001-of-00002.safetensors", data_a)
-    gcs.put(f"{bucket}/llama/model-00002-of-00002.safetensors", data_b)
-    plan = plan_of()
-    gcs.reset()
-    before = len(RECORDED.values)
-    loaded = st.load(plan, f"gs://{bucket}/llama/")
-    same(loaded, {**a, **b})
-    assert all(loaded[e.path].sharding == e.sharding for e in plan.entries)
-    listed = [r for r in gcs.counters.log if r.path == bucket]
-    assert [(r.method, r.status) for r in listed] == [("GET", 200)]  # one listing
-    gets = [r for r in gcs.counters.log if r.method == "GET" and r.range]
-    firsts = {r.path: r for r in reversed(gets)}
-    data_sent = sum(r.sent for r in gets if r not in firsts.values())
-    assert owned(loaded) <= data_sent <= 1.05 * owned(loaded), (data_sent, owned(loaded))
-    assert RECORDED.values[before:] == [float(owned(loaded))]
-    inv = st.inventory(plan, f"gs://{bucket}/llama/")
-    assert sorted(inv.loaded) == sorted(SHAPES) and not inv.unused
 
 
 def test_gs_failures_are_retried_refused_or_named_as_for_s3(gcs):
