@@ -27,7 +27,15 @@ what meshinit reports it fetched (``/meshinit/safetensors/bytes_read``).
 Goals: meshinit within 1.2x the floor and at most 0.5x the download; fetched /
 owned <= 1.05; peak RSS <= max_inflight_bytes + 1.2x the owned bytes.
 
+``--column-block F`` reads, instead of each tensor, a middle block of 1/F of its
+columns (``Tensor(name, index=np.s_[:, a:b])``): what a host owns of a transposed
+weight whose columns are split between F hosts, a short run of every stored row.
+The floor then fetches exactly those runs, one request each; meshinit reads through
+the gaps (``fetch.READ_THROUGH``). ``--latency-ms`` makes the server wait that long
+before each answer, as an object store's time to first byte (tens of ms) does.
+
 Run: python benchmarks/remote_load.py [--tensors N] [--rounds R] [--inflight-mib M]
+     [--column-block F] [--latency-ms L]
 """
 
 from __future__ import annotations
@@ -47,13 +55,14 @@ BUCKET, PREFIX = "bench", "ckpt"
 MiB = 1 << 20
 
 
-def serve(folder: str) -> None:
+def serve(folder: str, latency: float) -> None:
     """The S3 server with the checkpoint stored; then ``stats``, ``reset``, ``quit``
     on stdin, one per line."""
     sys.path.insert(0, str(ROOT / "tests"))
     from storage_servers import S3Server
 
     server = S3Server(fast_reads=True)
+    server.latency = latency
     server.bucket(BUCKET)
     for f in sorted(Path(folder).glob("*.safetensors")):
         server.put(f"{BUCKET}/{PREFIX}/{f.name}", f.read_bytes())
@@ -102,7 +111,9 @@ def runai_case(url: str, repeats: int) -> dict:
     }
 
 
-def case(recipe: str, url: str, repeats: int, inflight: int, rank: int, port: int) -> dict:
+def case(
+    recipe: str, url: str, repeats: int, inflight: int, rank: int, port: int, block: int
+) -> dict:
     import jax
 
     if port:  # one of two processes under jax.distributed, 4 devices each
@@ -132,7 +143,11 @@ def case(recipe: str, url: str, repeats: int, inflight: int, rank: int, port: in
         header = json.loads(bytes(obstore.get_range(store, key, start=8, end=8 + n)))
         header.pop("__metadata__", None)
         heads[key] = (8 + n, header)
-    shapes = {name: tuple(i["shape"]) for _, h in heads.values() for name, i in h.items()}
+    stored = {name: tuple(i["shape"]) for _, h in heads.values() for name, i in h.items()}
+    width = {n: c // block for n, (_, c) in stored.items()}  # the columns read
+    first = {n: (block // 2) * width[n] for n in stored}  # from this stored column
+    shapes = {n: (r, width[n]) for n, (r, _) in stored.items()}
+    names = {n: st.Tensor(n, index=np.s_[:, first[n] : first[n] + width[n]]) for n in stored}
     init = jax.nn.initializers.zeros
     plan = meshinit.plan(
         {n: meshinit.param(s, init, axes=("fsdp", "tensor"), mesh=mesh) for n, s in shapes.items()}
@@ -150,12 +165,12 @@ def case(recipe: str, url: str, repeats: int, inflight: int, rank: int, port: in
 
     def run() -> None:
         if recipe == "meshinit":
-            arrays = st.load(plan, url, max_inflight_bytes=inflight)
+            arrays = st.load(plan, url, names=names, max_inflight_bytes=inflight)
             jax.block_until_ready(list(arrays.values()))
         elif recipe == "floor":
             import concurrent.futures
 
-            ranges = owned_ranges(plan, heads)
+            ranges = owned_ranges(plan, heads, stored, first)
             pieces = [
                 (key, lo, min(hi, lo + 16 * MiB))
                 for key, a, hi in ranges
@@ -184,7 +199,7 @@ def case(recipe: str, url: str, repeats: int, inflight: int, rank: int, port: in
                     with open(Path(d) / key.rsplit("/", 1)[-1], "wb") as f:
                         for chunk in obstore.get(store, key).stream(min_chunk_size=16 * MiB):
                             f.write(chunk)
-                arrays = st.load(plan, d)
+                arrays = st.load(plan, d, names=names)
                 jax.block_until_ready(list(arrays.values()))
         if recipe != "floor":
             for name, a in arrays.items():  # every recipe places exactly
@@ -229,6 +244,7 @@ def spawn(recipe: str, url: str, args: argparse.Namespace, env: dict) -> dict:
         env = {**env, "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
     cmd = [python, __file__, "--case", recipe, url]
     cmd += [f"--repeats={args.repeats}", f"--inflight-mib={args.inflight_mib}"]
+    cmd += [f"--column-block={args.column_block}"]
     port = 0
     if args.processes == 2:
         import socket
@@ -265,16 +281,17 @@ def blocks_of(entry) -> set:
     return {tuple(sl.indices(n)[:2] for sl, n in zip(i, shape, strict=True)) for i in indices}
 
 
-def owned_ranges(plan, heads: dict) -> list[tuple[str, int, int]]:
-    """The byte ranges of this process's blocks in the files (row-major f32), merged:
-    what the floor fetches."""
+def owned_ranges(plan, heads: dict, stored: dict, first: dict) -> list[tuple[str, int, int]]:
+    """The byte ranges of this process's blocks in the files (row-major f32, the
+    plan's column 0 at stored column ``first``), merged: what the floor fetches."""
     where = {n: (key, start + i["data_offsets"][0]) for key, (start, h) in heads.items()
              for n, i in h.items()}  # fmt: skip
     spans: dict[str, list[tuple[int, int]]] = {}
     for e in plan.entries:
         key, begin = where[e.path]
-        cols = e.spec.shape[1]
+        cols = stored[e.path][1]
         for (r0, r1), (c0, c1) in blocks_of(e):
+            c0, c1 = c0 + first[e.path], c1 + first[e.path]
             for r in range(r0, r1):
                 spans.setdefault(key, []).append(
                     (begin + 4 * (r * cols + c0), begin + 4 * (r * cols + c1))
@@ -308,18 +325,23 @@ def main() -> None:
         "--runai-python", help="an interpreter with runai-model-streamer[s3] (and torch)"
     )
     ap.add_argument("--anchors", action="store_true", help="orbax v1 too (needs s3fs)")
+    ap.add_argument("--column-block", type=int, default=1, help="read 1/F of the columns")
+    ap.add_argument("--latency-ms", type=float, default=0.0, help="the server's, per answer")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.latency_ms / 1000)
         return
     if args.case:
         recipe, url = args.case
         if recipe == "runai":
             print(json.dumps(runai_case(url, args.repeats)), flush=True)
             return
-        got = case(recipe, url, args.repeats, args.inflight_mib * MiB, args.rank, args.port)
+        got = case(
+            recipe, url, args.repeats, args.inflight_mib * MiB, args.rank, args.port,
+            args.column_block,
+        )  # fmt: skip
         print(json.dumps(got), flush=True)
         if args.port:
             import jax
@@ -329,7 +351,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         write(Path(d), args.tensors, args.rows, args.cols)
         server = subprocess.Popen(
-            [sys.executable, __file__, "--serve", d],
+            [sys.executable, __file__, "--serve", d, f"--latency-ms={args.latency_ms}"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -341,9 +363,10 @@ def main() -> None:
             best: dict[str, dict] = {}
             for _ in range(args.rounds):
                 recipes = ["floor", "meshinit", "download"]
-                if args.anchors and args.processes == 1:
+                whole = args.processes == 1 and args.column_block == 1  # what anchors read
+                if args.anchors and whole:
                     recipes.append("orbax-v1")
-                if args.runai_python and args.processes == 1:
+                if args.runai_python and whole:
                     recipes.append("runai")
                 for recipe in recipes:
                     server.stdin.write("reset\n")
@@ -371,7 +394,8 @@ def main() -> None:
     owned = sum(o for _, o in m["per_process"])  # every process's, each block once
     print(
         f"checkpoint: {args.tensors} x ({args.rows}, {args.cols}) f32, {size / 2**30:.2f} GiB; "
-        f"{args.processes} process(es)"
+        f"{args.processes} process(es); 1/{args.column_block} of the columns; server "
+        f"latency {args.latency_ms:g} ms"
     )
     print("| recipe | seconds | vs floor | peak RSS increase | sent / owned |")
     print("|---|---|---|---|---|")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import threading
+import time
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -213,7 +214,10 @@ class Handler(BaseHTTPRequestHandler):
     ) -> None:
         """Answer: the status, the headers, a ``Content-Length`` (``length``, else the
         body's), and on GET the body, either ``body`` or ``read(offset, n)`` over
-        ``span``; a matching ``drop`` fault cuts it short. Records the answer."""
+        ``span``; a matching ``drop`` fault cuts it short. Records the answer. Waits
+        the server's :attr:`~Server.latency` first."""
+        if self.owner.latency:
+            time.sleep(self.owner.latency)
         total = len(body) if read is None else span[1] - span[0]
         length = total if length is None else length
         drop = self.owner.take("drop", method, path) if method == "GET" and total else None
@@ -315,6 +319,9 @@ class Server:
     thread, with its :class:`Counters` and faults; a context manager."""
 
     handler: type[Handler] = Handler
+    latency = 0.0
+    """Seconds each answer waits before its first byte (an object store's time to
+    first byte is tens of milliseconds; localhost's is well under one)."""
 
     def __init__(self, *, ports: int = 1) -> None:
         self.counters = Counters()

@@ -147,6 +147,15 @@ def test_remote_load_script_runs_against_its_own_s3_server(tmp_path):
     assert set(found) == {"floor", "meshinit", "download"}
     ((fetched, owned),) = found["meshinit"]["per_process"]
     assert fetched == owned == 4 * 256 * 512 * 4  # every owned byte fetched once, no more
+    # a column block of every row, from a server with a time to first byte: meshinit
+    # reads through the gaps (within the tensors' spans), the floor fetches each run
+    block = ("--column-block", "8", "--latency-ms", "2")
+    r = run_script("remote_load.py", *small, *block, "--repeats", "1", "--json", str(out))
+    assert "1/8 of the columns; server latency 2 ms" in r.stdout, r.stdout
+    found = json.loads(out.read_text())
+    ((fetched, owned),) = found["meshinit"]["per_process"]
+    assert owned == 4 * 256 * 64 * 4 < fetched <= 4 * 256 * 512 * 4
+    assert found["floor"]["per_process"][0][0] == owned
 
 
 @pytest.mark.slow

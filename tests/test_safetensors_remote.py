@@ -192,6 +192,42 @@ def test_max_inflight_bytes_fetches_a_parameter_in_chunks(s3_server):
     assert max(r.sent for r in gets[2:]) <= 8192  # after the header's reads
 
 
+def test_a_column_block_of_many_rows_is_read_in_few_requests_within_the_budget(s3_server):
+    """A host's column block of a transposed weight (here: a slice of every stored row):
+    one request per row would be a round trip per 128 bytes. The load reads through
+    the gaps, in at most MANY requests, never past the tensor's span, and the budget
+    bounds what it reads through."""
+    from meshinit._load import fetch as _fetch
+
+    tensors, data = checkpoint({"w": (1024, 256)})  # rows of 1 KiB
+    bucket = s3_server.bucket()
+    s3_server.put(f"{bucket}/m.safetensors", data)
+    plan = plan_for({"p": (1024, 32)}, axes=("fsdp", "tensor"))
+    names = {"p": st.Tensor("w", index=np.s_[:, 64:96])}  # 128 bytes of each row
+    header = 8 + int.from_bytes(data[:8], "little")
+    owned_bytes = 1024 * 32 * 4
+
+    def data_requests(**kw):
+        s3_server.reset()
+        loaded = st.load(plan, f"s3://{bucket}/m.safetensors", names=names, **kw)
+        want = tensors["w"][:, 64:96]
+        for shard in loaded["p"].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+        gets = [r for r in s3_server.counters.log if r.method == "GET" and r.range]
+        return [r for r in gets if r.range[0] >= header]
+
+    read = data_requests()
+    assert len(read) <= _fetch.MANY  # not one per row
+    assert header + 64 * 4 <= min(r.range[0] for r in read)
+    assert max(r.range[1] for r in read) <= header + 1023 * 1024 + 96 * 4  # within the span
+    sent = sum(r.sent for r in read)
+    assert owned_bytes < sent <= len(data)
+    # a budget of twice the owned bytes reads through at most as much again
+    tight = data_requests(max_inflight_bytes=2 * owned_bytes)
+    assert owned_bytes <= sum(r.sent for r in tight) <= 2 * owned_bytes
+    assert len(tight) < 1024
+
+
 def test_gs_failures_are_retried_refused_or_named_as_for_s3(gcs):
     public, private = gcs.bucket(public=True), gcs.bucket()
     tensors, data = checkpoint({"up": SHAPES["up"], "down": SHAPES["down"]})
@@ -330,6 +366,17 @@ def test_runs_follow_the_stored_layout_and_merge_only_small_gaps():
         (0, 1 << 20),
         ((1 << 20) + (100 << 10), 2 << 20),
     ]  # 100 KiB is over GAP, however long the runs
+    # many short runs far apart: the smallest gaps read through, down to MANY spans,
+    # within the room given, never a gap over READ_THROUGH
+    many = _fetch.MANY
+    rows = [(i * 1024, i * 1024 + 128) for i in range(4 * many)]  # 896-byte gaps
+    assert _fetch.merge(rows) == rows  # no room: exactly the runs
+    joined = _fetch.merge(rows, room=1 << 30)
+    assert len(joined) == many and joined[0][0] == 0 and joined[-1][1] == rows[-1][1]
+    assert sum(b - a for a, b in _fetch.merge(rows, room=896 * 10)) == 128 * len(rows) + 896 * 10
+    far = [(i << 21, (i << 21) + 128) for i in range(4 * many)]  # 2 MiB apart
+    assert _fetch.merge(far, room=1 << 30) == far
+    assert _fetch.merge(rows[:many], room=1 << 30) == rows[:many]  # few: as they are
 
 
 def test_a_failure_mid_load_leaves_no_array_alive(s3_server, monkeypatch):

@@ -1,14 +1,18 @@
-"""Remote bytes fetched into place: exactly the ranges the blocks read, ahead of them.
+"""Remote bytes fetched into place: the ranges the blocks read, ahead of them.
 
 A remote object's part of a parameter is viewed (as a local file's is, by
 :class:`meshinit._load.read.Source`) in an anonymous mapping that stands for the
 object's span: untouched, it costs no memory. Before a block is read, the byte
-ranges its views will read, and nothing else, have been fetched into that mapping:
+ranges its views will read have been fetched into that mapping:
 each view's elements, in the stored layout, are runs of contiguous bytes (a row, a
 column block of a row), found from the view's strides (:func:`runs`). Runs of this
 process's blocks are merged where the gap between them is small next to them (at
 most :data:`GAP` and 1/32 of their length, so the bytes fetched stay within a few
-percent of those owned), in chunks of at most ``budget`` bytes of blocks.
+percent of those owned), in chunks of at most ``budget`` bytes of blocks. Short runs
+far apart (a column block of each row: a transposed weight whose rows' columns are
+split between hosts) are joined through gaps of up to :data:`READ_THROUGH` while the
+chunk stays within the budget: one request per run would cost a round trip per row.
+Nothing outside the span of a chunk's own runs is fetched.
 
 :class:`Pipeline` fetches ahead: a feeder thread prepares each parameter's sources in
 the load's order and hands their chunks to :data:`~meshinit._load.remote.CONCURRENCY`
@@ -37,7 +41,24 @@ from . import layout as _layout
 from . import remote as _remote
 
 GAP = 64 << 10
-"""The largest gap between two runs that one request reads through."""
+"""The largest gap between two runs that one request always reads through (where it is
+at most 1/32 of the runs' length)."""
+
+READ_THROUGH = 1 << 20
+"""The largest gap that a request reads through where runs are many and far apart: an
+object store answers a request in tens of milliseconds, in which one stream reads
+about this much (``object_store``, obstore's engine, coalesces ranges 1 MiB apart in
+its ``get_ranges``). Row by
+row, the column block a host owns of each stored row (a few hundred bytes to a few
+KiB) would be a request each: a load bound by the store's latency, not its bandwidth."""
+
+MANY = 4 * _remote.CONCURRENCY
+"""Spans of one chunk that are read as they are, byte for byte: four rounds of
+concurrent requests. Past this, round trips cost more than bytes, and the smallest
+gaps are read through (:data:`READ_THROUGH`) until this many are left. (One round,
+``CONCURRENCY``, was faster still on a column-split benchmark, 0.35 s against 0.58 s,
+but reads through the gaps of small, coarsely split parameters too: bytes a cloud
+bills as egress, for a round trip or two.)"""
 
 MAX_RUNS = 1 << 16
 """The most runs one view is read in: a view of more (a column of a row-major
@@ -69,9 +90,12 @@ def runs(view: np.ndarray, offset: int) -> tuple[np.ndarray, int]:
     return np.sort(starts), length
 
 
-def merge(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def merge(spans: Sequence[tuple[int, int]], room: int = 0) -> list[tuple[int, int]]:
     """``(start, end)`` spans sorted and joined where they touch, overlap, or leave a
-    gap of at most :data:`GAP` and 1/32 of the two spans' length."""
+    gap of at most :data:`GAP` and 1/32 of the two spans' length. Where more than
+    :data:`MANY` remain, they are joined through gaps of at most :data:`READ_THROUGH`,
+    the smallest first, until :data:`MANY` remain or the gaps read through would add
+    more than ``room`` bytes."""
     out: list[list[int]] = []
     for start, end in sorted(spans):
         if out:
@@ -81,7 +105,17 @@ def merge(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
                 last[1] = max(last[1], end)
                 continue
         out.append([start, end])
-    return [(a, b) for a, b in out]
+    if len(out) <= MANY or room <= 0:
+        return [(a, b) for a, b in out]
+    starts, ends = np.array(out, np.int64).T
+    gaps = starts[1:] - ends[:-1]
+    order = np.argsort(gaps, kind="stable")[: len(out) - MANY]
+    order = order[gaps[order] <= READ_THROUGH]
+    joined = np.zeros(len(gaps), bool)
+    joined[order[np.cumsum(gaps[order]) <= room]] = True
+    firsts = starts[np.concatenate([[True], ~joined])]
+    lasts = ends[np.concatenate([~joined, [True]])]
+    return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
 
 
 @dataclasses.dataclass(eq=False)
@@ -108,7 +142,7 @@ class Fetch:
         maps: Mapping[_remote.Remote, tuple[mmap.mmap, int]],
         budget: int,
     ):
-        self.maps = maps
+        self.maps, self.budget = maps, budget
         origin = {obj: np.frombuffer(m, np.uint8).ctypes.data for obj, (m, _) in maps.items()}
         self.chunks: list[Chunk] = []
         self._chunk_of: dict[tuple[Any, ...], Chunk] = {}
@@ -156,6 +190,11 @@ class Fetch:
 
     def _close(self, pending: dict[_remote.Remote, list[tuple[int, int]]], members: list) -> None:
         spans = {obj: merge(found) for obj, found in pending.items()}
+        owned = sum(b - a for s in spans.values() for a, b in s)
+        room = max(self.budget, owned) - owned  # gaps read through stay within the budget
+        for obj, found in spans.items():
+            spans[obj] = merge(found, room)
+            room -= sum(b - a for a, b in spans[obj]) - sum(b - a for a, b in found)
         chunk = Chunk(spans, sum(b - a for s in spans.values() for a, b in s))
         self.chunks.append(chunk)
         for key in members:
