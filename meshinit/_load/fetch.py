@@ -48,9 +48,9 @@ READ_THROUGH = 1 << 20
 """The largest gap that a request reads through where runs are many and far apart: an
 object store answers a request in tens of milliseconds, in which one stream reads
 about this much (``object_store``, obstore's engine, coalesces ranges 1 MiB apart in
-its ``get_ranges``). Row by
-row, the column block a host owns of each stored row (a few hundred bytes to a few
-KiB) would be a request each: a load bound by the store's latency, not its bandwidth."""
+its ``get_ranges``). Row by row, the column block a host owns of each stored row (a
+few hundred bytes to a few KiB) would be a request each: a load bound by the store's
+latency, not its bandwidth."""
 
 MANY = 4 * _remote.CONCURRENCY
 """Spans of one chunk that are read as they are, byte for byte: four rounds of
