@@ -236,3 +236,35 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         meshinit.safetensors.load(
             plan, tmp_path, names=lambda p: Tensor("x", shape=(3,)), missing="skip"
         )
+
+
+def _aligned_file(path, shape=(1024, 64)):
+    """A file whose tensor ``w`` starts 64-byte aligned in memory (where jax's CPU
+    client would use a view of it in place instead of copying), and its values."""
+    from safetensors.numpy import save_file
+
+    want = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    for pad in range(16):
+        save_file({"a": np.zeros(pad, np.float32), "w": want}, str(path))
+        length = int.from_bytes(path.read_bytes()[:8], "little")
+        if (8 + length + 4 * pad) % 64 == 0:
+            return want, 8 + length + 4 * pad
+    raise AssertionError("no padding aligns w")
+
+
+def test_a_loaded_array_keeps_none_of_the_files_memory(tmp_path):
+    # jax's CPU client may use an aligned, contiguous view of the file's mapping in
+    # place: the array would then change when the file is rewritten in place (and
+    # keep the file mapped). Each block lives in memory of its own.
+    path = tmp_path / "m.safetensors"
+    want, start = _aligned_file(path)
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    zeros = jax.nn.initializers.zeros
+    plan = meshinit.plan({"w": meshinit.param(want.shape, zeros, axes=("d", None), mesh=mesh)})
+    loaded = meshinit.safetensors.load(plan, path, unused="ignore")
+    with open(path, "r+b") as f:  # rewritten in place: same inode, new bytes
+        f.seek(start)
+        f.write(b"\xff" * want.nbytes)
+    for shard in loaded["w"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+    assert not [line for line in open("/proc/self/maps") if str(path) in line]

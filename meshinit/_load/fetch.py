@@ -1,42 +1,54 @@
-"""Remote bytes fetched into place: the ranges the blocks read, ahead of them.
+"""Remote bytes fetched into place: the ranges the blocks read, ahead of them, and
+released only once the devices hold what was placed from them.
 
 A remote object's part of a parameter is viewed (as a local file's is, by
 :class:`meshinit._load.read.Source`) in an anonymous mapping that stands for the
 object's span: untouched, it costs no memory. Before a block is read, the byte
-ranges its views will read have been fetched into that mapping:
-each view's elements, in the stored layout, are runs of contiguous bytes (a row, a
-column block of a row), found from the view's strides (:func:`runs`). Runs of this
-process's blocks are merged where the gap between them is small next to them (at
-most :data:`GAP` and 1/32 of their length, so the bytes fetched stay within a few
-percent of those owned), in chunks of at most ``budget`` bytes of blocks. Short runs
-far apart (a column block of each row: a transposed weight whose rows' columns are
-split between hosts) are joined through gaps of up to :data:`READ_THROUGH` while the
-chunk stays within the budget: one request per run would cost a round trip per row.
-Nothing outside the span of a chunk's own runs is fetched.
+ranges its views will read have been fetched into that mapping: each view's
+elements, in the stored layout, are runs of contiguous bytes (a row, a column block
+of a row), found from the view's strides (:func:`runs`).
 
-:class:`Pipeline` fetches ahead: a feeder thread prepares each parameter's sources in
-the load's order and hands their chunks to :data:`~meshinit._load.remote.CONCURRENCY`
-reading threads as long as the bytes fetched and not yet placed stay within the
+Blocks are fetched in chunks, in the order they are placed. A chunk holds the
+mapping's pages its runs touch (its footprint, what it costs in memory), at most
+``budget`` bytes of them, except that a block whose pages the chunk already holds
+always joins it: column blocks of a row-major tensor each touch every page of it,
+and fetched apart they would each fetch all of it (a block larger than the budget
+is a chunk of its own). A chunk's runs are merged where the gap between them is
+small next to them (at most :data:`GAP` and 1/32 of their length); short runs far
+apart (a host's column block of each row of a transposed weight) are joined
+through gaps of up to :data:`READ_THROUGH` while the chunk stays within the
+budget: one request per run would cost a round trip per row. Nothing outside the
+span of a chunk's own runs is fetched.
+
+:class:`Pipeline` fetches ahead: a feeder thread prepares each parameter's sources
+in the load's order and starts their chunks' reads on :mod:`.aio`'s loop
+(:data:`~meshinit._load.remote.CONCURRENCY` requests at once, each within the
+deadline) as long as the footprints fetched and not yet released stay within the
 budget; the caller places one parameter while the next ones arrive. A chunk's pages
-are released (``MADV_DONTNEED`` frees an anonymous mapping's pages) once its blocks
-are placed, and its bytes returned to the budget.
+are released (``MADV_DONTNEED`` frees an anonymous mapping's pages) once every block
+read from it has been placed and every array made from them is ready (a device may
+still be copying from the host after ``device_put`` returns), and only the pages no
+later chunk of the parameter touches.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
-import functools
 import math
 import mmap
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from .._errors import PlanError, Problem
+from . import aio as _aio
 from . import layout as _layout
 from . import remote as _remote
 
@@ -60,15 +72,20 @@ gaps are read through (:data:`READ_THROUGH`) until this many are left. (One roun
 but reads through the gaps of small, coarsely split parameters too: bytes a cloud
 bills as egress, for a round trip or two.)"""
 
-MAX_RUNS = 1 << 16
-"""The most runs one view is read in: a view of more (a column of a row-major
-tensor, say) is read in fewer, longer runs, through the gaps between its elements."""
+MAX_RUNS = 1 << 22
+"""The most runs one view is read in (32 MiB of offsets): a view of more is read in
+fewer, longer runs, through the gaps between its elements."""
 
 PIECE = 8 << 20
 """A long range is read in pieces of at most this, concurrently."""
 
 AHEAD = 8
 """Parameters prepared ahead of the one being placed (their bytes within the budget)."""
+
+COPIERS = min(8, os.cpu_count() or 1)
+"""Threads that copy fetched bytes into place (numpy copies without the GIL)."""
+
+PAGE = mmap.PAGESIZE
 
 
 def runs(view: np.ndarray, offset: int) -> tuple[np.ndarray, int]:
@@ -90,53 +107,87 @@ def runs(view: np.ndarray, offset: int) -> tuple[np.ndarray, int]:
     return np.sort(starts), length
 
 
-def merge(spans: Sequence[tuple[int, int]], room: int = 0) -> list[tuple[int, int]]:
-    """``(start, end)`` spans sorted and joined where they touch, overlap, or leave a
-    gap of at most :data:`GAP` and 1/32 of the two spans' length. Where more than
-    :data:`MANY` remain, they are joined through gaps of at most :data:`READ_THROUGH`,
-    the smallest first, until :data:`MANY` remain or the gaps read through would add
-    more than ``room`` bytes."""
-    out: list[list[int]] = []
-    for start, end in sorted(spans):
-        if out:
-            last = out[-1]
-            gap = start - last[1]
-            if gap <= 0 or gap <= min(GAP, (last[1] - last[0] + end - start) // 32):
-                last[1] = max(last[1], end)
-                continue
-        out.append([start, end])
-    if len(out) <= MANY or room <= 0:
-        return [(a, b) for a, b in out]
-    starts, ends = np.array(out, np.int64).T
-    gaps = starts[1:] - ends[:-1]
-    order = np.argsort(gaps, kind="stable")[: len(out) - MANY]
+def _merge(starts: np.ndarray, ends: np.ndarray, room: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`merge` on arrays of starts and ends (any order), as sorted arrays."""
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    if len(s) < 2:
+        return s, e
+    reach = np.maximum.accumulate(e)
+    gaps = s[1:] - reach[:-1]
+    lengths = e - s
+    small = np.minimum(GAP, (lengths[:-1] + lengths[1:]) // 32)
+    first = np.concatenate([[True], ~((gaps <= 0) | (gaps <= small))])
+    heads = np.flatnonzero(first)
+    s, e = s[heads], reach[np.concatenate([heads[1:] - 1, [len(reach) - 1]])]
+    if len(s) <= MANY or room <= 0:
+        return s, e
+    gaps = s[1:] - e[:-1]
+    order = np.argsort(gaps, kind="stable")[: len(s) - MANY]
     order = order[gaps[order] <= READ_THROUGH]
     joined = np.zeros(len(gaps), bool)
     joined[order[np.cumsum(gaps[order]) <= room]] = True
-    firsts = starts[np.concatenate([[True], ~joined])]
-    lasts = ends[np.concatenate([~joined, [True]])]
-    return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
+    return s[np.concatenate([[True], ~joined])], e[np.concatenate([~joined, [True]])]
+
+
+def merge(spans: Sequence[tuple[int, int]], room: int = 0) -> list[tuple[int, int]]:
+    """``(start, end)`` spans sorted and joined where they touch, overlap, or leave a
+    gap of at most :data:`GAP` and 1/32 of the two runs' length. Where more than
+    :data:`MANY` remain, they are joined through gaps of at most :data:`READ_THROUGH`,
+    the smallest first, until :data:`MANY` remain or the gaps read through would add
+    more than ``room`` bytes."""
+    if not spans:
+        return []
+    both = np.array(spans, np.int64).reshape(-1, 2)
+    s, e = _merge(both[:, 0], both[:, 1], room)
+    return list(zip(s.tolist(), e.tolist(), strict=True))
+
+
+def _pages(starts: np.ndarray, ends: np.ndarray, n: int) -> np.ndarray:
+    """Which of a mapping's ``n`` pages the spans touch."""
+    if not len(starts):
+        return np.zeros(n, bool)
+    count = np.bincount(starts // PAGE, minlength=n + 1)
+    count -= np.bincount((ends - 1) // PAGE + 1, minlength=n + 1)
+    return np.cumsum(count[:n]) > 0
+
+
+def _ranges(mask: np.ndarray) -> list[tuple[int, int]]:
+    """The ``(first, end)`` page ranges where ``mask`` holds."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+Spans = tuple[np.ndarray, np.ndarray]  # starts and ends, from the mapping's start
 
 
 @dataclasses.dataclass(eq=False)
 class Chunk:
     """Blocks of one parameter fetched together: their merged ranges per object."""
 
-    spans: dict[_remote.Remote, list[tuple[int, int]]]
-    nbytes: int
+    spans: dict[_remote.Remote, Spans]
+    nbytes: int  # fetched
+    footprint: int  # bytes of the pages it holds
+    blocks: int  # blocks read from it, to be placed
+    free: dict[_remote.Remote, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     failed: list[tuple[_remote.Remote, int, int, str]] = dataclasses.field(default_factory=list)
-    left: int = 0
+    placed: list[Any] = dataclasses.field(default_factory=list)  # arrays made from it
+
+    def fetched(self, obj: _remote.Remote) -> int:
+        if obj not in self.spans:
+            return 0
+        starts, ends = self.spans[obj]
+        return int((ends - starts).sum())
 
 
 class Fetch:
     """The remote ranges of one parameter's blocks, in chunks of at most ``budget``
-    bytes (a block larger than that is a chunk of its own)."""
+    bytes of pages (see the module's docstring)."""
 
     def __init__(
         self,
         node: _layout.Node,
-        dtype: Any,
         blocks: Sequence[tuple[slice, ...]],
         views: Mapping[int, np.ndarray],
         maps: Mapping[_remote.Remote, tuple[mmap.mmap, int]],
@@ -144,69 +195,89 @@ class Fetch:
     ):
         self.maps, self.budget = maps, budget
         origin = {obj: np.frombuffer(m, np.uint8).ctypes.data for obj, (m, _) in maps.items()}
+        npages = {obj: -(-len(m) // PAGE) for obj, (m, _) in maps.items()}
         self.chunks: list[Chunk] = []
         self._chunk_of: dict[tuple[Any, ...], Chunk] = {}
-        pending: dict[_remote.Remote, list[tuple[int, int]]] = {}
-        size = 0
-        members: list[tuple[Any, ...]] = []
+        held: dict[_remote.Remote, np.ndarray] = {}  # the open chunk's pages
+        pending: dict[_remote.Remote, list[Spans]] = {}
+        size, members = 0, list[tuple[Any, ...]]()
         for index in blocks:
-            reached: list[tuple[_layout.Leaf, Any]] = []
-            _layout.block(node, index, functools.partial(_seen, reached), dtype)
-            spans: dict[_remote.Remote, list[tuple[int, int]]] = {}
-            for leaf, at in reached:
+            spans: dict[_remote.Remote, list[Spans]] = {}
+            for leaf, at in _layout.reached(node, index):
                 obj = leaf.stored.file
                 if not isinstance(obj, _remote.Remote):
                     continue
-                view = views[id(leaf)][at]
+                view = _layout.at(views[id(leaf)], at)
                 if view.size == 0:
                     continue
-                base = maps[obj][1]
                 starts, length = runs(view, view.ctypes.data - origin[obj])
-                got = spans.setdefault(obj, [])
-                got.extend((base + int(s), base + int(s) + length) for s in starts)
-            n = sum(b - a for found in spans.values() for a, b in found)
-            if members and size + n > budget:
-                self._close(pending, members)
-                pending, size, members = {}, 0, []
+                spans.setdefault(obj, []).append((starts, starts + length))
+            touched = {obj: _pages(*_cat(found), npages[obj]) for obj, found in spans.items()}
+            grows = sum(
+                int((p & ~held[o]).sum() if o in held else p.sum()) for o, p in touched.items()
+            )
+            if members and grows and (size + grows) * PAGE > budget:
+                self._close(pending, members, npages)
+                held, pending, size, members = {}, {}, 0, []
+                grows = sum(int(p.sum()) for p in touched.values())
             for obj, found in spans.items():
                 pending.setdefault(obj, []).extend(found)
-            size += n
+                held[obj] = held[obj] | touched[obj] if obj in held else touched[obj]
+            size += grows
             members.append(_key(index))
         if members:
-            self._close(pending, members)
+            self._close(pending, members, npages)
+        self._plan_release(npages)
         for obj, (mapped, _) in maps.items():
-            fetched = sum(b - a for chunk in self.chunks for a, b in chunk.spans.get(obj, ()))
+            fetched = sum(c.fetched(obj) for c in self.chunks)
             if 2 * fetched >= len(mapped) and hasattr(mmap, "MADV_HUGEPAGE"):
-                # dense: huge pages fault in 512x fewer times as the readers fill them
+                # dense: huge pages fault in 512x fewer times as the copies fill them
                 # (not where the runs are sparse: a 2 MiB page would hold far more
                 # than its runs)
                 mapped.madvise(mmap.MADV_HUGEPAGE)
-        self._current: Chunk | None = None
         self.release: Callable[[Chunk], None] = lambda chunk: None  # set by the pipeline
         self.labels = {
             obj: f" (tensors {', '.join(sorted(repr(n) for n in names))[:200]})"
             for obj, names in _names(node).items()
         }
 
-    def _close(self, pending: dict[_remote.Remote, list[tuple[int, int]]], members: list) -> None:
-        spans = {obj: merge(found) for obj, found in pending.items()}
-        owned = sum(b - a for s in spans.values() for a, b in s)
-        room = max(self.budget, owned) - owned  # gaps read through stay within the budget
-        for obj, found in spans.items():
-            spans[obj] = merge(found, room)
-            room -= sum(b - a for a, b in spans[obj]) - sum(b - a for a, b in found)
-        chunk = Chunk(spans, sum(b - a for s in spans.values() for a, b in s))
+    def _close(
+        self,
+        pending: dict[_remote.Remote, list[Spans]],
+        members: list[tuple[Any, ...]],
+        npages: Mapping[_remote.Remote, int],
+    ) -> None:
+        spans = {obj: _merge(*_cat(found), 0) for obj, found in pending.items()}
+        owned = sum(int((e - s).sum()) for s, e in spans.values())
+        held = sum(int(_pages(*found, npages[obj]).sum()) for obj, found in spans.items()) * PAGE
+        # gaps read through stay within the pages the chunk holds anyway, or the budget
+        room = max(self.budget, held) - owned
+        for obj, (s, e) in spans.items():
+            merged = spans[obj] = _merge(s, e, room)
+            room -= int((merged[1] - merged[0]).sum()) - int((e - s).sum())
+        nbytes = sum(int((e - s).sum()) for s, e in spans.values())
+        pages = sum(int(_pages(*found, npages[obj]).sum()) for obj, found in spans.items())
+        chunk = Chunk(spans, nbytes, pages * PAGE, len(members))
         self.chunks.append(chunk)
         for key in members:
             self._chunk_of[key] = chunk
 
+    def _plan_release(self, npages: Mapping[_remote.Remote, int]) -> None:
+        """Each chunk's pages that no later chunk touches: released once it is placed."""
+        for obj, n in npages.items():
+            last = np.full(n, -1, np.int32)
+            for k, chunk in enumerate(self.chunks):
+                if obj in chunk.spans:
+                    last[_pages(*chunk.spans[obj], n)] = k
+            size = len(self.maps[obj][0])
+            for k, chunk in enumerate(self.chunks):
+                chunk.free[obj] = [
+                    (a * PAGE, min(b * PAGE, size) - a * PAGE) for a, b in _ranges(last == k)
+                ]
+
     def ready(self, index: tuple[slice, ...]) -> None:
-        """Waits for the remote bytes of the block at ``index`` (its chunk), the
-        previous chunk's pages and bytes released first."""
-        chunk = self._chunk_of.get(_key(index))
-        if chunk is None or chunk is self._current:
-            return
-        self.finish()
+        """Waits for the remote bytes of the block at ``index`` (its chunk's)."""
+        chunk = self._chunk_of[_key(index)]
         chunk.done.wait()
         if chunk.failed:
             raise PlanError(
@@ -216,20 +287,28 @@ class Fetch:
                 ][:10],
                 header="meshinit.safetensors.load: a read failed (nothing loaded):",
             )
-        self._current = chunk
 
-    def finish(self) -> None:
-        """The current chunk's pages and bytes released: its blocks are placed."""
-        if self._current is not None:
-            for mapped, _ in self.maps.values():
-                mapped.madvise(mmap.MADV_DONTNEED)
-            self.release(self._current)
-            self._current = None
+    def placed(self, index: tuple[slice, ...], arrays: Sequence[Any]) -> None:
+        """The block at ``index`` is placed as ``arrays``: once every block of its
+        chunk is, and every array made from them is ready (the devices hold their
+        bytes), the chunk's own pages are released and its bytes returned."""
+        chunk = self._chunk_of[_key(index)]
+        chunk.placed.extend(arrays)
+        chunk.blocks -= 1
+        if chunk.blocks == 0:
+            jax.block_until_ready(chunk.placed)
+            chunk.placed.clear()
+            for obj, ranges in chunk.free.items():
+                mapped = self.maps[obj][0]
+                for start, length in ranges:
+                    mapped.madvise(mmap.MADV_DONTNEED, start, length)
+            self.release(chunk)
 
 
 class Pipeline:
     """Each job's sources, made and fetched ahead in the load's order, within a
-    budget of bytes fetched and not yet placed; iterate for ``(job, sources)``."""
+    budget of bytes of pages fetched and not yet released; iterate for
+    ``(job, sources)``."""
 
     def __init__(
         self,
@@ -241,11 +320,14 @@ class Pipeline:
     ):
         self._jobs, self._make, self._budget, self._total = jobs, make, budget, total
         self._progress = progress
+        self._deadline = _aio.deadline()  # this thread's: the feeder's context has none
         self._inflight = 0
         self._lock = threading.Condition()
         self._stopped = False
         self._ready: queue.Queue[Any] = queue.Queue(maxsize=AHEAD)
-        self._pool = concurrent.futures.ThreadPoolExecutor(_remote.CONCURRENCY, "meshinit-fetch")
+        self._requests = asyncio.Semaphore(_remote.CONCURRENCY)
+        self._started: set[concurrent.futures.Future[None]] = set()
+        self._copier = concurrent.futures.ThreadPoolExecutor(COPIERS, "meshinit-copy")
         self._feeder = threading.Thread(target=self._feed, name="meshinit-feed", daemon=True)
 
     def __enter__(self) -> Pipeline:
@@ -253,16 +335,22 @@ class Pipeline:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        """Stops everything at once: the feeder, and every read in flight (cancelled,
+        its connection closed), whatever made the load stop."""
         with self._lock:
             self._stopped = True
             self._lock.notify_all()
+            started = list(self._started)
+        for future in started:
+            future.cancel()
         while True:  # unblock a feeder waiting to hand over a job
             try:
                 self._ready.get_nowait()
             except queue.Empty:
                 break
         self._feeder.join()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        concurrent.futures.wait(started, timeout=5)
+        self._copier.shutdown(wait=True, cancel_futures=True)
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         for _ in self._jobs:
@@ -283,9 +371,9 @@ class Pipeline:
                 if fetch is None:
                     continue
                 for chunk in fetch.chunks:
-                    if not self._reserve(chunk.nbytes):
+                    if not self._reserve(chunk.footprint):
                         return
-                    self._submit(chunk, fetch.maps)
+                    self._start(chunk, fetch.maps)
         except BaseException as e:  # noqa: BLE001 - handed to the caller, raised there
             self._put(e)
 
@@ -310,48 +398,71 @@ class Pipeline:
 
     def _release(self, chunk: Chunk) -> None:
         with self._lock:
-            self._inflight -= chunk.nbytes
+            self._inflight -= chunk.footprint
             self._lock.notify_all()
 
-    def _submit(self, chunk: Chunk, maps: Mapping[_remote.Remote, tuple[mmap.mmap, int]]) -> None:
+    def _start(self, chunk: Chunk, maps: Mapping[_remote.Remote, tuple[mmap.mmap, int]]) -> None:
         pieces = [
             (obj, lo, min(hi, lo + PIECE))
-            for obj, spans in chunk.spans.items()
-            for a, hi in spans
+            for obj, (starts, ends) in chunk.spans.items()
+            for a, hi in zip(starts.tolist(), ends.tolist(), strict=True)
             for lo in range(a, hi, PIECE)
         ]
-        chunk.left = len(pieces)
         if not pieces:
             chunk.done.set()
             return
-        for piece in pieces:
-            self._pool.submit(self._read, chunk, maps, *piece)
+        with self._lock:
+            if self._stopped:
+                return
+            future = _aio.submit(self._chunk(chunk, maps, pieces))
+            self._started.add(future)
+        future.add_done_callback(self._forget)
 
-    def _read(self, chunk: Chunk, maps: Any, obj: _remote.Remote, lo: int, hi: int) -> None:
+    def _forget(self, future: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._started.discard(future)
+
+    async def _chunk(self, chunk: Chunk, maps: Any, pieces: list[Any]) -> None:
         try:
-            if not chunk.failed:
-                mapped, base = maps[obj]
-                data = _remote.read(obj, lo, hi)
-                # numpy copies without the GIL: the readers copy (and fault in) together
-                np.frombuffer(mapped, np.uint8)[lo - base : hi - base] = np.frombuffer(
-                    data, np.uint8
-                )
-                with self._lock:
-                    self._total[0] += hi - lo
-                self._progress(hi - lo)
-        except _remote.Permanent as e:
-            chunk.failed.append((obj, lo, hi, str(e)))
-        except BaseException as e:  # noqa: BLE001 - named to the caller, never lost
-            chunk.failed.append((obj, lo, hi, f"{type(e).__name__}: {e}"))
+            await asyncio.gather(*(self._piece(chunk, maps, *piece) for piece in pieces))
+        except BaseException:  # cancelled: never a chunk that looks whole
+            obj, lo, hi = pieces[0]
+            chunk.failed.append((obj, lo, hi, "its read was cancelled"))
+            raise
         finally:
-            with self._lock:
-                chunk.left -= 1
-                if chunk.left == 0:
-                    chunk.done.set()
+            chunk.done.set()
+
+    async def _piece(self, chunk: Chunk, maps: Any, obj: _remote.Remote, lo: int, hi: int) -> None:
+        mapped, base = maps[obj]
+        async with self._requests:
+            if chunk.failed:
+                return
+            try:
+                fetched = _remote.fetch(obj, base + lo, base + hi)
+                data = await _aio.bounded(fetched, self._deadline)
+            except (_remote.Permanent, _aio.TimedOut) as e:
+                chunk.failed.append((obj, base + lo, base + hi, str(e)))
+                return
+            except Exception as e:  # noqa: BLE001 - named to the caller, never lost
+                chunk.failed.append((obj, base + lo, base + hi, f"{type(e).__name__}: {e}"))
+                return
+        # numpy copies without the GIL: the copiers copy (and fault in) together
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._copier, _copy, mapped, lo, data)
+        with self._lock:
+            self._total[0] += hi - lo
+        self._progress(hi - lo)
 
 
-def _seen(reached: list[tuple[_layout.Leaf, Any]], leaf: _layout.Leaf, at: Any) -> None:
-    reached.append((leaf, at))  # and None: a dry run of the block
+def _copy(mapped: mmap.mmap, at: int, data: Any) -> None:
+    source = np.frombuffer(data, np.uint8)
+    np.frombuffer(mapped, np.uint8)[at : at + len(source)] = source
+
+
+def _cat(found: list[Spans]) -> Spans:
+    if len(found) == 1:
+        return found[0]
+    return np.concatenate([s for s, _ in found]), np.concatenate([e for _, e in found])
 
 
 def _key(index: tuple[slice, ...]) -> tuple[Any, ...]:

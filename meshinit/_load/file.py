@@ -108,7 +108,7 @@ def listing(files: Any, options: Mapping[str, Any] | None = None) -> Listing:
                     out.update((str(o), o) for o in folder.objects)
                 else:
                     out.setdefault(os.path.realpath(f), pathlib.Path(f))
-            return Listing(list(out.values()), problems)
+            return Listing(list(out.values()), list(dict.fromkeys(problems)))
     raise TypeError(
         f"files must be a path or URL, a list of them, or a folder of *.safetensors "
         f"files, got {files!r}"
@@ -184,7 +184,7 @@ def check(path: pathlib.Path | _remote.Remote) -> tuple[Checked | None, list[Pro
         tensors, problems = _remote.check(path)
         if problems:
             return None, [Problem(where, p) for p in problems]
-        return Checked(path, (path.etag, path.size), tensors), []
+        return Checked(path, path.identity, tensors), []
     f, st, why = open_regular(path)
     if why is not None:
         return None, [Problem(where, why)]

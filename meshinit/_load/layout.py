@@ -267,48 +267,82 @@ def _views(stored: tuple[int, ...], index: tuple[slice, ...], shape: tuple[int, 
     return True
 
 
+def _leaf_index(node: Leaf, index: tuple[slice, ...]) -> tuple[slice, ...]:
+    """The index of the leaf's transposed view that a block at ``index`` of its result
+    covers; :class:`Refused` where the block cuts a merged axis inside a row."""
+    if node.groups is None:
+        return index
+    at = unmerge(index, node.groups, node.view)
+    if at is None:
+        bounds = ", ".join(f"{s.start}:{s.stop}" for s in index)
+        raise Refused(
+            f"{node.label}out_shape={node.tensor.out_shape}: the block [{bounds}] cuts "
+            f"a merged axis within a row of the view {node.view}; shard the merged "
+            f"axis into whole rows, or not at all"
+        )
+    return at
+
+
+def _parts(
+    node: Joined, index: tuple[slice, ...]
+) -> list[tuple[Node, tuple[slice, ...], tuple[Any, ...]]]:
+    """The parts a block at ``index`` reaches: each with its own index and where its
+    block goes in the joined block."""
+    axis, along = node.axis, index[node.axis]
+    if along.stop <= along.start:  # an empty block reaches nothing
+        return []
+    before = (slice(None),) * axis
+    rest = index[:axis] + index[axis + 1 :]
+    if node.stacked:
+        return [
+            (node.parts[i], rest, (*before, i - along.start))
+            for i in range(along.start, along.stop)
+        ]
+    out = []
+    for part, start in zip(node.parts, node.starts, strict=True):
+        lo = max(along.start, start)
+        hi = min(along.stop, start + part.result[axis])
+        if lo < hi:
+            sub = index[:axis] + (slice(lo - start, hi - start),) + index[axis + 1 :]
+            out.append((part, sub, (*before, slice(lo - along.start, hi - along.start))))
+    return out
+
+
 def block(
     node: Node, index: tuple[slice, ...], read: Callable[[Leaf, tuple], Any], dtype: Any
 ) -> Any:
     """The parameter's block at ``index`` (slices with resolved bounds, one per axis of
     ``node.result``), in ``dtype``, asking ``read(leaf, index)`` for each stored tensor's
     part of it (at an index of its transposed view): parts the block does not reach are
-    never asked. A ``read`` that returns None makes it a dry run (:func:`check`)."""
+    never asked. Where it joins several parts, each part's block is written into the
+    joined block as soon as it is read (its bytes, and its file, are not needed after);
+    where it reaches one, that part's block is returned as it is (a view: no copy)."""
     if isinstance(node, Leaf):
-        if node.groups is None:
-            return read(node, index)
-        at = unmerge(index, node.groups, node.view)
-        if at is None:
-            bounds = ", ".join(f"{s.start}:{s.stop}" for s in index)
-            raise Refused(
-                f"{node.label}out_shape={node.tensor.out_shape}: the block [{bounds}] cuts "
-                f"a merged axis within a row of the view {node.view}; shard the merged "
-                f"axis into whole rows, or not at all"
-            )
-        got = read(node, at)
-        return None if got is None else got.reshape(tuple(s.stop - s.start for s in index))
-    axis, along = node.axis, index[node.axis]
-    if along.stop <= along.start:  # an empty block reads nothing
-        return np.zeros(tuple(max(0, s.stop - s.start) for s in index), dtype)
-    rest = index[:axis] + index[axis + 1 :]
-    if node.stacked:
-        parts = range(along.start, along.stop)
-        got = [block(node.parts[i], rest, read, dtype) for i in parts]
-        if any(g is None for g in got):  # a dry run (check): nothing to join
-            return None
-        if len(got) == 1:  # one layer: a view, no copy
-            return np.expand_dims(got[0], axis)
-        return np.stack(got, axis=axis)
-    got = []
-    for part, start in zip(node.parts, node.starts, strict=True):
-        lo = max(along.start, start)
-        hi = min(along.stop, start + part.result[axis])
-        if lo < hi:
-            sub = index[:axis] + (slice(lo - start, hi - start),) + index[axis + 1 :]
-            got.append(block(part, sub, read, dtype))
-    if any(g is None for g in got):  # a dry run (check): nothing to join
-        return None
-    return got[0] if len(got) == 1 else np.concatenate(got, axis=axis)
+        got = read(node, _leaf_index(node, index))
+        return got if node.groups is None else got.reshape(tuple(s.stop - s.start for s in index))
+    parts = _parts(node, index)
+    if len(parts) == 1:
+        part, sub, _ = parts[0]
+        got = block(part, sub, read, dtype)
+        return np.expand_dims(got, node.axis) if node.stacked else got
+    out = np.empty(tuple(max(0, s.stop - s.start) for s in index), dtype)
+    for part, sub, where in parts:
+        out[where] = block(part, sub, read, dtype)
+    return out
+
+
+def at(view: Any, index: tuple[slice, ...]) -> Any:
+    """``view[index]``, an array even where ``view`` is 0-d (numpy gives a scalar)."""
+    return view[(*index, Ellipsis)]
+
+
+def reached(node: Node, index: tuple[slice, ...]) -> list[tuple[Leaf, tuple[slice, ...]]]:
+    """Each stored tensor a block at ``index`` reads, with the index of its transposed
+    view it reads there, in the order :func:`block` reads them: a dry run that reads
+    and allocates nothing (:class:`Refused` as :func:`block` would raise it)."""
+    if isinstance(node, Leaf):
+        return [(node, _leaf_index(node, index))]
+    return [found for part, sub, _ in _parts(node, index) for found in reached(part, sub)]
 
 
 def check(node: Node, indices: list[tuple[slice, ...]]) -> str | None:
@@ -317,7 +351,7 @@ def check(node: Node, indices: list[tuple[slice, ...]]) -> str | None:
     allocates nothing."""
     try:
         for index in indices:
-            block(node, index, lambda leaf, at: None, None)
+            reached(node, index)
     except Refused as e:
         return e.message
     return None

@@ -10,14 +10,16 @@ or scale is needed).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import errno
 import functools
 import math
 import mmap
 import os
 import pathlib
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -55,7 +57,7 @@ def read(
     """The arrays of ``jobs``: every file known to be the one checked before anything
     is read, and again as it is opened (an object: by its ETag, on every read); on
     any failure, nothing read stays alive. Of remote objects, at most ``budget``
-    bytes are fetched and not yet placed at once. Records the bytes read
+    bytes of pages are fetched and not yet released at once. Records the bytes read
     (:data:`BYTES_READ`; of remote objects, the bytes fetched) once the load is
     whole."""
     out: dict[str, jax.Array] = {}
@@ -73,7 +75,9 @@ def read(
             raise PlanError(changed, header="meshinit.safetensors.load: nothing was read:")
         if not any(isinstance(p, _remote.Remote) for p in needed):
             for job in jobs:
-                out[job.entry.path] = array(job.entry, source(job, checked, total, budget))
+                sources = source(job, checked, total, budget)
+                out[job.entry.path] = array(job.entry, sources)
+                sources.close()
         else:  # fetched ahead, within the budget, while each parameter is placed
             make = functools.partial(_made, checked=checked, total=total, budget=budget)
             owned = sum(_owned(job) for job in jobs)
@@ -83,8 +87,7 @@ def read(
             ):
                 for job, sources in pipeline:
                     out[job.entry.path] = array(job.entry, sources)
-                    if sources.fetch is not None:
-                        sources.fetch.finish()
+                    sources.close()
                     del sources
     except BaseException as e:
         for made in out.values():
@@ -136,6 +139,10 @@ def _reopen(path: pathlib.Path, checked: _file.Checked) -> Any:
 
 RELEASE_BYTES = 64 << 20
 
+OPEN_FILES = 16
+"""Local files one parameter keeps mapped at once (each mapping holds a descriptor):
+a parameter stacked from more files maps them in turn, as its blocks reach them."""
+
 
 class Source:
     """A stored tensor viewed as a part of the parameter, in its file's mapping: the
@@ -148,32 +155,52 @@ class Source:
     parts' pages (a stacked parameter's layers)."""
 
     def __init__(
-        self, leaf: _layout.Leaf, entry: PlanEntry, mapped: Any, base: int, total: list[int]
+        self,
+        leaf: _layout.Leaf,
+        entry: PlanEntry,
+        mapping: Callable[[Where], tuple[Any, int]],
+        total: list[int],
     ):
         stored = leaf.stored
+        self.leaf, self.entry, self._total = leaf, entry, total
+        self._mapping, self._read = mapping, 0
+        self._view_of: tuple[Any, np.ndarray] | None = None
+        low = stored.start
+        self.pages = (low - low % mmap.PAGESIZE, low + stored.nbytes)  # in the file
+
+    @property
+    def view(self) -> np.ndarray:
+        """The part's view of its file's mapping (mapped again if it was let go)."""
+        stored, leaf = self.leaf.stored, self.leaf
+        if stored.nbytes == 0:  # no bytes to map (an empty tensor at the end of the file)
+            mapped, base = None, 0
+        else:
+            mapped, base = self._mapping(stored.file)
+        if self._view_of is not None and self._view_of[0] is mapped:
+            return self._view_of[1]
         stored_dtype = _file.READABLE[stored.dtype]
         count = math.prod(stored.shape)
-        if stored.nbytes == 0:  # no bytes to map (an empty tensor at the end of the file)
+        if mapped is None:
             flat = np.zeros(count, stored_dtype)
         else:
             flat = np.frombuffer(mapped, stored_dtype, count, stored.start - base)
         whole = flat.reshape(stored.shape)
         if leaf.index:  # not on a 0-d tensor: [()] of one is a numpy scalar, not a view
             whole = whole[leaf.index]
-        self.view = whole.reshape(leaf.shape).transpose(leaf.order)
+        view = whole.reshape(leaf.shape).transpose(leaf.order)
         # resolve() checked that the slice reshapes as a view: a copy here would read
         # the whole slice, bytes this process does not own
-        assert whole.size == 0 or np.may_share_memory(self.view, whole)
-        self.leaf, self.entry, self._total = leaf, entry, total
-        self._map, self._read = mapped, 0
-        if mapped is not None:  # its own pages of the mapping
-            low = stored.start - base
-            self._pages = (low - low % mmap.PAGESIZE, low + stored.nbytes)
+        assert whole.size == 0 or np.may_share_memory(view, whole)
+        self._view_of = (mapped, view)
+        return view
+
+    def forget(self) -> None:
+        self._view_of = None
 
     def block(self, index: Any) -> np.ndarray:
         """The part's block at ``index``: a view of the file where no cast or scale is
         needed (``device_put`` copies it), else the cast (checked) and scaled copy."""
-        block = self.view[index]
+        block = _layout.at(self.view, index)  # a 0-d block stays an array
         self._read += block.nbytes
         self._total[0] += block.nbytes
         dtype = self.entry.spec.dtype
@@ -183,31 +210,33 @@ class Source:
             block = (block.astype(np.float32) * np.float32(self.leaf.tensor.scale)).astype(dtype)
         return block
 
-    def release(self) -> None:
-        """Drops its mapped pages if enough were read since the last time."""
-        if self._read >= RELEASE_BYTES and self._map is not None:
+    def release(self, mapped: Any, base: int) -> None:
+        """Drops its pages of ``mapped`` if enough were read since the last time."""
+        if self._read >= RELEASE_BYTES and hasattr(mapped, "madvise"):
             self._read = 0
-            if hasattr(self._map, "madvise"):
-                low, high = self._pages
-                self._map.madvise(mmap.MADV_DONTNEED, low, high - low)
+            low, high = self.pages[0] - base, self.pages[1] - base
+            mapped.madvise(mmap.MADV_DONTNEED, low, high - low)
 
 
 class Sources:
     """Every part of one parameter: :meth:`block` reads the parameter's block at an
     index from the parts it reaches.
 
-    Each file the parameter reads is opened again (known to be the file checked),
-    memory-mapped over the span of its parts, and closed: a mapping holds one
-    descriptor (Python duplicates it), so a load holds one per file of the parameter
-    being read, whatever the checkpoint's count of files (241-shard checkpoints meet
-    macOS's limit of 256). Each part releases its pages as it goes (:class:`Source`),
-    and the mappings go with the parameter's last block, so the file's bytes never
-    count much in this process's memory."""
+    Each local file the parameter reads is opened again when a block first needs it
+    (known to be the file checked), memory-mapped over the span of its parts, and
+    closed: a mapping holds one descriptor (Python duplicates it), and at most
+    :data:`OPEN_FILES` mappings are kept, so a load holds a bounded number whatever
+    the checkpoint's count of files (241-shard checkpoints meet macOS's limit of
+    256). Each part releases its pages as it goes (:class:`Source`), and the
+    mappings go with the parameter, so the file's bytes never count much in this
+    process's memory. A remote object's span is an anonymous mapping that
+    :class:`~meshinit._load.fetch.Fetch` fills."""
 
     def __init__(
         self, job: Job, checked: Mapping[Where, _file.Checked], total: list[int], budget: int
     ):
         self.job = job
+        self._checked = checked
         leaves = list(_layout.leaves(job.node))
         spans: dict[Where, list[int]] = {}
         for leaf in leaves:
@@ -215,29 +244,47 @@ class Sources:
             if held.nbytes:
                 span = spans.setdefault(held.file, [held.start, held.start + held.nbytes])
                 span[0], span[1] = min(span[0], held.start), max(span[1], held.start + held.nbytes)
-        self._maps: dict[Where, tuple[mmap.mmap, int]] = {}
-        for path, (start, end) in spans.items():
-            base = start - start % mmap.ALLOCATIONGRANULARITY
+        self._spans = {
+            path: (start - start % mmap.ALLOCATIONGRANULARITY, end)
+            for path, (start, end) in spans.items()
+        }
+        self._open: collections.OrderedDict[Where, tuple[Any, int]] = collections.OrderedDict()
+        remote = {}
+        for path, (base, end) in self._spans.items():
             if isinstance(path, _remote.Remote):  # anonymous: filled by ranged reads
-                self._maps[path] = (mmap.mmap(-1, end - base, flags=mmap.MAP_PRIVATE), base)
-                continue
-            with _reopen(path, checked[path]) as f:
-                mapped = mmap.mmap(f.fileno(), end - base, access=mmap.ACCESS_READ, offset=base)
-            self._maps[path] = (mapped, base)
+                remote[path] = (mmap.mmap(-1, end - base, flags=mmap.MAP_PRIVATE), base)
+        self._remote = remote
         self.parts = {}
         for leaf in leaves:
-            mapping = self._maps.get(leaf.stored.file)
-            view, at = mapping if mapping is not None else (None, 0)
             # a remote part's bytes are counted as they are fetched
             counts = [0] if isinstance(leaf.stored.file, _remote.Remote) else total
-            self.parts[id(leaf)] = Source(leaf, job.entry, view, at, counts)
-        remote = {p: m for p, m in self._maps.items() if isinstance(p, _remote.Remote)}
+            self.parts[id(leaf)] = Source(leaf, job.entry, self._mapping, counts)
         self.fetch = None  # what its remote parts need fetched, and when
         if remote:
-            views = {key: part.view for key, part in self.parts.items()}
+            views = {
+                key: part.view
+                for key, part in self.parts.items()
+                if isinstance(part.leaf.stored.file, _remote.Remote)
+            }
             blocks = [index for index, _ in holders(job.entry).values()]
-            dtype = job.entry.spec.dtype
-            self.fetch = _fetch.Fetch(job.node, dtype, blocks, views, remote, budget)
+            self.fetch = _fetch.Fetch(job.node, blocks, views, remote, budget)
+
+    def _mapping(self, path: Where) -> tuple[Any, int]:
+        if isinstance(path, _remote.Remote):
+            return self._remote[path]
+        if path in self._open:
+            self._open.move_to_end(path)
+            return self._open[path]
+        while len(self._open) >= OPEN_FILES:  # let the oldest go (views keep it alive)
+            self._open.popitem(last=False)
+        base, end = self._spans[path]
+        try:
+            with _reopen(path, self._checked[path]) as f:
+                mapped = mmap.mmap(f.fileno(), end - base, access=mmap.ACCESS_READ, offset=base)
+        except OSError as e:
+            raise PlanError([Problem(str(path), _open_failed(e))], header=_OPEN_HEADER) from e
+        self._open[path] = (mapped, base)
+        return self._open[path]
 
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         if self.fetch is not None:
@@ -249,9 +296,42 @@ class Sources:
             self.job.entry.spec.dtype,
         )
 
-    def release(self) -> None:
+    def placed(self, index: tuple[slice, ...], arrays: list[jax.Array]) -> None:
+        """The block at ``index`` is on its devices as ``arrays``: the parts' read
+        pages go (a local file's stay in the page cache; a remote chunk's once the
+        devices hold every block of it)."""
         for part in self.parts.values():
-            part.release()
+            if part.leaf.stored.file in self._open:
+                part.release(*self._open[part.leaf.stored.file])
+        if self.fetch is not None:
+            self.fetch.placed(index, arrays)
+
+    def close(self) -> None:
+        """The parameter is placed: its local mappings are let go."""
+        self._open.clear()
+        for part in self.parts.values():
+            part.forget()
+
+
+_OPEN_HEADER = "meshinit.safetensors.load: a file could not be mapped (nothing loaded):"
+
+
+def _open_failed(e: OSError) -> str:
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        try:
+            import resource
+
+            limit = f" (now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+        except (ImportError, OSError, ValueError):
+            limit = ""
+        return (
+            f"cannot be opened: this process has reached its limit of open files{limit}; "
+            f"raise it (ulimit -n, or resource.setrlimit(RLIMIT_NOFILE)) or close files "
+            f"this process holds ({e.strerror or e})"
+        )
+    if e.errno == errno.ENOMEM:
+        return f"cannot be mapped: out of address space or mappings ({e.strerror or e})"
+    return f"cannot be mapped: {e.strerror or e}"
 
 
 def source(
@@ -300,19 +380,22 @@ def holders(entry: PlanEntry) -> dict[tuple[Any, ...], tuple[tuple[slice, ...], 
 def array(entry: PlanEntry, source: Sources) -> jax.Array:
     """The entry's array, one block at a time: each distinct block of this process's
     devices is read once onto the first device that holds it, copied from there to the
-    others, and dropped, so the host holds at most one block beside the arrays."""
+    others, and dropped, so the host holds at most one block beside the arrays. No
+    array keeps the loader's memory (:func:`put`)."""
     sharding, shape = entry.sharding, entry.spec.shape
     shards: list[jax.Array] = []
     try:
         for index, devices in holders(entry).values():
             block = source.block(index)
             first = None
+            made = []
             for device in devices:
                 where = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
-                shards.append(jax.device_put(block if first is None else first, where))
-                first = shards[-1]
+                made.append(put(block, where) if first is None else jax.device_put(first, where))
+                first = made[0]
+            shards += made
             del block, first
-            source.release()
+            source.placed(index, made)
         # dtype: a process whose devices hold none of it passes no shards to tell it
         return jax.make_array_from_single_device_arrays(
             shape, sharding, shards, dtype=entry.spec.dtype
@@ -321,3 +404,21 @@ def array(entry: PlanEntry, source: Sources) -> jax.Array:
         for s in shards:
             s.delete()
         raise
+
+
+def put(block: np.ndarray, where: jax.sharding.Sharding) -> jax.Array:
+    """``block`` on ``where``, in memory of its own. jax's CPU client may keep using a
+    numpy array's memory instead of copying it (an aligned, contiguous view of a
+    file's or a fetch's mapping): the array would change with the file, or with the
+    pages the loader releases. Where it did, the block is copied into memory the
+    array alone holds. (Elsewhere the transfer copies, possibly after ``device_put``
+    returns: a fetch releases its pages only once the arrays are ready.)"""
+    placed = jax.device_put(block, where)
+    if block.flags.owndata or not block.nbytes:  # memory the loader made for it alone
+        return placed
+    if not any(getattr(d, "platform", None) == "cpu" for d in where.device_set):
+        return placed
+    start = block.__array_interface__["data"][0]
+    if start <= placed.unsafe_buffer_pointer() < start + block.nbytes:
+        placed = jax.device_put(np.array(block), where)
+    return placed
