@@ -36,6 +36,7 @@ import numpy as np
 from . import _patterns
 from ._errors import PlanError, Problem, UnusedTensorWarning, printable
 from ._format import some
+from ._load import aio as _aio
 from ._load import file as _file
 from ._load import layout as _layout
 from ._load import names as _names
@@ -247,7 +248,12 @@ def _absent(path: str, parts: list[tuple[str, str]], stored: list[str], hint: bo
 
 
 def inventory(
-    plan: Plan, files: Any, *, names: Any = None, storage_options: Any = None
+    plan: Plan,
+    files: Any,
+    *,
+    names: Any = None,
+    storage_options: Any = None,
+    timeout: float | None = _aio.TIMEOUT,
 ) -> Inventory:
     """What :func:`load` would read, skip and leave, checking every file but reading no
     data: the one place to see a name map's effect before a long load.
@@ -260,6 +266,7 @@ def inventory(
       files: as for :func:`load`.
       names: as for :func:`load`.
       storage_options: as for :func:`load`.
+      timeout: as for :func:`load`.
 
     Returns:
       An :class:`Inventory`: plan paths loaded (and from which tensor), skipped (names
@@ -284,7 +291,8 @@ def inventory(
       unused (no plan path claims them): 0
     """
     what = "meshinit.safetensors.inventory"
-    found, _, _, problems, _ = _survey(plan, files, names, what, storage_options)
+    with _aio.session(_timeout(timeout)):
+        found, _, _, problems, _ = _survey(plan, files, names, what, storage_options)
     if problems:
         raise PlanError(problems, header="meshinit.safetensors.inventory:")
     return found
@@ -300,6 +308,7 @@ def load(
     storage_options: Any = None,
     max_inflight_bytes: int = 1 << 30,
     progress: bool | None = None,
+    timeout: float | None = _aio.TIMEOUT,
 ) -> dict[str, jax.Array]:
     r"""Reads the plan's parameters from safetensors files onto their planned shardings.
 
@@ -342,11 +351,21 @@ def load(
         (default: one :class:`~meshinit.UnusedTensorWarning` naming them all),
         ``"error"`` (a :class:`~meshinit.PlanError` naming them, before anything is
         read) or ``"ignore"``.
-      storage_options: for URLs, passed to the client as they are: ``obstore``'s
-        store options (``endpoint``, ``access_key_id``, ``client_options``,
-        ``retry_config``, ...); for ``hf://``, also ``endpoint`` and ``token``.
-      max_inflight_bytes: for URLs, the most bytes fetched and not yet placed at once
-        (default 1 GiB): with them, the host's memory bound.
+      storage_options: for URLs, passed to the client: ``obstore``'s store options
+        (``endpoint``, ``access_key_id``, ``client_options``, ``retry_config``, ...);
+        for ``hf://``, also ``endpoint``, ``token`` (``False`` sends none, not even
+        ``HF_TOKEN``'s) and ``headers``. Each key is checked against the options the
+        installed obstore knows before any request: an unknown one is a PlanError
+        naming it and the known ones. ``http://`` URLs need no ``allow_http``.
+      max_inflight_bytes: for URLs, the most bytes of memory that fetched bytes hold
+        before they are placed (default 1 GiB): with them, the host's memory bound.
+        The blocks of a parameter that share pages of memory (column blocks of a
+        row-major tensor each touch every page of it) are fetched together, once, so
+        where one group of them is larger, it is the bound.
+      timeout: for URLs, the seconds one request may take, the client's retries and
+        meshinit's included (default 120; None: no deadline). Past it, the request is
+        cancelled and the load fails naming the URL and the bytes. Ctrl-C cancels
+        every request in flight at once.
       progress: for URLs, a bar (tqdm, on stderr) of the bytes fetched and bytes per
         second: ``True``, ``False``, or ``None`` (default: shown when stderr is a
         terminal and the load fetches at least 1 GiB).
@@ -385,11 +404,19 @@ def load(
         raise TypeError(f"max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}")
     # Collective: under jax.distributed a process whose copy of a file fails its checks
     # fails every process, and none returns arrays that lack its shards.
-    with _agree.collective(what):
+    with _aio.session(_timeout(timeout)), _agree.collective(what):
         options, budget = storage_options, max_inflight_bytes
         arrays = _load(plan, files, names, missing, unused, what, options, budget, progress)
         _agree.keep(arrays.values())
     return arrays
+
+
+def _timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise TypeError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
 
 
 def _load(

@@ -94,7 +94,9 @@ class Fault:
     - ``status``: answer ``status`` with the protocol's error body, touching nothing;
     - ``drop``: send the headers and ``keep`` body bytes (default half the body), then
       cut the connection;
-    - ``replace``: store ``data`` as the object before answering (a new ETag), once.
+    - ``replace``: store ``data`` as the object before answering (a new ETag), once;
+    - ``stall``: answer nothing for ``seconds``, then close the connection (a server
+      that accepted the request and hangs).
     """
 
     kind: str
@@ -105,6 +107,7 @@ class Fault:
     status: int = 503
     keep: int | None = None
     data: bytes | None = None
+    seconds: float = 0.0
     seen: int = 0
     fired: int = 0
 
@@ -261,6 +264,8 @@ class Handler(BaseHTTPRequestHandler):
         ``If-None-Match`` that matches is 304, ``Range`` gives 206 with
         ``Content-Range`` (416 past the end), and ``If-Range`` with another ETag sends
         the whole object."""
+        if etag is None:  # a server that gives no ETag: no condition on one holds
+            return self.send_unconditional(method, path, size, read, headers)
         headers = [("ETag", etag), ("Accept-Ranges", "bytes"), *headers]
         if (want := self.headers.get("If-Match")) and "*" not in want:
             if etag not in _etags(want):
@@ -282,6 +287,19 @@ class Handler(BaseHTTPRequestHandler):
         headers.append(("Content-Range", f"bytes {start}-{stop - 1}/{size}"))
         self.send(method, path, 206, headers, read=read, span=span)
 
+    def send_unconditional(self, method, path, size, read, headers) -> None:
+        """A GET or HEAD answered with ``Range`` honoured and no ETag (``If-*`` on one
+        ignored, as such a server ignores them)."""
+        headers = [("Accept-Ranges", "bytes"), *headers]
+        try:
+            span = parse_range(self.headers.get("Range"), size)
+        except Unsatisfiable:
+            return self.error(method, path, 416, "InvalidRange", "not satisfiable")
+        if span is None:
+            return self.send(method, path, 200, headers, read=read, span=(0, size))
+        headers.append(("Content-Range", f"bytes {span[0]}-{span[1] - 1}/{size}"))
+        self.send(method, path, 206, headers, read=read, span=span)
+
     def error(
         self,
         method: str,
@@ -300,6 +318,10 @@ class Handler(BaseHTTPRequestHandler):
         """Apply a ``replace`` fault, then answer a ``status`` one; True if answered."""
         if (fault := self.owner.take("replace", method, path)) is not None:
             self.owner.put(path, fault.data)
+        if (fault := self.owner.take("stall", method, path)) is not None:
+            time.sleep(fault.seconds)
+            self.close_connection = True
+            return True
         if (fault := self.owner.take("status", method, path)) is not None:
             codes = {403: "AccessDenied", 404: "NoSuchKey", 416: "InvalidRange"}
             code = codes.get(fault.status, "SlowDown" if fault.status == 503 else "InternalError")
@@ -378,6 +400,10 @@ class Server:
         """The next ``times`` matching GETs are cut after ``keep`` body bytes (default
         half the body), after the headers promised all of it."""
         return self.inject("drop", path, keep=keep, times=times, **fields)
+
+    def stall(self, path: str = "*", *, seconds: float = 30.0, times: int = 1, **fields) -> Fault:
+        """The next ``times`` matching requests get no answer for ``seconds``."""
+        return self.inject("stall", path, seconds=seconds, times=times, **fields)
 
     def replace_after(self, path: str, data: bytes, after: int = 1, **fields) -> Fault:
         """The object at ``path`` becomes ``data`` (a new ETag) before the matching

@@ -19,6 +19,7 @@ huggingface_hub reads ``HF_ENDPOINT`` once, when imported: in-process clients ge
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import json
 import logging
@@ -45,6 +46,7 @@ class _FileHandler(Handler):
         path = urllib.parse.unquote(url.path)
         body = self.read_body()
         owner: FileServer = self.owner  # type: ignore[assignment]
+        owner.requested.append((method, self.path, self.headers.get("Authorization")))
         if m := _API.match(url.path):
             return self.api(method, url, m, body)
         if url.path.startswith("/api/"):  # what the Hub says of a repo id it does not know
@@ -72,7 +74,10 @@ class _FileHandler(Handler):
         fd = os.open(file, os.O_RDONLY)
         try:
             st = os.fstat(fd)
-            etag = owner.etag(path, st)
+            etag = owner.etag(path, st) if owner.etags else None
+            if owner.last_modified:
+                modified = email.utils.formatdate(st.st_mtime, usegmt=True)
+                extra.append(("Last-Modified", modified))
             self.send_object(method, path, st.st_size, etag, lambda o, n: os.pread(fd, n, o), extra)
         finally:
             os.close(fd)
@@ -135,6 +140,10 @@ class FileServer(Server):
       ``.../revision/{rev}``, ``.../tree/{rev}[/{path}]`` and ``.../paths-info/{rev}``
       (POST), one page, no ``xetHash`` (so the client reads over HTTP).
 
+    Every answer carries ``Last-Modified`` (none with ``last_modified=False``); with
+    ``etags=False`` no ``ETag`` (and no condition on one). :attr:`requested` logs each
+    request's target as sent and its ``Authorization`` header.
+
     With ``lfs_redirect=True`` a resolve URL of a ``*.safetensors`` file answers 302 to
     its plain URL on a second port (another origin, as the Hub's CDN is: its client
     does not follow it on HEAD) with ``X-Linked-Etag`` and ``X-Linked-Size``.
@@ -149,9 +158,20 @@ class FileServer(Server):
 
     handler = _FileHandler
 
-    def __init__(self, root: str | os.PathLike, *, lfs_redirect: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        lfs_redirect: bool = False,
+        etags: bool = True,
+        last_modified: bool = True,
+    ) -> None:
         self.root = Path(root).resolve()
         self.lfs_redirect = lfs_redirect
+        self.etags = etags  # False: no ETag (Last-Modified only), as some servers answer
+        self.last_modified = last_modified
+        # (method, the request's target as sent, its Authorization header)
+        self.requested: list[tuple[str, str, str | None]] = []
         self._versions: dict[str, int] = {}
         self._lock = threading.Lock()
         super().__init__(ports=2 if lfs_redirect else 1)

@@ -453,3 +453,167 @@ def test_an_hf_repo_whose_files_redirect_to_a_cdn_loads(tmp_path, monkeypatch):
         same(st.load(plan, "hf://org/model", storage_options=options), a)
         redirected = [r for r in server.counters.log if r.status in (301, 302, 307)]
         assert redirected, [(r.method, r.path, r.status) for r in server.counters.log]
+
+
+# ------------------------------------------------- issue 48: URLs, options, identity, stops
+
+
+def test_an_http_url_is_requested_exactly_as_written_and_needs_no_options(file_server):
+    a, data = checkpoint({"up": SHAPES["up"]})
+    file_server.put("files/m.safetensors", data)
+    plan = plan_of({"up": SHAPES["up"]})
+    url = file_server.url_for("files/m.safetensors") + "?X-Sig=a%2Fb&expires=1"  # presigned
+    same(st.load(plan, url), a)  # http:// chosen by the URL: no allow_http needed
+    targets = {target for _, target, _ in file_server.requested}
+    assert targets == {"/files/m.safetensors?X-Sig=a%2Fb&expires=1"}, targets
+
+
+def test_hf_resolve_urls_have_no_doubled_slash(file_server):
+    a, data = checkpoint({"up": SHAPES["up"]})
+    file_server.put("org/model/sub/model.safetensors", data)
+    plan = plan_of({"up": SHAPES["up"]})
+    same(st.load(plan, "hf://org/model/sub", storage_options=file_server.hf_options()), a)
+    commit = file_server.commit("org/model")
+    reads = {t for _, t, _ in file_server.requested if "/resolve/" in t}
+    assert reads == {f"/org/model/resolve/{commit}/sub/model.safetensors"}, reads
+
+
+def test_a_hash_in_a_bucket_key_is_part_of_the_key(s3_server):
+    bucket = s3_server.bucket()
+    hashed, data = checkpoint({"up": SHAPES["up"]}, seed=1)
+    other, other_data = checkpoint({"up": SHAPES["up"]}, seed=2)
+    s3_server.put(f"{bucket}/dir/x#1.safetensors", data)
+    s3_server.put(f"{bucket}/dir/x/model.safetensors", other_data)  # what a fragment finds
+    plan = plan_of({"up": SHAPES["up"]})
+    same(st.load(plan, f"s3://{bucket}/dir/x#1.safetensors"), hashed)
+    assert st.inventory(plan, f"s3://{bucket}/dir/").files == (
+        f"s3://{bucket}/dir/x#1.safetensors",
+    )
+
+
+@pytest.mark.parametrize(
+    "scheme, options, said",
+    [
+        ("s3", {"allow_http": True}, r"is an HTTP client option: give it as .*client_options"),
+        ("s3", {"regoin": "us-east-1"}, r"'regoin'\] is not an option .*did you mean 'region'"),
+        ("gs", {"bogus": 1}, r"'bogus'\] is not an option of the client; known: .*bucket"),
+        ("s3", {"client_options": {"alow_http": True}}, r"did you mean 'allow_http'"),
+        ("s3", {"retry_config": {"retries": 3}}, r"known: backoff, max_retries, retry_timeout"),
+        ("https", {"endpoint": "x"}, r"known: client_options, retry_config"),
+        ("hf", {"tokn": False}, r"did you mean 'token'"),
+    ],
+)
+def test_an_unknown_storage_option_is_a_plan_error_before_any_request(
+    s3_server, file_server, scheme, options, said
+):
+    url = {
+        "s3": "s3://bucket/m/",
+        "gs": "gs://bucket/m/",
+        "https": file_server.url_for("m.safetensors"),
+        "hf": "hf://org/model",
+    }[scheme]
+    s3_server.reset()
+    with pytest.raises(meshinit.PlanError, match=said) as raised:
+        st.load(plan_of({"up": SHAPES["up"]}), url, storage_options=options)
+    assert "nothing was requested" in str(raised.value)
+    assert s3_server.counters.requests == 0 and file_server.requested == []
+
+
+def test_token_false_sends_no_token_not_even_hf_tokens(file_server, monkeypatch):
+    a, data = checkpoint({"up": SHAPES["up"]})
+    file_server.put("org/model/model.safetensors", data)
+    plan = plan_of({"up": SHAPES["up"]})
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_of_the_environment")
+    same(st.load(plan, "hf://org/model", storage_options=file_server.hf_options()), a)
+    assert file_server.requested and all(auth is None for *_, auth in file_server.requested)
+    file_server.requested.clear()
+    same(st.load(plan, "hf://org/model", storage_options={"endpoint": file_server.url}), a)
+    sent = {auth for *_, auth in file_server.requested}
+    assert sent == {"Bearer hf_secret_of_the_environment"}, sent  # None: the one it finds
+
+
+def _served(tmp_path, **kw):
+    from storage_servers import FileServer
+
+    root = tmp_path / "served"
+    root.mkdir(exist_ok=True)
+    return FileServer(root, **kw)
+
+
+def test_an_object_without_an_etag_is_known_by_its_last_modified_time(tmp_path):
+    import os
+
+    a, data = checkpoint({"up": SHAPES["up"]})
+    _, other = checkpoint({"up": SHAPES["up"]}, seed=9)  # the same size, other bytes
+    plan = plan_of({"up": SHAPES["up"]})
+    with _served(tmp_path, etags=False) as server:
+        server.put("m.safetensors", data)
+        url = server.url_for("m.safetensors")
+        same(st.load(plan, url), a)
+        os.utime(server.file("m.safetensors"), (1e9, 1e9))  # an older version
+        server.replace_after("m.safetensors", other, after=1)  # after the header's read
+        with pytest.raises(meshinit.PlanError, match="its Last-Modified time differs"):
+            st.load(plan, url)
+
+
+def test_an_object_with_neither_etag_nor_last_modified_is_refused(tmp_path):
+    _, data = checkpoint({"up": SHAPES["up"]})
+    with _served(tmp_path, etags=False, last_modified=False) as server:
+        server.put("m.safetensors", data)
+        with pytest.raises(meshinit.PlanError, match="neither an ETag, a version nor a Last"):
+            st.load(plan_of({"up": SHAPES["up"]}), server.url_for("m.safetensors"))
+
+
+def _meshinit_threads():
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("meshinit")]
+
+
+@pytest.mark.parametrize("stalled", ["header", "data"])
+def test_ctrl_c_stops_a_stalled_load_within_two_seconds_leaving_nothing(file_server, stalled):
+    import os
+    import signal
+    import threading
+    import time
+
+    _, data = checkpoint({"up": SHAPES["up"], "down": SHAPES["down"]})
+    file_server.put("m.safetensors", data)
+    plan = plan_of({"up": SHAPES["up"], "down": SHAPES["down"]})
+    file_server.stall("m.safetensors", seconds=30, times=100, after=int(stalled == "data"))
+    live = len(jax.live_arrays())
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            st.load(plan, file_server.url_for("m.safetensors"))
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 3.0
+    assert len(jax.live_arrays()) == live and _meshinit_threads() == []
+
+
+def test_timeout_bounds_a_stalled_request_retries_included(file_server):
+    import time
+
+    _, data = checkpoint({"up": SHAPES["up"]})
+    file_server.put("m.safetensors", data)
+    file_server.stall("m.safetensors", seconds=30, times=100, after=1)
+    start = time.monotonic()
+    with pytest.raises(meshinit.PlanError, match=r"no complete answer within 1\.5 s") as raised:
+        st.load(plan_of({"up": SHAPES["up"]}), file_server.url_for("m.safetensors"), timeout=1.5)
+    assert time.monotonic() - start < 4.0
+    assert "m.safetensors" in str(raised.value) and _meshinit_threads() == []
+    with pytest.raises(TypeError, match="timeout must be a positive number"):
+        st.load(plan_of({"up": SHAPES["up"]}), file_server.url_for("m.safetensors"), timeout=0)
+
+
+def test_missing_aws_credentials_say_where_the_client_looked(s3_server, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    # the metadata service, the client's last resort, answers nothing here
+    options = {"metadata_endpoint": "http://127.0.0.1:9"}
+    with pytest.raises(meshinit.PlanError, match="no AWS credentials were found") as raised:
+        st.load(plan_of({"up": SHAPES["up"]}), "s3://bucket/m/", storage_options=options)
+    assert "AWS_ACCESS_KEY_ID" in str(raised.value) and "skip_signature" in str(raised.value)

@@ -119,6 +119,7 @@ def run(coro: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """``coro()`` run on the loop within this context's :func:`deadline`, the calling
     thread waiting for it interruptibly: on Ctrl-C (or anything else that stops the
     wait) the request is cancelled before the exception goes on."""
+
     async def inside() -> T:  # the awaitable made on the loop: obstore's need one running
         return await coro()
 

@@ -97,8 +97,14 @@ def _remote(url: str, key: str, meta: Mapping[str, Any], store: Any, name: str =
         store,
         name or key.rsplit("/", 1)[-1],
         meta.get("version") or None,
-        meta.get("last_modified"),
+        _modified(meta),
     )
+
+
+def _modified(meta: Mapping[str, Any]) -> datetime.datetime | None:
+    """The reply's Last-Modified time; None where it had none (obstore says 1970)."""
+    t = meta.get("last_modified")
+    return t if t is not None and t.timestamp() > 0 else None
 
 
 class Permanent(Exception):
@@ -282,21 +288,24 @@ _NO_CREDENTIALS = {
 }
 
 
+def _no_credentials(e: BaseException, scheme: str) -> bool:
+    """Whether the client failed for want of credentials: it found none where it
+    looks first, and asking the instance metadata service (its last resort) failed."""
+    text = str(e)
+    return scheme in _NO_CREDENTIALS and any(
+        mark in text for mark in ("latest/api/token", "169.254.169.254", "metadata.google.internal")
+    )
+
+
 def _why(e: BaseException, scheme: str = "") -> str:
     """What a client's error means for the user, and the fix."""
     try:
         from obstore import exceptions as ox
     except ImportError:  # pragma: no cover - obstore raised it
         return _said(e)
-    text = str(e)
     if isinstance(e, _aio.TimedOut):
         return str(e)
-    if scheme in _NO_CREDENTIALS and (
-        "latest/api/token" in text
-        or "169.254.169.254" in text
-        or "metadata.google.internal" in text
-        or "credential" in text.lower()
-    ):
+    if _no_credentials(e, scheme):
         return f"{_NO_CREDENTIALS[scheme]} ({_said(e)[:160]})"
     if isinstance(e, ox.NotFoundError | FileNotFoundError):
         return f"does not exist (404): check the URL ({_said(e)})"
@@ -317,7 +326,7 @@ def _changed(obj: Remote, meta: Mapping[str, Any]) -> str | None:
     if obj.version and meta.get("version") and meta["version"] != obj.version:
         return "changed since it was checked (its version differs); load again"
     if not obj.etag and not obj.version:
-        if obj.modified is None or meta.get("last_modified") is None:
+        if obj.modified is None or _modified(meta) is None:
             return (
                 "the store gives it neither an ETag, a version nor a Last-Modified time: "
                 "meshinit cannot know that it reads the object it checked; serve it with "
@@ -370,7 +379,7 @@ async def fetch(obj: Remote, start: int, end: int) -> Any:
         except final as e:
             raise Permanent(_why(e, scheme)) from e
         except Exception as e:  # noqa: BLE001 - transient: a cut body, a reset
-            if scheme in _NO_CREDENTIALS and _why(e, scheme).startswith("no "):
+            if _no_credentials(e, scheme):
                 raise Permanent(_why(e, scheme)) from e
             if attempt == ATTEMPTS - 1:
                 raise Permanent(f"failed {ATTEMPTS} times: {_said(e)}") from e
