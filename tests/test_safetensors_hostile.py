@@ -211,6 +211,36 @@ def test_a_stack_of_many_parts_holds_one_descriptor_per_file(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded), np.stack(layers))
 
 
+@contextlib.contextmanager
+def open_files_above_held(n):
+    """The process's limit of open files set ``n`` above what it holds now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + n, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_stack_over_more_files_than_the_limit_loads_and_a_full_table_is_named(tmp_path):
+    # a scanned parameter of 100 layers, one file each (issue 48): its files are
+    # mapped in turn as its blocks reach them, not all at once
+    layers = [np.full((4, 8), i, np.float32) for i in range(100)]
+    for i, layer in enumerate(layers):
+        save_file({f"l{i}": layer}, str(tmp_path / f"m-{i:03d}.safetensors"))
+    plan = plan_for({"w": (100, 4, 8)}, axes=(None, "fsdp", "tensor"))
+    names = {"w": st.Stack([f"l{i}" for i in range(100)], axis=0)}
+    with open_files_above_held(40):
+        (loaded,) = st.load(plan, tmp_path, names=names).values()
+    np.testing.assert_array_equal(np.asarray(loaded), np.stack(layers))
+    # no descriptor left to map one: the file, the limit and the fix, not a bare EMFILE
+    with open_files_above_held(0), pytest.raises(meshinit.PlanError) as raised:
+        st.load(plan, tmp_path, names=names)
+    said = str(raised.value)
+    assert ".safetensors: cannot be opened: this process has reached its limit" in said
+    assert "ulimit -n" in said
+
+
 # ------------------------------------------------- item 9: an unreadable folder
 
 

@@ -13,6 +13,7 @@ and the per-shard reads need them.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -144,6 +145,25 @@ def _kind_of(mode: int) -> str:
     return "not a regular file"
 
 
+def failed(e: OSError) -> str:
+    """What an ``OSError`` opening or mapping a file means, and the fix."""
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        try:
+            import resource
+
+            limit = f" (now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+        except (ImportError, OSError, ValueError):
+            limit = ""
+        return (
+            f"cannot be opened: this process has reached its limit of open files{limit}; "
+            f"raise it (ulimit -n, or resource.setrlimit(RLIMIT_NOFILE)) or close files "
+            f"this process holds ({e.strerror or e})"
+        )
+    if e.errno == errno.ENOMEM:
+        return f"cannot be mapped: out of memory or mappings ({e.strerror or e})"
+    return f"cannot be opened: {e.strerror or e}"
+
+
 def open_regular(path: pathlib.Path) -> tuple[Any, os.stat_result | None, str | None]:
     """``path`` opened for reading if it is a regular file: ``(file, its stat, None)``,
     else ``(None, None, why)``. Its type is known before it is opened (opening a FIFO
@@ -168,7 +188,7 @@ def open_regular(path: pathlib.Path) -> tuple[Any, os.stat_result | None, str | 
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
-        return None, None, f"cannot be opened: {e.strerror or e}"
+        return None, None, failed(e)
     f = os.fdopen(fd, "rb")
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import functools
 import math
 import mmap
@@ -275,14 +274,17 @@ class Sources:
         if path in self._open:
             self._open.move_to_end(path)
             return self._open[path]
-        while len(self._open) >= OPEN_FILES:  # let the oldest go (views keep it alive)
-            self._open.popitem(last=False)
+        while len(self._open) >= OPEN_FILES:  # let the oldest go (a view keeps it alive)
+            gone, _ = self._open.popitem(last=False)
+            for part in self.parts.values():
+                if part.leaf.stored.file == gone:
+                    part.forget()
         base, end = self._spans[path]
         try:
             with _reopen(path, self._checked[path]) as f:
                 mapped = mmap.mmap(f.fileno(), end - base, access=mmap.ACCESS_READ, offset=base)
         except OSError as e:
-            raise PlanError([Problem(str(path), _open_failed(e))], header=_OPEN_HEADER) from e
+            raise PlanError([Problem(str(path), _file.failed(e))], header=_OPEN_HEADER) from e
         self._open[path] = (mapped, base)
         return self._open[path]
 
@@ -314,24 +316,6 @@ class Sources:
 
 
 _OPEN_HEADER = "meshinit.safetensors.load: a file could not be mapped (nothing loaded):"
-
-
-def _open_failed(e: OSError) -> str:
-    if e.errno in (errno.EMFILE, errno.ENFILE):
-        try:
-            import resource
-
-            limit = f" (now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
-        except (ImportError, OSError, ValueError):
-            limit = ""
-        return (
-            f"cannot be opened: this process has reached its limit of open files{limit}; "
-            f"raise it (ulimit -n, or resource.setrlimit(RLIMIT_NOFILE)) or close files "
-            f"this process holds ({e.strerror or e})"
-        )
-    if e.errno == errno.ENOMEM:
-        return f"cannot be mapped: out of address space or mappings ({e.strerror or e})"
-    return f"cannot be mapped: {e.strerror or e}"
 
 
 def source(
