@@ -455,7 +455,10 @@ def test_every_part_that_cannot_fit_is_one_problem_naming_path_and_part(tmp_path
         meshinit.safetensors.load(plan, tmp_path, names=names)
     assert made == []
     found = {p.path: p.message for p in raised.value.problems}
-    assert found["stack"] == "Stack parts give different shapes: [0] (4, 4), [1] (4, 5)"
+    assert found["stack"] == (
+        "Stack parts give different shapes: 1 of 2 gives (4, 4), but part [1] tensor 'b' "
+        "(F32) gives (4, 5); fix those parts' names or transforms"
+    )
     assert found["concat"].startswith("Concat parts must agree on every axis but 0")
     assert found["far"] == "Stack axis 3 is out of range for 3 axes"
     assert re.fullmatch(
@@ -466,6 +469,64 @@ def test_every_part_that_cannot_fit_is_one_problem_naming_path_and_part(tmp_path
     assert "cannot be reshaped without a copy" in found["merged"]
     assert found["shape"] == "Stack of 2 parts along axis 0 gives shape (2, 4, 4), planned (4, 8)"
     assert len(found) == 6
+
+
+def test_parts_that_do_not_fit_are_named_by_index_and_tensor_among_64(tmp_path):
+    # A rule table's Stack over 64 layers: the message gives the shape most parts give
+    # and names each part that differs by index and stored tensor (a nested part by its
+    # tensors), not 64 shapes.
+    n = 64
+    held = {f"model.layers.{i}.w": np.zeros((8, 16), np.float32) for i in range(n)}
+    held["model.layers.5.w"] = np.zeros((8, 12), np.float32)
+    held["model.layers.40.w"] = np.zeros((12, 8), np.float32)  # transposed: (8, 12)
+    held.update({"extra.a": np.zeros((8, 6), np.float32), "extra.b": np.zeros((8, 8), np.float32)})
+    stored(tmp_path, held)
+    plan = plan_of({"layers.w": ((n, 8, 16), (None, "fsdp", "tensor"))})
+    parts = [Tensor(rf"model.\1.{i}.w", permute=(1, 0) if i == 40 else None) for i in range(n)]
+    parts[63] = Concat(["extra.a", "extra.b"], axis=1)  # (8, 14)
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=[(r"(\w+)\.w", Stack(parts, axis=0))])
+    (problem,) = raised.value.problems
+    assert (problem.path, problem.message) == (
+        "layers.w",
+        "Stack parts give different shapes: 61 of 64 give (8, 16), but part [5] tensor "
+        "'model.layers.5.w' (F32) gives (8, 12), part [40] tensor 'model.layers.40.w' "
+        "(stored F32 (12, 8)) gives (8, 12), part [63] (Concat of 'extra.a', 'extra.b') "
+        "gives (8, 14); fix those parts' names or transforms",
+    )
+
+
+def test_concat_parts_that_do_not_fit_are_named_and_the_rest_counted(tmp_path):
+    # Parts agree on every axis but the joined one: (8, *); seven that do not are
+    # named by index and tensor, five of them, and two more counted.
+    held = {f"p{i}": np.zeros((8, 2), np.float32) for i in range(20)}
+    for i in range(13, 20):
+        held[f"p{i}"] = np.zeros((4, 2), np.float32)
+    held["p19"] = np.zeros((8,), np.float32)  # another rank
+    stored(tmp_path, held)
+    plan = plan_of({"fused": ((8, 40), ("fsdp", "tensor"))})
+    nested = Stack([f"p{i}" for i in range(20)], axis=0)
+    names = {"fused": Concat([f"p{i}" for i in range(20)], axis=1)}
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    (problem,) = raised.value.problems
+    assert problem.message == (
+        "Concat parts must agree on every axis but 1: 13 of 20 give (8, *), but part [13] "
+        "tensor 'p13' (F32) gives (4, 2), part [14] tensor 'p14' (F32) gives (4, 2), part "
+        "[15] tensor 'p15' (F32) gives (4, 2), part [16] tensor 'p16' (F32) gives (4, 2), "
+        "part [17] tensor 'p17' (F32) gives (4, 2) and 2 more; fix those parts' names or "
+        "transforms"
+    )
+    assert "p0" not in problem.message and "p19" not in problem.message
+    # nested: the inner Stack is named by its label, its parts by their tensors
+    plan = plan_of({"fused": ((20, 8, 2), (None, "fsdp", None))})
+    names = {"fused": Concat([nested], axis=0)}
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    assert raised.value.problems[0].message.startswith(
+        "Concat part [0] Stack parts give different shapes: 13 of 20 give (8, 2), but part "
+        "[13] tensor 'p13' (F32) gives (4, 2),"
+    )
 
 
 def test_scale_is_refused_on_an_integer_tensor(tmp_path):
