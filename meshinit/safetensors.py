@@ -63,7 +63,9 @@ class Inventory:
         transforms), or a :class:`Stack` or :class:`Concat` of parts.
       skipped: plan paths that ``names=`` maps to None: not in the files by design.
       missing: plan path -> the tensor name it wants, which no file holds.
-      unused: the stored tensors that no plan path claims, sorted.
+      unused: the stored tensors that no load reads, sorted: those no plan path
+        claims, and those that only ``missing`` paths would read (a load with
+        ``missing="skip"`` leaves such a path out, and reads none of its parts).
       reads: plan path -> the stored tensors it reads, in order (one, or every part's).
 
     Examples:
@@ -124,12 +126,23 @@ def _why_not(stored: _file.Stored, planned: np.dtype) -> str | None:
     return None
 
 
-def _survey(
-    plan: Plan, files: Any, names: Any, what: str, options: Any = None
-) -> tuple[Inventory, list[_read.Job], dict[Any, _file.Checked], list[Problem], list[Problem]]:
-    """Every file checked, every plan path resolved to its parts: the inventory, the
-    reads, the checked files, every problem (bad files, a bad map, parts that do not
-    fit) and, apart, the problems of paths whose tensors no file holds."""
+@dataclasses.dataclass(frozen=True)
+class _Survey:
+    """What :func:`_survey` found: the inventory, the reads, the checked files, every
+    problem (bad files, a bad map, parts that do not fit) and, apart, the problems of
+    paths whose tensors no file holds (``absent``), and the stored tensors that only
+    such paths would read (``stranded``: tensor -> those paths), which are unused."""
+
+    inventory: Inventory
+    jobs: list[_read.Job]
+    checked: dict[Any, _file.Checked]
+    problems: list[Problem]
+    absent: list[Problem]
+    stranded: dict[str, list[str]]
+
+
+def _survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -> _Survey:
+    """Every file checked, every plan path resolved to its parts (:class:`_Survey`)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"{what} takes a Plan (meshinit.nnx.plan(factory), ...), got {plan!r}")
     if options is not None and not isinstance(options, Mapping):
@@ -194,7 +207,22 @@ def _survey(
         loaded[entry.path] = target
         reads[entry.path] = tuple(dict.fromkeys(leaf.stored.name for leaf in _layout.leaves(node)))
         jobs.append(_read.Job(entry, node))
-    claimed = {t.name for target in targets.values() if target for t in _names.leaves(target)}
+    # A path whose part is missing reads nothing (missing="skip" leaves it out), so
+    # its other parts are unused unless another path reads them. A path refused for
+    # another reason fails the load anyway: its tensors count as claimed.
+    claimed = {
+        t.name
+        for path, target in targets.items()
+        if target is not None and path not in missing
+        for t in _names.leaves(target)
+    }
+    stranded: dict[str, list[str]] = {}
+    for path in missing:
+        target = targets[path]
+        assert target is not None  # a path that names= maps to None is skipped, not missing
+        for name in dict.fromkeys(t.name for t in _names.leaves(target)):
+            if name in index and name not in claimed:
+                stranded.setdefault(name, []).append(path)
     inventory = Inventory(
         files=tuple(p if isinstance(p, pathlib.Path) else str(p) for p in paths),
         loaded=loaded,
@@ -203,7 +231,9 @@ def _survey(
         unused=tuple(sorted(set(index) - claimed)),
         reads=reads,
     )
-    return inventory, jobs, checked, problems, [] if bad_files else absent
+    if bad_files:
+        absent, stranded = [], {}
+    return _Survey(inventory, jobs, checked, problems, absent, stranded)
 
 
 def _blocks(entry: Any) -> list[tuple[slice, ...]]:
@@ -284,10 +314,10 @@ def inventory(
       unused (no plan path claims them): 0
     """
     what = "meshinit.safetensors.inventory"
-    found, _, _, problems, _ = _survey(plan, files, names, what, storage_options)
-    if problems:
-        raise PlanError(problems, header="meshinit.safetensors.inventory:")
-    return found
+    survey = _survey(plan, files, names, what, storage_options)
+    if survey.problems:
+        raise PlanError(survey.problems, header="meshinit.safetensors.inventory:")
+    return survey.inventory
 
 
 def load(
@@ -338,7 +368,8 @@ def load(
       missing: ``"error"`` (default): a named tensor that no file holds is an error.
         ``"skip"``: such paths are left out of the result, for ``existing=`` and an
         init to make.
-      unused: what to do with stored tensors that no plan path claims: ``"warn"``
+      unused: what to do with stored tensors that no plan path claims (or, with
+        ``missing="skip"``, that only skipped paths would read): ``"warn"``
         (default: one :class:`~meshinit.UnusedTensorWarning` naming them all),
         ``"error"`` (a :class:`~meshinit.PlanError` naming them, before anything is
         read) or ``"ignore"``.
@@ -403,35 +434,64 @@ def _load(
     budget: int,
     progress: bool | None,
 ) -> dict[str, jax.Array]:
-    found, jobs, checked, problems, absent = _survey(plan, files, names, what, options)
+    survey = _survey(plan, files, names, what, options)
+    found, jobs, checked, problems = survey.inventory, survey.jobs, survey.checked, survey.problems
     problems += [
         Problem(j.entry.path, "is planned on an AbstractMesh: load needs devices")
         for j in jobs
         if isinstance(j.entry.mesh, jax.sharding.AbstractMesh)
     ]
+    # With missing="error" a path whose part is missing fails the load, and its
+    # problem names the path: its other parts are not unused, they are not reached.
+    stranded = survey.stranded if missing == "skip" else {}
+    idle = tuple(n for n in found.unused if missing == "skip" or n not in survey.stranded)
     if missing == "error":
-        problems += absent
+        problems += survey.absent
     if unused == "error":
         stored = {n: s for c in checked.values() for n, s in c.tensors.items()}
         problems += [
-            Problem(
-                str(stored[n].file),
-                f"tensor {n!r}: no plan path claims it; map a path to it with names=, or "
-                f'pass unused="ignore"',
-            )
-            for n in found.unused
+            Problem(str(stored[n].file), f"tensor {n!r}: {_why_unused(n, stranded, found.missing)}")
+            for n in idle
         ]
     if problems:
         raise PlanError(problems, header=f"{what}: nothing was read:")
-    if unused == "warn" and found.unused:
-        n = len(found.unused)
+    if unused == "warn" and idle:
+        n = len(idle)
+        of = [t for t in idle if t in stranded]
+        are = "is a part" if len(of) == 1 else "are parts"
+        note = (
+            f" Of these, {some([repr(t) for t in of], 5)} {are} of "
+            f"{_skipped(of, stranded, found.missing)}."
+            if of
+            else ""
+        )
         warnings.warn(
             UnusedTensorWarning(
                 f"{what}: {n} tensor{'s' * (n != 1)} of the checkpoint went unused (no "
-                f"plan path claims them): {', '.join(map(repr, found.unused))}. Map them "
+                f"plan path claims them): {', '.join(map(repr, idle))}.{note} Map them "
                 f'with names=, or pass unused="ignore" if they are not part of this model',
-                found.unused,
+                idle,
             ),
             stacklevel=_patterns.outside_stacklevel(),
         )
     return _read.read(jobs, checked, budget, progress)
+
+
+def _why_unused(name: str, stranded: Mapping[str, list[str]], missing: Mapping[str, str]) -> str:
+    """Why nothing reads the stored tensor ``name``, and the fix: no path claims it, or
+    only paths that missing="skip" leaves out (another of their parts is absent)."""
+    if name not in stranded:
+        return 'no plan path claims it; map a path to it with names=, or pass unused="ignore"'
+    return (
+        f"nothing reads it: it is a part of {_skipped([name], stranded, missing)}; add the "
+        f'missing part to the files, or pass unused="ignore"'
+    )
+
+
+def _skipped(
+    names: list[str], stranded: Mapping[str, list[str]], missing: Mapping[str, str]
+) -> str:
+    """The skipped paths that would read ``names``, each with the tensor it lacks."""
+    paths = list(dict.fromkeys(p for n in names for p in stranded[n]))
+    shown = some([f"{printable(p)!r} (which lacks {printable(missing[p])!r})" for p in paths], 3)
+    return f'{shown}, skipped (missing="skip") for a part not in the files'
