@@ -40,6 +40,7 @@ from ._load import file as _file
 from ._load import layout as _layout
 from ._load import names as _names
 from ._load import read as _read
+from ._load import unused as _unused
 from ._load.names import Concat as Concat
 from ._load.names import Stack as Stack
 from ._load.names import Tensor as Tensor
@@ -207,28 +208,14 @@ def _survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) 
         loaded[entry.path] = target
         reads[entry.path] = tuple(dict.fromkeys(leaf.stored.name for leaf in _layout.leaves(node)))
         jobs.append(_read.Job(entry, node))
-    # A path whose part is missing reads nothing (missing="skip" leaves it out), so
-    # its other parts are unused unless another path reads them. A path refused for
-    # another reason fails the load anyway: its tensors count as claimed.
-    claimed = {
-        t.name
-        for path, target in targets.items()
-        if target is not None and path not in missing
-        for t in _names.leaves(target)
-    }
-    stranded: dict[str, list[str]] = {}
-    for path in missing:
-        target = targets[path]
-        assert target is not None  # a path that names= maps to None is skipped, not missing
-        for name in dict.fromkeys(t.name for t in _names.leaves(target)):
-            if name in index and name not in claimed:
-                stranded.setdefault(name, []).append(path)
+    # what a load reads none of: no path claims it, or only missing paths would
+    unused, stranded = _unused.find(targets, missing, index)
     inventory = Inventory(
         files=tuple(p if isinstance(p, pathlib.Path) else str(p) for p in paths),
         loaded=loaded,
         skipped=tuple(skipped),
         missing={} if bad_files else missing,  # a file that failed holds unknown names
-        unused=tuple(sorted(set(index) - claimed)),
+        unused=unused,
         reads=reads,
     )
     if bad_files:
@@ -449,49 +436,12 @@ def _load(
         problems += survey.absent
     if unused == "error":
         stored = {n: s for c in checked.values() for n, s in c.tensors.items()}
-        problems += [
-            Problem(str(stored[n].file), f"tensor {n!r}: {_why_unused(n, stranded, found.missing)}")
-            for n in idle
-        ]
+        problems += _unused.problems(idle, stranded, found.missing, stored)
     if problems:
         raise PlanError(problems, header=f"{what}: nothing was read:")
     if unused == "warn" and idle:
-        n = len(idle)
-        of = [t for t in idle if t in stranded]
-        are = "is a part" if len(of) == 1 else "are parts"
-        note = (
-            f" Of these, {some([repr(t) for t in of], 5)} {are} of "
-            f"{_skipped(of, stranded, found.missing)}."
-            if of
-            else ""
-        )
         warnings.warn(
-            UnusedTensorWarning(
-                f"{what}: {n} tensor{'s' * (n != 1)} of the checkpoint went unused (no "
-                f"plan path claims them): {', '.join(map(repr, idle))}.{note} Map them "
-                f'with names=, or pass unused="ignore" if they are not part of this model',
-                idle,
-            ),
+            UnusedTensorWarning(_unused.warning(what, idle, stranded, found.missing), idle),
             stacklevel=_patterns.outside_stacklevel(),
         )
     return _read.read(jobs, checked, budget, progress)
-
-
-def _why_unused(name: str, stranded: Mapping[str, list[str]], missing: Mapping[str, str]) -> str:
-    """Why nothing reads the stored tensor ``name``, and the fix: no path claims it, or
-    only paths that missing="skip" leaves out (another of their parts is absent)."""
-    if name not in stranded:
-        return 'no plan path claims it; map a path to it with names=, or pass unused="ignore"'
-    return (
-        f"nothing reads it: it is a part of {_skipped([name], stranded, missing)}; add the "
-        f'missing part to the files, or pass unused="ignore"'
-    )
-
-
-def _skipped(
-    names: list[str], stranded: Mapping[str, list[str]], missing: Mapping[str, str]
-) -> str:
-    """The skipped paths that would read ``names``, each with the tensor it lacks."""
-    paths = list(dict.fromkeys(p for n in names for p in stranded[n]))
-    shown = some([f"{printable(p)!r} (which lacks {printable(missing[p])!r})" for p in paths], 3)
-    return f'{shown}, skipped (missing="skip") for a part not in the files'
