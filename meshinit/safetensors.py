@@ -37,6 +37,7 @@ from . import _patterns
 from ._errors import PlanError, Problem, UnusedTensorWarning, printable
 from ._format import some
 from ._load import file as _file
+from ._load import keys as _keys
 from ._load import layout as _layout
 from ._load import names as _names
 from ._load import read as _read
@@ -186,15 +187,22 @@ def _survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) 
         if target is None:
             skipped.append(entry.path)
             continue
+        # A typed key is read as its key data, and wrapped once placed (_keys).
+        key = _keys.is_key(entry.spec.dtype)
+        read_as = _keys.data_entry(entry) if key else entry
         try:
-            why_not = functools.partial(_why_not, planned=entry.spec.dtype)
+            if key:
+                why_not = functools.partial(_keys.why_not, entry=entry)
+            else:
+                why_not = functools.partial(_why_not, planned=entry.spec.dtype)
             node = _layout.resolve(target, index, why_not)
-            if node.result != entry.spec.shape:
+            if node.result != read_as.spec.shape:
+                planned = _keys.described(entry) if key else str(entry.spec.shape)
                 raise _layout.Refused(
-                    f"{_describe(node)} gives shape {node.result}, planned {entry.spec.shape}"
+                    f"{_describe(node)} gives shape {node.result}, planned {planned}"
                 )
             if any(leaf.groups for leaf in _layout.leaves(node)):
-                cut = _layout.check(node, _blocks(entry))
+                cut = _layout.check(node, _blocks(read_as))
                 if cut is not None:
                     raise _layout.Refused(cut)
         except _layout.Refused as refused:
@@ -207,7 +215,7 @@ def _survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) 
             continue
         loaded[entry.path] = target
         reads[entry.path] = tuple(dict.fromkeys(leaf.stored.name for leaf in _layout.leaves(node)))
-        jobs.append(_read.Job(entry, node))
+        jobs.append(_read.Job(read_as, node))
     # what a load reads none of: no path claims it, or only missing paths would
     unused, stranded = _unused.find(targets, missing, index)
     inventory = Inventory(
@@ -371,7 +379,11 @@ def load(
 
     Returns:
       Plan path -> ``jax.Array`` on the entry's sharding, cast to its dtype (within a
-      kind: floats to floats, ints to ints), for every path that a tensor fills.
+      kind: floats to floats, ints to ints), for every path that a tensor fills. A
+      typed PRNG key (an nnx ``Rngs`` stream's ``key<fry>``) is read from its stored
+      key data (``jax.random.key_data``: uint32, the key's shape plus the
+      implementation's trailing dimensions) and given back as a key array of the
+      plan's implementation.
 
     Raises:
       PlanError: all at once, before anything is read: each file that fails a check
@@ -444,4 +456,13 @@ def _load(
             UnusedTensorWarning(_unused.warning(what, idle, stranded, found.missing), idle),
             stacklevel=_patterns.outside_stacklevel(),
         )
-    return _read.read(jobs, checked, budget, progress)
+    arrays = _read.read(jobs, checked, budget, progress)
+    keys = {e.path: e for e in plan.entries if _keys.is_key(e.spec.dtype)}
+    try:
+        for path in keys.keys() & arrays.keys():
+            arrays[path] = _keys.wrapped(arrays[path], keys[path])
+    except BaseException:
+        for made in arrays.values():
+            made.delete()
+        raise
+    return arrays
