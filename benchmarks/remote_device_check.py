@@ -40,10 +40,11 @@ def main() -> None:
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
+    from safetensors.numpy import save_file
+
     import meshinit
     from meshinit import safetensors as st
     from meshinit._load import remote as _remote
-    from safetensors.numpy import save_file
 
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
@@ -75,8 +76,10 @@ def main() -> None:
         with open(folder / obj.key, "rb") as f:
             return os.pread(f.fileno(), end - start, start)
 
-    print(f"jax {jax.__version__}, {len(devices)} x {devices[0].device_kind}; "
-          f"{args.tensors} x ({rows}, {cols}) float32 ({args.mib} MiB each)")
+    print(
+        f"jax {jax.__version__}, {len(devices)} x {devices[0].device_kind}; "
+        f"{args.tensors} x ({rows}, {cols}) float32 ({args.mib} MiB each)"
+    )
     failures = 0
     for name, axes in layouts.items():
         plan = meshinit.plan(
@@ -94,9 +97,7 @@ def main() -> None:
                     got = st.load(plan, source, max_inflight_bytes=args.budget_mib << 20)
                     jax.block_until_ready(list(got.values()))
                     times[recipe].append(time.perf_counter() - start)
-                bad = [
-                    n for n, v in want.items() if not np.array_equal(np.asarray(got[n]), v)
-                ]
+                bad = [n for n, v in want.items() if not np.array_equal(np.asarray(got[n]), v)]
                 failures += len(bad)
                 if bad:
                     zero = [n for n in bad if not np.asarray(got[n]).any()]

@@ -38,9 +38,11 @@ from ._errors import PlanError, Problem, UnusedTensorWarning, printable
 from ._format import some
 from ._load import aio as _aio
 from ._load import file as _file
+from ._load import keys as _keys
 from ._load import layout as _layout
 from ._load import names as _names
 from ._load import read as _read
+from ._load import unused as _unused
 from ._load.names import Concat as Concat
 from ._load.names import Stack as Stack
 from ._load.names import Tensor as Tensor
@@ -64,7 +66,9 @@ class Inventory:
         transforms), or a :class:`Stack` or :class:`Concat` of parts.
       skipped: plan paths that ``names=`` maps to None: not in the files by design.
       missing: plan path -> the tensor name it wants, which no file holds.
-      unused: the stored tensors that no plan path claims, sorted.
+      unused: the stored tensors that no load reads, sorted: those no plan path
+        claims, and those that only ``missing`` paths would read (a load with
+        ``missing="skip"`` leaves such a path out, and reads none of its parts).
       reads: plan path -> the stored tensors it reads, in order (one, or every part's).
 
     Examples:
@@ -125,12 +129,23 @@ def _why_not(stored: _file.Stored, planned: np.dtype) -> str | None:
     return None
 
 
-def _survey(
-    plan: Plan, files: Any, names: Any, what: str, options: Any = None
-) -> tuple[Inventory, list[_read.Job], dict[Any, _file.Checked], list[Problem], list[Problem]]:
-    """Every file checked, every plan path resolved to its parts: the inventory, the
-    reads, the checked files, every problem (bad files, a bad map, parts that do not
-    fit) and, apart, the problems of paths whose tensors no file holds."""
+@dataclasses.dataclass(frozen=True)
+class _Survey:
+    """What :func:`_survey` found: the inventory, the reads, the checked files, every
+    problem (bad files, a bad map, parts that do not fit) and, apart, the problems of
+    paths whose tensors no file holds (``absent``), and the stored tensors that only
+    such paths would read (``stranded``: tensor -> those paths), which are unused."""
+
+    inventory: Inventory
+    jobs: list[_read.Job]
+    checked: dict[Any, _file.Checked]
+    problems: list[Problem]
+    absent: list[Problem]
+    stranded: dict[str, list[str]]
+
+
+def _survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -> _Survey:
+    """Every file checked, every plan path resolved to its parts (:class:`_Survey`)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"{what} takes a Plan (meshinit.nnx.plan(factory), ...), got {plan!r}")
     if options is not None and not isinstance(options, Mapping):
@@ -173,15 +188,22 @@ def _survey(
         if target is None:
             skipped.append(entry.path)
             continue
+        # A typed key is read as its key data, and wrapped once placed (_keys).
+        key = _keys.is_key(entry.spec.dtype)
+        read_as = _keys.data_entry(entry) if key else entry
         try:
-            why_not = functools.partial(_why_not, planned=entry.spec.dtype)
+            if key:
+                why_not = functools.partial(_keys.why_not, entry=entry)
+            else:
+                why_not = functools.partial(_why_not, planned=entry.spec.dtype)
             node = _layout.resolve(target, index, why_not)
-            if node.result != entry.spec.shape:
+            if node.result != read_as.spec.shape:
+                planned = _keys.described(entry) if key else str(entry.spec.shape)
                 raise _layout.Refused(
-                    f"{_describe(node)} gives shape {node.result}, planned {entry.spec.shape}"
+                    f"{_describe(node)} gives shape {node.result}, planned {planned}"
                 )
             if any(leaf.groups for leaf in _layout.leaves(node)):
-                cut = _layout.check(node, _blocks(entry))
+                cut = _layout.check(node, _blocks(read_as))
                 if cut is not None:
                     raise _layout.Refused(cut)
         except _layout.Refused as refused:
@@ -194,17 +216,20 @@ def _survey(
             continue
         loaded[entry.path] = target
         reads[entry.path] = tuple(dict.fromkeys(leaf.stored.name for leaf in _layout.leaves(node)))
-        jobs.append(_read.Job(entry, node))
-    claimed = {t.name for target in targets.values() if target for t in _names.leaves(target)}
+        jobs.append(_read.Job(read_as, node))
+    # what a load reads none of: no path claims it, or only missing paths would
+    unused, stranded = _unused.find(targets, missing, index)
     inventory = Inventory(
         files=tuple(p if isinstance(p, pathlib.Path) else str(p) for p in paths),
         loaded=loaded,
         skipped=tuple(skipped),
         missing={} if bad_files else missing,  # a file that failed holds unknown names
-        unused=tuple(sorted(set(index) - claimed)),
+        unused=unused,
         reads=reads,
     )
-    return inventory, jobs, checked, problems, [] if bad_files else absent
+    if bad_files:
+        absent, stranded = [], {}
+    return _Survey(inventory, jobs, checked, problems, absent, stranded)
 
 
 def _blocks(entry: Any) -> list[tuple[slice, ...]]:
@@ -292,10 +317,10 @@ def inventory(
     """
     what = "meshinit.safetensors.inventory"
     with _aio.session(_timeout(timeout)):
-        found, _, _, problems, _ = _survey(plan, files, names, what, storage_options)
-    if problems:
-        raise PlanError(problems, header="meshinit.safetensors.inventory:")
-    return found
+        survey = _survey(plan, files, names, what, storage_options)
+    if survey.problems:
+        raise PlanError(survey.problems, header="meshinit.safetensors.inventory:")
+    return survey.inventory
 
 
 def load(
@@ -347,7 +372,8 @@ def load(
       missing: ``"error"`` (default): a named tensor that no file holds is an error.
         ``"skip"``: such paths are left out of the result, for ``existing=`` and an
         init to make.
-      unused: what to do with stored tensors that no plan path claims: ``"warn"``
+      unused: what to do with stored tensors that no plan path claims (or, with
+        ``missing="skip"``, that only skipped paths would read): ``"warn"``
         (default: one :class:`~meshinit.UnusedTensorWarning` naming them all),
         ``"error"`` (a :class:`~meshinit.PlanError` naming them, before anything is
         read) or ``"ignore"``.
@@ -372,7 +398,11 @@ def load(
 
     Returns:
       Plan path -> ``jax.Array`` on the entry's sharding, cast to its dtype (within a
-      kind: floats to floats, ints to ints), for every path that a tensor fills.
+      kind: floats to floats, ints to ints), for every path that a tensor fills. A
+      typed PRNG key (an nnx ``Rngs`` stream's ``key<fry>``) is read from its stored
+      key data (``jax.random.key_data``: uint32, the key's shape plus the
+      implementation's trailing dimensions) and given back as a key array of the
+      plan's implementation.
 
     Raises:
       PlanError: all at once, before anything is read: each file that fails a check
@@ -430,35 +460,36 @@ def _load(
     budget: int,
     progress: bool | None,
 ) -> dict[str, jax.Array]:
-    found, jobs, checked, problems, absent = _survey(plan, files, names, what, options)
+    survey = _survey(plan, files, names, what, options)
+    found, jobs, checked, problems = survey.inventory, survey.jobs, survey.checked, survey.problems
     problems += [
         Problem(j.entry.path, "is planned on an AbstractMesh: load needs devices")
         for j in jobs
         if isinstance(j.entry.mesh, jax.sharding.AbstractMesh)
     ]
+    # With missing="error" a path whose part is missing fails the load, and its
+    # problem names the path: its other parts are not unused, they are not reached.
+    stranded = survey.stranded if missing == "skip" else {}
+    idle = tuple(n for n in found.unused if missing == "skip" or n not in survey.stranded)
     if missing == "error":
-        problems += absent
+        problems += survey.absent
     if unused == "error":
         stored = {n: s for c in checked.values() for n, s in c.tensors.items()}
-        problems += [
-            Problem(
-                str(stored[n].file),
-                f"tensor {n!r}: no plan path claims it; map a path to it with names=, or "
-                f'pass unused="ignore"',
-            )
-            for n in found.unused
-        ]
+        problems += _unused.problems(idle, stranded, found.missing, stored)
     if problems:
         raise PlanError(problems, header=f"{what}: nothing was read:")
-    if unused == "warn" and found.unused:
-        n = len(found.unused)
+    if unused == "warn" and idle:
         warnings.warn(
-            UnusedTensorWarning(
-                f"{what}: {n} tensor{'s' * (n != 1)} of the checkpoint went unused (no "
-                f"plan path claims them): {', '.join(map(repr, found.unused))}. Map them "
-                f'with names=, or pass unused="ignore" if they are not part of this model',
-                found.unused,
-            ),
+            UnusedTensorWarning(_unused.warning(what, idle, stranded, found.missing), idle),
             stacklevel=_patterns.outside_stacklevel(),
         )
-    return _read.read(jobs, checked, budget, progress)
+    arrays = _read.read(jobs, checked, budget, progress)
+    keys = {e.path: e for e in plan.entries if _keys.is_key(e.spec.dtype)}
+    try:
+        for path in keys.keys() & arrays.keys():
+            arrays[path] = _keys.wrapped(arrays[path], keys[path])
+    except BaseException:
+        for made in arrays.values():
+            made.delete()
+        raise
+    return arrays

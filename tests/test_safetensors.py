@@ -1,6 +1,7 @@
 """``meshinit.safetensors.load``: a plan's parameters read from safetensors files,
 through renames, reshapes, transposes and casts, onto their planned shardings."""
 
+import gc
 import re
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import meshinit
 from meshinit.safetensors import Tensor
@@ -267,4 +269,117 @@ def test_a_loaded_array_keeps_none_of_the_files_memory(tmp_path):
         f.write(b"\xff" * want.nbytes)
     for shard in loaded["w"].addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+    del loaded
+    gc.collect()  # the loader's own cycles; the arrays held none of the file
     assert not [line for line in open("/proc/self/maps") if str(path) in line]
+
+
+# ----------------------------------------------------- typed keys, stored as key data
+
+
+class Scan(nnx.Module):
+    def __init__(self, rngs):
+        self.rngs = rngs
+
+
+class Drop(nnx.Module):
+    """An nnx model that holds RNG state: a dropout's stream, the model's ``Rngs``, and,
+    made under ``nnx.vmap``, a key per layer (a key array of shape (8,))."""
+
+    def __init__(self, rngs):
+        kernel = _p(nnx.initializers.lecun_normal(), ("fsdp", "tensor"))
+        self.up = nnx.Linear(D, MLP, kernel_init=kernel, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def make(key):
+            return Scan(nnx.Rngs(aqt=key))
+
+        self.layers = make(jax.random.split(rngs.aqt(), 8))
+        self.rngs = rngs
+
+
+def drop_factory(impl):
+    def factory():
+        seeds = {"default": 0, "aqt": 1, "dropout": 2}
+        return Drop(nnx.Rngs(**{k: jax.random.key(s, impl=impl) for k, s in seeds.items()}))
+
+    return factory
+
+
+def _is_key(x):
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _stored(module):
+    """Every Variable of ``module`` as safetensors can hold it: keys as their key data."""
+    return {
+        p: np.asarray(jax.random.key_data(v) if _is_key(v) else v) for p, v in _flat(module).items()
+    }
+
+
+KEYS = ["drop.rngs.key", "layers.rngs.aqt.key", "rngs.aqt.key", "rngs.default.key"]
+SHARDED_KEYS = [(r"layers\.rngs\.aqt\.key", P(("fsdp", "tensor"))), (r".*", None)]
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+@pytest.mark.parametrize("placements", [None, SHARDED_KEYS], ids=["metadata", "keys sharded"])
+def test_a_whole_nnx_state_loads_with_its_keys_as_keys_on_the_plan(tmp_path, impl, placements):
+    factory = drop_factory(impl)
+    with jax.set_mesh(mesh8()):
+        reference = meshinit.nnx.init(factory, placements=placements)
+        plan = meshinit.nnx.plan(factory, placements=placements)
+    held = _stored(reference)
+    save_file(held, str(tmp_path / "model.safetensors"))
+    entries = {e.path: e for e in plan.entries}
+    assert sorted(p for p, e in entries.items() if _is_key(e.spec)) == [*KEYS, "rngs.dropout.key"]
+    loaded = meshinit.safetensors.load(plan, tmp_path, unused="error")
+    want = _flat(reference)
+    assert set(loaded) == set(entries)
+    for path, array in loaded.items():
+        assert (array.shape, array.dtype) == (want[path].shape, want[path].dtype), path
+        assert array.sharding == entries[path].sharding == want[path].sharding, path
+        if _is_key(array):
+            assert jax.random.key_impl(array) == jax.random.key_impl(want[path]), path
+            array = jax.random.key_data(array)
+        assert np.asarray(array).tobytes() == held[path].tobytes(), path
+    layer_keys = loaded["layers.rngs.aqt.key"]
+    if placements:  # one layer's key on each device, wrapped where it lies
+        assert layer_keys.sharding.spec == P(("fsdp", "tensor"))
+        for shard in layer_keys.addressable_shards:
+            assert shard.data.shape == (1,) and _is_key(shard.data)
+            data = np.asarray(jax.random.key_data(shard.data))
+            assert data.tobytes() == held["layers.rngs.aqt.key"][shard.index].tobytes()
+    # what the load gives is the model's own state for existing=
+    with jax.set_mesh(mesh8()):
+        model = meshinit.nnx.init(factory, placements=placements, existing=loaded)
+    assert {p: v.tobytes() for p, v in _stored(model).items()} == {
+        p: v.tobytes() for p, v in held.items()
+    }
+    found = meshinit.safetensors.inventory(plan, tmp_path)
+    assert set(found.loaded) == set(entries) and not found.missing and not found.unused
+    assert found.reads["layers.rngs.aqt.key"] == ("layers.rngs.aqt.key",)
+
+
+def test_key_data_of_another_shape_or_dtype_is_a_plan_error_naming_the_key(tmp_path):
+    with jax.set_mesh(mesh8()):
+        reference = meshinit.nnx.init(drop_factory("threefry2x32"))
+        plan = meshinit.nnx.plan(drop_factory("threefry2x32"))
+    held = _stored(reference)
+    held["drop.rngs.key"] = np.zeros(4, np.uint32)  # an rbg key's data
+    held["rngs.aqt.key"] = held["rngs.aqt.key"].astype(np.int32)
+    held["rngs.default.key"] = np.zeros((8, 2), np.uint32)  # the data of 8 keys
+    save_file(held, str(tmp_path / "model.safetensors"))
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.inventory(plan, tmp_path)
+    found = {p.path: p.message for p in raised.value.problems}
+    key = "key<fry>[] (threefry2x32 keys, stored as their key data, uint32 (2,))"
+    assert found == {
+        "drop.rngs.key": "tensor 'drop.rngs.key' in model.safetensors, stored U32 (4,), "
+        f"gives shape (4,), planned {key}",
+        "rngs.aqt.key": "tensor 'rngs.aqt.key' in model.safetensors, stored I32 (2,), is I32, "
+        f"planned {key}: a key is stored as jax.random.key_data of the keys, uint32, never "
+        "cast; store the key data",
+        "rngs.default.key": "tensor 'rngs.default.key' in model.safetensors, stored U32 "
+        f"(8, 2), gives shape (8, 2), planned {key}",
+    }

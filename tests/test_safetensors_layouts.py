@@ -3,6 +3,7 @@
 concatenate and slicing of the stored tensors, with bytes read == bytes owned."""
 
 import re
+import warnings
 
 import jax
 import ml_dtypes
@@ -240,6 +241,145 @@ def test_scale_gives_the_bits_of_maxtexts_query_scaling(tmp_path, stored_dtype, 
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit
 
 
+# Every float dtype meshinit reads, by the format's name (float8_e8m0fnu from ml_dtypes
+# 0.5), and every float dtype a plan may hold (float64 under jax.enable_x64).
+STORED_FLOATS = {
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E4M3FNUZ": ml_dtypes.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
+    "F8_E8M0": getattr(ml_dtypes, "float8_e8m0fnu", None),
+}
+PLANNED_FLOATS = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)] + [
+    np.dtype(getattr(ml_dtypes, n))
+    for n in (
+        "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+        "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu",
+    )
+    if hasattr(ml_dtypes, n)
+]  # fmt: skip
+
+
+def maxtext_scaled(stored, planned, scale):
+    """MaxText 0.2.5's route for a scaled tensor, with the planned dtype as its save
+    dtype: ``to_maxtext``'s getter casts the stored tensor to the save dtype, then
+    ``scale_query_layer`` computes in float32 and rounds back to that dtype (a float64
+    plan in float64: MaxText's hooks never see float64)."""
+    x = stored.astype(planned)
+    work = np.float64 if x.dtype == np.float64 else np.float32
+    return (x.astype(work) * work(scale)).astype(x.dtype)
+
+
+@pytest.mark.parametrize("name", list(STORED_FLOATS))
+def test_scale_rounds_as_maxtext_for_every_stored_and_planned_float(tmp_path, name):
+    stored_dtype = STORED_FLOATS[name]
+    if stored_dtype is None:
+        pytest.skip(f"ml_dtypes {ml_dtypes.__version__} has no {name}")
+    rng = np.random.default_rng(8)
+    signed = (rng.standard_normal(128) * 3).astype(stored_dtype)
+    positive = (np.abs(rng.standard_normal(128)) * 3 + 0.25).astype(stored_dtype)  # for e8m0
+    tensors = {"positive": positive}
+    if name != "F8_E8M0":  # no sign bit: e8m0 stores positives only
+        tensors["signed"] = signed
+    try:
+        save_file(tensors, str(tmp_path / "m.safetensors"))
+    except Exception as e:  # safetensors < 0.6 stores no float8 but E4M3 and E5M2
+        pytest.skip(f"this safetensors package cannot store {name}: {e}")
+    held = {p: positive if "e8m0" in p.name + name.lower() else signed for p in PLANNED_FLOATS}
+    scale = 1 / 3  # rounds in every dtype: each rounding dropped or added shows
+    mesh = mesh8()
+    meshinit.clear_cache()  # the float64 entry's init is checked under x64, not from the cache
+    with jax.enable_x64(True):
+        init = jax.nn.initializers.zeros
+        specs = {
+            p.name: meshinit.param((128,), init, dtype=p, axes=("tensor",), mesh=mesh)
+            for p in PLANNED_FLOATS
+        }
+        names = {
+            p.name: Tensor("positive" if held[p] is positive else "signed", scale=scale)
+            for p in PLANNED_FLOATS
+        }
+        loaded = meshinit.safetensors.load(meshinit.plan(specs), tmp_path, names=names)
+    meshinit.clear_cache()
+    nmant = lambda d: ml_dtypes.finfo(d).nmant  # noqa: E731
+    for planned in PLANNED_FLOATS:
+        x = held[planned]
+        want = maxtext_scaled(x, planned, scale)
+        got = np.asarray(loaded[planned.name])
+        assert got.dtype == planned, planned
+        assert got.tobytes() == want.tobytes(), f"{name} -> {planned.name}: not MaxText's bits"
+        # The values tell MaxText's order from the others wherever they differ:
+        # rounded once from the stored values (where the cast to the plan rounds) ...
+        once = (x.astype(np.float64) * scale).astype(planned)
+        if nmant(planned) < nmant(x.dtype):
+            assert once.tobytes() != want.tobytes(), f"{name} -> {planned.name}"
+        # ... and rounded to the stored dtype before the cast (where the plan holds more)
+        stored_first = (x.astype(np.float32) * np.float32(scale)).astype(x.dtype)
+        if nmant(x.dtype) < nmant(planned):
+            assert stored_first.astype(planned).tobytes() != want.tobytes(), planned.name
+
+
+@pytest.mark.parametrize(
+    "stored_dtype, planned, over",
+    [
+        (np.float32, np.float32, "overflows float32"),  # the product
+        (ml_dtypes.bfloat16, ml_dtypes.bfloat16, "overflows float32"),
+        (np.float16, np.float16, "is 131008.0: it overflows float16"),  # the rounding back
+        (np.float32, np.float16, "is 131008.0: it overflows float16"),
+        (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fn, "is 896.0: it overflows float8_e4m3fn"),
+    ],
+)
+def test_a_scale_that_overflows_is_a_plan_error_naming_the_value(
+    tmp_path, stored_dtype, planned, over, new_arrays
+):
+    # max / 2 times 4: the product overflows float32 (bf16 and f32 hold up to ~3.4e38),
+    # or fits float32 and overflows the planned dtype when rounded back.
+    top = float(ml_dtypes.finfo(planned).max) / 2
+    held = np.full((4, 8), top, np.float64).astype(stored_dtype)
+    held[0, 0] = np.inf  # an infinity stays one: not an overflow
+    stored(tmp_path, {"model.q": held})
+    plan = plan_of({"q": ((4, 8), ("fsdp", "tensor"))}, dtype=planned)
+    with (
+        warnings.catch_warnings(),
+        new_arrays() as made,
+        pytest.raises(meshinit.PlanError) as raised,
+    ):
+        warnings.simplefilter("error")  # numpy's RuntimeWarning no longer escapes
+        meshinit.safetensors.load(plan, tmp_path, names={"q": Tensor("model.q", scale=4.0)})
+    assert made == []
+    (problem,) = raised.value.problems
+    assert problem.path == "q"
+    assert re.fullmatch(
+        rf"tensor 'model\.q' holds {re.escape(str(float(held[0, 1])))}, which times scale=4\.0 "
+        rf"{re.escape(over)}; plan a wider dtype",
+        problem.message,
+    ), problem.message
+    fine = plan_of({"q": ((4, 8), ("fsdp", "tensor"))}, dtype=planned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = meshinit.safetensors.load(fine, tmp_path, names={"q": Tensor("model.q", scale=0.25)})
+    np.testing.assert_array_equal(np.asarray(got["q"]), maxtext_scaled(held, planned, 0.25))
+
+
+def test_a_scale_beyond_float32_is_named_not_made_inf(tmp_path):
+    stored(tmp_path, {"model.q": np.ones((4, 8), np.float32)})
+    plan = plan_of({"q": ((4, 8), ("fsdp", "tensor"))}, dtype=ml_dtypes.bfloat16)
+    with warnings.catch_warnings(), pytest.raises(meshinit.PlanError) as raised:
+        warnings.simplefilter("error")
+        meshinit.safetensors.load(plan, tmp_path, names={"q": Tensor("model.q", scale=1e300)})
+    assert [(p.path, p.message) for p in raised.value.problems] == [
+        (
+            "q",
+            "tensor 'model.q' is scaled by 1e+300, which overflows float32 (the product's "
+            "dtype); plan a wider dtype",
+        )
+    ]
+
+
 def test_a_stack_of_concats_is_maxtexts_scanned_fused_layout(tmp_path):
     n, d, ffn = 4, 8, 6
     rng = np.random.default_rng(6)
@@ -315,7 +455,10 @@ def test_every_part_that_cannot_fit_is_one_problem_naming_path_and_part(tmp_path
         meshinit.safetensors.load(plan, tmp_path, names=names)
     assert made == []
     found = {p.path: p.message for p in raised.value.problems}
-    assert found["stack"] == "Stack parts give different shapes: [0] (4, 4), [1] (4, 5)"
+    assert found["stack"] == (
+        "Stack parts give different shapes: 1 of 2 gives (4, 4), but part [1] tensor 'b' "
+        "(F32) gives (4, 5); fix those parts' names or transforms"
+    )
     assert found["concat"].startswith("Concat parts must agree on every axis but 0")
     assert found["far"] == "Stack axis 3 is out of range for 3 axes"
     assert re.fullmatch(
@@ -326,6 +469,64 @@ def test_every_part_that_cannot_fit_is_one_problem_naming_path_and_part(tmp_path
     assert "cannot be reshaped without a copy" in found["merged"]
     assert found["shape"] == "Stack of 2 parts along axis 0 gives shape (2, 4, 4), planned (4, 8)"
     assert len(found) == 6
+
+
+def test_parts_that_do_not_fit_are_named_by_index_and_tensor_among_64(tmp_path):
+    # A rule table's Stack over 64 layers: the message gives the shape most parts give
+    # and names each part that differs by index and stored tensor (a nested part by its
+    # tensors), not 64 shapes.
+    n = 64
+    held = {f"model.layers.{i}.w": np.zeros((8, 16), np.float32) for i in range(n)}
+    held["model.layers.5.w"] = np.zeros((8, 12), np.float32)
+    held["model.layers.40.w"] = np.zeros((12, 8), np.float32)  # transposed: (8, 12)
+    held.update({"extra.a": np.zeros((8, 6), np.float32), "extra.b": np.zeros((8, 8), np.float32)})
+    stored(tmp_path, held)
+    plan = plan_of({"layers.w": ((n, 8, 16), (None, "fsdp", "tensor"))})
+    parts = [Tensor(rf"model.\1.{i}.w", permute=(1, 0) if i == 40 else None) for i in range(n)]
+    parts[63] = Concat(["extra.a", "extra.b"], axis=1)  # (8, 14)
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=[(r"(\w+)\.w", Stack(parts, axis=0))])
+    (problem,) = raised.value.problems
+    assert (problem.path, problem.message) == (
+        "layers.w",
+        "Stack parts give different shapes: 61 of 64 give (8, 16), but part [5] tensor "
+        "'model.layers.5.w' (F32) gives (8, 12), part [40] tensor 'model.layers.40.w' "
+        "(stored F32 (12, 8)) gives (8, 12), part [63] (Concat of 'extra.a', 'extra.b') "
+        "gives (8, 14); fix those parts' names or transforms",
+    )
+
+
+def test_concat_parts_that_do_not_fit_are_named_and_the_rest_counted(tmp_path):
+    # Parts agree on every axis but the joined one: (8, *); seven that do not are
+    # named by index and tensor, five of them, and two more counted.
+    held = {f"p{i}": np.zeros((8, 2), np.float32) for i in range(20)}
+    for i in range(13, 20):
+        held[f"p{i}"] = np.zeros((4, 2), np.float32)
+    held["p19"] = np.zeros((8,), np.float32)  # another rank
+    stored(tmp_path, held)
+    plan = plan_of({"fused": ((8, 40), ("fsdp", "tensor"))})
+    nested = Stack([f"p{i}" for i in range(20)], axis=0)
+    names = {"fused": Concat([f"p{i}" for i in range(20)], axis=1)}
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    (problem,) = raised.value.problems
+    assert problem.message == (
+        "Concat parts must agree on every axis but 1: 13 of 20 give (8, *), but part [13] "
+        "tensor 'p13' (F32) gives (4, 2), part [14] tensor 'p14' (F32) gives (4, 2), part "
+        "[15] tensor 'p15' (F32) gives (4, 2), part [16] tensor 'p16' (F32) gives (4, 2), "
+        "part [17] tensor 'p17' (F32) gives (4, 2) and 2 more; fix those parts' names or "
+        "transforms"
+    )
+    assert "p0" not in problem.message and "p19" not in problem.message
+    # nested: the inner Stack is named by its label, its parts by their tensors
+    plan = plan_of({"fused": ((20, 8, 2), (None, "fsdp", None))})
+    names = {"fused": Concat([nested], axis=0)}
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    assert raised.value.problems[0].message.startswith(
+        "Concat part [0] Stack parts give different shapes: 13 of 20 give (8, 2), but part "
+        "[13] tensor 'p13' (F32) gives (4, 2),"
+    )
 
 
 def test_scale_is_refused_on_an_integer_tensor(tmp_path):
@@ -340,8 +541,8 @@ def test_a_stack_with_an_absent_part_is_skipped_whole_with_missing_skip(tmp_path
     plan = plan_of({"s": ((2, 4, 4), (None, "fsdp", "tensor"))})
     names = {"s": Stack(["a", "b"], axis=0)}
     found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
-    assert found.missing == {"s": "b"} and found.unused == ("extra",)
-    with pytest.warns(meshinit.UnusedTensorWarning):
+    assert found.missing == {"s": "b"} and found.unused == ("a", "extra")  # nothing reads 'a'
+    with pytest.warns(meshinit.UnusedTensorWarning, match="'a' is a part of 's'"):
         loaded = meshinit.safetensors.load(plan, tmp_path, names=names, missing="skip")
     assert loaded == {}
 

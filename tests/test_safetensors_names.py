@@ -9,10 +9,11 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from helpers import plan_for
 from jax.sharding import Mesh
 
 import meshinit
-from meshinit.safetensors import Tensor
+from meshinit.safetensors import Stack, Tensor
 
 save_file = pytest.importorskip("safetensors.numpy").save_file
 
@@ -295,6 +296,43 @@ def test_unused_ignore_is_silent_and_bad_values_are_type_errors(tmp_path):
         meshinit.safetensors.load(plan, tmp_path, names=names, unused="ignore")
     with pytest.raises(TypeError, match='unused must be "warn", "error" or "ignore"'):
         meshinit.safetensors.load(plan, tmp_path, names=names, unused="skip")
+
+
+def test_the_parts_of_a_skipped_stack_are_unused_and_named_with_its_path(tmp_path):
+    # missing="skip" leaves out 's', whose 'l2' is absent: 'l0' is then read by
+    # nothing ('l1' still is, by 't'), and is named with the path it belongs to.
+    part = np.ones((8, 16), np.float32)
+    save_file({"l0": part, "l1": part, "extra": part}, str(tmp_path / "m.safetensors"))
+    plan = plan_for({"s": (3, 8, 16), "t": (8, 16)})
+    names = {"s": Stack(["l0", "l1", "l2"], axis=0), "t": "l1"}
+    found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    assert found.missing == {"s": "l2"} and found.unused == ("extra", "l0")
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=names, missing="skip", unused="error")
+    assert [p.message for p in raised.value.problems] == [
+        "tensor 'extra': no plan path claims it; map a path to it with names=, or pass "
+        'unused="ignore"',
+        "tensor 'l0': nothing reads it: it is a part of 's' (which lacks 'l2'), skipped "
+        '(missing="skip") for a part not in the files; add the missing part to the files, '
+        'or pass unused="ignore"',
+    ]
+    with pytest.warns(meshinit.UnusedTensorWarning) as caught:
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names, missing="skip")
+    (warning,) = caught
+    assert warning.message.tensors == ("extra", "l0")
+    assert (
+        "2 tensors of the checkpoint went unused (no plan path claims them): 'extra', 'l0'. "
+        "Of these, 'l0' is a part of 's' (which lacks 'l2'), skipped (missing=\"skip\") for "
+        "a part not in the files." in str(warning.message)
+    ), warning.message
+    assert set(loaded) == {"t"}
+    # missing="error": the path fails the load and its problem names it; its parts
+    # are not unused besides
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=names, unused="error")
+    messages = [p.message for p in raised.value.problems]
+    assert len(messages) == 2 and messages[1].startswith("tensor 'extra': no plan path claims")
+    assert messages[0].startswith("Stack part [2] tensor 'l2' is not in the files"), messages
 
 
 def test_inventory_accounts_for_every_path_and_tensor_without_reading(tmp_path, monkeypatch):

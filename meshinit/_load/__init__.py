@@ -12,6 +12,9 @@ Its public face is :mod:`meshinit.safetensors` (``load`` and ``inventory``). Its
   device's block of the parameter read from the parts it reaches;
 - :mod:`.read`: the checked files read block by block onto the plan's shardings, each
   process reading only what its devices hold; nothing left alive on failure;
+- :mod:`.keys`: a plan's typed PRNG keys, read as their stored key data and wrapped
+  shard by shard onto the planned sharding;
+- :mod:`.unused`: the stored tensors that no load reads, and how they are named;
 - :mod:`.remote` and :mod:`.fetch`: objects in S3, GCS, the Hub or at https URLs,
   listed and checked by ranged reads, and each process's byte runs fetched ahead of
   placement, within a budget of bytes.

@@ -129,23 +129,57 @@ def _resolve(
         raise Refused(f"{label}{kind} axis {target.axis} is out of range for {ndim} axes")
     if stacked:
         if any(s != first for s in shapes):
-            raise Refused(f"{label}Stack parts give different shapes: {_shapes(shapes)}")
+            odd = _odd(nodes, shapes, str)
+            raise Refused(f"{label}Stack parts give different shapes: {odd}")
         result = (*first[:axis], len(nodes), *first[axis:])
         starts = tuple(range(len(nodes)))
     else:
-        cut = [s[:axis] + s[axis + 1 :] for s in shapes]
-        if any(len(s) != len(first) for s in shapes) or any(c != cut[0] for c in cut):
-            raise Refused(
-                f"{label}Concat parts must agree on every axis but {axis}: {_shapes(shapes)}"
-            )
+        # what must agree: the rank, and every size but the axis's
+        cut = [(len(s), s[:axis] + s[axis + 1 :]) for s in shapes]
+        if any(c != cut[0] for c in cut):
+            odd = _odd(nodes, cut, lambda c: _free(shapes[cut.index(c)], axis))
+            raise Refused(f"{label}Concat parts must agree on every axis but {axis}: {odd}")
         sizes = [s[axis] for s in shapes]
         starts = tuple(int(x) for x in np.cumsum([0, *sizes[:-1]]))
         result = (*first[:axis], sum(sizes), *first[axis + 1 :])
     return Joined(tuple(nodes), axis, stacked, result, starts)
 
 
-def _shapes(shapes: list[tuple[int, ...]]) -> str:
-    return ", ".join(f"[{i}] {s}" for i, s in enumerate(shapes))
+def _odd(nodes: list[Node], keys: list[Any], shown: Callable[[Any], str], most: int = 5) -> str:
+    """The parts whose ``keys`` (what must agree) differ from the most common one: that
+    one, with how many parts give it, then each other part (its index, its stored
+    tensors, what it gives), at most ``most`` of them. Of a Stack of 64 layers, the two
+    that differ, not 64 shapes."""
+    counts: dict[Any, int] = {}
+    for k in keys:
+        counts[k] = counts.get(k, 0) + 1
+    common = max(counts, key=lambda k: counts[k])  # the first of the most common
+    odd = [i for i, k in enumerate(keys) if k != common]
+    listed = ", ".join(f"part [{i}] {_named(nodes[i])} gives {nodes[i].result}" for i in odd[:most])
+    more = f" and {len(odd) - most} more" if len(odd) > most else ""
+    n = counts[common]
+    return (
+        f"{n} of {len(keys)} give{'s' * (n == 1)} {shown(common)}, but {listed}{more}; "
+        f"fix those parts' names or transforms"
+    )
+
+
+def _free(shape: tuple[int, ...], axis: int) -> str:
+    """``shape`` with a ``*`` for the size along ``axis``, which parts of a Concat may
+    differ in."""
+    return f"({', '.join('*' if i == axis else str(d) for i, d in enumerate(shape))})"
+
+
+def _named(node: Node, most: int = 3) -> str:
+    """A part as a message names it: its stored tensor (dtype, and the stored shape where
+    the transforms change it), or the tensors a nested Stack or Concat reads."""
+    if isinstance(node, Leaf):
+        held = node.stored
+        stored = held.dtype if held.shape == node.result else f"stored {held.dtype} {held.shape}"
+        return f"tensor {printable(held.name)!r} ({stored})"
+    names = [repr(printable(leaf.stored.name)) for leaf in leaves(node)]
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"({'Stack' if node.stacked else 'Concat'} of {', '.join(names[:most])}{more})"
 
 
 def _leaf(

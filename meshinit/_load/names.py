@@ -89,10 +89,15 @@ class Tensor:
     alone; a sharding whose blocks cut a merged axis other than along its outer
     axis is refused before anything is read.
 
-    ``scale`` multiplies the values as MaxText's conversion hooks do (its query scale
-    ``1 / sqrt(head_dim)``): the stored values in float32, times ``scale`` rounded to
-    float32, rounded back to the stored dtype; then cast to the planned dtype like any
-    tensor. Floating-point tensors only.
+    ``scale`` multiplies the values as MaxText's conversion does (its query scale
+    ``1 / sqrt(head_dim)``), with the planned dtype in the role of MaxText's save
+    dtype: the stored values are cast to the planned dtype first (rounded once, as
+    any tensor is), then, as its hooks compute
+    ``(x.astype(np.float32) * np.float32(scale)).astype(x.dtype)``, taken to float32,
+    multiplied by ``scale`` rounded to float32, and rounded back to the planned dtype
+    (a float64 plan computes in float64). So a float32 tensor planned as bfloat16 is
+    rounded twice, as MaxText rounds it. A value that overflows the product or the
+    planned dtype is a :class:`~meshinit.PlanError`. Floating-point tensors only.
 
     A map written for tunix or MaxText transposes first, then reshapes. For a split
     of a torch ``(out, in)`` weight the two agree once the reshape is moved first:

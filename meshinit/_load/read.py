@@ -205,8 +205,8 @@ class Source:
         dtype = self.entry.spec.dtype
         if block.dtype != dtype:
             block = cast(block, dtype, self.entry.path, self.leaf)
-        if self.leaf.tensor.scale is not None:  # as MaxText's hooks: float32, then back
-            block = (block.astype(np.float32) * np.float32(self.leaf.tensor.scale)).astype(dtype)
+        if self.leaf.tensor.scale is not None:  # after the cast: MaxText's hooks see it cast
+            block = scaled(block, self.leaf.tensor.scale, self.entry.path, self.leaf)
         return block
 
     def release(self, mapped: Any, base: int) -> None:
@@ -346,6 +346,35 @@ def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _layout.Leaf) -> n
             header="meshinit.safetensors.load: a value does not fit the planned dtype:",
         )
     return out
+
+
+def scaled(block: np.ndarray, scale: float, path: str, leaf: _layout.Leaf) -> np.ndarray:
+    """``block``, already in the planned dtype, times ``scale`` as MaxText 0.2.5's
+    conversion hooks compute it on a tensor in its save dtype:
+    ``(x.astype(np.float32) * np.float32(scale)).astype(x.dtype)``. A float64 block is
+    multiplied in float64 (as numpy promotes ``x * np.float32(scale)``, the other
+    spelling of MaxText's hooks), not cut to float32. A finite value that the product
+    or its rounding back makes infinite (NaN in a float8 without infinities) is a
+    PlanError naming the path, the part and the value."""
+    work = np.result_type(block.dtype, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        factor = work.type(scale)
+        product = block.astype(work) * factor
+        out = product.astype(block.dtype)
+    grew = np.isfinite(block) & ~np.isfinite(out)
+    if not grew.any():
+        return out
+    value, wide = float(block[grew].flat[0]), float(product[grew].flat[0])
+    if not np.isfinite(factor):
+        why = f"is scaled by {scale}, which overflows {work.name} (the product's dtype)"
+    elif not np.isfinite(wide):
+        why = f"holds {value}, which times scale={scale} overflows {work.name}"
+    else:
+        why = f"holds {value}, which times scale={scale} is {wide}: it overflows {out.dtype.name}"
+    raise PlanError(
+        [Problem(path, f"{leaf.label}tensor {leaf.stored.name!r} {why}; plan a wider dtype")],
+        header="meshinit.safetensors.load: a scaled value does not fit the planned dtype:",
+    )
 
 
 def holders(entry: PlanEntry) -> dict[tuple[Any, ...], tuple[tuple[slice, ...], list[Any]]]:
