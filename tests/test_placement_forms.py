@@ -840,3 +840,110 @@ def test_a_rules_named_sharding_gives_the_mesh_as_a_tables_mesh_does():
     assert shardings_nnx(model) == shardings_nnx(meshinit.nnx.init(Odd, placements=table))
     assert {d.id for d in model.c.kernel.get_value().devices()} == {4, 5, 6, 7}
     assert_same_bits(bits_nnx(model), bits_nnx(meshinit.nnx.init(Odd)))
+
+
+# ------------------------------------------- a model that is a list: its tree is a list
+
+
+def elayers(key, container=list):
+    """An equinox model that is a list (or tuple) of layers, as eqx.nn.Sequential holds."""
+    return container(ELayer(32, k) for k in jax.random.split(key, 2))
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_eqx_a_model_that_is_a_list_of_layers_takes_its_spec_tree_as_jax_jit_does(container):
+    mesh = submesh(range(8), (2, 1, 4), ("fsdp", "sp", "tp"))
+
+    def factory(key):
+        return elayers(key, container)
+
+    abstract = eqx.filter_eval_shape(factory, jax.random.key(0))
+    assert type(abstract) is container
+    specs = jax.tree_util.tree_map_with_path(  # a list of ELayers holding PartitionSpecs
+        lambda kp, _: eqx_spec("blocks." + jax.tree_util.keystr(kp, simple=True, separator=".")),
+        abstract,
+    )
+    table = [
+        (r"\d\.mlp\.(gate|up)_proj\.kernel", P("fsdp", "tp")),
+        (r"\d\.mlp\.down_proj\.kernel", P("tp", "fsdp")),
+        (r".*", P()),
+    ]
+    tree = meshinit.eqx.init(factory, 0, specs, mesh=mesh)
+    tabled = meshinit.eqx.init(factory, 0, table, mesh=mesh)
+    named = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    made = jax.jit(factory, out_shardings=named)(jax.random.key(0))
+    for got, want, jitted in zip(*map(jax.tree.leaves, (tree, tabled, made)), strict=True):
+        assert got.sharding == want.sharding == jitted.sharding
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    assert tree[1].mlp.down_proj.kernel.sharding == NamedSharding(mesh, P("tp", "fsdp"))
+    # a list of NamedShardings: the mesh comes with it
+    again = meshinit.eqx.init(factory, 0, named)
+    assert [x.sharding for x in jax.tree.leaves(again)] == [
+        x.sharding for x in jax.tree.leaves(tree)
+    ]
+    # a list led by a regex stays a table: one entry not wrapped in its list, or a tree
+    # leaf among entries, is a table's problem
+    for placements, want in [
+        ((r".*", None), r"placements\[0\] must be \(regex, axes\), .*; got '\.\*'"),
+        ([(r".*", P()), {"0": P()}], r"placements\[1\] must be \(regex, axes\), .*; got \{'0'"),
+    ]:
+        with pytest.raises(meshinit.PlanError, match=want):
+            meshinit.eqx.plan(factory, 0, placements, mesh=mesh)
+
+
+def nnx_layers(sharded=False):
+    """An nnx model that is a list of layers (nnx.List)."""
+    rngs = nnx.Rngs(0)
+    return nnx.List([Block(rngs, sharded) for _ in range(2)])
+
+
+def test_nnx_a_list_of_layers_takes_its_spec_tree_as_a_list_as_flax_gives_it():
+    mesh = mesh3()
+    with jax.set_mesh(mesh):
+        abstract = nnx.eval_shape(lambda: nnx_layers(sharded=True))
+    state = nnx.get_partition_spec(nnx.state(abstract))  # an nnx.State keyed 0, 1
+    as_list = [nnx.to_pure_dict(state)[i] for i in range(2)]  # the same tree, list-rooted
+    want = shardings_nnx(meshinit.nnx.init(nnx_layers, placements=state, mesh=mesh))
+    model = meshinit.nnx.init(nnx_layers, placements=as_list, mesh=mesh)
+    assert shardings_nnx(model) == want
+    assert want["1.down.kernel"] == NamedSharding(mesh, P("tp", "fsdp"))
+    # and as flax's own tools say for the annotated twin
+    named = nnx.get_named_sharding(nnx.state(abstract), mesh)
+    assert model[1].up.kernel.get_value().sharding == named[1]["up"]["kernel"].get_value()
+    # a Module of specs (nnx.get_partition_spec of the Module): the same
+    module_specs = nnx.get_partition_spec(abstract)
+    assert isinstance(module_specs, nnx.List)
+    got = meshinit.nnx.init(nnx_layers, placements=module_specs, mesh=mesh)
+    assert shardings_nnx(got) == want
+
+
+@pytest.mark.parametrize(
+    "placements, holds",
+    [
+        ([1, 2], r"int 1 at placements\[0\]"),
+        ([[]], r"list \[\] at placements\[0\]"),
+        (  # the model's abstract values given for its shardings
+            [jax.ShapeDtypeStruct((8,), jnp.float32)],
+            r"ShapeDtypeStruct\(shape=\(8,\), dtype=float32\) at placements\[0\]",
+        ),
+    ],
+    ids=["ints", "empty", "structs"],
+)
+@pytest.mark.parametrize("adapter", ["nnx", "linen", "eqx"])
+def test_a_sequence_neither_a_table_nor_a_tree_names_both_forms(adapter, placements, holds):
+    mesh = mesh3()
+    want = (
+        r"placements is a list of neither table entries nor shardings: a table is an ordered "
+        r"sequence of \(regex, axes\), .* tuples \(first match wins\); a tree of shardings has "
+        r"the model's structure with a NamedSharding, PartitionSpec or None per array; this "
+        rf"one holds {holds}$"
+    )
+    with pytest.raises(TypeError, match=want):
+        if adapter == "nnx":
+            meshinit.nnx.plan(Counted, placements=placements, mesh=mesh)
+        elif adapter == "linen":
+            meshinit.linen.plan(
+                LinenCounted(), 0, jnp.ones((1, 8)), mesh=mesh, placements=placements
+            )
+        else:
+            meshinit.eqx.plan(EqxCounted, 0, placements, mesh=mesh)

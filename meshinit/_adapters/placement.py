@@ -137,6 +137,12 @@ def axes_of(axes: Any) -> tuple[tuple[Any, ...] | None, str | None]:
     return entries, None
 
 
+def described(value: Any) -> str:
+    """``value`` as messages show it: its repr, led by its type's name."""
+    kind, shown = type(value).__name__, repr(value)
+    return shown if shown.startswith(kind) else f"{kind} {shown}"
+
+
 def given(name: str, value: Any, own_mesh: str) -> Parsed | str:
     """The placement of one path that a tree's leaf or a rule's answer ``value`` gives:
     a ``NamedSharding`` (its mesh, spec and memory kind), a ``PartitionSpec`` (mesh
@@ -149,11 +155,9 @@ def given(name: str, value: Any, own_mesh: str) -> Parsed | str:
         memory_kind = None if memory_kind == "device" else memory_kind
         value = value.spec
     elif not (value is None or isinstance(value, PartitionSpec | tuple | list | str)):
-        kind, shown = type(value).__name__, repr(value)
-        shown = shown if shown.startswith(kind) else f"{kind} {shown}"
         return (
-            f"got {shown}; give a jax.sharding.NamedSharding, a PartitionSpec, a tuple of "
-            f"axes or None (replicated)"
+            f"got {described(value)}; give a jax.sharding.NamedSharding, a PartitionSpec, a "
+            f"tuple of axes or None (replicated)"
         )
     axes, wrong = axes_of(value)
     if wrong:
