@@ -32,6 +32,7 @@ except ImportError as e:
 
 from . import _paths
 from ._adapters import common as _adapters
+from ._adapters import placement as _placement
 from ._adapters import placements as _placements
 from ._engine import entry as _engine
 from ._errors import Problem
@@ -106,7 +107,6 @@ def _specs_from_placements(
     leaves: list[Any] = []
     unmatched: list[Problem] = []
     bad_placements: dict[int | str, Problem] = {}
-    paths: list[str] = []
     spelled: dict[str, int] = {}
     # ints, None, activation functions: they stay as they are, unless a placement
     # was meant for them (it is refused)
@@ -115,8 +115,8 @@ def _specs_from_placements(
         for kp, leaf in jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_none)[0]
         if not isinstance(leaf, jax.ShapeDtypeStruct)
     ]
-    for keypath, leaf in flat:
-        leaves.append(leaf)
+    placeable: dict[int, str] = {}  # flat index -> path of each array leaf meshinit places
+    for i, (keypath, leaf) in enumerate(flat):
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             continue
         path = _paths.path_str(keypath)
@@ -126,8 +126,18 @@ def _specs_from_placements(
         if problem is not None:
             problems.append(problem)
             continue
-        paths.append(path)
-        placement = table.match(path, leaf)
+        placeable[i] = path
+    paths = list(placeable.values())
+    # every path matched first: a replicated placement without a mesh takes the one
+    # mesh the others name
+    matched = {i: table.match(path, flat[i][1]) for i, path in placeable.items()}
+    replicas = _placement.Replicas(matched.values())
+    context = _adapters.placement_mesh(mesh)
+    for i, (_, leaf) in enumerate(flat):
+        leaves.append(leaf)
+        if i not in placeable:
+            continue
+        path, placement = placeable[i], matched[i]
         if placement is not None and placement.broken:
             continue  # said once, for the placement
         if placement is None:
@@ -141,12 +151,17 @@ def _specs_from_placements(
                     )
                 )
             continue
+        where = placement.mesh if placement.mesh is not None else context
+        if where is None and not placement.shards(placement.axes):
+            where = replicas.mesh_for(path, placement)
+            if where is None:
+                continue  # said once, for the placement, by replicas.problems
         try:
             spec = param(
                 leaf.shape,
                 from_constructor,
                 axes=placement.axes_for(leaf.ndim),
-                mesh=placement.mesh if placement.mesh is not None else mesh,
+                mesh=where,
                 # a PartitionSpec names mesh axes, whatever the rules
                 rules=MESH_AXES if placement.mesh_axes else rules,
                 dtype=leaf.dtype,
@@ -165,7 +180,7 @@ def _specs_from_placements(
                 Problem(
                     "",
                     f"{placement.name}: no mesh for the leaves it places ({path}, ...); pass "
-                    f"mesh= to meshinit.eqx.init, or {placement.own_mesh}",
+                    f"mesh= to meshinit.eqx.init, {_placement.CONTEXT}, or {placement.own_mesh}",
                 ),
             )
             continue
@@ -188,6 +203,7 @@ def _specs_from_placements(
     else:  # a tree or a rule: each leaf its own placement
         problems += table.finish(what, paths, "placement", others)
     problems += [*bad_placements.values(), *unmatched]
+    problems += replicas.problems(what, _placement.CONTEXT)
     return jax.tree_util.tree_unflatten(treedef, leaves), problems, spelled
 
 
@@ -338,7 +354,9 @@ def init(
         leaf, for example ``layers.0.weight``; the first match wins. ``axes`` is as
         in :func:`meshinit.param`: one logical name (or mesh axis name without
         rules) or None per dimension, or None for replicated. A placement's mesh
-        overrides ``mesh``. A placement that matches no leaf is warned about
+        overrides ``mesh``; one that replicates (None, ``P()``) where no mesh is given
+        takes the one mesh the other placements name, and with none or several is a
+        :class:`meshinit.PlanError`. A placement that matches no leaf is warned about
         (:class:`meshinit.UnusedPatternWarning`) when every leaf is matched, and named
         in the error when some leaf is not; one written for a leaf that holds no array
         (an int, None) is an error. ``meshinit.searched(rules)`` is a table matched by
@@ -348,8 +366,11 @@ def init(
         array leaf, as ``jax.eval_shape`` plus a strategy gives; every array leaf must
         have one. Or a rule: ``placements(path, shape_dtype)`` (the dot-joined path and
         the leaf's ``jax.ShapeDtypeStruct``) returning a ``NamedSharding``, a
-        ``PartitionSpec``, a tuple of axes or None. Every form is checked alike.
-      mesh: the mesh of placements that name none; defaults to ``meshinit.defaults()``.
+        ``PartitionSpec``, a tuple of axes or None. Every form is checked alike; a
+        sequence is a table where its entries are ``(regex, ...)`` tuples, else a tree
+        (a model that is a list of layers).
+      mesh: the mesh of placements that name none; defaults to the
+        ``meshinit.defaults()`` mesh, else the ``jax.set_mesh`` one.
       rules: the logical-to-mesh rule table, as in :func:`meshinit.param`.
       existing: the values of some leaves, made elsewhere: their plan paths
         (``layers.0.weight``) to arrays, flat or as a nested dict, or a Module of the
@@ -373,7 +394,8 @@ def init(
         paths that name no leaf or are given twice, or whose value is no array (PRNG
         keys, a ``ShapeDtypeStruct`` of a restore target such as
         ``eqx.filter_eval_shape``'s) or differs in shape or dtype.
-      TypeError, ValueError: ``placements`` is a str, or the key is not a single
+      TypeError, ValueError: ``placements`` is a str or a sequence that is neither a
+        table nor a tree of shardings, or the key is not a single
         sharding-invariant key.
 
     Examples:

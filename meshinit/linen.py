@@ -34,6 +34,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from . import _paths
 from ._adapters import common as _adapters
 from ._adapters import linen_meta as _linen_meta
+from ._adapters import placement as _placement
 from ._adapters import placements as _placements
 from ._engine import entry as _engine
 from ._errors import PlanError, Problem
@@ -203,28 +204,37 @@ def _prepare(
         warnings.warn(notes[0], stacklevel=3)
     flat, treedef = found[0]
     avals = iter(traced.out_avals)
-    specs, outputs_of, count = [], {}, 0
-    placed: dict[str, bool] = {}
-    lengths: dict[str, int] = {}
+    outputs_of: dict[str, int] = {}
+    leaves: list[tuple[str, Any]] = []
     for keypath, leaf in flat:
         path = _paths.path_str(keypath)
-        value = _linen_meta.value_of(leaf)
-        if isinstance(value, jax.Array):
+        if isinstance(_linen_meta.value_of(leaf), jax.Array):
             leaf = _abstract(leaf, next(avals))
-            outputs_of[path] = count
-            count += 1
+            outputs_of[path] = len(outputs_of)
+        leaves.append((path, leaf))
+    # every path matched first: a replicated placement without a mesh takes the one
+    # mesh the others name
+    matched = {p: table.match(p, _linen_meta.value_of(x)) if table else None for p, x in leaves}
+    replicas = _placement.Replicas(matched.values())
+    specs = []
+    placed: dict[str, bool] = {}
+    lengths: dict[str, int] = {}
+    for path, leaf in leaves:
         # A meshes= match wins over every other mesh; an unannotated variable it
         # matches is replicated there (or laid out as default= says).
         override = next((m for pattern, m in patterns if pattern.fullmatch(path)), None)
-        entry = table.match(path, _linen_meta.value_of(leaf)) if table else None
+        entry = matched[path]
         if entry is not None:
             spec = None  # a broken entry is said once, for itself
             if not entry.broken:
-                spec = _linen_meta.placed_spec(path, leaf, entry, mesh, rules, override, problems)
+                spec = _linen_meta.placed_spec(
+                    path, leaf, entry, mesh, rules, override, problems, replicas
+                )
             specs.append(spec)
             if spec is not None:
                 own = isinstance(leaf, meta.Partitioned) and leaf.mesh is not None
-                placed[path] = entry.mesh is not None or override is not None or own
+                named = entry.mesh is not None or override is not None or own
+                placed[path] = named or path in replicas.given
                 lengths[path] = entry.spelled
             continue
         if table.lacks(path):  # a tree without it: said once, by the tree
@@ -242,6 +252,7 @@ def _prepare(
     names = [_paths.path_str(k) for k, _ in flat]
     _adapters.warn_idle_meshes(what, patterns, names)
     problems += table.finish(what, names, "annotation")
+    problems += replicas.problems(what, _placement.CONTEXT)
     plan = _planner.build_plan(
         jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
     )
@@ -358,7 +369,7 @@ def init(
         values (so they must be fully addressable); a ``jax.ShapeDtypeStruct``
         stands for zeros of its shape and allocates nothing outside the trace;
         other values stay static.
-      mesh: the mesh of annotations that name none.
+      mesh: the mesh of annotations and placements that name none.
       rules: ``(logical_name, mesh_axes)`` pairs, as in flax linen and MaxText, for
         ``nn.with_logical_partitioning`` annotations that carry no rules.
       default: where variables without an annotation go. None (the default) makes
@@ -381,7 +392,10 @@ def init(
         (replicated), a ``jax.sharding.PartitionSpec`` (mesh axes, padded with None to
         the rank), or one entry per dimension: logical names where rules are in effect
         (``rules``, or an active ``nn.logical_axis_rules``), else mesh axes. The mesh is
-        a ``meshes`` match, else the placement's, else ``mesh``, else the context mesh.
+        a ``meshes`` match, else the placement's, else ``mesh``, else the context mesh
+        (``meshinit.defaults(mesh=...)``, then ``jax.set_mesh``), else the box's own;
+        a placement that replicates (None, ``P()``) and finds none takes the one mesh
+        the other placements name, and with none or several is a ``PlanError``.
         An entry that matches no variable is warned about
         (:class:`meshinit.UnusedPatternWarning`). ``meshinit.searched(rules)`` is a
         table matched by ``re.search`` on ``/``-joined paths (EasyDeL's rules,

@@ -243,22 +243,27 @@ def init(
         t5x's): ordered ``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex, axes,
         mesh, memory_kind)``, as :func:`meshinit.eqx.init` takes them. Each regex is
         full-matched against a Variable's dot-joined path (``layers.0.attn.q.kernel``);
-        the first match wins and overrides the Variable's own sharding metadata,
-        which then says what was placed (``out_sharding``, ``mesh``, and
-        ``logical_axes`` for logical names), so ``nnx.get_partition_spec`` reports
-        it. ``axes``: None (replicated), a ``jax.sharding.PartitionSpec`` (mesh axes,
-        padded with None to the rank, as jax pads it), or one entry per dimension:
-        logical names where rules are in effect (``rules``, or flax's context rules),
-        else mesh axes. A placement's mesh comes after a ``meshes`` match and before
-        ``mesh``. A Variable no entry matches keeps its metadata; an entry that matches
-        no Variable is warned about (:class:`meshinit.UnusedPatternWarning`), one for
-        a Variable holding no array (an int, None) is an error. Also: EasyDeL's rules
-        as ``meshinit.searched(rules)``; a tree of a ``PartitionSpec``,
-        ``NamedSharding`` or None per Variable (``nnx.get_partition_spec(state)``, an
-        ``nnx.State`` or pure dict, no path missing or extra); or a rule
+        the first match wins and overrides the Variable's own sharding metadata, which
+        then says what was placed (``out_sharding``, ``mesh``, and ``logical_axes`` for
+        logical names), so ``nnx.get_partition_spec`` reports it. ``axes``: None
+        (replicated), a ``jax.sharding.PartitionSpec`` (mesh axes, padded with None to
+        the rank, as jax pads it), or one entry per dimension: logical names where rules
+        are in effect (``rules``, or flax's context rules), else mesh axes. A
+        placement's mesh comes after a ``meshes`` match and before ``mesh``, then the
+        context mesh (``meshinit.defaults(mesh=...)``, then ``jax.set_mesh``) and the
+        Variable's own; a placement that replicates (None, ``P()``) and finds none takes
+        the one mesh the other placements name, and with none or several is a
+        ``PlanError`` naming the paths. A Variable no entry matches keeps its metadata;
+        an entry that matches no Variable is warned about
+        (:class:`meshinit.UnusedPatternWarning`), one for a Variable holding no array
+        (an int, None) is an error. Also: EasyDeL's rules as
+        ``meshinit.searched(rules)``; a tree of a ``PartitionSpec``, ``NamedSharding``
+        or None per Variable (``nnx.get_partition_spec(state)``, an ``nnx.State`` or
+        pure dict, a list for an ``nnx.List``, no path missing or extra); or a rule
         ``(path, shape_dtype) -> axes or NamedSharding``. All are checked alike.
       mesh: the mesh of placements that name none, and of Variables whose metadata
-        names none; without it, the ``jax.set_mesh`` context mesh.
+        names none; without it, the ``jax.set_mesh`` context mesh (for placements,
+        the ``meshinit.defaults(mesh=...)`` one first).
       meshes: ordered ``(regex, mesh)`` pairs. The first regex that full-matches a
         Variable's path puts it on that mesh, overriding its ``mesh=`` metadata and
         the context mesh: how existing code is split into pipeline stages unchanged.

@@ -29,6 +29,12 @@ def mesh8(explicit=True):
     return jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(kind, kind))
 
 
+def default_device_mesh():
+    """A mesh with no axes over the default device: where nnx.init puts a Variable
+    without sharding when no mesh is given."""
+    return jax.sharding.Mesh(np.array(jax.devices()[0]), ())
+
+
 def flat(module) -> dict:
     """``path -> value`` of every Variable of ``module``."""
     return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(module))}
@@ -234,7 +240,9 @@ def test_plans_show_typed_keys_as_init_makes_them(where):
         "one device": jax.make_mesh((1, 1), ("fsdp", "tp")),
     }
     mesh = meshes[where]
-    table = [(r".*kernel", None)] if mesh is None else None  # without a mesh: replicated
+    # without a mesh: the kernels replicated on the default device, named as the mesh
+    # (a placement that replicates without any mesh is refused)
+    table = [(r".*kernel", None, default_device_mesh())] if mesh is None else None
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         plan = meshinit.nnx.plan(scanned, placements=table)
         abstract = meshinit.nnx.abstract(scanned, placements=table)

@@ -562,3 +562,43 @@ def test_eqx_takes_partitionspecs_as_mesh_axes_spelled_as_given():
     assert layer.weight.sharding == NamedSharding(mesh, P("tp"))  # as jax spells it
     assert layer.bias.sharding == NamedSharding(mesh, P())
     same_bits(layer.weight, eqx.nn.Linear(32, 16, key=jax.random.key(0)).weight, "weight")
+
+
+# ---------------------------------------- placements that name no mesh, in every adapter
+
+
+def test_a_replicating_entry_without_a_mesh_takes_the_one_mesh_the_table_names():
+    mesh = mesh8()
+    # every sharding entry names the mesh; the catch-all replicates and names none
+    nnx_table = [(r, axes, mesh) for r, axes in TABLE[:-1]] + [TABLE[-1]]  # P(None)
+    check_nnx(meshinit.nnx.init(model, placements=nnx_table), lambda _: mesh)
+    linen_table = [(r, axes, mesh) for r, axes in LINEN_TABLE[:-1]] + [LINEN_TABLE[-1]]
+    variables = meshinit.linen.init(
+        LinenModel(), jax.random.key(0), TOKENS, rules=RULES, placements=linen_table
+    )
+    check_linen(variables, lambda _: mesh)
+    # the box of a replicated variable names the mesh it took, as the others' do
+    assert linen_paths(variables)["params.layers_0.norm.scale"].mesh == mesh
+    layer = meshinit.eqx.init(
+        lambda k: eqx.nn.Linear(32, 16, key=k), 0, [(r"weight", P("tp"), mesh), (r"bias", None)]
+    )
+    assert layer.bias.sharding == NamedSharding(mesh, P())
+
+
+def test_every_adapter_takes_the_same_context_meshes_for_placements_that_name_none():
+    mesh = mesh8()
+    # meshinit.defaults(mesh=...) for nnx and linen, as eqx takes it
+    with meshinit.defaults(mesh=mesh):
+        module = meshinit.nnx.init(model, placements=TABLE)
+        variables = meshinit.linen.init(
+            LinenModel(), jax.random.key(0), TOKENS, rules=RULES, placements=LINEN_TABLE
+        )
+    check_nnx(module, lambda _: mesh)
+    check_linen(variables, lambda _: mesh)
+    # jax.set_mesh for eqx, as nnx and linen take it
+    with jax.set_mesh(mesh):
+        layer = meshinit.eqx.init(
+            lambda k: eqx.nn.Linear(32, 16, key=k), 0, [(r"weight", P("tp")), (r"bias", None)]
+        )
+    assert layer.weight.sharding == NamedSharding(mesh, P("tp"))
+    assert layer.bias.sharding == NamedSharding(mesh, P())

@@ -16,12 +16,23 @@ from .._errors import PlanError, Problem
 from .._patterns import Searched, compile_regex, idle_patterns, pattern_name, warn_idle
 from .._plan.plan import MeshGroup, Plan
 from .._run.checks import Duplicate
+from .._spec.spec import mesh_default
 
 
 def context_mesh() -> Mesh | None:
     """The ``jax.set_mesh`` context mesh, or None when none is set."""
     mesh = jax.sharding.get_mesh()
     return None if mesh is None or mesh.empty else mesh
+
+
+def placement_mesh(mesh: Mesh | AbstractMesh | None) -> Mesh | AbstractMesh | None:
+    """The mesh of a ``placements=`` entry that names none: the call's ``mesh=``, else
+    the ``meshinit.defaults(mesh=...)`` one, else the ``jax.set_mesh`` context mesh; the
+    same in every adapter. None where there is none."""
+    if mesh is not None:
+        return mesh
+    found = mesh_default()
+    return found if found is not None else context_mesh()
 
 
 def default_mesh() -> Mesh:

@@ -23,7 +23,7 @@ from .._errors import Problem
 from .._run import materialize as _materialize
 from .._spec.spec import ParamSpec, memory_kind_default, replicated_default
 from . import common as _adapters
-from .placement import not_an_array
+from .placement import Replicas, not_an_array
 from .placements import Parsed
 
 
@@ -178,19 +178,22 @@ def placed_spec(
     rules: Any,
     override: Any,
     problems: list[Problem],
+    replicas: Replicas,
 ) -> ParamSpec | None:
     """The spec of a variable that a ``placements=`` entry matches, boxed or not.
 
     The entry's axes replace the box's names: logical names resolve through ``rules``
     (else an active ``nn.logical_axis_rules``, else the box's own rules), a
     PartitionSpec names mesh axes. The mesh is ``override`` (a ``meshes=`` match), else
-    the entry's, else ``mesh``, else the context mesh, else the box's own.
+    the entry's, else ``mesh``, else the context mesh (``meshinit.defaults``,
+    ``jax.set_mesh``), else the box's own, else, where the entry replicates it, the one
+    mesh the placements name (``replicas``, which refuses it where that is not clear).
     """
     value = _placeable(path, leaf, problems, placement.name)
     if value is None:
         return None
     own = leaf.mesh if isinstance(leaf, meta.Partitioned) else None
-    candidates = (override, placement.mesh, mesh, _adapters.context_mesh(), own)
+    candidates = (override, placement.mesh, _adapters.placement_mesh(mesh), own)
     where = next((m for m in candidates if m is not None), None)
     axes = placement.axes_for(len(value.shape))
     table = rules if rules is not None else (nn.get_logical_axis_rules() or None)
@@ -200,7 +203,9 @@ def placed_spec(
         if placement.shards(axes):
             problems.append(placement.no_mesh(path, "meshinit.linen.init"))
             return None
-        where = _adapters.default_mesh()
+        where = replicas.mesh_for(path, placement)
+        if where is None:
+            return None  # said once, for the placement, by replicas.problems
     memory_kind = placement.memory_kind
     try:
         return ParamSpec(

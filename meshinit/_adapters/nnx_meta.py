@@ -27,7 +27,7 @@ from .._run.checks import Refused
 from .._spec import rules as _rules
 from .._spec.spec import ParamSpec, key_spec, memory_kind_default, replicated_default
 from . import common as _adapters
-from .placement import Parsed, Placements
+from .placement import Parsed, Placements, Replicas
 
 
 def is_key(value: Any) -> bool:
@@ -146,8 +146,9 @@ def spec_for(
     problems: list[Problem],
     path: str,
     meshes: Sequence[tuple[re.Pattern[str], Any]],
-    mesh: Mesh | AbstractMesh | None = None,
-    placement: Parsed | None = None,
+    mesh: Mesh | AbstractMesh | None,
+    placement: Parsed | None,
+    replicas: Replicas,
 ) -> ParamSpec | None:
     """Translates flax's sharding metadata into a spec whose axes are mesh axes.
 
@@ -161,7 +162,8 @@ def spec_for(
 
     A ``placement`` (the first ``placements=`` entry that matches ``path``) overrides
     the metadata: its axes, and its mesh (else ``mesh``, else the context mesh, else
-    the Variable's own), unless a ``meshes`` pattern matches; :func:`placed_spec`.
+    the Variable's own, else for a replicated one the mesh of ``replicas``), unless a
+    ``meshes`` pattern matches; :func:`placed_spec`.
     """
     shape, dtype = value.shape, value.dtype
     if is_key(value):  # keys travel as their uint32 data; rewrapped after placement
@@ -172,7 +174,9 @@ def spec_for(
     if placement is not None:
         if placement.broken:
             return None  # said once, for the placement
-        return placed_spec(var, value, (shape, dtype), problems, path, override, mesh, placement)
+        return placed_spec(
+            var, value, (shape, dtype), problems, path, override, mesh, placement, replicas
+        )
     mesh = override if override is not None else _own_mesh(meta) or mesh
     if mesh is None:
         mesh = _adapters.context_mesh()
@@ -239,13 +243,16 @@ def placed_spec(
     override: Mesh | AbstractMesh | None,
     mesh: Mesh | AbstractMesh | None,
     placement: Parsed,
+    replicas: Replicas,
 ) -> ParamSpec | None:
     """The spec of a Variable that a ``placements=`` entry matches.
 
     The entry's axes replace the metadata's: logical names resolve through the rules
     in effect (the call's ``rules=`` or flax's context rules), a PartitionSpec names
     mesh axes. The mesh is the matching ``meshes`` one, else the entry's, else
-    ``mesh``, else the context mesh, else the Variable's own. ``planned`` is the
+    ``mesh``, else the context mesh (``meshinit.defaults``, ``jax.set_mesh``), else the
+    Variable's own, else, where the entry replicates it, the one mesh the placements
+    name (``replicas``, which refuses it where that is not clear). ``planned`` is the
     planned shape and dtype (a typed key's data: its extra dimension is replicated).
     """
     shape, dtype = planned
@@ -253,7 +260,7 @@ def placed_spec(
     where = next(
         (
             m
-            for m in (override, placement.mesh, mesh, _adapters.context_mesh(), _own_mesh(meta))
+            for m in (override, placement.mesh, _adapters.placement_mesh(mesh), _own_mesh(meta))
             if m is not None
         ),
         None,
@@ -272,7 +279,9 @@ def placed_spec(
         if placement.shards(axes):
             problems.append(placement.no_mesh(path, "the call"))
             return None
-        where = _adapters.default_mesh()
+        where = replicas.mesh_for(path, placement)
+        if where is None:
+            return None  # said once, for the placement, by replicas.problems
     meant = tuple(where.axis_names) if isinstance(var, nnx.RngState) or not shape else ()
     memory_kind = placement.memory_kind
     if memory_kind is None:

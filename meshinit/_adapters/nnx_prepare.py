@@ -21,6 +21,7 @@ from .._spec import rules as _rules
 from .._spec.spec import ParamSpec
 from . import common as _adapters
 from . import nnx_meta as _nnx_meta
+from . import placement as _placement
 from . import placements as _placements
 
 
@@ -148,13 +149,20 @@ def prepare_here(
     placed: dict[tuple[Any, ...], int] = {}  # path -> entries the placement spells
     by_path = dict(flat)
     problems += _nnx_meta.unholdable_problems(flat, table)
+    structs = {
+        p: keys[p][0] if p in keys else jax.ShapeDtypeStruct(avals[p].shape, avals[p].dtype)
+        for p in paths
+    }
+    # every path matched first: a replicated placement without a mesh takes the one
+    # mesh the others name
+    matched = {p: table.match(dotted(p), structs[p]) if table else None for p in paths}
+    replicas = _placement.Replicas(matched.values())
     for p in paths:
-        struct = keys[p][0] if p in keys else jax.ShapeDtypeStruct(avals[p].shape, avals[p].dtype)
-        placement = table.match(dotted(p), struct) if table else None
+        placement = matched[p]
         if _nnx_meta.left_as_is(by_path[p], placement):
             continue  # numpy that flax leaves as it is: so does meshinit
         spec = _nnx_meta.spec_for(
-            by_path[p], struct, problems, dotted(p), patterns, mesh, placement
+            by_path[p], structs[p], problems, dotted(p), patterns, mesh, placement, replicas
         )
         if spec is not None:
             specs[p] = spec
@@ -166,6 +174,7 @@ def prepare_here(
     _adapters.warn_idle_meshes(what, patterns, names)
     others = [(dotted(p), v.get_value()) for p, v in flat if p not in avals]  # int, None
     problems += table.finish(what, names, "metadata", others)
+    problems += replicas.problems(what, _placement.CONTEXT)
     plan = _planner.build_plan(nest(specs), check_inits=False, problems=problems)
     # flax's spelling (nnx.get_named_sharding of the abstract state), so == holds: as
     # many entries as the annotation has, and P() for a Variable without one. Typed

@@ -15,11 +15,15 @@ from typing import Any
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from .._errors import Problem
+from .._format import describe_mesh, some
 
 AXES = (
     "None, a jax.sharding.PartitionSpec, or a tuple with one entry per "
     "dimension (a name, a tuple of names, or None)"
 )
+
+CONTEXT = "call under meshinit.defaults(mesh=...) or jax.set_mesh"
+"""How messages name the context meshes of a placement that names no mesh."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +66,8 @@ class Parsed:
         """The problem of ``path``, which this entry shards, having no mesh."""
         return Problem(
             path,
-            f"{self.name} shards it but there is no mesh: pass mesh= to {call}, call under "
-            f"jax.set_mesh, or {self.own_mesh}",
+            f"{self.name} shards it but there is no mesh: pass mesh= to {call}, {CONTEXT}, "
+            f"or {self.own_mesh}",
         )
 
     @property
@@ -71,6 +75,56 @@ class Parsed:
         """How many entries the framework spells the placed spec with: as many as given
         (``P()`` for None, as flax spells a Variable without sharding)."""
         return 0 if self.axes is None else len(self.axes)
+
+
+class Replicas:
+    """Where the variables go that a placement replicates (None, ``P()``) without
+    naming a mesh, when the call names none either (no ``mesh=``, no context mesh, no
+    mesh of the variable's own): on the one mesh the placements name (a rule's other
+    answers, a tree's ``NamedSharding`` s, a table's meshes), as flax replicates a
+    variable without sharding on the model's mesh. Where they name none, or several,
+    which mesh is not clear: the variables are refused, one problem per placement,
+    never left on one device beside a model on many.
+
+    Args:
+      placed: the placement of every path (None where none matched).
+    """
+
+    def __init__(self, placed: Iterable[Parsed | None]) -> None:
+        meshes: dict[Any, None] = {}
+        for p in placed:
+            if p is not None and not p.broken and p.mesh is not None:
+                meshes.setdefault(p.mesh, None)
+        self.meshes = tuple(meshes)
+        self.given: set[str] = set()  # the paths given the placements' mesh
+        self._refused: dict[str, tuple[Parsed, list[str]]] = {}
+
+    def mesh_for(self, path: str, placement: Parsed) -> Mesh | AbstractMesh | None:
+        """The mesh of ``path``, which ``placement`` replicates and nothing gives a mesh;
+        None where it is not clear (said by :meth:`problems`)."""
+        if len(self.meshes) == 1:
+            self.given.add(path)
+            return self.meshes[0]
+        self._refused.setdefault(placement.name, (placement, []))[1].append(path)
+        return None
+
+    def problems(self, call: str, context: str) -> list[Problem]:
+        """The variables refused, one problem per placement: the paths, why, and the
+        fixes (``mesh=`` of ``call``, the ``context`` mesh, the placement's own)."""
+        if self.meshes:
+            shown = "; ".join(describe_mesh(m) for m in self.meshes)
+            why = f"the placements name {len(self.meshes)} meshes ({shown}), so which is unclear"
+        else:
+            why = "no placement names one"
+        return [
+            Problem(
+                "",
+                f"{name}: no mesh for the {len(paths)} variable(s) it replicates "
+                f"({some(paths, 8)}), and {why}; pass mesh= to {call}, {context}, or "
+                f"{placement.own_mesh}",
+            )
+            for name, (placement, paths) in self._refused.items()
+        ]
 
 
 def not_an_array(path: str, name: str, value: Any, fix: str = "") -> Problem:
@@ -137,6 +191,12 @@ def axes_of(axes: Any) -> tuple[tuple[Any, ...] | None, str | None]:
     return entries, None
 
 
+def described(value: Any) -> str:
+    """``value`` as messages show it: its repr, led by its type's name."""
+    kind, shown = type(value).__name__, repr(value)
+    return shown if shown.startswith(kind) else f"{kind} {shown}"
+
+
 def given(name: str, value: Any, own_mesh: str) -> Parsed | str:
     """The placement of one path that a tree's leaf or a rule's answer ``value`` gives:
     a ``NamedSharding`` (its mesh, spec and memory kind), a ``PartitionSpec`` (mesh
@@ -149,11 +209,9 @@ def given(name: str, value: Any, own_mesh: str) -> Parsed | str:
         memory_kind = None if memory_kind == "device" else memory_kind
         value = value.spec
     elif not (value is None or isinstance(value, PartitionSpec | tuple | list | str)):
-        kind, shown = type(value).__name__, repr(value)
-        shown = shown if shown.startswith(kind) else f"{kind} {shown}"
         return (
-            f"got {shown}; give a jax.sharding.NamedSharding, a PartitionSpec, a tuple of "
-            f"axes or None (replicated)"
+            f"got {described(value)}; give a jax.sharding.NamedSharding, a PartitionSpec, a "
+            f"tuple of axes or None (replicated)"
         )
     axes, wrong = axes_of(value)
     if wrong:

@@ -29,7 +29,8 @@ from .placement import Parsed, Placements, given, not_an_array
 TREE = "the placements tree"
 
 
-def _spec_leaf(x: Any) -> bool:
+def spec_leaf(x: Any) -> bool:
+    """Whether ``x`` is a leaf of a tree of shardings."""
     return x is None or isinstance(x, PartitionSpec | NamedSharding)
 
 
@@ -42,7 +43,7 @@ class Tree(Placements):
     """A tree of shardings: each variable's leaf at its own path."""
 
     def __init__(self, tree: Any) -> None:
-        flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_spec_leaf)
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=spec_leaf)
         self.leaves: dict[str, Any] = {}
         for keypath, leaf in flat:
             self.leaves.setdefault(_paths.path_str(keypath), leaf)

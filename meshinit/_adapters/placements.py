@@ -29,8 +29,8 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from .. import _patterns
 from .._errors import Problem
 from .placement import Parsed as Parsed
-from .placement import Placements, axes_of, not_an_array
-from .placement_forms import Rule, Tree
+from .placement import Placements, axes_of, described, not_an_array
+from .placement_forms import Rule, Tree, spec_leaf
 
 Placement = tuple[Any, ...]
 """``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex, axes, mesh, memory_kind)``."""
@@ -163,7 +163,8 @@ class Table(Placements):
 
 def parse(placements: Any) -> tuple[Placements, list[Problem]]:
     """The placements of ``placements`` (None: an empty table), in any form, and every
-    malformed entry.
+    malformed entry. A sequence is a table where an entry is led by a regex, else a
+    tree of shardings (the spec tree of a model that is a list of layers).
 
     Raises:
       TypeError: ``placements`` is none of the forms.
@@ -178,10 +179,47 @@ def parse(placements: Any) -> tuple[Placements, list[Problem]]:
             f"tree of shardings or a callable; got {type(placements).__name__}"
         )
     if isinstance(placements, Sequence):
+        if _is_tree(placements):  # a model that is a list of layers: its tree is a list
+            return Tree(placements), []
         return _table(placements, None)
     if callable(placements) and _is_leaf(placements):
         return Rule(placements), []
     return Tree(placements), []
+
+
+def _is_table_entry(entry: Any) -> bool:
+    """Whether ``entry`` is meant as a table's entry: a sequence led by a regex (or a
+    bare regex, an entry not wrapped in its tuple), well formed or not."""
+    if isinstance(entry, str | bytes | re.Pattern):
+        return True
+    return (
+        isinstance(entry, tuple | list)
+        and bool(entry)
+        and isinstance(entry[0], str | bytes | re.Pattern)
+    )
+
+
+def _is_tree(placements: Sequence[Any]) -> bool:
+    """Whether a sequence is a tree of shardings (the spec tree of a model that is a
+    list or tuple), not a table: no entry is led by a regex, and its leaves hold a
+    sharding. A sequence that is neither is refused, naming both forms.
+
+    Raises:
+      TypeError: ``placements`` is neither a table nor a tree of shardings.
+    """
+    if not placements or any(_is_table_entry(e) for e in placements):
+        return False
+    flat = jax.tree_util.tree_flatten_with_path(placements, is_leaf=spec_leaf)[0]
+    if any(spec_leaf(leaf) for _, leaf in flat):
+        return True
+    keypath, leaf = flat[0] if flat else ((), placements[0])
+    raise TypeError(
+        f"placements is a {type(placements).__name__} of neither table entries nor "
+        f"shardings: a table is an ordered sequence of {_FORMS} tuples (first match wins); "
+        f"a tree of shardings has the model's structure with a NamedSharding, "
+        f"PartitionSpec or None per array; this one holds {described(leaf)} at "
+        f"placements{jax.tree_util.keystr(keypath) or '[0]'}"
+    )
 
 
 def _is_leaf(value: Any) -> bool:

@@ -354,6 +354,11 @@ def replicated_default() -> tuple[str, ...]:
     return _DEFAULTS.get().replicated
 
 
+def mesh_default() -> Mesh | AbstractMesh | None:
+    """The ``mesh`` of the innermost :func:`defaults` (the adapters' specs)."""
+    return _DEFAULTS.get().mesh
+
+
 def memory_kind_default() -> str | None:
     """The ``memory_kind`` of the innermost :func:`defaults` (the adapters' specs)."""
     return _DEFAULTS.get().memory_kind
