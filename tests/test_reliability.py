@@ -681,19 +681,21 @@ def test_every_cache_in_the_package_is_registered():
     import meshinit as package
     from meshinit import _caches
 
+    modules = [  # every module imported first: a lazily imported one registers late
+        importlib.import_module(info.name)
+        for info in pkgutil.walk_packages(package.__path__, "meshinit.")  # stages too
+        if info.name != "meshinit.__main__"  # runs the command line
+    ]
     registered = {id(c) for _, c in _caches.registered()}
     missing = []
     seen = 0
-    for info in pkgutil.walk_packages(package.__path__, "meshinit."):  # the stage packages too
-        if info.name == "meshinit.__main__":  # runs the command line
-            continue
-        module = importlib.import_module(info.name)
+    for module in modules:
         seen += 1
         for name, value in vars(module).items():
             cache_like = isinstance(
                 value, _caches.LRUCache | weakref.WeakKeyDictionary | functools._lru_cache_wrapper
             )
             if cache_like and id(value) not in registered:
-                missing.append(f"{info.name}.{name}")
+                missing.append(f"{module.__name__}.{name}")
     assert missing == []
     assert seen >= 40  # every module of the package, in its stage packages too

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import ast
 import difflib
-import functools
 import importlib.util
 import pathlib
 from collections.abc import Mapping
 from typing import Any
+
+from .. import _caches
 
 STORE_KEYS = ("config", "client_options", "retry_config", "credential_provider")
 """Keyword arguments of obstore's bucket stores beside their configuration keys."""
@@ -43,7 +44,7 @@ def split(url: str) -> tuple[str, str, str]:
     return scheme.lower(), bucket, key
 
 
-@functools.cache
+@_caches.memo(16)
 def _declared(stub: str, name: str) -> frozenset[str]:
     """The keys of the TypedDict ``name`` in obstore's stub ``_store/<stub>`` (empty
     where the stub cannot be read: then only obstore itself judges)."""
