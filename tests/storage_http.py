@@ -347,7 +347,7 @@ class Server:
             httpd.daemon_threads = True
             httpd.owner = self  # type: ignore[attr-defined]
             httpd.tls = tls
-            threading.Thread(target=httpd.serve_forever, daemon=True).start()
+            threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
             self._httpds.append(httpd)
 
     @property
