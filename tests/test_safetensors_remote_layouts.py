@@ -216,11 +216,16 @@ def differs(got, want):
     )
 
 
+SLACK = 4096
+"""Bytes a load may fetch past its share whatever the share (a 0-d tensor owns 4)."""
+
+
 def assert_loads_as_local(store, plan, files, want, *, names=None, sent_at_most=1.1, **kw):
     """``load`` from ``store`` equals the local load of the same files and ``want``
     (numpy's values), in every addressable shard, bit for bit, on the planned sharding;
-    the object bytes sent are at most ``sent_at_most`` times those owned; every URL was
-    requested as written. Returns the remote arrays."""
+    the object bytes sent are at most ``sent_at_most`` times those owned (one process
+    owns every block here: each byte fetched once, give or take :data:`SLACK`); every
+    URL was requested as written. Returns the remote arrays."""
     where, options = store.publish(files)
     remote = st.load(plan, where, names=names, storage_options=options, **kw)
     local = st.load(plan, store.local, names=names)
@@ -244,7 +249,7 @@ def assert_loads_as_local(store, plan, files, want, *, names=None, sent_at_most=
         + "\n".join(problems[:12])
     )
     sent, mine = store.data_sent(), owned(remote)
-    assert sent <= sent_at_most * mine, (
+    assert sent <= sent_at_most * mine + SLACK, (
         f"{store.kind}: the server sent {sent} bytes of data for {mine} owned "
         f"({sent / mine:.2f}x, at most {sent_at_most}x expected)"
     )
@@ -402,7 +407,7 @@ def test_a_long_tensor_split_by_columns_is_fetched_about_once(store, budget):
     files = {"model.safetensors": aligned(saved({"w": w}), ["w"])}
     plan = plan_of({"w": (w.shape, "1d", (None, "d"))})
     kw = {"max_inflight_bytes": w.nbytes // 2} if budget == "half" else {}
-    assert_loads_as_local(store, plan, files, {"w": w}, sent_at_most=1.1, **kw)
+    assert_loads_as_local(store, plan, files, {"w": w}, **kw)  # within 1.1x (8x once)
 
 
 # ------------------------------------------------- many objects
