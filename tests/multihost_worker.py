@@ -226,8 +226,12 @@ def check_remote(plan: meshinit.Plan, reference: Any, url: str) -> tuple[list[st
         if event == _read.BYTES_READ:
             reported.append(value)
 
-    jax.monitoring.register_scalar_listener(on)
-    loaded = st.load(plan, url, names=names)
+    jax.monitoring.register_scalar_listener(on)  # until its own loads are done
+    try:
+        loaded = st.load(plan, url, names=names)
+    except BaseException:
+        jax.monitoring.unregister_scalar_listener(on)
+        raise
     failures, owned, blocks = [], 0, set()
     for path, array in loaded.items():
         want = np.asarray(reference[f"single-0-{path}"])
@@ -245,7 +249,77 @@ def check_remote(plan: meshinit.Plan, reference: Any, url: str) -> tuple[list[st
         absent = "returned"
     except (meshinit.PlanError, meshinit.PeerFailure) as e:
         absent = type(e).__name__
+    finally:
+        jax.monitoring.unregister_scalar_listener(on)
     return failures, {"fetched": reported, "owned": owned, "absent": absent}
+
+
+# Issue 48: blocks jax's CPU client may use in place (whole rows, a whole tensor) at
+# 64-byte-aligned offsets of the object, on a 1-D mesh over both processes' devices.
+REMOTE_LAYOUTS = {
+    "rows": ((1024, 256), ("d", None)),  # 128 whole rows (128 KiB) a device
+    "replicated": ((256, 256), (None, None)),  # 256 KiB on every device
+}
+
+
+def check_remote_layouts(url: str, reference: Any, local: str) -> tuple[list[str], dict]:
+    """``REMOTE_LAYOUTS`` from S3: every addressable shard against the single-process
+    values and the local load of the same file (``local``), bit for bit; the bytes this
+    process reports it fetched against those of its own distinct blocks. Shards that
+    differ are reported (``wrong``), not failed, so that the test names them."""
+    from meshinit import safetensors as st
+    from meshinit._load import read as _read
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    zeros = jax.nn.initializers.zeros
+    plan = meshinit.plan(
+        {
+            name: meshinit.param(shape, zeros, axes=axes, mesh=mesh)
+            for name, (shape, axes) in REMOTE_LAYOUTS.items()
+        }
+    )
+    reported: list[float] = []
+
+    def on(event: str, value: float, **kwargs: Any) -> None:
+        if event == _read.BYTES_READ:
+            reported.append(value)
+
+    jax.monitoring.register_scalar_listener(on)
+    try:
+        loaded = st.load(plan, url)
+    finally:
+        jax.monitoring.unregister_scalar_listener(on)
+    here = st.load(plan, local)
+    me = jax.process_index()
+    failures, wrong, owned, blocks = [], [], 0, set()
+    shards = dict.fromkeys(REMOTE_LAYOUTS, 0)
+    for entry in plan.entries:
+        array = loaded[entry.path]
+        if array.sharding != entry.sharding:
+            failures.append(f"process {me}, remote {entry.path}: on {array.sharding}")
+        want = np.asarray(reference[f"layouts-{entry.path}"])
+        local_shards = {s.device: np.asarray(s.data) for s in here[entry.path].addressable_shards}
+        for s in array.addressable_shards:
+            got, expected = np.asarray(s.data), want[s.index]
+            if (
+                got.tobytes() != expected.tobytes()
+                or got.tobytes() != local_shards[s.device].tobytes()
+            ):
+                bad = got != expected
+                rows = f"{s.index[0].start or 0}:{s.index[0].stop or want.shape[0]}"
+                wrong.append(
+                    f"process {me}, {entry.path}[{rows}, :] on device {s.device.id}: "
+                    f"{int(bad.sum())} of {bad.size} elements differ from the single-process "
+                    f"values ({int((got[bad] == 0).sum())} of them 0.0)"
+                )
+            shards[entry.path] += 1
+            block = (entry.path, tuple((i.start, i.stop) for i in s.index))
+            owned += 0 if block in blocks else s.data.nbytes
+            blocks.add(block)
+    for array in [*loaded.values(), *here.values()]:
+        array.delete()
+    found = {"fetched": reported, "owned": owned, "shards": shards, "wrong": wrong}
+    return failures, found
 
 
 STACKED = ("global_auto", "stage0", "stage1")  # the stored w's, as layers (issue 41)
@@ -508,6 +582,10 @@ def main(process_id: int, port: int, reference_path: str) -> int:
     failures += found
     if url := os.environ.get("MESHINIT_TEST_S3_URL"):
         found, counts["remote"] = check_remote(plan, reference, url)
+        failures += found
+    if url := os.environ.get("MESHINIT_TEST_S3_LAYOUTS_URL"):
+        local = os.path.join(os.path.dirname(reference_path), "layouts.safetensors")
+        found, counts["remote_layouts"] = check_remote_layouts(url, reference, local)
         failures += found
     found, counts["nnx"] = check_nnx(named, reference)
     failures += found

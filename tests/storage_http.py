@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -27,7 +28,8 @@ class Served:
     served folder on the file server) for object reads, else the URL path; ``sent`` the
     body bytes written (headers not counted; a dropped answer counts what went out,
     and a client that went away what reached the socket);
-    ``range`` the half-open byte range a 206 answer carried.
+    ``range`` the half-open byte range a 206 answer carried; ``target`` the request's
+    target as the client sent it (path and query, not decoded: a doubled slash shows).
     """
 
     method: str
@@ -35,6 +37,7 @@ class Served:
     status: int
     sent: int
     range: tuple[int, int] | None = None
+    target: str | None = None
 
 
 class Counters:
@@ -170,7 +173,7 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self):
         try:
             super().handle_one_request()
-        except (ConnectionError, TimeoutError):
+        except (ConnectionError, TimeoutError, ssl.SSLError):
             self.close_connection = True
 
     def do_GET(self):
@@ -229,7 +232,7 @@ class Handler(BaseHTTPRequestHandler):
         # counted; a write that fails corrects the count.
         keep = 0 if method == "HEAD" else keep
         ranged = span if status == 206 else None
-        at = self.owner.counters.record(Served(method, path, status, keep, ranged))
+        at = self.owner.counters.record(Served(method, path, status, keep, ranged, self.path))
         sent = 0
         try:
             self.send_response(status)
@@ -334,18 +337,29 @@ class _HTTPServer(ThreadingHTTPServer):
     # socketserver's default backlog of 5 drops the SYNs of a client that opens 10 or
     # more connections at once, and each dropped one costs the client a second
     request_queue_size = 128
+    tls: ssl.SSLContext | None = None
+
+    def finish_request(self, request, client_address):
+        if self.tls is not None:  # the handshake in the request's own thread
+            try:
+                request = self.tls.wrap_socket(request, server_side=True)
+            except (ssl.SSLError, ConnectionError, TimeoutError):
+                return  # a client that refuses the certificate: nothing to answer
+        super().finish_request(request, client_address)
 
 
 class Server:
     """A ``Handler`` subclass served on 127.0.0.1 (a free port) from a background
-    thread, with its :class:`Counters` and faults; a context manager."""
+    thread, with its :class:`Counters` and faults; a context manager. With ``tls``
+    (a server-side ``ssl.SSLContext``) it speaks HTTPS."""
 
     handler: type[Handler] = Handler
     latency = 0.0
     """Seconds each answer waits before its first byte (an object store's time to
     first byte is tens of milliseconds; localhost's is well under one)."""
 
-    def __init__(self, *, ports: int = 1) -> None:
+    def __init__(self, *, ports: int = 1, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
         self.counters = Counters()
         self.faults: list[Fault] = []
         self._fault_lock = threading.Lock()
@@ -354,17 +368,19 @@ class Server:
             httpd = _HTTPServer(("127.0.0.1", 0), self.handler)
             httpd.daemon_threads = True
             httpd.owner = self  # type: ignore[attr-defined]
-            threading.Thread(target=httpd.serve_forever, daemon=True).start()
+            httpd.tls = tls
+            threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
             self._httpds.append(httpd)
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:PORT``, no trailing slash."""
+        """``http://127.0.0.1:PORT`` (``https://`` with ``tls``), no trailing slash."""
         return self.urls[0]
 
     @property
     def urls(self) -> list[str]:
-        return [f"http://{h.server_address[0]}:{h.server_address[1]}" for h in self._httpds]
+        scheme = "https" if self.tls is not None else "http"
+        return [f"{scheme}://{h.server_address[0]}:{h.server_address[1]}" for h in self._httpds]
 
     def stop(self) -> None:
         for httpd in self._httpds:

@@ -12,6 +12,9 @@ by their names, ``s3_server`` and ``file_server``)::
   and its environment (``AWS_ENDPOINT_URL``, fake keys, ...) set for each test.
 - ``file_server``: a :class:`FileServer` over a fresh folder (``file_server.root``) per
   test, ``HF_ENDPOINT`` set to it.
+- ``https_server``: the same over HTTPS, its certificate signed by a test authority
+  that ``SSL_CERT_FILE`` names for the test (what obstore's client trusts then).
+- ``gcs``: the ``s3_server`` as GCS's XML API for ``gs://`` (:meth:`S3Server.gcs_env`).
 
 huggingface_hub reads ``HF_ENDPOINT`` once, when imported: in-process clients get it as
 ``HfFileSystem(endpoint=file_server.url)`` (:meth:`FileServer.hf_options`).
@@ -25,10 +28,12 @@ import json
 import logging
 import os
 import re
+import ssl
 import threading
 import urllib.parse
 import uuid
 from pathlib import Path
+from typing import Any
 from xml.sax.saxutils import escape
 
 import pytest
@@ -154,6 +159,9 @@ class FileServer(Server):
     ``RepoNotFound``, a missing file ``EntryNotFound`` (the ``X-Error-Code`` the Hub's
     client reads). Counters and faults use the path under ``root`` for file reads, the
     URL path for the API.
+
+    With ``tls`` (a server-side ``ssl.SSLContext``, see :func:`tls_context`) it speaks
+    HTTPS.
     """
 
     handler = _FileHandler
@@ -165,6 +173,7 @@ class FileServer(Server):
         lfs_redirect: bool = False,
         etags: bool = True,
         last_modified: bool = True,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.root = Path(root).resolve()
         self.lfs_redirect = lfs_redirect
@@ -174,7 +183,7 @@ class FileServer(Server):
         self.requested: list[tuple[str, str, str | None]] = []
         self._versions: dict[str, int] = {}
         self._lock = threading.Lock()
-        super().__init__(ports=2 if lfs_redirect else 1)
+        super().__init__(ports=2 if lfs_redirect else 1, tls=tls)
 
     def url_for(self, path: str, *, cdn: bool = False) -> str:
         """The plain URL of ``root/path``; ``cdn=True``: at the CDN port (see above)."""
@@ -253,6 +262,53 @@ class FileServer(Server):
     def error_body(self, status, code, message):
         body = json.dumps({"error": f"{code}: {message}"}).encode()
         return "application/json", body, [("X-Error-Code", code)]
+
+
+def tls_context(folder: str | os.PathLike) -> tuple[ssl.SSLContext, Path]:
+    """A server-side TLS context for 127.0.0.1 and the file of the authority that
+    signed its certificate (written in ``folder``): a client trusts the server where
+    ``SSL_CERT_FILE`` names that file (obstore's, through rustls's native roots;
+    Python's ``ssl`` with ``cafile=``). Needs ``cryptography``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def certificate(subject, issuer, key, signer, *, authority):
+        made = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=7))
+            .add_extension(x509.BasicConstraints(ca=authority, path_length=None), critical=True)
+        )
+        if not authority:  # rustls refuses an authority's certificate as the server's
+            address = x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+            made = made.add_extension(x509.SubjectAlternativeName([address]), critical=False)
+        return made.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = certificate("meshinit test authority", "meshinit test authority", ca_key, ca_key,
+                     authority=True)  # fmt: skip
+    leaf = certificate("127.0.0.1", "meshinit test authority", key, ca_key, authority=False)
+    folder = Path(folder)
+    pem = serialization.Encoding.PEM
+    (folder / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (folder / "server.pem").write_bytes(leaf.public_bytes(pem))
+    (folder / "server.key").write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(folder / "server.pem", folder / "server.key")
+    return context, folder / "ca.pem"
 
 
 # --- S3: moto behind a counting proxy -------------------------------------------------
@@ -491,7 +547,7 @@ class S3Server(Server):
 # --- fixtures -----------------------------------------------------------------------
 
 _CLEARED = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL_S3")
-_shared: dict[str, S3Server] = {}
+_shared: dict[str, Any] = {}
 
 
 @pytest.fixture(name="s3_server")
@@ -522,4 +578,39 @@ def file_server_fixture(tmp_path, monkeypatch):
         yield server
 
 
-__all__ = ["FileServer", "S3Server", "Served", "file_server_fixture", "s3_server_fixture"]
+@pytest.fixture(name="https_server")
+def https_server_fixture(tmp_path, tmp_path_factory, monkeypatch):
+    """A :class:`FileServer` over HTTPS (a fresh folder, ``.root``), its test authority
+    (one for the session) trusted through ``SSL_CERT_FILE``, ``HF_ENDPOINT`` set to it."""
+    pytest.importorskip("cryptography")
+    if "tls" not in _shared:
+        _shared["tls"] = tls_context(tmp_path_factory.mktemp("tls"))
+    context, authority = _shared["tls"]
+    monkeypatch.setenv("SSL_CERT_FILE", str(authority))
+    root = tmp_path / "served"
+    root.mkdir()
+    with FileServer(root, tls=context) as server:
+        for name, value in server.env.items():
+            monkeypatch.setenv(name, value)
+        yield server
+
+
+@pytest.fixture(name="gcs")
+def gcs_fixture(s3_server, tmp_path, monkeypatch):
+    """The S3 server as GCS's XML API for ``gs://`` (see :meth:`S3Server.gcs_env`): read
+    from a ``bucket(public=True)``."""
+    for name, value in s3_server.gcs_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+__all__ = [
+    "FileServer",
+    "S3Server",
+    "Served",
+    "file_server_fixture",
+    "gcs_fixture",
+    "https_server_fixture",
+    "s3_server_fixture",
+    "tls_context",
+]

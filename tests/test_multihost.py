@@ -9,6 +9,7 @@ one device, so the value contract is checked across process boundaries.
 
 import contextlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -66,7 +67,6 @@ def write_reference(path: Path) -> None:
         eager = worker.nnx_model()(nnx.Rngs(3))
     for p, var in nnx.to_flat_state(nnx.state(eager)):
         arrays["nnx-" + ".".join(map(str, p))] = np.asarray(var.get_value())
-    np.savez(path, **arrays)
     from safetensors.numpy import save_file
 
     tensors = {
@@ -74,6 +74,30 @@ def write_reference(path: Path) -> None:
         for p in worker.ST_TENSORS
     }
     save_file(tensors, str(path.with_name("weights.safetensors")))
+    # issue 48's layouts: whole rows and a whole tensor, at 64-byte-aligned offsets
+    rng = np.random.default_rng(48)
+    layouts = {
+        name: rng.standard_normal(shape).astype(np.float32)
+        for name, (shape, _) in worker.REMOTE_LAYOUTS.items()
+    }
+    np.savez(path, **arrays, **{f"layouts-{n}": v for n, v in layouts.items()})
+    path.with_name("layouts.safetensors").write_bytes(aligned(layouts))
+
+
+def aligned(tensors: dict) -> bytes:
+    """The safetensors file of ``tensors`` (of sizes that are multiples of 64 bytes),
+    its header padded so that every tensor starts at a 64-byte-aligned offset."""
+    from safetensors.numpy import save
+
+    for pad in range(64):
+        data = save(tensors, metadata={"pad": "." * pad})
+        start = 8 + int.from_bytes(data[:8], "little")
+        if start % 64 == 0:
+            break
+    header = json.loads(data[8:start])
+    offsets = {n: start + h["data_offsets"][0] for n, h in header.items() if n in tensors}
+    assert all(o % 64 == 0 for o in offsets.values()), f"not 64-byte-aligned: {offsets}"
+    return data
 
 
 def run_workers(reference: Path, logs: Path, extra: dict | None = None) -> list[dict]:
@@ -113,7 +137,7 @@ def run_workers(reference: Path, logs: Path, extra: dict | None = None) -> list[
     ]
 
 
-SERVED: dict = {}  # the S3 server's log of the workers' remote load, where it ran
+SERVED: dict = {}  # the S3 server's log of the workers' remote loads, where they ran
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +148,7 @@ def workers(tmp_path_factory):
     middle = time.monotonic()
     with contextlib.ExitStack() as stack:
         extra = {}
-        try:  # the workers also load the weights from S3 (issue 43), where it can run
+        try:  # the workers also load from S3 (issues 43 and 48), where they can
             import obstore  # noqa: F401
             from storage_servers import S3Server
         except ImportError:
@@ -134,9 +158,15 @@ def workers(tmp_path_factory):
             bucket = server.bucket()
             data = (tmp / "weights.safetensors").read_bytes()
             server.put(f"{bucket}/weights.safetensors", data)
+            server.put(f"{bucket}/layouts.safetensors", (tmp / "layouts.safetensors").read_bytes())
             server.reset()
-            extra = {**server.env, "MESHINIT_TEST_S3_URL": f"s3://{bucket}/weights.safetensors"}
+            extra = {
+                **server.env,
+                "MESHINIT_TEST_S3_URL": f"s3://{bucket}/weights.safetensors",
+                "MESHINIT_TEST_S3_LAYOUTS_URL": f"s3://{bucket}/layouts.safetensors",
+            }
             SERVED["header"] = 8 + int.from_bytes(data[:8], "little")
+            SERVED["objects"] = {n: f"{bucket}/{n}.safetensors" for n in ("weights", "layouts")}
         results = run_workers(tmp / "reference.npz", tmp, extra)
         if S3Server is not None:
             SERVED["log"] = list(server.counters.log)
@@ -217,13 +247,42 @@ def test_a_remote_load_fetches_only_the_bytes_each_process_owns(workers):
         fetched = one["fetched"][0]  # the first load (process 0 loads again below)
         assert one["owned"] <= fetched <= 1.05 * one["owned"], got
     # and the server sent each process's header reads and those bytes, nothing more
-    gets = [r for r in SERVED["log"] if r.method == "GET" and r.status == 206]
+    weights = SERVED["objects"]["weights"]
+    gets = [r for r in SERVED["log"] if r.method == "GET" and r.status == 206 and r.path == weights]
     headers = [r for r in gets if r.range[0] == 0]  # two loads, and process 0's third
     assert len(headers) == 3, [r.range for r in gets]
     sent = sum(r.sent for r in gets) - sum(r.sent for r in headers)
     assert sent == sum(sum(one["fetched"]) for one in got), (sent, got)
     # an object absent for process 1: it refuses it, and process 0 fails too
     assert [one["absent"] for one in got] == ["PeerFailure", "PlanError"], got
+
+
+def test_a_remote_load_of_whole_rows_and_a_replicated_tensor_is_exact_on_each_process(
+    workers,
+):
+    # issue 48: blocks that jax's CPU client may use in place (whole rows per device, a
+    # replicated tensor) at 64-byte-aligned offsets, on a mesh over both processes
+    if "log" not in SERVED:
+        pytest.skip("obstore or moto is not installed: pip install -e '.[test]'")
+    got = [counts(i, r)["remote_layouts"] for i, r in enumerate(workers)]
+    wrong = [line for one in got for line in one["wrong"]]
+    assert not wrong, (
+        f"the S3 load differs from the single-process values in {len(wrong)} shards:\n"
+        + "\n".join(wrong[:6] + wrong[-6:] if len(wrong) > 12 else wrong)
+    )
+    for one in got:  # a shard on each local device, of each
+        assert one["shards"] == dict.fromkeys(worker.REMOTE_LAYOUTS, worker.LOCAL_DEVICES), one
+    rows, replicated = (math.prod(s) * 4 for s, _ in worker.REMOTE_LAYOUTS.values())
+    for one in got:  # half the rows, and the whole replicated tensor once
+        assert one["owned"] == rows // 2 + replicated, one
+        assert len(one["fetched"]) == 1, one  # one load, reported once
+        assert one["owned"] <= one["fetched"][0] <= 1.05 * one["owned"], got
+    layouts = SERVED["objects"]["layouts"]
+    gets = [r for r in SERVED["log"] if r.method == "GET" and r.status == 206 and r.path == layouts]
+    headers = [r for r in gets if r.range[0] == 0]
+    assert len(headers) == 2, [r.range for r in gets]  # one header read a process
+    sent = sum(r.sent for r in gets) - sum(r.sent for r in headers)
+    assert sent == sum(one["fetched"][0] for one in got), (sent, got)
 
 
 def test_nnx_init_places_every_shard_with_eager_values_and_one_host_part(workers):

@@ -17,7 +17,7 @@ from meshinit import safetensors as st
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
-from storage_servers import file_server_fixture, s3_server_fixture  # noqa: E402, F401
+from storage_servers import file_server_fixture, gcs_fixture, s3_server_fixture  # noqa: E402, F401
 
 BYTES_READ = "/meshinit/safetensors/bytes_read"
 
@@ -71,14 +71,6 @@ def plan_of(shapes=SHAPES):
 
 
 # ------------------------------------------------- S3 and GCS
-
-
-@pytest.fixture
-def gcs(s3_server, tmp_path, monkeypatch):
-    """The S3 server as GCS's XML API for ``gs://`` (see ``S3Server.gcs_env``)."""
-    for name, value in s3_server.gcs_env(tmp_path).items():
-        monkeypatch.setenv(name, value)
-    return s3_server
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])

@@ -10,7 +10,13 @@ import urllib.parse
 
 import pytest
 from storage_http import Unsatisfiable, parse_range
-from storage_servers import FileServer, S3Server, file_server_fixture, s3_server_fixture  # noqa: F401
+from storage_servers import (  # noqa: F401
+    FileServer,
+    S3Server,
+    file_server_fixture,
+    https_server_fixture,
+    s3_server_fixture,
+)
 
 DATA = os.urandom(1000)
 
@@ -254,6 +260,33 @@ def test_obstore_reads_ranges_of_plain_and_resolve_urls_and_follows_the_cdn_redi
             ]
             redirects = [s.status for s in server.counters.log].count(302)
             assert redirects == (2 if redirect else 0)
+
+
+def test_the_https_server_is_trusted_through_ssl_cert_file_and_logs_each_target(https_server):
+    import ssl
+
+    import obstore
+    from obstore.store import HTTPStore
+
+    https_server.put("w/f.bin", DATA)
+    url = https_server.url_for("w/f.bin")
+    assert url.startswith("https://127.0.0.1:"), url
+    # obstore (rustls) trusts the test authority that SSL_CERT_FILE names: no options
+    store = HTTPStore.from_url(url)
+    assert bytes(obstore.get_range(store, "", start=100, end=200)) == DATA[100:200]
+    # and so does Python's ssl (OpenSSL reads SSL_CERT_FILE too), on a doubled slash
+    context = ssl.create_default_context()
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPSConnection(parts.netloc, timeout=30, context=context)
+    conn.request("GET", "/w//f.bin?x=1", headers={"Range": "bytes=0-9"})
+    reply = conn.getresponse()
+    assert (reply.status, reply.read()) == (206, DATA[:10])
+    conn.close()
+    targets = [(s.method, s.path, s.target, s.range) for s in https_server.counters.log]
+    assert targets == [
+        ("GET", "w/f.bin", "/w/f.bin", (100, 200)),
+        ("GET", "w//f.bin", "/w//f.bin?x=1", (0, 10)),  # as sent, not normalized
+    ], targets
 
 
 # --- S3 -----------------------------------------------------------------------------
