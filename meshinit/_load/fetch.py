@@ -10,9 +10,9 @@ of a row), found from the view's strides (:func:`runs`).
 
 Blocks are fetched in chunks, in the order they are placed. A chunk holds the
 mapping's pages its runs touch (its footprint, what it costs in memory), at most
-``budget`` bytes of them, except that a block whose pages the chunk already holds
-always joins it: column blocks of a row-major tensor each touch every page of it,
-and fetched apart they would each fetch all of it (a block larger than the budget
+``budget`` bytes of them, except that a block most of whose pages the chunk already
+holds always joins it: column blocks of a row-major tensor each touch every page of
+it, and together their runs merge into whole rows (a block larger than the budget
 is a chunk of its own). A chunk's runs are merged where the gap between them is
 small next to them (at most :data:`GAP` and 1/32 of their length); short runs far
 apart (a host's column block of each row of a transposed weight) are joined
@@ -213,10 +213,13 @@ class Fetch:
                 starts, length = runs(view, view.ctypes.data - origin[obj])
                 spans.setdefault(obj, []).append((starts, starts + length))
             touched = {obj: _pages(*_cat(found), npages[obj]) for obj, found in spans.items()}
-            grows = sum(
-                int((p & ~held[o]).sum() if o in held else p.sum()) for o, p in touched.items()
-            )
-            if members and grows and (size + grows) * PAGE > budget:
+            own = sum(int(p.sum()) for p in touched.values())
+            shared = sum(int((p & held[o]).sum()) for o, p in touched.items() if o in held)
+            grows = own - shared
+            # a block most of whose pages the chunk holds joins it (its runs interleave
+            # with the chunk's: together they merge into few spans, apart each chunk
+            # holds the same pages); a block of other pages joins within the budget
+            if members and 2 * shared <= own and (size + grows) * PAGE > budget:
                 self._close(pending, members, npages)
                 held, pending, size, members = {}, {}, 0, []
                 grows = sum(int(p.sum()) for p in touched.values())
