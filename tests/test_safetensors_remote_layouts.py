@@ -74,8 +74,8 @@ def aligned(data, names):
     return data
 
 
-def random(shape, seed):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+def random(shape, seed):  # an array, also 0-d (a numpy scalar has no buffer to save)
+    return np.asarray(np.random.default_rng(seed).standard_normal(shape), np.float32)
 
 
 def mesh(kind):
@@ -326,7 +326,7 @@ def test_a_scalar_loads_on_every_device_of_both_meshes(store):
     indirect=["store"],
 )
 def test_a_stack_of_scalars_loads_one_element_per_device(store, layout):
-    tensors = {f"e{i}": np.float32(i + 0.5).reshape(()) for i in range(8)}
+    tensors = {f"e{i}": np.array(i + 0.5, np.float32) for i in range(8)}
     files = {"model.safetensors": saved(tensors)}
     axes = ("d",) if layout == "1d" else (("fsdp", "tensor"),)
     plan = plan_of({"stack": ((8,), layout, axes)})
