@@ -312,7 +312,7 @@ def test_every_layout_of_a_block_loads_as_the_local_file_does(store, layout, bud
 
 @pytest.mark.parametrize("store", matrix(fast_on("s3", "https"), store=STORES), indirect=True)
 def test_a_scalar_loads_on_every_device_of_both_meshes(store):
-    tensors = {"s": np.float32(-1.5).reshape(()), "t": np.float32(3.25).reshape(())}
+    tensors = {"s": np.array(-1.5, np.float32), "t": np.array(3.25, np.float32)}
     tensors["a"] = random(A, 3)  # beside a tensor of aligned whole-row blocks (first)
     files = {"model.safetensors": aligned(saved(tensors), ["a"])}
     plan = plan_of({"s": ((), "1d", None), "t": ((), "2d", None), "a": (A, "1d", ("d", None))})
