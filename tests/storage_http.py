@@ -29,7 +29,8 @@ class Served:
     body bytes written (headers not counted; a dropped answer counts what went out,
     and a client that went away what reached the socket);
     ``range`` the half-open byte range a 206 answer carried; ``target`` the request's
-    target as the client sent it (path and query, not decoded: a doubled slash shows).
+    target as the client sent it (path and query, not decoded: a doubled slash shows);
+    ``authorization`` the credentials it sent, if any.
     """
 
     method: str
@@ -38,6 +39,7 @@ class Served:
     sent: int
     range: tuple[int, int] | None = None
     target: str | None = None
+    authorization: str | None = None  # the request's Authorization header
 
 
 class Counters:
@@ -232,7 +234,9 @@ class Handler(BaseHTTPRequestHandler):
         # counted; a write that fails corrects the count.
         keep = 0 if method == "HEAD" else keep
         ranged = span if status == 206 else None
-        at = self.owner.counters.record(Served(method, path, status, keep, ranged, self.path))
+        at = self.owner.counters.record(
+            Served(method, path, status, keep, ranged, self.path, self.headers.get("Authorization"))
+        )
         sent = 0
         try:
             self.send_response(status)

@@ -51,7 +51,6 @@ class _FileHandler(Handler):
         path = urllib.parse.unquote(url.path)
         body = self.read_body()
         owner: FileServer = self.owner  # type: ignore[assignment]
-        owner.requested.append((method, self.path, self.headers.get("Authorization")))
         if m := _API.match(url.path):
             return self.api(method, url, m, body)
         if url.path.startswith("/api/"):  # what the Hub says of a repo id it does not know
@@ -146,8 +145,7 @@ class FileServer(Server):
       (POST), one page, no ``xetHash`` (so the client reads over HTTP).
 
     Every answer carries ``Last-Modified`` (none with ``last_modified=False``); with
-    ``etags=False`` no ``ETag`` (and no condition on one). :attr:`requested` logs each
-    request's target as sent and its ``Authorization`` header.
+    ``etags=False`` no ``ETag`` (and no condition on one).
 
     With ``lfs_redirect=True`` a resolve URL of a ``*.safetensors`` file answers 302 to
     its plain URL on a second port (another origin, as the Hub's CDN is: its client
@@ -179,8 +177,6 @@ class FileServer(Server):
         self.lfs_redirect = lfs_redirect
         self.etags = etags  # False: no ETag (Last-Modified only), as some servers answer
         self.last_modified = last_modified
-        # (method, the request's target as sent, its Authorization header)
-        self.requested: list[tuple[str, str, str | None]] = []
         self._versions: dict[str, int] = {}
         self._lock = threading.Lock()
         super().__init__(ports=2 if lfs_redirect else 1, tls=tls)

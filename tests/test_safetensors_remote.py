@@ -456,7 +456,7 @@ def test_an_http_url_is_requested_exactly_as_written_and_needs_no_options(file_s
     plan = plan_of({"up": SHAPES["up"]})
     url = file_server.url_for("files/m.safetensors") + "?X-Sig=a%2Fb&expires=1"  # presigned
     same(st.load(plan, url), a)  # http:// chosen by the URL: no allow_http needed
-    targets = {target for _, target, _ in file_server.requested}
+    targets = {r.target for r in file_server.counters.log}
     assert targets == {"/files/m.safetensors?X-Sig=a%2Fb&expires=1"}, targets
 
 
@@ -466,7 +466,7 @@ def test_hf_resolve_urls_have_no_doubled_slash(file_server):
     plan = plan_of({"up": SHAPES["up"]})
     same(st.load(plan, "hf://org/model/sub", storage_options=file_server.hf_options()), a)
     commit = file_server.commit("org/model")
-    reads = {t for _, t, _ in file_server.requested if "/resolve/" in t}
+    reads = {r.target for r in file_server.counters.log if "/resolve/" in r.target}
     assert reads == {f"/org/model/resolve/{commit}/sub/model.safetensors"}, reads
 
 
@@ -508,7 +508,7 @@ def test_an_unknown_storage_option_is_a_plan_error_before_any_request(
     with pytest.raises(meshinit.PlanError, match=said) as raised:
         st.load(plan_of({"up": SHAPES["up"]}), url, storage_options=options)
     assert "nothing was requested" in str(raised.value)
-    assert s3_server.counters.requests == 0 and file_server.requested == []
+    assert s3_server.counters.requests == 0 and file_server.counters.requests == 0
 
 
 def test_token_false_sends_no_token_not_even_hf_tokens(file_server, monkeypatch):
@@ -517,10 +517,11 @@ def test_token_false_sends_no_token_not_even_hf_tokens(file_server, monkeypatch)
     plan = plan_of({"up": SHAPES["up"]})
     monkeypatch.setenv("HF_TOKEN", "hf_secret_of_the_environment")
     same(st.load(plan, "hf://org/model", storage_options=file_server.hf_options()), a)
-    assert file_server.requested and all(auth is None for *_, auth in file_server.requested)
-    file_server.requested.clear()
+    log = file_server.counters.log
+    assert log and all(r.authorization is None for r in log), log
+    file_server.reset()
     same(st.load(plan, "hf://org/model", storage_options={"endpoint": file_server.url}), a)
-    sent = {auth for *_, auth in file_server.requested}
+    sent = {r.authorization for r in file_server.counters.log}
     assert sent == {"Bearer hf_secret_of_the_environment"}, sent  # None: the one it finds
 
 
