@@ -152,12 +152,6 @@ def _pages(starts: np.ndarray, ends: np.ndarray, n: int) -> np.ndarray:
     return np.cumsum(count[:n]) > 0
 
 
-def _ranges(mask: np.ndarray) -> list[tuple[int, int]]:
-    """The ``(first, end)`` page ranges where ``mask`` holds."""
-    edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
-    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
-
-
 Spans = tuple[np.ndarray, np.ndarray]  # starts and ends, from the mapping's start
 
 
@@ -273,10 +267,13 @@ class Fetch:
                 if obj in chunk.spans:
                     last[_pages(*chunk.spans[obj], n)] = k
             size = len(self.maps[obj][0])
-            for k, chunk in enumerate(self.chunks):
-                chunk.free[obj] = [
-                    (a * PAGE, min(b * PAGE, size) - a * PAGE) for a, b in _ranges(last == k)
-                ]
+            for chunk in self.chunks:
+                chunk.free[obj] = []
+            cuts = np.flatnonzero(np.diff(last)) + 1  # runs of pages of one last chunk
+            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), n], strict=True):
+                if last[a] >= 0:
+                    end = min(b * PAGE, size)
+                    self.chunks[last[a]].free[obj].append((a * PAGE, end - a * PAGE))
 
     def ready(self, index: tuple[slice, ...]) -> None:
         """Waits for the remote bytes of the block at ``index`` (its chunk's)."""
@@ -430,7 +427,8 @@ class Pipeline:
             await asyncio.gather(*(self._piece(chunk, maps, *piece) for piece in pieces))
         except BaseException:  # cancelled: never a chunk that looks whole
             obj, lo, hi = pieces[0]
-            chunk.failed.append((obj, lo, hi, "its read was cancelled"))
+            base = maps[obj][1]
+            chunk.failed.append((obj, base + lo, base + hi, "its read was cancelled"))
             raise
         finally:
             chunk.done.set()

@@ -198,7 +198,8 @@ class Source:
 
     def block(self, index: Any) -> np.ndarray:
         """The part's block at ``index``: a view of the file where no cast or scale is
-        needed (``device_put`` copies it), else the cast (checked) and scaled copy."""
+        needed (:func:`put` places it in memory of its own), else the cast (checked)
+        and scaled copy."""
         block = _layout.at(self.view, index)  # a 0-d block stays an array
         self._read += block.nbytes
         self._total[0] += block.nbytes
