@@ -151,3 +151,14 @@ def owned_bytes(plan, itemsize, paths=None):
         }
         total += sum(math.prod(b - a for a, b in block) for block in blocks) * itemsize
     return total
+
+
+def owned(arrays):
+    """Bytes this process's devices hold of ``arrays`` (path -> array), each distinct
+    block once."""
+    seen = {}
+    for path, array in arrays.items():
+        for shard in array.addressable_shards:
+            key = (path, tuple((s.start, s.stop) for s in shard.index))
+            seen[key] = shard.data.nbytes
+    return sum(seen.values())

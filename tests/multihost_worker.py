@@ -11,12 +11,13 @@ check passed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -218,20 +219,13 @@ def check_remote(plan: meshinit.Plan, reference: Any, url: str) -> tuple[list[st
     single-process values, and the bytes this process reports it fetched against the
     bytes of its own distinct blocks."""
     from meshinit import safetensors as st
-    from meshinit._load import read as _read
 
-    reported: list[float] = []
+    with bytes_reported() as reported:  # until its own loads are done
+        return _check_remote(st, plan, reference, url, reported)
 
-    def on(event: str, value: float, **kwargs: Any) -> None:
-        if event == _read.BYTES_READ:
-            reported.append(value)
 
-    jax.monitoring.register_scalar_listener(on)  # until its own loads are done
-    try:
-        loaded = st.load(plan, url, names=names)
-    except BaseException:
-        jax.monitoring.unregister_scalar_listener(on)
-        raise
+def _check_remote(st: Any, plan: Any, reference: Any, url: str, reported: list[float]) -> Any:
+    loaded = st.load(plan, url, names=names)
     failures, owned, blocks = [], 0, set()
     for path, array in loaded.items():
         want = np.asarray(reference[f"single-0-{path}"])
@@ -249,9 +243,25 @@ def check_remote(plan: meshinit.Plan, reference: Any, url: str) -> tuple[list[st
         absent = "returned"
     except (meshinit.PlanError, meshinit.PeerFailure) as e:
         absent = type(e).__name__
+    return failures, {"fetched": reported, "owned": owned, "absent": absent}
+
+
+@contextlib.contextmanager
+def bytes_reported() -> Iterator[list[float]]:
+    """The bytes each load inside reports it read (``BYTES_READ``), in order."""
+    from meshinit._load import read as _read
+
+    reported: list[float] = []
+
+    def on(event: str, value: float, **kwargs: Any) -> None:
+        if event == _read.BYTES_READ:
+            reported.append(value)
+
+    jax.monitoring.register_scalar_listener(on)
+    try:
+        yield reported
     finally:
         jax.monitoring.unregister_scalar_listener(on)
-    return failures, {"fetched": reported, "owned": owned, "absent": absent}
 
 
 # Issue 48: blocks jax's CPU client may use in place (whole rows, a whole tensor) at
@@ -268,7 +278,6 @@ def check_remote_layouts(url: str, reference: Any, local: str) -> tuple[list[str
     process reports it fetched against those of its own distinct blocks. Shards that
     differ are reported (``wrong``), not failed, so that the test names them."""
     from meshinit import safetensors as st
-    from meshinit._load import read as _read
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
     zeros = jax.nn.initializers.zeros
@@ -278,17 +287,8 @@ def check_remote_layouts(url: str, reference: Any, local: str) -> tuple[list[str
             for name, (shape, axes) in REMOTE_LAYOUTS.items()
         }
     )
-    reported: list[float] = []
-
-    def on(event: str, value: float, **kwargs: Any) -> None:
-        if event == _read.BYTES_READ:
-            reported.append(value)
-
-    jax.monitoring.register_scalar_listener(on)
-    try:
+    with bytes_reported() as reported:
         loaded = st.load(plan, url)
-    finally:
-        jax.monitoring.unregister_scalar_listener(on)
     here = st.load(plan, local)
     me = jax.process_index()
     failures, wrong, owned, blocks = [], [], 0, set()
@@ -330,7 +330,6 @@ def check_stacked(plan: meshinit.Plan, reference: Any, file: str) -> tuple[list[
     shard against numpy's stack of the single-process values, and the bytes this
     process reports it read against the bytes of its own distinct blocks."""
     from meshinit import safetensors as st
-    from meshinit._load import read as _read
 
     mesh = next(e.sharding.mesh for e in plan.entries if e.path == "global_auto.w")
     shape = (16, len(STACKED), 32)
@@ -338,17 +337,8 @@ def check_stacked(plan: meshinit.Plan, reference: Any, file: str) -> tuple[list[
     spec = meshinit.param(shape, zeros, axes=("fsdp", None, "tensor"), mesh=mesh)
     stacked = meshinit.plan({"stack": spec})
     parts = [st.Tensor(f"w.{m}", permute=(1, 0)) for m in STACKED]
-    reported: list[float] = []
-
-    def on(event: str, value: float, **kwargs: Any) -> None:
-        if event == _read.BYTES_READ:
-            reported.append(value)
-
-    jax.monitoring.register_scalar_listener(on)
-    try:
+    with bytes_reported() as reported:
         loaded = st.load(stacked, file, names={"stack": st.Stack(parts, axis=1)}, unused="ignore")
-    finally:
-        jax.monitoring.unregister_scalar_listener(on)
     want = np.stack([np.asarray(reference[f"single-0-{m}.w"]) for m in STACKED], axis=1)
     failures, blocks, owned = [], set(), 0
     for s in loaded["stack"].addressable_shards:

@@ -9,7 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import plan_for
+from helpers import owned, plan_for
 
 import meshinit
 from meshinit import safetensors as st
@@ -27,16 +27,6 @@ def checkpoint(shapes, seed=0):
     rng = np.random.default_rng(seed)
     tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     return tensors, safetensors_numpy.save(tensors)
-
-
-def owned(arrays):
-    """Bytes this process's devices hold, each distinct block once."""
-    seen = {}
-    for path, array in arrays.items():
-        for shard in array.addressable_shards:
-            key = (path, tuple((s.start, s.stop) for s in shard.index))
-            seen[key] = shard.data.nbytes
-    return sum(seen.values())
 
 
 class Recorded:

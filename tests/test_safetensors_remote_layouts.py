@@ -23,6 +23,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from helpers import owned
 from jax.sharding import Mesh
 
 import meshinit
@@ -183,16 +184,6 @@ def store(request):
 
 
 # ------------------------------------------------- the comparison
-
-
-def owned(arrays):
-    """Bytes this process's devices hold, each distinct block once."""
-    seen = {}
-    for path, array in arrays.items():
-        for shard in array.addressable_shards:
-            key = (path, tuple((s.start, s.stop) for s in shard.index))
-            seen[key] = shard.data.nbytes
-    return sum(seen.values())
 
 
 def spelled(index):
