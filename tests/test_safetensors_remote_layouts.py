@@ -211,12 +211,15 @@ SLACK = 4096
 """Bytes a load may fetch past its share whatever the share (a 0-d tensor owns 4)."""
 
 
-def assert_loads_as_local(store, plan, files, want, *, names=None, sent_at_most=1.1, **kw):
+def assert_loads_as_local(
+    store, plan, files, want, *, names=None, sent_at_most=1.1, again=False, **kw
+):
     """``load`` from ``store`` equals the local load of the same files and ``want``
     (numpy's values), in every addressable shard, bit for bit, on the planned sharding;
     the object bytes sent are at most ``sent_at_most`` times those owned (one process
     owns every block here: each byte fetched once, give or take :data:`SLACK`); every
-    URL was requested as written. Returns the remote arrays."""
+    URL was requested as written. With ``again``, a second load in a row, the first's
+    arrays alive, gives the same bits. Returns the remote arrays."""
     where, options = store.publish(files)
     remote = st.load(plan, where, names=names, storage_options=options, **kw)
     local = st.load(plan, store.local, names=names)
@@ -245,6 +248,11 @@ def assert_loads_as_local(store, plan, files, want, *, names=None, sent_at_most=
         f"({sent / mine:.2f}x, at most {sent_at_most}x expected)"
     )
     store.assert_requested_as_written()
+    if again:
+        second = st.load(plan, where, names=names, storage_options=options, **kw)
+        for path, array in remote.items():
+            for a, b in zip(array.addressable_shards, second[path].addressable_shards, strict=True):
+                assert differs(np.asarray(b.data), np.asarray(a.data)) is None, (path, b.index)
     return remote
 
 
@@ -439,4 +447,4 @@ def test_many_objects_load_as_the_local_files_do(store, layout, budget, size):
     kind, axes = LAYOUTS[layout]
     plan = plan_of({n: (t.shape, kind, axes) for n, t in tensors.items()})
     kw = {"max_inflight_bytes": size * size * 4} if budget == "small" else {}  # a tensor
-    assert_loads_as_local(store, plan, files, tensors, **kw)
+    assert_loads_as_local(store, plan, files, tensors, again=True, **kw)
