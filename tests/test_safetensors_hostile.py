@@ -241,6 +241,28 @@ def test_a_stack_over_more_files_than_the_limit_loads_and_a_full_table_is_named(
     assert "ulimit -n" in said
 
 
+def test_the_package_check_names_a_full_descriptor_table_not_an_absent_file(tmp_path):
+    # the safetensors package answers "No such file or directory" for any error
+    # opening a file: a load that reached the limit between meshinit's own open and
+    # the package's must say so, not that a file it just read is absent
+    from meshinit._load import header
+
+    path = tmp_path / "a.safetensors"
+    save_file({"a": np.ones((2, 2), np.float32)}, str(path))
+    with open(path, "rb") as f:
+        tensors, problems = header.parse(f, path.stat().st_size, path)
+    assert problems == []
+    assert header.package_agrees(path, tensors) == []
+    with open_files_above_held(0), contextlib.ExitStack() as held:
+        with contextlib.suppress(OSError):  # every descriptor under the limit taken
+            while True:
+                held.enter_context(open(os.devnull))
+        said = header.package_agrees(path, tensors)
+    assert len(said) == 1
+    assert said[0].startswith("cannot be opened: this process has reached its limit")
+    assert "ulimit -n" in said[0]
+
+
 # ------------------------------------------------- item 9: an unreadable folder
 
 

@@ -13,7 +13,6 @@ and the per-shard reads need them.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from .header import BITS as BITS
 from .header import MAX_HEADER as MAX_HEADER
 from .header import READABLE as READABLE
 from .header import Stored as Stored
+from .header import failed as failed
 
 logger = logging.getLogger("meshinit")
 
@@ -145,25 +145,6 @@ def _kind_of(mode: int) -> str:
     return "not a regular file"
 
 
-def failed(e: OSError) -> str:
-    """What an ``OSError`` opening or mapping a file means, and the fix."""
-    if e.errno in (errno.EMFILE, errno.ENFILE):
-        try:
-            import resource
-
-            limit = f" (now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
-        except (ImportError, OSError, ValueError):
-            limit = ""
-        return (
-            f"cannot be opened: this process has reached its limit of open files{limit}; "
-            f"raise it (ulimit -n, or resource.setrlimit(RLIMIT_NOFILE)) or close files "
-            f"this process holds ({e.strerror or e})"
-        )
-    if e.errno == errno.ENOMEM:
-        return f"cannot be mapped: out of memory or mappings ({e.strerror or e})"
-    return f"cannot be opened: {e.strerror or e}"
-
-
 def open_regular(path: pathlib.Path) -> tuple[Any, os.stat_result | None, str | None]:
     """``path`` opened for reading if it is a regular file: ``(file, its stat, None)``,
     else ``(None, None, why)``. Its type is known before it is opened (opening a FIFO
@@ -209,10 +190,10 @@ def check(path: pathlib.Path | _remote.Remote) -> tuple[Checked | None, list[Pro
     if why is not None:
         return None, [Problem(where, why)]
     assert f is not None and st is not None
-    with f:
+    with f:  # closed before the package opens the file: one descriptor at a time
         tensors, problems = _header.parse(f, st.st_size, path)
-        if not problems:
-            problems = _header.package_agrees(path, tensors)
+    if not problems:
+        problems = _header.package_agrees(path, tensors)
         if not problems and identity(os.stat(path)) != identity(st):
             problems = ["changed while it was being checked; load it again once it is written"]
     if problems:

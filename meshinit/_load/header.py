@@ -15,6 +15,7 @@ entry at a time, to say precisely what is wrong.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import itertools
 import json
@@ -366,8 +367,40 @@ def package_agrees(path: str | os.PathLike[str], tensors: Mapping[str, Stored]) 
         seen = f.keys()
         del f
     except Exception as e:  # SafetensorError, or the package's own limits
+        # the package says "No such file or directory" for any error opening the file
+        # (a full descriptor table too): the OS's own answer, where it has one
+        if isinstance(e, FileNotFoundError) and (why := _opens(path)) is not None:
+            return [why]
         return [f"the safetensors package refuses it: {str(e)[:300]}"]
     if len(seen) != len(tensors) or not tensors.keys() >= set(seen):
         odd = sorted(set(seen) ^ tensors.keys())[:3]
         return [f"the safetensors package reads other tensor names in it: {odd}"]
     return []
+
+
+def _opens(path: str | os.PathLike[str]) -> str | None:
+    """Why the OS will not open ``path`` now, or None where it will."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)))
+    except OSError as e:
+        return failed(e)
+    return None
+
+
+def failed(e: OSError) -> str:
+    """What an ``OSError`` opening or mapping a file means, and the fix."""
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        try:
+            import resource
+
+            limit = f" (now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+        except (ImportError, OSError, ValueError):
+            limit = ""
+        return (
+            f"cannot be opened: this process has reached its limit of open files{limit}; "
+            f"raise it (ulimit -n, or resource.setrlimit(RLIMIT_NOFILE)) or close files "
+            f"this process holds ({e.strerror or e})"
+        )
+    if e.errno == errno.ENOMEM:
+        return f"cannot be mapped: out of memory or mappings ({e.strerror or e})"
+    return f"cannot be opened: {e.strerror or e}"
