@@ -38,20 +38,33 @@ from ._errors import PlanError, Problem, UnusedTensorWarning, printable
 from ._format import some
 from ._load import aio as _aio
 from ._load import file as _file
+from ._load import framework as _framework
 from ._load import keys as _keys
 from ._load import layout as _layout
 from ._load import names as _names
 from ._load import read as _read
 from ._load import unused as _unused
+from ._load.framework import Checkpoint as Checkpoint
+from ._load.framework import FrameworkMap as FrameworkMap
 from ._load.names import Concat as Concat
 from ._load.names import Stack as Stack
 from ._load.names import Tensor as Tensor
 from ._plan.plan import Plan
 from ._run import agree as _agree
 
-__all__ = ["Concat", "Inventory", "Stack", "Tensor", "inventory", "load"]
+__all__ = [
+    "Checkpoint",
+    "Concat",
+    "FrameworkMap",
+    "Inventory",
+    "Stack",
+    "Tensor",
+    "inventory",
+    "load",
+]
 
-for _public in (Tensor, Stack, Concat):  # documented and shown as meshinit.safetensors.X
+# documented and shown as meshinit.safetensors.X
+for _public in (Tensor, Stack, Concat, FrameworkMap, Checkpoint):
     _public.__module__ = __name__
 
 
@@ -70,6 +83,10 @@ class Inventory:
         claims, and those that only ``missing`` paths would read (a load with
         ``missing="skip"`` leaves such a path out, and reads none of its parts).
       reads: plan path -> the stored tensors it reads, in order (one, or every part's).
+      table: where ``names=`` is a framework's own map (``meshinit.maxtext.names``,
+        ``meshinit.tunix.names``), the table it built for these files: every plan
+        path -> its target, or None; ``str()`` prints it. None for a ``names=`` given
+        as a table.
 
     Examples:
       >>> from safetensors.numpy import save_file
@@ -87,6 +104,7 @@ class Inventory:
     missing: Mapping[str, str]
     unused: tuple[str, ...]
     reads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    table: Mapping[str, Tensor | Stack | Concat | None] | None = None
 
     def __str__(self) -> str:
         def line(what: str, items: list[str]) -> str:
@@ -104,6 +122,8 @@ class Inventory:
                 line(
                     "unused (no plan path claims them)", [repr(printable(t)) for t in self.unused]
                 ),
+                *([] if self.table is None else ["table (built by the framework's map):"]),
+                *(f"  {printable(p)} <- {t!r}" for p, t in (self.table or {}).items()),
             ]
         )
 
@@ -174,6 +194,17 @@ def _survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) 
                 )
             else:
                 index[name] = held
+    table: dict[str, _names.Target | None] | None = None
+    if isinstance(names, _framework.FrameworkMap):  # the framework's map, built for these files
+        config, where, found = _file.read_config(listed, options)
+        problems += found
+        if not found:
+            stored = {n: (h.shape, h.dtype) for n, h in index.items()}
+            wanted = {e.path: (e.spec.shape, e.spec.dtype) for e in plan.entries}
+            table, found = _framework.built(names, config, where, stored, wanted)
+            problems += found
+        # with a problem, nothing is resolved: its problems say what to fix first
+        names = table = table if table and not found else {e.path: None for e in plan.entries}
     targets, found = _names.targets([e.path for e in plan.entries], names, what)
     problems += found
     loaded: dict[str, _names.Target] = {}
@@ -226,6 +257,7 @@ def _survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) 
         missing={} if bad_files else missing,  # a file that failed holds unknown names
         unused=unused,
         reads=reads,
+        table=table,
     )
     if bad_files:
         absent, stranded = [], {}

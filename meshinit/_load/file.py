@@ -57,6 +57,9 @@ class Listing(NamedTuple):
     problems: list[Problem]
     directory: str | None = None  # the folder (a path or URL) ``files`` named
     weight_map: dict[str, str] | None = None  # its index's, where it has one
+    # where the checkpoint's config.json is: a file or object the listing saw, the
+    # URL of one beside a file URL (asked only when a load needs it), or None
+    config: pathlib.Path | _remote.Remote | str | None = None
 
 
 def listing(files: Any, options: Mapping[str, Any] | None = None) -> Listing:
@@ -75,11 +78,14 @@ def listing(files: Any, options: Mapping[str, Any] | None = None) -> Listing:
         if folder.index is not None:
             weight_map, problems = _remote_index(folder.index)
         found = _indexed(folder.objects, weight_map, problems, folder.index)
-        return Listing(found, problems, files.rstrip("/"), weight_map)
+        config: Any = folder.config
+        if config is None and files.split("?", 1)[0].endswith(".safetensors"):
+            config = files  # one file named: its folder's config.json, looked up on need
+        return Listing(found, problems, files.rstrip("/"), weight_map, config)
     if isinstance(files, str | os.PathLike):
         path = pathlib.Path(files)
         if not path.is_dir():
-            return Listing([path], [])
+            return Listing([path], [], config=path.parent / _remote.CONFIG)
         try:
             with os.scandir(path) as entries:
                 names = sorted(
@@ -97,7 +103,7 @@ def listing(files: Any, options: Mapping[str, Any] | None = None) -> Listing:
         found = _indexed(local, weight_map, problems, path / INDEX)
         if not found and not problems and weight_map is None:
             raise FileNotFoundError(f"no *.safetensors file in the directory {path}")
-        return Listing(found, problems, str(path), weight_map)
+        return Listing(found, problems, str(path), weight_map, path / _remote.CONFIG)
     if isinstance(files, Sequence) and not isinstance(files, bytes) and files:
         if all(isinstance(f, str | os.PathLike) for f in files):
             out: dict[str, pathlib.Path | _remote.Remote] = {}  # one file named twice: once
@@ -109,7 +115,9 @@ def listing(files: Any, options: Mapping[str, Any] | None = None) -> Listing:
                     out.update((str(o), o) for o in folder.objects)
                 else:
                     out.setdefault(os.path.realpath(f), pathlib.Path(f))
-            return Listing(list(out.values()), list(dict.fromkeys(problems)))
+            first = files[0]
+            config = first if _remote.is_url(first) else pathlib.Path(first).parent / _remote.CONFIG
+            return Listing(list(out.values()), list(dict.fromkeys(problems)), config=config)
     raise TypeError(
         f"files must be a path or URL, a list of them, or a folder of *.safetensors "
         f"files, got {files!r}"
@@ -130,6 +138,55 @@ def _indexed(found: list[Any], weight_map: Any, problems: list[Problem], index: 
             stacklevel=4,
         )
     return [p for p in found if p.name in listed]
+
+
+MAX_CONFIG = 16 << 20
+"""The most bytes a ``config.json`` is read from: the largest on the Hub are a few
+hundred KiB (vision towers included)."""
+
+
+def read_config(
+    listed: Listing, options: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any] | None, str, list[Problem]]:
+    """The checkpoint's ``config.json`` beside its files (None where there is none),
+    where it was looked for, and its problems: too large, not a JSON object."""
+    config = listed.config
+    if config is None:
+        return None, "", []
+    if isinstance(config, str):  # a file URL: its folder's config.json, asked now
+        try:
+            config = _remote.sibling(config, _remote.CONFIG, options)
+        except _remote.Permanent as e:
+            return None, str(listed.config), [Problem(str(listed.config), f"config.json: {e}")]
+        if config is None:
+            return None, str(listed.config), []
+    where = str(config)
+    if isinstance(config, _remote.Remote):
+        if config.size > MAX_CONFIG:
+            return None, where, [Problem(where, f"is over {MAX_CONFIG} bytes: not a config.json")]
+        try:
+            data = bytes(_remote.read(config, 0, config.size)) if config.size else b""
+        except _remote.Permanent as e:
+            return None, where, [Problem(where, str(e))]
+    else:
+        f, st, why = open_regular(config)
+        if why is not None:
+            if not config.exists() and not config.is_symlink():
+                return None, where, []
+            return None, where, [Problem(where, why)]
+        assert f is not None and st is not None
+        with f:
+            if st.st_size > MAX_CONFIG:
+                too_large = f"is over {MAX_CONFIG} bytes: not a config.json"
+                return None, where, [Problem(where, too_large)]
+            data = f.read(MAX_CONFIG + 1)
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        return None, where, [Problem(where, f"is not JSON ({str(e)[:200]})")]
+    if not isinstance(parsed, dict):
+        return None, where, [Problem(where, f"holds a JSON {type(parsed).__name__}, not an object")]
+    return parsed, where, []
 
 
 def _kind_of(mode: int) -> str:

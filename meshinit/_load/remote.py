@@ -129,6 +129,7 @@ class Folder:
     objects: list[Remote]
     index: Remote | None
     problems: list[Problem]
+    config: Remote | None = None  # the folder's config.json, where the listing saw one
 
 
 def listing(url: str, options: Mapping[str, Any] | None) -> Folder:
@@ -177,7 +178,7 @@ def _bucket(url: str, scheme: str, options: dict[str, Any]) -> Folder:
         rest = key[len(prefix) :].lstrip("/") if prefix else key
         if "/" in rest or rest.startswith("."):
             continue
-        if rest == _INDEX or rest.endswith(".safetensors"):
+        if rest in (_INDEX, CONFIG) or rest.endswith(".safetensors"):
             found.append(_remote(f"{root}/{key}", key, meta, store))
     return _folder(url, found, "holds no *.safetensors object: check the URL")
 
@@ -185,11 +186,38 @@ def _bucket(url: str, scheme: str, options: dict[str, Any]) -> Folder:
 def _folder(url: str, found: list[Remote], empty: str) -> Folder:
     """The folder's files, its index apart; a folder with neither is a problem."""
     index = next((r for r in found if r.name == _INDEX), None)
-    files = sorted((r for r in found if r.name != _INDEX), key=lambda r: r.key)
-    return Folder(files, index, [] if files or index else [Problem(url, empty)])
+    config = next((r for r in found if r.name == CONFIG), None)
+    files = sorted((r for r in found if r.name not in (_INDEX, CONFIG)), key=lambda r: r.key)
+    return Folder(files, index, [] if files or index else [Problem(url, empty)], config)
 
 
 _INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+
+
+def sibling(url: str, name: str, options: Mapping[str, Any] | None) -> Remote | None:
+    """The object ``name`` beside the one ``url`` names (``config.json`` beside a
+    ``.safetensors`` URL), or None where there is none; :class:`Permanent` where it
+    cannot be asked."""
+    scheme = url.split("://", 1)[0].lower()
+    options = dict(options or {})
+    head, _, _ = url.split("?", 1)[0].split("#", 1)[0].rpartition("/")
+    there = f"{head}/{name}"
+    try:
+        if scheme in ("http", "https"):
+            store = _clients.http(there, options)
+            meta = _aio.run(lambda: _head(store, "", scheme))
+            return _remote(there, "", meta, store, name)
+        _, bucket, key = _clients.split(there)
+        store = _clients.bucket(scheme, bucket, options)
+        meta = _aio.run(lambda: _head(store, key, scheme))
+        return _remote(there, key, meta, store)
+    except Permanent as e:
+        if "does not exist" in str(e):
+            return None
+        raise
+    except Exception as e:  # noqa: BLE001 - the client's own error, named
+        raise Permanent(_why(e, scheme)) from e
 
 
 async def _head(store: Any, key: str, scheme: str) -> Mapping[str, Any]:
@@ -257,7 +285,7 @@ def _hub(url: str, options: dict[str, Any]) -> Folder:
         name = path.rsplit("/", 1)[-1]
         if getattr(entry, "size", None) is None or name.startswith("."):
             continue  # a folder, or a hidden file
-        if name == _INDEX or name.endswith(".safetensors"):
+        if name in (_INDEX, CONFIG) or name.endswith(".safetensors"):
             paths.append(path)
 
     async def heads() -> list[Mapping[str, Any]]:  # the ETags resolve gives, at once
