@@ -21,34 +21,24 @@ one that no plan path claims is named (:class:`~meshinit.UnusedTensorWarning`), 
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import functools
-import itertools
-import pathlib
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from . import _patterns
-from ._errors import PlanError, Problem, UnusedTensorWarning, printable
-from ._format import some
+from ._errors import PlanError, Problem, UnusedTensorWarning
 from ._load import aio as _aio
-from ._load import file as _file
-from ._load import framework as _framework
 from ._load import keys as _keys
-from ._load import layout as _layout
-from ._load import names as _names
 from ._load import read as _read
+from ._load import survey as _survey_of
 from ._load import unused as _unused
 from ._load.framework import Checkpoint as Checkpoint
 from ._load.framework import FrameworkMap as FrameworkMap
 from ._load.names import Concat as Concat
 from ._load.names import Stack as Stack
 from ._load.names import Tensor as Tensor
+from ._load.survey import Inventory as Inventory
 from ._plan.plan import Plan
 from ._run import agree as _agree
 
@@ -64,244 +54,11 @@ __all__ = [
 ]
 
 # documented and shown as meshinit.safetensors.X
-for _public in (Tensor, Stack, Concat, FrameworkMap, Checkpoint):
+for _public in (Tensor, Stack, Concat, FrameworkMap, Checkpoint, Inventory):
     _public.__module__ = __name__
 
 
-@dataclasses.dataclass(frozen=True)
-class Inventory:
-    """What a load reads, skips and leaves: every plan path and every stored tensor
-    accounted for, as :func:`inventory` finds them without reading any data.
-
-    Attributes:
-      files: the files checked, in the order read (paths; URLs of remote objects).
-      loaded: plan path -> the target it is read from: a :class:`Tensor` (name and
-        transforms), or a :class:`Stack` or :class:`Concat` of parts.
-      skipped: plan paths that ``names=`` maps to None: not in the files by design.
-      missing: plan path -> the tensor name it wants, which no file holds.
-      unused: the stored tensors that no load reads, sorted: those no plan path
-        claims, and those that only ``missing`` paths would read (a load with
-        ``missing="skip"`` leaves such a path out, and reads none of its parts).
-      reads: plan path -> the stored tensors it reads, in order (one, or every part's).
-      table: where ``names=`` is a framework's own map (``meshinit.maxtext.names``,
-        ``meshinit.tunix.names``), the table it built for these files: every plan
-        path -> its target, or None; ``str()`` prints it. None for a ``names=`` given
-        as a table.
-
-    Examples:
-      >>> from safetensors.numpy import save_file
-      >>> save_file({"embed": np.zeros((256, 64), np.float32),
-      ...            "layers.0.up": np.zeros((64, 256), np.float32),
-      ...            "lm_head": np.zeros((64, 256), np.float32)}, "ckpt.safetensors")
-      >>> found = meshinit.safetensors.inventory(plan, "ckpt.safetensors", names={"head": None})
-      >>> found.skipped, found.missing, found.unused
-      (('head',), {'layers.1.up': 'layers.1.up'}, ('lm_head',))
-    """
-
-    files: tuple[pathlib.Path | str, ...]
-    loaded: Mapping[str, Tensor | Stack | Concat]
-    skipped: tuple[str, ...]
-    missing: Mapping[str, str]
-    unused: tuple[str, ...]
-    reads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    table: Mapping[str, Tensor | Stack | Concat | None] | None = None
-
-    def __str__(self) -> str:
-        def line(what: str, items: list[str]) -> str:
-            return f"{what}: {len(items)}" + (f" {some(items, 5)}" if items else "")
-
-        n = len(self.files)
-        return "\n".join(
-            [
-                f"{n} file{'s' * (n != 1)}: {len(self.loaded)} plan paths loaded",
-                line("skipped (names= gives None)", [repr(printable(p)) for p in self.skipped]),
-                line(
-                    "missing (no file holds them)",
-                    [f"{printable(p)} <- {printable(t)!r}" for p, t in self.missing.items()],
-                ),
-                line(
-                    "unused (no plan path claims them)", [repr(printable(t)) for t in self.unused]
-                ),
-                *([] if self.table is None else ["table (built by the framework's map):"]),
-                *(f"  {printable(p)} <- {t!r}" for p, t in (self.table or {}).items()),
-            ]
-        )
-
-
-def _kind(dtype: Any) -> str:
-    for kind in (np.bool_, np.integer, np.complexfloating, np.floating):
-        if jax.dtypes.issubdtype(dtype, kind):
-            return kind.__name__
-    return str(dtype)
-
-
-def _why_not(stored: _file.Stored, planned: np.dtype) -> str | None:
-    """Why the stored dtype cannot be read into ``planned``, or None."""
-    if stored.dtype not in _file.READABLE:
-        return f"has dtype {stored.dtype}, which meshinit does not read; convert the file"
-    have = _kind(_file.READABLE[stored.dtype])
-    if have != _kind(planned):
-        return (
-            f"is {stored.dtype}, planned {planned.name}: meshinit casts within a kind "
-            f"(floats to floats, ints to ints), never across; plan the stored kind, or "
-            f"convert the file"
-        )
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Survey:
-    """What :func:`_survey` found: the inventory, the reads, the checked files, every
-    problem (bad files, a bad map, parts that do not fit) and, apart, the problems of
-    paths whose tensors no file holds (``absent``), and the stored tensors that only
-    such paths would read (``stranded``: tensor -> those paths), which are unused."""
-
-    inventory: Inventory
-    jobs: list[_read.Job]
-    checked: dict[Any, _file.Checked]
-    problems: list[Problem]
-    absent: list[Problem]
-    stranded: dict[str, list[str]]
-
-
-def _survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -> _Survey:
-    """Every file checked, every plan path resolved to its parts (:class:`_Survey`)."""
-    if not isinstance(plan, Plan):
-        raise TypeError(f"{what} takes a Plan (meshinit.nnx.plan(factory), ...), got {plan!r}")
-    if options is not None and not isinstance(options, Mapping):
-        raise TypeError(f"storage_options must be a mapping or None, got {options!r}")
-    listed = _file.listing(files, options)
-    paths = listed.paths
-    problems: list[Problem] = list(listed.problems)
-    checked: dict[Any, _file.Checked] = {}
-    for p in paths:
-        c, found = _file.check(p)
-        problems += found
-        if c is not None:
-            checked[p] = c
-    problems += _file.read_index(listed, checked.values())
-    bad_files = bool(problems)
-    index: dict[str, _file.Stored] = {}
-    for c in checked.values():
-        for name, held in c.tensors.items():
-            if name in index:
-                problems.append(
-                    Problem(
-                        str(held.file),
-                        f"tensor {name!r} is also in {index[name].file}: one checkpoint's "
-                        f"files hold each tensor once",
-                    )
-                )
-            else:
-                index[name] = held
-    table: dict[str, _names.Target | None] | None = None
-    if isinstance(names, _framework.FrameworkMap):  # the framework's map, built for these files
-        config, where, found = _file.read_config(listed, options)
-        problems += found
-        if not found:
-            stored = {n: (h.shape, h.dtype) for n, h in index.items()}
-            wanted = {e.path: (e.spec.shape, e.spec.dtype) for e in plan.entries}
-            table, found = _framework.built(names, config, where, stored, wanted)
-            problems += found
-        # with a problem, nothing is resolved: its problems say what to fix first
-        names = table = table if table and not found else {e.path: None for e in plan.entries}
-    targets, found = _names.targets([e.path for e in plan.entries], names, what)
-    problems += found
-    loaded: dict[str, _names.Target] = {}
-    reads: dict[str, tuple[str, ...]] = {}
-    skipped: list[str] = []
-    missing: dict[str, str] = {}
-    absent: list[Problem] = []
-    names_held: list[str] = []  # sorted, for the hints of absent tensors
-    jobs: list[_read.Job] = []
-    for entry in plan.entries:
-        target = targets[entry.path]
-        if target is None:
-            skipped.append(entry.path)
-            continue
-        # A typed key is read as its key data, and wrapped once placed (_keys).
-        key = _keys.is_key(entry.spec.dtype)
-        read_as = _keys.data_entry(entry) if key else entry
-        try:
-            if key:
-                why_not = functools.partial(_keys.why_not, entry=entry)
-            else:
-                why_not = functools.partial(_why_not, planned=entry.spec.dtype)
-            node = _layout.resolve(target, index, why_not)
-            if node.result != read_as.spec.shape:
-                planned = _keys.described(entry) if key else str(entry.spec.shape)
-                raise _layout.Refused(
-                    f"{_describe(node)} gives shape {node.result}, planned {planned}"
-                )
-            if any(leaf.groups for leaf in _layout.leaves(node)):
-                cut = _layout.check(node, _blocks(read_as))
-                if cut is not None:
-                    raise _layout.Refused(cut)
-        except _layout.Refused as refused:
-            if refused.missing:
-                missing[entry.path] = refused.missing[0][1]
-                names_held = names_held or sorted(index)
-                absent.append(_absent(entry.path, refused.missing, names_held, len(absent) < 20))
-            else:
-                problems.append(Problem(entry.path, refused.message))
-            continue
-        loaded[entry.path] = target
-        reads[entry.path] = tuple(dict.fromkeys(leaf.stored.name for leaf in _layout.leaves(node)))
-        jobs.append(_read.Job(read_as, node))
-    # what a load reads none of: no path claims it, or only missing paths would
-    unused, stranded = _unused.find(targets, missing, index)
-    inventory = Inventory(
-        files=tuple(p if isinstance(p, pathlib.Path) else str(p) for p in paths),
-        loaded=loaded,
-        skipped=tuple(skipped),
-        missing={} if bad_files else missing,  # a file that failed holds unknown names
-        unused=unused,
-        reads=reads,
-        table=table,
-    )
-    if bad_files:
-        absent, stranded = [], {}
-    return _Survey(inventory, jobs, checked, problems, absent, stranded)
-
-
-def _blocks(entry: Any) -> list[tuple[slice, ...]]:
-    """Every distinct block of the entry's sharding, on any process (the plan divides
-    each sharded dimension evenly), concrete or abstract mesh alike."""
-    per_dim = [
-        [slice(i, i + s) for i in range(0, n, s)] if s else [slice(0, 0)]
-        for n, s in zip(entry.spec.shape, entry.shard_shape, strict=True)
-    ]
-    return list(itertools.product(*per_dim))
-
-
-def _describe(node: _layout.Node) -> str:
-    """How a shape message names what was read: the tensor, or the joined parts."""
-    if isinstance(node, _layout.Leaf):
-        held = node.stored
-        where = f"in {held.file.name}, stored {held.dtype} {held.shape},"
-        return f"tensor {printable(held.name)!r} {where}"
-    kind = "Stack" if node.stacked else "Concat"
-    return f"{kind} of {len(node.parts)} parts along axis {node.axis}"
-
-
-def _absent(path: str, parts: list[tuple[str, str]], stored: list[str], hint: bool) -> Problem:
-    """The problem of a path whose tensor (or some of its parts' tensors) no file holds;
-    with ``hint``, the closest stored name of each of the first three."""
-    fix = '(names= maps the path to None, or missing="skip" leaves it to the init)'
-    guesses = [
-        difflib.get_close_matches(name, stored, n=1) if hint and k < 3 else []
-        for k, (_, name) in enumerate(parts)
-    ]
-    if len(parts) == 1 and not parts[0][0]:
-        guess = f"; did you mean {guesses[0][0]!r}?" if guesses[0] else ""
-        return Problem(path, f"tensor {parts[0][1]!r} is not in the files{guess} {fix}")
-    shown = [
-        f"{label}tensor {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-        for (label, name), close in zip(parts, guesses, strict=True)
-    ]
-    more = f" and {len(parts) - 5} more" if len(parts) > 5 else ""
-    verb = "is" if len(parts) == 1 else "are"
-    return Problem(path, f"{', '.join(shown[:5])}{more} {verb} not in the files {fix}")
+_survey = _survey_of.survey  # a module global: tests replace it
 
 
 def inventory(

@@ -113,7 +113,9 @@ def test_the_public_surface_is_what_the_docs_cover():
     assert sorted(meshinit.optax.__all__) == ["abstract", "init"]
     assert sorted(meshinit.linen.__all__) == ["init", "plan"]
     assert sorted(meshinit.safetensors.__all__) == [
+        "Checkpoint",
         "Concat",
+        "FrameworkMap",
         "Inventory",
         "Stack",
         "Tensor",

@@ -36,6 +36,13 @@ class Checkpoint:
       tensors: stored tensor name -> ``(shape, dtype)``, the dtype as the file names it
         (``"BF16"``, ``"F32"``), over every file of the checkpoint.
       planned: plan path -> ``(shape, dtype)`` of the parameter it plans.
+
+    Examples:
+      >>> given = meshinit.safetensors.Checkpoint(
+      ...     {"num_hidden_layers": 2}, "ckpt/config.json",
+      ...     {"blk.0.weight": ((16, 8), "F32")}, {"layers.0.w": ((8, 16), np.float32)})
+      >>> given.config["num_hidden_layers"], given.tensors["blk.0.weight"][0]
+      (2, (16, 8))
     """
 
     config: Mapping[str, Any] | None
@@ -46,7 +53,24 @@ class Checkpoint:
 
 class FrameworkMap(abc.ABC):
     """A ``names=`` value built from a framework's own checkpoint map at load time
-    (``meshinit.maxtext.names(config)``, ``meshinit.tunix.names(model_config)``)."""
+    (``meshinit.maxtext.names(config)``, ``meshinit.tunix.names(model_config)``).
+
+    A subclass says how messages name it (:attr:`family`) and builds the table
+    (:meth:`table`) from the :class:`Checkpoint`; :func:`meshinit.safetensors.load`
+    calls it once the files are checked, before reading.
+
+    Examples:
+      >>> class Layers(meshinit.safetensors.FrameworkMap):
+      ...     family = "a toy map"
+      ...     def table(self, checkpoint):
+      ...         n = checkpoint.config["num_hidden_layers"]
+      ...         return {f"layers.{i}.w": meshinit.safetensors.Tensor(
+      ...             f"blk.{i}.weight", permute=(1, 0)) for i in range(n)}, []
+      >>> table, problems = Layers().table(meshinit.safetensors.Checkpoint(
+      ...     {"num_hidden_layers": 1}, "", {}, {}))
+      >>> table["layers.0.w"].name, problems
+      ('blk.0.weight', [])
+    """
 
     needs_config: bool = True
     """Whether :meth:`table` needs the checkpoint's ``config.json``: a load whose
