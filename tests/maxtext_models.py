@@ -22,8 +22,11 @@ from meshinit.safetensors import Stack, Tensor
 
 
 @functools.cache
-def tiny_config(scan_layers: bool, layers: int = 2):
-    """MaxText's base.yml with a tiny model on fsdp=4 x tensor=2, nothing downloaded."""
+def tiny_config(scan_layers: bool, layers: int = 2, **overrides):
+    """MaxText's base.yml with a tiny model on fsdp=4 x tensor=2, nothing downloaded
+    (``model_name=`` a family's yml, its sizes overridden)."""
+    if "model_name" in overrides:
+        overrides.setdefault("override_model_config", True)
     return pyconfig.initialize(
         ["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")],
         base_emb_dim=64,
@@ -47,6 +50,7 @@ def tiny_config(scan_layers: bool, layers: int = 2):
         # whole process: compiles would be served from disk and not counted.
         jax_cache_dir="",
         log_config=False,
+        **overrides,
     )
 
 

@@ -1,0 +1,674 @@
+"""A framework's conversion hooks, followed on stand-ins of stored tensors (no data),
+turned into ``names=`` targets.
+
+MaxText's hooks are small numpy programs ``hook(x, target_shape)``: a transpose and a
+reshape, a slice, a scale, a pad. Run on a :class:`Sym` (a stored tensor's name,
+shape and dtype, and what was done to it so far), each operation is recorded in a
+normal form that :class:`~meshinit.safetensors.Tensor` reads: a slice of the stored
+tensor, a reshape that only splits its axes, a permutation, a reshape that only
+merges side-by-side axes, then a scale and an offset. Joins (``np.stack``,
+``np.concatenate``) become :class:`~meshinit.safetensors.Stack` and
+:class:`~meshinit.safetensors.Concat`, zeros :class:`~meshinit.safetensors.Fill`,
+zeros with the tensor written at their origin :class:`~meshinit.safetensors.Pad`.
+
+The hook runs as written, as a copy of the function whose ``np``, ``jnp`` and
+``jax`` names are this module's namespaces (:func:`rebound`): nothing of numpy or
+jax is patched. Anything else, an operation that reads values (a comparison, a
+``bool()``, a conversion to an array) or one without a form here, raises
+:class:`Inexpressible` naming it, and the map is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import names as _names
+
+
+class Inexpressible(Exception):
+    """A hook asked for an operation no ``names=`` target can express."""
+
+
+@dataclasses.dataclass
+class _View:
+    """One stored tensor: ``stored[index]`` reshaped to ``base`` (only splits: each
+    base axis is a piece of one sliced axis), its axes in the order of ``groups``
+    flattened, each group merged into one result axis."""
+
+    name: str
+    stored: tuple[int, ...]
+    index: list[slice]
+    base: list[int]  # sizes, row-major in the sliced tensor
+    origin: list[int | None]  # the stored axis a base axis is all of, None if split
+    groups: list[list[int]]  # result axes: base positions
+    scale: float | None = None
+    offset: float | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(self.base[b] for b in g) for g in self.groups)
+
+    def target(self) -> _names.Tensor:
+        sliced = tuple(
+            len(range(*s.indices(n))) for s, n in zip(self.index, self.stored, strict=True)
+        )
+        order = [b for g in self.groups for b in g]
+        merged = any(len(g) != 1 for g in self.groups)
+        whole = all(s == slice(0, n, 1) for s, n in zip(self.index, self.stored, strict=True))
+        return _names.Tensor(
+            self.name,
+            index=None if whole else tuple(self.index),
+            shape=None if tuple(self.base) == sliced else tuple(self.base),
+            permute=None if order == sorted(order) else tuple(order),
+            out_shape=self.shape if merged else None,
+            scale=self.scale,
+            **({} if self.offset is None else {"offset": self.offset}),
+        )
+
+
+def _prod(xs: Sequence[int]) -> int:
+    return math.prod(xs)
+
+
+class Sym:
+    """A stand-in for an array a hook computes, without its values."""
+
+    __array_priority__ = 1000
+
+    def __init__(self, node: Any, shape: tuple[int, ...], dtype: Any, wide: Any = None):
+        self.node = node  # _View, or a finished target (Stack, Concat, Pad, Fill)
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.wide = None if wide is None else np.dtype(wide)  # astype'd wider, to come back
+
+    # ------------------------------------------------------------- what it says
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return _prod(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"Sym({self.shape}, {self.dtype})"
+
+    def __bool__(self) -> bool:
+        raise Inexpressible("a branch on the tensor's values")
+
+    def __array__(self, *_: Any, **__: Any) -> Any:
+        raise Inexpressible("the tensor's values as an array (a value-dependent step)")
+
+    def __iter__(self) -> Any:
+        raise Inexpressible("iterating over the tensor")
+
+    def _view(self, what: str) -> _View:
+        if not isinstance(self.node, _View):
+            raise Inexpressible(f"{what} after a join, a pad or a fill")
+        if self.wide is not None:
+            raise Inexpressible(f"{what} in {self.wide.name} before casting back")
+        return self.node
+
+    def _with(self, view: _View) -> Sym:
+        return Sym(view, view.shape, self.dtype, self.wide)
+
+    # ------------------------------------------------------------- layout
+    def transpose(self, *axes: Any) -> Sym:
+        if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], Sequence)):
+            axes = tuple(axes[0]) if axes[0] is not None else ()
+        n = self.ndim
+        order = [operator.index(a) % n for a in axes] if axes else list(range(n))[::-1]
+        if sorted(order) != list(range(n)):
+            raise Inexpressible(f"transpose{tuple(axes)} of a {n}-d tensor")
+        if not isinstance(self.node, _View):
+            return self._joined_permute(order)
+        v = dataclasses.replace(self._view("a transpose"))
+        v.groups = [v.groups[a] for a in order]
+        return self._with(v)
+
+    @property
+    def T(self) -> Sym:  # noqa: N802 - numpy's name
+        return self.transpose()
+
+    def swapaxes(self, a: int, b: int) -> Sym:
+        order = list(range(self.ndim))
+        order[a], order[b] = order[b], order[a]
+        return self.transpose(order)
+
+    def reshape(self, *shape: Any) -> Sym:
+        if len(shape) == 1 and not isinstance(shape[0], int | np.integer):
+            shape = tuple(shape[0])
+        new = _resolved(tuple(operator.index(d) for d in shape), self.size)
+        if not isinstance(self.node, _View):
+            return self._joined_reshape(new)
+        return self._with(_reshaped(self._view("a reshape"), new))
+
+    def squeeze(self, axis: Any = None) -> Sym:
+        if axis is None:
+            return self.reshape(tuple(d for d in self.shape if d != 1))
+        drop = {a % self.ndim for a in (axis if isinstance(axis, tuple) else (axis,))}
+        return self.reshape(tuple(d for i, d in enumerate(self.shape) if i not in drop))
+
+    def flatten(self) -> Sym:
+        return self.reshape(-1)
+
+    def __getitem__(self, key: Any) -> Sym:
+        view = self._view("a slice")
+        try:
+            return self._with(_sliced(view, key))
+        except Inexpressible:
+            pending = _pending(view, key)
+            if pending is None:
+                raise
+        shape = list(self.shape)
+        shape[pending.axis] = pending.stop - pending.start
+        return Sym(pending, tuple(shape), self.dtype)
+
+    # ------------------------------------------------------------- values
+    def astype(self, dtype: Any, **_: Any) -> Sym:
+        dtype = np.dtype(dtype)
+        if dtype == self.dtype:
+            return self if self.wide is None or dtype != self.wide else self
+        if self.wide is not None and dtype == self.dtype:
+            return Sym(self.node, self.shape, self.dtype)
+        if self.wide is None and np.issubdtype(dtype, np.floating) and _wider(dtype, self.dtype):
+            return Sym(self.node, self.shape, self.dtype, dtype)  # widened, to come back
+        if self.wide is not None and dtype == self.dtype:
+            return Sym(self.node, self.shape, dtype)
+        raise Inexpressible(f"a cast to {dtype.name} of a {self.dtype.name} tensor")
+
+    def _arith(self, other: Any, op: str) -> Sym:
+        if isinstance(other, Sym) or np.ndim(other) != 0:
+            raise Inexpressible(f"{op} by another tensor")
+        try:
+            float(other)
+        except (TypeError, ValueError):
+            raise Inexpressible(f"{op} by {other!r}") from None
+        work = self.wide or self.dtype
+        # the scalar as the operation sees it: numpy's promotion of the two
+        out = np.result_type(np.zeros((), work), other)
+        if out != work and not (self.wide is None and _wider(out, work) and out == np.float32):
+            raise Inexpressible(f"{op} in {out.name} of a {work.name} tensor")
+        exact = float(np.asarray(other, dtype=out))
+        v = dataclasses.replace(self._view(op)) if isinstance(self.node, _View) else None
+        if v is None:
+            raise Inexpressible(f"{op} after a join, a pad or a fill")
+        if op == "a scale":
+            if v.scale is not None or v.offset is not None:
+                raise Inexpressible("a second scale, or a scale after an offset")
+            v.scale = exact
+        else:
+            if v.offset is not None:
+                raise Inexpressible("a second offset")
+            v.offset = exact if op == "an offset" else -exact
+        wide = out if out != self.dtype else None
+        return Sym(v, self.shape, self.dtype, wide)
+
+    def __mul__(self, other: Any) -> Sym:
+        return self._arith(other, "a scale")
+
+    __rmul__ = __mul__
+
+    def __add__(self, other: Any) -> Sym:
+        return self._arith(other, "an offset")
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> Sym:
+        return self._arith(other, "a negative offset")
+
+    def __truediv__(self, other: Any) -> Sym:
+        raise Inexpressible("a division (it does not round as a scale by the inverse does)")
+
+    # ------------------------------------------------------------- after joins
+    def _joined_reshape(self, new: tuple[int, ...]) -> Sym:
+        node = self.node
+        if not isinstance(node, _names.Stack | _names.Concat) or node.out_shape or node.permute:
+            raise Inexpressible("a reshape after a pad, a fill, or a reshaped join")
+        if _merge_groups(self.shape, new) is None:
+            raise Inexpressible(f"a reshape from {self.shape} to {new} that is no merge")
+        return Sym(dataclasses.replace(node, out_shape=new), new, self.dtype)
+
+    def _joined_permute(self, order: list[int]) -> Sym:
+        node = self.node
+        if not isinstance(node, _names.Stack | _names.Concat) or node.permute:
+            raise Inexpressible("a transpose after a pad, a fill, or a transposed join")
+        return Sym(
+            dataclasses.replace(node, permute=tuple(order)),
+            tuple(self.shape[a] for a in order),
+            self.dtype,
+        )
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise Inexpressible("writing into the tensor")
+
+
+def _wider(a: np.dtype, b: np.dtype) -> bool:
+    return np.dtype(a).itemsize > np.dtype(b).itemsize
+
+
+def _merge_groups(view: tuple[int, ...], out: tuple[int, ...]) -> Any:
+    from .layout import merges
+
+    return merges(view, out)
+
+
+def _resolved(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    if shape.count(-1) > 1:
+        raise Inexpressible(f"a reshape to {shape}")
+    if -1 in shape:
+        known = _prod([d for d in shape if d != -1])
+        if known == 0 or size % known:
+            raise Inexpressible(f"a reshape of {size} elements to {shape}")
+        shape = tuple(size // known if d == -1 else d for d in shape)
+    if _prod(shape) != size:
+        raise Inexpressible(f"a reshape of {size} elements to {shape}")
+    return shape
+
+
+def _reshaped(v: _View, new: tuple[int, ...]) -> _View:
+    """``v`` reshaped to ``new``. The view's elements run row-major over its base
+    axes in result order, so ``new``'s axes are runs of that sequence, a base axis
+    split in two where a run ends inside it."""
+    v = dataclasses.replace(v, base=list(v.base), origin=list(v.origin), index=list(v.index))
+    seq = [b for g in v.groups for b in g if v.base[b] != 1]
+    groups = _split(v, seq, new)
+    held = {b for g in groups for b in g}
+    keep = [b for b in range(len(v.base)) if b in held]  # the rest: size 1, dropped
+    renumber = {b: k for k, b in enumerate(keep)}
+    v.base = [v.base[b] for b in keep]
+    v.origin = [v.origin[b] for b in keep]
+    v.groups = [[renumber[b] for b in g] for g in groups]
+    return v
+
+
+def _split(v: _View, seq: list[int], sizes: tuple[int, ...]) -> list[list[int]]:
+    """The base axes ``seq`` (in view order) cut into runs of ``sizes``, a base axis
+    split where a run ends inside it (it must divide); a size-1 axis gets a base axis
+    of its own."""
+    out: list[list[int]] = []
+    seq = list(seq)
+    k = 0
+    for n in sizes:
+        group: list[int] = []
+        size = 1
+        while size < n:
+            if k >= len(seq):
+                raise Inexpressible(f"a reshape to {sizes}")
+            b = seq[k]
+            if n % size:
+                raise Inexpressible(f"a reshape to {sizes} that cuts an axis unevenly")
+            if size * v.base[b] <= n:
+                group.append(b)
+                size *= v.base[b]
+                k += 1
+                continue
+            need = n // size
+            if v.base[b] % need:
+                raise Inexpressible(f"a reshape to {sizes} that cuts an axis unevenly")
+            # base axis b becomes (need, rest): rest is a new base axis right after it
+            v.base[b : b + 1] = [need, v.base[b] // need]
+            v.origin[b : b + 1] = [None, None]
+            shift = functools.partial(_after, b)
+            for g in (*v.groups, *out):
+                g[:] = map(shift, g)
+            group = [*map(shift, group), b]
+            seq = [*map(shift, seq[: k + 1]), b + 1, *map(shift, seq[k + 1 :])]
+            seq.pop(k)  # b itself is in the group now; b + 1 comes next
+            k_next = k
+            size *= need
+            k = k_next
+        if size != n:
+            raise Inexpressible(f"a reshape to {sizes} that cuts an axis unevenly")
+        if not group:  # an axis of size 1
+            v.base.append(1)
+            v.origin.append(None)
+            group = [len(v.base) - 1]
+        out.append(group)
+    if k != len(seq):
+        raise Inexpressible(f"a reshape to {sizes}")
+    return out
+
+
+def _after(b: int, x: int) -> int:
+    """Base position ``x`` once base axis ``b`` is split in two."""
+    return x + 1 if x > b else x
+
+
+def _sliced(v: _View, key: Any) -> _View:
+    """``v[key]``: basic slices (with a positive step) and ints of result axes that are
+    whole stored axes, pushed into the stored index; None adds an axis of size 1."""
+    key = key if isinstance(key, tuple) else (key,)
+    if sum(k is Ellipsis for k in key) > 1:
+        raise Inexpressible(f"an index {key}")
+    real = sum(k is not None and k is not Ellipsis for k in key)
+    if Ellipsis in key:
+        e = key.index(Ellipsis)
+        key = key[:e] + (slice(None),) * (len(v.groups) - real) + key[e + 1 :]
+    key = key + (slice(None),) * (len(v.groups) - sum(k is not None for k in key))
+    original = [list(g) for g in v.groups]
+    v = dataclasses.replace(v, base=list(v.base), origin=list(v.origin), index=list(v.index))
+    groups: list[list[int]] = []
+    axis = 0
+    for k in key:
+        if k is None:
+            v.base.append(1)
+            v.origin.append(None)
+            groups.append([len(v.base) - 1])
+            continue
+        g = original[axis]
+        n = _prod([v.base[b] for b in g])
+        axis += 1
+        if isinstance(k, slice) and k.indices(n) == (0, n, 1):
+            groups.append(g)
+            continue
+        drop = False
+        if isinstance(k, int | np.integer) and not isinstance(k, bool):
+            i = operator.index(k)
+            if not -n <= i < n:
+                raise Inexpressible(f"index {i} of an axis of {n}")
+            k, drop = slice(i % n, i % n + 1), True
+        elif not isinstance(k, slice):
+            raise Inexpressible(f"an index by {type(k).__name__}")
+        if len(g) != 1 or v.origin[g[0]] is None:
+            raise Inexpressible("a slice of an axis that a reshape split or merged")
+        b = g[0]
+        a = v.origin[b]
+        assert a is not None
+        start, stop, step = k.indices(n)
+        if step <= 0:
+            raise Inexpressible("a slice with a negative step")
+        count = len(range(start, stop, step))
+        s0, _, st0 = v.index[a].indices(v.stored[a])
+        first, stride = s0 + start * st0, st0 * step
+        v.index[a] = slice(first, first + (count - 1) * stride + 1 if count else first, stride)
+        v.base[b] = count
+        if not drop:
+            groups.append(g)
+    held = {b for g in groups for b in g}
+    keep = [b for b in range(len(v.base)) if b in held]  # the rest: size 1, dropped
+    renumber = {b: k for k, b in enumerate(keep)}
+    v.base = [v.base[b] for b in keep]
+    v.origin = [v.origin[b] for b in keep]
+    v.groups = [[renumber[b] for b in g] for g in groups]
+    return v
+
+
+# ----------------------------------------------------------------- joins and fills
+
+
+def target(x: Any) -> _names.Target:
+    """What ``x`` (a hook's result) reads, as a ``names=`` target."""
+    if not isinstance(x, Sym):
+        raise Inexpressible(f"a result that is not the stored tensor ({type(x).__name__})")
+    if isinstance(x.node, _View):
+        return x.node.target()
+    return x.node
+
+
+def _part(x: Any) -> Any:
+    """A join's part: a stand-in's target, or a constant array as a fill."""
+    if isinstance(x, Sym):
+        return target(x)
+    arr = np.asarray(x)
+    if arr.size and (arr == arr.flat[0]).all():
+        return _names.Fill(arr.flat[0].item(), arr.shape)
+    raise Inexpressible("a join with an array of values")
+
+
+def _dtype_of(xs: Sequence[Any]) -> np.dtype:
+    return np.result_type(*[x.dtype if isinstance(x, Sym) else np.asarray(x).dtype for x in xs])
+
+
+def _shape_of(x: Any) -> tuple[int, ...]:
+    return x.shape if isinstance(x, Sym) else np.shape(x)
+
+
+def stack(xs: Sequence[Any], axis: int = 0, **_: Any) -> Sym:
+    xs = list(xs)
+    shape = _shape_of(xs[0])
+    n = len(shape) + 1
+    axis = operator.index(axis) % n
+    out = (*shape[:axis], len(xs), *shape[axis:])
+    dtype = _dtype_of(xs)
+    chunks = _chunks(xs)
+    if chunks is not None:  # equal slices of one axis of one tensor: split it, no join
+        whole, a = chunks
+        split = whole.reshape(
+            (*whole.shape[:a], len(xs), whole.shape[a] // len(xs), *whole.shape[a + 1 :])
+        )
+        order = [d for d in range(n) if d != a]
+        order.insert(axis, a)
+        return split.transpose(order)
+    return Sym(_names.Stack([_part(x) for x in xs], axis), out, dtype)
+
+
+def concatenate(xs: Sequence[Any], axis: int = 0, **_: Any) -> Sym:
+    xs = list(xs)
+    shape = list(_shape_of(xs[0]))
+    axis = operator.index(axis) % len(shape)
+    shape[axis] = sum(_shape_of(x)[axis] for x in xs)
+    return Sym(_names.Concat([_part(x) for x in xs], axis), tuple(shape), _dtype_of(xs))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A slice of one result axis that no stored index can take (the axis was split
+    out of a stored one): only a join of all of that axis's equal slices, in order,
+    can use it (as a split of the axis)."""
+
+    view: _View
+    axis: int
+    start: int
+    stop: int
+
+
+def _pending(v: _View, key: Any) -> _Pending | None:
+    key = key if isinstance(key, tuple) else (key,)
+    if Ellipsis in key:
+        e = key.index(Ellipsis)
+        key = key[:e] + (slice(None),) * (len(v.groups) - len(key) + 1) + key[e + 1 :]
+    if len(key) > len(v.groups) or not all(isinstance(k, slice) for k in key):
+        return None
+    shape = v.shape
+    cut = [
+        (a, k.indices(shape[a]))
+        for a, k in enumerate(key)
+        if k.indices(shape[a]) != (0, shape[a], 1)
+    ]
+    if len(cut) != 1 or cut[0][1][2] != 1:
+        return None
+    a, (start, stop, _) = cut[0]
+    return _Pending(v, a, start, stop) if stop > start else None
+
+
+def _halves(xs: list[Any]) -> tuple[Sym, int] | None:
+    """Where ``xs`` are all the equal slices of one split axis, in order: the view and
+    the axis (HF's rotary halves of a head's dims)."""
+    if len(xs) < 2 or not all(isinstance(x, Sym) and isinstance(x.node, _Pending) for x in xs):
+        return None
+    first = xs[0].node
+    n = first.view.shape[first.axis]
+    size = first.stop - first.start
+    ok = all(
+        x.node.view is first.view
+        and x.node.axis == first.axis
+        and x.node.start == k * size
+        and x.node.stop == (k + 1) * size
+        for k, x in enumerate(xs)
+    )
+    if not ok or size * len(xs) != n:
+        return None
+    return Sym(first.view, first.view.shape, xs[0].dtype), first.axis
+
+
+def _chunks(xs: list[Any]) -> tuple[Sym, int] | None:
+    if (found := _halves(xs)) is not None:
+        return found
+    """Where ``xs`` are consecutive equal slices of one axis of one view (HF's rotary
+    halves, say): that view, sliced to their span, and the axis; else None."""
+    if len(xs) < 2 or not all(isinstance(x, Sym) and isinstance(x.node, _View) for x in xs):
+        return None
+    views = [x.node for x in xs]
+    first = views[0]
+    differ = [a for a in range(len(first.stored)) if len({str(v.index[a]) for v in views}) > 1]
+    if len(differ) != 1 or any(x.wide for x in xs):
+        return None
+    a = differ[0]
+
+    def same(v: _View) -> bool:
+        return (v.name, v.scale, v.offset) == (first.name, first.scale, first.offset)
+
+    bounds = [v.index[a].indices(v.stored[a]) for v in views]
+    size = bounds[0][1] - bounds[0][0]
+    ok = all(same(v) for v in views) and all(
+        b[2] == 1 and b[1] - b[0] == size and b[0] == bounds[0][0] + k * size
+        for k, b in enumerate(bounds)
+    )
+    ok = ok and all(
+        [(len(g), v.origin[g[0]] if len(g) == 1 else None) for g in v.groups]
+        == [(len(g), first.origin[g[0]] if len(g) == 1 else None) for g in first.groups]
+        and v.base == first.base
+        for v in views
+    )
+    axis = [i for i, g in enumerate(first.groups) if len(g) == 1 and first.origin[g[0]] == a]
+    if not ok or len(axis) != 1:
+        return None
+    whole = dataclasses.replace(first, index=list(first.index), base=list(first.base))
+    whole.index[a] = slice(bounds[0][0], bounds[0][0] + size * len(xs), 1)
+    whole.base[first.groups[axis[0]][0]] = size * len(xs)
+    return Sym(whole, whole.shape, xs[0].dtype), axis[0]
+
+
+class _Filled(Sym):
+    """zeros/ones/full: a fill, into which a hook may write the tensor at the origin
+    (a pad)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        key = key if isinstance(key, tuple) else (key,)
+        if not isinstance(value, Sym) or not isinstance(self.node, _names.Fill):
+            raise Inexpressible("writing values into a fill")
+        if len(key) > self.ndim or not all(isinstance(k, slice) for k in key):
+            raise Inexpressible(f"writing into a fill at {key}")
+        key = key + (slice(None),) * (self.ndim - len(key))
+        span = [k.indices(n) for k, n in zip(key, self.shape, strict=True)]
+        if any(s[0] != 0 or s[2] != 1 for s in span) or tuple(s[1] for s in span) != value.shape:
+            raise Inexpressible(f"writing a {value.shape} tensor into a fill at {key}")
+        self.node = _names.Pad(target(value), self.shape, value=self.node.value)
+
+
+def _fill(shape: Any, value: Any, dtype: Any) -> Sym:
+    shape = (shape,) if isinstance(shape, int | np.integer) else tuple(int(d) for d in shape)
+    return _Filled(_names.Fill(value, shape), shape, np.dtype(dtype or np.float64))
+
+
+class _Numpy(types.SimpleNamespace):
+    """numpy (and jax.numpy) as a hook sees it: stand-ins go through the functions
+    here; everything else is numpy's own."""
+
+    def __init__(self, real: Any):
+        super().__init__(
+            stack=stack,
+            concatenate=concatenate,
+            concat=concatenate,
+            zeros=lambda shape, dtype=None, **_: _fill(shape, 0, dtype),
+            ones=lambda shape, dtype=None, **_: _fill(shape, 1, dtype),
+            full=lambda shape, value, dtype=None, **_: _fill(shape, value, dtype),
+            zeros_like=lambda x, dtype=None, **_: _fill(x.shape, 0, dtype or x.dtype),
+            ones_like=lambda x, dtype=None, **_: _fill(x.shape, 1, dtype or x.dtype),
+        )
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._real, name)
+        if not callable(found) or isinstance(found, type):
+            return found
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            first = args[0] if args else None
+            if isinstance(first, Sym):
+                method = getattr(first, name, None)
+                if method is None:
+                    raise Inexpressible(f"np.{name}")
+                return method(*args[1:], **kwargs)
+            if any(isinstance(a, Sym) for a in (*args, *kwargs.values())):
+                raise Inexpressible(f"np.{name} with the tensor")
+            return found(*args, **kwargs)
+
+        return call
+
+
+NUMPY = _Numpy(np)
+
+
+class _Jax(types.SimpleNamespace):
+    def __init__(self) -> None:
+        import jax
+
+        super().__init__(numpy=NUMPY)
+        self._real = jax
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def rebound(fn: Callable[..., Any], _depth: int = 0) -> Callable[..., Any]:
+    """A copy of the hook ``fn`` whose ``np``, ``jnp`` and ``jax`` are this module's
+    (and so are those of the functions its closure holds): numpy and jax untouched."""
+    if not isinstance(fn, types.FunctionType):
+        raise Inexpressible(f"a hook that is not a Python function ({type(fn).__name__})")
+    names = {"np": NUMPY, "jnp": NUMPY, "numpy": NUMPY, "jax": _Jax()}
+    scope = {**fn.__globals__, **{k: v for k, v in names.items() if k in fn.__globals__}}
+    cells = None
+    if fn.__closure__:
+        cells = tuple(
+            types.CellType(rebound(c.cell_contents, _depth + 1))
+            if _depth < 4 and isinstance(getattr(c, "cell_contents", None), types.FunctionType)
+            else c
+            for c in fn.__closure__
+        )
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, cells)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def stand_in(name: str, shape: tuple[int, ...], dtype: Any) -> Sym:
+    """A stored tensor as a hook's input: its name, shape and (planned) dtype."""
+    n = len(shape)
+    view = _View(
+        name,
+        tuple(shape),
+        [slice(0, d, 1) for d in shape],
+        list(shape),
+        list(range(n)),
+        [[a] for a in range(n)],
+    )
+    return Sym(view, tuple(shape), dtype)
+
+
+def followed(hooks: Any, x: Any, target_shape: tuple[int, ...]) -> _names.Target:
+    """The target that ``hooks`` (a hook, a list applied in order, or None) make of
+    ``x`` (a stand-in, or a tuple of them), as MaxText's ``apply_hook_fns`` runs them."""
+    if hooks is None:
+        return target(x)
+    for hook in hooks if isinstance(hooks, list) else [hooks]:
+        try:
+            x = rebound(hook)(x, target_shape)
+        except Inexpressible:
+            raise
+        except Exception as e:  # noqa: BLE001 - what the hook did instead, named
+            raise Inexpressible(f"{type(e).__name__}: {str(e)[:200]}") from e
+        if isinstance(x, Sym) and x.shape != tuple(target_shape) and hook is hooks:
+            pass
+    return target(x)
