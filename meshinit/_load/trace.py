@@ -178,14 +178,12 @@ class Sym:
     # ------------------------------------------------------------- values
     def astype(self, dtype: Any, **_: Any) -> Sym:
         dtype = np.dtype(dtype)
-        if dtype == self.dtype:
-            return self if self.wide is None or dtype != self.wide else self
-        if self.wide is not None and dtype == self.dtype:
+        if dtype == (self.wide or self.dtype):
+            return self
+        if dtype == self.dtype:  # back to the planned dtype: rounded, as a scale rounds
             return Sym(self.node, self.shape, self.dtype)
-        if self.wide is None and np.issubdtype(dtype, np.floating) and _wider(dtype, self.dtype):
+        if self.wide is None and dtype == _work(self.dtype):
             return Sym(self.node, self.shape, self.dtype, dtype)  # widened, to come back
-        if self.wide is not None and dtype == self.dtype:
-            return Sym(self.node, self.shape, dtype)
         raise Inexpressible(f"a cast to {dtype.name} of a {self.dtype.name} tensor")
 
     def _arith(self, other: Any, op: str) -> Sym:
@@ -195,15 +193,16 @@ class Sym:
             float(other)
         except (TypeError, ValueError):
             raise Inexpressible(f"{op} by {other!r}") from None
-        work = self.wide or self.dtype
-        # the scalar as the operation sees it: numpy's promotion of the two
-        out = np.result_type(np.zeros((), work), other)
-        if out != work and not (self.wide is None and _wider(out, work) and out == np.float32):
-            raise Inexpressible(f"{op} in {out.name} of a {work.name} tensor")
-        exact = float(np.asarray(other, dtype=out))
-        v = dataclasses.replace(self._view(op)) if isinstance(self.node, _View) else None
-        if v is None:
+        if not isinstance(self.node, _View):
             raise Inexpressible(f"{op} after a join, a pad or a fill")
+        # numpy's promotion of the two: meshinit computes in the planned dtype's
+        # float32 (or float64) work dtype, which rounds as the planned dtype's own
+        # arithmetic does (ml_dtypes computes bfloat16 in float32)
+        out = np.result_type(np.zeros((), self.wide or self.dtype), other)
+        if out not in (self.dtype, _work(self.dtype)):
+            raise Inexpressible(f"{op} in {out.name} of a {self.dtype.name} tensor")
+        exact = float(np.asarray(other, dtype=out))
+        v = dataclasses.replace(self.node)
         if op == "a scale":
             if v.scale is not None or v.offset is not None:
                 raise Inexpressible("a second scale, or a scale after an offset")
@@ -212,8 +211,17 @@ class Sym:
             if v.offset is not None:
                 raise Inexpressible("a second offset")
             v.offset = exact if op == "an offset" else -exact
-        wide = out if out != self.dtype else None
-        return Sym(v, self.shape, self.dtype, wide)
+        return Sym(v, self.shape, self.dtype, out if out != self.dtype else None)
+
+    def _reduced(self, *_: Any, **__: Any) -> Any:
+        raise Inexpressible("a reduction over the tensor's values")
+
+    sum = mean = max = min = any = all = prod = std = _reduced
+
+    def _compared(self, *_: Any) -> Any:
+        raise Inexpressible("a comparison of the tensor's values")
+
+    __lt__ = __le__ = __gt__ = __ge__ = _compared
 
     def __mul__(self, other: Any) -> Sym:
         return self._arith(other, "a scale")
@@ -254,8 +262,9 @@ class Sym:
         raise Inexpressible("writing into the tensor")
 
 
-def _wider(a: np.dtype, b: np.dtype) -> bool:
-    return np.dtype(a).itemsize > np.dtype(b).itemsize
+def _work(dtype: np.dtype) -> np.dtype:
+    """The dtype meshinit scales and offsets a planned dtype in."""
+    return np.result_type(dtype, np.float32)
 
 
 def _merge_groups(view: tuple[int, ...], out: tuple[int, ...]) -> Any:
@@ -414,6 +423,8 @@ def target(x: Any) -> _names.Target:
         raise Inexpressible(f"a result that is not the stored tensor ({type(x).__name__})")
     if isinstance(x.node, _View):
         return x.node.target()
+    if isinstance(x.node, _Pending):
+        raise Inexpressible("a slice of an axis that a reshape split or merged")
     return x.node
 
 
@@ -573,6 +584,14 @@ def _fill(shape: Any, value: Any, dtype: Any) -> Sym:
     return _Filled(_names.Fill(value, shape), shape, np.dtype(dtype or np.float64))
 
 
+def _same(x: Any, dtype: Any = None, **kwargs: Any) -> Any:
+    """``np.asarray`` and its kin: a stand-in as it is (cast, where a dtype is given),
+    anything else numpy's own."""
+    if isinstance(x, Sym):
+        return x if dtype is None else x.astype(dtype)
+    return np.array(x, dtype=dtype, **kwargs)
+
+
 class _Numpy(types.SimpleNamespace):
     """numpy (and jax.numpy) as a hook sees it: stand-ins go through the functions
     here; everything else is numpy's own."""
@@ -585,6 +604,9 @@ class _Numpy(types.SimpleNamespace):
             zeros=lambda shape, dtype=None, **_: _fill(shape, 0, dtype),
             ones=lambda shape, dtype=None, **_: _fill(shape, 1, dtype),
             full=lambda shape, value, dtype=None, **_: _fill(shape, value, dtype),
+            asarray=_same,
+            array=_same,
+            ascontiguousarray=_same,
             zeros_like=lambda x, dtype=None, **_: _fill(x.shape, 0, dtype or x.dtype),
             ones_like=lambda x, dtype=None, **_: _fill(x.shape, 1, dtype or x.dtype),
         )
@@ -631,16 +653,26 @@ def rebound(fn: Callable[..., Any], _depth: int = 0) -> Callable[..., Any]:
     names = {"np": NUMPY, "jnp": NUMPY, "numpy": NUMPY, "jax": _Jax()}
     scope = {**fn.__globals__, **{k: v for k, v in names.items() if k in fn.__globals__}}
     cells = None
-    if fn.__closure__:
-        cells = tuple(
-            types.CellType(rebound(c.cell_contents, _depth + 1))
-            if _depth < 4 and isinstance(getattr(c, "cell_contents", None), types.FunctionType)
-            else c
-            for c in fn.__closure__
-        )
+    if fn.__closure__ and _depth < 4:
+        cells = tuple(_cell(c, _depth + 1) for c in fn.__closure__)
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, cells)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
+
+
+def _cell(cell: Any, depth: int) -> Any:
+    """A closure cell, with the functions it holds (alone, or in a list or tuple, as
+    a chain of hooks) rebound."""
+    try:
+        held = cell.cell_contents
+    except ValueError:  # an empty cell
+        return cell
+    if isinstance(held, types.FunctionType):
+        return types.CellType(rebound(held, depth))
+    if isinstance(held, list | tuple) and any(isinstance(h, types.FunctionType) for h in held):
+        fns = [rebound(h, depth) if isinstance(h, types.FunctionType) else h for h in held]
+        return types.CellType(type(held)(fns))
+    return cell
 
 
 def stand_in(name: str, shape: tuple[int, ...], dtype: Any) -> Sym:
