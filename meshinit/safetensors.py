@@ -43,15 +43,17 @@ from ._load import layout as _layout
 from ._load import names as _names
 from ._load import read as _read
 from ._load import unused as _unused
-from ._load.names import Concat as Concat
-from ._load.names import Stack as Stack
-from ._load.names import Tensor as Tensor
+from ._load.parts import Concat as Concat
+from ._load.parts import Fill as Fill
+from ._load.parts import Pad as Pad
+from ._load.parts import Stack as Stack
+from ._load.parts import Tensor as Tensor
 from ._plan.plan import Plan
 from ._run import agree as _agree
 
-__all__ = ["Concat", "Inventory", "Stack", "Tensor", "inventory", "load"]
+__all__ = ["Concat", "Fill", "Inventory", "Pad", "Stack", "Tensor", "inventory", "load"]
 
-for _public in (Tensor, Stack, Concat):  # documented and shown as meshinit.safetensors.X
+for _public in (Tensor, Stack, Concat, Fill, Pad):  # documented and shown as meshinit.safetensors.X
     _public.__module__ = __name__
 
 
@@ -63,13 +65,15 @@ class Inventory:
     Attributes:
       files: the files checked, in the order read (paths; URLs of remote objects).
       loaded: plan path -> the target it is read from: a :class:`Tensor` (name and
-        transforms), or a :class:`Stack` or :class:`Concat` of parts.
+        transforms), a :class:`Stack` or :class:`Concat` of parts, a :class:`Fill` or
+        a :class:`Pad`.
       skipped: plan paths that ``names=`` maps to None: not in the files by design.
       missing: plan path -> the tensor name it wants, which no file holds.
       unused: the stored tensors that no load reads, sorted: those no plan path
         claims, and those that only ``missing`` paths would read (a load with
         ``missing="skip"`` leaves such a path out, and reads none of its parts).
-      reads: plan path -> the stored tensors it reads, in order (one, or every part's).
+      reads: plan path -> the stored tensors it reads, in order (one, or every part's;
+        none for a :class:`Fill`).
 
     Examples:
       >>> from safetensors.numpy import save_file
@@ -82,7 +86,7 @@ class Inventory:
     """
 
     files: tuple[pathlib.Path | str, ...]
-    loaded: Mapping[str, Tensor | Stack | Concat]
+    loaded: Mapping[str, Tensor | Stack | Concat | Fill | Pad]
     skipped: tuple[str, ...]
     missing: Mapping[str, str]
     unused: tuple[str, ...]
@@ -196,13 +200,13 @@ def _survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) 
                 why_not = functools.partial(_keys.why_not, entry=entry)
             else:
                 why_not = functools.partial(_why_not, planned=entry.spec.dtype)
-            node = _layout.resolve(target, index, why_not)
+            node = _layout.resolve(target, index, why_not, read_as.spec.shape, read_as.spec.dtype)
             if node.result != read_as.spec.shape:
                 planned = _keys.described(entry) if key else str(entry.spec.shape)
                 raise _layout.Refused(
                     f"{_describe(node)} gives shape {node.result}, planned {planned}"
                 )
-            if any(leaf.groups for leaf in _layout.leaves(node)):
+            if _layout.merging(node):
                 cut = _layout.check(node, _blocks(read_as))
                 if cut is not None:
                     raise _layout.Refused(cut)
@@ -248,8 +252,7 @@ def _describe(node: _layout.Node) -> str:
         held = node.stored
         where = f"in {held.file.name}, stored {held.dtype} {held.shape},"
         return f"tensor {printable(held.name)!r} {where}"
-    kind = "Stack" if node.stacked else "Concat"
-    return f"{kind} of {len(node.parts)} parts along axis {node.axis}"
+    return _layout.describe(node)
 
 
 def _absent(path: str, parts: list[tuple[str, str]], stored: list[str], hint: bool) -> Problem:
@@ -361,9 +364,10 @@ def load(
         and ``https://`` URLs of single files. Credentials and endpoints come from
         where each client reads them (the environment, config files, the Hub's token).
       names: which tensors fill each plan path: a name, a :class:`Tensor` (a name
-        with a slice, a reshape, a transpose, a scale), a :class:`Stack` or
-        :class:`Concat` of parts (scanned layers, fused projections), or None for a
-        path the files do not hold.
+        with a slice, a reshape, a transpose, a scale, an offset), a :class:`Stack`
+        or :class:`Concat` of parts (scanned layers, fused projections), a
+        :class:`Fill` (a constant) or a :class:`Pad` (a part padded to a larger
+        shape), or None for a path the files do not hold.
         Given as a callable (``names(path)``), a Mapping from plan paths, or a rule
         table: ordered ``(regex, target)`` pairs, the first full match of the path
         winning, whose target names may use the match's groups (``\1``). A path that
