@@ -114,7 +114,9 @@ def test_the_public_surface_is_what_the_docs_cover():
     assert sorted(meshinit.linen.__all__) == ["init", "plan"]
     assert sorted(meshinit.safetensors.__all__) == [
         "Concat",
+        "Fill",
         "Inventory",
+        "Pad",
         "Stack",
         "Tensor",
         "inventory",
