@@ -528,34 +528,45 @@ def test_steps_and_pads_from_s3_give_the_local_bits_and_fetch_only_what_blocks_k
     stored(tmp_path, {"rows": rows, "cols": cols, "pad": pad})
     bucket = server.bucket()
     server.put(f"{bucket}/ckpt/model.safetensors", (tmp_path / "model.safetensors").read_bytes())
+    fills = Stack([Fill(1.0, (8, 96)), Tensor("pad", index=np.s_[:8])], axis=0)
     plans = {
         # every other row (4 KiB runs, 4 KiB apart): each row its own run
         "rows": (
             plan_of({"x": ((64, 1024), ("fsdp", "tensor"))}),
-            Tensor("rows", index=np.s_[::2]),
+            {"x": Tensor("rows", index=np.s_[::2])},
             1.0,
         ),
         # every other element: 4-byte runs; the gaps between them are read through
         "cols": (
             plan_of({"x": ((256, 256), (None, "tensor"))}),
-            Tensor("cols", index=np.s_[..., 1::2]),
+            {"x": Tensor("cols", index=np.s_[..., 1::2])},
             2.0,
         ),
-        # six of eight blocks wholly in the padding
-        "pad": (plan_of({"x": ((512, 256), ("fsdp", "tensor"))}), Pad("pad"), 1.0),
+        # six of eight blocks wholly in the padding; a fill alone and in a stack
+        "pad": (
+            plan_of(
+                {
+                    "x": ((512, 256), ("fsdp", "tensor")),
+                    "f": ((8, 8), ("fsdp", "tensor")),
+                    "s": ((2, 8, 96), ("fsdp", None, "tensor")),
+                }
+            ),
+            {"x": Pad("pad"), "f": Fill(2.0), "s": fills},
+            1.0,
+        ),
     }
-    for case, (plan, target, most) in plans.items():
+    for case, (plan, names, most) in plans.items():
         server.reset()
-        names = {"x": target}
         remote = meshinit.safetensors.load(
             plan, f"s3://{bucket}/ckpt/", names=names, unused="ignore"
         )
         local = meshinit.safetensors.load(plan, tmp_path, names=names, unused="ignore")
-        entry = plan.entries[0]
-        assert_bits(remote["x"], np.asarray(local["x"]), entry)
+        for entry in plan.entries:
+            assert_bits(remote[entry.path], np.asarray(local[entry.path]), entry)
         sent = sum(
             r.sent for r in server.counters.log if r.method == "GET" and r.range and r.range[0] > 0
         )
-        kept = owned(local) if case != "pad" else pad.nbytes  # the padding is fetched from nowhere
+        # the padding and the fills are fetched from nowhere
+        kept = owned(local) if case != "pad" else pad.nbytes + pad[:8].nbytes
         assert sent <= most * kept + 4096, f"{case}: {sent} bytes sent for {kept} kept"
         assert sent >= kept, f"{case}: {sent} bytes sent, fewer than the {kept} kept"

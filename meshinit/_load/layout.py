@@ -23,7 +23,7 @@ from . import file as _file
 from .blocks import Const, Joined, Leaf, Node, Padded, Refused, constant, leaves
 from .blocks import check as check
 from .blocks import merging as merging
-from .parts import Concat, Fill, Pad, Stack, Target, Tensor
+from .parts import Concat, Fill, Pad, Stack, Target, Tensor, length
 from .reshape import merges, viewable
 
 __all__ = ["Leaf", "Node", "Refused", "check", "describe", "leaves", "merging", "resolve"]
@@ -227,7 +227,7 @@ def _leaf(
     if why is None:
         try:
             index = tensor.sliced(held.shape)
-            shape, order = tensor.transformed(tuple(Tensor.length(s) for s in index))
+            shape, order = tensor.transformed(tuple(length(s) for s in index))
         except ValueError as e:
             why = str(e)
         else:

@@ -217,11 +217,6 @@ class Tensor:
             out.append(slice(start, stop) if step == 1 else slice(start, stop, step))
         return tuple(out)
 
-    @staticmethod
-    def length(s: slice) -> int:
-        """The length of a resolved slice of :meth:`sliced`."""
-        return len(range(s.start, s.stop, s.step or 1))
-
     def transformed(self, stored: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shape of the reshape (its ``-1`` resolved) and the transpose's axis order
         (negative axes resolved), for a stored tensor (after ``index``) of shape
@@ -245,6 +240,11 @@ class Tensor:
         if sorted(order) != list(range(n)):
             raise ValueError(f"permute={self.permute} is not an order of {n} axes")
         return shape, order
+
+
+def length(s: slice) -> int:
+    """The length of a slice whose bounds are resolved (:meth:`Tensor.sliced`)."""
+    return len(range(s.start, s.stop, s.step or 1))
 
 
 def _number(value: Any, kind: str) -> bool | int | float:
