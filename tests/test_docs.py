@@ -57,7 +57,9 @@ def _reference_names() -> list[str]:
     names += [f"meshinit.nnx.{n}" for n in meshinit.nnx.__all__]
     names += [f"meshinit.eqx.{n}" for n in meshinit.eqx.__all__]
     names += [
-        f"meshinit.{m}.{n}" for m in ("optax", "linen", "safetensors", "maxtext") for n in _adapter(m).__all__
+        f"meshinit.{m}.{n}"
+        for m in ("optax", "linen", "safetensors", "maxtext")
+        for n in _adapter(m).__all__
     ]
     for cls in CLASSES:
         names += [f"meshinit.{cls.__name__}.{n}" for n in _public_members(cls)]
@@ -116,8 +118,10 @@ def test_the_public_surface_is_what_the_docs_cover():
     assert sorted(meshinit.safetensors.__all__) == [
         "Checkpoint",
         "Concat",
+        "Fill",
         "FrameworkMap",
         "Inventory",
+        "Pad",
         "Stack",
         "Tensor",
         "inventory",
