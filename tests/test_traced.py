@@ -144,9 +144,7 @@ def test_stacks_concatenations_and_transposes_traced_by_jax_read_the_same_values
     assert targets["experts"] == Stack(
         [Tensor(f"file.e{i}", permute=(1, 0)) for i in range(n)], axis=0
     )
-    assert targets["fused"] == Stack(
-        [Tensor(f"file.{s}", permute=(1, 0, 2)) for s in "qk"], axis=0
-    )
+    assert targets["fused"] == Stack([Tensor(f"file.{s}", permute=(1, 0, 2)) for s in "qk"], axis=0)
     assert targets["joined"] == Concat([Tensor("file.e0"), Tensor("file.e1")], axis=1)
     assert targets["b"] == Tensor("file.b")
     assert traced.tensors(found["fused"]) == ["file.q", "file.k"]

@@ -180,7 +180,7 @@ def target(node: Node) -> Target | str:
         if isinstance(t, str):
             return t
         parts.append(t)
-    return Stack(parts, node.axis) if node.stack else Concat(parts, node.axis)
+    return Stack(tuple(parts), node.axis) if node.stack else Concat(tuple(parts), node.axis)
 
 
 def _view(leaf: Stored) -> Tensor | str:
@@ -360,8 +360,8 @@ def _step(node: _jaxpr.Node, ins: list[Node], avals: list[Any]) -> Node:
             raise _Unknown("the operation reshape with dimensions= (a transpose first)")
         return reshaped(ins[0], params["new_sizes"])
     if p is _compat.prim("squeeze"):
-        dims = {d % len(ins[0].shape) for d in params["dimensions"]}
-        return reshaped(ins[0], [d for i, d in enumerate(ins[0].shape) if i not in dims])
+        gone = {d % len(ins[0].shape) for d in params["dimensions"]}
+        return reshaped(ins[0], [d for i, d in enumerate(ins[0].shape) if i not in gone])
     if p is _compat.prim("broadcast_in_dim"):
         shape, dims = tuple(params["shape"]), tuple(params["broadcast_dimensions"])
         kept = [shape[d] for d in dims] == list(ins[0].shape) and list(dims) == sorted(dims)
