@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _caches
 from .._jax import compat as _compat
 from .._jax import jaxpr as _jaxpr
 from .names import Concat, Stack, Target, Tensor
@@ -185,6 +186,22 @@ def target(node: Node) -> Target | str:
 
 def _view(leaf: Stored) -> Tensor | str:
     """``leaf``'s transposes and reshapes as one reshape, transpose and merge."""
+    form = _form(leaf.stored, leaf.ops, leaf.shape)
+    if isinstance(form, str):
+        return f"{leaf.name}: {form}"
+    shape, permute, out_shape = form
+    return Tensor(leaf.name, shape=shape, permute=permute, out_shape=out_shape)
+
+
+Form = tuple[tuple[int, ...] | None, tuple[int, ...] | None, tuple[int, ...] | None]
+
+
+@_caches.memo(maxsize=4096)  # one per kind of tensor: a model repeats them per layer
+def _form(
+    stored: tuple[int, ...], ops: tuple[tuple[str, tuple[int, ...]], ...], result: tuple[int, ...]
+) -> Form | str:
+    """``Tensor``'s ``(shape, permute, out_shape)`` for ``ops`` on a stored tensor of
+    shape ``stored``, or why there is none."""
     sizes: list[int] = []  # factor number -> size
     order: list[int] = []  # factors as the stored tensor's row-major order has them
 
@@ -192,13 +209,13 @@ def _view(leaf: Stored) -> Tensor | str:
         sizes.append(size)
         return len(sizes) - 1
 
-    if 0 in leaf.stored:
-        return f"{leaf.name}: a tensor of no elements {leaf.stored}"
+    if 0 in stored:
+        return f"a tensor of no elements {stored}"
     axes: list[list[int]] = []  # each axis of the value so far as its factors
-    for d in leaf.stored:
+    for d in stored:
         axes.append([] if d == 1 else [factor(d)])
         order += axes[-1]
-    for op, arg in leaf.ops:
+    for op, arg in ops:
         if op == "transpose":
             axes = [axes[i] for i in arg]
             continue
@@ -209,9 +226,10 @@ def _view(leaf: Stored) -> Tensor | str:
             while have < r:
                 need, s = r // have, sizes[seq[i]]
                 if r % have or (s > need and s % need):
+                    steps = ", ".join(f"{op} {arg}" for op, arg in ops)
                     return (
-                        f"{leaf.name}: the reshape to {arg} cuts an axis of size {s} unevenly "
-                        f"(after {_steps(leaf)}): no slice-free reshape and transpose gives it"
+                        f"the reshape to {arg} cuts an axis of size {s} unevenly "
+                        f"(after {steps}): no slice-free reshape and transpose gives it"
                     )
                 if s <= need:
                     group.append(seq[i])
@@ -233,12 +251,11 @@ def _view(leaf: Stored) -> Tensor | str:
     shape = tuple(sizes[f] for f in order)
     permute = tuple(order.index(f) for f in flat)
     out = tuple(math.prod(sizes[f] for f in ax) for ax in axes)
-    assert out == leaf.shape, (out, leaf.shape)
-    return Tensor(
-        leaf.name,
-        shape=None if shape == leaf.stored else shape,
-        permute=None if permute == tuple(range(len(flat))) else permute,
-        out_shape=None if out == tuple(sizes[f] for f in flat) else out,
+    assert out == result, (out, result)
+    return (
+        None if shape == stored else shape,
+        None if permute == tuple(range(len(flat))) else permute,
+        None if out == tuple(sizes[f] for f in flat) else out,
     )
 
 
@@ -260,10 +277,6 @@ def _merge(
                     group[j : j + 2] = [z]
                     merged = True
                     break
-
-
-def _steps(leaf: Stored) -> str:
-    return ", ".join(f"{op} {arg}" for op, arg in leaf.ops) or "nothing"
 
 
 # ------------------------------------------------------------------- traced code
