@@ -1,10 +1,14 @@
-"""meshinit's rule table against google-tunix's own Llama3 safetensors loader.
+"""meshinit against google-tunix's own safetensors loaders.
 
 tunix (0.1.7, Python 3.12) maps each Hugging Face key to an nnx path with a regex table
-whose transforms are ``(permute, reshape)``, transpose first. The same checkpoint,
-read by tunix's loader and by ``meshinit.safetensors.load`` through the rule table
-that ``docs/pretrained.md`` derives from tunix's, must give every parameter of
-tunix's own model bit for bit, on the same shardings. Skipped where tunix is not
+whose transforms are ``(permute, reshape)``, transpose first, then runs a preprocess
+step for some families (Qwen3's experts stacked, Gemma's q/k/v fused). The same
+checkpoint, read by tunix's loader and by ``meshinit.safetensors.load``, must give
+every parameter of tunix's own model bit for bit, on the same shardings: through the
+rule table that ``docs/pretrained.md`` derives by hand from tunix's Llama3 map, and
+through ``meshinit.tunix.names(cfg)``, which reads tunix's map itself, for every
+family (Llama3, Qwen2, Qwen3 dense and MoE, Gemma, Gemma3). What tunix's map asks
+that meshinit cannot express is refused before any read. Skipped where tunix is not
 installed (it is not a dependency); ``.ci/run`` runs it in ``.venv-tunix``, or::
 
     python3.12 -m venv /work/tunix312
@@ -153,11 +157,12 @@ FAMILIES = sorted(tm.LOADERS)
 DROPPED = {"gemma3": {"lm_head.weight": (CONFIG.vocab_size, tm.GEMMA3.embed_dim)}}
 
 
-def write_checkpoint(case, directory, seed=0):
-    """A Hugging Face checkpoint of ``case`` in two files, in the planned dtype (tunix
-    keeps the file's dtype, meshinit casts to the plan's: the same bits only when they
-    agree), every element distinct, and a config.json beside it."""
-    dtype = np.float32 if case != "gemma3" else ml_dtypes.bfloat16  # tunix's param dtypes
+def write_checkpoint(case, directory, seed=0, dtype=None):
+    """A Hugging Face checkpoint of ``case`` in two files, in the planned dtype unless
+    told (tunix keeps the file's dtype unless given ``dtype=``, meshinit casts to the
+    plan's), every element distinct, and a config.json beside it."""
+    if dtype is None:
+        dtype = np.float32 if case != "gemma3" else ml_dtypes.bfloat16  # tunix's param dtypes
     rng = np.random.default_rng(seed)
     shapes = tm.hf_shapes(case) | DROPPED.get(case, {})
     tensors = {k: rng.standard_normal(s, dtype=np.float32).astype(dtype) for k, s in shapes.items()}
@@ -203,6 +208,24 @@ def test_tunix_names_loads_what_tunix_loads_bit_for_bit_on_tunix_shardings(tmp_p
     assert len({t for r in found.reads.values() for t in r}) == len(tensors) - len(
         DROPPED.get(case, {})
     )
+
+
+@pytest.mark.slow
+def test_float32_files_are_cast_to_the_planned_bfloat16_as_tunix_casts_with_dtype(tmp_path):
+    write_checkpoint("gemma3", tmp_path, dtype=np.float32)
+    mesh = tm.mesh()
+    theirs = tm.arrays(
+        tm.gemma3_params.create_model_from_safe_tensors(
+            str(tmp_path), tm.GEMMA3, mesh=mesh, dtype=jax.numpy.bfloat16, mode="optimized"
+        )
+    )
+    plan = meshinit.nnx.plan(tm.gemma3_model, meshes=[(r".*", mesh)])
+    loaded = meshinit.safetensors.load(
+        plan, tmp_path, names=meshinit.tunix.names(tm.GEMMA3), unused="ignore"
+    )
+    assert {p: a.dtype for p, a in loaded.items()} == {p: a.dtype for p, a in theirs.items()}
+    differ = [p for p in loaded if tm.bits(loaded[p]).tobytes() != tm.bits(theirs[p]).tobytes()]
+    assert not differ, f"cast unlike tunix's dtype=bfloat16 at {differ}"
 
 
 def test_the_built_table_is_what_inventory_shows(tmp_path):
