@@ -223,3 +223,11 @@ def test_a_write_that_is_no_pad_is_refused():
 
     with pytest.raises(trace.Inexpressible, match="writing a .* tensor into a fill"):
         followed(hook, np.zeros((4, 6), np.float32), (6, 6))
+
+
+def test_a_stand_in_used_again_after_a_reshape_of_its_transpose_keeps_its_own_view():
+    x = trace.stand_in("w", (128, 64), np.float32)
+    split = x.T.reshape(64, 8, 16)  # splits an axis of x.T's view: x's own is untouched
+    assert trace.target(split) == st.Tensor("w", shape=(8, 16, 64), permute=(2, 0, 1))
+    assert trace.target(x.T) == st.Tensor("w", permute=(1, 0))
+    assert trace.target(x) == st.Tensor("w")

@@ -81,7 +81,13 @@ def reshaped(v: View, new: tuple[int, ...]) -> View:
     """``v`` reshaped to ``new``. The view's elements run row-major over its base
     axes in result order, so ``new``'s axes are runs of that sequence, a base axis
     split in two where a run ends inside it."""
-    v = dataclasses.replace(v, base=list(v.base), origin=list(v.origin), index=list(v.index))
+    v = dataclasses.replace(
+        v,
+        base=list(v.base),
+        origin=list(v.origin),
+        index=list(v.index),
+        groups=[list(g) for g in v.groups],  # split_axes renumbers them in place
+    )
     seq = [b for g in v.groups for b in g if v.base[b] != 1]
     groups = split_axes(v, seq, new)
     held = {b for g in groups for b in g}
