@@ -231,3 +231,80 @@ def test_a_stand_in_used_again_after_a_reshape_of_its_transpose_keeps_its_own_vi
     assert trace.target(split) == st.Tensor("w", shape=(8, 16, 64), permute=(2, 0, 1))
     assert trace.target(x.T) == st.Tensor("w", permute=(1, 0))
     assert trace.target(x) == st.Tensor("w")
+
+
+# ------------------------------------------------- the normal form and joins
+
+
+def test_the_simplest_form_is_given():
+    q = trace.stand_in("q", (128, 64), np.float32)  # tunix: transpose (1, 0), reshape
+    target = trace.target
+    assert target(q.transpose((1, 0)).reshape((64, 8, 16))) == st.Tensor(
+        "q", shape=(8, 16, 64), permute=(2, 0, 1)
+    )
+    assert target(q.transpose((1, 0))) == st.Tensor("q", permute=(1, 0))
+    assert target(q) == st.Tensor("q")
+    merged = q.reshape((2, 64, 64)).transpose((1, 0, 2)).reshape((64, -1))
+    assert target(merged) == st.Tensor(
+        "q", shape=(2, 64, 64), permute=(1, 0, 2), out_shape=(64, 128)
+    )
+    # side by side in the file: one axis of the reshape, not a merge of the view
+    assert target(q.reshape((8192,))) == st.Tensor("q", shape=(8192,))
+    assert target(q.reshape((2, 64, 64)).reshape((128, 64))) == st.Tensor("q")
+    # a slice whose reshape would copy keeps the merge in out_shape
+    assert target(q[:, :32].reshape((4096,))) == st.Tensor(
+        "q", index=np.s_[0:128, 0:32], out_shape=(4096,)
+    )
+
+
+def test_a_reshape_that_cuts_an_axis_unevenly_is_named():
+    w = trace.stand_in("w", (4, 3), np.float32)
+    with pytest.raises(trace.Inexpressible, match=r"a reshape to \(2, 6\) that cuts an axis"):
+        w.transpose((1, 0)).reshape((2, 6))
+
+
+@pytest.mark.parametrize(
+    "op, said",
+    [
+        (lambda w: w.transpose((0, 0)), r"transpose\(0, 0\) of a 2-d tensor"),
+        (lambda w: w.transpose((0, 2)), r"transpose\(0, 2\) of a 2-d tensor"),
+        (lambda w: w.reshape((5, -1)), r"a reshape of 12 elements to \(5, -1\)"),
+        (lambda w: w.reshape((-1, -1)), r"a reshape to \(-1, -1\)"),
+    ],
+)
+def test_a_step_numpy_refuses_is_named(op, said):
+    with pytest.raises(trace.Inexpressible, match=said):
+        op(trace.stand_in("w", (4, 3), np.float32))
+
+
+def test_joins_flatten_unit_slices_stack_and_equal_slices_split():
+    e = [trace.stand_in(f"e{i}", (4, 6), np.float32) for i in range(3)]
+    units = [x.reshape((1, 4, 6)) for x in e]
+    assert trace.target(trace.concatenate(units, 0)) == st.Stack(["e0", "e1", "e2"], axis=0)
+    inner = trace.concatenate(units[:2], 0), trace.concatenate(units[2:], 0)
+    assert trace.target(trace.concatenate(inner, 0)) == st.Stack(["e0", "e1", "e2"], axis=0)
+    cat = trace.concatenate([trace.concatenate(e[:2], 1), e[2]], 1)
+    assert trace.target(cat) == st.Concat(["e0", "e1", "e2"], axis=1)
+    # equal slices of one axis of one tensor, in order: a split of it, no join
+    halves = trace.stack([e[0][:, :3], e[0][:, 3:]], axis=0)
+    assert trace.target(halves) == st.Tensor("e0", shape=(4, 2, 3), permute=(1, 0, 2))
+    twice = trace.stack([e[0].T, e[1].T]).transpose((2, 0, 1)).transpose((0, 2, 1))
+    transposed = [st.Tensor(f"e{i}", permute=(1, 0)) for i in range(2)]
+    assert trace.target(twice) == st.Stack(transposed, axis=0, permute=(2, 1, 0))
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        trace.target,
+        lambda r: r.T,
+        lambda r: r.reshape(24),
+        lambda r: r[:2],
+        lambda r: trace.stack([r, r]),
+    ],
+    ids=["target", "transpose", "reshape", "slice", "stack"],
+)
+def test_a_refused_stand_in_names_why_where_it_is_used(use):
+    refused = trace.refused("the operation mul", (4, 6), np.float32)
+    with pytest.raises(trace.Inexpressible, match="^the operation mul$"):
+        use(refused)

@@ -1,21 +1,18 @@
-"""A framework's conversion hooks, followed on stand-ins of stored tensors (no data),
-turned into ``names=`` targets.
+"""Stored tensors followed without data, as :class:`Sym` stand-ins, turned into
+``names=`` targets: the one normal form of a framework's layout code.
 
-MaxText's hooks are small numpy programs ``hook(x, target_shape)``: a transpose and a
-reshape, a slice, a scale, a pad. Run on a :class:`Sym` (a stored tensor's name,
-shape and dtype, and what was done to it so far), each operation is recorded in a
-normal form that :class:`~meshinit.safetensors.Tensor` reads: a slice of the stored
-tensor, a reshape that only splits its axes, a permutation, a reshape that only
-merges side-by-side axes, then a scale and an offset. Joins (``np.stack``,
-``np.concatenate``) become :class:`~meshinit.safetensors.Stack` and
-:class:`~meshinit.safetensors.Concat`, zeros :class:`~meshinit.safetensors.Fill`,
-zeros with the tensor written at their origin :class:`~meshinit.safetensors.Pad`.
-
-The hook runs as written, as a copy of the function whose ``np``, ``jnp`` and
-``jax`` names are this module's namespaces (:func:`rebound`): nothing of numpy or
-jax is patched. Anything else, an operation that reads values (a comparison, a
-``bool()``, a conversion to an array) or one without a form here, raises
-:class:`Inexpressible` naming it, and the map is refused.
+A :class:`Sym` is a stored tensor's name, shape and dtype and what was done to it so
+far, kept as a :class:`~.views.View` that :class:`~meshinit.safetensors.Tensor` reads:
+a slice, a reshape that only splits axes, a permutation, a merge of side-by-side axes,
+a scale and an offset. Joins (:func:`stack`, :func:`concatenate`) become
+:class:`~meshinit.safetensors.Stack` and :class:`~meshinit.safetensors.Concat`, zeros
+:class:`~meshinit.safetensors.Fill`, zeros with the tensor written at their origin
+:class:`~meshinit.safetensors.Pad`. Two front-ends drive it: MaxText's numpy hooks
+``hook(x, target_shape)`` run as written on it (:func:`followed`; a copy of the hook
+whose ``np``, ``jnp`` and ``jax`` are this module's namespaces, :func:`rebound`:
+nothing of numpy or jax is patched), and jax code traced equation by equation
+(:mod:`.traced`). An operation that reads values (a comparison, ``bool()``, a
+conversion to an array) or has no form here raises :class:`Inexpressible` naming it.
 """
 
 from __future__ import annotations
@@ -29,9 +26,11 @@ from typing import Any
 import numpy as np
 
 from . import parts as _names
+from .reshape import merges as _merges
 from .views import Inexpressible as Inexpressible
 from .views import Pending as _Pending
 from .views import View as _View
+from .views import equal_slices as _equal_slices
 from .views import pending as _pending
 from .views import prod as _prod
 from .views import reshaped as _reshaped
@@ -45,8 +44,10 @@ class Sym:
     __array_priority__ = 1000
 
     def __init__(self, node: Any, shape: tuple[int, ...], dtype: Any, wide: Any = None):
-        self.node = node  # _View, or a finished target (Stack, Concat, Pad, Fill)
-        self.shape = tuple(int(d) for d in shape)
+        # a _View, a _Pending slice, a finished target (Stack, Concat, Pad, Fill), or
+        # the Inexpressible that made it (raised when it is used: see refused())
+        self.node = node
+        self.shape = tuple([int(d) for d in shape])
         self.dtype = np.dtype(dtype)
         self.wide = None if wide is None else np.dtype(wide)  # astype'd wider, to come back
 
@@ -75,28 +76,33 @@ class Sym:
         raise Inexpressible("iterating over the tensor")
 
     def _view(self, what: str) -> _View:
+        _unrefused(self)
         if not isinstance(self.node, _View):
             raise Inexpressible(f"{what} after a join, a pad or a fill")
         if self.wide is not None:
             raise Inexpressible(f"{what} in {self.wide.name} before casting back")
         return self.node
 
-    def _with(self, view: _View) -> Sym:
-        return Sym(view, view.shape, self.dtype, self.wide)
+    def _with(self, view: _View, shape: tuple[int, ...] | None = None) -> Sym:
+        out = object.__new__(Sym)  # what a Sym holds, as it is: one per step of a model
+        out.node, out.shape = view, view.shape if shape is None else shape
+        out.dtype, out.wide = self.dtype, self.wide
+        return out
 
     # ------------------------------------------------------------- layout
     def transpose(self, *axes: Any) -> Sym:
         if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], Sequence)):
             axes = tuple(axes[0]) if axes[0] is not None else ()
         n = self.ndim
-        order = [operator.index(a) % n for a in axes] if axes else list(range(n))[::-1]
+        order = [operator.index(a) for a in axes] if axes else list(range(n))[::-1]
+        order = [a % n if -n <= a < n else n for a in order]
         if sorted(order) != list(range(n)):
             raise Inexpressible(f"transpose{tuple(axes)} of a {n}-d tensor")
         if not isinstance(self.node, _View):
             return self._joined_permute(order)
-        v = dataclasses.replace(self._view("a transpose"))
-        v.groups = [v.groups[a] for a in order]
-        return self._with(v)
+        v = self._view("a transpose")
+        shape = tuple([self.shape[a] for a in order])
+        return self._with(v.regrouped([v.groups[a] for a in order]), shape)
 
     @property
     def T(self) -> Sym:  # noqa: N802 - numpy's name
@@ -111,6 +117,8 @@ class Sym:
         if len(shape) == 1 and not isinstance(shape[0], int | np.integer):
             shape = tuple(shape[0])
         new = _resolved(tuple(operator.index(d) for d in shape), self.size)
+        if new == self.shape:
+            return self
         if not isinstance(self.node, _View):
             return self._joined_reshape(new)
         return self._with(_reshaped(self._view("a reshape"), new))
@@ -202,36 +210,46 @@ class Sym:
 
     # ------------------------------------------------------------- after joins
     def _joined_reshape(self, new: tuple[int, ...]) -> Sym:
-        node = self.node
-        if not isinstance(node, _names.Stack | _names.Concat) or node.out_shape or node.permute:
-            raise Inexpressible("a reshape after a pad, a fill, or a reshaped join")
-        if _merge_groups(self.shape, new) is None:
-            raise Inexpressible(f"a reshape from {self.shape} to {new} that is no merge")
+        node = _unrefused(self)
+        if not isinstance(node, _names.Stack | _names.Concat) or node.permute:
+            raise Inexpressible("a reshape after a pad, a fill, or a transposed join")
+        # a merge of a merge is one: out_shape goes on from the join's own shape
+        if _merges(self.shape, new) is None:
+            raise Inexpressible(f"a reshape of joined parts from {self.shape} to {new}, no merge")
         return Sym(dataclasses.replace(node, out_shape=new), new, self.dtype)
 
     def _joined_permute(self, order: list[int]) -> Sym:
-        node = self.node
-        if not isinstance(node, _names.Stack | _names.Concat) or node.permute:
-            raise Inexpressible("a transpose after a pad, a fill, or a transposed join")
-        return Sym(
-            dataclasses.replace(node, permute=tuple(order)),
-            tuple(self.shape[a] for a in order),
-            self.dtype,
-        )
+        node = _unrefused(self)
+        if not isinstance(node, _names.Stack | _names.Concat):
+            raise Inexpressible("a transpose after a pad or a fill")
+        before = node.permute or tuple(range(len(order)))  # a transpose of one: one
+        node = dataclasses.replace(node, permute=tuple(before[a] for a in order))
+        return Sym(node, tuple(self.shape[a] for a in order), self.dtype)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         raise Inexpressible("writing into the tensor")
 
 
+def refused(why: str, shape: tuple[int, ...], dtype: Any) -> Sym:
+    """A value no target expresses, carrying why: :class:`Inexpressible` is raised
+    only where it is used (an operation on it, :func:`target`), so a value computed
+    and never used refuses nothing."""
+    return Sym(Inexpressible(why), shape, dtype)
+
+
+def _unrefused(x: Sym) -> Any:
+    """``x``'s node; :class:`Inexpressible` where ``x`` is :func:`refused`, or a slice
+    that only a join of all its kin can use."""
+    if isinstance(x.node, Inexpressible):
+        raise Inexpressible(str(x.node))
+    if isinstance(x.node, _Pending):
+        raise Inexpressible("a slice of an axis that a reshape split or merged")
+    return x.node
+
+
 def _work(dtype: np.dtype) -> np.dtype:
     """The dtype meshinit scales and offsets a planned dtype in."""
     return np.result_type(dtype, np.float32)
-
-
-def _merge_groups(view: tuple[int, ...], out: tuple[int, ...]) -> Any:
-    from .layout import merges
-
-    return merges(view, out)
 
 
 # ----------------------------------------------------------------- joins and fills
@@ -241,17 +259,16 @@ def target(x: Any) -> _names.Target:
     """What ``x`` (a hook's result) reads, as a ``names=`` target."""
     if not isinstance(x, Sym):
         raise Inexpressible(f"a result that is not the stored tensor ({type(x).__name__})")
-    if isinstance(x.node, _View):
-        return x.node.target()
-    if isinstance(x.node, _Pending):
-        raise Inexpressible("a slice of an axis that a reshape split or merged")
-    return x.node
+    node = _unrefused(x)
+    return node.target() if isinstance(node, _View) else node
 
 
 def _part(x: Any) -> Any:
     """A join's part: a stand-in's target, or a constant array as a fill."""
     if isinstance(x, Sym):
         return target(x)
+    if isinstance(x, _names.PARTS):
+        return x
     arr = np.asarray(x)
     if arr.size and (arr == arr.flat[0]).all():
         return _names.Fill(arr.flat[0].item(), arr.shape)
@@ -267,88 +284,69 @@ def _shape_of(x: Any) -> tuple[int, ...]:
 
 
 def stack(xs: Sequence[Any], axis: int = 0, **_: Any) -> Sym:
+    """``np.stack(xs, axis)``: a :class:`~.parts.Stack`, or, of all the equal slices of
+    one axis of one view in order (:func:`.views.equal_slices`), a split of that axis."""
     xs = list(xs)
     shape = _shape_of(xs[0])
-    n = len(shape) + 1
+    n, k = len(shape) + 1, len(xs)
     axis = operator.index(axis) % n
-    out = (*shape[:axis], len(xs), *shape[axis:])
-    dtype = _dtype_of(xs)
-    chunks = _chunks(xs)
-    if chunks is not None:  # equal slices of one axis of one tensor: split it, no join
-        whole, a = chunks
-        split = whole.reshape(
-            (*whole.shape[:a], len(xs), whole.shape[a] // len(xs), *whole.shape[a + 1 :])
-        )
+    views = all(isinstance(x, Sym) and x.wide is None for x in xs)
+    found = _equal_slices([x.node for x in xs]) if views else None
+    if found is not None:
+        view, a = found
+        whole = Sym(view, view.shape, xs[0].dtype)
+        split = whole.reshape((*view.shape[:a], k, view.shape[a] // k, *view.shape[a + 1 :]))
         order = [d for d in range(n) if d != a]
         order.insert(axis, a)
         return split.transpose(order)
-    return Sym(_names.Stack(tuple(_part(x) for x in xs), axis), out, dtype)
+    out = (*shape[:axis], k, *shape[axis:])
+    return Sym(_names.Stack(tuple(_part(x) for x in xs), axis), out, _dtype_of(xs))
 
 
 def concatenate(xs: Sequence[Any], axis: int = 0, **_: Any) -> Sym:
+    """``np.concatenate(xs, axis)``: a :class:`~.parts.Concat`, flattening parts that
+    are concatenations along ``axis``. Where every part is a unit slice along ``axis``
+    (as ``np.stack`` makes them) or a stack along it, a :func:`stack` of them (jax's
+    ``jnp.stack`` of many operands concatenates at most 16 at a time)."""
     xs = list(xs)
+    if len(xs) == 1 and isinstance(xs[0], Sym):
+        return xs[0]
     shape = list(_shape_of(xs[0]))
     axis = operator.index(axis) % len(shape)
     shape[axis] = sum(_shape_of(x)[axis] for x in xs)
-    return Sym(_names.Concat(tuple(_part(x) for x in xs), axis), tuple(shape), _dtype_of(xs))
+    try:
+        items = [_stacked(x, axis) for x in xs]
+    except Inexpressible:  # a unit part that is no view (a pad, a transposed join)
+        items = [None]
+    if None not in items:
+        flat = [p for i in items for p in i or ()]
+        if all(isinstance(p, Sym) for p in flat):
+            return stack(flat, axis)
+        stacked = _names.Stack(tuple(_part(p) for p in flat), axis)
+        return Sym(stacked, tuple(shape), _dtype_of(xs))
+    parts = [p for x in xs for p in _flat(_part(x), _names.Concat, axis)]
+    return Sym(_names.Concat(tuple(parts), axis), tuple(shape), _dtype_of(xs))
 
 
-def _halves(xs: list[Any]) -> tuple[Sym, int] | None:
-    """Where ``xs`` are all the equal slices of one split axis, in order: the view and
-    the axis (HF's rotary halves of a head's dims)."""
-    if len(xs) < 2 or not all(isinstance(x, Sym) and isinstance(x.node, _Pending) for x in xs):
+def _stacked(x: Any, axis: int) -> list[Any] | None:
+    """``x`` as parts stacked along ``axis`` (a stack's own parts, a unit slice less
+    that axis), or None."""
+    if isinstance(x, Sym) and _plain(x.node, _names.Stack, axis):
+        return list(x.node.parts)
+    shape = _shape_of(x)
+    squeezed = (*shape[:axis], *shape[axis + 1 :])
+    if shape[axis] != 1:
         return None
-    first = xs[0].node
-    n = first.view.shape[first.axis]
-    size = first.stop - first.start
-    ok = all(
-        x.node.view is first.view
-        and x.node.axis == first.axis
-        and x.node.start == k * size
-        and x.node.stop == (k + 1) * size
-        for k, x in enumerate(xs)
-    )
-    if not ok or size * len(xs) != n:
-        return None
-    return Sym(first.view, first.view.shape, xs[0].dtype), first.axis
+    return [x.reshape(squeezed) if isinstance(x, Sym) else np.asarray(x).reshape(squeezed)]
 
 
-def _chunks(xs: list[Any]) -> tuple[Sym, int] | None:
-    if (found := _halves(xs)) is not None:
-        return found
-    """Where ``xs`` are consecutive equal slices of one axis of one view (HF's rotary
-    halves, say): that view, sliced to their span, and the axis; else None."""
-    if len(xs) < 2 or not all(isinstance(x, Sym) and isinstance(x.node, _View) for x in xs):
-        return None
-    views = [x.node for x in xs]
-    first = views[0]
-    differ = [a for a in range(len(first.stored)) if len({str(v.index[a]) for v in views}) > 1]
-    if len(differ) != 1 or any(x.wide for x in xs):
-        return None
-    a = differ[0]
+def _plain(t: Any, kind: type[_names.Stack | _names.Concat], axis: int) -> bool:
+    """Whether ``t`` is a ``kind`` join along ``axis``, neither reshaped nor permuted."""
+    return isinstance(t, kind) and t.axis == axis and t.out_shape is None and t.permute is None
 
-    def same(v: _View) -> bool:
-        return (v.name, v.scale, v.offset) == (first.name, first.scale, first.offset)
 
-    bounds = [v.index[a].indices(v.stored[a]) for v in views]
-    size = bounds[0][1] - bounds[0][0]
-    ok = all(same(v) for v in views) and all(
-        b[2] == 1 and b[1] - b[0] == size and b[0] == bounds[0][0] + k * size
-        for k, b in enumerate(bounds)
-    )
-    ok = ok and all(
-        [(len(g), v.origin[g[0]] if len(g) == 1 else None) for g in v.groups]
-        == [(len(g), first.origin[g[0]] if len(g) == 1 else None) for g in first.groups]
-        and v.base == first.base
-        for v in views
-    )
-    axis = [i for i, g in enumerate(first.groups) if len(g) == 1 and first.origin[g[0]] == a]
-    if not ok or len(axis) != 1:
-        return None
-    whole = dataclasses.replace(first, index=list(first.index), base=list(first.base))
-    whole.index[a] = slice(bounds[0][0], bounds[0][0] + size * len(xs), 1)
-    whole.base[first.groups[axis[0]][0]] = size * len(xs)
-    return Sym(whole, whole.shape, xs[0].dtype), axis[0]
+def _flat(t: Any, kind: type[_names.Stack | _names.Concat], axis: int) -> tuple[Any, ...]:
+    return t.parts if _plain(t, kind, axis) else (t,)
 
 
 class _Filled(Sym):

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import parts as _names
+from .reshape import viewable
 
 
 class Inexpressible(Exception):
@@ -40,24 +41,87 @@ class View:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(math.prod(self.base[b] for b in g) for g in self.groups)
+        return tuple(math.prod([self.base[b] for b in g]) for g in self.groups)
+
+    def regrouped(self, groups: list[list[int]]) -> View:
+        """This view with ``groups`` (its lists shared: a step copies what it changes)."""
+        return View(
+            self.name,
+            self.stored,
+            self.index,
+            self.base,
+            self.origin,
+            groups,
+            self.scale,
+            self.offset,
+        )
 
     def target(self) -> _names.Tensor:
-        sliced = tuple(
-            len(range(*s.indices(n))) for s, n in zip(self.index, self.stored, strict=True)
-        )
-        order = [b for g in self.groups for b in g]
-        merged = any(len(g) != 1 for g in self.groups)
+        """The :class:`~.parts.Tensor` that reads this view, in its simplest form: base
+        axes that a result axis merges and that lie side by side in the stored order
+        are one axis of the reshape (``shape=(24,)``, not ``out_shape=(24,)``), which
+        a sharding may cut anywhere."""
         whole = all(s == slice(0, n, 1) for s, n in zip(self.index, self.stored, strict=True))
+        sliced = (
+            self.stored
+            if whole
+            else tuple(
+                len(range(*s.indices(n))) for s, n in zip(self.index, self.stored, strict=True)
+            )
+        )
+        base, groups = _fewest(self, *_units_in_place(self.base, self.groups), whole)
+        order = [b for g in groups for b in g]
+        merged = any(len(g) != 1 for g in groups)
         return _names.Tensor(
             self.name,
             index=None if whole else tuple(self.index),
-            shape=None if tuple(self.base) == sliced else tuple(self.base),
+            shape=None if tuple(base) == sliced else tuple(base),
             permute=None if order == sorted(order) else tuple(order),
             out_shape=self.shape if merged else None,
             scale=self.scale,
             **({} if self.offset is None else {"offset": self.offset}),
         )
+
+
+def _units_in_place(base: list[int], groups: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """``base`` and ``groups`` with each base axis of size 1 moved (which changes no
+    value) to just after the one before it in the result: no permutation for them."""
+    flat = [b for g in groups for b in g]
+    units = {b for b in flat if base[b] == 1}
+    if not units:
+        return base, groups
+    order = [b for b in range(len(base)) if b not in units]
+    for i, b in enumerate(flat):
+        if b in units:
+            order.insert(order.index(flat[i - 1]) + 1 if i else 0, b)
+    renumber = {b: k for k, b in enumerate(order)}
+    return [base[b] for b in order], [[renumber[b] for b in g] for g in groups]
+
+
+def _fewest(
+    v: View, base: list[int], groups: list[list[int]], whole: bool
+) -> tuple[list[int], list[list[int]]]:
+    """``base`` and ``groups`` (``v``'s) with every pair of base axes ``b, b + 1``
+    that one group holds in that order merged into one (where the sliced tensor still
+    reshapes to it without a copy)."""
+    base, groups = list(base), [list(g) for g in groups]
+    merged = True
+    while merged:
+        merged = False
+        for g in groups:
+            for j, b in enumerate(g[:-1]):
+                if g[j + 1] != b + 1:
+                    continue
+                fewer = [*base[:b], base[b] * base[b + 1], *base[b + 2 :]]
+                if not (whole or viewable(v.stored, (*v.index,), (*fewer,))):
+                    continue
+                base, g[j : j + 2], merged = fewer, [b], True
+                for h in groups:
+                    h[:] = [x - 1 if x > b else x for x in h]
+                break
+            if merged:
+                break
+    return base, groups
 
 
 def prod(xs: Sequence[int]) -> int:
@@ -240,3 +304,55 @@ def pending(v: View, key: Any) -> Pending | None:
         return None
     a, (start, stop, _) = cut[0]
     return Pending(v, a, start, stop) if stop > start else None
+
+
+def equal_slices(nodes: Sequence[Any]) -> tuple[View, int] | None:
+    """Where ``nodes`` are consecutive equal slices of one axis of one view, in order
+    (HF's rotary halves of a head's dims, say): that view, sliced to their span, and
+    the axis; else None. A join of them is a split of that axis."""
+    if len(nodes) < 2:
+        return None
+    if all(isinstance(n, Pending) for n in nodes):
+        return _halves(nodes)
+    if not all(isinstance(n, View) for n in nodes):
+        return None
+    first = nodes[0]
+    if any(v.name != first.name for v in nodes):
+        return None
+    differ = [a for a in range(len(first.stored)) if len({str(v.index[a]) for v in nodes}) > 1]
+    if len(differ) != 1:
+        return None
+    a = differ[0]
+
+    def same(v: View) -> bool:
+        return (v.scale, v.offset) == (first.scale, first.offset)
+
+    def layout(v: View) -> list[tuple[int, int | None]]:
+        return [(len(g), v.origin[g[0]] if len(g) == 1 else None) for g in v.groups]
+
+    bounds = [v.index[a].indices(v.stored[a]) for v in nodes]
+    size = bounds[0][1] - bounds[0][0]
+    ok = all(same(v) and layout(v) == layout(first) and v.base == first.base for v in nodes)
+    ok = ok and all(
+        b[2] == 1 and b[1] - b[0] == size and b[0] == bounds[0][0] + k * size
+        for k, b in enumerate(bounds)
+    )
+    axis = [i for i, g in enumerate(first.groups) if len(g) == 1 and first.origin[g[0]] == a]
+    if not ok or len(axis) != 1:
+        return None
+    whole = dataclasses.replace(first, index=list(first.index), base=list(first.base))
+    whole.index[a] = slice(bounds[0][0], bounds[0][0] + size * len(nodes), 1)
+    whole.base[first.groups[axis[0]][0]] = size * len(nodes)
+    return whole, axis[0]
+
+
+def _halves(nodes: Sequence[Pending]) -> tuple[View, int] | None:
+    """Where ``nodes`` are all the equal slices of one split axis of a view, in order:
+    the view and the axis."""
+    first = nodes[0]
+    size = first.stop - first.start
+    ok = size * len(nodes) == first.view.shape[first.axis] and all(
+        (n.view, n.axis, n.start, n.stop) == (first.view, first.axis, k * size, (k + 1) * size)
+        for k, n in enumerate(nodes)
+    )
+    return (first.view, first.axis) if ok else None
