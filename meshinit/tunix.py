@@ -12,7 +12,8 @@ at load time, from the installed tunix, for the checkpoint's own tensors::
 
 Each stored tensor goes through tunix's own regex match (``torch_key_to_jax_key``)
 and transform; the preprocess step is run by jax on abstract values (no data) and
-followed operation by operation (:mod:`meshinit._load.traced`). What tunix asks that a
+followed operation by operation on stand-ins of the stored tensors
+(:mod:`meshinit._load.trace`, through :mod:`meshinit._load.traced`). What tunix asks that a
 target cannot express is a problem naming the parameter, and any problem refuses the
 whole map before a byte is read. tunix is imported only when a table is built.
 """
@@ -30,6 +31,8 @@ import jax
 import numpy as np
 
 from ._errors import Problem
+from ._load import parts as _parts
+from ._load import trace as _trace
 from ._load import traced as _traced
 from ._load.framework import Checkpoint, FrameworkMap
 from ._load.header import READABLE
@@ -140,16 +143,16 @@ class _TunixMap(FrameworkMap):
             return {}, [Problem("", f"meshinit.tunix.names needs google-tunix: {e}; {fix}")]
         if problems:
             return {}, problems
-        nodes, dtypes, problems = _mapped(key_map, checkpoint, family)
+        syms, dtypes, problems = _mapped(key_map, checkpoint, family)
         if preprocess is not None and not problems:
             try:
-                nodes = _traced.trace(preprocess, nodes, dtypes)
+                syms = _traced.trace(preprocess, syms, dtypes)
             except Exception as e:  # noqa: BLE001 - tunix's own code, on these shapes
                 what = f"{type(e).__name__}: {e}"
                 problems.append(Problem("", f"{family}: its preprocess step failed ({what})"))
         if problems:
             return {}, problems
-        return _assembled(nodes, checkpoint, family)
+        return _assembled(syms, checkpoint, family)
 
 
 def _version() -> str:
@@ -231,12 +234,12 @@ def _transform(t: Any) -> bool:
 
 def _mapped(
     key_map: Mapping[str, Any], checkpoint: Checkpoint, family: str
-) -> tuple[dict[str, _traced.Node], dict[str, Any], list[Problem]]:
+) -> tuple[dict[str, _trace.Sym], dict[str, Any], list[Problem]]:
     """Each stored tensor as tunix's loader has it before its preprocess step: by
     tunix's own regex match, transposed, then reshaped."""
     from tunix.utils.torch_utils import torch_key_to_jax_key
 
-    nodes: dict[str, _traced.Node] = {}
+    syms: dict[str, _trace.Sym] = {}
     dtypes: dict[str, Any] = {}
     problems = []
     for name, (shape, dtype) in sorted(checkpoint.tensors.items()):
@@ -244,30 +247,38 @@ def _mapped(
             key, transform = torch_key_to_jax_key(key_map, name)
         except ValueError:  # no regex, or several: tunix skips it, and so is it here
             continue
-        if key in nodes:
-            first = _traced.tensors(nodes[key])[0]
+        if key in syms:
+            first = ", ".join(_read(syms[key]))
             problems.append(Problem(key, f"{family} maps both {first} and {name} here"))
             continue
-        node: _traced.Node = _traced.stored(name, shape)
+        dtypes[key] = READABLE.get(dtype, np.dtype(np.float32))
+        sym = _trace.stand_in(name, tuple(shape), dtypes[key])
         try:
             if transform is not None:  # as tunix's loader: permute, then reshape
                 permute, reshape = transform
                 if permute:
-                    node = _traced.permuted(node, permute)
+                    sym = sym.transpose(tuple(permute))
                 if reshape:
-                    node = _traced.reshaped(node, reshape)
-        except ValueError as e:
+                    sym = sym.reshape(tuple(reshape))
+        except _trace.Inexpressible as e:
             problems.append(
                 Problem(key, f"{family}: {name} {tuple(shape)} by {tuple(transform)}: {e}")
             )
             continue
-        nodes[key] = node
-        dtypes[key] = READABLE.get(dtype, np.dtype(np.float32))
-    return nodes, dtypes, problems
+        syms[key] = sym
+    return syms, dtypes, problems
+
+
+def _read(sym: _trace.Sym) -> list[str]:
+    """The names of the stored tensors ``sym`` reads, in order (none if it is refused)."""
+    try:
+        return [t.name for t in _parts.leaves(_trace.target(sym))]
+    except _trace.Inexpressible:
+        return []
 
 
 def _assembled(
-    nodes: Mapping[str, _traced.Node], checkpoint: Checkpoint, family: str
+    syms: Mapping[str, _trace.Sym], checkpoint: Checkpoint, family: str
 ) -> tuple[dict[str, Target | None], list[Problem]]:
     """The table over the plan's paths (tunix's loader looks a path up as it is or
     with ``.value``), with every path nothing fills and every tensor sent nowhere."""
@@ -275,7 +286,7 @@ def _assembled(
     problems = []
     used = set()
     for path, (shape, dtype) in checkpoint.planned.items():
-        key = next((k for k in (path, f"{path}.value") if k in nodes), None)
+        key = next((k for k in (path, f"{path}.value") if k in syms), None)
         if key is None:
             if _rng_state(shape, dtype):
                 table[path] = None
@@ -283,15 +294,14 @@ def _assembled(
                 problems.append(Problem(path, f"{family}: no stored tensor maps to it"))
             continue
         used.add(key)
-        found = _traced.target(nodes[key])
-        if isinstance(found, str):
-            problems.append(Problem(path, f"{family}: {found}: no target expresses it"))
-        else:
-            table[path] = found
-    for key in sorted(set(nodes) - used):
+        try:
+            table[path] = _trace.target(syms[key])
+        except _trace.Inexpressible as e:
+            problems.append(Problem(path, f"{family}: {e}: no target expresses it"))
+    for key in sorted(set(syms) - used):
         if key.startswith("unused."):  # tunix's own name for what it drops
             continue
-        read = ", ".join(_traced.tensors(nodes[key])) or "a value"
+        read = ", ".join(_read(syms[key])) or "a value"
         problems.append(Problem(key, f"{family} maps {read} here: not a path of the plan"))
     return table, problems
 
