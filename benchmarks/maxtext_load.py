@@ -2,8 +2,8 @@
 against ``meshinit.safetensors.load``, on the same file, in fresh processes (issue 41).
 
 The checkpoint is one ``model.safetensors`` in Hugging Face's names and layouts, bf16,
-of a Llama of ``--layers`` layers (default 16: emb 1536, 12 query heads and 4 kv heads
-of 128, mlp 4096, vocab 32000; about 1 GB). MaxText's model is its NNX ``Transformer``
+of a Llama of ``--layers`` layers (default 32, 2.0 GB: emb 1536, 12 query heads and 4 kv heads
+of 128, mlp 4096, vocab 32000; with its ``config.json``). MaxText's model is its NNX ``Transformer``
 on that config (``weight_dtype=bfloat16``, ``scan_layers=True``) on MaxText's own mesh
 (fsdp=4, tensor=2) of 8 simulated CPU devices, with MaxText's own logical axis rules.
 
@@ -26,6 +26,11 @@ sharding must be the same in both, or the run fails. Best of ``--repeats`` round
 routes taking turns; the file is read once first, so the page cache is warm for both.
 
 Goals (issue 41): meshinit at most 0.2x MaxText's time and at most 0.5x its peak RSS.
+Issue 49 adds a fourth process, ``framework``: the same load with
+``names=meshinit.maxtext.names(config)`` (MaxText's own map and hooks, followed at
+load time against the checkpoint's ``config.json``) in place of the hand-written table;
+goals: at most 0.2x MaxText's time and 0.4x its peak RSS, within 1.2x of the
+hand-written table's time, bytes read / owned 1.000 (printed for both tables).
 
 MaxText needs Python 3.12 and jax >= 0.11.1 (``pip install 'maxtext[tpu]==0.2.5'`` in a
 venv of its own). Where it is not installed, this prints a note and exits 0.
@@ -107,7 +112,24 @@ def write(directory: Path, layers: int) -> int:
         for name, shape in tests_helpers().hf_shapes(config).items()
     }
     save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(hf_config(layers).to_dict()))
     return sum(a.nbytes for a in tensors.values())
+
+
+def hf_config(layers: int):
+    """The Hugging Face config of the checkpoint: its config.json, and the entry MaxText's
+    own conversion looks the model up in."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        num_hidden_layers=layers,
+        head_dim=SIZE["head_dim"],
+        hidden_size=SIZE["base_emb_dim"],
+        num_attention_heads=SIZE["base_num_query_heads"],
+        num_key_value_heads=SIZE["base_num_kv_heads"],
+        intermediate_size=SIZE["base_mlp_dim"],
+        vocab_size=SIZE["vocab_size"],
+    )
 
 
 def fingerprint(params: dict) -> dict[str, str]:
@@ -149,20 +171,11 @@ def case(step: str, directory: str, layers: int) -> dict:
 
     out = Path(directory) / "maxtext"
     if step == "convert":  # MaxText's to_maxtext, as its __main__ runs it
-        import transformers
         from maxtext.checkpoint_conversion import to_maxtext
 
         jax.config.update("jax_default_prng_impl", "unsafe_rbg")
         config, argv, args = config_for(layers, base_output_directory=out)
-        to_maxtext.HF_MODEL_CONFIGS[MODEL] = transformers.LlamaConfig(
-            num_hidden_layers=layers,
-            head_dim=SIZE["head_dim"],
-            hidden_size=SIZE["base_emb_dim"],
-            num_attention_heads=SIZE["base_num_query_heads"],
-            num_key_value_heads=SIZE["base_num_kv_heads"],
-            intermediate_size=SIZE["base_mlp_dim"],
-            vocab_size=SIZE["vocab_size"],
-        )
+        to_maxtext.HF_MODEL_CONFIGS[MODEL] = hf_config(layers)
         start_rss, start = rss(), time.perf_counter()
         to_maxtext.main(
             argv + [f"{k}={v}" for k, v in args.items()],
@@ -182,8 +195,15 @@ def case(step: str, directory: str, layers: int) -> dict:
 
         config, _, _ = config_for(layers)
         mesh = maxtext_utils.get_mesh_from_config(config)
-        table = tests_helpers().names_table(config)
         start_rss, start = rss(), time.perf_counter()
+        if step == "framework":  # MaxText's own map, built at load time
+            table = meshinit.maxtext.names(config)
+        else:  # the hand-written table of tests/maxtext_models.py
+            table = tests_helpers().names_table(config)
+        read = []
+        jax.monitoring.register_scalar_listener(
+            lambda name, value, **_: read.append(value) if name == BYTES_READ else None
+        )
         factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
         rules = config.logical_axis_rules
         with jax.set_mesh(mesh):
@@ -196,7 +216,22 @@ def case(step: str, directory: str, layers: int) -> dict:
     seconds, peak = time.perf_counter() - start, peak_rss()
     nbytes = sum(a.nbytes for a in params.values())
     prints = fingerprint(params)
-    return {"seconds": seconds, "rss": start_rss, "peak": peak, "nbytes": nbytes, "params": prints}
+    out = {"seconds": seconds, "rss": start_rss, "peak": peak, "nbytes": nbytes, "params": prints}
+    if step not in ("convert", "restore"):
+        out["read"], out["owned"] = sum(read), owned(loaded)
+    return out
+
+
+BYTES_READ = "/meshinit/safetensors/bytes_read"
+
+
+def owned(loaded: dict) -> int:
+    """The bytes of this process's distinct blocks of every loaded array."""
+    total = 0
+    for array in loaded.values():
+        blocks = {str(s.index): s.data.nbytes for s in array.addressable_shards}
+        total += sum(blocks.values())
+    return total
 
 
 def spawn(step: str, directory: str, layers: int, timeout: float) -> dict:
@@ -219,7 +254,7 @@ def gb(n: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dir", help="where to write the checkpoint (default: a temporary folder)")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -243,7 +278,7 @@ def main() -> int:
         failed, compared = [], 0
         for _ in range(args.repeats):
             runs = {}
-            for step in ("convert", "restore", "meshinit"):
+            for step in ("convert", "restore", "meshinit", "framework"):
                 r = runs[step] = spawn(step, tmp, args.layers, args.timeout)
                 shown = r.get("error") or f"{r['seconds']:.2f} s, peak RSS {gb(r['peak'])}"
                 print(f"{step}: {shown}", file=sys.stderr)
@@ -257,11 +292,14 @@ def main() -> int:
                     "rss": runs["restore"]["rss"],
                 },
                 "meshinit": runs["meshinit"],
+                "framework": runs["framework"],
             }
-            theirs, ours = runs["restore"].pop("params"), runs["meshinit"].pop("params")
-            if theirs != ours:  # every round: the same model, or the run fails
-                differ = [p for p in theirs if theirs[p] != ours.get(p)] or sorted(ours)
-                failed.append(f"the models differ (bytes or sharding) at {differ[:5]}")
+            theirs = runs["restore"].pop("params")
+            for name in ("meshinit", "framework"):
+                ours = runs[name].pop("params")
+                if theirs != ours:  # every round: the same model, or the run fails
+                    differ = [p for p in theirs if theirs[p] != ours.get(p)] or sorted(ours)
+                    failed.append(f"{name}: the models differ (bytes or sharding) at {differ[:5]}")
             compared = len(ours)
             for name, r in route.items():
                 if name not in best or r["seconds"] < best[name]["seconds"]:
@@ -274,13 +312,23 @@ def main() -> int:
         for name, r in (("convert", parts["convert"]), ("restore", parts["restore"])):
             print(f"| MaxText: {name} | {r['seconds']:.2f} s | {gb(r['peak'])} | {gb(r['rss'])} |")
         print(f"| MaxText's route | {t['seconds']:.2f} s | {gb(t['peak'])} | |")
-        print(f"| meshinit | {m['seconds']:.2f} s | {gb(m['peak'])} | {gb(m['rss'])} |")
+        f = best["framework"]
+        for name, r in (("meshinit, hand-written table", m), ("meshinit, maxtext.names", f)):
+            print(f"| {name} | {r['seconds']:.2f} s | {gb(r['peak'])} | {gb(r['rss'])} |")
         print(
-            f"| meshinit / MaxText | {m['seconds'] / t['seconds']:.3f}x (goal 0.2x) | "
+            f"| hand-written / MaxText | {m['seconds'] / t['seconds']:.3f}x (goal 0.2x) | "
             f"{m['peak'] / t['peak']:.3f}x (goal 0.5x) | |"
         )
-        if compared and not any("differ" in f for f in failed):
-            print(f"every Param of both models: same bytes, same sharding ({compared})")
+        print(
+            f"| maxtext.names / MaxText | {f['seconds'] / t['seconds']:.3f}x (goal 0.2x) | "
+            f"{f['peak'] / t['peak']:.3f}x (goal 0.4x) | |"
+        )
+        ratio = f["seconds"] / m["seconds"]
+        print(f"| maxtext.names / hand-written | {ratio:.3f}x (goal 1.2x) | | |")
+        for name, r in (("hand-written", m), ("maxtext.names", f)):
+            print(f"{name}: bytes read / owned = {r['read'] / r['owned']:.3f}")
+        if compared and not any("differ" in line for line in failed):
+            print(f"every Param of the three models: same bytes, same sharding ({compared})")
     for line in failed:
         print(f"FAILED: {line}", file=sys.stderr)
     return 1 if failed else 0

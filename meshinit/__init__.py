@@ -43,7 +43,7 @@ def _version() -> str:
 
 __version__ = _version()
 
-_ADAPTERS = ("nnx", "eqx", "optax", "linen", "safetensors")
+_ADAPTERS = ("nnx", "eqx", "optax", "linen", "safetensors", "maxtext", "tunix")
 
 
 def __getattr__(name: str):

@@ -57,7 +57,7 @@ def _reference_names() -> list[str]:
     names += [f"meshinit.nnx.{n}" for n in meshinit.nnx.__all__]
     names += [f"meshinit.eqx.{n}" for n in meshinit.eqx.__all__]
     names += [
-        f"meshinit.{m}.{n}" for m in ("optax", "linen", "safetensors") for n in _adapter(m).__all__
+        f"meshinit.{m}.{n}" for m in ("optax", "linen", "safetensors", "maxtext") for n in _adapter(m).__all__
     ]
     for cls in CLASSES:
         names += [f"meshinit.{cls.__name__}.{n}" for n in _public_members(cls)]
@@ -98,7 +98,7 @@ def _documented_objects() -> list[tuple[str, object]]:
     objects = [(f"meshinit.{n}", getattr(meshinit, n)) for n in _top_level_names()]
     objects += [(f"meshinit.nnx.{n}", getattr(meshinit.nnx, n)) for n in meshinit.nnx.__all__]
     objects += [(f"meshinit.eqx.{n}", getattr(meshinit.eqx, n)) for n in meshinit.eqx.__all__]
-    for m in ("optax", "linen", "safetensors"):
+    for m in ("optax", "linen", "safetensors", "maxtext"):
         objects += [(f"meshinit.{m}.{n}", getattr(_adapter(m), n)) for n in _adapter(m).__all__]
     for cls in CLASSES:
         objects += [(f"meshinit.{cls.__name__}.{n}", vars(cls)[n]) for n in _public_members(cls)]
@@ -112,6 +112,7 @@ def test_the_public_surface_is_what_the_docs_cover():
     assert sorted(meshinit.eqx.__all__) == ["init", "materialize", "plan"]
     assert sorted(meshinit.optax.__all__) == ["abstract", "init"]
     assert sorted(meshinit.linen.__all__) == ["init", "plan"]
+    assert meshinit.maxtext.__all__ == ["names"]
     assert sorted(meshinit.safetensors.__all__) == [
         "Checkpoint",
         "Concat",

@@ -126,7 +126,7 @@ LAYERS = (
     ("_run.*",),
     ("_engine.*",),
     ("_load.*",),
-    ("optax", "safetensors", "_adapters.*", "nnx", "linen", "eqx"),
+    ("optax", "safetensors", "maxtext", "tunix", "_adapters.*", "nnx", "linen", "eqx"),
     ("", "_cli.*", "__main__"),
 )
 

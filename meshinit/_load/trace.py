@@ -21,8 +21,6 @@ jax is patched. Anything else, an operation that reads values (a comparison, a
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import operator
 import types
 from collections.abc import Callable, Sequence
@@ -31,51 +29,14 @@ from typing import Any
 import numpy as np
 
 from . import names as _names
-
-
-class Inexpressible(Exception):
-    """A hook asked for an operation no ``names=`` target can express."""
-
-
-@dataclasses.dataclass
-class _View:
-    """One stored tensor: ``stored[index]`` reshaped to ``base`` (only splits: each
-    base axis is a piece of one sliced axis), its axes in the order of ``groups``
-    flattened, each group merged into one result axis."""
-
-    name: str
-    stored: tuple[int, ...]
-    index: list[slice]
-    base: list[int]  # sizes, row-major in the sliced tensor
-    origin: list[int | None]  # the stored axis a base axis is all of, None if split
-    groups: list[list[int]]  # result axes: base positions
-    scale: float | None = None
-    offset: float | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(math.prod(self.base[b] for b in g) for g in self.groups)
-
-    def target(self) -> _names.Tensor:
-        sliced = tuple(
-            len(range(*s.indices(n))) for s, n in zip(self.index, self.stored, strict=True)
-        )
-        order = [b for g in self.groups for b in g]
-        merged = any(len(g) != 1 for g in self.groups)
-        whole = all(s == slice(0, n, 1) for s, n in zip(self.index, self.stored, strict=True))
-        return _names.Tensor(
-            self.name,
-            index=None if whole else tuple(self.index),
-            shape=None if tuple(self.base) == sliced else tuple(self.base),
-            permute=None if order == sorted(order) else tuple(order),
-            out_shape=self.shape if merged else None,
-            scale=self.scale,
-            **({} if self.offset is None else {"offset": self.offset}),
-        )
-
-
-def _prod(xs: Sequence[int]) -> int:
-    return math.prod(xs)
+from .views import Inexpressible as Inexpressible
+from .views import Pending as _Pending
+from .views import View as _View
+from .views import pending as _pending
+from .views import prod as _prod
+from .views import reshaped as _reshaped
+from .views import resolved as _resolved
+from .views import sliced as _sliced
 
 
 class Sym:
@@ -178,14 +139,12 @@ class Sym:
     # ------------------------------------------------------------- values
     def astype(self, dtype: Any, **_: Any) -> Sym:
         dtype = np.dtype(dtype)
-        if dtype == self.dtype:
-            return self if self.wide is None or dtype != self.wide else self
-        if self.wide is not None and dtype == self.dtype:
+        if dtype == (self.wide or self.dtype):
+            return self
+        if dtype == self.dtype:  # back to the planned dtype: rounded, as a scale rounds
             return Sym(self.node, self.shape, self.dtype)
-        if self.wide is None and np.issubdtype(dtype, np.floating) and _wider(dtype, self.dtype):
+        if self.wide is None and dtype == _work(self.dtype):
             return Sym(self.node, self.shape, self.dtype, dtype)  # widened, to come back
-        if self.wide is not None and dtype == self.dtype:
-            return Sym(self.node, self.shape, dtype)
         raise Inexpressible(f"a cast to {dtype.name} of a {self.dtype.name} tensor")
 
     def _arith(self, other: Any, op: str) -> Sym:
@@ -195,15 +154,16 @@ class Sym:
             float(other)
         except (TypeError, ValueError):
             raise Inexpressible(f"{op} by {other!r}") from None
-        work = self.wide or self.dtype
-        # the scalar as the operation sees it: numpy's promotion of the two
-        out = np.result_type(np.zeros((), work), other)
-        if out != work and not (self.wide is None and _wider(out, work) and out == np.float32):
-            raise Inexpressible(f"{op} in {out.name} of a {work.name} tensor")
-        exact = float(np.asarray(other, dtype=out))
-        v = dataclasses.replace(self._view(op)) if isinstance(self.node, _View) else None
-        if v is None:
+        if not isinstance(self.node, _View):
             raise Inexpressible(f"{op} after a join, a pad or a fill")
+        # numpy's promotion of the two: meshinit computes in the planned dtype's
+        # float32 (or float64) work dtype, which rounds as the planned dtype's own
+        # arithmetic does (ml_dtypes computes bfloat16 in float32)
+        out = np.result_type(np.zeros((), self.wide or self.dtype), other)
+        if out not in (self.dtype, _work(self.dtype)):
+            raise Inexpressible(f"{op} in {out.name} of a {self.dtype.name} tensor")
+        exact = float(np.asarray(other, dtype=out))
+        v = dataclasses.replace(self.node)
         if op == "a scale":
             if v.scale is not None or v.offset is not None:
                 raise Inexpressible("a second scale, or a scale after an offset")
@@ -212,8 +172,17 @@ class Sym:
             if v.offset is not None:
                 raise Inexpressible("a second offset")
             v.offset = exact if op == "an offset" else -exact
-        wide = out if out != self.dtype else None
-        return Sym(v, self.shape, self.dtype, wide)
+        return Sym(v, self.shape, self.dtype, out if out != self.dtype else None)
+
+    def _reduced(self, *_: Any, **__: Any) -> Any:
+        raise Inexpressible("a reduction over the tensor's values")
+
+    sum = mean = max = min = any = all = prod = std = _reduced
+
+    def _compared(self, *_: Any) -> Any:
+        raise Inexpressible("a comparison of the tensor's values")
+
+    __lt__ = __le__ = __gt__ = __ge__ = _compared
 
     def __mul__(self, other: Any) -> Sym:
         return self._arith(other, "a scale")
@@ -254,155 +223,15 @@ class Sym:
         raise Inexpressible("writing into the tensor")
 
 
-def _wider(a: np.dtype, b: np.dtype) -> bool:
-    return np.dtype(a).itemsize > np.dtype(b).itemsize
+def _work(dtype: np.dtype) -> np.dtype:
+    """The dtype meshinit scales and offsets a planned dtype in."""
+    return np.result_type(dtype, np.float32)
 
 
 def _merge_groups(view: tuple[int, ...], out: tuple[int, ...]) -> Any:
     from .layout import merges
 
     return merges(view, out)
-
-
-def _resolved(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
-    if shape.count(-1) > 1:
-        raise Inexpressible(f"a reshape to {shape}")
-    if -1 in shape:
-        known = _prod([d for d in shape if d != -1])
-        if known == 0 or size % known:
-            raise Inexpressible(f"a reshape of {size} elements to {shape}")
-        shape = tuple(size // known if d == -1 else d for d in shape)
-    if _prod(shape) != size:
-        raise Inexpressible(f"a reshape of {size} elements to {shape}")
-    return shape
-
-
-def _reshaped(v: _View, new: tuple[int, ...]) -> _View:
-    """``v`` reshaped to ``new``. The view's elements run row-major over its base
-    axes in result order, so ``new``'s axes are runs of that sequence, a base axis
-    split in two where a run ends inside it."""
-    v = dataclasses.replace(v, base=list(v.base), origin=list(v.origin), index=list(v.index))
-    seq = [b for g in v.groups for b in g if v.base[b] != 1]
-    groups = _split(v, seq, new)
-    held = {b for g in groups for b in g}
-    keep = [b for b in range(len(v.base)) if b in held]  # the rest: size 1, dropped
-    renumber = {b: k for k, b in enumerate(keep)}
-    v.base = [v.base[b] for b in keep]
-    v.origin = [v.origin[b] for b in keep]
-    v.groups = [[renumber[b] for b in g] for g in groups]
-    return v
-
-
-def _split(v: _View, seq: list[int], sizes: tuple[int, ...]) -> list[list[int]]:
-    """The base axes ``seq`` (in view order) cut into runs of ``sizes``, a base axis
-    split where a run ends inside it (it must divide); a size-1 axis gets a base axis
-    of its own."""
-    out: list[list[int]] = []
-    seq = list(seq)
-    k = 0
-    for n in sizes:
-        group: list[int] = []
-        size = 1
-        while size < n:
-            if k >= len(seq):
-                raise Inexpressible(f"a reshape to {sizes}")
-            b = seq[k]
-            if n % size:
-                raise Inexpressible(f"a reshape to {sizes} that cuts an axis unevenly")
-            if size * v.base[b] <= n:
-                group.append(b)
-                size *= v.base[b]
-                k += 1
-                continue
-            need = n // size
-            if v.base[b] % need:
-                raise Inexpressible(f"a reshape to {sizes} that cuts an axis unevenly")
-            # base axis b becomes (need, rest): rest is a new base axis right after it
-            v.base[b : b + 1] = [need, v.base[b] // need]
-            v.origin[b : b + 1] = [None, None]
-            shift = functools.partial(_after, b)
-            for g in (*v.groups, *out):
-                g[:] = map(shift, g)
-            group = [*map(shift, group), b]
-            seq = [*map(shift, seq[: k + 1]), b + 1, *map(shift, seq[k + 1 :])]
-            seq.pop(k)  # b itself is in the group now; b + 1 comes next
-            k_next = k
-            size *= need
-            k = k_next
-        if size != n:
-            raise Inexpressible(f"a reshape to {sizes} that cuts an axis unevenly")
-        if not group:  # an axis of size 1
-            v.base.append(1)
-            v.origin.append(None)
-            group = [len(v.base) - 1]
-        out.append(group)
-    if k != len(seq):
-        raise Inexpressible(f"a reshape to {sizes}")
-    return out
-
-
-def _after(b: int, x: int) -> int:
-    """Base position ``x`` once base axis ``b`` is split in two."""
-    return x + 1 if x > b else x
-
-
-def _sliced(v: _View, key: Any) -> _View:
-    """``v[key]``: basic slices (with a positive step) and ints of result axes that are
-    whole stored axes, pushed into the stored index; None adds an axis of size 1."""
-    key = key if isinstance(key, tuple) else (key,)
-    if sum(k is Ellipsis for k in key) > 1:
-        raise Inexpressible(f"an index {key}")
-    real = sum(k is not None and k is not Ellipsis for k in key)
-    if Ellipsis in key:
-        e = key.index(Ellipsis)
-        key = key[:e] + (slice(None),) * (len(v.groups) - real) + key[e + 1 :]
-    key = key + (slice(None),) * (len(v.groups) - sum(k is not None for k in key))
-    original = [list(g) for g in v.groups]
-    v = dataclasses.replace(v, base=list(v.base), origin=list(v.origin), index=list(v.index))
-    groups: list[list[int]] = []
-    axis = 0
-    for k in key:
-        if k is None:
-            v.base.append(1)
-            v.origin.append(None)
-            groups.append([len(v.base) - 1])
-            continue
-        g = original[axis]
-        n = _prod([v.base[b] for b in g])
-        axis += 1
-        if isinstance(k, slice) and k.indices(n) == (0, n, 1):
-            groups.append(g)
-            continue
-        drop = False
-        if isinstance(k, int | np.integer) and not isinstance(k, bool):
-            i = operator.index(k)
-            if not -n <= i < n:
-                raise Inexpressible(f"index {i} of an axis of {n}")
-            k, drop = slice(i % n, i % n + 1), True
-        elif not isinstance(k, slice):
-            raise Inexpressible(f"an index by {type(k).__name__}")
-        if len(g) != 1 or v.origin[g[0]] is None:
-            raise Inexpressible("a slice of an axis that a reshape split or merged")
-        b = g[0]
-        a = v.origin[b]
-        assert a is not None
-        start, stop, step = k.indices(n)
-        if step <= 0:
-            raise Inexpressible("a slice with a negative step")
-        count = len(range(start, stop, step))
-        s0, _, st0 = v.index[a].indices(v.stored[a])
-        first, stride = s0 + start * st0, st0 * step
-        v.index[a] = slice(first, first + (count - 1) * stride + 1 if count else first, stride)
-        v.base[b] = count
-        if not drop:
-            groups.append(g)
-    held = {b for g in groups for b in g}
-    keep = [b for b in range(len(v.base)) if b in held]  # the rest: size 1, dropped
-    renumber = {b: k for k, b in enumerate(keep)}
-    v.base = [v.base[b] for b in keep]
-    v.origin = [v.origin[b] for b in keep]
-    v.groups = [[renumber[b] for b in g] for g in groups]
-    return v
 
 
 # ----------------------------------------------------------------- joins and fills
@@ -414,6 +243,8 @@ def target(x: Any) -> _names.Target:
         raise Inexpressible(f"a result that is not the stored tensor ({type(x).__name__})")
     if isinstance(x.node, _View):
         return x.node.target()
+    if isinstance(x.node, _Pending):
+        raise Inexpressible("a slice of an axis that a reshape split or merged")
     return x.node
 
 
@@ -460,37 +291,6 @@ def concatenate(xs: Sequence[Any], axis: int = 0, **_: Any) -> Sym:
     axis = operator.index(axis) % len(shape)
     shape[axis] = sum(_shape_of(x)[axis] for x in xs)
     return Sym(_names.Concat([_part(x) for x in xs], axis), tuple(shape), _dtype_of(xs))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pending:
-    """A slice of one result axis that no stored index can take (the axis was split
-    out of a stored one): only a join of all of that axis's equal slices, in order,
-    can use it (as a split of the axis)."""
-
-    view: _View
-    axis: int
-    start: int
-    stop: int
-
-
-def _pending(v: _View, key: Any) -> _Pending | None:
-    key = key if isinstance(key, tuple) else (key,)
-    if Ellipsis in key:
-        e = key.index(Ellipsis)
-        key = key[:e] + (slice(None),) * (len(v.groups) - len(key) + 1) + key[e + 1 :]
-    if len(key) > len(v.groups) or not all(isinstance(k, slice) for k in key):
-        return None
-    shape = v.shape
-    cut = [
-        (a, k.indices(shape[a]))
-        for a, k in enumerate(key)
-        if k.indices(shape[a]) != (0, shape[a], 1)
-    ]
-    if len(cut) != 1 or cut[0][1][2] != 1:
-        return None
-    a, (start, stop, _) = cut[0]
-    return _Pending(v, a, start, stop) if stop > start else None
 
 
 def _halves(xs: list[Any]) -> tuple[Sym, int] | None:
@@ -573,6 +373,14 @@ def _fill(shape: Any, value: Any, dtype: Any) -> Sym:
     return _Filled(_names.Fill(value, shape), shape, np.dtype(dtype or np.float64))
 
 
+def _same(x: Any, dtype: Any = None, **kwargs: Any) -> Any:
+    """``np.asarray`` and its kin: a stand-in as it is (cast, where a dtype is given),
+    anything else numpy's own."""
+    if isinstance(x, Sym):
+        return x if dtype is None else x.astype(dtype)
+    return np.array(x, dtype=dtype, **kwargs)
+
+
 class _Numpy(types.SimpleNamespace):
     """numpy (and jax.numpy) as a hook sees it: stand-ins go through the functions
     here; everything else is numpy's own."""
@@ -585,6 +393,9 @@ class _Numpy(types.SimpleNamespace):
             zeros=lambda shape, dtype=None, **_: _fill(shape, 0, dtype),
             ones=lambda shape, dtype=None, **_: _fill(shape, 1, dtype),
             full=lambda shape, value, dtype=None, **_: _fill(shape, value, dtype),
+            asarray=_same,
+            array=_same,
+            ascontiguousarray=_same,
             zeros_like=lambda x, dtype=None, **_: _fill(x.shape, 0, dtype or x.dtype),
             ones_like=lambda x, dtype=None, **_: _fill(x.shape, 1, dtype or x.dtype),
         )
@@ -631,16 +442,26 @@ def rebound(fn: Callable[..., Any], _depth: int = 0) -> Callable[..., Any]:
     names = {"np": NUMPY, "jnp": NUMPY, "numpy": NUMPY, "jax": _Jax()}
     scope = {**fn.__globals__, **{k: v for k, v in names.items() if k in fn.__globals__}}
     cells = None
-    if fn.__closure__:
-        cells = tuple(
-            types.CellType(rebound(c.cell_contents, _depth + 1))
-            if _depth < 4 and isinstance(getattr(c, "cell_contents", None), types.FunctionType)
-            else c
-            for c in fn.__closure__
-        )
+    if fn.__closure__ and _depth < 4:
+        cells = tuple(_cell(c, _depth + 1) for c in fn.__closure__)
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, cells)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
+
+
+def _cell(cell: Any, depth: int) -> Any:
+    """A closure cell, with the functions it holds (alone, or in a list or tuple, as
+    a chain of hooks) rebound."""
+    try:
+        held = cell.cell_contents
+    except ValueError:  # an empty cell
+        return cell
+    if isinstance(held, types.FunctionType):
+        return types.CellType(rebound(held, depth))
+    if isinstance(held, list | tuple) and any(isinstance(h, types.FunctionType) for h in held):
+        fns = [rebound(h, depth) if isinstance(h, types.FunctionType) else h for h in held]
+        return types.CellType(type(held)(fns))
+    return cell
 
 
 def stand_in(name: str, shape: tuple[int, ...], dtype: Any) -> Sym:
@@ -669,6 +490,4 @@ def followed(hooks: Any, x: Any, target_shape: tuple[int, ...]) -> _names.Target
             raise
         except Exception as e:  # noqa: BLE001 - what the hook did instead, named
             raise Inexpressible(f"{type(e).__name__}: {str(e)[:200]}") from e
-        if isinstance(x, Sym) and x.shape != tuple(target_shape) and hook is hooks:
-            pass
     return target(x)

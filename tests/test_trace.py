@@ -1,0 +1,172 @@
+"""Hooks written as MaxText writes them, followed on stand-ins (``meshinit._load.trace``):
+the target they become, loaded by ``meshinit.safetensors.load``, has the bits of the
+hook run on the real arrays; what no target can express is refused by name."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import plan_for
+from safetensors.numpy import save_file
+
+import meshinit
+from meshinit import safetensors as st
+from meshinit._load import trace
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def followed(hook, stored, shape, dtype=np.float32):
+    """The hook's target for a stored array, from its shape alone."""
+    return trace.followed(hook, trace.stand_in("w", stored.shape, np.dtype(dtype)), shape)
+
+
+def same_as_the_hook(tmp_path, hook, stored, shape, dtype=np.float32, axes=None):
+    """Loads the hook's target onto a sharded plan; its bits are the hook's on the
+    stored array cast to the planned dtype (MaxText's hooks see it in its save dtype)."""
+    target = followed(hook, stored, shape, dtype)
+    save_file({"w": stored}, str(tmp_path / "m.safetensors"))
+    plan = plan_for({"p": shape}, dtype=dtype, axes=axes)
+    (loaded,) = st.load(plan, tmp_path, names={"p": target}).values()
+    want = np.asarray(hook(stored.astype(dtype), shape))
+    assert want.dtype == np.dtype(dtype) and want.shape == shape
+    assert np.asarray(loaded).tobytes() == want.tobytes()
+    return target
+
+
+def reshape_kernel(x, target_shape):  # MaxText's, HF -> MaxText
+    return x.T.reshape(target_shape)
+
+
+def adjust_rope(x, target_shape):  # MaxText's Llama: HF halves -> interleaved pairs
+    half = x.shape[-1] // 2
+    return jax.numpy.stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
+
+
+def scale_query(x, target_shape):
+    original = x.dtype
+    return (x.astype(np.float32) * np.dtype("float32").type(1 / np.sqrt(16))).astype(original)
+
+
+def chain(*hooks):
+    def run(x, shape):
+        for hook in hooks:
+            x = hook(x, shape)
+        return x
+
+    return run
+
+
+RNG = np.random.default_rng(0)
+
+
+def test_a_transpose_then_split_is_a_reshape_then_permute(tmp_path):
+    stored = RNG.standard_normal((4 * 16, 32)).astype(np.float32)  # (heads * hd, d)
+    target = same_as_the_hook(
+        tmp_path, reshape_kernel, stored, (32, 4, 16), axes=("fsdp", "tensor", None)
+    )
+    assert target == st.Tensor("w", shape=(4, 16, 32), permute=(2, 0, 1))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_llamas_query_chain_is_one_view_split_merged_and_scaled(tmp_path, dtype):
+    stored = RNG.standard_normal((4 * 16, 32)).astype(np.float32)
+    hooks = [reshape_kernel, adjust_rope, scale_query]  # MaxText's order, HF -> MaxText
+    target = trace.followed(hooks, trace.stand_in("w", stored.shape, np.dtype(dtype)), (32, 4, 16))
+    assert target == st.Tensor(
+        "w", shape=(4, 2, 8, 32), permute=(3, 0, 2, 1), out_shape=(32, 4, 16), scale=0.25
+    )
+    same_as_the_hook(tmp_path, chain(*hooks), stored, (32, 4, 16), dtype, ("fsdp", "tensor", None))
+
+
+def test_slices_with_steps_and_ints_go_into_the_stored_index(tmp_path):
+    stored = RNG.standard_normal((6, 8, 10)).astype(np.float32)
+
+    def hook(x, shape):
+        return x[1, 2:8, ::1].T[:, :4]
+
+    target = same_as_the_hook(tmp_path, hook, stored, (10, 4))
+    assert [i.indices(n) for i, n in zip(target.index, stored.shape, strict=True)] == [
+        (1, 2, 1),
+        (2, 6, 1),
+        (0, 10, 1),
+    ]
+
+
+def test_a_reshape_that_merges_then_splits_other_sizes(tmp_path):
+    stored = RNG.standard_normal((6, 4, 10)).astype(np.float32)
+
+    def hook(x, shape):  # (6, 4, 10) -> (24, 10) -> (3, 8, 10) -> T
+        return x.reshape(24, 10).reshape(3, 8, 10).transpose(2, 0, 1)
+
+    same_as_the_hook(tmp_path, hook, stored, (10, 3, 8))
+
+
+def test_experts_transposed_and_new_axes(tmp_path):
+    stored = RNG.standard_normal((4, 6, 8)).astype(np.float32)
+
+    def hook(x, shape):
+        return x.transpose(0, 2, 1)[None, :, :, :]
+
+    same_as_the_hook(tmp_path, hook, stored, (1, 4, 8, 6))
+
+
+@pytest.mark.parametrize(
+    "hook, said",
+    [
+        (lambda x, s: x * x, "a scale by another tensor"),
+        (lambda x, s: x / 2.0, "a division"),
+        (lambda x, s: x if float(np.asarray(x).sum()) else x, "a reduction over the tensor's"),
+        (lambda x, s: x if x[0, 0] > 0 else x, "a comparison of the tensor's values"),
+        (lambda x, s: np.where(x > 0, x, 0), "a comparison of the tensor's values"),
+        (lambda x, s: (x * 2.0) * 3.0, "a second scale"),
+        (lambda x, s: x.reshape(5, -1), "a reshape"),
+        (lambda x, s: x.T.reshape(12, 2)[:6], "a slice of an axis that a reshape split or merged"),
+        (lambda x, s: x.astype(np.int32), "a cast to int32"),
+        (lambda x, s: x * np.float64(2.0), "a scale in float64 of a float32 tensor"),
+        (lambda x, s: jax.device_put(x), "is not a valid JAX type"),
+        (lambda x, s: np.asarray(x, np.int8), "a cast to int8"),
+        (lambda x, s: x.astype(np.float64), "a cast to float64"),
+    ],
+)
+def test_what_no_target_expresses_is_refused_naming_the_operation(hook, said):
+    with pytest.raises(trace.Inexpressible, match=said):
+        followed(hook, np.zeros((4, 6), np.float32), (6, 4))
+
+
+def test_numpy_and_jax_are_untouched_by_a_followed_hook():
+    def hook(x, shape):
+        assert np.zeros is not None
+        return np.stack([x[:2], x[2:]], axis=0)
+
+    before = (np.stack, np.zeros, jnp.stack, jax.numpy)
+    followed(hook, np.zeros((4, 6), np.float32), (2, 2, 6))
+    assert (np.stack, np.zeros, jnp.stack, jax.numpy) == before
+    assert isinstance(np.zeros(2), np.ndarray)
+
+
+def test_a_join_with_values_is_refused():
+    def hook(x, shape):
+        return np.concatenate([x, np.arange(6, dtype=np.float32)[None]], axis=0)
+
+    with pytest.raises(trace.Inexpressible, match="a join with an array of values"):
+        followed(hook, np.zeros((4, 6), np.float32), (5, 6))
+
+
+def test_the_plan_error_of_a_framework_map_names_everything(tmp_path):
+    # the message a FrameworkMap turns Inexpressible into is tested with MaxText;
+    # here: the error reaches the user as one PlanError before any read
+    class Map(st.FrameworkMap):
+        family = "a map"
+        needs_config = False
+
+        def table(self, checkpoint):
+            try:
+                followed(lambda x, s: x * x, np.zeros((4, 6)), (6, 4))
+            except trace.Inexpressible as e:
+                return {}, [meshinit.Problem("p", f"hook square needs {e}")]
+
+    save_file({"w": np.zeros((4, 6), np.float32)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(meshinit.PlanError, match="hook square needs a scale by another tensor"):
+        st.load(plan_for({"p": (6, 4)}), tmp_path, names=Map())
