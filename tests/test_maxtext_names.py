@@ -35,7 +35,12 @@ MaxText needs Python 3.12 and jax >= 0.11.1; the module is skipped where it is m
 """
 
 import copy
+import dataclasses
+import inspect
 import json
+import re
+import textwrap
+import types
 
 import pytest
 
@@ -71,39 +76,121 @@ MLA = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=
 # one dense layer, then MoE; routed_bias off: MaxText cannot convert its bias (it lives
 # in the MoEBiasVar collection, its map names it under params-)
 DEEPSEEK = MOE | MLA | dict(first_num_dense_layers=1, base_moe_mlp_dim=32, routed_bias=False)
+GDN = dict(gdn_key_head_dim=16, gdn_value_head_dim=16, gdn_num_key_heads=2, gdn_num_value_heads=4)
+VL = dict(use_multimodal=False, deepstack_visual_indexes_for_vit=(), mrope_section=(3, 3, 2))
+ALL = ((True, "nnx"), (True, "linen"), (False, "nnx"), (False, "linen"))
+LINEN = ((True, "linen"), (False, "linen"))
+SCANNED = ((True, "nnx"), (True, "linen"))
 
-FAMILIES = {  # model name -> tiny overrides of its configs/models/*.yml
-    "llama3.1-8b": {},
-    "qwen2.5-7b": {},
-    "qwen3-8b": {},
-    "qwen3-30b-a3b": MOE,
-    "mixtral-8x7b": MOE,
-    "deepseek2-16b": DEEPSEEK | dict(q_lora_rank=0),
-    "deepseek3-671b": DEEPSEEK | dict(q_lora_rank=32),
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    """A family at a tiny size: overrides of its ``configs/models/*.yml``, its layer
+    count, and the layouts (scan_layers, framework) it is tested in."""
+
+    overrides: dict = dataclasses.field(default_factory=dict)
+    layers: int = 2
+    layouts: tuple = ALL
+
+
+TINY = {
+    "llama3.1-8b": Tiny(),
+    "qwen2.5-7b": Tiny(),  # q/k/v biases
+    "qwen3-8b": Tiny(),  # q/k norms
+    "qwen3-30b-a3b": Tiny(MOE),
+    "mixtral-8x7b": Tiny(MOE),
+    "deepseek2-16b": Tiny(DEEPSEEK | dict(q_lora_rank=0)),
+    "deepseek3-671b": Tiny(DEEPSEEK | dict(q_lora_rank=32)),
+    "deepseek3.2-671b": Tiny(  # the sparse indexer needs dot-product attention
+        DEEPSEEK
+        | dict(q_lora_rank=32, indexer_n_heads=2, indexer_head_dim=16, indexer_topk=8)
+        | dict(attention="dot_product")
+    ),
+    # the text model alone (its vision tower off, so its layers may scan)
+    "qwen3-vl-2b": Tiny(VL),
+    # unrolled, MaxText's map names fused experts (experts.down_proj) that its HF_SHAPE has
+    # not: its own save direction fails
+    "qwen3-vl-30b-a3b": Tiny(VL | MOE, layouts=SCANNED),
+    # a nested block scan (3 linear-attention layers, then a full one); meshinit.nnx.plan
+    # refuses MaxText's NNX rules for its gated delta net ('fsdp_transpose' on two axes)
+    "qwen3-next-80b-a3b": Tiny(MOE | GDN, layers=4, layouts=LINEN),
+    "gpt-oss-20b": Tiny(MOE),
+    # in_proj_ba from in_proj_b and in_proj_a; NNX as qwen3-next
+    "qwen3.5-35b-a3b": Tiny(MOE | GDN | dict(mrope_section=(1, 1, 0)), layers=4, layouts=LINEN),
+}
+COMPOSITE = (  # one hook makes several MaxText parameters from the same stored tensor
+    r"hook {hook} of \(.*\) makes it together with .* from the same stored tensors "
+    r"\(a composite key\), which names= cannot express"
+)
+REFUSED = {  # model name -> {refused parameters (regex): why (regex)}
+    # wi_0 and wi_1 (and their biases) from one stored gate_up_proj (its even and odd
+    # columns)
+    "gpt-oss-20b": {r"GptOssMlp\.wi_[01](_bias)?": COMPOSITE.format(hook="interleave")},
+    "qwen3.5-35b-a3b": {
+        # one parameter from two stored tensors (in_proj_b and in_proj_a; q, k, v and z)
+        r"in_proj_(ba|qkvz)": (
+            r"hook concat_(ba|qkvz)_and_transpose of '.*' needs several HF tensors "
+            r"combined by one hook, which names= cannot express"
+        ),
+        r"routed_experts\.wi_[01]": COMPOSITE.format(hook=r"\w+"),
+    },
 }
 
-LAYOUTS = [
-    pytest.param(scan, framework, id=f"{'scanned' if scan else 'unrolled'}-{framework}")
-    for scan in (True, False)
-    for framework in ("nnx", "linen")
-]
+
+SCANS = {True: "scanned", False: "unrolled"}
+
+
+def layouts(models) -> list:
+    return [
+        pytest.param(
+            model, scan, framework, id=f"{model}-{'scanned' if scan else 'unrolled'}-{framework}"
+        )
+        for model in models
+        for scan, framework in TINY[model].layouts
+    ]
 
 
 def config_of(model: str, scan: bool):
-    return mm.tiny_config(scan, 2, model_name=model, **FAMILIES[model])
+    tiny = TINY[model]
+    return mm.tiny_config(scan, tiny.layers, model_name=model, **tiny.overrides)
+
+
+# Hugging Face config fields MaxText's override leaves as they were: the MaxText size
+# each must now say (where the family's config has the field)
+ALSO = dict(
+    first_k_dense_replace="first_num_dense_layers",
+    linear_key_head_dim="gdn_key_head_dim",
+    linear_value_head_dim="gdn_value_head_dim",
+    linear_num_key_heads="gdn_num_key_heads",
+    linear_num_value_heads="gdn_num_value_heads",
+    linear_conv_kernel_dim="gdn_conv_kernel_dim",
+    index_topk="indexer_topk",
+    top_k_experts="num_experts_per_tok",
+)
 
 
 def hf_config(model: str, config) -> dict:
-    """The family's Hugging Face config, with MaxText's sizes (MaxText's own override),
-    and the fields that override leaves stale made to agree with them."""
+    """The family's Hugging Face config, with MaxText's sizes (MaxText's own
+    ``_validate_or_update_architecture(override=True)``), and the fields that override
+    leaves stale made to agree with them."""
     hf = copy.deepcopy(hf_model_configs.HF_MODEL_CONFIGS[model])
+    text = getattr(hf, "text_config", None)
+    if isinstance(text, dict):  # kept as a plain dict (qwen3-vl): the override sets attributes
+        hf.text_config = types.SimpleNamespace(**text)
     to_huggingface._validate_or_update_architecture(hf, config, override=True)
+    if isinstance(text, dict):
+        hf.text_config = vars(hf.text_config)
     out = hf.to_dict()
     text = out.get("text_config", out)
-    if "first_k_dense_replace" in text:
-        text["first_k_dense_replace"] = config.first_num_dense_layers
+    for field, name in ALSO.items():
+        if field in text:
+            text[field] = getattr(config, name)
     if "qk_head_dim" in text:
         text["qk_head_dim"] = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if "shared_expert_intermediate_size" in text:
+        text["shared_expert_intermediate_size"] = config.moe_mlp_dim * config.shared_experts
+    if "linear_key_head_dim" in text:  # this transformers says it with layer_types only
+        text.setdefault("full_attention_interval", config.inhomogeneous_layer_cycle_interval)
     if text.get("layer_types"):
         cycle = text["layer_types"]
         text["layer_types"] = [cycle[i % len(cycle)] for i in range(text["num_hidden_layers"])]
@@ -154,11 +241,22 @@ def shaped(model: str) -> str:
     return same[0]
 
 
+def completed(shapes):
+    """MaxText 0.2.5's ``QWEN3_NEXT_HF_WEIGHTS_TO_SHAPE`` builds its ``mapping`` and returns
+    nothing: its own code, with the ``return mapping`` it lacks."""
+    source = textwrap.dedent(inspect.getsource(shapes)) + "  return mapping\n"
+    scope = dict(vars(hf_shape))
+    exec(source, scope)  # noqa: S102 - MaxText's installed source, one line added
+    return scope[shapes.__name__]
+
+
 def write_checkpoint(model: str, config, params: dict[str, np.ndarray], folder) -> dict:
     """MaxText's own MaxText -> HF conversion of ``params`` (MaxText key -> array) into
     ``folder/model.safetensors``, with ``folder/config.json``; returns what it wrote."""
     hf = hf_config(model, config)
     maps = to_huggingface._get_model_mappings(shaped(model), config.scan_layers, hf, config)
+    if maps["shape_mapping"] is None:
+        maps["shape_mapping"] = completed(hf_shape.HF_SHAPE[shaped(model)])(hf)
     mapping = maps["param_mapping"]
     stored = {}
     for key in mapping:
@@ -191,26 +289,26 @@ def maxtext_conversion(model: str, config, stored: dict, targets: dict) -> dict:
     }
 
 
-_CHECKPOINTS: dict = {}
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """One Hugging Face checkpoint per family (the same files for every layout): MaxText's
-    save direction of seeded random values in MaxText's scanned NNX placement."""
+    """One Hugging Face checkpoint per family and scan_layers (NNX and linen load the same
+    files): MaxText's save direction of seeded random values in MaxText's NNX placement.
+    (Not one for both scans: MaxText's maps of some families name other tensors
+    unrolled, qwen3-vl-30b-a3b's fused experts.)"""
+    made: dict = {}
 
-    def get(model: str):
-        if model not in _CHECKPOINTS:
-            config = config_of(model, True)
+    def get(model: str, scan: bool = True):
+        if (model, scan) not in made:
+            config = config_of(model, scan)
             placement = nnx_placement(config, mm.maxtext_mesh(config))
             rng = np.random.default_rng(0)
             params = {
                 mt_key(p): rng.standard_normal(a.shape).astype(a.dtype)
                 for p, a in placement.items()
             }
-            folder = tmp_path_factory.mktemp(model)
-            _CHECKPOINTS[model] = folder, write_checkpoint(model, config, params, folder)
-        return _CHECKPOINTS[model]
+            folder = tmp_path_factory.mktemp(f"{model}-{SCANS[scan]}")
+            made[model, scan] = folder, write_checkpoint(model, config, params, folder)
+        return made[model, scan]
 
     return get
 
@@ -225,7 +323,11 @@ def plan_and_placement(config, framework: str):
         return plan, nnx_placement(config, mesh)
     model, args, kwargs = mm.linen_model_and_inputs(config, mesh)
     key, keys = mm.linen_keys(config)
-    plan = meshinit.linen.plan(model, keys, *args, mesh=mesh, rules=rules, **kwargs)
+    # default="replicated": a param MaxText leaves unannotated (deepseek3.2's indexer
+    # k_norm) is replicated by its own init too (flax gives it P())
+    plan = meshinit.linen.plan(
+        model, keys, *args, mesh=mesh, rules=rules, default="replicated", **kwargs
+    )
     return plan, linen_placement(config, mesh, model, key)
 
 
@@ -245,10 +347,11 @@ def differences(loaded: dict, want: dict, placement: dict) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("model", FAMILIES)
-@pytest.mark.parametrize(("scan", "framework"), LAYOUTS)
+@pytest.mark.parametrize(
+    ("model", "scan", "framework"), layouts(m for m in TINY if m not in REFUSED)
+)
 def test_load_is_maxtexts_own_conversion_bit_for_bit(checkpoint, model, scan, framework):
-    folder, stored = checkpoint(model)
+    folder, stored = checkpoint(model, scan)
     config = config_of(model, scan)
     plan, placement = plan_and_placement(config, framework)
     targets = {mt_key(p): a.shape for p, a in placement.items()}
@@ -259,3 +362,122 @@ def test_load_is_maxtexts_own_conversion_bit_for_bit(checkpoint, model, scan, fr
     problems = differences(loaded, want, placement)
     assert not problems, "\n".join(problems)
     assert reads.values == [owned_bytes(plan, 4, loaded)]  # bytes read == bytes owned
+
+
+def test_llama_from_maxtexts_own_init(tmp_path):
+    """The checkpoint written from MaxText's actual NNX init (not seeded values): every
+    Param as MaxText's conversion gives it, on the sharding of MaxText's own array."""
+    model = "llama3.1-8b"
+    config = config_of(model, True)
+    mesh = mm.maxtext_mesh(config)
+    flat = nnx.to_flat_state(nnx.state(mm.maxtext_nnx_init(config, mesh), nnx.Param))
+    own = {".".join(map(str, p)): v.get_value() for p, v in flat}
+    stored = write_checkpoint(
+        model, config, {mt_key(p): np.asarray(a) for p, a in own.items()}, tmp_path
+    )
+    want = maxtext_conversion(model, config, stored, {mt_key(p): a.shape for p, a in own.items()})
+    plan, placement = plan_and_placement(config, "nnx")
+    assert {p: a.sharding for p, a in own.items()} == {
+        p: a.sharding for p, a in placement.items()
+    }, "MaxText's placement is where its init puts every Param"
+    loaded = meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    problems = differences(loaded, want, own)
+    assert not problems, "\n".join(problems)
+
+
+def squares(x, target_shape):
+    return x * x
+
+
+def centred(x, target_shape):
+    return (x - float(x.mean())).T
+
+
+def signs(x, target_shape):
+    return x.T if (x > 0).any() else -x.T
+
+
+@pytest.mark.parametrize(
+    ("hook", "operation"),
+    [
+        (squares, "a scale by another tensor"),
+        (centred, "a reduction over the tensor's values"),
+        (signs, "a comparison of the tensor's values"),
+    ],
+)
+def test_a_hook_no_table_expresses_is_refused_before_reading(
+    checkpoint, monkeypatch, hook, operation
+):
+    model = "llama3.1-8b"
+    folder, _ = checkpoint(model)
+    config = config_of(model, True)
+    plan, _ = plan_and_placement(config, "nnx")
+    key = "params-decoder-layers-mlp-wi_0-kernel"
+    own = param_mapping.HOOK_FNS[model]
+
+    def hooks(*args, **kwargs):  # MaxText's hooks, one of them replaced
+        return own(*args, **kwargs) | {key: hook}
+
+    monkeypatch.setitem(param_mapping.HOOK_FNS, model, hooks)
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, folder, names=meshinit.maxtext.names(config))
+    assert [p.path for p in raised.value.problems] == ["decoder.layers.mlp.wi_0.kernel"]
+    assert str(raised.value.problems[0].message) == (
+        f"MaxText 0.2.5's map of {model!r}: hook {hook.__name__} of {key!r} needs "
+        f"{operation}, which names= cannot express"
+    )
+    assert "nothing was read" in str(raised.value)
+    assert reads.values == [], "refused before any byte is read"
+
+
+def test_inventory_shows_the_table_maxtexts_map_builds(checkpoint):
+    """Llama's table built from MaxText's map is the hand-written one of
+    test_maxtext_load.py, target for target."""
+    model = "llama3.1-8b"
+    folder, _ = checkpoint(model)
+    config = config_of(model, True)
+    plan, _ = plan_and_placement(config, "nnx")
+    with Reads() as reads:
+        built = meshinit.safetensors.inventory(plan, folder, names=meshinit.maxtext.names(config))
+        by_hand = meshinit.safetensors.inventory(plan, folder, names=mm.names_table(config))
+    assert reads.values == []
+    assert by_hand.table is None
+    assert dict(built.table) == {**by_hand.loaded, **dict.fromkeys(by_hand.skipped)}
+    assert built.loaded == by_hand.loaded
+    assert built.unused == ()
+    shown = str(built)
+    assert "table (built by the framework's map):" in shown
+    query = "decoder.layers.self_attention.query.kernel"
+    assert f"  {query} <- {built.table[query]!r}" in shown
+
+
+def test_a_model_maxtext_maps_not_is_refused_by_name(checkpoint):
+    """llama2-7b: a MaxText model (configs/models/llama2-7b.yml) without a checkpoint map."""
+    folder, _ = checkpoint("llama3.1-8b")
+    config = mm.tiny_config(True, 2, model_name="llama2-7b")
+    assert "llama2-7b" not in param_mapping.PARAM_MAPPING
+    plan, _ = plan_and_placement(config, "nnx")
+    with Reads() as reads, pytest.raises(meshinit.PlanError, match="MaxText maps no 'llama2-7b'"):
+        meshinit.safetensors.load(plan, folder, names=meshinit.maxtext.names(config))
+    assert reads.values == []
+
+
+@pytest.mark.parametrize(("model", "scan", "framework"), layouts(REFUSED))
+def test_a_family_whose_hooks_no_table_expresses_is_refused_by_name(
+    checkpoint, model, scan, framework
+):
+    folder, _ = checkpoint(model, scan)
+    config = config_of(model, scan)
+    plan, placement = plan_and_placement(config, framework)
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, folder, names=meshinit.maxtext.names(config))
+    assert reads.values == [], "refused before any byte is read"
+    refused = sorted(p.path for p in raised.value.problems)
+    why = REFUSED[model]
+    expected = sorted(p for p in placement if any(re.search(r, p) for r in why))
+    assert refused == expected, "those, and only those"
+    family = f"MaxText 0.2.5's map of {model!r}: "
+    for problem in raised.value.problems:
+        assert problem.message.startswith(family), problem
+        (reason,) = [why[r] for r in why if re.search(r, problem.path)]
+        assert re.fullmatch(reason, problem.message.removeprefix(family)), problem
