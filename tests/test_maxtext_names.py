@@ -118,6 +118,37 @@ TINY = {
     # in_proj_ba from in_proj_b and in_proj_a; NNX as qwen3-next
     "qwen3.5-35b-a3b": Tiny(MOE | GDN | dict(mrope_section=(1, 1, 0)), layers=4, layouts=LINEN),
 }
+# The other names of PARAM_MAPPING that build: the same map and hooks as a family above,
+# another configs/models/*.yml (tied embeddings, rope, sizes); checked scanned in NNX and
+# unrolled in linen (where their family is)
+ALIASES = {
+    "llama3.1-70b": "llama3.1-8b",
+    "llama3.1-405b": "llama3.1-8b",
+    "qwen2.5-1.5b": "qwen2.5-7b",
+    "qwen2.5-14b": "qwen2.5-7b",
+    "qwen3-0.6b": "qwen3-8b",
+    "qwen3-1.7b": "qwen3-8b",
+    "qwen3-1.7b-base": "qwen3-8b",
+    "qwen3-4b": "qwen3-8b",
+    "qwen3-4b-base": "qwen3-8b",
+    "qwen3-4b-thinking-2507": "qwen3-8b",
+    "qwen3-8b-base": "qwen3-8b",
+    "qwen3-14b": "qwen3-8b",
+    "qwen3-14b-base": "qwen3-8b",
+    "qwen3-32b": "qwen3-8b",
+    "qwen3-30b-a3b-base": "qwen3-30b-a3b",
+    "qwen3-235b-a22b": "qwen3-30b-a3b",
+    "qwen3-vl-4b": "qwen3-vl-2b",
+    "mixtral-8x22b": "mixtral-8x7b",
+    "gpt-oss-120b": "gpt-oss-20b",
+    "qwen3.5-397b-a17b": "qwen3.5-35b-a3b",
+}
+for _alias, _family in ALIASES.items():
+    _tiny = TINY[_family]
+    _some = ((True, "nnx"), (False, "linen"))
+    TINY[_alias] = dataclasses.replace(
+        _tiny, layouts=tuple(x for x in _tiny.layouts if x in _some) or _tiny.layouts[:1]
+    )
 COMPOSITE = (  # one hook makes several MaxText parameters from the same stored tensor
     r"hook {hook} of \(.*\) makes it together with .* from the same stored tensors "
     r"\(a composite key\), which names= cannot express"
@@ -135,6 +166,7 @@ REFUSED = {  # model name -> {refused parameters (regex): why (regex)}
         r"routed_experts\.wi_[01]": COMPOSITE.format(hook=r"\w+"),
     },
 }
+REFUSED |= {alias: REFUSED[family] for alias, family in ALIASES.items() if family in REFUSED}
 
 
 SCANS = {True: "scanned", False: "unrolled"}
@@ -177,11 +209,17 @@ def hf_config(model: str, config) -> dict:
     text = getattr(hf, "text_config", None)
     if isinstance(text, dict):  # kept as a plain dict (qwen3-vl): the override sets attributes
         hf.text_config = types.SimpleNamespace(**text)
+    layered = getattr(getattr(hf, "text_config", hf), "per_layer_config", None)
+    if layered:  # gemma4: per-layer sizes, which hide the global ones from the override
+        getattr(hf, "text_config", hf).per_layer_config = None
     to_huggingface._validate_or_update_architecture(hf, config, override=True)
     if isinstance(text, dict):
         hf.text_config = vars(hf.text_config)
     out = hf.to_dict()
     text = out.get("text_config", out)
+    if layered:  # what the per-layer sizes said of the global layers, MaxText's now
+        text["global_head_dim"] = config.global_head_dim
+        text["num_global_key_value_heads"] = config.global_num_kv_heads
     for field, name in ALSO.items():
         if field in text:
             text[field] = getattr(config, name)
