@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from ._errors import Problem
-from ._load import names as _names
+from ._load import parts as _names
 from ._load import trace as _trace
 from ._load.framework import Checkpoint, FrameworkMap
 
@@ -180,7 +180,7 @@ class _MaxTextMap(FrameworkMap):
             psa = self.config.param_scan_axis
             axis = psa if self.scan and len(shape) > psa else 0
             inner = shape[:axis] + shape[axis + 1 :]
-            return _names.Stack([leaf(k, inner) for k in hf], axis)
+            return _names.Stack(tuple(leaf(k, inner) for k in hf), axis)
         axes = tuple(tensor_handling.stacked_axes(key, self.config, depth))
         inner = tensor_handling.slice_shape(shape, axes)
 
@@ -190,7 +190,7 @@ class _MaxTextMap(FrameworkMap):
             # the axes still to stack at this level sit where they land, less the
             # stacked axes before them that are stacked further out
             at = axes[level] - sum(a < axes[level] for a in axes[:level])
-            return _names.Stack([nested(k, level + 1) for k in keys], at)
+            return _names.Stack(tuple(nested(k, level + 1) for k in keys), at)
 
         return nested(hf, 0)
 

@@ -35,9 +35,11 @@ from ._load import survey as _survey_of
 from ._load import unused as _unused
 from ._load.framework import Checkpoint as Checkpoint
 from ._load.framework import FrameworkMap as FrameworkMap
-from ._load.names import Concat as Concat
-from ._load.names import Stack as Stack
-from ._load.names import Tensor as Tensor
+from ._load.parts import Concat as Concat
+from ._load.parts import Fill as Fill
+from ._load.parts import Pad as Pad
+from ._load.parts import Stack as Stack
+from ._load.parts import Tensor as Tensor
 from ._load.survey import Inventory as Inventory
 from ._plan.plan import Plan
 from ._run import agree as _agree
@@ -45,8 +47,10 @@ from ._run import agree as _agree
 __all__ = [
     "Checkpoint",
     "Concat",
+    "Fill",
     "FrameworkMap",
     "Inventory",
+    "Pad",
     "Stack",
     "Tensor",
     "inventory",
@@ -54,7 +58,7 @@ __all__ = [
 ]
 
 # documented and shown as meshinit.safetensors.X
-for _public in (Tensor, Stack, Concat, FrameworkMap, Checkpoint, Inventory):
+for _public in (Tensor, Stack, Concat, Fill, Pad, FrameworkMap, Checkpoint, Inventory):
     _public.__module__ = __name__
 
 
@@ -150,9 +154,10 @@ def load(
         and ``https://`` URLs of single files. Credentials and endpoints come from
         where each client reads them (the environment, config files, the Hub's token).
       names: which tensors fill each plan path: a name, a :class:`Tensor` (a name
-        with a slice, a reshape, a transpose, a scale), a :class:`Stack` or
-        :class:`Concat` of parts (scanned layers, fused projections), or None for a
-        path the files do not hold.
+        with a slice, a reshape, a transpose, a scale, an offset), a :class:`Stack`
+        or :class:`Concat` of parts (scanned layers, fused projections), a
+        :class:`Fill` (a constant) or a :class:`Pad` (a part padded to a larger
+        shape), or None for a path the files do not hold.
         Given as a callable (``names(path)``), a Mapping from plan paths, or a rule
         table: ordered ``(regex, target)`` pairs, the first full match of the path
         winning, whose target names may use the match's groups (``\1``). A path that

@@ -56,9 +56,7 @@ def _reference_names() -> list[str]:
     names = [f"meshinit.{n}" for n in _top_level_names()]
     names += [f"meshinit.nnx.{n}" for n in meshinit.nnx.__all__]
     names += [f"meshinit.eqx.{n}" for n in meshinit.eqx.__all__]
-    names += [
-        f"meshinit.{m}.{n}" for m in ("optax", "linen", "safetensors", "maxtext") for n in _adapter(m).__all__
-    ]
+    names += [f"meshinit.{m}.{n}" for m in ADAPTERS for n in _adapter(m).__all__]
     for cls in CLASSES:
         names += [f"meshinit.{cls.__name__}.{n}" for n in _public_members(cls)]
     return names
@@ -90,6 +88,11 @@ def _public_members(cls: type) -> list[str]:
     ]
 
 
+# the public modules documented from their __all__ besides nnx and eqx (imported lazily;
+# meshinit.tunix imports tunix only inside its functions)
+ADAPTERS = ("optax", "linen", "safetensors", "maxtext", "tunix")
+
+
 def _adapter(name: str):
     return getattr(meshinit, name)  # lazily imported adapter modules
 
@@ -98,7 +101,7 @@ def _documented_objects() -> list[tuple[str, object]]:
     objects = [(f"meshinit.{n}", getattr(meshinit, n)) for n in _top_level_names()]
     objects += [(f"meshinit.nnx.{n}", getattr(meshinit.nnx, n)) for n in meshinit.nnx.__all__]
     objects += [(f"meshinit.eqx.{n}", getattr(meshinit.eqx, n)) for n in meshinit.eqx.__all__]
-    for m in ("optax", "linen", "safetensors", "maxtext"):
+    for m in ADAPTERS:
         objects += [(f"meshinit.{m}.{n}", getattr(_adapter(m), n)) for n in _adapter(m).__all__]
     for cls in CLASSES:
         objects += [(f"meshinit.{cls.__name__}.{n}", vars(cls)[n]) for n in _public_members(cls)]
@@ -116,13 +119,16 @@ def test_the_public_surface_is_what_the_docs_cover():
     assert sorted(meshinit.safetensors.__all__) == [
         "Checkpoint",
         "Concat",
+        "Fill",
         "FrameworkMap",
         "Inventory",
+        "Pad",
         "Stack",
         "Tensor",
         "inventory",
         "load",
     ]
+    assert meshinit.tunix.__all__ == ["names"]
     assert "bytes_per_device" in _public_members(meshinit.Plan)
     assert "shard_dims" in _public_members(meshinit.PlanEntry)
     assert "replicated_bytes" in _public_members(meshinit.MeshGroup)

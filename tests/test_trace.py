@@ -170,3 +170,56 @@ def test_the_plan_error_of_a_framework_map_names_everything(tmp_path):
     save_file({"w": np.zeros((4, 6), np.float32)}, str(tmp_path / "m.safetensors"))
     with pytest.raises(meshinit.PlanError, match="hook square needs a scale by another tensor"):
         st.load(plan_for({"p": (6, 4)}), tmp_path, names=Map())
+
+
+# ------------------------------------------------- pads, fills and offsets
+
+
+def pad_by_writing(x, target_shape):  # MaxText's Qwen and Gemma 2: zeros, then the tensor
+    padded = np.zeros(target_shape, dtype=x.dtype)
+    padded[: x.shape[0], :] = x
+    return padded
+
+
+def pad_and_scale(x, target_shape):  # MaxText's Gemma 3: scale, then zeros concatenated
+    normalizer = np.dtype("bfloat16").type(2560**0.5)  # 50.5, not 50.596
+    scaled = (x * normalizer).astype(x.dtype)
+    padding = np.zeros((target_shape[0] - x.shape[0], target_shape[1]), dtype=scaled.dtype)
+    return np.concatenate([scaled, padding], axis=0)
+
+
+def scale_rmsnorm(x, target_shape):  # MaxText's Gemma: HF norm + 1
+    return (x + 1.0).reshape(target_shape)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("hook", [pad_by_writing, pad_and_scale], ids=["write", "concatenate"])
+def test_a_vocabulary_padded_with_zeros_reads_only_the_stored_rows(tmp_path, hook, dtype):
+    stored = RNG.standard_normal((20, 16)).astype(np.float32)
+    target = same_as_the_hook(tmp_path, hook, stored, (32, 16), dtype, axes=("fsdp", "tensor"))
+    found = st.inventory(plan_for({"p": (32, 16)}, dtype=dtype), tmp_path, names={"p": target})
+    assert found.reads == {"p": ("w",)}
+
+
+def test_gemmas_norm_offset_in_bf16(tmp_path):
+    stored = RNG.standard_normal((16,)).astype(np.float32)
+    target = same_as_the_hook(tmp_path, scale_rmsnorm, stored, (16,), BF16)
+    assert target == st.Tensor("w", offset=1.0)
+
+
+def test_ones_and_zeros_made_by_a_hook_are_fills(tmp_path):
+    def make_ones(_x, target_shape):  # MaxText's small Gemma 4
+        return np.ones(target_shape, dtype=np.float32)
+
+    target = followed(make_ones, np.zeros((4,), np.float32), (8, 4))
+    assert target == st.Fill(1, (8, 4))
+
+
+def test_a_write_that_is_no_pad_is_refused():
+    def hook(x, target_shape):
+        out = np.zeros(target_shape, dtype=x.dtype)
+        out[2:, :] = x
+        return out
+
+    with pytest.raises(trace.Inexpressible, match="writing a .* tensor into a fill"):
+        followed(hook, np.zeros((4, 6), np.float32), (6, 6))

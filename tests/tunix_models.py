@@ -13,7 +13,10 @@ import jax
 import numpy as np
 import qwix
 from flax import nnx
+from tunix.models.gemma import model as gemma
+from tunix.models.gemma import params_safetensors as gemma_params
 from tunix.models.gemma3 import model as gemma3
+from tunix.models.gemma3 import params_safetensors as gemma3_params
 from tunix.models.llama3 import model as llama3
 from tunix.models.llama3 import params as llama3_params
 from tunix.models.qwen2 import model as qwen2
@@ -47,6 +50,15 @@ QWEN3_MOE = qwen3.ModelConfig(
 )
 QWEN2 = qwen2.ModelConfig(vocab_size=256, rope_theta=1_000_000, norm_eps=1e-6, **_SIZES)
 GEMMA3 = gemma3.ModelConfig(num_embed=256, sliding_window_size=8, **_SIZES)  # bf16 params
+# Gemma (1 and 2) with as many KV heads as heads: q, k and v fused in one qkv_einsum
+GEMMA = gemma.ModelConfig(
+    num_embed=256,
+    final_logit_softcap=None,
+    use_post_attn_norm=True,
+    use_post_ffw_norm=True,
+    attention_types=(gemma.AttentionType.GLOBAL,) * _SIZES["num_layers"],
+    **{**_SIZES, "num_kv_heads": _SIZES["num_heads"]},
+)
 # LoRA on every projection of Llama3 (attention and MLP)
 LORA = dict(module_path=".*_proj", rank=4, alpha=2.0)
 
@@ -69,6 +81,10 @@ def qwen2_model():
 
 def gemma3_model():
     return gemma3.Gemma3(GEMMA3, rngs=nnx.Rngs(params=0))
+
+
+def gemma_model():
+    return gemma.Gemma(GEMMA, rngs=nnx.Rngs(params=0))
 
 
 def lora_llama3_model():
@@ -150,6 +166,68 @@ def tunix_shardings(factory, mesh) -> dict:
 def eager(case: str) -> dict:
     """``path -> Variable`` of the model built eagerly (tunix turned eager sharding off)."""
     return variables(FACTORIES[case]())
+
+
+# case -> (factory, config, tunix's safetensors loader module) for meshinit.tunix.names
+LOADERS = {
+    "llama3": (llama3_model, LLAMA3, llama3_params),
+    "qwen2": (qwen2_model, QWEN2, qwen2_params),
+    "qwen3": (qwen3_model, QWEN3, qwen3_params),
+    "qwen3-moe": (qwen3_moe_model, QWEN3_MOE, qwen3_params),
+    "gemma": (gemma_model, GEMMA, gemma_params),
+    "gemma3": (gemma3_model, GEMMA3, gemma3_params),
+}
+
+
+def hf_shapes(case: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of a Hugging Face checkpoint of ``case``'s tiny config, as
+    transformers names and shapes them (torch's ``(out, in)`` Linear weights), written
+    from the transformers models, not from tunix's map."""
+    cfg = LOADERS[case][1]
+    d, f, hd = cfg.embed_dim, cfg.hidden_dim, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    vocab = getattr(cfg, "vocab_size", None) or cfg.num_embed
+    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
+    if case in ("llama3", "qwen2", "qwen3", "qwen3-moe"):  # untied: a head of its own
+        shapes["lm_head.weight"] = (vocab, d)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.self_attn.q_proj.weight": (q, d),
+            f"{p}.self_attn.k_proj.weight": (kv, d),
+            f"{p}.self_attn.v_proj.weight": (kv, d),
+            f"{p}.self_attn.o_proj.weight": (d, q),
+            f"{p}.input_layernorm.weight": (d,),
+            f"{p}.post_attention_layernorm.weight": (d,),
+        }
+        if case == "qwen3-moe":
+            shapes[f"{p}.mlp.gate.weight"] = (cfg.num_experts, d)
+            for e in range(cfg.num_experts):
+                shapes |= {
+                    f"{p}.mlp.experts.{e}.gate_proj.weight": (f, d),
+                    f"{p}.mlp.experts.{e}.up_proj.weight": (f, d),
+                    f"{p}.mlp.experts.{e}.down_proj.weight": (d, f),
+                }
+        else:
+            shapes |= {
+                f"{p}.mlp.gate_proj.weight": (f, d),
+                f"{p}.mlp.up_proj.weight": (f, d),
+                f"{p}.mlp.down_proj.weight": (d, f),
+            }
+        if case in ("qwen3", "qwen3-moe", "gemma3"):
+            shapes |= {f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)}
+        if case == "qwen2":
+            shapes |= {
+                f"{p}.self_attn.q_proj.bias": (q,),
+                f"{p}.self_attn.k_proj.bias": (kv,),
+                f"{p}.self_attn.v_proj.bias": (kv,),
+            }
+        if case in ("gemma", "gemma3"):
+            shapes |= {
+                f"{p}.pre_feedforward_layernorm.weight": (d,),
+                f"{p}.post_feedforward_layernorm.weight": (d,),
+            }
+    return shapes
 
 
 # -- tunix's safetensors name maps, read the other way round -------------------------------

@@ -5,11 +5,13 @@ Its public face is :mod:`meshinit.safetensors` (``load`` and ``inventory``). Its
 - :mod:`.file`: a checkpoint's files found (only those its index lists) and each
   checked (by :mod:`.header`, as the safetensors format requires, and by the
   ``safetensors`` package) before a byte of data is read;
-- :mod:`.names`: ``names=``, which stored tensors fill each plan path, and how
-  (:class:`~meshinit.safetensors.Tensor`, :class:`~meshinit.safetensors.Stack`,
-  :class:`~meshinit.safetensors.Concat`);
-- :mod:`.layout`: each path's target checked against the stored tensors, and a
-  device's block of the parameter read from the parts it reaches;
+- :mod:`.names` and :mod:`.parts`: ``names=``, which stored tensors fill each plan
+  path, and how (:class:`~meshinit.safetensors.Tensor`,
+  :class:`~meshinit.safetensors.Stack`, :class:`~meshinit.safetensors.Concat`,
+  :class:`~meshinit.safetensors.Fill`, :class:`~meshinit.safetensors.Pad`);
+- :mod:`.layout`: each path's target checked against the stored tensors (:mod:`.reshape`
+  for the views), and :mod:`.blocks`: a device's block of the parameter read from the
+  parts it reaches;
 - :mod:`.read`: the checked files read block by block onto the plan's shardings, each
   process reading only what its devices hold; nothing left alive on failure;
 - :mod:`.keys`: a plan's typed PRNG keys, read as their stored key data and wrapped

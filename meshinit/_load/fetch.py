@@ -49,7 +49,7 @@ import numpy as np
 
 from .._errors import PlanError, Problem
 from . import aio as _aio
-from . import layout as _layout
+from . import blocks as _blocks
 from . import remote as _remote
 
 GAP = 64 << 10
@@ -181,7 +181,7 @@ class Fetch:
 
     def __init__(
         self,
-        node: _layout.Node,
+        node: _blocks.Node,
         blocks: Sequence[tuple[slice, ...]],
         views: Mapping[int, np.ndarray],
         maps: Mapping[_remote.Remote, tuple[mmap.mmap, int]],
@@ -197,11 +197,11 @@ class Fetch:
         size, members = 0, list[tuple[Any, ...]]()
         for index in blocks:
             spans: dict[_remote.Remote, list[Spans]] = {}
-            for leaf, at in _layout.reached(node, index):
+            for leaf, at in _blocks.reached(node, index):
                 obj = leaf.stored.file
                 if not isinstance(obj, _remote.Remote):
                     continue
-                view = _layout.at(views[id(leaf)], at)
+                view = _blocks.at(views[id(leaf)], at)
                 if view.size == 0:
                     continue
                 starts, length = runs(view, view.ctypes.data - origin[obj])
@@ -470,8 +470,8 @@ def _key(index: tuple[slice, ...]) -> tuple[Any, ...]:
     return tuple((s.start, s.stop) for s in index)
 
 
-def _names(node: _layout.Node) -> dict[Any, set[str]]:
+def _names(node: _blocks.Node) -> dict[Any, set[str]]:
     out: dict[Any, set[str]] = {}
-    for leaf in _layout.leaves(node):
+    for leaf in _blocks.leaves(node):
         out.setdefault(leaf.stored.file, set()).add(leaf.stored.name)
     return out

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import Problem
-from .names import Target
+from .parts import Target
 
 
 @dataclasses.dataclass(frozen=True)

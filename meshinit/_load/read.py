@@ -28,9 +28,9 @@ import numpy as np
 from .._errors import PlanError, Problem
 from .._plan.plan import PlanEntry
 from .._run import progress as _progress
+from . import blocks as _blocks
 from . import fetch as _fetch
 from . import file as _file
-from . import layout as _layout
 from . import remote as _remote
 
 Where = pathlib.Path | _remote.Remote
@@ -44,7 +44,7 @@ class Job:
     """One plan path's read: its parts, resolved against the checked files."""
 
     entry: PlanEntry
-    node: _layout.Node
+    node: _blocks.Node
 
 
 def read(
@@ -63,7 +63,7 @@ def read(
     total = [0]
     try:
         needed = dict.fromkeys(
-            leaf.stored.file for job in jobs for leaf in _layout.leaves(job.node)
+            leaf.stored.file for job in jobs for leaf in _blocks.leaves(job.node)
         )
         changed = [
             Problem(str(path), "changed since it was checked; load again")
@@ -101,15 +101,15 @@ def read(
 
 
 def _owned(job: Job) -> int:
-    """About the stored bytes of this process's blocks of the job (for the bar)."""
-    leaf = _layout.leaves(job.node)[0]
-    itemsize = (
-        _file.READABLE[leaf.stored.dtype].itemsize if leaf.stored.dtype in _file.READABLE else 1
-    )
-    return sum(
-        math.prod(s.stop - s.start for s in index) * itemsize
-        for index, _ in holders(job.entry).values()
-    )
+    """The stored bytes this process's blocks of the job read, of every part each block
+    reaches (for the bar; a constant or a pad's padding reads none)."""
+    total = 0
+    for index, _ in holders(job.entry).values():
+        for leaf, at in _blocks.reached(job.node, index):
+            dtype = _file.READABLE.get(leaf.stored.dtype)
+            size = math.prod(max(0, s.stop - s.start) for s in at)
+            total += size * (1 if dtype is None else dtype.itemsize)
+    return total
 
 
 def _made(job: Job, checked: Mapping[Where, _file.Checked], total: list[int], budget: int) -> Any:
@@ -155,7 +155,7 @@ class Source:
 
     def __init__(
         self,
-        leaf: _layout.Leaf,
+        leaf: _blocks.Leaf,
         entry: PlanEntry,
         mapping: Callable[[Where], tuple[Any, int]],
         total: list[int],
@@ -197,17 +197,20 @@ class Source:
         self._view_of = None
 
     def block(self, index: Any) -> np.ndarray:
-        """The part's block at ``index``: a view of the file where no cast or scale is
-        needed (:func:`put` places it in memory of its own), else the cast (checked)
-        and scaled copy."""
-        block = _layout.at(self.view, index)  # a 0-d block stays an array
+        """The part's block at ``index``: a view of the file where no cast, scale or
+        offset is needed (:func:`put` places it in memory of its own), else the cast
+        (checked), scaled and offset copy."""
+        block = _blocks.at(self.view, index)  # a 0-d block stays an array
         self._read += block.nbytes
         self._total[0] += block.nbytes
         dtype = self.entry.spec.dtype
         if block.dtype != dtype:
             block = cast(block, dtype, self.entry.path, self.leaf)
-        if self.leaf.tensor.scale is not None:  # after the cast: MaxText's hooks see it cast
-            block = scaled(block, self.leaf.tensor.scale, self.entry.path, self.leaf)
+        tensor = self.leaf.tensor
+        if tensor.scale is not None:  # after the cast: MaxText's hooks see it cast
+            block = scaled(block, tensor.scale, self.entry.path, self.leaf)
+        if tensor.offset is not None:  # after the scale, rounded on its own
+            block = offset(block, tensor.offset, self.entry.path, self.leaf)
         return block
 
     def release(self, mapped: Any, base: int) -> None:
@@ -237,7 +240,7 @@ class Sources:
     ):
         self.job = job
         self._checked = checked
-        leaves = list(_layout.leaves(job.node))
+        leaves = list(_blocks.leaves(job.node))
         spans: dict[Where, list[int]] = {}
         for leaf in leaves:
             held = leaf.stored
@@ -292,7 +295,7 @@ class Sources:
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         if self.fetch is not None:
             self.fetch.ready(index)
-        return _layout.block(
+        return _blocks.block(
             self.job.node,
             index,
             lambda leaf, at: self.parts[id(leaf)].block(at),
@@ -325,7 +328,7 @@ def source(
     return Sources(job, checked, total, budget)
 
 
-def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _layout.Leaf) -> np.ndarray:
+def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _blocks.Leaf) -> np.ndarray:
     """``block`` cast to ``dtype``; a value the cast would change beyond rounding (an
     int out of range, a finite float that overflows) is a PlanError naming the path
     and the part."""
@@ -349,7 +352,7 @@ def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _layout.Leaf) -> n
     return out
 
 
-def scaled(block: np.ndarray, scale: float, path: str, leaf: _layout.Leaf) -> np.ndarray:
+def scaled(block: np.ndarray, scale: float, path: str, leaf: _blocks.Leaf) -> np.ndarray:
     """``block``, already in the planned dtype, times ``scale`` as MaxText 0.2.5's
     conversion hooks compute it on a tensor in its save dtype:
     ``(x.astype(np.float32) * np.float32(scale)).astype(x.dtype)``. A float64 block is
@@ -357,24 +360,45 @@ def scaled(block: np.ndarray, scale: float, path: str, leaf: _layout.Leaf) -> np
     spelling of MaxText's hooks), not cut to float32. A finite value that the product
     or its rounding back makes infinite (NaN in a float8 without infinities) is a
     PlanError naming the path, the part and the value."""
+    return _arithmetic(block, scale, np.multiply, path, leaf)
+
+
+def offset(block: np.ndarray, value: float, path: str, leaf: _blocks.Leaf) -> np.ndarray:
+    """``block``, already in the planned dtype (and scaled), plus ``value``, computed
+    as :func:`scaled` computes its product: ``(x.astype(np.float32) +
+    np.float32(value)).astype(x.dtype)``, which is what ml_dtypes gives for ``x + 1.0``
+    on a bfloat16 array (MaxText's Gemma norm scales); a float64 block in float64. A
+    finite value that the sum or its rounding makes infinite is a PlanError naming the
+    path, the part and the value."""
+    return _arithmetic(block, value, np.add, path, leaf)
+
+
+def _arithmetic(
+    block: np.ndarray, x: float, op: np.ufunc, path: str, leaf: _blocks.Leaf
+) -> np.ndarray:
     work = np.result_type(block.dtype, np.float32)
+    if op is np.multiply:
+        what, result, by, made = "scale", "product", "times", "a scaled value"
+    else:
+        what, result, by, made = "offset", "sum", "plus", "an offset value"
     with np.errstate(over="ignore", invalid="ignore"):
-        factor = work.type(scale)
-        product = block.astype(work) * factor
-        out = product.astype(block.dtype)
+        factor = work.type(x)
+        wide = op(block.astype(work), factor)
+        out = wide.astype(block.dtype)
     grew = np.isfinite(block) & ~np.isfinite(out)
     if not grew.any():
         return out
-    value, wide = float(block[grew].flat[0]), float(product[grew].flat[0])
+    value, got = float(block[grew].flat[0]), float(wide[grew].flat[0])
     if not np.isfinite(factor):
-        why = f"is scaled by {scale}, which overflows {work.name} (the product's dtype)"
-    elif not np.isfinite(wide):
-        why = f"holds {value}, which times scale={scale} overflows {work.name}"
+        verb = "scaled" if what == "scale" else "offset"
+        why = f"is {verb} by {x}, which overflows {work.name} (the {result}'s dtype)"
+    elif not np.isfinite(got):
+        why = f"holds {value}, which {by} {what}={x} overflows {work.name}"
     else:
-        why = f"holds {value}, which times scale={scale} is {wide}: it overflows {out.dtype.name}"
+        why = f"holds {value}, which {by} {what}={x} is {got}: it overflows {out.dtype.name}"
     raise PlanError(
         [Problem(path, f"{leaf.label}tensor {leaf.stored.name!r} {why}; plan a wider dtype")],
-        header="meshinit.safetensors.load: a scaled value does not fit the planned dtype:",
+        header=f"meshinit.safetensors.load: {made} does not fit the planned dtype:",
     )
 
 

@@ -26,7 +26,7 @@ from . import layout as _layout
 from . import names as _names
 from . import read as _read
 from . import unused as _unused
-from .names import Concat, Stack, Tensor
+from .parts import Concat, Fill, Pad, Stack, Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +37,15 @@ class Inventory:
     Attributes:
       files: the files checked, in the order read (paths; URLs of remote objects).
       loaded: plan path -> the target it is read from: a :class:`Tensor` (name and
-        transforms), or a :class:`Stack` or :class:`Concat` of parts.
+        transforms), a :class:`Stack` or :class:`Concat` of parts, a :class:`Fill` or
+        a :class:`Pad`.
       skipped: plan paths that ``names=`` maps to None: not in the files by design.
       missing: plan path -> the tensor name it wants, which no file holds.
       unused: the stored tensors that no load reads, sorted: those no plan path
         claims, and those that only ``missing`` paths would read (a load with
         ``missing="skip"`` leaves such a path out, and reads none of its parts).
-      reads: plan path -> the stored tensors it reads, in order (one, or every part's).
+      reads: plan path -> the stored tensors it reads, in order (one, or every part's;
+        none for a :class:`Fill`).
       table: where ``names=`` is a framework's own map (``meshinit.maxtext.names``,
         ``meshinit.tunix.names``), the table it built for these files: every plan
         path -> its target, or None; ``str()`` prints it. None for a ``names=`` given
@@ -60,12 +62,12 @@ class Inventory:
     """
 
     files: tuple[pathlib.Path | str, ...]
-    loaded: Mapping[str, Tensor | Stack | Concat]
+    loaded: Mapping[str, Tensor | Stack | Concat | Fill | Pad]
     skipped: tuple[str, ...]
     missing: Mapping[str, str]
     unused: tuple[str, ...]
     reads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    table: Mapping[str, Tensor | Stack | Concat | None] | None = None
+    table: Mapping[str, Tensor | Stack | Concat | Fill | Pad | None] | None = None
 
     def __str__(self) -> str:
         def line(what: str, items: list[str]) -> str:
@@ -188,13 +190,13 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
                 why_not = functools.partial(_keys.why_not, entry=entry)
             else:
                 why_not = functools.partial(_why_not, planned=entry.spec.dtype)
-            node = _layout.resolve(target, index, why_not)
+            node = _layout.resolve(target, index, why_not, read_as.spec.shape, read_as.spec.dtype)
             if node.result != read_as.spec.shape:
                 planned = _keys.described(entry) if key else str(entry.spec.shape)
                 raise _layout.Refused(
                     f"{_describe(node)} gives shape {node.result}, planned {planned}"
                 )
-            if any(leaf.groups for leaf in _layout.leaves(node)):
+            if _layout.merging(node):
                 cut = _layout.check(node, _blocks(read_as))
                 if cut is not None:
                     raise _layout.Refused(cut)
@@ -241,8 +243,7 @@ def _describe(node: _layout.Node) -> str:
         held = node.stored
         where = f"in {held.file.name}, stored {held.dtype} {held.shape},"
         return f"tensor {printable(held.name)!r} {where}"
-    kind = "Stack" if node.stacked else "Concat"
-    return f"{kind} of {len(node.parts)} parts along axis {node.axis}"
+    return _layout.describe(node)
 
 
 def _absent(path: str, parts: list[tuple[str, str]], stored: list[str], hint: bool) -> Problem:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import names as _names
+from . import parts as _names
 from .views import Inexpressible as Inexpressible
 from .views import Pending as _Pending
 from .views import View as _View
@@ -282,7 +282,7 @@ def stack(xs: Sequence[Any], axis: int = 0, **_: Any) -> Sym:
         order = [d for d in range(n) if d != a]
         order.insert(axis, a)
         return split.transpose(order)
-    return Sym(_names.Stack([_part(x) for x in xs], axis), out, dtype)
+    return Sym(_names.Stack(tuple(_part(x) for x in xs), axis), out, dtype)
 
 
 def concatenate(xs: Sequence[Any], axis: int = 0, **_: Any) -> Sym:
@@ -290,7 +290,7 @@ def concatenate(xs: Sequence[Any], axis: int = 0, **_: Any) -> Sym:
     shape = list(_shape_of(xs[0]))
     axis = operator.index(axis) % len(shape)
     shape[axis] = sum(_shape_of(x)[axis] for x in xs)
-    return Sym(_names.Concat([_part(x) for x in xs], axis), tuple(shape), _dtype_of(xs))
+    return Sym(_names.Concat(tuple(_part(x) for x in xs), axis), tuple(shape), _dtype_of(xs))
 
 
 def _halves(xs: list[Any]) -> tuple[Sym, int] | None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from .._errors import Problem, printable
 from .._format import some
 from . import file as _file
-from .names import Target, leaves
+from .parts import Target, leaves
 
 
 def find(

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import names as _names
+from . import parts as _names
 
 
 class Inexpressible(Exception):

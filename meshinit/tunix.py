@@ -1,0 +1,303 @@
+"""tunix's own safetensors map as ``names=`` of :func:`meshinit.safetensors.load`.
+
+google-tunix keeps, for each model family, a map from Hugging Face tensor names to its
+nnx parameters: ``_get_key_and_transform_mapping(cfg)`` (a regex -> an nnx path
+template and a ``(permute, reshape)`` transform, transpose first) and, for some
+families, a preprocess step over the mapped arrays (Qwen3's ``_stack_experts``,
+Gemma's ``_make_preprocess_fn(cfg)`` fusing q, k and v). :func:`names` reads that map
+at load time, from the installed tunix, for the checkpoint's own tensors::
+
+    plan = meshinit.nnx.plan(lambda: tunix_model(cfg, rngs=nnx.Rngs(params=0)))
+    loaded = meshinit.safetensors.load(plan, folder, names=meshinit.tunix.names(cfg))
+
+Each stored tensor goes through tunix's own regex match (``torch_key_to_jax_key``)
+and transform; the preprocess step is run by jax on abstract values (no data) and
+followed operation by operation (:mod:`meshinit._load.traced`). What tunix asks that a
+target cannot express is a problem naming the parameter, and any problem refuses the
+whole map before a byte is read. tunix is imported only when a table is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._errors import Problem
+from ._load import traced as _traced
+from ._load.framework import Checkpoint, FrameworkMap
+from ._load.header import READABLE
+from ._load.names import Target
+
+__all__ = ["names"]
+
+TESTED = "0.1.7"
+"""The google-tunix version whose maps meshinit's tests compare with tunix's loader."""
+
+# family -> the module of tunix's safetensors loader (gemma's params.py reads Kaggle's)
+_LOADERS = {
+    "gemma": "params_safetensors",
+    "gemma3": "params_safetensors",
+    "llama3": "params",
+    "qwen2": "params",
+    "qwen3": "params",
+}
+_KEY_MAP = "_get_key_and_transform_mapping"
+# tunix's preprocess steps: a function of the mapped arrays, or made from the config
+_PREPROCESS = {"_stack_experts": False, "_make_preprocess_fn": True}
+# what else a loader may call: Gemma's reads the vocabulary size from the files (the
+# plan's own is then checked against the stored shapes)
+_HELPERS = {"_peek_vocab_size_from_safetensors"}
+
+
+def names(model_config: Any) -> FrameworkMap:
+    """tunix's safetensors map for ``model_config``'s family, as ``names=``.
+
+    The table is built when :func:`meshinit.safetensors.load` (or ``inventory``) has
+    checked the files: for each stored tensor, tunix's own regex map gives the nnx
+    path and the transpose-then-reshape, which become a
+    :class:`~meshinit.safetensors.Tensor` (reshape, permute and merge of the stored
+    axes: the same values); tunix's preprocess step is followed on abstract values,
+    its stacks of experts becoming a :class:`~meshinit.safetensors.Stack` and its
+    fused q/k/v einsums a ``Stack`` of transposed tensors. Values are cast to the
+    planned dtype (tunix keeps the file's unless its loader is given ``dtype=``).
+
+    Families: ``llama3``, ``qwen2``, ``qwen3`` (dense and MoE), ``gemma`` and
+    ``gemma3``, as google-tunix 0.1.7 has them (another version is read if its map
+    has the same form, and named in every message). Refused, as problems naming the
+    parameter, all before any read: another family; a map entry not of the form
+    ``regex -> (template, None or (permute, reshape))``; a transform or preprocess
+    operation no target expresses (a reshape that cuts an axis unevenly, a
+    broadcast, arithmetic); a preprocess step or loader call meshinit does not know;
+    a stored tensor tunix maps to a path the plan does not have, or two to one path;
+    and a planned parameter that no stored tensor fills. Tensors that tunix's map
+    does not match, or sends to its ``unused.`` names, are left unread (and named by
+    ``unused=``). Plan paths of nnx RNG state (typed keys, uint32 counts) map to
+    None: made by the init.
+
+    Args:
+      model_config: a tunix ``ModelConfig`` (``tunix.models.<family>.model``), the
+        one the plan's model is built from.
+
+    Returns:
+      A :class:`meshinit.safetensors.FrameworkMap` for ``names=``; its table is
+      shown by ``meshinit.safetensors.inventory(...).table``.
+
+    Examples:
+      >>> from tunix.models.qwen3 import model as qwen3  # doctest: +SKIP
+      >>> cfg = qwen3.ModelConfig.qwen3_0p6b()  # doctest: +SKIP
+      >>> factory = lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(params=0))  # doctest: +SKIP
+      >>> plan = meshinit.nnx.plan(factory)  # doctest: +SKIP
+      >>> loaded = meshinit.safetensors.load(
+      ...     plan, "Qwen3-0.6B/", names=meshinit.tunix.names(cfg))  # doctest: +SKIP
+
+      (It needs google-tunix, on Python 3.12, and a downloaded checkpoint: not run
+      in the doctests; ``tests/test_tunix_names.py`` runs it against tunix's loader.)
+    """
+    return _TunixMap(model_config)
+
+
+class _TunixMap(FrameworkMap):
+    """tunix's map of one model config (what :func:`names` returns)."""
+
+    needs_config = False  # tunix's map needs the ModelConfig, not config.json
+
+    def __init__(self, model_config: Any):
+        self.model_config = model_config
+        module = type(model_config).__module__
+        found = re.fullmatch(r"tunix\.models\.(\w+)\.model", module)
+        self.kind = found.group(1) if found else None
+        self.described = self.kind or f"{module}.{type(model_config).__qualname__}"
+
+    def __repr__(self) -> str:
+        return f"meshinit.tunix.names(<{self.described} {type(self.model_config).__qualname__}>)"
+
+    @property
+    def family(self) -> str:
+        return f"{_version()}'s {self.described} map"
+
+    def table(self, checkpoint: Checkpoint) -> tuple[Mapping[str, Target | None], list[Problem]]:
+        family = self.family
+        if self.kind not in _LOADERS:
+            why = (
+                f"{type(self.model_config).__qualname__} from {self.described} is not a "
+                f"tunix ModelConfig"
+                if self.kind is None
+                else f"meshinit reads tunix's map of {', '.join(sorted(_LOADERS))}, "
+                f"not of {self.kind}"
+            )
+            return {}, [Problem("", f"{family}: {why}; load with a table of your own")]
+        try:
+            key_map, preprocess, problems = _loader(self.kind, self.model_config, family)
+        except ImportError as e:
+            fix = f"pip install google-tunix=={TESTED} (Python 3.12)"
+            return {}, [Problem("", f"meshinit.tunix.names needs google-tunix: {e}; {fix}")]
+        if problems:
+            return {}, problems
+        nodes, dtypes, problems = _mapped(key_map, checkpoint, family)
+        if preprocess is not None and not problems:
+            try:
+                nodes = _traced.trace(preprocess, nodes, dtypes)
+            except Exception as e:  # noqa: BLE001 - tunix's own code, on these shapes
+                what = f"{type(e).__name__}: {e}"
+                problems.append(Problem("", f"{family}: its preprocess step failed ({what})"))
+        if problems:
+            return {}, problems
+        return _assembled(nodes, checkpoint, family)
+
+
+def _version() -> str:
+    try:
+        version = metadata.version("google-tunix")
+    except metadata.PackageNotFoundError:
+        return "tunix (not installed)"
+    tested = "" if version == TESTED else f" (meshinit is tested with {TESTED})"
+    return f"tunix {version}{tested}"
+
+
+def _loader(family: str, config: Any, described: str) -> tuple[Any, Any, list[Problem]]:
+    """tunix's key map of ``config`` and its loader's preprocess step (or None), with
+    every problem of their form."""
+    module = importlib.import_module(f"tunix.models.{family}.{_LOADERS[family]}")
+    where = f"{described}: {module.__name__}"
+    load = getattr(module, "create_model_from_safe_tensors", None)
+    if not inspect.isfunction(load) or not inspect.isfunction(getattr(module, _KEY_MAP, None)):
+        return None, None, [Problem("", f"{where} has no {_KEY_MAP} and loader of the form known")]
+    calls = {  # the functions of its module the loader refers to
+        n for n in load.__code__.co_names if inspect.isfunction(getattr(module, n, None))
+    }
+    unknown = sorted(calls - {_KEY_MAP, *_PREPROCESS, *_HELPERS})
+    steps = sorted(calls & set(_PREPROCESS))
+    problems = [
+        Problem("", f"{where}: its loader calls {n}, a step meshinit does not know")
+        for n in unknown
+    ]
+    if _KEY_MAP not in calls:
+        problems.append(Problem("", f"{where}: its loader does not read {_KEY_MAP}"))
+    if len(steps) > 1:
+        problems.append(Problem("", f"{where}: its loader has preprocess steps {steps}"))
+    try:
+        key_map = getattr(module, _KEY_MAP)(config)
+        preprocess = None
+        for step in steps:
+            preprocess = getattr(module, step)
+            preprocess = preprocess(config) if _PREPROCESS[step] else preprocess
+    except Exception as e:  # noqa: BLE001 - tunix's own code, on this config
+        return None, None, [*problems, Problem("", f"{where}: {type(e).__name__}: {e}")]
+    return key_map, preprocess, problems + _form(key_map, where)
+
+
+def _form(key_map: Any, where: str) -> list[Problem]:
+    """Every entry of ``key_map`` not of the form this module reads."""
+    form = "regex -> (nnx path template, None or (permute or None, reshape or None))"
+    if not isinstance(key_map, Mapping):
+        return [Problem("", f"{where}'s {_KEY_MAP} gave {type(key_map).__name__}, not {form}")]
+    problems = []
+    for regex, value in key_map.items():
+        ok = (
+            isinstance(regex, str)
+            and isinstance(value, tuple | list)
+            and len(value) == 2
+            and isinstance(value[0], str)
+            and _transform(value[1])
+        )
+        if ok:
+            try:
+                re.compile(regex)
+            except re.error as e:
+                ok, value = False, f"{value!r} (the regex: {e})"
+        if not ok:
+            problems.append(
+                Problem("", f"{where}: the entry {regex!r} -> {value!r} is not {form}; refused")
+            )
+    return problems
+
+
+def _transform(t: Any) -> bool:
+    def ints(x: Any) -> bool:
+        return x is None or (
+            isinstance(x, tuple | list)
+            and all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in x)
+        )
+
+    return t is None or (isinstance(t, tuple | list) and len(t) == 2 and all(map(ints, t)))
+
+
+def _mapped(
+    key_map: Mapping[str, Any], checkpoint: Checkpoint, family: str
+) -> tuple[dict[str, _traced.Node], dict[str, Any], list[Problem]]:
+    """Each stored tensor as tunix's loader has it before its preprocess step: by
+    tunix's own regex match, transposed, then reshaped."""
+    from tunix.utils.torch_utils import torch_key_to_jax_key
+
+    nodes: dict[str, _traced.Node] = {}
+    dtypes: dict[str, Any] = {}
+    problems = []
+    for name, (shape, dtype) in sorted(checkpoint.tensors.items()):
+        try:
+            key, transform = torch_key_to_jax_key(key_map, name)
+        except ValueError:  # no regex, or several: tunix skips it, and so is it here
+            continue
+        if key in nodes:
+            first = _traced.tensors(nodes[key])[0]
+            problems.append(Problem(key, f"{family} maps both {first} and {name} here"))
+            continue
+        node: _traced.Node = _traced.stored(name, shape)
+        try:
+            if transform is not None:  # as tunix's loader: permute, then reshape
+                permute, reshape = transform
+                if permute:
+                    node = _traced.permuted(node, permute)
+                if reshape:
+                    node = _traced.reshaped(node, reshape)
+        except ValueError as e:
+            problems.append(
+                Problem(key, f"{family}: {name} {tuple(shape)} by {tuple(transform)}: {e}")
+            )
+            continue
+        nodes[key] = node
+        dtypes[key] = READABLE.get(dtype, np.dtype(np.float32))
+    return nodes, dtypes, problems
+
+
+def _assembled(
+    nodes: Mapping[str, _traced.Node], checkpoint: Checkpoint, family: str
+) -> tuple[dict[str, Target | None], list[Problem]]:
+    """The table over the plan's paths (tunix's loader looks a path up as it is or
+    with ``.value``), with every path nothing fills and every tensor sent nowhere."""
+    table: dict[str, Target | None] = {}
+    problems = []
+    used = set()
+    for path, (shape, dtype) in checkpoint.planned.items():
+        key = next((k for k in (path, f"{path}.value") if k in nodes), None)
+        if key is None:
+            if _rng_state(shape, dtype):
+                table[path] = None
+            else:
+                problems.append(Problem(path, f"{family}: no stored tensor maps to it"))
+            continue
+        used.add(key)
+        found = _traced.target(nodes[key])
+        if isinstance(found, str):
+            problems.append(Problem(path, f"{family}: {found}: no target expresses it"))
+        else:
+            table[path] = found
+    for key in sorted(set(nodes) - used):
+        if key.startswith("unused."):  # tunix's own name for what it drops
+            continue
+        read = ", ".join(_traced.tensors(nodes[key])) or "a value"
+        problems.append(Problem(key, f"{family} maps {read} here: not a path of the plan"))
+    return table, problems
+
+
+def _rng_state(shape: tuple[int, ...], dtype: Any) -> bool:
+    """Whether a planned leaf is nnx RNG state: a typed key, or a scalar uint32 count."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return np.dtype(dtype) == np.uint32 and tuple(shape) == ()
