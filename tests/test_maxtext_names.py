@@ -77,10 +77,12 @@ MLA = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=
 # in the MoEBiasVar collection, its map names it under params-)
 DEEPSEEK = MOE | MLA | dict(first_num_dense_layers=1, base_moe_mlp_dim=32, routed_bias=False)
 GDN = dict(gdn_key_head_dim=16, gdn_value_head_dim=16, gdn_num_key_heads=2, gdn_num_value_heads=4)
+GEMMA4 = dict(global_head_dim=32, global_num_kv_heads=2)
 VL = dict(use_multimodal=False, deepstack_visual_indexes_for_vit=(), mrope_section=(3, 3, 2))
 ALL = ((True, "nnx"), (True, "linen"), (False, "nnx"), (False, "linen"))
 LINEN = ((True, "linen"), (False, "linen"))
 SCANNED = ((True, "nnx"), (True, "linen"))
+UNROLLED = ((False, "nnx"), (False, "linen"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +108,21 @@ TINY = {
         | dict(q_lora_rank=32, indexer_n_heads=2, indexer_head_dim=16, indexer_topk=8)
         | dict(attention="dot_product")
     ),
+    # the embedding padded then scaled, norms offset by 1
+    "gemma2-2b": Tiny(),
+    "gemma3-4b": Tiny(),  # the text model of a multimodal config (text_config)
+    # blocks of 5 local layers (a nested scan) and a global one, of another head size
+    "gemma4-31b": Tiny(GEMMA4, layers=6),
+    "gemma4-26b": Tiny(GEMMA4 | MOE | dict(base_moe_mlp_dim=32), layers=6),
+    # unrolled only (MaxText: per-layer KV sharing cannot scan); sharing off, as MaxText's
+    # own init fails with it at this size
+    "gemma4-e2b": Tiny(
+        GEMMA4
+        | dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=256)
+        | dict(num_kv_shared_layers=0),
+        layers=6,
+        layouts=UNROLLED,
+    ),
     # the text model alone (its vision tower off, so its layers may scan)
     "qwen3-vl-2b": Tiny(VL),
     # unrolled, MaxText's map names fused experts (experts.down_proj) that its HF_SHAPE has
@@ -119,8 +136,7 @@ TINY = {
     "qwen3.5-35b-a3b": Tiny(MOE | GDN | dict(mrope_section=(1, 1, 0)), layers=4, layouts=LINEN),
 }
 # The other names of PARAM_MAPPING that build: the same map and hooks as a family above,
-# another configs/models/*.yml (tied embeddings, rope, sizes); checked scanned in NNX and
-# unrolled in linen (where their family is)
+# another configs/models/*.yml (tied embeddings, rope, sizes); each checked in one layout
 ALIASES = {
     "llama3.1-70b": "llama3.1-8b",
     "llama3.1-405b": "llama3.1-8b",
@@ -140,14 +156,19 @@ ALIASES = {
     "qwen3-235b-a22b": "qwen3-30b-a3b",
     "qwen3-vl-4b": "qwen3-vl-2b",
     "mixtral-8x22b": "mixtral-8x7b",
+    "gemma2-9b": "gemma2-2b",
+    "gemma2-27b": "gemma2-2b",
+    "gemma3-12b": "gemma3-4b",
+    "gemma3-27b": "gemma3-4b",
+    "gemma4-e4b": "gemma4-e2b",
     "gpt-oss-120b": "gpt-oss-20b",
     "qwen3.5-397b-a17b": "qwen3.5-35b-a3b",
 }
-for _alias, _family in ALIASES.items():
-    _tiny = TINY[_family]
-    _some = ((True, "nnx"), (False, "linen"))
+for _i, (_alias, _family) in enumerate(ALIASES.items()):
+    _layouts = TINY[_family].layouts  # one layout each: scanned NNX and unrolled linen by turns
+    _want = ((True, "nnx"), (False, "linen"))[_i % 2]
     TINY[_alias] = dataclasses.replace(
-        _tiny, layouts=tuple(x for x in _tiny.layouts if x in _some) or _tiny.layouts[:1]
+        TINY[_family], layouts=(_want,) if _want in _layouts else _layouts[:1]
     )
 COMPOSITE = (  # one hook makes several MaxText parameters from the same stored tensor
     r"hook {hook} of \(.*\) makes it together with .* from the same stored tensors "
@@ -198,6 +219,9 @@ ALSO = dict(
     linear_conv_kernel_dim="gdn_conv_kernel_dim",
     index_topk="indexer_topk",
     top_k_experts="num_experts_per_tok",
+    hidden_size_per_layer_input="hidden_size_per_layer_input",
+    vocab_size_per_layer_input="vocab_size_per_layer_input",
+    num_kv_shared_layers="num_kv_shared_layers",
 )
 
 
