@@ -1,8 +1,9 @@
 """``meshinit.maxtext.names(config)``: MaxText's own checkpoint maps as ``names=``, family
 by family, against MaxText's own conversion.
 
-For each MaxText 0.2.5 family that builds at a tiny size on CPU, scanned and unrolled,
-NNX and linen:
+For each MaxText 0.2.5 family that builds at a tiny size on CPU (:data:`TINY`), scanned
+and unrolled, NNX and linen where MaxText and meshinit build them (the other names of
+``PARAM_MAPPING`` with a tested family's map, :data:`ALIASES`, in one layout each):
 
 1. MaxText's own model of the family's config (``tiny_config(model_name=...)``: its
    ``configs/models/*.yml`` with the sizes made small), and its own placement: the
@@ -26,8 +27,9 @@ NNX and linen:
    must have step 4's bytes and MaxText's sharding, and the load reads the bytes the
    process owns.
 
-Families whose hooks ask what a table cannot express are refused by name: one
-:class:`meshinit.PlanError` naming the hook and the operation, before a byte is read.
+Families whose hooks ask what a table cannot express (:data:`REFUSED`) are refused by
+name: one :class:`meshinit.PlanError` naming, for each parameter, the hook and the
+operation, before a byte is read.
 The one test of MaxText's actual init (``test_llama_from_maxtexts_own_init``) ties step
 1's placement to the arrays the init gives.
 
@@ -195,9 +197,7 @@ SCANS = {True: "scanned", False: "unrolled"}
 
 def layouts(models) -> list:
     return [
-        pytest.param(
-            model, scan, framework, id=f"{model}-{'scanned' if scan else 'unrolled'}-{framework}"
-        )
+        pytest.param(model, scan, framework, id=f"{model}-{SCANS[scan]}-{framework}")
         for model in models
         for scan, framework in TINY[model].layouts
     ]
