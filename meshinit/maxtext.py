@@ -117,16 +117,19 @@ class _MaxTextMap(FrameworkMap):
             return {}, [Problem(where, f"MaxText's map fails on {checkpoint.where}: {said}")]
         table: dict[str, Any] = {}
         problems: list[Problem] = []
-        composite = {mt for key in mapping for mt in (key if isinstance(key, tuple) else (key,))}
+        composite = {mt: key for key in mapping if isinstance(key, tuple) for mt in key}
         for path, (shape, dtype) in checkpoint.planned.items():
             key = mt_key(path)
             if key not in mapping:
                 if key in composite:
+                    group = composite[key]
+                    others = ", ".join(repr(k) for k in group if k != key)
                     problems.append(
                         Problem(
                             path,
-                            f"{where}: it fills it together with other "
-                            f"parameters (a composite key): not supported",
+                            f"{where}: hook {_named(hooks.get(group))} of {group!r} makes "
+                            f"it together with {others} from the same stored tensors (a "
+                            f"composite key), which names= cannot express",
                         )
                     )
                 elif _made_by_init(dtype):
@@ -139,14 +142,10 @@ class _MaxTextMap(FrameworkMap):
                     key, mapping[key], hooks.get(key), shape, dtype, checkpoint, tensor_handling
                 )
             except _trace.Inexpressible as e:
-                hook = hooks.get(key)
-                named = ", ".join(
-                    h.__name__ for h in (hook if isinstance(hook, list) else [hook]) if h
-                )
                 problems.append(
                     Problem(
                         path,
-                        f"{where}: hook {named or '(none)'} of {key!r} needs {e}, "
+                        f"{where}: hook {_named(hooks.get(key))} of {key!r} needs {e}, "
                         f"which names= cannot express",
                     )
                 )
@@ -198,6 +197,12 @@ class _MaxTextMap(FrameworkMap):
 
 class _Absent(Exception):
     pass
+
+
+def _named(hook: Any) -> str:
+    """A hook (or MaxText's list of them, applied in order) as messages name it."""
+    hooks = hook if isinstance(hook, list) else [hook]
+    return ", ".join(getattr(h, "__name__", repr(h)) for h in hooks if h) or "(none)"
 
 
 def _made_by_init(dtype: Any) -> bool:

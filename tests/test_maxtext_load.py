@@ -203,9 +203,13 @@ def test_scanned_nnx_load_onto_two_disjoint_stages(tmp_path):
 def test_benchmark_routes_give_the_same_model():
     """benchmarks/maxtext_load.py at one layer: MaxText's whole route (``to_maxtext``,
     its orbax save, ``from_pretrained``'s restore) and meshinit's load must leave every
-    Param with the same bytes and the same sharding, or the script fails."""
+    Param with the same bytes and the same sharding, through the hand-written table and
+    through ``meshinit.maxtext.names``, each reading only the bytes it owns, or the
+    script fails."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "maxtext_load.py"
     command = [sys.executable, str(script), "--layers", "1", "--repeats", "1"]
     r = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "every Param of both models: same bytes, same sharding (12)" in r.stdout, r.stdout
+    assert "every Param of the three models: same bytes, same sharding (12)" in r.stdout, r.stdout
+    assert "hand-written: bytes read / owned = 1.000" in r.stdout, r.stdout
+    assert "maxtext.names: bytes read / owned = 1.000" in r.stdout, r.stdout

@@ -188,6 +188,19 @@ def pad_and_scale(x, target_shape):  # MaxText's Gemma 3: scale, then zeros conc
     return np.concatenate([scaled, padding], axis=0)
 
 
+def pad_then_scale(x, target_shape):  # MaxText's Gemma 2: zeros, the tensor, then scaled
+    normalizer = np.dtype("float32").type(2304**0.5)
+    padded = np.zeros(target_shape, dtype=x.dtype)
+    padded[: x.shape[0], : x.shape[1]] = x
+    return (padded * normalizer).astype(x.dtype)
+
+
+def pad_then_offset(x, target_shape):
+    padded = np.full(target_shape, 3.0, dtype=x.dtype)
+    padded[: x.shape[0], :] = x
+    return padded - 0.1
+
+
 def scale_rmsnorm(x, target_shape):  # MaxText's Gemma: HF norm + 1
     return (x + 1.0).reshape(target_shape)
 
@@ -199,6 +212,15 @@ def test_a_vocabulary_padded_with_zeros_reads_only_the_stored_rows(tmp_path, hoo
     target = same_as_the_hook(tmp_path, hook, stored, (32, 16), dtype, axes=("fsdp", "tensor"))
     found = st.inventory(plan_for({"p": (32, 16)}, dtype=dtype), tmp_path, names={"p": target})
     assert found.reads == {"p": ("w",)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("hook", [pad_then_scale, pad_then_offset], ids=["scale", "offset"])
+def test_a_scale_or_offset_after_a_pad_goes_into_the_tensor_and_the_padding(tmp_path, hook, dtype):
+    stored = RNG.standard_normal((20, 16)).astype(np.float32)
+    target = same_as_the_hook(tmp_path, hook, stored, (32, 16), dtype, axes=("fsdp", "tensor"))
+    assert isinstance(target, st.Pad) and target.part.name == "w"
+    assert (target.part.scale, target.part.offset) != (None, None)
 
 
 def test_gemmas_norm_offset_in_bf16(tmp_path):

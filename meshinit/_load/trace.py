@@ -162,8 +162,6 @@ class Sym:
             float(other)
         except (TypeError, ValueError):
             raise Inexpressible(f"{op} by {other!r}") from None
-        if not isinstance(self.node, _View):
-            raise Inexpressible(f"{op} after a join, a pad or a fill")
         # numpy's promotion of the two: meshinit computes in the planned dtype's
         # float32 (or float64) work dtype, which rounds as the planned dtype's own
         # arithmetic does (ml_dtypes computes bfloat16 in float32)
@@ -171,6 +169,10 @@ class Sym:
         if out not in (self.dtype, _work(self.dtype)):
             raise Inexpressible(f"{op} in {out.name} of a {self.dtype.name} tensor")
         exact = float(np.asarray(other, dtype=out))
+        if isinstance(self.node, _names.Pad):
+            return self._padded_arith(exact, op, out)
+        if not isinstance(self.node, _View):
+            raise Inexpressible(f"{op} after a join, a pad or a fill")
         v = dataclasses.replace(self.node)
         if op == "a scale":
             if v.scale is not None or v.offset is not None:
@@ -181,6 +183,26 @@ class Sym:
                 raise Inexpressible("a second offset")
             v.offset = exact if op == "an offset" else -exact
         return Sym(v, self.shape, self.dtype, out if out != self.dtype else None)
+
+    def _padded_arith(self, exact: float, op: str, out: np.dtype) -> Sym:
+        """A scale or offset of a padded tensor (Gemma 2's embedding, padded, then
+        scaled): the tensor's own, and the padding's value computed as the hook
+        computes it."""
+        pad = self.node
+        part = pad.part
+        if not isinstance(part, _names.Tensor) or part.offset is not None:
+            raise Inexpressible(f"{op} after a pad of a join, or of an offset tensor")
+        if op == "a scale":
+            if part.scale is not None:
+                raise Inexpressible("a second scale")
+            part = dataclasses.replace(part, scale=exact)
+            value = np.asarray(pad.value, dtype=out) * np.asarray(exact, dtype=out)
+        else:
+            exact = exact if op == "an offset" else -exact
+            part = dataclasses.replace(part, offset=exact)
+            value = np.asarray(pad.value, dtype=out) + np.asarray(exact, dtype=out)
+        padded = dataclasses.replace(pad, part=part, value=value.item())
+        return Sym(padded, self.shape, self.dtype, out if out != self.dtype else None)
 
     def _reduced(self, *_: Any, **__: Any) -> Any:
         raise Inexpressible("a reduction over the tensor's values")

@@ -1,0 +1,545 @@
+"""``meshinit.maxtext.names(config)``: MaxText's own checkpoint maps as ``names=``, family
+by family, against MaxText's own conversion.
+
+For each MaxText 0.2.5 family that builds at a tiny size on CPU (:data:`TINY`), scanned
+and unrolled, NNX and linen where MaxText and meshinit build them (the other names of
+``PARAM_MAPPING`` with a tested family's map, :data:`ALIASES`, in one layout each):
+
+1. MaxText's own model of the family's config (``tiny_config(model_name=...)``: its
+   ``configs/models/*.yml`` with the sizes made small), and its own placement: the
+   shapes, dtypes and shardings its init gives every Param (NNX: the abstract model of
+   ``create_nnx_abstract_model``, whose shardings ``create_nnx_sharded_model`` jits its
+   init onto; linen: ``init_initial_state``'s logical annotations through flax, as
+   ``maxtext_models.maxtext_linen_init`` jits it);
+2. the family's Hugging Face ``config.json``: MaxText's own HF config of the model
+   (``hf_model_configs``), given MaxText's sizes by MaxText's own
+   ``to_huggingface._validate_or_update_architecture(override=True)``;
+3. a Hugging Face checkpoint written through MaxText's own MaxText -> HF direction:
+   ``PARAM_MAPPING``, ``HOOK_FNS(saving_to_hf=True)``, ``utils.process_maxtext_param``
+   (which splits scanned and expert-stacked leaves), ``HF_SHAPE``'s shapes; one
+   ``.safetensors`` file. Its values are seeded random numbers, not the init's: an
+   init's norm scales are all ones and its biases all zeros, and a map that swapped two
+   of them would load them unchanged;
+4. MaxText's own HF -> MaxText conversion of that file (``HOOK_FNS(saving_to_hf=False)``,
+   stacked by ``tensor_handling.get_hf_loading_function``, as ``load_dynamic`` runs it);
+5. ``meshinit.safetensors.load(plan, folder, names=meshinit.maxtext.names(config))`` onto
+   ``meshinit.nnx.plan`` / ``meshinit.linen.plan`` of MaxText's own model: every Param
+   must have step 4's bytes and MaxText's sharding, and the load reads the bytes the
+   process owns.
+
+Families whose hooks ask what a table cannot express (:data:`REFUSED`) are refused by
+name: one :class:`meshinit.PlanError` naming, for each parameter, the hook and the
+operation, before a byte is read.
+The one test of MaxText's actual init (``test_llama_from_maxtexts_own_init``) ties step
+1's placement to the arrays the init gives.
+
+MaxText needs Python 3.12 and jax >= 0.11.1; the module is skipped where it is missing.
+"""
+
+import copy
+import dataclasses
+import inspect
+import json
+import re
+import textwrap
+import types
+
+import pytest
+
+maxtext = pytest.importorskip(
+    "maxtext", reason="MaxText is not installed (it needs Python 3.12 and jax >= 0.11.1)"
+)
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import maxtext_models as mm  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from helpers import Reads, owned_bytes  # noqa: E402
+from maxtext.checkpoint_conversion import to_huggingface  # noqa: E402
+from maxtext.checkpoint_conversion.utils import (  # noqa: E402
+    hf_model_configs,
+    hf_shape,
+    param_mapping,
+    tensor_handling,
+)
+from maxtext.checkpoint_conversion.utils.utils import process_maxtext_param  # noqa: E402
+from maxtext.utils import maxtext_utils, model_creation_utils  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+import meshinit  # noqa: E402
+import meshinit.maxtext  # noqa: E402
+from meshinit.maxtext import mt_key  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, base_moe_mlp_dim=128, sparse_matmul=False)
+MLA = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+# one dense layer, then MoE; routed_bias off: MaxText cannot convert its bias (it lives
+# in the MoEBiasVar collection, its map names it under params-)
+DEEPSEEK = MOE | MLA | dict(first_num_dense_layers=1, base_moe_mlp_dim=32, routed_bias=False)
+GDN = dict(gdn_key_head_dim=16, gdn_value_head_dim=16, gdn_num_key_heads=2, gdn_num_value_heads=4)
+GEMMA4 = dict(global_head_dim=32, global_num_kv_heads=2)
+VL = dict(use_multimodal=False, deepstack_visual_indexes_for_vit=(), mrope_section=(3, 3, 2))
+ALL = ((True, "nnx"), (True, "linen"), (False, "nnx"), (False, "linen"))
+LINEN = ((True, "linen"), (False, "linen"))
+SCANNED = ((True, "nnx"), (True, "linen"))
+UNROLLED = ((False, "nnx"), (False, "linen"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    """A family at a tiny size: overrides of its ``configs/models/*.yml``, its layer
+    count, and the layouts (scan_layers, framework) it is tested in."""
+
+    overrides: dict = dataclasses.field(default_factory=dict)
+    layers: int = 2
+    layouts: tuple = ALL
+
+
+TINY = {
+    "llama3.1-8b": Tiny(),
+    "qwen2.5-7b": Tiny(),  # q/k/v biases
+    "qwen3-8b": Tiny(),  # q/k norms
+    "qwen3-30b-a3b": Tiny(MOE),
+    "mixtral-8x7b": Tiny(MOE),
+    "deepseek2-16b": Tiny(DEEPSEEK | dict(q_lora_rank=0)),
+    "deepseek3-671b": Tiny(DEEPSEEK | dict(q_lora_rank=32)),
+    "deepseek3.2-671b": Tiny(  # the sparse indexer needs dot-product attention
+        DEEPSEEK
+        | dict(q_lora_rank=32, indexer_n_heads=2, indexer_head_dim=16, indexer_topk=8)
+        | dict(attention="dot_product")
+    ),
+    # the embedding padded then scaled, norms offset by 1
+    "gemma2-2b": Tiny(),
+    "gemma3-4b": Tiny(),  # the text model of a multimodal config (text_config)
+    # blocks of 5 local layers (a nested scan) and a global one, of another head size
+    "gemma4-31b": Tiny(GEMMA4, layers=6),
+    "gemma4-26b": Tiny(GEMMA4 | MOE | dict(base_moe_mlp_dim=32), layers=6),
+    # unrolled only (MaxText: per-layer KV sharing cannot scan); sharing off, as MaxText's
+    # own init fails with it at this size
+    "gemma4-e2b": Tiny(
+        GEMMA4
+        | dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=256)
+        | dict(num_kv_shared_layers=0),
+        layers=6,
+        layouts=UNROLLED,
+    ),
+    # the text model alone (its vision tower off, so its layers may scan)
+    "qwen3-vl-2b": Tiny(VL),
+    # unrolled, MaxText's map names fused experts (experts.down_proj) that its HF_SHAPE has
+    # not: its own save direction fails
+    "qwen3-vl-30b-a3b": Tiny(VL | MOE, layouts=SCANNED),
+    # a nested block scan (3 linear-attention layers, then a full one); meshinit.nnx.plan
+    # refuses MaxText's NNX rules for its gated delta net ('fsdp_transpose' on two axes)
+    "qwen3-next-80b-a3b": Tiny(MOE | GDN, layers=4, layouts=LINEN),
+    "gpt-oss-20b": Tiny(MOE),
+    # in_proj_ba from in_proj_b and in_proj_a; NNX as qwen3-next
+    "qwen3.5-35b-a3b": Tiny(MOE | GDN | dict(mrope_section=(1, 1, 0)), layers=4, layouts=LINEN),
+}
+# The other names of PARAM_MAPPING that build: the same map and hooks as a family above,
+# another configs/models/*.yml (tied embeddings, rope, sizes); each checked in one layout
+ALIASES = {
+    "llama3.1-70b": "llama3.1-8b",
+    "llama3.1-405b": "llama3.1-8b",
+    "qwen2.5-1.5b": "qwen2.5-7b",
+    "qwen2.5-14b": "qwen2.5-7b",
+    "qwen3-0.6b": "qwen3-8b",
+    "qwen3-1.7b": "qwen3-8b",
+    "qwen3-1.7b-base": "qwen3-8b",
+    "qwen3-4b": "qwen3-8b",
+    "qwen3-4b-base": "qwen3-8b",
+    "qwen3-4b-thinking-2507": "qwen3-8b",
+    "qwen3-8b-base": "qwen3-8b",
+    "qwen3-14b": "qwen3-8b",
+    "qwen3-14b-base": "qwen3-8b",
+    "qwen3-32b": "qwen3-8b",
+    "qwen3-30b-a3b-base": "qwen3-30b-a3b",
+    "qwen3-235b-a22b": "qwen3-30b-a3b",
+    "qwen3-vl-4b": "qwen3-vl-2b",
+    "mixtral-8x22b": "mixtral-8x7b",
+    "gemma2-9b": "gemma2-2b",
+    "gemma2-27b": "gemma2-2b",
+    "gemma3-12b": "gemma3-4b",
+    "gemma3-27b": "gemma3-4b",
+    "gemma4-e4b": "gemma4-e2b",
+    "gpt-oss-120b": "gpt-oss-20b",
+    "qwen3.5-397b-a17b": "qwen3.5-35b-a3b",
+}
+for _i, (_alias, _family) in enumerate(ALIASES.items()):
+    _layouts = TINY[_family].layouts  # one layout each: scanned NNX and unrolled linen by turns
+    _want = ((True, "nnx"), (False, "linen"))[_i % 2]
+    TINY[_alias] = dataclasses.replace(
+        TINY[_family], layouts=(_want,) if _want in _layouts else _layouts[:1]
+    )
+COMPOSITE = (  # one hook makes several MaxText parameters from the same stored tensor
+    r"hook {hook} of \(.*\) makes it together with .* from the same stored tensors "
+    r"\(a composite key\), which names= cannot express"
+)
+REFUSED = {  # model name -> {refused parameters (regex): why (regex)}
+    # wi_0 and wi_1 (and their biases) from one stored gate_up_proj (its even and odd
+    # columns)
+    "gpt-oss-20b": {r"GptOssMlp\.wi_[01](_bias)?": COMPOSITE.format(hook="interleave")},
+    "qwen3.5-35b-a3b": {
+        # one parameter from two stored tensors (in_proj_b and in_proj_a; q, k, v and z)
+        r"in_proj_(ba|qkvz)": (
+            r"hook concat_(ba|qkvz)_and_transpose of '.*' needs several HF tensors "
+            r"combined by one hook, which names= cannot express"
+        ),
+        r"routed_experts\.wi_[01]": COMPOSITE.format(hook=r"\w+"),
+    },
+}
+REFUSED |= {alias: REFUSED[family] for alias, family in ALIASES.items() if family in REFUSED}
+
+
+SCANS = {True: "scanned", False: "unrolled"}
+
+
+def layouts(models) -> list:
+    return [
+        pytest.param(model, scan, framework, id=f"{model}-{SCANS[scan]}-{framework}")
+        for model in models
+        for scan, framework in TINY[model].layouts
+    ]
+
+
+def config_of(model: str, scan: bool):
+    tiny = TINY[model]
+    return mm.tiny_config(scan, tiny.layers, model_name=model, **tiny.overrides)
+
+
+# Hugging Face config fields MaxText's override leaves as they were: the MaxText size
+# each must now say (where the family's config has the field)
+ALSO = dict(
+    first_k_dense_replace="first_num_dense_layers",
+    linear_key_head_dim="gdn_key_head_dim",
+    linear_value_head_dim="gdn_value_head_dim",
+    linear_num_key_heads="gdn_num_key_heads",
+    linear_num_value_heads="gdn_num_value_heads",
+    linear_conv_kernel_dim="gdn_conv_kernel_dim",
+    index_topk="indexer_topk",
+    top_k_experts="num_experts_per_tok",
+    hidden_size_per_layer_input="hidden_size_per_layer_input",
+    vocab_size_per_layer_input="vocab_size_per_layer_input",
+    num_kv_shared_layers="num_kv_shared_layers",
+)
+
+
+def hf_config(model: str, config) -> dict:
+    """The family's Hugging Face config, with MaxText's sizes (MaxText's own
+    ``_validate_or_update_architecture(override=True)``), and the fields that override
+    leaves stale made to agree with them."""
+    hf = copy.deepcopy(hf_model_configs.HF_MODEL_CONFIGS[model])
+    text = getattr(hf, "text_config", None)
+    if isinstance(text, dict):  # kept as a plain dict (qwen3-vl): the override sets attributes
+        hf.text_config = types.SimpleNamespace(**text)
+    layered = getattr(getattr(hf, "text_config", hf), "per_layer_config", None)
+    if layered:  # gemma4: per-layer sizes, which hide the global ones from the override
+        getattr(hf, "text_config", hf).per_layer_config = None
+    to_huggingface._validate_or_update_architecture(hf, config, override=True)
+    if isinstance(text, dict):
+        hf.text_config = vars(hf.text_config)
+    out = hf.to_dict()
+    text = out.get("text_config", out)
+    if layered:  # what the per-layer sizes said of the global layers, MaxText's now
+        text["global_head_dim"] = config.global_head_dim
+        text["num_global_key_value_heads"] = config.global_num_kv_heads
+    for field, name in ALSO.items():
+        if field in text:
+            text[field] = getattr(config, name)
+    if "qk_head_dim" in text:
+        text["qk_head_dim"] = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if "shared_expert_intermediate_size" in text:
+        text["shared_expert_intermediate_size"] = config.moe_mlp_dim * config.shared_experts
+    if "linear_key_head_dim" in text:  # this transformers says it with layer_types only
+        text.setdefault("full_attention_interval", config.inhomogeneous_layer_cycle_interval)
+    if text.get("layer_types"):
+        cycle = text["layer_types"]
+        text["layer_types"] = [cycle[i % len(cycle)] for i in range(text["num_hidden_layers"])]
+    return out
+
+
+def nnx_placement(config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """MaxText's own NNX placement: plan path -> shape, dtype and the sharding its init
+    is jitted onto (``create_nnx_sharded_model``'s ``out_shardings``)."""
+    _, abstract = model_creation_utils.create_nnx_abstract_model(config, mesh)
+    flat = nnx.to_flat_state(nnx.state(abstract, nnx.Param))
+    return {".".join(map(str, p)): v.get_value() for p, v in flat}
+
+
+def linen_placement(config, mesh, model, key) -> dict[str, jax.ShapeDtypeStruct]:
+    """MaxText's own linen placement, as ``maxtext_models.maxtext_linen_init`` jits it."""
+    rules = config.logical_axis_rules
+
+    def init_variables():
+        return maxtext_utils.init_initial_state(model, None, config, False, key).params
+
+    with nn.logical_axis_rules(rules):
+        abstract = jax.eval_shape(init_variables)
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+    boxed = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    leaves = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=boxed)[0]
+    out = {}
+    for (path, leaf), sharding in zip(leaves, jax.tree_util.tree_leaves(shardings), strict=True):
+        leaf = leaf.value if boxed(leaf) else leaf
+        name = ".".join(str(k.key) for k in path)
+        out[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    return out
+
+
+def shaped(model: str) -> str:
+    """``model``, or where MaxText keeps no ``HF_SHAPE`` of it (``qwen3-1.7b``), a name
+    with the same map and hooks that has one: the save direction needs the HF shapes."""
+    if model in hf_shape.HF_SHAPE:
+        return model
+    same = [
+        name
+        for name in hf_shape.HF_SHAPE
+        if param_mapping.PARAM_MAPPING.get(name) is param_mapping.PARAM_MAPPING[model]
+        and param_mapping.HOOK_FNS.get(name) is param_mapping.HOOK_FNS[model]
+    ]
+    if not same:
+        pytest.fail(f"MaxText keeps no HF_SHAPE for {model!r} nor for a name of its map")
+    return same[0]
+
+
+def completed(shapes):
+    """MaxText 0.2.5's ``QWEN3_NEXT_HF_WEIGHTS_TO_SHAPE`` builds its ``mapping`` and returns
+    nothing: its own code, with the ``return mapping`` it lacks."""
+    source = textwrap.dedent(inspect.getsource(shapes)) + "  return mapping\n"
+    scope = dict(vars(hf_shape))
+    exec(source, scope)  # noqa: S102 - MaxText's installed source, one line added
+    return scope[shapes.__name__]
+
+
+def write_checkpoint(model: str, config, params: dict[str, np.ndarray], folder) -> dict:
+    """MaxText's own MaxText -> HF conversion of ``params`` (MaxText key -> array) into
+    ``folder/model.safetensors``, with ``folder/config.json``; returns what it wrote."""
+    hf = hf_config(model, config)
+    maps = to_huggingface._get_model_mappings(shaped(model), config.scan_layers, hf, config)
+    if maps["shape_mapping"] is None:
+        maps["shape_mapping"] = completed(hf_shape.HF_SHAPE[shaped(model)])(hf)
+    mapping = maps["param_mapping"]
+    stored = {}
+    for key in mapping:
+        weight = [params[k] for k in key] if isinstance(key, tuple) else params.get(key)
+        if weight is None:
+            continue
+        for name, array in process_maxtext_param(
+            key, weight, mapping, maps["hook_fn_mapping"], maps["shape_mapping"], config
+        ):
+            stored[name] = np.ascontiguousarray(np.asarray(array))
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(hf))
+    return stored
+
+
+def maxtext_conversion(model: str, config, stored: dict, targets: dict) -> dict:
+    """MaxText's own HF -> MaxText conversion of ``stored`` for each MaxText key's target
+    shape: its mapping, its hooks, its stacking (``load_dynamic``'s loading functions)."""
+    hf = json.loads(json.dumps(hf_config(model, config)))
+    mapping = param_mapping.PARAM_MAPPING[model](hf, config, config.scan_layers)
+    hooks = param_mapping.HOOK_FNS[model](hf, config, config.scan_layers, saving_to_hf=False)
+    return {
+        key: np.asarray(
+            tensor_handling.get_hf_loading_function(
+                mapping[key], stored.__getitem__, hooks.get(key), shape, config, key
+            )()
+        )
+        for key, shape in targets.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """One Hugging Face checkpoint per family and scan_layers (NNX and linen load the same
+    files): MaxText's save direction of seeded random values in MaxText's NNX placement.
+    (Not one for both scans: MaxText's maps of some families name other tensors
+    unrolled, qwen3-vl-30b-a3b's fused experts.)"""
+    made: dict = {}
+
+    def get(model: str, scan: bool = True):
+        if (model, scan) not in made:
+            config = config_of(model, scan)
+            placement = nnx_placement(config, mm.maxtext_mesh(config))
+            rng = np.random.default_rng(0)
+            params = {
+                mt_key(p): rng.standard_normal(a.shape).astype(a.dtype)
+                for p, a in placement.items()
+            }
+            folder = tmp_path_factory.mktemp(f"{model}-{SCANS[scan]}")
+            made[model, scan] = folder, write_checkpoint(model, config, params, folder)
+        return made[model, scan]
+
+    return get
+
+
+def plan_and_placement(config, framework: str):
+    mesh = mm.maxtext_mesh(config)
+    rules = config.logical_axis_rules
+    if framework == "nnx":
+        factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
+        with jax.set_mesh(mesh):
+            plan = meshinit.nnx.plan(factory, rules=rules)
+        return plan, nnx_placement(config, mesh)
+    model, args, kwargs = mm.linen_model_and_inputs(config, mesh)
+    key, keys = mm.linen_keys(config)
+    # default="replicated": a param MaxText leaves unannotated (deepseek3.2's indexer
+    # k_norm) is replicated by its own init too (flax gives it P())
+    plan = meshinit.linen.plan(
+        model, keys, *args, mesh=mesh, rules=rules, default="replicated", **kwargs
+    )
+    return plan, linen_placement(config, mesh, model, key)
+
+
+def differences(loaded: dict, want: dict, placement: dict) -> list[str]:
+    """Every way a loaded leaf differs from MaxText's conversion or placement."""
+    problems = []
+    for path, array in loaded.items():
+        w = want[mt_key(path)]
+        if (array.shape, array.dtype) != (w.shape, w.dtype):
+            problems.append(f"{path}: {array.dtype}{array.shape}, MaxText {w.dtype}{w.shape}")
+        elif np.asarray(array).tobytes() != w.tobytes():
+            problems.append(f"{path}: values differ from MaxText's conversion")
+        if array.sharding != placement[path].sharding:
+            problems.append(
+                f"{path}: placed on {array.sharding}, MaxText on {placement[path].sharding}"
+            )
+    return problems
+
+
+@pytest.mark.parametrize(
+    ("model", "scan", "framework"), layouts(m for m in TINY if m not in REFUSED)
+)
+def test_load_is_maxtexts_own_conversion_bit_for_bit(checkpoint, model, scan, framework):
+    folder, stored = checkpoint(model, scan)
+    config = config_of(model, scan)
+    plan, placement = plan_and_placement(config, framework)
+    targets = {mt_key(p): a.shape for p, a in placement.items()}
+    want = maxtext_conversion(model, config, stored, targets)
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(plan, folder, names=meshinit.maxtext.names(config))
+    assert sorted(loaded) == sorted(placement), "every Param of MaxText's model, and only those"
+    problems = differences(loaded, want, placement)
+    assert not problems, "\n".join(problems)
+    assert reads.values == [owned_bytes(plan, 4, loaded)]  # bytes read == bytes owned
+
+
+def test_llama_from_maxtexts_own_init(tmp_path):
+    """The checkpoint written from MaxText's actual NNX init (not seeded values): every
+    Param as MaxText's conversion gives it, on the sharding of MaxText's own array."""
+    model = "llama3.1-8b"
+    config = config_of(model, True)
+    mesh = mm.maxtext_mesh(config)
+    flat = nnx.to_flat_state(nnx.state(mm.maxtext_nnx_init(config, mesh), nnx.Param))
+    own = {".".join(map(str, p)): v.get_value() for p, v in flat}
+    stored = write_checkpoint(
+        model, config, {mt_key(p): np.asarray(a) for p, a in own.items()}, tmp_path
+    )
+    want = maxtext_conversion(model, config, stored, {mt_key(p): a.shape for p, a in own.items()})
+    plan, placement = plan_and_placement(config, "nnx")
+    assert {p: a.sharding for p, a in own.items()} == {
+        p: a.sharding for p, a in placement.items()
+    }, "MaxText's placement is where its init puts every Param"
+    loaded = meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    problems = differences(loaded, want, own)
+    assert not problems, "\n".join(problems)
+
+
+def squares(x, target_shape):
+    return x * x
+
+
+def centred(x, target_shape):
+    return (x - float(x.mean())).T
+
+
+def signs(x, target_shape):
+    return x.T if (x > 0).any() else -x.T
+
+
+@pytest.mark.parametrize(
+    ("hook", "operation"),
+    [
+        (squares, "a scale by another tensor"),
+        (centred, "a reduction over the tensor's values"),
+        (signs, "a comparison of the tensor's values"),
+    ],
+)
+def test_a_hook_no_table_expresses_is_refused_before_reading(
+    checkpoint, monkeypatch, hook, operation
+):
+    model = "llama3.1-8b"
+    folder, _ = checkpoint(model)
+    config = config_of(model, True)
+    plan, _ = plan_and_placement(config, "nnx")
+    key = "params-decoder-layers-mlp-wi_0-kernel"
+    own = param_mapping.HOOK_FNS[model]
+
+    def hooks(*args, **kwargs):  # MaxText's hooks, one of them replaced
+        return own(*args, **kwargs) | {key: hook}
+
+    monkeypatch.setitem(param_mapping.HOOK_FNS, model, hooks)
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, folder, names=meshinit.maxtext.names(config))
+    assert [p.path for p in raised.value.problems] == ["decoder.layers.mlp.wi_0.kernel"]
+    assert str(raised.value.problems[0].message) == (
+        f"MaxText 0.2.5's map of {model!r}: hook {hook.__name__} of {key!r} needs "
+        f"{operation}, which names= cannot express"
+    )
+    assert "nothing was read" in str(raised.value)
+    assert reads.values == [], "refused before any byte is read"
+
+
+def test_inventory_shows_the_table_maxtexts_map_builds(checkpoint):
+    """Llama's table built from MaxText's map is the hand-written one of
+    test_maxtext_load.py, target for target."""
+    model = "llama3.1-8b"
+    folder, _ = checkpoint(model)
+    config = config_of(model, True)
+    plan, _ = plan_and_placement(config, "nnx")
+    with Reads() as reads:
+        built = meshinit.safetensors.inventory(plan, folder, names=meshinit.maxtext.names(config))
+        by_hand = meshinit.safetensors.inventory(plan, folder, names=mm.names_table(config))
+    assert reads.values == []
+    assert by_hand.table is None
+    assert dict(built.table) == {**by_hand.loaded, **dict.fromkeys(by_hand.skipped)}
+    assert built.loaded == by_hand.loaded
+    assert built.unused == ()
+    shown = str(built)
+    assert "table (built by the framework's map):" in shown
+    query = "decoder.layers.self_attention.query.kernel"
+    assert f"  {query} <- {built.table[query]!r}" in shown
+
+
+def test_a_model_maxtext_maps_not_is_refused_by_name(checkpoint):
+    """llama2-7b: a MaxText model (configs/models/llama2-7b.yml) without a checkpoint map."""
+    folder, _ = checkpoint("llama3.1-8b")
+    config = mm.tiny_config(True, 2, model_name="llama2-7b")
+    assert "llama2-7b" not in param_mapping.PARAM_MAPPING
+    plan, _ = plan_and_placement(config, "nnx")
+    with Reads() as reads, pytest.raises(meshinit.PlanError, match="MaxText maps no 'llama2-7b'"):
+        meshinit.safetensors.load(plan, folder, names=meshinit.maxtext.names(config))
+    assert reads.values == []
+
+
+@pytest.mark.parametrize(("model", "scan", "framework"), layouts(REFUSED))
+def test_a_family_whose_hooks_no_table_expresses_is_refused_by_name(
+    checkpoint, model, scan, framework
+):
+    folder, _ = checkpoint(model, scan)
+    config = config_of(model, scan)
+    plan, placement = plan_and_placement(config, framework)
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, folder, names=meshinit.maxtext.names(config))
+    assert reads.values == [], "refused before any byte is read"
+    refused = sorted(p.path for p in raised.value.problems)
+    why = REFUSED[model]
+    expected = sorted(p for p in placement if any(re.search(r, p) for r in why))
+    assert refused == expected, "those, and only those"
+    family = f"MaxText 0.2.5's map of {model!r}: "
+    for problem in raised.value.problems:
+        assert problem.message.startswith(family), problem
+        (reason,) = [why[r] for r in why if re.search(r, problem.path)]
+        assert re.fullmatch(reason, problem.message.removeprefix(family)), problem
