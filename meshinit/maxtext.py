@@ -6,7 +6,7 @@ own linen or NNX model, from MaxText's own ``PARAM_MAPPING`` (MaxText key -> HF 
 lists of them for scanned layers and experts) and ``HOOK_FNS`` (numpy functions
 ``hook(x, target_shape)``), at load time, against the checkpoint's ``config.json``
 and tensor headers. meshinit keeps no table of its own: each hook is followed on a
-stand-in of its stored tensor (:mod:`meshinit._load.trace`; no data is read) and
+stand-in of its stored tensor (:mod:`meshinit._load.hooks`; no data is read) and
 becomes a :class:`~meshinit.safetensors.Tensor`, :class:`~meshinit.safetensors.Stack`,
 :class:`~meshinit.safetensors.Concat`, :class:`~meshinit.safetensors.Pad` or
 :class:`~meshinit.safetensors.Fill`; lists of HF keys stack as MaxText's
@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from ._errors import Problem
+from ._load import hooks as _hooks
 from ._load import parts as _names
 from ._load import trace as _trace
 from ._load.framework import Checkpoint, FrameworkMap
@@ -171,7 +172,7 @@ class _MaxTextMap(FrameworkMap):
             if name not in checkpoint.tensors:
                 raise _Absent(repr(name))
             stored = checkpoint.tensors[name][0]
-            return _trace.followed(hook, _trace.stand_in(name, stored, dtype), target_shape)
+            return _hooks.followed(hook, _trace.stand_in(name, stored, dtype), target_shape)
 
         if not isinstance(hf, list):
             return leaf(hf, shape)

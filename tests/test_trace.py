@@ -1,4 +1,5 @@
-"""Hooks written as MaxText writes them, followed on stand-ins (``meshinit._load.trace``):
+"""Hooks written as MaxText writes them, followed on stand-ins (``meshinit._load.hooks``
+over ``meshinit._load.trace``):
 the target they become, loaded by ``meshinit.safetensors.load``, has the bits of the
 hook run on the real arrays; what no target can express is refused by name."""
 
@@ -12,14 +13,14 @@ from safetensors.numpy import save_file
 
 import meshinit
 from meshinit import safetensors as st
-from meshinit._load import trace
+from meshinit._load import hooks, trace
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def followed(hook, stored, shape, dtype=np.float32):
     """The hook's target for a stored array, from its shape alone."""
-    return trace.followed(hook, trace.stand_in("w", stored.shape, np.dtype(dtype)), shape)
+    return hooks.followed(hook, trace.stand_in("w", stored.shape, np.dtype(dtype)), shape)
 
 
 def same_as_the_hook(tmp_path, hook, stored, shape, dtype=np.float32, axes=None):
@@ -49,9 +50,9 @@ def scale_query(x, target_shape):
     return (x.astype(np.float32) * np.dtype("float32").type(1 / np.sqrt(16))).astype(original)
 
 
-def chain(*hooks):
+def chain(*fns):
     def run(x, shape):
-        for hook in hooks:
+        for hook in fns:
             x = hook(x, shape)
         return x
 
@@ -72,12 +73,15 @@ def test_a_transpose_then_split_is_a_reshape_then_permute(tmp_path):
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_llamas_query_chain_is_one_view_split_merged_and_scaled(tmp_path, dtype):
     stored = RNG.standard_normal((4 * 16, 32)).astype(np.float32)
-    hooks = [reshape_kernel, adjust_rope, scale_query]  # MaxText's order, HF -> MaxText
-    target = trace.followed(hooks, trace.stand_in("w", stored.shape, np.dtype(dtype)), (32, 4, 16))
+    chained = [reshape_kernel, adjust_rope, scale_query]  # MaxText's order, HF -> MaxText
+    x = trace.stand_in("w", stored.shape, np.dtype(dtype))
+    target = hooks.followed(chained, x, (32, 4, 16))
     assert target == st.Tensor(
         "w", shape=(4, 2, 8, 32), permute=(3, 0, 2, 1), out_shape=(32, 4, 16), scale=0.25
     )
-    same_as_the_hook(tmp_path, chain(*hooks), stored, (32, 4, 16), dtype, ("fsdp", "tensor", None))
+    same_as_the_hook(
+        tmp_path, chain(*chained), stored, (32, 4, 16), dtype, ("fsdp", "tensor", None)
+    )
 
 
 def test_slices_with_steps_and_ints_go_into_the_stored_index(tmp_path):

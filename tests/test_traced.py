@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshinit._load import trace, traced
+from meshinit._load import hooks, trace, traced
 from meshinit._load.reshape import merges
 from meshinit.safetensors import Concat, Fill, Pad, Stack, Tensor
 
@@ -179,7 +179,7 @@ def test_joins_of_chains_read_what_numpy_and_jax_join(join, by_jax):
         if by_jax:
             found = traced.trace(fn, syms, {k: np.float32 for k in arrays})["y"]
         else:
-            found = fn(syms, trace.NUMPY)["y"]
+            found = fn(syms, hooks.NUMPY)["y"]
         target = trace.target(found)
     except trace.Inexpressible as e:
         assert "unevenly" in str(e), str(e)

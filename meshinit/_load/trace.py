@@ -7,20 +7,17 @@ a slice, a reshape that only splits axes, a permutation, a merge of side-by-side
 a scale and an offset. Joins (:func:`stack`, :func:`concatenate`) become
 :class:`~meshinit.safetensors.Stack` and :class:`~meshinit.safetensors.Concat`, zeros
 :class:`~meshinit.safetensors.Fill`, zeros with the tensor written at their origin
-:class:`~meshinit.safetensors.Pad`. Two front-ends drive it: MaxText's numpy hooks
-``hook(x, target_shape)`` run as written on it (:func:`followed`; a copy of the hook
-whose ``np``, ``jnp`` and ``jax`` are this module's namespaces, :func:`rebound`:
-nothing of numpy or jax is patched), and jax code traced equation by equation
-(:mod:`.traced`). An operation that reads values (a comparison, ``bool()``, a
-conversion to an array) or has no form here raises :class:`Inexpressible` naming it.
+:class:`~meshinit.safetensors.Pad`. Two front-ends drive it: MaxText's numpy hooks run
+as written (:mod:`.hooks`), and jax code traced equation by equation (:mod:`.traced`).
+An operation that reads values (a comparison, ``bool()``, a conversion to an array)
+or has no form here raises :class:`Inexpressible` naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
-import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -388,104 +385,14 @@ class _Filled(Sym):
         self.node = _names.Pad(target(value), self.shape, value=self.node.value)
 
 
-def _fill(shape: Any, value: Any, dtype: Any) -> Sym:
+def filled(shape: Any, value: Any, dtype: Any) -> Sym:
+    """``np.full(shape, value, dtype)``, into which a hook may write a tensor (a pad)."""
     shape = (shape,) if isinstance(shape, int | np.integer) else tuple(int(d) for d in shape)
     return _Filled(_names.Fill(value, shape), shape, np.dtype(dtype or np.float64))
 
 
-def _same(x: Any, dtype: Any = None, **kwargs: Any) -> Any:
-    """``np.asarray`` and its kin: a stand-in as it is (cast, where a dtype is given),
-    anything else numpy's own."""
-    if isinstance(x, Sym):
-        return x if dtype is None else x.astype(dtype)
-    return np.array(x, dtype=dtype, **kwargs)
-
-
-class _Numpy(types.SimpleNamespace):
-    """numpy (and jax.numpy) as a hook sees it: stand-ins go through the functions
-    here; everything else is numpy's own."""
-
-    def __init__(self, real: Any):
-        super().__init__(
-            stack=stack,
-            concatenate=concatenate,
-            concat=concatenate,
-            zeros=lambda shape, dtype=None, **_: _fill(shape, 0, dtype),
-            ones=lambda shape, dtype=None, **_: _fill(shape, 1, dtype),
-            full=lambda shape, value, dtype=None, **_: _fill(shape, value, dtype),
-            asarray=_same,
-            array=_same,
-            ascontiguousarray=_same,
-            zeros_like=lambda x, dtype=None, **_: _fill(x.shape, 0, dtype or x.dtype),
-            ones_like=lambda x, dtype=None, **_: _fill(x.shape, 1, dtype or x.dtype),
-        )
-        self._real = real
-
-    def __getattr__(self, name: str) -> Any:
-        found = getattr(self._real, name)
-        if not callable(found) or isinstance(found, type):
-            return found
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            first = args[0] if args else None
-            if isinstance(first, Sym):
-                method = getattr(first, name, None)
-                if method is None:
-                    raise Inexpressible(f"np.{name}")
-                return method(*args[1:], **kwargs)
-            if any(isinstance(a, Sym) for a in (*args, *kwargs.values())):
-                raise Inexpressible(f"np.{name} with the tensor")
-            return found(*args, **kwargs)
-
-        return call
-
-
-NUMPY = _Numpy(np)
-
-
-class _Jax(types.SimpleNamespace):
-    def __init__(self) -> None:
-        import jax
-
-        super().__init__(numpy=NUMPY)
-        self._real = jax
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
-def rebound(fn: Callable[..., Any], _depth: int = 0) -> Callable[..., Any]:
-    """A copy of the hook ``fn`` whose ``np``, ``jnp`` and ``jax`` are this module's
-    (and so are those of the functions its closure holds): numpy and jax untouched."""
-    if not isinstance(fn, types.FunctionType):
-        raise Inexpressible(f"a hook that is not a Python function ({type(fn).__name__})")
-    names = {"np": NUMPY, "jnp": NUMPY, "numpy": NUMPY, "jax": _Jax()}
-    scope = {**fn.__globals__, **{k: v for k, v in names.items() if k in fn.__globals__}}
-    cells = None
-    if fn.__closure__ and _depth < 4:
-        cells = tuple(_cell(c, _depth + 1) for c in fn.__closure__)
-    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, cells)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
-
-
-def _cell(cell: Any, depth: int) -> Any:
-    """A closure cell, with the functions it holds (alone, or in a list or tuple, as
-    a chain of hooks) rebound."""
-    try:
-        held = cell.cell_contents
-    except ValueError:  # an empty cell
-        return cell
-    if isinstance(held, types.FunctionType):
-        return types.CellType(rebound(held, depth))
-    if isinstance(held, list | tuple) and any(isinstance(h, types.FunctionType) for h in held):
-        fns = [rebound(h, depth) if isinstance(h, types.FunctionType) else h for h in held]
-        return types.CellType(type(held)(fns))
-    return cell
-
-
 def stand_in(name: str, shape: tuple[int, ...], dtype: Any) -> Sym:
-    """A stored tensor as a hook's input: its name, shape and (planned) dtype."""
+    """A stored tensor as code's input: its name, shape and (planned) dtype."""
     n = len(shape)
     view = _View(
         name,
@@ -496,18 +403,3 @@ def stand_in(name: str, shape: tuple[int, ...], dtype: Any) -> Sym:
         [[a] for a in range(n)],
     )
     return Sym(view, tuple(shape), dtype)
-
-
-def followed(hooks: Any, x: Any, target_shape: tuple[int, ...]) -> _names.Target:
-    """The target that ``hooks`` (a hook, a list applied in order, or None) make of
-    ``x`` (a stand-in, or a tuple of them), as MaxText's ``apply_hook_fns`` runs them."""
-    if hooks is None:
-        return target(x)
-    for hook in hooks if isinstance(hooks, list) else [hooks]:
-        try:
-            x = rebound(hook)(x, target_shape)
-        except Inexpressible:
-            raise
-        except Exception as e:  # noqa: BLE001 - what the hook did instead, named
-            raise Inexpressible(f"{type(e).__name__}: {str(e)[:200]}") from e
-    return target(x)
