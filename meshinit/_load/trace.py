@@ -118,7 +118,7 @@ class Sym:
             return self
         if not isinstance(self.node, _View):
             return self._joined_reshape(new)
-        return self._with(_reshaped(self._view("a reshape"), new))
+        return self._with(_reshaped(self._view("a reshape"), new), new)
 
     def squeeze(self, axis: Any = None) -> Sym:
         if axis is None:

@@ -145,17 +145,43 @@ def reshaped(v: View, new: tuple[int, ...]) -> View:
     """``v`` reshaped to ``new``. The view's elements run row-major over its base
     axes in result order, so ``new``'s axes are runs of that sequence, a base axis
     split in two where a run ends inside it."""
-    v = dataclasses.replace(
-        v,
-        base=list(v.base),
-        origin=list(v.origin),
-        index=list(v.index),
-        groups=[list(g) for g in v.groups],  # split_axes renumbers them in place
+    shape = v.shape
+    if [d for d in shape if d != 1] == [d for d in new if d != 1]:
+        return _units(v, shape, new)  # unit axes come or go (np.stack's expand_dims)
+    v = View(
+        v.name,
+        v.stored,
+        v.index,  # not changed here: shared
+        list(v.base),
+        list(v.origin),
+        [list(g) for g in v.groups],  # split_axes renumbers them in place
+        v.scale,
+        v.offset,
     )
     seq = [b for g in v.groups for b in g if v.base[b] != 1]
-    groups = split_axes(v, seq, new)
+    return _kept(v, split_axes(v, seq, new))
+
+
+def _units(v: View, shape: tuple[int, ...], new: tuple[int, ...]) -> View:
+    """``v`` reshaped to ``new``, which only adds or drops axes of size 1."""
+    base, origin = list(v.base), list(v.origin)
+    kept = iter([g for g, n in zip(v.groups, shape, strict=True) if n != 1])
+    groups = []
+    for d in new:
+        if d == 1:
+            base.append(1)
+            origin.append(None)
+        groups.append([len(base) - 1] if d == 1 else list(next(kept)))
+    return _kept(View(v.name, v.stored, v.index, base, origin, groups, v.scale, v.offset), groups)
+
+
+def _kept(v: View, groups: list[list[int]]) -> View:
+    """``v`` with ``groups``, less the base axes (all of size 1) no group holds."""
     held = {b for g in groups for b in g}
-    keep = [b for b in range(len(v.base)) if b in held]  # the rest: size 1, dropped
+    if len(held) == len(v.base):
+        v.groups = groups
+        return v
+    keep = [b for b in range(len(v.base)) if b in held]
     renumber = {b: k for k, b in enumerate(keep)}
     v.base = [v.base[b] for b in keep]
     v.origin = [v.origin[b] for b in keep]
