@@ -353,9 +353,9 @@ def _stacked(x: Any, axis: int) -> list[Any] | None:
     if isinstance(x, Sym) and _plain(x.node, _names.Stack, axis):
         return list(x.node.parts)
     shape = _shape_of(x)
-    squeezed = (*shape[:axis], *shape[axis + 1 :])
     if shape[axis] != 1:
         return None
+    squeezed = (*shape[:axis], *shape[axis + 1 :])
     return [x.reshape(squeezed) if isinstance(x, Sym) else np.asarray(x).reshape(squeezed)]
 
 
