@@ -353,12 +353,13 @@ def equal_slices(nodes: Sequence[Any]) -> tuple[View, int] | None:
     def same(v: View) -> bool:
         return (v.scale, v.offset) == (first.scale, first.offset)
 
-    def layout(v: View) -> list[tuple[int, int | None]]:
-        return [(len(g), v.origin[g[0]] if len(g) == 1 else None) for g in v.groups]
-
     bounds = [v.index[a].indices(v.stored[a]) for v in nodes]
     size = bounds[0][1] - bounds[0][0]
-    ok = all(same(v) and layout(v) == layout(first) and v.base == first.base for v in nodes)
+    # the same view but for the one slice: the same axes, split, ordered and merged alike
+    ok = all(
+        same(v) and (v.groups, v.origin, v.base) == (first.groups, first.origin, first.base)
+        for v in nodes
+    )
     ok = ok and all(
         b[2] == 1 and b[1] - b[0] == size and b[0] == bounds[0][0] + k * size
         for k, b in enumerate(bounds)
