@@ -133,7 +133,7 @@ class _MaxTextMap(FrameworkMap):
                             f"composite key), which names= cannot express",
                         )
                     )
-                elif _made_by_init(dtype):
+                elif _made_by_init(path, dtype):
                     table[path] = None  # RNG state, made by the init
                 else:
                     problems.append(Problem(path, f"{where} names no tensor for {key!r}"))
@@ -206,6 +206,9 @@ def _named(hook: Any) -> str:
     return ", ".join(getattr(h, "__name__", repr(h)) for h in hooks if h) or "(none)"
 
 
-def _made_by_init(dtype: Any) -> bool:
-    """A plan entry that is no weight: an RNG key or counter (nnx's RNG state)."""
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or np.issubdtype(dtype, np.integer)
+def _made_by_init(path: str, dtype: Any) -> bool:
+    """A plan entry that is no weight: nnx's RNG state, a typed key or a stream's
+    uint32 ``count``. Any other entry MaxText's map does not name is a problem."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return np.dtype(dtype) == np.uint32 and path.rsplit(".", 1)[-1] == "count"
