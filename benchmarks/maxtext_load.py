@@ -2,7 +2,7 @@
 against ``meshinit.safetensors.load``, on the same file, in fresh processes (issue 41).
 
 The checkpoint is one ``model.safetensors`` in Hugging Face's names and layouts, bf16,
-of a Llama of ``--layers`` layers (default 32, 2.0 GB: emb 1536, 12 query heads and 4 kv heads
+of a Llama of ``--layers`` layers (default 36, 2.01 GB: emb 1536, 12 query heads and 4 kv heads
 of 128, mlp 4096, vocab 32000; with its ``config.json``). MaxText's model is its NNX ``Transformer``
 on that config (``weight_dtype=bfloat16``, ``scan_layers=True``) on MaxText's own mesh
 (fsdp=4, tensor=2) of 8 simulated CPU devices, with MaxText's own logical axis rules.
@@ -254,7 +254,7 @@ def gb(n: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dir", help="where to write the checkpoint (default: a temporary folder)")
     ap.add_argument("--timeout", type=float, default=1800)

@@ -30,8 +30,9 @@ and unrolled, NNX and linen where MaxText and meshinit build them (the other nam
 Families whose hooks ask what a table cannot express (:data:`REFUSED`) are refused by
 name: one :class:`meshinit.PlanError` naming, for each parameter, the hook and the
 operation, before a byte is read.
-The one test of MaxText's actual init (``test_llama_from_maxtexts_own_init``) ties step
-1's placement to the arrays the init gives.
+The tests of MaxText's actual init (``test_from_maxtexts_own_init``: each family issue
+49 names, its checkpoint written from the init's own values) tie step 1's placement
+to the arrays the init gives.
 
 MaxText needs Python 3.12 and jax >= 0.11.1; the module is skipped where it is missing.
 """
@@ -426,10 +427,23 @@ def test_load_is_maxtexts_own_conversion_bit_for_bit(checkpoint, model, scan, fr
     assert reads.values == [owned_bytes(plan, 4, loaded)]  # bytes read == bytes owned
 
 
-def test_llama_from_maxtexts_own_init(tmp_path):
-    """The checkpoint written from MaxText's actual NNX init (not seeded values): every
-    Param as MaxText's conversion gives it, on the sharding of MaxText's own array."""
-    model = "llama3.1-8b"
+# the families issue 49 names, each once from MaxText's actual init
+OWN_INIT = [
+    "llama3.1-8b",
+    "mixtral-8x7b",
+    "qwen3-8b",
+    "qwen3-30b-a3b",
+    "gemma2-2b",
+    "gemma3-4b",
+    "deepseek3-671b",
+]
+
+
+@pytest.mark.parametrize("model", OWN_INIT)
+def test_from_maxtexts_own_init(tmp_path, model):
+    """The checkpoint written from MaxText's actual NNX init (not seeded values), scanned:
+    every Param as MaxText's conversion gives it, on the sharding of MaxText's own
+    array, and the placement the other tests compare with is the init's."""
     config = config_of(model, True)
     mesh = mm.maxtext_mesh(config)
     flat = nnx.to_flat_state(nnx.state(mm.maxtext_nnx_init(config, mesh), nnx.Param))
