@@ -83,6 +83,24 @@ def plan_for(shapes, dtype=np.float32, axes=None):
     )
 
 
+def plan_of(shapes, dtype=np.float32, mesh=None):
+    """A plan of zeros-initialized params: ``{path: (shape, axes)}``, on ``mesh`` (by
+    default the (2, 4) mesh ``("fsdp", "tensor")`` of the 8 devices)."""
+    mesh = mesh or Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
+    init = jax.nn.initializers.zeros
+    return meshinit.plan(
+        {p: meshinit.param(s, init, axes=a, mesh=mesh, dtype=dtype) for p, (s, a) in shapes.items()}
+    )
+
+
+def stored(tmp_path, tensors, name="model.safetensors"):
+    """``tensors`` saved as one safetensors file in ``tmp_path``; its path."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(tmp_path / name))
+    return tmp_path / name
+
+
 def submesh(ids, shape, names, explicit=False):
     devices = [jax.devices()[i] for i in ids]
     if explicit:

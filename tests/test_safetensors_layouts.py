@@ -9,7 +9,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import Reads, owned_bytes
+from helpers import Reads, owned_bytes, plan_of, stored
 from jax.sharding import Mesh
 
 import meshinit
@@ -20,20 +20,6 @@ save_file = pytest.importorskip("safetensors.numpy").save_file
 
 def mesh8():
     return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
-
-
-def plan_of(shapes, dtype=np.float32, mesh=None):
-    """A plan of zeros-initialized params: ``{path: (shape, axes)}``."""
-    mesh = mesh or mesh8()
-    init = jax.nn.initializers.zeros
-    return meshinit.plan(
-        {p: meshinit.param(s, init, axes=a, mesh=mesh, dtype=dtype) for p, (s, a) in shapes.items()}
-    )
-
-
-def stored(tmp_path, tensors, name="model.safetensors"):
-    save_file(tensors, str(tmp_path / name))
-    return tmp_path / name
 
 
 def assert_placed(array, want, entry):

@@ -10,7 +10,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import Reads, owned, owned_bytes
+from helpers import Reads, owned, owned_bytes, plan_of, stored
 from jax.sharding import Mesh
 from storage_servers import s3_server_fixture  # noqa: F401 (moto is imported when used)
 
@@ -23,20 +23,6 @@ bf16 = ml_dtypes.bfloat16
 
 def mesh8():
     return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
-
-
-def plan_of(shapes, dtype=np.float32):
-    """A plan of zeros-initialized params: ``{path: (shape, axes)}`` on the (2, 4) mesh."""
-    mesh = mesh8()
-    init = jax.nn.initializers.zeros
-    return meshinit.plan(
-        {p: meshinit.param(s, init, axes=a, mesh=mesh, dtype=dtype) for p, (s, a) in shapes.items()}
-    )
-
-
-def stored(tmp_path, tensors, name="model.safetensors"):
-    save_file(tensors, str(tmp_path / name))
-    return tmp_path / name
 
 
 def random(shape, seed=0, dtype=np.float32):

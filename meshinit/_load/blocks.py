@@ -173,14 +173,8 @@ def _leaf_index(node: Leaf, index: tuple[slice, ...]) -> tuple[slice, ...]:
     covers; :class:`Refused` where the block cuts a merged axis inside a row."""
     if node.groups is None:
         return index
-    at = unmerge(index, node.groups, node.view)
-    if at is None:
-        raise Refused(
-            f"{node.label}out_shape={node.tensor.out_shape}: the block {_spelled(index)} "
-            f"cuts a merged axis within a row of the view {node.view}; shard the merged "
-            f"axis into whole rows, or not at all"
-        )
-    return at
+    what = f"{node.label}out_shape={node.tensor.out_shape}"
+    return _rows(index, index, node.groups, node.view, what, "the view")
 
 
 def _unpermuted(node: Joined, index: tuple[slice, ...]) -> tuple[slice, ...]:
@@ -198,14 +192,27 @@ def _unmerged(node: Joined, index: tuple[slice, ...]) -> tuple[slice, ...]:
     merged = _unpermuted(node, index)
     if node.groups is None:
         return merged
-    at = unmerge(merged, node.groups, node.shape)
-    if at is None:
+    what = f"{node.label}{node.kind} out_shape={node.out_shape}"
+    return _rows(merged, index, node.groups, node.shape, what, "the joined shape")
+
+
+def _rows(
+    at: tuple[slice, ...],
+    block: tuple[slice, ...],
+    groups: tuple[int, ...],
+    shape: tuple[int, ...],
+    what: str,
+    of: str,
+) -> tuple[slice, ...]:
+    """``unmerge(at, groups, shape)``; :class:`Refused` naming ``what`` where the block
+    (``block``, as the result indexes it) cuts a merged axis inside a row."""
+    found = unmerge(at, groups, shape)
+    if found is None:
         raise Refused(
-            f"{node.label}{node.kind} out_shape={node.out_shape}: the block "
-            f"{_spelled(index)} cuts a merged axis within a row of the joined shape "
-            f"{node.shape}; shard the merged axis into whole rows, or not at all"
+            f"{what}: the block {_spelled(block)} cuts a merged axis within a row of "
+            f"{of} {shape}; shard the merged axis into whole rows, or not at all"
         )
-    return at
+    return found
 
 
 def _within(
