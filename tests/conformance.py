@@ -9,7 +9,7 @@ backed by a test that runs it, and the page's table is rendered from these rows:
 - in the client's own module (which runs only where the client is installed, and must
   run in CI), ``unchecked(client)`` lists the claimed cells no collected test runs;
 - everywhere, ``declared(source)`` reads the same decorators from the module's source
-  text, and tests/test_conformance.py checks both the page and the declarations.
+  text, and tests/guarantees/test_conformance.py checks both the page and the declarations.
 
 A column is claimed only where a test asserts it for every leaf of the model:
 

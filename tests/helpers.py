@@ -108,6 +108,42 @@ def submesh(ids, shape, names, explicit=False):
     return Mesh(np.array(devices).reshape(shape), names)
 
 
+def mesh8(names=("fsdp", "tensor"), explicit=False):
+    """All 8 devices as one ``(2, 4)`` mesh with axes ``names``: Auto axes, or Explicit
+    ones with ``explicit``. Every test that wants "the 8-device mesh" builds it here."""
+    return submesh(range(8), (2, 4), names, explicit=explicit)
+
+
+def same_bits(got, want, what):
+    """``got`` is ``want`` bit for bit: dtype, shape and every byte; the message counts
+    the elements that differ."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: {got.dtype}{got.shape}, want {want.dtype}{want.shape}"
+    )
+    if got.tobytes() != want.tobytes():
+        off = (
+            int(
+                (got.view(np.uint8) != want.view(np.uint8)).reshape(got.shape + (-1,)).any(-1).sum()
+            )
+            if got.ndim
+            else 1
+        )
+        raise AssertionError(f"{what}: {off} of {got.size} elements differ")
+
+
+def on_one_device(tree):
+    """Every leaf of ``tree`` copied whole onto the first device: the single-device
+    reference a placed result is compared with."""
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), tree)
+
+
+def assert_placed(array, sharding, what):
+    """``array`` sits on exactly ``sharding`` (``==``, the same mesh and spec as
+    written, not only an equivalent one)."""
+    assert array.sharding == sharding, f"{what}: placed on {array.sharding}, want {sharding}"
+
+
 def two_stage_specs():
     """Two disjoint pipeline stages: mesh group 0 on devices 0-3, group 1 on 4-7."""
     stages = [

@@ -4,7 +4,7 @@ Import it only where MaxText is installed (after ``pytest.importorskip("maxtext"
 Nothing of MaxText's code is copied here: the configs are MaxText's base.yml, and the
 inits are MaxText's own factories and recipes. The Hugging Face Llama checkpoint's
 tensors (``hf_shapes``) and meshinit's ``names=`` table onto MaxText's model
-(``names_table``) serve tests/test_maxtext_load.py and benchmarks/maxtext_load.py.
+(``names_table``) serve tests/clients/test_maxtext_load.py and benchmarks/maxtext_load.py.
 """
 
 import functools

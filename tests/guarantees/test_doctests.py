@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshinit
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 # The modules and names the examples use as imported.

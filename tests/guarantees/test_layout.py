@@ -6,7 +6,7 @@ import ast
 import pathlib
 import re
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "meshinit"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "meshinit"
 
 
 def _name(path: pathlib.Path) -> str:

@@ -14,7 +14,7 @@ installed (it is not a dependency); ``.ci/run`` runs it in ``.venv-tunix``, or::
     python3.12 -m venv /work/tunix312
     /work/tunix312/bin/pip install google-tunix==0.1.7 safetensors
     /work/tunix312/bin/pip install -e .
-    /work/tunix312/bin/python -m pytest tests/test_tunix_names.py
+    /work/tunix312/bin/python -m pytest tests/clients/test_tunix_names.py
 """
 
 import json

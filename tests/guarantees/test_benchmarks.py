@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_script(name, *args, timeout=600):
@@ -102,7 +102,7 @@ def test_warm_depth_case_times_each_depth_without_compiling():
 @pytest.mark.parametrize("script", ["maxtext_init.py", "maxtext_load.py"])
 def test_maxtext_scripts_say_they_skip_where_maxtext_is_absent(script):
     if importlib.util.find_spec("maxtext") is not None:
-        pytest.skip("maxtext is installed: the scripts measure instead (tests/test_maxtext*.py)")
+        pytest.skip("maxtext is installed: tests/clients/test_maxtext*.py measure instead")
     r = run_script(script)
     assert "skipped: maxtext is not installed here" in r.stdout, r.stdout
 

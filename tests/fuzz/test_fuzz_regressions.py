@@ -1,4 +1,4 @@
-"""Defects the differential fuzzer (tests/test_fuzz_constructor.py) found, each kept as a
+"""Defects the differential fuzzer (tests/fuzz/test_fuzz_constructor.py) found, each kept as a
 plain test, minimal, that failed before its fix."""
 
 import warnings

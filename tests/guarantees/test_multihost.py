@@ -28,7 +28,7 @@ import meshinit
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 # Once one worker fails, its peer waits in a barrier or a collective: stop it soon.
 PEER_GRACE_S = 10

@@ -206,7 +206,7 @@ def test_benchmark_routes_give_the_same_model():
     Param with the same bytes and the same sharding, through the hand-written table and
     through ``meshinit.maxtext.names``, each reading only the bytes it owns, or the
     script fails."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "maxtext_load.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "maxtext_load.py"
     command = [sys.executable, str(script), "--layers", "1", "--repeats", "1"]
     r = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -13,7 +13,7 @@ import re
 import conformance
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def page_table() -> str:
@@ -42,7 +42,7 @@ def test_the_rendered_table_has_a_row_per_model_and_a_cell_per_claim():
 
 @pytest.mark.parametrize("client", sorted(conformance.CLIENTS))
 def test_every_claimed_cell_has_a_test_in_its_client_module(client):
-    source = (ROOT / "tests" / f"test_{client}.py").read_text()
+    source = (ROOT / "tests" / "clients" / f"test_{client}.py").read_text()
     declared = {(case, check) for c, case, check in conformance.declared(source) if c == client}
     claimed = conformance.claimed(client)
     assert claimed, f"tests/conformance.py claims nothing for {client}"

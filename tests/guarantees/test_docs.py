@@ -18,7 +18,7 @@ import meshinit
 import meshinit.eqx
 import meshinit.nnx
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 # Google-style section headers that griffe (mkdocstrings' parser) renders as sections.

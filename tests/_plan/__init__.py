@@ -1,0 +1,1 @@
+"""Tests of meshinit/_plan/, one file per module: test_<module>.py."""

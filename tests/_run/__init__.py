@@ -1,0 +1,1 @@
+"""Tests of meshinit/_run/, one file per module: test_<module>.py."""

@@ -1,0 +1,1 @@
+"""Tests of meshinit/_spec/, one file per module: test_<module>.py."""

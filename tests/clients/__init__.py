@@ -1,0 +1,1 @@
+"""meshinit on real frameworks' own code (MaxText, tunix, gemma), imported, never vendored."""

@@ -1,0 +1,1 @@
+"""Differential fuzzers, and the defects they found kept as plain tests."""
