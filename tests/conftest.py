@@ -134,7 +134,7 @@ def _named(config) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     # The fast tier is the default run of the whole suite; a run that names what it wants
-    # (`-m slow`, tests/test_multihost.py) gets exactly that.
+    # (`-m slow`, tests/guarantees/test_multihost.py) gets exactly that.
     if TIER == "all" or _named(config):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]

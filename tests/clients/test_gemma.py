@@ -213,6 +213,6 @@ def test_kauldrons_init_rngs_are_taken_as_the_keys_they_hold():
         bad = int((off != 0).sum())
         # jit's bits, or (a sharded normal, on a host whose XLA CPU code rounds by
         # program structure: 176 of 4,096 kv_einsum elements 2 ulp off here, jax 0.12.0.1)
-        # within 4 ulp in at most a tenth of the elements, as tests/test_narrow_bits.py
+        # within 4 ulp in at most a tenth of the elements, as tests/guarantees/test_narrow_bits.py
         assert off.max() <= 4 and bad <= 0.1 * off.size, f"{path}: {bad} off, {off.max()} ulp"
         assert array.sharding == placed[path], path

@@ -31,7 +31,7 @@ def run_script(name, *args, timeout=600):
 
 
 def test_every_benchmark_module_stays_under_500_lines():
-    # the package's norm (tests/test_layout.py) holds for the benchmarks too
+    # the package's norm (tests/guarantees/test_layout.py) holds for the benchmarks too
     modules = sorted((ROOT / "benchmarks").glob("*.py"))
     long = {p.name: n for p in modules if (n := len(p.read_text().splitlines())) > 500}
     assert modules and long == {}

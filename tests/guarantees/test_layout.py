@@ -1,12 +1,14 @@
-"""The package's layout (issues 18, 27, 40): stage packages whose imports form no circle,
-take no private names from another module, stay under 500 lines, and reach the
-constructor engine only through its entry point."""
+"""The package's layout: stages whose imports form a graph that never runs back up and no
+circle of files, no private names taken from another module, modules under 500 lines, the
+engine reached only through its entry point, and a test tree that mirrors the package."""
 
 import ast
 import pathlib
 import re
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "meshinit"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "meshinit"
+TESTS = ROOT / "tests"
 
 
 def _name(path: pathlib.Path) -> str:
@@ -19,10 +21,10 @@ def _name(path: pathlib.Path) -> str:
 MODULES = {_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def _imports(path: pathlib.Path) -> list[tuple[str, str]]:
+def _imports(path: pathlib.Path, typing_too: bool = False) -> list[tuple[str, str]]:
     """``(module, name)`` for every import of a meshinit module, lazy ones included and
-    ``if TYPE_CHECKING:`` blocks excluded (they never run). ``from . import x`` of a
-    module is ``(that module, "")``."""
+    ``if TYPE_CHECKING:`` blocks excluded (they never run) unless ``typing_too``.
+    ``from . import x`` of a module is ``(that module, "")``."""
     tree = ast.parse(path.read_text())
     typing_only = {
         id(sub)
@@ -34,7 +36,7 @@ def _imports(path: pathlib.Path) -> list[tuple[str, str]]:
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
-        if id(node) in typing_only or not isinstance(node, ast.ImportFrom):
+        if (id(node) in typing_only and not typing_too) or not isinstance(node, ast.ImportFrom):
             continue
         if node.level:
             base = package.split(".")
@@ -59,7 +61,8 @@ def test_every_import_is_resolved():
 
 
 def test_imports_between_modules_form_no_circle():
-    edges = {m: {t for t, _ in _imports(p) if t != m} for m, p in MODULES.items()}
+    # typing-only imports count: two files that name each other's types are one thing
+    edges = {m: {t for t, _ in _imports(p, True) if t != m} for m, p in MODULES.items()}
     state: dict[str, int] = {}
     cycles = []
 
@@ -114,42 +117,156 @@ def test_the_engine_package_imports_nothing_itself():
     assert _imports(MODULES["meshinit._engine"]) == []
 
 
-# The import layers of docs/dev/architecture.md, one per stage: a module imports from
-# its own layer or a lower one. "pkg.*" is every module of a stage package, its
-# __init__ included, so a module added to a stage has that stage's layer by itself.
-LAYERS = (
-    ("_errors", "_format", "_caches", "_patterns"),
-    ("_jax.*",),
-    ("_paths", "_spec.*"),
-    ("_report.*",),
-    ("_plan.*",),
-    ("_run.*",),
-    ("_engine.*",),
-    ("_load.*",),
-    ("optax", "safetensors", "maxtext", "tunix", "_adapters.*", "nnx", "linen", "eqx"),
-    ("", "_cli.*", "__main__"),
-)
+# The stages of docs/dev/architecture.md as a graph: each stage, the modules it holds
+# ("pkg.*" is every module of a stage package, its __init__ included, so a module added
+# to a stage is in it by itself) and the stages it may import. The loader and the engine
+# sit side by side: both build on the run stage, neither imports the other.
+STAGES = {
+    "shared": (("_errors", "_format", "_caches", "_patterns"), ()),
+    "base": (("_jax.*",), ("shared",)),
+    "declare": (("_paths", "_spec.*"), ("shared", "base")),
+    "report": (("_report.*",), ("shared",)),
+    "plan": (("_plan.*",), ("shared", "base", "declare", "report")),
+    "run": (("_run.*",), ("shared", "base", "declare", "plan")),
+    "engine": (("_engine.*",), ("shared", "base", "declare", "plan", "run")),
+    "load": (("_load.*",), ("shared", "base", "declare", "plan", "run")),
+    "adapt": (
+        ("optax", "safetensors", "maxtext", "tunix", "_adapters.*", "nnx", "linen", "eqx"),
+        ("shared", "base", "declare", "plan", "run", "engine", "load"),
+    ),
+    "command line": (
+        ("", "_cli.*", "__main__"),
+        ("shared", "base", "declare", "report", "plan", "run", "engine", "load", "adapt"),
+    ),
+}
 
 
-def _layer(module: str) -> int | None:
+def _stage(module: str) -> str | None:
     short = module.removeprefix("meshinit").removeprefix(".")
-    for n, names in enumerate(LAYERS):
+    for stage, (names, _) in STAGES.items():
         for name in names:
-            stage = name.removesuffix(".*")
-            if short == name or (name.endswith(".*") and short.split(".")[0] == stage):
-                return n
+            package = name.removesuffix(".*")
+            if short == name or (name.endswith(".*") and short.split(".")[0] == package):
+                return stage
     return None
 
 
-def test_every_module_has_a_layer_and_imports_only_its_own_or_lower_ones():
-    assert [m for m in MODULES if _layer(m) is None] == []
+def test_the_stages_form_a_graph_without_a_circle():
+    order: list[str] = []
+    for _ in STAGES:  # a stage is placed once every stage it imports is
+        order += [
+            s for s, (_, below) in STAGES.items() if s not in order and set(below) <= set(order)
+        ]
+    assert sorted(order) == sorted(STAGES), f"stages in a circle: {set(STAGES) - set(order)}"
+
+
+def test_every_module_is_in_a_stage_and_imports_only_the_stages_below_it():
+    # typing-only imports count too: a stage that names another's types depends on it
+    assert [m for m in MODULES if _stage(m) is None] == []
     upward = [
-        f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+        f"{m} ({_stage(m)}) imports {t} ({_stage(t)})"
         for m, p in MODULES.items()
-        for t, _ in _imports(p)
-        if _layer(t) > _layer(m)
+        for t, _ in _imports(p, typing_too=True)
+        if _stage(t) != _stage(m) and _stage(t) not in STAGES[_stage(m)][1]
     ]
     assert upward == []
+
+
+# ------------------------------------------------------------- the tests mirror the tree
+
+# Modules without a test file of their name, each with its reason. Every package's
+# __init__.py is a map that only imports, and is exempt as such.
+UNTESTED_BY_NAME = {
+    "meshinit/__main__.py": "one line that runs the command line: tests/_cli/test_cli.py "
+    "runs `python -m meshinit`",
+    "meshinit/maxtext.py": "needs MaxText (Python 3.12): tests/clients/test_maxtext_names.py "
+    "runs it against MaxText itself, in CI's MaxText venv",
+    "meshinit/tunix.py": "needs google-tunix (Python 3.12): tests/clients/test_tunix_names.py "
+    "runs it against tunix itself, in CI's tunix venv",
+}
+
+# Test files at the top of a stage's directory that test no module of that name.
+NOT_A_MODULE_TEST = {
+    "tests/test_storage_servers.py": "tests the suite's own storage servers "
+    "(tests/storage_servers.py), which the remote-loading tests stand on",
+}
+
+
+def _test_file(module: pathlib.Path) -> str:
+    """``tests/_load/test_fetch.py`` for ``meshinit/_load/fetch.py``;
+    ``tests/test_caches.py`` for ``meshinit/_caches.py``."""
+    rel = module.relative_to(PACKAGE)
+    return (pathlib.Path("tests", *rel.parts[:-1]) / f"test_{rel.stem.lstrip('_')}.py").as_posix()
+
+
+def test_every_module_has_a_test_file_of_its_name_with_tests_in_it():
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if path.name == "__init__.py" or rel in UNTESTED_BY_NAME:
+            continue
+        test = ROOT / _test_file(path)
+        if not test.is_file() or not re.search(r"^(async )?def test_", test.read_text(), re.M):
+            missing.append(f"{rel}: no tests in {_test_file(path)}")
+    assert missing == []
+    for rel in UNTESTED_BY_NAME:  # an exemption outlives no module
+        assert (ROOT / rel).is_file(), f"{rel} is exempt but no longer exists"
+
+
+def test_every_module_test_file_mirrors_a_module():
+    # outside guarantees/, clients/ and fuzz/, a test file is named for the module it tests
+    mirrors = {_test_file(p) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    by_name = {"guarantees", "clients", "fuzz"}
+    stray = sorted(
+        rel
+        for p in TESTS.rglob("test_*.py")
+        if (rel := p.relative_to(ROOT).as_posix()) not in mirrors
+        and p.relative_to(TESTS).parts[0] not in by_name
+        and rel not in NOT_A_MODULE_TEST
+    )
+    assert stray == []
+    for directory in {p.parent for p in TESTS.rglob("test_*.py")} - {TESTS}:
+        assert (directory / "__init__.py").is_file(), f"{directory} is no package"
+
+
+def test_the_shared_test_helpers_are_defined_once():
+    # tests/helpers.py defines what tests share; no test module defines one of its names
+    # again (a name means one thing across the suite)
+    shared = {
+        n.name if not isinstance(n, ast.Assign) else n.targets[0].id
+        for n in ast.parse((TESTS / "helpers.py").read_text()).body
+        if isinstance(n, ast.FunctionDef | ast.ClassDef)
+        or (isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name))
+    }
+    again = sorted(
+        f"{p.relative_to(ROOT)}: {name}"
+        for p in TESTS.rglob("*.py")
+        if p.name != "helpers.py"
+        for n in ast.parse(p.read_text()).body
+        for name in (
+            [n.name]
+            if isinstance(n, ast.FunctionDef | ast.ClassDef)
+            else [t.id for t in getattr(n, "targets", []) if isinstance(t, ast.Name)]
+        )
+        if name in shared
+    )
+    assert again == []
+
+
+def test_every_test_file_the_docs_name_exists_with_the_tests_named():
+    texts = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / ".ci" / "run"]
+    texts += [*(ROOT / "docs").rglob("*.md"), *(ROOT / "benchmarks").glob("*.py")]
+    texts += [*(ROOT / "examples").rglob("*.py"), *TESTS.rglob("*.py")]
+    texts = [t for t in texts if t != pathlib.Path(__file__)]  # its examples are patterns
+    wrong = []
+    for text in texts:
+        for path, name in re.findall(r"(tests/[\w/]+\.py)(?:::(\w+))?", text.read_text()):
+            where = ROOT / path
+            if not where.is_file():
+                wrong.append(f"{text.relative_to(ROOT)}: {path} does not exist")
+            elif name and not re.search(rf"^(async )?def {name}\b", where.read_text(), re.M):
+                wrong.append(f"{text.relative_to(ROOT)}: {path} has no {name}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_architecture_page_names_every_module_and_only_modules_that_exist():
@@ -161,10 +278,11 @@ def test_the_architecture_page_names_every_module_and_only_modules_that_exist():
     files = {p.relative_to(PACKAGE.parent).as_posix() for p in PACKAGE.rglob("*.py")}
     assert sorted(named - files) == [], "named on the page, but no such module"
     assert sorted(files - named) == [], "modules the page does not name"
-    layers = page.split("## Import layers", 1)[1].split("\n## ", 1)[0]
-    for n, names in enumerate(LAYERS):  # the page's layer table is this one
-        row = re.search(rf"^\| {n} \| (.*?) \|", layers, re.M)
-        assert row, f"layer {n} is not on the page"
-        shown = {s.strip("`").replace("`", "") for s in row.group(1).split(", ")}
-        want = {name or "meshinit" for name in names}
-        assert {s.split(" ")[0] for s in shown} == want, (n, shown, want)
+    stages = page.split("## Stages and imports", 1)[1].split("\n## ", 1)[0]
+    for stage, (names, below) in STAGES.items():  # the page's stage table is this one
+        row = re.search(rf"^\| {stage} \| (.*?) \| (.*?) \|$", stages, re.M)
+        assert row, f"stage {stage} is not on the page"
+        shown = {s.strip("`").split(" ")[0] for s in row.group(1).split(", ")}
+        assert shown == {name or "meshinit" for name in names}, (stage, shown)
+        imports = {s.strip() for s in row.group(2).split(", ")} - {"jax", "numpy"}
+        assert imports == set(below), (stage, imports, below)
