@@ -12,8 +12,8 @@ from jax.sharding import AbstractMesh
 
 import meshinit
 from meshinit._run import compile as _compile
-from meshinit._run import materialize as _materialize
 from meshinit._run import strategies as _strategies
+from meshinit._run.loop import run_plan
 
 lecun = jax.nn.initializers.lecun_normal
 
@@ -207,11 +207,9 @@ def test_every_strategy_compiles_at_most_once_per_signature(strategy, count_comp
     key_data, impl = meshinit._paths.host_key(0)
     s = _strategies.STRATEGIES[strategy]
     with count_compiles() as cold:  # builds: compiled in parallel first, as materialize does
-        _materialize.run_plan(
-            plan, lambda g: s.prepare(g, impl), key_data, builds=lambda g: s.builds(g, impl)
-        )
+        run_plan(plan, _strategies.Specs(s, key_data, impl))
     with count_compiles() as warm:
-        _materialize.run_plan(plan, lambda g: s.prepare(g, impl), key_data)
+        run_plan(plan, _strategies.Specs(s, key_data, impl))
     assert 1 <= cold.count <= len({e.signature for e in plan.entries})
     assert warm.count == 0
 
@@ -222,11 +220,7 @@ def test_strategies_give_identical_values_and_exact_shardings(explicit):
     plan = meshinit.plan(model(mesh, 2, RULES))
     key_data, impl = meshinit._paths.host_key(3)
     results = {
-        name: _materialize.run_plan(
-            plan,
-            lambda g, s=strategy: s.prepare(g, _strategies.program_key_impl(g, impl)),
-            key_data,
-        )
+        name: run_plan(plan, _strategies.Specs(strategy, key_data, impl))
         for name, strategy in _strategies.STRATEGIES.items()
     }
     base = flat_values(results.pop("rounds"))
