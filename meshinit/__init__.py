@@ -6,6 +6,7 @@ mesh, and materialize each group with its own compiled programs (with the defaul
 Importing meshinit starts no jax backend.
 """
 
+from ._caches import clear_cache as clear_cache
 from ._errors import FallbackWarning as FallbackWarning
 from ._errors import PeerFailure as PeerFailure
 from ._errors import PlanError as PlanError
@@ -19,7 +20,6 @@ from ._plan.entries import PlanEntry as PlanEntry
 from ._plan.plan import Plan as Plan
 from ._plan.planner import plan as plan
 from ._plan.shardings import shardings as shardings
-from ._run.materialize import clear_cache as clear_cache
 from ._run.materialize import init as init
 from ._run.materialize import materialize as materialize
 from ._run.options import options as options

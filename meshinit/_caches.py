@@ -3,13 +3,15 @@
 meshinit memoizes compiled executables, initializer fingerprints, abstract init
 checks, rule resolutions, partitions and host programs, each bounded. Each cache is
 made through this module (:class:`LRUCache`, :func:`memo`, :func:`weak`), so that
-``meshinit.clear_cache()`` empties all of them and a test can list them. Nothing here
-changes values: an empty cache only means the next call computes again.
+:func:`clear_cache` (``meshinit.clear_cache()``) empties all of them and a test can
+list them. Nothing here changes values: an empty cache only means the next call
+computes again.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import weakref
@@ -19,6 +21,7 @@ from typing import Any, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 _registry: list[tuple[str, Any]] = []  # (name, the cache object)
+_guards: dict[int, Any] = {}  # id(cache) -> the lock its users hold to change it
 _registry_lock = threading.Lock()
 
 
@@ -41,10 +44,14 @@ def _register(name: str, cache: Any) -> None:
         _registry.append((name, cache))
 
 
-def lru(name: str, maxsize: int) -> LRUCache:
-    """A registered :class:`LRUCache`."""
+def lru(name: str, maxsize: int, lock: Any = None) -> LRUCache:
+    """A registered :class:`LRUCache`; :func:`clear_cache` empties it holding ``lock``,
+    the lock its users hold (compiles put executables from threads)."""
     cache = LRUCache(maxsize)
     _register(name, cache)
+    if lock is not None:
+        with _registry_lock:
+            _guards[id(cache)] = lock
     return cache
 
 
@@ -79,10 +86,19 @@ def registered() -> list[tuple[str, Any]]:
         return list(_registry)
 
 
-def clear_all() -> None:
-    """Empties every registered cache."""
+def clear_cache() -> None:
+    """Empties every cache meshinit keeps (each is otherwise kept, bounded).
+
+    Compiled executables (the spec path's, the constructor engine's, the optimizer
+    state's), initializer fingerprints and abstract init checks, rule resolutions and
+    partitions, and host programs. The next call computes again; values do not change.
+
+    Examples:
+      >>> meshinit.clear_cache()  # e.g. to measure a cold materialize again
+    """
     for _, cache in registered():
-        if hasattr(cache, "cache_clear"):
-            cache.cache_clear()
-        else:
-            cache.clear()
+        with _guards.get(id(cache)) or contextlib.nullcontext():
+            if hasattr(cache, "cache_clear"):
+                cache.cache_clear()
+            else:
+                cache.clear()

@@ -40,8 +40,8 @@ from ._format import some
 from ._plan.planner import build_plan
 from ._plan.planner import plan as _plan_tree
 from ._run import agree as _agree
-from ._run.materialize import from_constructor
 from ._run.materialize import materialize as _materialize_plan
+from ._spec.constructor import from_constructor
 from ._spec.spec import MESH_AXES, param
 
 __all__ = ["init", "materialize", "plan"]

@@ -33,8 +33,6 @@ Importing meshinit does not import optax; this module loads on first use of
 
 from __future__ import annotations
 
-import hashlib
-import threading
 from collections.abc import Hashable
 from typing import Any, cast
 
@@ -48,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import _caches, _paths
+from . import _paths
 from ._errors import PlanError, Problem
 from ._format import describe_mesh
 from ._jax import jaxpr as _jaxpr
@@ -56,7 +54,7 @@ from ._plan import state as _state
 from ._plan.plan import Plan
 from ._run import agree as _agree
 from ._run import compile as _compile
-from ._run.materialize import deleting_on_failure
+from ._run.loop import deleting_on_failure
 from ._spec import fingerprints as _signature
 
 __all__ = ["abstract", "init"]
@@ -157,86 +155,11 @@ def abstract(
     )
 
 
-# (what tx.init computes, structure key) -> (state treedef, ((mesh, input positions,
-# output positions, executable), ...)). Keyed by value, never by identity: a
-# transformation whose init reads state that changed since gets a new entry.
-_cache = _caches.lru("optimizer-state executables", 256)
-_lock = threading.Lock()
-
-
-def _cached(key: Hashable | None) -> Any:
-    if key is None:
-        return None
-    with _lock:
-        return _cache.get(key)
-
-
-def _store(key: Hashable | None, value: Any) -> None:
-    if key is not None:
-        with _lock:
-            _cache.put(key, value)
-
-
 def _trace_init(tx: Any, params_def: Any, specs: list[Any]) -> tuple[Any, Any]:
     """``tx.init`` traced on abstract parameters: its closed jaxpr and abstract state."""
     return jax.make_jaxpr(
         lambda *xs: tx.init(jax.tree_util.tree_unflatten(params_def, xs)), return_shape=True
     )(*specs)
-
-
-def _computation(closed: Any, state: Any) -> Hashable | None:
-    """What a traced ``tx.init`` computes, structurally, or None if it cannot be told.
-
-    Per state leaf: the digest of the equations it is made by
-    (:func:`meshinit._jax.jaxpr.slice_fingerprint`: primitives, parameters, shapes, dtypes,
-    literals, never Python identity), and which parameters and constants (by their
-    bytes) they read; with the state's tree structure. Equal descriptions compute the
-    same state from the same parameters.
-    """
-    prog = _jaxpr.flatten(closed)
-    position = {n: i for i, n in enumerate(prog.inputs)}
-    memo: dict[Any, Any] = {}
-    leaves: list[tuple[str, tuple[Any, ...]]] = []
-    try:
-        for out in prog.outputs:
-            if isinstance(out, _jaxpr.Lit):
-                leaves.append((_jaxpr.slice_fingerprint(prog, [], [], out, memo), ()))
-                continue
-            nodes, reads = _slice(prog, out)
-            digest = _jaxpr.slice_fingerprint(prog, nodes, reads, out, memo)
-            operands = tuple(
-                ("param", position[n]) if n in position else ("const", _const(prog.consts[n]))
-                for n in reads
-            )
-            leaves.append((digest, operands))
-    except (_jaxpr.Unfingerprintable, TypeError, ValueError):
-        return None
-    return jax.tree_util.tree_structure(state), tuple(leaves)
-
-
-def _slice(prog: _jaxpr.Program, out: int) -> tuple[list[int], list[int]]:
-    """The equations ``out`` is made by, in order, and the values without a producer
-    (parameters, constants) that they read."""
-    nodes: set[int] = set()
-    reads: set[int] = set()
-    stack = [out]
-    while stack:
-        n = stack.pop()
-        i = prog.producer.get(n)
-        if i is None:
-            reads.add(n)
-        elif i not in nodes:
-            nodes.add(i)
-            stack.extend(x for x in prog.nodes[i].ins if not isinstance(x, _jaxpr.Lit))
-    return sorted(nodes), sorted(reads)
-
-
-def _const(value: Any) -> Hashable:
-    """A captured constant by its dtype, shape and bytes."""
-    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.extended):
-        raise TypeError("an extended-dtype constant (a key) has no bytes to compare")
-    a = np.asarray(value)
-    return str(a.dtype), a.shape, hashlib.blake2b(a.tobytes(), digest_size=16).digest()
 
 
 def _structure_key(
@@ -247,7 +170,6 @@ def _structure_key(
         tuple((x.shape, x.dtype, x.sharding) for x in leaves),
         scalars_on,
         placement,
-        _compile.full_key(None),
     )
 
 
@@ -431,12 +353,15 @@ def _init(
     else:  # nothing to tell it by but what it traces to
         specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
         traced = _trace_init(tx, treedef, specs)
-        computes = _computation(*traced)
+        computes = _compile.computation(*traced)
         key = None if computes is None else ("traced", computes, structure)
-    hit = _cached(key)
+    # (what tx.init computes, structure) -> (state treedef, ((mesh, input positions,
+    # output positions, executable), ...)). Keyed by value, never by identity: a
+    # transformation whose init reads state that changed since gets a new entry.
+    hit = _compile.cached(key)
     if hit is None:
         hit = _build(tx, params, paths, leaves, scalars_on, axes, memory_kind, traced)
-        _store(key, hit)
+        _compile.store(key, hit)
     state_def, steps = hit
     values: dict[int, jax.Array] = {}
     made: list[jax.Array] = []

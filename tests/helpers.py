@@ -216,3 +216,74 @@ def owned(arrays):
             key = (path, tuple((s.start, s.stop) for s in shard.index))
             seen[key] = shard.data.nbytes
     return sum(seen.values())
+
+
+def layered_specs(mesh, layers, rules, order=None, extra=False):
+    """An embedding and ``layers`` layers of four specs (two initializers, a bf16 one);
+    ``extra`` adds one more parameter."""
+    import jax.numpy as jnp
+
+    with meshinit.defaults(mesh=mesh, rules=rules):
+        tree = {
+            "embed": meshinit.param((512, 64), lecun(), axes=("vocab", "embed")),
+            "layers": [
+                {
+                    "q": meshinit.param((64, 64), lecun(), axes=("embed", "heads")),
+                    "up": meshinit.param((64, 256), lecun(), axes=("embed", "mlp")),
+                    "n": meshinit.param((64,), jax.nn.initializers.ones, axes=("embed",)),
+                    "u": meshinit.param(
+                        (64, 8),
+                        jax.nn.initializers.uniform(),
+                        axes=("embed", None),
+                        dtype=jnp.bfloat16,
+                    ),
+                }
+                for _ in range(layers)
+            ],
+        }
+        if extra:
+            tree["extra"] = meshinit.param((8, 8), lecun(), axes=(None, None))
+    return tree
+
+
+LAYERED_RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor"))
+
+
+def flat_values(tree):
+    """Dot-joined path -> numpy value of every leaf."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {meshinit._paths.path_str(kp): np.asarray(v) for kp, v in flat}
+
+
+def two_stage_plan():
+    """A plan over two disjoint 2x2 stages of two parameters each."""
+    stages = [submesh(range(0, 4), (2, 2), ("x", "y")), submesh(range(4, 8), (2, 2), ("x", "y"))]
+    return meshinit.plan(
+        {
+            f"s{i}": {
+                "w": meshinit.param((64, 32), lecun(), axes=("x", "y"), mesh=m),
+                "b": meshinit.param((32,), jax.nn.initializers.ones, axes=("y",), mesh=m),
+            }
+            for i, m in enumerate(stages)
+        }
+    )
+
+
+def break_compiles_on(monkeypatch, bad):
+    """Every compile for the mesh ``bad`` fails, naming an XLA option that does not
+    exist (not one of meshinit's, so it is not dropped); returns the real options."""
+    from meshinit._run import compile as _compile
+
+    real = _compile.compiler_options
+    monkeypatch.setattr(
+        _compile,
+        "compiler_options",
+        lambda mesh: {"xla_no_such_option_here": 1} if mesh is bad else real(mesh),
+    )
+    return real
+
+
+def reference(spec, key, path):
+    """The value contract's jitted reference for one parameter."""
+    fn = jax.jit(lambda k: spec.init(k, spec.shape, spec.dtype))
+    return np.asarray(fn(meshinit.param_key(key, path)))

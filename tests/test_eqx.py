@@ -433,7 +433,7 @@ def test_placements_must_be_a_sequence():
 
 def test_the_placeholder_init_is_never_a_silent_value():
     with pytest.raises(TypeError, match=r"call meshinit.eqx.init\(factory, key, placements\)"):
-        from meshinit._run.materialize import from_constructor  # what eqx.init's specs hold
+        from meshinit._spec.constructor import from_constructor  # what eqx.init's specs hold
 
         from_constructor(jax.random.key(0), (2,), jnp.float32)
 

@@ -246,7 +246,7 @@ def test_a_backbone_checkpoint_restores_into_abstract_and_init_makes_the_head(tm
 def test_an_array_on_another_mesh_is_placed_block_by_block_never_gathered(monkeypatch):
     from jax._src import array as jax_array  # where jax gathers a whole array to the host
 
-    from meshinit._run import materialize as _materialize
+    from meshinit._run.place import place
 
     x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
     source = jax.device_put(x, NamedSharding(_mesh(range(4), (2, 2)), P("b", "a")))
@@ -256,7 +256,7 @@ def test_an_array_on_another_mesh_is_placed_block_by_block_never_gathered(monkey
         raise AssertionError("the whole array was gathered on the host")
 
     monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(gathered))
-    placed = _materialize.place(source, target)
+    placed = place(source, target)
     assert placed.sharding == target
     for shard in placed.addressable_shards:
         assert np.array_equal(np.asarray(shard.data), x[shard.index])

@@ -106,7 +106,7 @@ def test_a_maxtext_like_model_gets_flax_own_shardings_and_eager_values(explicit,
     with count_compiles() as compiles:
         variables = meshinit.linen.init(model, key, TOKENS, mesh=mesh, rules=RULES)
     # One executable per bucket of per-variable computations (rounds), none per layer;
-    # tests/test_constructor.py checks that the count does not grow with depth.
+    # tests/_engine/test_run.py checks that the count does not grow with depth.
     assert compiles.count <= 4, f"one mesh group, {compiles.count} compiles"
 
     # flax's own answer: the logical specs of the abstract variables, through its rules.

@@ -20,7 +20,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from .._errors import Problem
-from .._run import materialize as _materialize
+from .._spec.constructor import from_constructor
 from .._spec.spec import ParamSpec, memory_kind_default, replicated_default
 from . import common as _adapters
 from .placement import Replicas, not_an_array
@@ -157,7 +157,7 @@ def spec_for(
     try:
         return ParamSpec(
             shape=value.shape,
-            init=_materialize.from_constructor,
+            init=from_constructor,
             replicated=replicated_default(),
             memory_kind=memory_kind_default(),
             axes=axes,
@@ -210,7 +210,7 @@ def placed_spec(
     try:
         return ParamSpec(
             shape=value.shape,
-            init=_materialize.from_constructor,
+            init=from_constructor,
             replicated=replicated_default(),
             memory_kind=memory_kind if memory_kind is not None else memory_kind_default(),
             axes=axes,

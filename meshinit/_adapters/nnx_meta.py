@@ -22,9 +22,9 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from .._errors import Problem
 from .._plan.plan import Plan, PlanEntry
-from .._run import materialize as _materialize
 from .._run.checks import Refused
 from .._spec import rules as _rules
+from .._spec.constructor import from_constructor
 from .._spec.spec import ParamSpec, key_spec, memory_kind_default, replicated_default
 from . import common as _adapters
 from .placement import Parsed, Placements, Replicas
@@ -215,7 +215,7 @@ def spec_for(
     meant = tuple(mesh.axis_names) if isinstance(var, nnx.RngState) or not shape else ()
     return ParamSpec(
         shape=shape,
-        init=_materialize.from_constructor,
+        init=from_constructor,
         # a Variable's own memory_kind= metadata, else the defaults() one
         memory_kind=meta.get("memory_kind", memory_kind_default()),
         axes=axes,
@@ -289,7 +289,7 @@ def placed_spec(
     try:
         return ParamSpec(
             shape=shape,
-            init=_materialize.from_constructor,
+            init=from_constructor,
             memory_kind=memory_kind,
             axes=axes,
             mesh=where,

@@ -2,7 +2,7 @@
 
 The host rules of :mod:`meshinit._engine.host_eval` evaluate equations with these. Each either
 gives XLA's bits or raises :class:`NotHost`, where numpy and XLA differ or XLA itself
-has no one answer (subnormals, NaN payloads); tests/test_host.py compares every rule
+has no one answer (subnormals, NaN payloads); tests/_engine/test_host_eval.py compares every rule
 with jax on hypothesis inputs and edge cases.
 """
 

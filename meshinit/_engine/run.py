@@ -30,6 +30,7 @@ to the whole-constructor program for just those variables, with a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, cast
@@ -46,9 +47,11 @@ from .._jax.jaxpr import Lit
 from .._plan.plan import MeshGroup, Plan, PlanEntry
 from .._run import checks as _checks
 from .._run import compile as _compile
-from .._run import materialize as _materialize
 from .._run import progress as _progress
 from .._run import strategies as _strategies
+from .._run.loop import run_plan
+from .._run.maker import Needs, Runner
+from .._run.place import place
 from . import host_eval as _host
 from . import trace as _trace
 from .trace import Traced
@@ -62,7 +65,7 @@ def _input_value(traced: Traced, n: int, sharding: NamedSharding | None) -> Any:
     const = traced.program.consts[n]
     if sharding is None:
         return np.asarray(const)
-    return _materialize.place(const, sharding)
+    return place(const, sharding)
 
 
 def _input_struct(traced: Traced, n: int, sharding: NamedSharding | None) -> Any:
@@ -150,6 +153,17 @@ class _Work:
     slices: tuple[_trace.Slice, ...]
     fallback: tuple[tuple[int, int], ...]  # (position, output index)
 
+    # Asked only after run_plan's checks: an abstract mesh has no platform.
+    @functools.cached_property
+    def on_cpu(self) -> bool:
+        mesh = cast(Mesh, self.group.mesh)  # run_plan refuses abstract meshes first
+        return bool(self.group.entries) and _compile.on_cpu(mesh)
+
+    @functools.cached_property
+    def buckets(self) -> list[tuple[int, ...]]:
+        """Indices into ``group.batches``, bucketed as the spec path's rounds do."""
+        return _strategies.bucket_batches(self.group, None) if self.group.entries else []
+
 
 def make_arrays(
     plan: Plan,
@@ -220,82 +234,89 @@ def make_arrays(
             tuple(fallback),
         )
     _progress.fell_back(what, fallen)
-    local = LRUCache(max(1, len(plan.groups)))  # the fallback programs: this call's only
+    maker = _Constructor(traced, works, LRUCache(max(1, len(plan.groups))))
+    return run_plan(plan, maker, given=given, what=what, progress=progress)
 
-    planned: dict[tuple[int, ...], _Rounds] = {}  # made on first use: after the checks
 
-    def rounds(group: MeshGroup) -> _Rounds:
-        if _ids(group) not in planned:
-            planned[_ids(group)] = _Rounds(traced, works[_ids(group)])
-        return planned[_ids(group)]
+class _Constructor:
+    """The engine's group maker (:class:`meshinit._run.maker.GroupMaker`).
 
-    def prepare(group: MeshGroup) -> _strategies.Runner:
-        work = works[_ids(group)]
-        runner = rounds(group).prepare()
-        fallback_exe = _fallback_exe(traced, group, work, local) if work.fallback else None
+    A group's host values and captured constants are placed; its slices are made in
+    the spec path's rounds: signatures (slice digest, shape, dtype, PartitionSpec)
+    with equally many entries share one executable, and call ``r`` makes the
+    ``r``-th entry of each; its fallback variables come from the whole-constructor
+    program, cached in ``local`` (this call's only).
+    """
+
+    def __init__(self, traced: Traced, works: dict[tuple[int, ...], _Work], local: LRUCache):
+        self.traced, self.works, self.local = traced, works, local
+
+    def builds(self, group: MeshGroup) -> list[tuple[Hashable, _compile.Build]]:
+        w = self.works[_ids(group)]
+        return [(self._key(w, b), self._build(w, b)) for b in w.buckets]
+
+    def work(self, group: MeshGroup) -> Needs:
+        w = self.works[_ids(group)]
+        needs = [(self._key(w, b), len(w.group.batches[b[0]])) for b in w.buckets]
+        return [*needs, (None, 1)] if w.fallback else needs
+
+    def prepare(self, group: MeshGroup) -> Runner:
+        w = self.works[_ids(group)]
+        exes = [_compile.compiled(key, w.group, build) for key, build in self.builds(group)]
+        fallback_exe = _fallback_exe(self.traced, group, w, self.local) if w.fallback else None
 
         def run() -> Iterator[tuple[int, jax.Array]]:
-            for pos, value in work.host:
-                yield pos, _materialize.place(value, group.entries[pos].sharding)
-            for pos, value in work.consts:
-                yield pos, _materialize.place(value, group.entries[pos].sharding)
-            for k, array in runner():
-                yield work.positions[k], array
+            for pos, value in w.host:
+                yield pos, place(value, group.entries[pos].sharding)
+            for pos, value in w.consts:
+                yield pos, place(value, group.entries[pos].sharding)
+            for k, array in self._sliced(w, exes):
+                yield w.positions[k], array
             if fallback_exe is not None:
-                for (pos, _), array in zip(work.fallback, fallback_exe(*traced.args), strict=True):
+                args = self.traced.args
+                for (pos, _), array in zip(w.fallback, fallback_exe(*args), strict=True):
                     yield pos, array
 
         return run
 
-    def work_of(group: MeshGroup) -> _strategies.Needs:
-        needs = rounds(group).work()
-        return [*needs, (None, 1)] if works[_ids(group)].fallback else needs
+    def _sliced(self, w: _Work, exes: list[Any]) -> Iterator[tuple[int, jax.Array]]:
+        """The sliced entries, as ``(position in w.group.entries, array)``."""
+        batches = w.group.batches
+        for bucket, exe in zip(w.buckets, exes, strict=True):
+            rounds = [[batches[i][r] for i in bucket] for r in range(len(batches[bucket[0]]))]
+            buffers = self._host_buffers(w, bucket, rounds)
+            for r, ks in enumerate(rounds):
+                args = [  # float host values; large captured constants, placed
+                    _input_value(self.traced, n, sh)  # one call at a time
+                    for k in ks
+                    for n, sh in self._inputs(w, k)
+                    if not _packed(self.traced, n)
+                ]
+                inputs = [*(b[r] for b in buffers), *args]
+                outs = _strategies.call(exe, inputs, w.group, ks)
+                yield from zip(ks, outs, strict=True)
 
-    return _materialize.run_plan(
-        plan,
-        prepare,
-        given=given,
-        what=what,
-        work=work_of,
-        builds=lambda group: rounds(group).builds(),
-        progress=progress,
-    )
-
-
-class _Rounds:
-    """The spec path's rounds over one group's sliced entries.
-
-    Signatures (slice digest, shape, dtype, PartitionSpec) with equally many entries
-    share one executable; call ``r`` makes the ``r``-th entry of each.
-    """
-
-    def __init__(self, traced: Traced, work: _Work):
-        self.traced, self.work_ = traced, work
-        self.group = work.group
-        mesh = cast(Mesh, self.group.mesh)  # materialize refuses abstract meshes first
-        self.on_cpu = bool(self.group.entries) and _compile.on_cpu(mesh)
-        self.buckets = _strategies.bucket_batches(self.group, None) if self.group.entries else []
-
-    def _entries(self, bucket: tuple[int, ...]) -> list[int]:
+    @staticmethod
+    def _entries(w: _Work, bucket: tuple[int, ...]) -> list[int]:
         """The first sliced entry of each signature of ``bucket``."""
-        return [self.group.batches[i][0] for i in bucket]
+        return [w.group.batches[i][0] for i in bucket]
 
-    def _shardings(self, k: int) -> list[NamedSharding | None]:
-        s, entry = self.work_.slices[k], self.group.entries[k]
+    def _shardings(self, w: _Work, k: int) -> list[NamedSharding | None]:
+        s, entry = w.slices[k], w.group.entries[k]
         return [_const_sharding(self.traced, n, entry) for n in s.inputs]
 
-    def _inputs(self, k: int) -> list[tuple[int, NamedSharding | None]]:
+    def _inputs(self, w: _Work, k: int) -> list[tuple[int, NamedSharding | None]]:
         """Each input of entry ``k``'s slice, with how it enters (:meth:`_shardings`)."""
-        return list(zip(self.work_.slices[k].inputs, self._shardings(k), strict=True))
+        return list(zip(w.slices[k].inputs, self._shardings(w, k), strict=True))
 
-    def _key(self, bucket: tuple[int, ...]) -> Hashable:
+    def _key(self, w: _Work, bucket: tuple[int, ...]) -> Hashable:
         signatures = []
-        for k in self._entries(bucket):
-            shardings = tuple(None if s is None else s.spec for s in self._shardings(k))
-            signatures.append((self.group.entries[k].signature, shardings))
-        return ("constructor", self.group.mesh, tuple(signatures), self.on_cpu)
+        for k in self._entries(w, bucket):
+            shardings = tuple(None if s is None else s.spec for s in self._shardings(w, k))
+            signatures.append((w.group.entries[k].signature, shardings))
+        return ("constructor", w.group.mesh, tuple(signatures), w.on_cpu)
 
-    def _layout(self, bucket: tuple[int, ...]) -> tuple[list[np.dtype], list[list[Any]]]:
+    def _layout(self, w: _Work, bucket: tuple[int, ...]) -> tuple[list[np.dtype], list[list[Any]]]:
         """How one call's inputs travel: integer host values (keys, counters, token ids)
         packed into one flat buffer per dtype (a launch with 7 signatures then takes 2
         arguments, not 40); float host values (example inputs, small captured
@@ -308,9 +329,9 @@ class _Rounds:
         """
         sizes: dict[np.dtype, int] = {}
         layout, args = [], 0
-        for k in self._entries(bucket):
+        for k in self._entries(w, bucket):
             items: list[Any] = []
-            for n in self.work_.slices[k].inputs:
+            for n in w.slices[k].inputs:
                 struct = _input_struct(self.traced, n, None)
                 if _packed(self.traced, n):
                     dtype = np.dtype(struct.dtype)
@@ -323,19 +344,19 @@ class _Rounds:
             layout.append(items)
         return sorted(sizes, key=str), layout
 
-    def _build(self, bucket: tuple[int, ...]) -> _compile.Build:
-        firsts = self._entries(bucket)
+    def _build(self, w: _Work, bucket: tuple[int, ...]) -> _compile.Build:
+        firsts = self._entries(w, bucket)
 
         def build():
-            dtypes, layout = self._layout(bucket)
+            dtypes, layout = self._layout(w, bucket)
             fns, structs = [], []
             totals = dict.fromkeys(dtypes, 0)
             for k, items in zip(firsts, layout, strict=True):
-                s = self.work_.slices[k]
-                straight = self.on_cpu and not s.has_control_flow
+                s = w.slices[k]
+                straight = w.on_cpu and not s.has_control_flow
                 impl = _threefry.STRAIGHT_LINE if straight else _threefry.SHARDING_INVARIANT_IMPL
-                fns.append(_evaluator(self.traced, s, impl, straight, self.group.mesh))
-                for item, n, sh in zip(items, s.inputs, self._shardings(k), strict=True):
+                fns.append(_evaluator(self.traced, s, impl, straight, w.group.mesh))
+                for item, n, sh in zip(items, s.inputs, self._shardings(w, k), strict=True):
                     if item[0] == "host":
                         totals[item[1]] = max(totals[item[1]], item[2] + math.prod(item[3]))
                     else:
@@ -354,53 +375,28 @@ class _Rounds:
                             flat = packed[dtype][start : start + math.prod(shape)]
                             # Replicated, as it arrived: else the partitioner may shard
                             # the buffer and move pieces between devices to cut it.
-                            ins.append(_replicated(flat.reshape(shape), self.group.mesh))
+                            ins.append(_replicated(flat.reshape(shape), w.group.mesh))
                         elif item[0] == "own":
-                            ins.append(_replicated(rest[item[1]], self.group.mesh))
+                            ins.append(_replicated(rest[item[1]], w.group.mesh))
                         else:
                             ins.append(rest[item[1]])
                     outs.append(fn(*ins))
                 return outs
 
-            return program, [self.group.entries[k].sharding for k in firsts], [*buffers, *structs]
+            return program, [w.group.entries[k].sharding for k in firsts], [*buffers, *structs]
 
         return build
 
-    def builds(self) -> list[tuple[Hashable, _compile.Build]]:
-        return [(self._key(b), self._build(b)) for b in self.buckets]
-
-    def work(self) -> _strategies.Needs:
-        return [(self._key(b), len(self.group.batches[b[0]])) for b in self.buckets]
-
-    def prepare(self) -> Callable[[], Iterator[tuple[int, jax.Array]]]:
-        exes = [_compile.compiled(key, self.group, build) for key, build in self.builds()]
-        batches = self.group.batches
-
-        def run() -> Iterator[tuple[int, jax.Array]]:
-            for bucket, exe in zip(self.buckets, exes, strict=True):
-                rounds = [[batches[i][r] for i in bucket] for r in range(len(batches[bucket[0]]))]
-                buffers = self._host_buffers(bucket, rounds)
-                for r, ks in enumerate(rounds):
-                    args = [  # float host values; large captured constants, placed
-                        _input_value(self.traced, n, sh)  # one call at a time
-                        for k in ks
-                        for n, sh in self._inputs(k)
-                        if not _packed(self.traced, n)
-                    ]
-                    inputs = [*(b[r] for b in buffers), *args]
-                    outs = _strategies.call(exe, inputs, self.group, ks)
-                    yield from zip(ks, outs, strict=True)
-
-        return run
-
-    def _host_buffers(self, bucket: tuple[int, ...], rounds: list[list[int]]) -> list[np.ndarray]:
+    def _host_buffers(
+        self, w: _Work, bucket: tuple[int, ...], rounds: list[list[int]]
+    ) -> list[np.ndarray]:
         """Every call's packed host inputs at once: per dtype of :meth:`_layout`, one
         row per call (a call's inputs all have the same layout)."""
-        dtypes, _ = self._layout(bucket)
+        dtypes, _ = self._layout(w, bucket)
         parts: dict[np.dtype, list[np.ndarray]] = {d: [] for d in dtypes}
         for ks in rounds:
             for k in ks:
-                for n in self.work_.slices[k].inputs:
+                for n in w.slices[k].inputs:
                     if _packed(self.traced, n):
                         value = _input_value(self.traced, n, None)
                         parts[np.dtype(value.dtype)].append(np.ravel(value))

@@ -355,7 +355,7 @@ def _install_quiet_origin_messages() -> None:
     getattr is flax's. So one wrapper, installed once, returns an empty origin message
     while :data:`_TRACING` is set in this context and defers to jax's own method
     everywhere else; no other code or thread sees a difference. Where jax has no such
-    method (another version), nothing is installed; ``tests/test_compat.py`` checks
+    method (another version), nothing is installed; ``tests/_jax/test_compat.py`` checks
     both the effect and that the message outside meshinit is jax's own.
     """
     global _quiet_installed

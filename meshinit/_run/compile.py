@@ -4,14 +4,18 @@ Every program is traced under an all-Auto twin of its group's mesh
 (:func:`auto_twin`), lowered with exact out_shardings and compiled with the mesh's
 compiler options of the call (:func:`meshinit.options`; by default, on CPU, those of
 meshinit's :data:`CPU_COMPILER_OPTIONS` that the installed jaxlib knows). Executables
-are cached process-wide (:data:`executables`, in the registry of
-:mod:`meshinit._caches`), and the ones not cached yet compile in parallel threads
-before anything is allocated (:func:`precompile`).
+(the spec path's, the constructor engine's, optax's state steps) are cached in one
+process-wide cache (:data:`executables`, in the registry of :mod:`meshinit._caches`,
+guarded by :data:`lock`), keyed with the settings that change a program
+(:func:`full_key`) and, for a traced function, what it computes (:func:`computation`);
+the ones not cached yet compile in parallel threads before anything is allocated
+(:func:`precompile`).
 """
 
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import os
 import re
 import threading
@@ -22,12 +26,14 @@ from typing import Any, cast
 
 import jax
 import jaxlib
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from .. import _caches
 from .._caches import LRUCache
 from .._format import describe_mesh, some
 from .._jax import compat as _compat
+from .._jax import jaxpr as _jaxpr
 from .._plan.plan import MeshGroup
 from . import options as _options
 from . import progress as _progress
@@ -46,8 +52,8 @@ def auto_twin(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
-executables = _caches.lru("compiled executables", 512)
-lock = threading.Lock()
+lock = threading.Lock()  # guards the executable cache: compiles run in threads
+executables = _caches.lru("compiled executables", 512, lock)
 
 
 def on_cpu(mesh: Mesh) -> bool:
@@ -161,6 +167,79 @@ def full_key(cache_key: Hashable) -> Hashable:
 def is_cached(cache_key: Hashable) -> bool:
     with lock:
         return full_key(cache_key) in executables
+
+
+def cached(cache_key: Hashable | None) -> Any:
+    """What the executable cache holds under ``cache_key`` (:func:`full_key`), or None;
+    always None for a key of None (a computation that cannot be told apart)."""
+    if cache_key is None:
+        return None
+    with lock:
+        return executables.get(full_key(cache_key))
+
+
+def store(cache_key: Hashable | None, value: Any) -> None:
+    """Keeps ``value`` (executables, and what calls them) in the executable cache under
+    ``cache_key`` (:func:`full_key`); a key of None keeps nothing."""
+    if cache_key is not None:
+        with lock:
+            executables.put(full_key(cache_key), value)
+
+
+def computation(closed: Any, state: Any) -> Hashable | None:
+    """What a traced function (optax's ``tx.init``) computes, structurally, as part of
+    an executable cache key; None if it cannot be told.
+
+    Per output leaf: the digest of the equations it is made by
+    (:func:`meshinit._jax.jaxpr.slice_fingerprint`: primitives, parameters, shapes, dtypes,
+    literals, never Python identity), and which inputs and constants (by their bytes)
+    they read; with the output's tree structure. Equal descriptions compute the same
+    outputs from the same inputs.
+    """
+    prog = _jaxpr.flatten(closed)
+    position = {n: i for i, n in enumerate(prog.inputs)}
+    memo: dict[Any, Any] = {}
+    leaves: list[tuple[str, tuple[Any, ...]]] = []
+    try:
+        for out in prog.outputs:
+            if isinstance(out, _jaxpr.Lit):
+                leaves.append((_jaxpr.slice_fingerprint(prog, [], [], out, memo), ()))
+                continue
+            nodes, reads = _slice(prog, out)
+            digest = _jaxpr.slice_fingerprint(prog, nodes, reads, out, memo)
+            operands = tuple(
+                ("param", position[n]) if n in position else ("const", _const(prog.consts[n]))
+                for n in reads
+            )
+            leaves.append((digest, operands))
+    except (_jaxpr.Unfingerprintable, TypeError, ValueError):
+        return None
+    return jax.tree_util.tree_structure(state), tuple(leaves)
+
+
+def _slice(prog: _jaxpr.Program, out: int) -> tuple[list[int], list[int]]:
+    """The equations ``out`` is made by, in order, and the values without a producer
+    (parameters, constants) that they read."""
+    nodes: set[int] = set()
+    reads: set[int] = set()
+    stack = [out]
+    while stack:
+        n = stack.pop()
+        i = prog.producer.get(n)
+        if i is None:
+            reads.add(n)
+        elif i not in nodes:
+            nodes.add(i)
+            stack.extend(x for x in prog.nodes[i].ins if not isinstance(x, _jaxpr.Lit))
+    return sorted(nodes), sorted(reads)
+
+
+def _const(value: Any) -> Hashable:
+    """A captured constant by its dtype, shape and bytes."""
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.extended):
+        raise TypeError("an extended-dtype constant (a key) has no bytes to compare")
+    a = np.asarray(value)
+    return str(a.dtype), a.shape, hashlib.blake2b(a.tobytes(), digest_size=16).digest()
 
 
 Build = Callable[[], tuple[Callable[..., Any], Any, Sequence[Any]]]  # program, outs, args

@@ -41,7 +41,7 @@ CPU_COMPILER_OPTIONS: Mapping[str, Any] = types.MappingProxyType(
 # names it. For each of meshinit's options that a supported jaxlib lacks: the first
 # jaxlib release without it. Checked by compiling with each option on jaxlib 0.10.2,
 # 0.11.0, 0.11.1, 0.11.2 and 0.12.0.1 (the MLIR fusion emitters are XLA's only CPU
-# emitters from 0.11.1 on); tests/test_compile_options.py checks the installed jaxlib
+# emitters from 0.11.1 on); tests/_run/test_compile.py checks the installed jaxlib
 # both ways, so a jaxlib that retires another one fails the tests, not users' compiles.
 CPU_OPTIONS_RETIRED_IN: Mapping[str, tuple[int, ...]] = types.MappingProxyType(
     {"xla_cpu_use_fusion_emitters": (0, 11, 1)}

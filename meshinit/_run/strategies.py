@@ -11,6 +11,8 @@ A strategy (:class:`Strategy`) has ``builds(group, impl)`` (the executables it w
 call, as cache keys and builders), ``work(group, impl)`` (each executable with how many
 calls it gets) and ``prepare(group, impl)`` (a runner that makes the group's arrays).
 Which one a call uses is data: :func:`meshinit.options`, read by :func:`chosen`.
+:class:`Specs` is the spec path's group maker (:mod:`meshinit._run.maker`): a strategy
+with one call's key.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .._jax import threefry as _threefry
 from .._plan.plan import MeshGroup
 from . import options as _options
 from .compile import Build, compiled, on_cpu
+from .maker import Needs, Runner
 
 KeyImpl = Any  # what jax.random.wrap_key_data takes as impl: a name or a PRNGSpec
 
@@ -55,8 +58,7 @@ def _make(spec: Any, key_data: Any, impl: KeyImpl) -> Any:
     return spec.init(jax.random.wrap_key_data(key_data, impl=impl), spec.shape, spec.dtype)
 
 
-Runner = Callable[..., Iterator[tuple[int, jax.Array]]]
-Needs = Sequence[tuple[Hashable | None, int]]  # None: compiled every time, never cached
+KeyRunner = Callable[[np.ndarray], Iterator[tuple[int, jax.Array]]]  # key data -> arrays
 
 
 @typing.runtime_checkable
@@ -77,10 +79,35 @@ class Strategy(Protocol):
         log line."""
         ...
 
-    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
+    def prepare(self, group: MeshGroup, impl: KeyImpl) -> KeyRunner:
         """Compiles (or fetches) what the group needs; the runner maps host inputs (the
         key data) to ``(position in group.entries, array)`` pairs."""
         ...
+
+
+class Specs:
+    """The spec path's group maker (:class:`meshinit._run.maker.GroupMaker`):
+    ``strategy``'s programs, called with one call's key data.
+
+    Each group's programs wrap the key data with :meth:`key_impl`.
+    """
+
+    def __init__(self, strategy: Strategy, key_data: np.ndarray, impl: str):
+        self.strategy, self.key_data, self.impl = strategy, key_data, impl
+
+    def key_impl(self, group: MeshGroup) -> KeyImpl:
+        """:func:`program_key_impl` of the call's key implementation."""
+        return program_key_impl(group, self.impl)
+
+    def builds(self, group: MeshGroup) -> list[tuple[Hashable, Build]]:
+        return self.strategy.builds(group, self.key_impl(group))
+
+    def work(self, group: MeshGroup) -> Needs:
+        return self.strategy.work(group, self.key_impl(group))
+
+    def prepare(self, group: MeshGroup) -> Runner:
+        run = self.strategy.prepare(group, self.key_impl(group))
+        return lambda: run(self.key_data)
 
 
 def call(exe: Any, args: Sequence[Any], group: MeshGroup, positions: Sequence[int]) -> Any:
@@ -137,7 +164,7 @@ class PerSignature(_Cached):
 
         return build
 
-    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
+    def prepare(self, group: MeshGroup, impl: KeyImpl) -> KeyRunner:
         exes = self.executables(group, impl)
 
         def run(key_data: np.ndarray) -> Iterator[tuple[int, jax.Array]]:
@@ -192,7 +219,7 @@ class Rounds(_Cached):
         # a bucket's executable is called once per parameter of each of its signatures
         return [(self._key(group, b, impl), len(group.batches[b[0]])) for b in self._buckets(group)]
 
-    def prepare(self, group: MeshGroup, impl: KeyImpl) -> Runner:
+    def prepare(self, group: MeshGroup, impl: KeyImpl) -> KeyRunner:
         buckets = self._buckets(group)
         exes = _executables_of(group, self._builds(group, buckets, impl))
         starts = np.cumsum([0, *(len(b) for b in group.batches)])

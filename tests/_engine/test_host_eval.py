@@ -905,6 +905,6 @@ def test_every_host_rule_is_compared_with_jax_in_this_file():
     covered = set().union(*COVERED.values())
     missing = sorted(rules - covered)
     assert not missing, (
-        f"host rules without a test in tests/test_host.py: {missing}; compare each with"
-        " jax in a test and name it in that test's @covers(...)"
+        f"host rules without a test in tests/_engine/test_host_eval.py: {missing}; compare "
+        "each with jax in a test and name it in that test's @covers(...)"
     )

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 import meshinit
 from meshinit._jax import threefry as _threefry
 from meshinit._run import compile as _compile
-from meshinit._run import materialize as _materialize
 from meshinit._run import strategies as _strategies
+from meshinit._run.loop import run_plan
 
 u32 = st.integers(0, 2**32 - 1)
 
@@ -122,13 +122,17 @@ def test_every_strategy_makes_the_values_of_jaxs_own_threefry(strategy):
     assert _strategies.program_key_impl(plan.groups[0], name) is _threefry.STRAIGHT_LINE
     s = _strategies.STRATEGIES[strategy]
 
-    def values(impl_of):
-        made = _materialize.run_plan(plan, lambda g: s.prepare(g, impl_of(g)), key_data)
+    class JaxsOwnImpl(_strategies.Specs):
+        def key_impl(self, group):
+            return self.impl  # jax's threefry, not meshinit's straight-line twin
+
+    def values(maker):
+        made = run_plan(plan, maker(s, key_data, name))
         flat, _ = jax.tree_util.tree_flatten_with_path(made)
         return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
 
-    ours = values(lambda g: _strategies.program_key_impl(g, name))
-    jaxs = values(lambda g: name)
+    ours = values(_strategies.Specs)
+    jaxs = values(JaxsOwnImpl)
     assert ours.keys() == jaxs.keys() and len(ours) == 3 * len(inits)
     for path, value in jaxs.items():
         np.testing.assert_array_equal(ours[path], value, err_msg=path)

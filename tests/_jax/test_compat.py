@@ -104,19 +104,6 @@ def test_open_and_consts_tells_closed_from_open_jaxprs_on_every_jax(closed):
         assert [np.asarray(c).tolist() for c in consts] == [[0.0, 1.0, 2.0]]
 
 
-def test_a_scan_inside_a_jitted_helper_fingerprints_without_recursion():
-    # jax 0.11 made ClosedJaxpr and Jaxpr one type, whose .jaxpr is itself: a walker
-    # that recursed through .jaxpr looped forever (RecursionError on every scan).
-    def f(k):
-        return jax.jit(lambda k: jax.lax.scan(lambda c, kk: (c, jax.random.normal(kk)), 0, k))(
-            jax.random.split(k, 3)
-        )[1]
-
-    prog = _jaxpr.flatten(jax.make_jaxpr(f)(jax.random.key(0)))
-    digest = _jaxpr.slice_fingerprint(prog, range(len(prog.nodes)), [0], prog.outputs[0], {})
-    assert isinstance(digest, str) and len(digest) == 32
-
-
 def test_value_config_changes_with_each_flag_that_changes_bits():
     before = _compat.value_config()
     old = jax.config.jax_threefry_partitionable

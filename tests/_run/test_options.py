@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import LAYERED_RULES, flat_values, layered_specs
 from jax.sharding import Mesh
 
 import meshinit
 from meshinit._engine import trace as _trace
+from meshinit._run import strategies as _strategies
 
 
 @pytest.mark.parametrize(
@@ -98,3 +100,35 @@ def test_values_and_placement_do_not_depend_on_the_host_bound():
                 f"host_eval_bytes={bound}: {path} differs from eager construction"
             )
         assert got[-1][1].get_value().sharding.spec == jax.sharding.PartitionSpec("a", "b")
+
+
+def test_the_strategy_is_chosen_per_block_and_nests(count_compiles):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    plan = meshinit.plan(layered_specs(mesh, 3, LAYERED_RULES))
+    base = flat_values(meshinit.materialize(plan, 4))
+    meshinit.clear_cache()
+    with meshinit.options(strategy="per_signature"):
+        assert _strategies.chosen() is _strategies.STRATEGIES["per_signature"]
+        with meshinit.options(compiler_options={}):  # the strategy stays
+            assert _strategies.chosen() is _strategies.STRATEGIES["per_signature"]
+        with count_compiles() as compiles:
+            got = flat_values(meshinit.materialize(plan, 4))
+    assert compiles.count == len({e.signature for e in plan.entries})  # one per signature
+    assert _strategies.chosen() is _strategies.STRATEGIES["rounds"]
+    for path, value in base.items():
+        assert np.array_equal(got[path], value), path
+
+
+def test_bad_options_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match="'rounds', 'per_signature'"):
+        with meshinit.options(strategy="fused_group"):
+            pass
+    with pytest.raises(TypeError, match="has no builds, work"):
+        with meshinit.options(strategy=object()):
+            pass
+    with pytest.raises(TypeError, match="compiler_options must be a mapping"):
+        with meshinit.options(compiler_options=[("a", 1)]):
+            pass
+    with pytest.raises(TypeError, match=r"'xla_x': \[1\]"):
+        with meshinit.options(compiler_options={"xla_x": [1]}):
+            pass
