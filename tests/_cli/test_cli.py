@@ -314,7 +314,7 @@ def test_plan_error_prints_its_problems_collapsed(capsys):
     ]
 
 
-def test_specs_without_a_mesh_get_a_hint_about_auto_abstract_mesh(capsys):
+def test_specs_without_a_mesh_get_a_hint_about_abstract_mesh(capsys):
     rc, _, err = plan_cli(capsys, bad("specs"))
     assert rc == 2
     lines = err.splitlines()

@@ -4,8 +4,10 @@ reports read beside it."""
 import json
 
 import jax
+from jax.sharding import AbstractMesh
 
 import meshinit
+from meshinit._plan.record import record
 
 ones = jax.nn.initializers.ones
 
@@ -51,3 +53,35 @@ def test_to_dict_describes_every_param_and_the_totals():
     assert totals["max_replicated_bytes"] == max(plan.replicated_bytes_per_device().values())
     assert json.loads(plan.to_json()) == d
     assert json.loads(plan.to_json(indent=None)) == d and "\n" not in plan.to_json(indent=None)
+
+
+def test_the_record_adds_what_the_views_show_and_to_dict_leaves_it_out():
+    m = AbstractMesh((2, 4), ("fsdp", "tensor"))
+    init = jax.nn.initializers.zeros
+    plan = meshinit.plan(
+        {
+            "w": meshinit.param(
+                (8, 8), init, axes=("embed", None), mesh=m, rules=(("embed", "fsdp"),)
+            ),
+            "b": meshinit.param((8,), init, mesh=m, memory_kind="pinned_host"),
+        }
+    )
+    public = plan.to_dict()
+    full = record(plan, source=lambda group: "spec")
+    b, w = full["params"]
+    assert w["has_rules"] and w["logical_names"] == ("embed", None)
+    assert not b["has_rules"] and b["logical_names"] is None
+    assert w["sharding"] == plan.entries[1].sharding
+    (mesh,) = full["meshes"]
+    assert mesh["mesh_from"] == "spec"
+    assert mesh["bytes_per_device"] == [plan.bytes_per_device()[(m, i)] for i in range(8)]
+    assert (
+        full["totals"]["max_device_memory_bytes"] == 128
+    )  # w: a 4x8 float32 block; b: on the host
+    # beside those, the record is the published dict, field for field
+    for extra in ("sharding", "has_rules", "logical_names"):
+        for p in full["params"]:
+            del p[extra]
+    del mesh["mesh_from"], mesh["bytes_per_device"], full["totals"]["max_device_memory_bytes"]
+    assert full == public
+    assert "bytes_per_device" not in json.dumps(public)
