@@ -5,7 +5,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 import meshinit
 
-RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"), ("norm", None))
+FACTORY_RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"), ("norm", None))
 lecun = jax.nn.initializers.lecun_normal()
 ones = jax.nn.initializers.ones
 
@@ -29,7 +29,7 @@ def layer() -> dict:
 
 def specs() -> dict:
     """Four layers and an embedding with no mesh: give one with --abstract-mesh."""
-    with meshinit.defaults(rules=RULES):
+    with meshinit.defaults(rules=FACTORY_RULES):
         return {
             "embed": meshinit.param((512, 64), lecun, axes=("vocab", "embed")),
             "layers": [layer() for _ in range(4)],
@@ -57,7 +57,7 @@ def stages() -> dict:
     out = {}
     for s in range(2):
         mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=devices[4 * s : 4 * s + 4])
-        with meshinit.defaults(mesh=mesh, rules=RULES):
+        with meshinit.defaults(mesh=mesh, rules=FACTORY_RULES):
             out[str(s)] = {"layers": {str(i): layer() for i in range(4 * s, 4 * s + 4)}}
     return out
 
@@ -71,7 +71,7 @@ def nnx_model():
 
     class Model(nnx.Module):
         def __init__(self):
-            with meshinit.defaults(rules=RULES):
+            with meshinit.defaults(rules=FACTORY_RULES):
                 self.blocks = nnx.List([Block() for _ in range(3)])
                 self.head = nnx.Param(meshinit.param((64, 512), lecun, axes=("embed", "vocab")))
 
@@ -139,7 +139,7 @@ def eqx_model():
         head: object
 
         def __init__(self):
-            with meshinit.defaults(rules=RULES):
+            with meshinit.defaults(rules=FACTORY_RULES):
                 self.layers = [layer() for _ in range(2)]
                 self.head = meshinit.param((64, 512), lecun, axes=("embed", "vocab"))
 
@@ -148,7 +148,7 @@ def eqx_model():
 
 def bad_axes() -> dict:
     """Every layer names a logical axis with no rule, and one shape does not divide."""
-    with meshinit.defaults(rules=RULES):
+    with meshinit.defaults(rules=FACTORY_RULES):
         return {
             "layers": [
                 {"up": meshinit.param((64, 256), lecun, axes=("embed", "mlpp"))} for _ in range(6)

@@ -287,3 +287,53 @@ def reference(spec, key, path):
     """The value contract's jitted reference for one parameter."""
     fn = jax.jit(lambda k: spec.init(k, spec.shape, spec.dtype))
     return np.asarray(fn(meshinit.param_key(key, path)))
+
+
+def run_python(*args, timeout=300):
+    """``python ARGS`` in a subprocess from the repository root, output captured."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=root
+    )
+
+
+def auto_abstract_mesh(sizes, names):
+    """An AbstractMesh with Auto axes, the mesh ``meshinit plan --abstract-mesh`` builds,
+    on every jax: AbstractMesh's own default is Auto on jax 0.10 and Explicit from 0.11."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    return AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def cli_factory_specs(name, mesh=None):
+    """What ``meshinit plan`` plans for ``tests/cli_factories.py:NAME`` under
+    ``--abstract-mesh fsdp=2,tensor=4`` (or ``mesh``)."""
+    import cli_factories
+
+    with meshinit.defaults(mesh=mesh or auto_abstract_mesh((2, 4), ("fsdp", "tensor"))):
+        return getattr(cli_factories, name)()
+
+
+def overlapping_mesh_specs():
+    """Three params on three concrete meshes over shared devices: a (2, 4) and a
+    (2, 2, 2) mesh over all 8, and a (2,) mesh over devices 6 and 7."""
+    devices = jax.devices()
+    ones = jax.nn.initializers.ones
+    return {
+        "a": meshinit.param(
+            (16, 32), ones, axes=("fsdp", "tensor"),
+            mesh=jax.make_mesh((2, 4), ("fsdp", "tensor"), devices=devices),
+        ),
+        "b": meshinit.param(
+            (8, 8, 8), ones, axes=("data", None, None),
+            mesh=jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), devices=devices),
+        ),
+        "c": meshinit.param(
+            (64,), ones, axes=("tensor",),
+            mesh=jax.make_mesh((2,), ("tensor",), devices=devices[6:]),
+        ),
+    }  # fmt: skip

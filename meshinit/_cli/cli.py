@@ -311,7 +311,8 @@ def plan_command(args: argparse.Namespace) -> int:
 
     import meshinit
 
-    from .._report import records as _records
+    from .._plan import record as _record
+    from .._report import json_text as _json_text
     from .._report import report as _report
 
     mesh = None
@@ -381,16 +382,14 @@ def plan_command(args: argparse.Namespace) -> int:
 
     sources = source if mesh is not None else None
     if args.json:
-        print(_records.to_json(plan, source=sources))
+        print(_json_text.to_json(_record.to_dict(plan, source=sources)))
     elif args.compact:
-        print(_report.compact(plan, sources))
+        print(_report.compact(_record.record(plan, sources)))
     else:
-        print(_report.table(plan, sources))
+        print(_report.table(_record.record(plan, sources)))
     if args.png:
-        from .._report.plot import heatmap
-
         try:
-            heatmap(plan).savefig(args.png)
+            plan.heatmap().savefig(args.png)
         except OSError as e:
             raise _BadInput(f"cannot write {args.png}: {e.strerror or e}") from None
         print(f"meshinit plan: wrote {args.png}", file=sys.stderr)

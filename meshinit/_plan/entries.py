@@ -127,12 +127,16 @@ class PlanEntry(_renamed.EntryRenames):
         Axes the spec marks as replicated on purpose (``param(replicated=...)``) are
         left out.
         """
-        meant = self.spec.replicated
-        return tuple(
-            a
-            for a, dims in _rules.shard_options(self.spec.shape, self.sharding.spec, self.mesh)
-            if dims and a not in meant
-        )
+        options = _rules.shard_options(self.spec.shape, self.sharding.spec, self.mesh)
+        return shardable(options, self.spec.replicated)
+
+
+def shardable(
+    options: tuple[tuple[str, tuple[int, ...]], ...], meant: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The axes of ``_spec.rules.shard_options`` that could shard a parameter, those its
+    spec replicates on purpose (``meant``) left out: :attr:`PlanEntry.shardable_axes`."""
+    return tuple(a for a, dims in options if dims and a not in meant)
 
 
 @dataclasses.dataclass(frozen=True)

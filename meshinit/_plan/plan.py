@@ -2,8 +2,9 @@
 :class:`~meshinit._plan.entries.PlanEntry` s (re-exported here).
 
 Every spec resolved to its exact ``NamedSharding``, grouped by mesh, with the byte
-accounting the reports and the checks read. :mod:`meshinit._plan.planner` builds it; it is
-pure and cheap, allocates nothing and works on ``AbstractMesh``.
+accounting the checks read. :mod:`meshinit._plan.planner` builds it; it is pure and
+cheap, allocates nothing and works on ``AbstractMesh``. Its tables, JSON and heatmaps
+are :mod:`meshinit._report`'s renderings of its record (:mod:`.record`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 
 import jax
 
+from .._report import json_text as _json_text
 from .._report import plot as _plot
-from .._report import records as _records
 from .._report import report as _report
+from . import record as _record
 from . import renamed as _renamed
 from .entries import MeshGroup, PlanEntry
 
@@ -146,7 +148,7 @@ class Plan(_renamed.PlanRenames):
           <BLANKLINE>
           total: 1 param, 256 B, 1 mesh, most on one device 32 B
         """
-        return _report.summary(self)
+        return _report.summary(_record.record(self))
 
     def compact(self) -> str:
         """The table with repeated layers collapsed into one row each.
@@ -175,7 +177,7 @@ class Plan(_renamed.PlanRenames):
           <BLANKLINE>
           total: 32 params, 32.0 MiB, 1 mesh, most on one device 4.0 MiB
         """
-        return _report.compact(self)
+        return _report.compact(_record.record(self))
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain data, ready for ``json.dumps``.
@@ -221,7 +223,7 @@ class Plan(_renamed.PlanRenames):
           >>> d["params"][0]["partition_spec"], d["totals"]["max_device_bytes"]
           (['fsdp', 'tensor'], 4194304)
         """
-        return _records.to_dict(self)
+        return _record.to_dict(self)
 
     def to_json(self, indent: int | None = 2) -> str:
         """:meth:`to_dict` as a JSON string.
@@ -237,7 +239,7 @@ class Plan(_renamed.PlanRenames):
           >>> pathlib.Path("plan.json").write_text(meshinit.plan(specs).to_json())
           1854
         """
-        return _records.to_json(self, indent)
+        return _json_text.to_json(_record.to_dict(self), indent)
 
     def heatmap(self) -> Any:
         """Draws each mesh's per-device bytes as a heatmap over the mesh grid.
@@ -259,11 +261,11 @@ class Plan(_renamed.PlanRenames):
         Examples:
           >>> meshinit.plan(specs).heatmap().savefig("plan.png", dpi=120)
         """
-        return _plot.heatmap(self)
+        return _plot.heatmap(_record.record(self))
 
     def _repr_html_(self) -> str:
         """The table as HTML, for notebooks: one table per mesh, then the totals."""
-        return _report.html(self)
+        return _report.html(_record.record(self))
 
     def abstract(self) -> Any:
         """The tree with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` for each spec.
@@ -307,4 +309,4 @@ class Plan(_renamed.PlanRenames):
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def __str__(self) -> str:
-        return _report.table(self)
+        return _report.table(_record.record(self))

@@ -1,4 +1,5 @@
-"""Pictures of a plan: per-device bytes as a heatmap over each mesh's grid.
+"""Pictures of a plan: per-device bytes as a heatmap over each mesh's grid, drawn from
+the plan's record (``meshinit._plan.record.record``).
 
 matplotlib is optional (``pip install 'meshinit[plot]'``) and imported only here, only
 when a picture is asked for. Figures are built without pyplot, so they draw headless
@@ -7,14 +8,11 @@ and never touch the global backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from .._format import describe_mesh, human_bytes
-
-if TYPE_CHECKING:
-    from .._plan.plan import Plan
+from .._format import human_bytes
 
 MISSING = "drawing a plan needs matplotlib: pip install 'meshinit[plot]'"
 _ANNOTATE_UP_TO = 64  # cells; beyond that the numbers would not fit
@@ -46,39 +44,34 @@ def _byte_ticks(top: float, locator: Any) -> list[float]:
     return [float(t) for t in ticks if 0 <= t <= top]
 
 
-def heatmap(plan: Plan) -> Any:
-    """See ``Plan.heatmap``."""
+def heatmap(record: dict[str, Any]) -> Any:
+    """See ``Plan.heatmap``; ``record`` is the plan's record."""
     require_matplotlib()
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    if not plan.groups:
+    meshes = record["meshes"]
+    if not meshes:
         raise ValueError("the plan has no parameters: there is nothing to draw")
-    per_device = plan.bytes_per_device()
-    n = len(plan.groups)
+    n = len(meshes)
     fig = Figure(figsize=(9, 0.6 + 3.0 * n), layout="constrained")
     axes = fig.subplots(n, 1, squeeze=False)[:, 0]
     fmt = FuncFormatter(lambda x, _: human_bytes(int(round(x))))
     # One colour scale for every panel: the same colour is the same bytes on any mesh.
-    top = max(max(per_device.values(), default=0), 1.0)
-    for i, (group, ax) in enumerate(zip(plan.groups, axes, strict=True)):
-        mesh = group.mesh
-        if group.is_abstract:
-            keys: list[Any] = [(mesh, k) for k in range(mesh.size)]
-        else:
-            keys = list(mesh.devices.flat)
+    top = max(max((b for m in meshes for b in m["bytes_per_device"]), default=0), 1.0)
+    for i, (mesh, ax) in enumerate(zip(meshes, axes, strict=True)):
         # a plain ndarray: numpy 2.5's float64 overloads of max() fail mypy for Python 3.11
-        values: np.ndarray = np.array([per_device[k] for k in keys], dtype=np.float64)
-        grid, rows, cols, note = _grid(values, tuple(mesh.axis_names), tuple(mesh.axis_sizes))
+        values: np.ndarray = np.array(mesh["bytes_per_device"], dtype=np.float64)
+        grid, rows, cols, note = _grid(values, tuple(mesh["axis_names"]), tuple(mesh["axis_sizes"]))
         image = ax.imshow(
             grid, cmap="viridis", vmin=0, vmax=top, aspect="auto", interpolation="nearest"
         )
-        k = len(group.entries)
+        k, device_bytes = mesh["params"], mesh["device_bytes"]
         title = [
-            f"mesh {i}: {describe_mesh(mesh)}",
-            f"its {k} param{'s' if k != 1 else ''}: {human_bytes(group.device_bytes)} per device",
+            f"mesh {i}: {mesh['description']}",
+            f"its {k} param{'s' if k != 1 else ''}: {human_bytes(device_bytes)} per device",
         ]
-        if values.max() > group.device_bytes:
+        if values.max() > device_bytes:
             title[1] += f"; with other meshes' params: up to {human_bytes(int(values.max()))}"
         if note:
             title.append(note)
@@ -92,7 +85,7 @@ def heatmap(plan: Plan) -> Any:
         if not rows:
             ax.set_yticks([])
         if grid.size <= _ANNOTATE_UP_TO:
-            ids = None if group.is_abstract else np.asarray(mesh.device_ids).reshape(grid.shape)
+            ids = None if mesh["abstract"] else np.asarray(mesh["device_ids"]).reshape(grid.shape)
             for (r, c), v in np.ndenumerate(grid):
                 text = human_bytes(int(v))
                 if ids is not None:

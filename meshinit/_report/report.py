@@ -1,20 +1,21 @@
-"""Human-readable plan tables."""
+"""Human-readable plan tables, drawn from the plan's record.
+
+Every function here renders the record of ``meshinit._plan.record.record``: the
+``meshinit.plan/1`` dict with what the views show beyond it. A mesh is its record, a
+parameter its record (``record["params"][i]``); no ``Plan`` is ever read here.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._errors import printable
-from .._format import axes_text, describe_mesh, human_bytes, some
+from .._format import axes_text, human_bytes, some
 
-if TYPE_CHECKING:
-    from .._plan.plan import MeshGroup, Plan, PlanEntry
-    from .._spec.spec import ParamSpec
-
-MeshSource = Callable[["MeshGroup"], str]
-"""Says where a group's mesh came from, e.g. ``"--abstract-mesh"`` or ``"spec"``."""
+Record = dict[str, Any]
+"""A plan's, a mesh's or a parameter's record."""
 
 
 def _fmt_mesh_axes(spec, mesh_shape) -> str:
@@ -43,110 +44,129 @@ def _path_list(head: str, paths: Sequence[str], limit: int = 3, width: int = 100
     return head + some(paths, n)
 
 
-def group_summary(
-    group: MeshGroup, paths: Callable[[Sequence[PlanEntry]], list[str]] | None = None
-) -> list[str]:
-    """A group's totals: params, bytes in all and per device, and replicated bytes.
+def per_mesh(record: Record) -> list[list[Record]]:
+    """The records of each mesh's parameters, in the plan's order, one list per mesh."""
+    params: list[list[Record]] = [[] for _ in record["meshes"]]
+    for p in record["params"]:
+        params[p["mesh"]].append(p)
+    return params
 
-    ``paths`` names the flagged entries (default: their full paths).
+
+def _flagged(params: Sequence[Record]) -> list[Record]:
+    """The parameters replicated across a mesh axis that could shard them."""
+    return [p for p in params if p["shardable_axes"]]
+
+
+def group_summary(
+    mesh: Record,
+    params: Sequence[Record],
+    paths: Callable[[Sequence[Record]], list[str]] | None = None,
+) -> list[str]:
+    """A mesh's totals: params, bytes in all and per device, and replicated bytes.
+
+    ``params`` are the mesh's parameters; ``paths`` names the flagged ones (default:
+    their full paths).
     """
-    n = len(group.entries)
+    n = mesh["params"]
     lines = [
-        f"  {n} param{'s' if n != 1 else ''}, {human_bytes(group.nbytes)} in all, "
-        f"{human_bytes(group.device_bytes)} per device"
+        f"  {n} param{'s' if n != 1 else ''}, {human_bytes(mesh['nbytes'])} in all, "
+        f"{human_bytes(mesh['device_bytes'])} per device"
     ]
-    if _has_memory_kinds(group):
-        kinds = group.bytes_per_memory_kind.items()
+    if _has_memory_kinds(params):
+        kinds = mesh["device_bytes_per_memory_kind"].items()
         per_kind = ", ".join(f"{human_bytes(b)} in {k}" for k, b in kinds)
         lines.append(f"  per device by memory kind: {per_kind}")
-    flagged = group.shardable_entries
+    flagged = _flagged(params)
     if not flagged:
         return lines
     k = len(flagged)
     lines.append(
         f"  ! {k} param{'s' if k != 1 else ''} replicated across an axis that could shard "
-        f"{'them' if k != 1 else 'it'}: {human_bytes(group.replicated_bytes)} per device"
+        f"{'them' if k != 1 else 'it'}: {human_bytes(mesh['replicated_bytes'])} per device"
     )
-    for axis, size in group.mesh.shape.items():
-        entries = [e for e in flagged if axis in e.shardable_axes]
-        if entries:
-            per_device = human_bytes(sum(e.device_bytes for e in entries))
-            head = f"    {axis}={size} could shard {len(entries)} ({per_device} per device): "
-            named = paths(entries) if paths else [e.path or "<root>" for e in entries]
+    for axis, size in zip(mesh["axis_names"], mesh["axis_sizes"], strict=True):
+        chosen = [p for p in flagged if axis in p["shardable_axes"]]
+        if chosen:
+            per_device = human_bytes(sum(p["device_bytes"] for p in chosen))
+            head = f"    {axis}={size} could shard {len(chosen)} ({per_device} per device): "
+            named = paths(chosen) if paths else [p["path"] or "<root>" for p in chosen]
             lines.append(_path_list(head, [printable(p) for p in named]))
     return lines
 
 
-def _has_memory_kinds(group: MeshGroup) -> bool:
-    """Whether a spec of the group asked for a memory kind other than device memory:
+def _has_memory_kinds(params: Sequence[Record]) -> bool:
+    """Whether a spec of the mesh asked for a memory kind other than device memory:
     then the tables get a ``memory`` column and the totals a line per kind."""
-    return any(e.memory_kind != "device" for e in group.entries)
+    return any(p["memory_kind"] != "device" for p in params)
 
 
-def _mesh_line(index: int, group: MeshGroup, source: MeshSource | None) -> str:
-    """The group's heading, with where its mesh came from if ``source`` says."""
-    line = f"mesh {index}: {describe_mesh(group.mesh)}"
-    return f"{line}  (mesh from {source(group)})" if source else line
+def _mesh_line(mesh: Record) -> str:
+    """The mesh's heading, with where it came from if the record says."""
+    line = f"mesh {mesh['index']}: {mesh['description']}"
+    return f"{line}  (mesh from {mesh['mesh_from']})" if "mesh_from" in mesh else line
 
 
-def _logical(spec: ParamSpec, *, tight: bool) -> str:
-    """The logical axes of a spec: its own (with rules), or the names a framework's
-    metadata gave before its rules made them mesh axes (flax nnx), else ``-``."""
-    if spec.rules is not None:
-        return axes_text(spec.axes, tight=tight)
-    named = spec.metadata.get("logical")
+def _logical(p: Record, *, tight: bool) -> str:
+    """The logical axes of a parameter: its spec's own (with rules), or the names a
+    framework's metadata gave before its rules made them mesh axes (flax nnx), else
+    ``-``."""
+    named = p["logical_names"]
+    if p["has_rules"]:
+        return axes_text(named, tight=tight)
     return "-" if named is None else axes_text(named, tight=tight)
 
 
-def _row(e: PlanEntry, mesh) -> list[str]:
+def _row(p: Record, mesh: Record) -> list[str]:
     """One parameter's cells: path, shape, dtype, logical axes, mesh axes, spec, bytes."""
-    s = e.spec
+    spec = p["sharding"].spec
     return [
-        printable(e.path) or "<root>",
-        str(s.shape),
-        s.dtype.name,
-        _logical(s, tight=False),
-        _fmt_mesh_axes(e.sharding.spec, mesh.shape),
-        str(e.sharding.spec).removeprefix("PartitionSpec"),
-        human_bytes(e.device_bytes),
+        printable(p["path"]) or "<root>",
+        str(tuple(p["shape"])),
+        p["dtype"],
+        _logical(p, tight=False),
+        _fmt_mesh_axes(spec, dict(zip(mesh["axis_names"], mesh["axis_sizes"], strict=True))),
+        str(spec).removeprefix("PartitionSpec"),
+        human_bytes(p["device_bytes"]),
     ]
 
 
-def group_table(index: int, group: MeshGroup, source: MeshSource | None = None) -> list[str]:
+def group_table(mesh: Record, params: Sequence[Record]) -> list[str]:
+    """One mesh's block of :func:`table`: heading, a row per parameter, totals."""
     head = ["path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device"]
-    kinds = _has_memory_kinds(group)
+    kinds = _has_memory_kinds(params)
     if kinds:
         head.insert(6, "memory")
-    flagged = {id(e) for e in group.shardable_entries}
+    flagged = bool(_flagged(params))
     if flagged:
         head.append("")
     rows = [head]
-    for e in group.entries:
-        row = _row(e, group.mesh)
+    for p in params:
+        row = _row(p, mesh)
         if kinds:
-            row.insert(6, e.memory_kind)
+            row.insert(6, p["memory_kind"])
         if flagged:
-            row.append("!" if id(e) in flagged else "")
+            row.append("!" if p["shardable_axes"] else "")
         rows.append(row)
     return [
-        _mesh_line(index, group, source),
+        _mesh_line(mesh),
         *_columns(rows, right={7 if kinds else 6}),
-        *group_summary(group),
+        *group_summary(mesh, params),
     ]
 
 
-def _totals(plan: Plan) -> list[str]:
-    n, k = len(plan.entries), len(plan.groups)
+def _totals(record: Record) -> list[str]:
+    totals = record["totals"]
+    n, k = totals["params"], totals["meshes"]
     lines = [
-        f"total: {n} param{'s' if n != 1 else ''}, {human_bytes(plan.nbytes)}, "
+        f"total: {n} param{'s' if n != 1 else ''}, {human_bytes(totals['nbytes'])}, "
         f"{k} mesh{'es' if k != 1 else ''}, most on one device "
-        f"{human_bytes(plan.max_device_bytes)}"
+        f"{human_bytes(totals['max_device_bytes'])}"
     ]
-    if any(_has_memory_kinds(g) for g in plan.groups):
-        in_device = max(plan.bytes_per_device(memory_kind="device").values(), default=0)
+    if _has_memory_kinds(record["params"]):
+        in_device = totals["max_device_memory_bytes"]
         lines[0] += f" (in device memory: {human_bytes(in_device)})"
     if k > 1:
-        replicated = max(plan.replicated_bytes_per_device().values(), default=0)
+        replicated = totals["max_replicated_bytes"]
         if replicated:
             lines.append(
                 f"! replicated across an axis that could shard them: up to "
@@ -155,25 +175,26 @@ def _totals(plan: Plan) -> list[str]:
     return lines
 
 
-def table(plan: Plan, source: MeshSource | None = None) -> str:
+def table(record: Record) -> str:
     """The plan as a table: one block per mesh, every full path, totals per mesh.
 
     A ``!`` marks a parameter replicated across a mesh axis that could shard it; the
     block's footer names the axes, the bytes per device, and the first such paths.
-    ``source``, if given, says in each mesh's heading where the mesh came from.
+    A mesh whose record has ``mesh_from`` says in its heading where it came from.
     """
     lines: list[str] = []
-    for i, g in enumerate(plan.groups):
-        lines += group_table(i, g, source) + [""]
-    return "\n".join(lines + _totals(plan))
+    for mesh, params in zip(record["meshes"], per_mesh(record), strict=True):
+        lines += group_table(mesh, params) + [""]
+    return "\n".join(lines + _totals(record))
 
 
-def summary(plan: Plan) -> str:
+def summary(record: Record) -> str:
     """:func:`table` without the per-parameter rows: each mesh's totals, then the plan's."""
     lines: list[str] = []
-    for i, g in enumerate(plan.groups):
-        lines += [f"mesh {i}: {describe_mesh(g.mesh)}", *group_summary(g), ""]
-    return "\n".join(lines + _totals(plan))
+    for mesh, params in zip(record["meshes"], per_mesh(record), strict=True):
+        heading = f"mesh {mesh['index']}: {mesh['description']}"
+        lines += [heading, *group_summary(mesh, params), ""]
+    return "\n".join(lines + _totals(record))
 
 
 # Compact view: repeated layers collapsed into one row.
@@ -251,29 +272,28 @@ def collapse_paths(paths: Sequence[str], keys: Sequence[Any]) -> list[tuple[str,
     return rows
 
 
-def collapse(entries: Sequence[PlanEntry]) -> list[tuple[str, list[PlanEntry]]]:
-    """Entries whose paths differ only in integer components, as one row each.
+def collapse(params: Sequence[Record]) -> list[tuple[str, list[Record]]]:
+    """Parameters whose paths differ only in integer components, as one row each.
 
-    Entries collapse when they also share shape, dtype, logical axes and sharding.
-    Returns ``("layers.{0..125}.mlp.up", entries)`` pairs in the
-    order of each row's first entry.
+    Parameters collapse when they also share shape, dtype, logical axes and sharding.
+    Returns ``("layers.{0..125}.mlp.up", params)`` pairs in the
+    order of each row's first parameter.
     """
     keys = [
         (
-            e.spec.shape,
-            e.spec.dtype,
-            e.spec.axes if e.spec.rules is not None else "-",
-            e.sharding,
+            tuple(p["shape"]),
+            p["dtype"],
+            p["logical_names"] if p["has_rules"] else "-",
+            p["sharding"],
         )
-        for e in entries
+        for p in params
     ]
-    rows = collapse_paths([e.path for e in entries], keys)
-    return [(path, [entries[k] for k in positions]) for path, positions in rows]
+    rows = collapse_paths([p["path"] for p in params], keys)
+    return [(path, [params[k] for k in positions]) for path, positions in rows]
 
 
-def _short_dtype(dtype) -> str:
+def _short_dtype(name: str) -> str:
     """``bfloat16`` -> ``bf16``, ``float32`` -> ``f32``: jax's names in array types."""
-    name = dtype.name
     for long, short in (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i")):
         if name.startswith(long):
             return short + name[len(long) :]
@@ -283,53 +303,52 @@ def _short_dtype(dtype) -> str:
 COMPACT_HEADER = "a row stands for the n parameters its path pattern names; per device sums all n"
 
 
-def group_compact(index: int, group: MeshGroup, source: MeshSource | None = None) -> list[str]:
+def group_compact(mesh: Record, params: Sequence[Record]) -> list[str]:
     """:func:`group_table` with the rows of :func:`collapse`.
 
     ``n`` counts a row's parameters; ``per device`` is the bytes all ``n`` take on each
-    device, so the column sums to the group's per-device total.
+    device, so the column sums to the mesh's per-device total.
     """
-    flagged = {id(e) for e in group.shardable_entries}
-    kinds = _has_memory_kinds(group)
+    flagged = bool(_flagged(params))
+    kinds = _has_memory_kinds(params)
     head = ["path", "n", "array", "logical", "PartitionSpec", "per device"]
     if kinds:
         head.insert(5, "memory")
     if flagged:
         head.append("")
     rows = [head]
-    for path, es in collapse(group.entries):
-        e, s = es[0], es[0].spec
-        logical = _logical(s, tight=True)
+    for path, ps in collapse(params):
+        p = ps[0]
         row = [
             printable(path),
-            str(len(es)),
-            f"{_short_dtype(s.dtype)}[{','.join(map(str, s.shape))}]",
-            logical,
-            axes_text(e.sharding.spec, tight=True),
-            human_bytes(e.device_bytes * len(es)),
+            str(len(ps)),
+            f"{_short_dtype(p['dtype'])}[{','.join(map(str, p['shape']))}]",
+            _logical(p, tight=True),
+            axes_text(p["sharding"].spec, tight=True),
+            human_bytes(p["device_bytes"] * len(ps)),
         ]
         if kinds:
-            row.insert(5, e.memory_kind)
+            row.insert(5, p["memory_kind"])
         if flagged:
-            row.append("!" if id(e) in flagged else "")
+            row.append("!" if p["shardable_axes"] else "")
         rows.append(row)
     return [
-        _mesh_line(index, group, source),
+        _mesh_line(mesh),
         *_columns(rows, right={1, 6 if kinds else 5}),
-        *group_summary(group, lambda es: [p for p, _ in collapse(es)]),
+        *group_summary(mesh, params, lambda ps: [path for path, _ in collapse(ps)]),
     ]
 
 
-def compact(plan: Plan, source: MeshSource | None = None) -> str:
+def compact(record: Record) -> str:
     """:func:`table` with repeated layers collapsed (see :func:`collapse`), under a
     header line that says what a collapsed row's ``n`` and ``per device`` mean."""
-    lines: list[str] = [COMPACT_HEADER, ""] if plan.groups else []
-    for i, g in enumerate(plan.groups):
-        lines += group_compact(i, g, source) + [""]
-    return "\n".join(lines + _totals(plan))
+    lines: list[str] = [COMPACT_HEADER, ""] if record["meshes"] else []
+    for mesh, params in zip(record["meshes"], per_mesh(record), strict=True):
+        lines += group_compact(mesh, params) + [""]
+    return "\n".join(lines + _totals(record))
 
 
-def html(plan: Plan) -> str:
+def html(record: Record) -> str:
     """The plan as HTML for notebooks: one table per mesh group, then the totals.
 
     Every cell is escaped. A group with more than 64 rows starts folded.
@@ -346,21 +365,20 @@ def html(plan: Plan) -> str:
 
     head = ["path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device"]
     out = ['<div class="meshinit-plan">']
-    for i, g in enumerate(plan.groups):
-        summary = group_summary(g)
+    for mesh, params in zip(record["meshes"], per_mesh(record), strict=True):
+        summary = group_summary(mesh, params)
         out.append(
-            f"<details{' open' if len(g.entries) <= 64 else ''}><summary><b>mesh {i}</b>: "
-            f"{html_.escape(describe_mesh(g.mesh))}: {html_.escape(summary[0].strip())}"
-            "</summary>"
+            f"<details{' open' if len(params) <= 64 else ''}><summary>"
+            f"<b>mesh {mesh['index']}</b>: {html_.escape(mesh['description'])}: "
+            f"{html_.escape(summary[0].strip())}</summary>"
         )
-        flagged = {id(e) for e in g.shardable_entries}
         out.append(f"<table><thead><tr>{cells('th', [*head, ''], {6})}</tr></thead><tbody>")
-        for e in g.entries:
-            row = [*_row(e, g.mesh), "!" if id(e) in flagged else ""]
+        for p in params:
+            row = [*_row(p, mesh), "!" if p["shardable_axes"] else ""]
             out.append(f"<tr>{cells('td', row, {6})}</tr>")
         out.append("</tbody></table>")
         out += [f"<p>{html_.escape(line.strip())}</p>" for line in summary[1:]]
         out.append("</details>")
-    out += [f"<p><b>{html_.escape(line)}</b></p>" for line in _totals(plan)]
+    out += [f"<p><b>{html_.escape(line)}</b></p>" for line in _totals(record)]
     out.append("</div>")
     return "\n".join(out)

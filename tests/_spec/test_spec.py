@@ -11,7 +11,7 @@ import meshinit
 
 zeros = jax.nn.initializers.zeros
 MESH = AbstractMesh((2, 4), ("fsdp", "tensor"))
-RULES = (("embed", "fsdp"), ("mlp", "tensor"))
+EMBED_MLP_RULES = (("embed", "fsdp"), ("mlp", "tensor"))
 
 
 def test_param_fills_fields_and_defaults_dtype_to_float32():
@@ -70,7 +70,7 @@ def test_string_axes_raise_at_once_with_the_fix():
 
 def test_defaults_fill_only_what_param_was_not_given_and_nest():
     other = AbstractMesh((8,), ("x",))
-    with meshinit.defaults(mesh=MESH, rules=RULES, dtype=jnp.bfloat16):
+    with meshinit.defaults(mesh=MESH, rules=EMBED_MLP_RULES, dtype=jnp.bfloat16):
         a = meshinit.param((4, 8), zeros, axes=("embed", "mlp"))
         b = meshinit.param((8,), zeros, mesh=other, dtype=jnp.float32, rules=(("m", "x"),))
         with meshinit.defaults(dtype=jnp.int8):
@@ -79,9 +79,9 @@ def test_defaults_fill_only_what_param_was_not_given_and_nest():
             d = meshinit.param((4,), zeros, axes=("fsdp",))
         e = meshinit.param((4,), zeros, axes=("fsdp",), rules=meshinit.MESH_AXES)
     after = meshinit.param((4,), zeros)
-    assert (a.mesh, a.rules, a.dtype) == (MESH, RULES, jnp.bfloat16)
+    assert (a.mesh, a.rules, a.dtype) == (MESH, EMBED_MLP_RULES, jnp.bfloat16)
     assert (b.mesh, b.rules, b.dtype) == (other, (("m", "x"),), jnp.float32)
-    assert (c.mesh, c.rules, c.dtype) == (MESH, RULES, jnp.int8)
+    assert (c.mesh, c.rules, c.dtype) == (MESH, EMBED_MLP_RULES, jnp.int8)
     assert (d.mesh, d.rules, d.dtype) == (MESH, None, jnp.bfloat16)
     assert e.rules is None
     assert (after.mesh, after.rules, after.dtype) == (None, None, np.float32)
@@ -130,7 +130,7 @@ def test_stacked_prepends_the_axis_and_keeps_the_rest():
         jax.nn.initializers.lecun_normal(),
         axes=("embed", "mlp"),
         mesh=MESH,
-        rules=RULES + (("layers", None),),
+        rules=EMBED_MLP_RULES + (("layers", None),),
         dtype=jnp.bfloat16,
         note="x",
     )
@@ -169,3 +169,14 @@ def test_stacked_slices_follow_the_value_formula_with_per_layer_fan_in():
         {"w": meshinit.param((8, d, d), jax.nn.initializers.lecun_normal(), mesh=mesh)}, 0
     )["w"]
     assert abs(float(np.std(np.asarray(flat))) - 1 / np.sqrt(8 * d)) < 0.002
+
+
+def test_a_param_can_mark_its_own_replication_and_stacking_keeps_it():
+    mesh = AbstractMesh((2, 4), ("data", "fsdp"))
+    spec = meshinit.param(
+        (16, 8), jax.nn.initializers.zeros, axes=("fsdp", None), mesh=mesh, replicated=["data"]
+    )
+    assert spec.replicated == ("data",)
+    stacked = meshinit.stacked(4, spec, axis=None)
+    assert stacked.replicated == ("data",)
+    assert meshinit.plan({"s": stacked}).entries[0].shardable_axes == ()

@@ -117,7 +117,7 @@ def test_on_a_smaller_mesh_matches_linen_without_the_rules_that_do_not_fit(
     assert len(used) == len(set(used)), f"{ours} uses a mesh axis twice"
 
 
-# -- 2. the worked example ---------------------------------------------------
+# -- 2. the worked example: rules apply in order and skip used axes ---------------------
 
 
 def test_worked_example_rules_apply_in_order_and_skip_used_axes():

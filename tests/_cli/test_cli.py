@@ -1,6 +1,5 @@
 """``meshinit plan MODULE:FACTORY`` and the reports it prints: compact, JSON, PNG, HTML."""
 
-import html.parser
 import json
 import pathlib
 import re
@@ -9,24 +8,15 @@ import sys
 
 import jax
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from jax.sharding import AbstractMesh, AxisType
+from helpers import auto_abstract_mesh, cli_factory_specs, run_python
 
 import meshinit
 from meshinit._cli.cli import main
-from meshinit._report import report as _report
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 F = str(ROOT / "tests" / "cli_factories.py")
 MESH = ["--abstract-mesh", "fsdp=2,tensor=4"]
 ones = jax.nn.initializers.ones
-
-
-def abstract_mesh(sizes, names):
-    """An AbstractMesh with Auto axes, the mesh ``--abstract-mesh`` builds, on every jax:
-    AbstractMesh's own default is Auto on jax 0.10 and Explicit from 0.11."""
-    return AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def plan_cli(capsys, *args):
@@ -34,23 +24,6 @@ def plan_cli(capsys, *args):
     rc = main(["plan", *args])
     out, err = capsys.readouterr()
     return rc, out, err
-
-
-def run(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
-
-
-def factory_specs(name, mesh=None):
-    """What the CLI plans for ``cli_factories.NAME`` under ``--abstract-mesh``."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        import cli_factories
-    finally:
-        sys.path.remove(str(ROOT / "tests"))
-    with meshinit.defaults(mesh=mesh or abstract_mesh((2, 4), ("fsdp", "tensor"))):
-        return getattr(cli_factories, name)()
 
 
 # The plan command
@@ -77,7 +50,7 @@ def test_plan_prints_the_plan_and_allocates_nothing(capsys, new_arrays, view):
 def test_table_lists_every_path_and_equals_print_plan(capsys):
     rc, out, _ = plan_cli(capsys, f"{F}:specs", *MESH)
     assert rc == 0
-    plan = meshinit.plan(factory_specs("specs"))
+    plan = meshinit.plan(cli_factory_specs("specs"))
     # the same table print(plan) shows, with the mesh's source in its heading
     assert out.rstrip("\n") == str(plan).replace(
         "mesh 0: AbstractMesh(fsdp=2, tensor=4; Auto)",
@@ -120,7 +93,7 @@ def test_nnx_module_paths_are_those_materialize_uses(capsys):
     assert {p["path"]: p["partition_spec"] for p in params}["head"] == ["fsdp", "tensor"]
     # meshinit.nnx.materialize places the same module at exactly these paths and specs
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
-    model = meshinit.nnx.materialize(factory_specs("nnx_model", mesh), 0)
+    model = meshinit.nnx.materialize(cli_factory_specs("nnx_model", mesh), 0)
     assert model.blocks[1].up.get_value().sharding.spec == jax.sharding.PartitionSpec(
         *params[1]["partition_spec"]
     )
@@ -198,7 +171,7 @@ def test_abstract_mesh_goes_where_jax_set_mesh_would_and_matches_nnx_plan(capsys
     for m in d["meshes"]:
         del m["mesh_from"]
     # every Variable whose metadata names no mesh gets --abstract-mesh; head keeps its own
-    mesh = abstract_mesh((2, 4), ("fsdp", "tensor"))
+    mesh = auto_abstract_mesh((2, 4), ("fsdp", "tensor"))
     expected = meshinit.nnx.plan(factory("nnx_ordinary"), meshes=[(r"(?!head$).*", mesh)])
     assert d == expected.to_dict()
 
@@ -418,7 +391,7 @@ def test_json_and_compact_cannot_be_combined(capsys):
 
 @pytest.mark.slow
 def test_subprocess_plans_405b_compactly_in_100_columns():
-    r = run(
+    r = run_python(
         "-m", "meshinit", "plan", "examples/capacity_405b.py:model",
         "--abstract-mesh", "data=16,fsdp=16,tensor=8", "--compact",
     )  # fmt: skip
@@ -440,10 +413,10 @@ def test_subprocess_plans_405b_compactly_in_100_columns():
 @pytest.mark.slow
 def test_subprocess_devices_sets_the_simulated_device_count():
     # cli_factories.stages builds concrete meshes over 8 devices
-    ok = run("-m", "meshinit", "plan", "tests/cli_factories.py:stages", "--devices", "8")
+    ok = run_python("-m", "meshinit", "plan", "tests/cli_factories.py:stages", "--devices", "8")
     assert ok.returncode == 0, ok.stderr
     assert "mesh 1: Mesh(fsdp=2, tensor=2; Explicit; devices 4-7)" in ok.stdout
-    one = run("-m", "meshinit", "plan", "tests/cli_factories.py:stages")
+    one = run_python("-m", "meshinit", "plan", "tests/cli_factories.py:stages")
     assert one.returncode == 2
     assert one.stderr.startswith(
         "meshinit plan: tests/cli_factories.py:stages() raised ValueError: Number of devices 1"
@@ -455,7 +428,7 @@ def test_subprocess_devices_sets_the_simulated_device_count():
 
 @pytest.mark.slow
 def test_subprocess_bad_input_has_no_traceback():
-    r = run("-m", "meshinit", "plan", "examples/capacity_405b.py:nope")
+    r = run_python("-m", "meshinit", "plan", "examples/capacity_405b.py:nope")
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == (
         "meshinit plan: examples/capacity_405b.py has no attribute 'nope'; it defines "
@@ -484,151 +457,7 @@ def test_subprocess_piped_into_head_ends_quietly():
 # Compact view
 
 
-def stacked_tree(mesh, indices):
-    """``stages.S.layers.L.w`` for each (S, L) in ``indices``."""
-    tree: dict = {"stages": {}}
-    for s, i in indices:
-        tree["stages"].setdefault(str(s), {"layers": {}})["layers"][str(i)] = {
-            "w": meshinit.param((8, 8), ones, axes=("x", None), mesh=mesh)
-        }
-    return tree
-
-
-def compact_rows(plan):
-    rows = [line.split() for line in plan.compact().splitlines()]
-    return {r[0]: r for r in rows if r and r[0].startswith("stages")}
-
-
-M2 = AbstractMesh((2,), ("x",))
-
-
-def test_compact_collapses_a_full_product_into_one_row():
-    plan = meshinit.plan(stacked_tree(M2, [(s, i) for s in range(2) for i in range(4)]))
-    assert list(compact_rows(plan)) == ["stages.{0,1}.layers.{0..3}.w"]
-    assert compact_rows(plan)["stages.{0,1}.layers.{0..3}.w"][1] == "8"
-
-
-def test_compact_keeps_indices_that_are_not_a_product_apart():
-    # stage 0 holds layers 0-3, stage 1 layers 4-7: not stages {0,1} x layers {0..7}
-    plan = meshinit.plan(
-        stacked_tree(M2, [(0, i) for i in range(4)] + [(1, i) for i in range(4, 8)])
-    )
-    rows = compact_rows(plan)
-    assert list(rows) == ["stages.0.layers.{0..3}.w", "stages.1.layers.{4..7}.w"]
-    assert [r[1] for r in rows.values()] == ["4", "4"]
-
-
-def test_compact_does_not_collapse_different_shardings_and_shows_gaps():
-    def w(i):
-        return meshinit.param((8, 8), ones, axes=(None, "x") if i == 3 else ("x", None), mesh=M2)
-
-    plan = meshinit.plan({"layers": [w(i) for i in (0, 1, 2, 3, 4, 5, 7)]})
-    rows = [line.split() for line in plan.compact().splitlines() if line.startswith("  layers")]
-    # list positions: 0..5 and 6; position 3 shards the other dimension
-    assert [(r[0], r[1], r[4]) for r in rows] == [
-        ("layers.{0..2,4..6}", "6", "x,None"),
-        ("layers.3", "1", "None,x"),
-    ]
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.sets(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=20))
-def test_collapsed_rows_cover_each_path_exactly_once(points):
-    paths = [f"s.{a}.l.{b}.w" for a, b in sorted(points)]
-    rows = _report.collapse_paths(paths, [None] * len(paths))
-    covered = [k for _, positions in rows for k in positions]
-    assert sorted(covered) == list(range(len(paths)))  # every path in exactly one row
-    for path, positions in rows:
-        # each row's index sets multiply out to exactly its paths
-        expanded = _expand(path)
-        assert sorted(expanded) == sorted(paths[k] for k in positions)
-
-
-def _expand(path):
-    """``s.{0,1}.l.{2..4}.w`` -> every path it stands for."""
-    out = [""]
-    for part in re.findall(r"\{[^}]*\}|[^.]+", path):
-        if part.startswith("{"):
-            values = []
-            for run in part[1:-1].split(","):
-                lo, _, hi = run.partition("..")
-                values += range(int(lo), int(hi or lo) + 1)
-        else:
-            values = [part]
-        out = [f"{o}.{v}" if o else str(v) for o in out for v in values]
-    return out
-
-
-def test_compact_keeps_names_with_leading_zeros():
-    tree = {k: meshinit.param((2,), ones, mesh=M2) for k in ("07", "08", "7")}
-    text = meshinit.plan(tree).compact()
-    paths = [line.split()[0] for line in text.splitlines()[4:7]]
-    assert paths == ["07", "08", "7"]
-
-
-def test_compact_sums_to_the_group_total_and_counts_every_param():
-    plan = meshinit.plan(factory_specs("mixed"))
-    lines = plan.compact().splitlines()
-    # the header says what a row's n and per device mean
-    assert (
-        lines[0]
-        == "a row stands for the n parameters its path pattern names; per device sums all n"
-    )
-    assert lines[3].split() == ["path", "n", "array", "logical", "PartitionSpec", "per", "device"]
-    rows = {line.split()[0]: line.split() for line in lines if line.startswith("  layers")}
-    assert rows["layers.{0..3}.up"][1:5] == ["4", "f32[64,256]", "embed,mlp", "fsdp,tensor"]
-    assert rows["layers.{0..3}.norm"][3:5] == ["norm", "replicated"]
-    assert rows["layers.{0..3}.norm"][-1] == "!"  # replicated where fsdp or tensor could shard
-    # the flagged paths are named collapsed too
-    assert "    fsdp=2 could shard 4 (1.0 KiB per device): layers.{0..3}.norm" in lines
-    group_lines = lines[4 : lines.index("  13 params, 641.0 KiB in all, 81.0 KiB per device")]
-    assert sum(int(line.split()[1]) for line in group_lines) == 13
-
-
 # JSON
-
-
-def test_to_dict_describes_every_param_and_the_totals():
-    devices = jax.devices()
-    main_mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), devices=devices)
-    stage = jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=devices[4:])
-    tree = {
-        "a": meshinit.param((16, 32), ones, axes=("fsdp", "tensor"), mesh=main_mesh),
-        "b": meshinit.param((8, 24), ones, axes=(None, "tensor"), mesh=main_mesh),
-        "c": meshinit.param((8, 8), ones, mesh=stage, dtype="bfloat16"),
-        "d": meshinit.param(
-            (4, 8), ones, axes=("embed", None), mesh=stage, rules=(("embed", "fsdp"),)
-        ),
-    }
-    plan = meshinit.plan(tree)
-    d = plan.to_dict()
-    assert d["schema"] == "meshinit.plan/1"
-    m0, m1 = d["meshes"]
-    assert m0["axis_names"] == ["fsdp", "tensor"] and m0["axis_sizes"] == [2, 4]
-    assert m0["axis_types"] == ["Explicit", "Explicit"] and m0["abstract"] is False
-    assert m0["device_ids"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert m1["device_ids"] == [[4, 5], [6, 7]]
-    assert [m["device_bytes"] for m in d["meshes"]] == [g.device_bytes for g in plan.groups]
-    assert [m["replicated_bytes"] for m in d["meshes"]] == [g.replicated_bytes for g in plan.groups]
-    a, b, c, dd = d["params"]
-    assert [p["path"] for p in d["params"]] == ["a", "b", "c", "d"]
-    assert a["partition_spec"] == ["fsdp", "tensor"] and a["shard_shape"] == [8, 8]
-    assert a["device_bytes"] == 8 * 8 * 4 and a["nbytes"] == 16 * 32 * 4
-    assert a["logical_axes"] is None  # its axes name mesh axes
-    assert b["replicated_axes"] == ["fsdp"] and b["shardable_axes"] == {"fsdp": [0, 1]}
-    assert c["dtype"] == "bfloat16" and c["mesh"] == 1 and c["partition_spec"] == [None, None]
-    assert c["shardable_axes"] == {"fsdp": [0, 1], "tensor": [0, 1]}
-    assert dd["logical_axes"] == ["embed", None] and dd["partition_spec"] == ["fsdp", None]
-    totals = d["totals"]
-    assert totals["params"] == 4 and totals["elements"] == 16 * 32 + 8 * 24 + 64 + 32
-    assert totals["nbytes"] == plan.nbytes and totals["meshes"] == 2
-    assert totals["device_bytes_per_mesh"] == [g.device_bytes for g in plan.groups]
-    assert totals["max_device_bytes"] == plan.max_device_bytes
-    # devices 4-7 hold both meshes' shards: the most is their sum
-    assert totals["max_device_bytes"] == sum(g.device_bytes for g in plan.groups)
-    assert totals["max_replicated_bytes"] == max(plan.replicated_bytes_per_device().values())
-    assert json.loads(plan.to_json()) == d
-    assert json.loads(plan.to_json(indent=None)) == d and "\n" not in plan.to_json(indent=None)
 
 
 def test_json_has_one_record_a_line_and_says_where_meshes_came_from(capsys):
@@ -640,60 +469,13 @@ def test_json_has_one_record_a_line_and_says_where_meshes_came_from(capsys):
     lines = out.splitlines()
     for p in d["params"]:
         assert sum(f'{{"path": "{p["path"]}"' in line for line in lines) == 1
-    plan = meshinit.plan(factory_specs("mixed"))
+    plan = meshinit.plan(cli_factory_specs("mixed"))
     assert [p["path"] for p in d["params"]] == [e.path for e in plan.entries]
     del d["meshes"][0]["mesh_from"], d["meshes"][1]["mesh_from"]
     assert d == plan.to_dict()
 
 
 # PNG
-
-
-def three_meshes():
-    devices = jax.devices()
-    return {
-        "a": meshinit.param(
-            (16, 32), ones, axes=("fsdp", "tensor"),
-            mesh=jax.make_mesh((2, 4), ("fsdp", "tensor"), devices=devices),
-        ),
-        "b": meshinit.param(
-            (8, 8, 8), ones, axes=("data", None, None),
-            mesh=jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), devices=devices),
-        ),
-        "c": meshinit.param(
-            (64,), ones, axes=("tensor",),
-            mesh=jax.make_mesh((2,), ("tensor",), devices=devices[6:]),
-        ),
-    }  # fmt: skip
-
-
-def test_heatmap_draws_each_mesh_grid_with_per_device_bytes():
-    pytest.importorskip("matplotlib")
-    plan = meshinit.plan(three_meshes())
-    fig = plan.heatmap()
-    per_device = plan.bytes_per_device()
-    images = [ax for ax in fig.axes if ax.get_images()]
-    assert len(images) == 3 and len(fig.axes) == 4  # one colorbar, shared
-    top = max(per_device.values())
-    for ax, group in zip(images, plan.groups, strict=True):
-        assert ax.get_images()[0].get_clim() == (0, top)  # one colour scale across panels
-        grid = ax.get_images()[0].get_array()
-        expected = [per_device[d] for d in group.mesh.devices.flat]
-        assert grid.flatten().tolist() == expected
-        assert ax.get_title().startswith(f"mesh {plan.groups.index(group)}: Mesh(")
-    # (2, 2, 2): data as rows, fsdp x tensor flattened into 4 columns, and the title says so
-    assert images[1].get_images()[0].get_array().shape == (2, 4)
-    assert "rows: data; columns: fsdp×tensor flattened row-major" in images[1].get_title()
-    assert images[1].get_xlabel() == "fsdp×tensor" and images[1].get_ylabel() == "data"
-    assert images[2].get_images()[0].get_array().shape == (1, 2)  # one axis: one row
-    # devices 6 and 7 hold all three meshes' shards
-    assert per_device[jax.devices()[7]] == sum(g.device_bytes for g in plan.groups)
-
-
-def test_heatmap_of_an_empty_plan_says_so():
-    pytest.importorskip("matplotlib")
-    with pytest.raises(ValueError, match="the plan has no parameters"):
-        meshinit.plan({}).heatmap()
 
 
 def test_png_is_written_headless(capsys, tmp_path, monkeypatch):
@@ -708,52 +490,6 @@ def test_png_is_written_headless(capsys, tmp_path, monkeypatch):
 
 
 # HTML
-
-
-class _Tags(html.parser.HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.stack: list[str] = []
-        self.tables: list[list[list[str]]] = []
-        self.texts: list[str] = []
-
-    def handle_starttag(self, tag, attrs):
-        self.stack.append(tag)
-        if tag == "table":
-            self.tables.append([])
-        elif tag == "tr":
-            self.tables[-1].append([])
-        elif tag in ("td", "th"):
-            self.tables[-1][-1].append("")
-
-    def handle_endtag(self, tag):
-        assert self.stack.pop() == tag, f"</{tag}> closes something else"
-
-    def handle_data(self, data):
-        if self.stack and self.stack[-1] in ("td", "th"):
-            self.tables[-1][-1][-1] += data
-        self.texts.append(data)
-
-
-def test_repr_html_has_one_table_per_mesh_with_escaped_paths_and_the_totals():
-    tree = three_meshes()
-    tree["<b>&x"] = meshinit.param((4,), ones, mesh=abstract_mesh((2,), ("x",)))
-    plan = meshinit.plan(tree)
-    text = plan._repr_html_()
-    assert "<b>&x" not in text and "&lt;b&gt;&amp;x" in text
-    parser = _Tags()
-    parser.feed(text)
-    parser.close()
-    assert parser.stack == []  # every tag closed, in order
-    assert len(parser.tables) == len(plan.groups) == 4
-    for table, group in zip(parser.tables, plan.groups, strict=True):
-        head, *rows = table
-        assert head[:7] == [
-            "path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device",
-        ]  # fmt: skip
-        assert [r[0] for r in rows] == [e.path for e in group.entries]
-    assert any(t.startswith("total: 4 params") for t in parser.texts)
-    assert "<b>mesh 0</b>: AbstractMesh(x=2; Auto): 1 param, 16 B in all" in text
 
 
 def test_replicated_flag_quiets_the_hints_for_those_axes(capsys):
