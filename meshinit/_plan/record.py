@@ -11,14 +11,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._format import describe_mesh
 from .._spec.rules import shard_options
 from .entries import MeshGroup, PlanEntry, shardable
 
-if TYPE_CHECKING:
-    from .plan import Plan
+
+class Planned(Protocol):
+    """What a record reads of a plan: its entries, its groups and its byte counts
+    (:class:`meshinit._plan.plan.Plan` has them; this module never imports it, so the
+    plan and its record are no circle of files)."""
+
+    @property
+    def entries(self) -> tuple[PlanEntry, ...]: ...
+
+    @property
+    def groups(self) -> tuple[MeshGroup, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def max_device_bytes(self) -> int: ...
+
+    def bytes_per_device(self, memory_kind: str | None = None) -> dict[Any, int]: ...
+
+    def replicated_bytes_per_device(self) -> dict[Any, int]: ...
+
 
 SCHEMA = "meshinit.plan/1"
 
@@ -84,7 +104,7 @@ def param_record(
     return record
 
 
-def _params(plan: Plan) -> list[dict[str, Any]]:
+def _params(plan: Planned) -> list[dict[str, Any]]:
     """Every parameter's record, in plan order."""
     group_of = {id(e): i for i, g in enumerate(plan.groups) for e in g.entries}
     # A deep model repeats a handful of (shape, sharding): each worked out once.
@@ -100,7 +120,7 @@ def _params(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
-def to_dict(plan: Plan, source: MeshSource | None = None) -> dict[str, Any]:
+def to_dict(plan: Planned, source: MeshSource | None = None) -> dict[str, Any]:
     """See ``Plan.to_dict``; ``source``, if given, adds ``mesh_from`` to each mesh."""
     return {
         "schema": SCHEMA,
@@ -125,7 +145,7 @@ def _device_keys(group: MeshGroup) -> Iterable[Any]:
     return group.mesh.devices.flat
 
 
-def record(plan: Plan, source: MeshSource | None = None) -> dict[str, Any]:
+def record(plan: Planned, source: MeshSource | None = None) -> dict[str, Any]:
     """:func:`to_dict`, with what the tables and the heatmap show beyond the schema.
 
     Each param also has ``sharding`` (its ``NamedSharding``: the PartitionSpec as jax
