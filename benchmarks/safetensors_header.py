@@ -56,13 +56,14 @@ def main() -> None:
     from safetensors import safe_open
 
     from meshinit._load import file as _file
+    from meshinit._load.local import LocalFile
 
     def package(path: pathlib.Path) -> int:
         f = safe_open(str(path), framework="numpy")
         return len(f.keys())
 
     def meshinit(path: pathlib.Path) -> int:
-        checked, problems = _file.check(path)
+        checked, problems = _file.check(LocalFile(path))
         assert checked is not None and not problems, problems
         return len(checked.tensors)
 
