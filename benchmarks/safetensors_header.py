@@ -6,7 +6,7 @@ written once; then, in turns, ``--rounds`` times each, in this process:
 
 - ``safe_open``: ``safetensors.safe_open(path, framework="numpy")`` and its ``keys()``,
   the package's own parse and validation;
-- ``meshinit``: ``meshinit._load.file.check(path)``, every check a load makes before a
+- ``meshinit``: ``meshinit._load.file.check(LocalFile(path))``, every check a load makes before a
   byte of data is read (the header's length and JSON, every entry, the tiling of the
   data section, the package's verdict and names).
 

@@ -213,9 +213,21 @@ def test_a_stack_of_many_parts_holds_one_descriptor_per_file(tmp_path):
 
 @contextlib.contextmanager
 def open_files_above_held(n):
-    """The process's limit of open files set ``n`` above what it holds now."""
+    """The process's limit of open files set so that ``n + 1`` more can be opened (one
+    to list a folder with). The limit bounds descriptor numbers, not their count:
+    numbers freed below the highest one held (an event loop's, closed by an earlier
+    test) count as room."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + n, hard))
+    listing = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        held = {int(fd) for fd in os.listdir(listing)} - {listing}
+    finally:
+        os.close(listing)
+    limit, free = 0, 0
+    while limit in held or free < n + 1:
+        free += limit not in held
+        limit += 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     try:
         yield
     finally:
