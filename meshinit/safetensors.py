@@ -14,7 +14,7 @@ result feeds ``existing=`` of :func:`meshinit.nnx.init` (or ``linen``/``eqx``, o
 
 Files are untrusted: every one is checked as the format requires, and by the
 ``safetensors`` package itself, before a byte of data is read or allocated
-(:mod:`meshinit._load.file`). Every stored tensor is accounted for:
+(:mod:`meshinit._load.file`, :mod:`meshinit._load.source`). Every stored tensor is accounted for:
 one that no plan path claims is named (:class:`~meshinit.UnusedTensorWarning`), and
 :func:`inventory` shows what a load would read, skip and leave, reading nothing.
 """
@@ -31,7 +31,7 @@ from ._errors import PlanError, Problem, UnusedTensorWarning
 from ._load import aio as _aio
 from ._load import keys as _keys
 from ._load import read as _read
-from ._load import survey as _survey_of
+from ._load import survey as _survey
 from ._load import unused as _unused
 from ._load.framework import Checkpoint as Checkpoint
 from ._load.framework import FrameworkMap as FrameworkMap
@@ -60,9 +60,6 @@ __all__ = [
 # documented and shown as meshinit.safetensors.X
 for _public in (Tensor, Stack, Concat, Fill, Pad, FrameworkMap, Checkpoint, Inventory):
     _public.__module__ = __name__
-
-
-_survey = _survey_of.survey  # a module global: tests replace it
 
 
 def inventory(
@@ -110,7 +107,7 @@ def inventory(
     """
     what = "meshinit.safetensors.inventory"
     with _aio.session(_timeout(timeout)):
-        survey = _survey(plan, files, names, what, storage_options)
+        survey = _survey.survey(plan, files, names, what, storage_options)
     if survey.problems:
         raise PlanError(survey.problems, header="meshinit.safetensors.inventory:")
     return survey.inventory
@@ -254,7 +251,7 @@ def _load(
     budget: int,
     progress: bool | None,
 ) -> dict[str, jax.Array]:
-    survey = _survey(plan, files, names, what, options)
+    survey = _survey.survey(plan, files, names, what, options)
     found, jobs, checked, problems = survey.inventory, survey.jobs, survey.checked, survey.problems
     problems += [
         Problem(j.entry.path, "is planned on an AbstractMesh: load needs devices")

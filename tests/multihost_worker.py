@@ -160,7 +160,7 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
     from meshinit._load import read as _read
 
     read: list[int] = []
-    reader = _read.source
+    reader = _read.parts
 
     def counting(*args: Any) -> Any:  # counts what each shard's read returns
         source = reader(*args)
@@ -174,11 +174,11 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
         source.block = counted
         return source
 
-    _read.source = counting
+    _read.parts = counting
     try:
         loaded = st.load(plan, file, names=names)
     finally:
-        _read.source = reader
+        _read.parts = reader
     failures, shards, owned = [], 0, 0
     for path, array in loaded.items():
         want = np.asarray(reference[f"single-0-{path}"])

@@ -150,7 +150,7 @@ def test_load_reads_each_local_block_once_and_holds_one_at_a_time(tmp_path, monk
     spec = meshinit.param((8, 6), jax.nn.initializers.zeros, axes=("fsdp", None), mesh=mesh8())
     plan = meshinit.plan({"w": spec})
     reads, alive = [], []
-    reader = _read.source
+    reader = _read.parts
 
     def counting(*args):
         source = reader(*args)
@@ -166,7 +166,7 @@ def test_load_reads_each_local_block_once_and_holds_one_at_a_time(tmp_path, monk
         source.block = read
         return source
 
-    monkeypatch.setattr(_read, "source", counting)
+    monkeypatch.setattr(_read, "parts", counting)
     (array,) = meshinit.safetensors.load(plan, tmp_path).values()
     assert len(reads) == 2, len(reads)  # not 8: one read per distinct block
     assert alive == [0, 0], alive  # block 0 was gone when block 1 was read

@@ -2,9 +2,11 @@
 
 Its public face is :mod:`meshinit.safetensors` (``load`` and ``inventory``). Its steps:
 
-- :mod:`.file`: a checkpoint's files found (only those its index lists) and each
-  checked (by :mod:`.header`, as the safetensors format requires, and by the
-  ``safetensors`` package) before a byte of data is read;
+- :mod:`.source`: where a checkpoint's bytes live, one type (:mod:`.local` for files
+  on disk, :mod:`.remote` for object storage and the Hub);
+- :mod:`.file`: ``files=`` turned into sources (only those the checkpoint's index
+  lists), each checked (by :mod:`.header`, as the safetensors format requires, and by
+  the ``safetensors`` package) before a byte of data is read;
 - :mod:`.names` and :mod:`.parts`: ``names=``, which stored tensors fill each plan
   path, and how (:class:`~meshinit.safetensors.Tensor`,
   :class:`~meshinit.safetensors.Stack`, :class:`~meshinit.safetensors.Concat`,
@@ -17,9 +19,9 @@ Its public face is :mod:`meshinit.safetensors` (``load`` and ``inventory``). Its
 - :mod:`.keys`: a plan's typed PRNG keys, read as their stored key data and wrapped
   shard by shard onto the planned sharding;
 - :mod:`.unused`: the stored tensors that no load reads, and how they are named;
-- :mod:`.remote` and :mod:`.fetch`: objects in S3, GCS, the Hub or at https URLs,
-  listed and checked by ranged reads, and each process's byte runs fetched ahead of
-  placement, within a budget of bytes.
+- :mod:`.fetch`: of fetched sources (:mod:`.remote`'s objects in S3, GCS, the Hub or
+  at https URLs), each process's byte runs fetched ahead of placement, within a budget
+  of bytes.
 
 It needs no framework: it sits above the run stage (agreement between processes) and
 below the adapters.

@@ -21,9 +21,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import file as _file
 from .parts import Tensor
 from .reshape import unmerge
+from .source import Stored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Leaf:
     """One stored tensor as a part: ``stored[index].reshape(shape).transpose(order)``."""
 
     tensor: Tensor
-    stored: _file.Stored
+    stored: Stored
     index: tuple[slice, ...]
     shape: tuple[int, ...]
     order: tuple[int, ...]

@@ -1,8 +1,8 @@
 """Remote bytes fetched into place: the ranges the blocks read, ahead of them, and
 released only once the devices hold what was placed from them.
 
-A remote object's part of a parameter is viewed (as a local file's is, by
-:class:`meshinit._load.read.Source`) in an anonymous mapping that stands for the
+A fetched source's part of a parameter (a remote object's) is viewed (as a local
+file's is, by :class:`meshinit._load.read.Part`) in an anonymous mapping that stands for the
 object's span: untouched, it costs no memory. Before a block is read, the byte
 ranges its views will read have been fetched into that mapping: each view's
 elements, in the stored layout, are runs of contiguous bytes (a row, a column block
@@ -51,6 +51,7 @@ from .._errors import PlanError, Problem
 from . import aio as _aio
 from . import blocks as _blocks
 from . import remote as _remote
+from .source import Source
 
 GAP = 64 << 10
 """The largest gap between two runs that one request always reads through (where it is
@@ -159,16 +160,16 @@ Spans = tuple[np.ndarray, np.ndarray]  # starts and ends, from the mapping's sta
 class Chunk:
     """Blocks of one parameter fetched together: their merged ranges per object."""
 
-    spans: dict[_remote.Remote, Spans]
+    spans: dict[Source, Spans]
     nbytes: int  # fetched
     footprint: int  # bytes of the pages it holds
     blocks: int  # blocks read from it, to be placed
-    free: dict[_remote.Remote, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    free: dict[Source, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    failed: list[tuple[_remote.Remote, int, int, str]] = dataclasses.field(default_factory=list)
+    failed: list[tuple[Source, int, int, str]] = dataclasses.field(default_factory=list)
     placed: list[Any] = dataclasses.field(default_factory=list)  # arrays made from it
 
-    def fetched(self, obj: _remote.Remote) -> int:
+    def fetched(self, obj: Source) -> int:
         if obj not in self.spans:
             return 0
         starts, ends = self.spans[obj]
@@ -184,7 +185,7 @@ class Fetch:
         node: _blocks.Node,
         blocks: Sequence[tuple[slice, ...]],
         views: Mapping[int, np.ndarray],
-        maps: Mapping[_remote.Remote, tuple[mmap.mmap, int]],
+        maps: Mapping[Source, tuple[mmap.mmap, int]],
         budget: int,
     ):
         self.maps, self.budget = maps, budget
@@ -192,14 +193,14 @@ class Fetch:
         npages = {obj: -(-len(m) // PAGE) for obj, (m, _) in maps.items()}
         self.chunks: list[Chunk] = []
         self._chunk_of: dict[tuple[Any, ...], Chunk] = {}
-        held: dict[_remote.Remote, np.ndarray] = {}  # the open chunk's pages
-        pending: dict[_remote.Remote, list[Spans]] = {}
+        held: dict[Source, np.ndarray] = {}  # the open chunk's pages
+        pending: dict[Source, list[Spans]] = {}
         size, members = 0, list[tuple[Any, ...]]()
         for index in blocks:
-            spans: dict[_remote.Remote, list[Spans]] = {}
+            spans: dict[Source, list[Spans]] = {}
             for leaf, at in _blocks.reached(node, index):
                 obj = leaf.stored.file
-                if not isinstance(obj, _remote.Remote):
+                if not obj.fetched:
                     continue
                 view = _blocks.at(views[id(leaf)], at)
                 if view.size == 0:
@@ -240,9 +241,9 @@ class Fetch:
 
     def _close(
         self,
-        pending: dict[_remote.Remote, list[Spans]],
+        pending: dict[Source, list[Spans]],
         members: list[tuple[Any, ...]],
-        npages: Mapping[_remote.Remote, int],
+        npages: Mapping[Source, int],
     ) -> None:
         spans = {obj: _merge(*_cat(found), 0) for obj, found in pending.items()}
         owned = sum(int((e - s).sum()) for s, e in spans.values())
@@ -259,7 +260,7 @@ class Fetch:
         for key in members:
             self._chunk_of[key] = chunk
 
-    def _plan_release(self, npages: Mapping[_remote.Remote, int]) -> None:
+    def _plan_release(self, npages: Mapping[Source, int]) -> None:
         """Each chunk's pages that no later chunk touches: released once it is placed."""
         for obj, n in npages.items():
             last = np.full(n, -1, np.int32)
@@ -282,8 +283,8 @@ class Fetch:
         if chunk.failed:
             raise PlanError(
                 [
-                    Problem(obj.url, f"bytes [{lo}, {hi}){self.labels.get(obj, '')}: {why}")
-                    for obj, lo, hi, why in sorted(chunk.failed, key=lambda f: (f[0].url, f[1]))
+                    Problem(str(obj), f"bytes [{lo}, {hi}){self.labels.get(obj, '')}: {why}")
+                    for obj, lo, hi, why in sorted(chunk.failed, key=lambda f: (str(f[0]), f[1]))
                 ][:10],
                 header="meshinit.safetensors.load: a read failed (nothing loaded):",
             )
@@ -401,7 +402,7 @@ class Pipeline:
             self._inflight -= chunk.footprint
             self._lock.notify_all()
 
-    def _start(self, chunk: Chunk, maps: Mapping[_remote.Remote, tuple[mmap.mmap, int]]) -> None:
+    def _start(self, chunk: Chunk, maps: Mapping[Source, tuple[mmap.mmap, int]]) -> None:
         pieces = [
             (obj, lo, min(hi, lo + PIECE))
             for obj, (starts, ends) in chunk.spans.items()
@@ -433,13 +434,13 @@ class Pipeline:
         finally:
             chunk.done.set()
 
-    async def _piece(self, chunk: Chunk, maps: Any, obj: _remote.Remote, lo: int, hi: int) -> None:
+    async def _piece(self, chunk: Chunk, maps: Any, obj: Source, lo: int, hi: int) -> None:
         mapped, base = maps[obj]
         async with self._requests:
             if chunk.failed:
                 return
             try:
-                fetched = _remote.fetch(obj, base + lo, base + hi)
+                fetched = obj.fetch(base + lo, base + hi)
                 data = await _aio.bounded(fetched, self._deadline)
             except (_remote.Permanent, _aio.TimedOut) as e:
                 chunk.failed.append((obj, base + lo, base + hi, str(e)))

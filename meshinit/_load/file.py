@@ -1,9 +1,12 @@
-"""safetensors files and folders, checked before a byte of data is read.
+"""A checkpoint's files, found and checked before a byte of data is read.
 
-:func:`listing` finds a checkpoint's files (only those its index lists, where it has
-one); :func:`check` opens each only once it is known to be a regular file, has
-:mod:`.header` parse and check its header, then asks the ``safetensors`` package to
-open it: it refuses exactly what the format refuses, and its word is final.
+:func:`listing` is the one place that tells a path from a URL: it turns ``files=``
+into sources (:class:`~meshinit._load.local.LocalFile`,
+:class:`~meshinit._load.remote.Remote`), only those the checkpoint's index lists where
+it has one. :func:`check` has each source check itself: a local file is opened only
+once it is known to be a regular file, :mod:`.header` parses and checks its header,
+then the ``safetensors`` package opens it: it refuses exactly what the format
+refuses, and its word is final.
 meshinit's own checks say precisely what is wrong, refuse a name given twice (the
 format forbids it; ``safetensors`` keeps the last one silently), and make the offsets
 meshinit reads by its own parse safe to read: the package does not expose offsets,
@@ -13,27 +16,22 @@ and the per-shard reads need them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
 import pathlib
-import stat
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .._errors import Problem, printable
-from . import header as _header
 from . import remote as _remote
-from .header import BITS as BITS
-from .header import MAX_HEADER as MAX_HEADER
-from .header import READABLE as READABLE
-from .header import Stored as Stored
-from .header import failed as failed
+from .header import MAX_HEADER
+from .local import LocalFile
+from .source import CONFIG, INDEX, Source, Stored
 
 logger = logging.getLogger("meshinit")
-
-INDEX = "model.safetensors.index.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,25 +39,23 @@ class Checked:
     """A file that passed every check: its tensors, and who it was when checked (a
     file replaced or rewritten since is refused when it is read)."""
 
-    path: pathlib.Path | _remote.Remote
-    identity: tuple[Any, ...]  # a file's device, inode, size and mtime; an object's ETag
+    source: Source
+    identity: Any  # a file's device, inode, size and mtime; an object's ETag
     tensors: Mapping[str, Stored]
-
-
-def identity(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class Listing(NamedTuple):
     """The files to check, and what the folder's listing found."""
 
-    paths: list[pathlib.Path | _remote.Remote]
+    sources: list[Source]
     problems: list[Problem]
     directory: str | None = None  # the folder (a path or URL) ``files`` named
     weight_map: dict[str, str] | None = None  # its index's, where it has one
-    # where the checkpoint's config.json is: a file or object the listing saw, the
-    # URL of one beside a file URL (asked only when a load needs it), or None
-    config: pathlib.Path | _remote.Remote | str | None = None
+    # the checkpoint's config.json, found when a load needs it (a file or object the
+    # listing saw, or one beside a file URL, asked then): None where there is none;
+    # the names of the place it is looked for and the object's, for messages
+    config: Callable[[], Source | None] | None = None
+    config_near: str = ""
 
 
 def listing(files: Any, options: Mapping[str, Any] | None = None) -> Listing:
@@ -77,15 +73,16 @@ def listing(files: Any, options: Mapping[str, Any] | None = None) -> Listing:
         weight_map, problems = None, list(folder.problems)
         if folder.index is not None:
             weight_map, problems = _remote_index(folder.index)
-        found = _indexed(folder.objects, weight_map, problems, folder.index)
-        config: Any = folder.config
-        if config is None and files.split("?", 1)[0].endswith(".safetensors"):
-            config = files  # one file named: its folder's config.json, looked up on need
-        return Listing(found, problems, files.rstrip("/"), weight_map, config)
+        found: list[Source] = _indexed(folder.objects, weight_map, problems, folder.index)
+        config, near = _seen(folder.config), ""
+        if folder.config is None and files.split("?", 1)[0].endswith(".safetensors"):
+            # one file named: its folder's config.json, looked up on need
+            config, near = _beside(files, options), files
+        return Listing(found, problems, files.rstrip("/"), weight_map, config, near)
     if isinstance(files, str | os.PathLike):
         path = pathlib.Path(files)
         if not path.is_dir():
-            return Listing([path], [], config=path.parent / _remote.CONFIG)
+            return Listing([LocalFile(path)], [], config=_seen(LocalFile(path.parent / CONFIG)))
         try:
             with os.scandir(path) as entries:
                 names = sorted(
@@ -99,14 +96,15 @@ def listing(files: Any, options: Mapping[str, Any] | None = None) -> Listing:
             if name.startswith("."):
                 logger.debug("meshinit.safetensors: skipped the hidden file %s", path / name)
         weight_map, problems = _index(path)
-        local = [path / name for name in names if not name.startswith(".")]
+        local = [LocalFile(path / name) for name in names if not name.startswith(".")]
         found = _indexed(local, weight_map, problems, path / INDEX)
         if not found and not problems and weight_map is None:
             raise FileNotFoundError(f"no *.safetensors file in the directory {path}")
-        return Listing(found, problems, str(path), weight_map, path / _remote.CONFIG)
+        config = _seen(LocalFile(path / CONFIG))
+        return Listing(found, problems, str(path), weight_map, config)
     if isinstance(files, Sequence) and not isinstance(files, bytes) and files:
         if all(isinstance(f, str | os.PathLike) for f in files):
-            out: dict[str, pathlib.Path | _remote.Remote] = {}  # one file named twice: once
+            out: dict[str, Source] = {}  # one file named twice: once
             problems = []
             for f in files:
                 if _remote.is_url(f):
@@ -114,10 +112,15 @@ def listing(files: Any, options: Mapping[str, Any] | None = None) -> Listing:
                     problems += folder.problems
                     out.update((str(o), o) for o in folder.objects)
                 else:
-                    out.setdefault(os.path.realpath(f), pathlib.Path(f))
-            first = files[0]
-            config = first if _remote.is_url(first) else pathlib.Path(first).parent / _remote.CONFIG
-            return Listing(list(out.values()), list(dict.fromkeys(problems)), config=config)
+                    out.setdefault(os.path.realpath(f), LocalFile(pathlib.Path(f)))
+            first, near = files[0], ""
+            if _remote.is_url(first):
+                config, near = _beside(first, options), first
+            else:
+                config = _seen(LocalFile(pathlib.Path(first).parent / CONFIG))
+            return Listing(
+                list(out.values()), list(dict.fromkeys(problems)), config=config, config_near=near
+            )
     raise TypeError(
         f"files must be a path or URL, a list of them, or a folder of *.safetensors "
         f"files, got {files!r}"
@@ -140,46 +143,39 @@ def _indexed(found: list[Any], weight_map: Any, problems: list[Problem], index: 
     return [p for p in found if p.name in listed]
 
 
+def _seen(config: Source | None) -> Callable[[], Source | None] | None:
+    """A config.json the listing saw (or that a local folder would hold), as found."""
+    return None if config is None else lambda: config
+
+
+def _beside(url: str, options: Mapping[str, Any] | None) -> Callable[[], Source | None]:
+    """The config.json beside the file at ``url``, asked when it is needed."""
+    return functools.partial(_remote.sibling, url, CONFIG, options)
+
+
 MAX_CONFIG = 16 << 20
 """The most bytes a ``config.json`` is read from: the largest on the Hub are a few
 hundred KiB (vision towers included)."""
 
 
-def read_config(
-    listed: Listing, options: Mapping[str, Any] | None = None
-) -> tuple[dict[str, Any] | None, str, list[Problem]]:
+def read_config(listed: Listing) -> tuple[dict[str, Any] | None, str, list[Problem]]:
     """The checkpoint's ``config.json`` beside its files (None where there is none),
     where it was looked for, and its problems: too large, not a JSON object."""
-    config = listed.config
-    if config is None:
+    if listed.config is None:
         return None, "", []
-    if isinstance(config, str):  # a file URL: its folder's config.json, asked now
-        try:
-            config = _remote.sibling(config, _remote.CONFIG, options)
-        except _remote.Permanent as e:
-            return None, str(listed.config), [Problem(str(listed.config), f"config.json: {e}")]
-        if config is None:
-            return None, str(listed.config), []
+    near = listed.config_near
+    try:
+        config = listed.config()
+    except _remote.Permanent as e:
+        return None, near, [Problem(near, f"config.json: {e}")]
+    if config is None:
+        return None, near, []
     where = str(config)
-    if isinstance(config, _remote.Remote):
-        if config.size > MAX_CONFIG:
-            return None, where, [Problem(where, f"is over {MAX_CONFIG} bytes: not a config.json")]
-        try:
-            data = bytes(_remote.read(config, 0, config.size)) if config.size else b""
-        except _remote.Permanent as e:
-            return None, where, [Problem(where, str(e))]
-    else:
-        f, st, why = open_regular(config)
-        if why is not None:
-            if not config.exists() and not config.is_symlink():
-                return None, where, []
-            return None, where, [Problem(where, why)]
-        assert f is not None and st is not None
-        with f:
-            if st.st_size > MAX_CONFIG:
-                too_large = f"is over {MAX_CONFIG} bytes: not a config.json"
-                return None, where, [Problem(where, too_large)]
-            data = f.read(MAX_CONFIG + 1)
+    data, why = config.contents(MAX_CONFIG, "a config.json")
+    if why is not None:
+        return None, where, [Problem(where, why)]
+    if data is None:
+        return None, where, []
     try:
         parsed = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:
@@ -189,73 +185,12 @@ def read_config(
     return parsed, where, []
 
 
-def _kind_of(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def open_regular(path: pathlib.Path) -> tuple[Any, os.stat_result | None, str | None]:
-    """``path`` opened for reading if it is a regular file: ``(file, its stat, None)``,
-    else ``(None, None, why)``. Its type is known before it is opened (opening a FIFO
-    blocks until a writer comes), and it is opened without blocking and checked again,
-    in case it was replaced in between."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        if os.path.islink(path):
-            target = os.readlink(path)
-            return (
-                None,
-                None,
-                f"is a link to {target}, which does not exist: an incomplete download "
-                f"(the Hugging Face cache links each file to a blob)? Download it again",
-            )
-        return None, None, "cannot be opened: No such file or directory"
-    except OSError as e:
-        return None, None, f"cannot be opened: {e.strerror or e}"
-    if not stat.S_ISREG(st.st_mode):
-        return None, None, f"is {_kind_of(st.st_mode)}, not a regular file"
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        return None, None, failed(e)
-    f = os.fdopen(fd, "rb")
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        f.close()
-        return None, None, f"is {_kind_of(st.st_mode)}, not a regular file"
-    return f, st, None
-
-
-def check(path: pathlib.Path | _remote.Remote) -> tuple[Checked | None, list[Problem]]:
-    """``path`` checked as the format requires, or every problem found in it."""
-    where = str(path)
-    if isinstance(path, _remote.Remote):
-        tensors, problems = _remote.check(path)
-        if problems:
-            return None, [Problem(where, p) for p in problems]
-        return Checked(path, path.identity, tensors), []
-    f, st, why = open_regular(path)
-    if why is not None:
-        return None, [Problem(where, why)]
-    assert f is not None and st is not None
-    with f:  # closed before the package opens the file: one descriptor at a time
-        tensors, problems = _header.parse(f, st.st_size, path)
-    if not problems:
-        problems = _header.package_agrees(path, tensors)
-        if not problems and identity(os.stat(path)) != identity(st):
-            problems = ["changed while it was being checked; load it again once it is written"]
+def check(source: Source) -> tuple[Checked | None, list[Problem]]:
+    """``source`` checked as the format requires, or every problem found in it."""
+    identity, tensors, problems = source.check()
     if problems:
-        return None, [Problem(where, p) for p in problems]
-    return Checked(path, identity(st), tensors), []
+        return None, [Problem(str(source), p) for p in problems]
+    return Checked(source, identity, tensors), []
 
 
 def _index(directory: pathlib.Path) -> tuple[dict[str, str] | None, list[Problem]]:
@@ -273,14 +208,11 @@ def _index(directory: pathlib.Path) -> tuple[dict[str, str] | None, list[Problem
     return _weight_map(data, str(index))
 
 
-def _remote_index(index: _remote.Remote) -> tuple[dict[str, str], list[Problem]]:
-    if index.size > MAX_HEADER:
-        return {}, [Problem(index.url, f"is over {MAX_HEADER} bytes: not a checkpoint index")]
-    try:
-        data = bytes(_remote.read(index, 0, index.size)) if index.size else b""
-    except _remote.Permanent as e:
-        return {}, [Problem(index.url, str(e))]
-    return _weight_map(data, index.url)
+def _remote_index(index: Source) -> tuple[dict[str, str], list[Problem]]:
+    data, why = index.contents(MAX_HEADER, "a checkpoint index")
+    if why is not None:
+        return {}, [Problem(str(index), why)]
+    return _weight_map(data or b"", str(index))
 
 
 def _weight_map(data: bytes, where: str) -> tuple[dict[str, str], list[Problem]]:
@@ -303,10 +235,10 @@ def read_index(listed: Listing, checked: Iterable[Checked]) -> list[Problem]:
         return []
     where = f"{directory}/{INDEX}"
     checked = list(checked)
-    held = {name: c.path.name for c in checked for name in c.tensors}
+    held = {name: c.source.name for c in checked for name in c.tensors}
     problems = []
-    present = {p.name for p in listed.paths}
-    failed = present - {c.path.name for c in checked}  # their own problems say why
+    present = {p.name for p in listed.sources}
+    failed = present - {c.source.name for c in checked}  # their own problems say why
     absent = sorted({f for f in weight_map.values() if f not in present})
     for f in absent:
         n = sum(v == f for v in weight_map.values())

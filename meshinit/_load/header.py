@@ -22,18 +22,15 @@ import json
 import math
 import operator
 import os
-import pathlib
 import struct
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from .._errors import printable
-
-if TYPE_CHECKING:
-    from .remote import Remote
+from .source import Source, Stored
 
 MAX_HEADER = 100_000_000
 """The format's cap on the header's length in bytes (``safetensors``' own)."""
@@ -91,19 +88,7 @@ if hasattr(ml_dtypes, "float8_e8m0fnu"):  # ml_dtypes >= 0.5
 READABLE: Mapping[str, np.dtype] = {k: np.dtype(v) for k, v in _NUMPY.items()}
 
 
-class Stored(NamedTuple):
-    """One tensor of a checked file: where its bytes are (a tuple: a header makes
-    hundreds of thousands)."""
-
-    file: pathlib.Path | Remote
-    name: str
-    dtype: str  # the format's name: "F32", "BF16", ...
-    shape: tuple[int, ...]
-    start: int  # of its first byte, from the start of the file
-    nbytes: int
-
-
-def parse(f: Any, size: int, path: pathlib.Path | Remote) -> tuple[dict[str, Stored], list[str]]:
+def parse(f: Any, size: int, path: Source) -> tuple[dict[str, Stored], list[str]]:
     """The tensors of the open file ``f`` of ``size`` bytes, or every problem of its
     header."""
     with _no_collection():
@@ -216,7 +201,7 @@ def _natural(x: Any) -> bool:
 
 
 def _entries(
-    path: pathlib.Path | Remote, header: dict[str, Any], data_start: int, size: int
+    path: Source, header: dict[str, Any], data_start: int, size: int
 ) -> tuple[dict[str, Stored], list[str]]:
     """Every tensor entry checked, and the offsets checked to tile the data section."""
     problems: list[str] = []
@@ -240,9 +225,7 @@ def _entries(
     return tensors, _tiling(list(tensors.values()), data_start, size - data_start)
 
 
-def _common(
-    path: pathlib.Path | Remote, entries: dict[str, Any], data_start: int
-) -> dict[str, Stored] | None:
+def _common(path: Source, entries: dict[str, Any], data_start: int) -> dict[str, Stored] | None:
     """The entries as :func:`_entry` takes them, checked all at once (a header may hold
     hundreds of thousands; each check is a pass in C over every entry's values), or
     None where any entry needs :func:`_entry`'s look."""
@@ -276,7 +259,7 @@ def _common(
     return dict(zip(entries, made, strict=True))
 
 
-def _entry(path: pathlib.Path | Remote, name: str, info: Any, data_start: int) -> Stored | str:
+def _entry(path: Source, name: str, info: Any, data_start: int) -> Stored | str:
     """A tensor's entry that the common check passed over: what is wrong with it."""
     what = f"tensor {_q(name)}"
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():

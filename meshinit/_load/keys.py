@@ -21,7 +21,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._plan.plan import PlanEntry
-from . import file as _file
+from .header import READABLE
+from .source import Stored
 
 
 def is_key(dtype: Any) -> bool:
@@ -62,10 +63,10 @@ def described(entry: PlanEntry) -> str:
     )
 
 
-def why_not(stored: _file.Stored, entry: PlanEntry) -> str | None:
+def why_not(stored: Stored, entry: PlanEntry) -> str | None:
     """Why ``stored`` cannot hold the key data of the key ``entry`` plans, or None."""
     want = data_entry(entry).spec.dtype
-    if _file.READABLE.get(stored.dtype) == want:
+    if READABLE.get(stored.dtype) == want:
         return None
     return (
         f"is {stored.dtype}, planned {described(entry)}: a key is stored as "

@@ -19,20 +19,21 @@ import jax
 import numpy as np
 
 from .._errors import printable
-from . import file as _file
 from .blocks import Const, Joined, Leaf, Node, Padded, Refused, constant, leaves
 from .blocks import check as check
 from .blocks import merging as merging
+from .header import READABLE
 from .parts import Concat, Fill, Pad, Stack, Target, Tensor, length
 from .reshape import merges, viewable
+from .source import Stored
 
 __all__ = ["Leaf", "Node", "Refused", "check", "describe", "leaves", "merging", "resolve"]
 
 
 def resolve(
     target: Target,
-    stored: Mapping[str, _file.Stored],
-    why_not: Callable[[_file.Stored], str | None],
+    stored: Mapping[str, Stored],
+    why_not: Callable[[Stored], str | None],
     shape: tuple[int, ...] | None = None,
     dtype: Any = None,
 ) -> Node:
@@ -54,8 +55,8 @@ def resolve(
 
 def _resolve(
     target: Target,
-    stored: Mapping[str, _file.Stored],
-    why_not: Callable[[_file.Stored], str | None],
+    stored: Mapping[str, Stored],
+    why_not: Callable[[Stored], str | None],
     label: str,
     missing: list[tuple[str, str]],
     planned: tuple[int, ...] | None,
@@ -93,8 +94,8 @@ def _resolve(
 
 def _join(
     target: Stack | Concat,
-    stored: Mapping[str, _file.Stored],
-    why_not: Callable[[_file.Stored], str | None],
+    stored: Mapping[str, Stored],
+    why_not: Callable[[Stored], str | None],
     label: str,
     missing: list[tuple[str, str]],
     dtype: Any,
@@ -212,15 +213,15 @@ def describe(node: Node) -> str:
 
 def _leaf(
     tensor: Tensor,
-    held: _file.Stored,
-    why_not: Callable[[_file.Stored], str | None],
+    held: Stored,
+    why_not: Callable[[Stored], str | None],
     label: str,
 ) -> Leaf:
     why = why_not(held)
     index: tuple[slice, ...] = ()
     shape: tuple[int, ...] = ()
     order: tuple[int, ...] = ()
-    floating = jax.dtypes.issubdtype(_file.READABLE.get(held.dtype, np.int8), np.floating)
+    floating = jax.dtypes.issubdtype(READABLE.get(held.dtype, np.int8), np.floating)
     for what, done in (("scale", "scaled"), ("offset", "offset")):
         if why is None and getattr(tensor, what) is not None and not floating:
             why = f"cannot be {done}: {what}= is for floating-point tensors"

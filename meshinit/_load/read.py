@@ -15,8 +15,6 @@ import dataclasses
 import functools
 import math
 import mmap
-import os
-import pathlib
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,9 +29,9 @@ from .._run import progress as _progress
 from . import blocks as _blocks
 from . import fetch as _fetch
 from . import file as _file
-from . import remote as _remote
+from .header import READABLE
+from .source import Source
 
-Where = pathlib.Path | _remote.Remote
 BYTES_READ = "/meshinit/safetensors/bytes_read"
 """The ``jax.monitoring`` scalar each process records once per load: the bytes it read
 from the files (in their stored dtypes), every part of every parameter counted."""
@@ -49,7 +47,7 @@ class Job:
 
 def read(
     jobs: list[Job],
-    checked: Mapping[Where, _file.Checked],
+    checked: Mapping[Source, _file.Checked],
     budget: int = 1 << 30,
     progress: bool | None = None,
 ) -> dict[str, jax.Array]:
@@ -66,17 +64,17 @@ def read(
             leaf.stored.file for job in jobs for leaf in _blocks.leaves(job.node)
         )
         changed = [
-            Problem(str(path), "changed since it was checked; load again")
-            for path in needed
-            if isinstance(path, pathlib.Path) and _now(path) != checked[path].identity
+            Problem(str(file), why)
+            for file in needed
+            if (why := file.changed(checked[file].identity)) is not None
         ]
         if changed:
             raise PlanError(changed, header="meshinit.safetensors.load: nothing was read:")
-        if not any(isinstance(p, _remote.Remote) for p in needed):
+        if not any(file.fetched for file in needed):
             for job in jobs:
-                sources = source(job, checked, total, budget)
-                out[job.entry.path] = array(job.entry, sources)
-                sources.close()
+                pieces = parts(job, checked, total, budget)
+                out[job.entry.path] = array(job.entry, pieces)
+                pieces.close()
         else:  # fetched ahead, within the budget, while each parameter is placed
             make = functools.partial(_made, checked=checked, total=total, budget=budget)
             owned = sum(_owned(job) for job in jobs)
@@ -84,10 +82,10 @@ def read(
                 _progress.byte_bar("fetching", owned, progress) as update,
                 _fetch.Pipeline(jobs, make, budget, total, update) as pipeline,
             ):
-                for job, sources in pipeline:
-                    out[job.entry.path] = array(job.entry, sources)
-                    sources.close()
-                    del sources
+                for job, pieces in pipeline:
+                    out[job.entry.path] = array(job.entry, pieces)
+                    pieces.close()
+                    del pieces
     except BaseException as e:
         for made in out.values():
             made.delete()
@@ -106,34 +104,14 @@ def _owned(job: Job) -> int:
     total = 0
     for index, _ in holders(job.entry).values():
         for leaf, at in _blocks.reached(job.node, index):
-            dtype = _file.READABLE.get(leaf.stored.dtype)
+            dtype = READABLE.get(leaf.stored.dtype)
             size = math.prod(max(0, s.stop - s.start) for s in at)
             total += size * (1 if dtype is None else dtype.itemsize)
     return total
 
 
-def _made(job: Job, checked: Mapping[Where, _file.Checked], total: list[int], budget: int) -> Any:
-    return source(job, checked, total, budget)  # looked up when called: tests wrap it
-
-
-def _now(path: pathlib.Path) -> tuple[int, ...] | None:
-    try:
-        return _file.identity(os.stat(path))
-    except OSError:
-        return None
-
-
-def _reopen(path: pathlib.Path, checked: _file.Checked) -> Any:
-    """``path`` opened again, known to be the file that was checked."""
-    f, st, why = _file.open_regular(path)
-    if f is not None and st is not None and _file.identity(st) == checked.identity:
-        return f
-    if f is not None:
-        f.close()
-    raise PlanError(
-        [Problem(str(path), why or "changed since it was checked; load again")],
-        header="meshinit.safetensors.load: a file changed while it was read (nothing loaded):",
-    )
+def _made(job: Job, checked: Mapping[Source, _file.Checked], total: list[int], budget: int) -> Any:
+    return parts(job, checked, total, budget)  # looked up when called: tests wrap it
 
 
 RELEASE_BYTES = 64 << 20
@@ -143,7 +121,7 @@ OPEN_FILES = 16
 a parameter stacked from more files maps them in turn, as its blocks reach them."""
 
 
-class Source:
+class Part:
     """A stored tensor viewed as a part of the parameter, in its file's mapping: the
     slice, the reshape and the transpose are views, so a block touches only its own
     bytes. Its own pages of the mapping are released (``MADV_DONTNEED``; they stay in
@@ -157,7 +135,7 @@ class Source:
         self,
         leaf: _blocks.Leaf,
         entry: PlanEntry,
-        mapping: Callable[[Where], tuple[Any, int]],
+        mapping: Callable[[Source], tuple[Any, int]],
         total: list[int],
     ):
         stored = leaf.stored
@@ -177,7 +155,7 @@ class Source:
             mapped, base = self._mapping(stored.file)
         if self._view_of is not None and self._view_of[0] is mapped:
             return self._view_of[1]
-        stored_dtype = _file.READABLE[stored.dtype]
+        stored_dtype = READABLE[stored.dtype]
         count = math.prod(stored.shape)
         if mapped is None:
             flat = np.zeros(count, stored_dtype)
@@ -221,7 +199,7 @@ class Source:
             mapped.madvise(mmap.MADV_DONTNEED, low, high - low)
 
 
-class Sources:
+class Parts:
     """Every part of one parameter: :meth:`block` reads the parameter's block at an
     index from the parts it reaches.
 
@@ -230,18 +208,18 @@ class Sources:
     closed: a mapping holds one descriptor (Python duplicates it), and at most
     :data:`OPEN_FILES` mappings are kept, so a load holds a bounded number whatever
     the checkpoint's count of files (241-shard checkpoints meet macOS's limit of
-    256). Each part releases its pages as it goes (:class:`Source`), and the
+    256). Each part releases its pages as it goes (:class:`Part`), and the
     mappings go with the parameter, so the file's bytes never count much in this
-    process's memory. A remote object's span is an anonymous mapping that
-    :class:`~meshinit._load.fetch.Fetch` fills."""
+    process's memory. A fetched source's span (a remote object's) is an anonymous
+    mapping that :class:`~meshinit._load.fetch.Fetch` fills."""
 
     def __init__(
-        self, job: Job, checked: Mapping[Where, _file.Checked], total: list[int], budget: int
+        self, job: Job, checked: Mapping[Source, _file.Checked], total: list[int], budget: int
     ):
         self.job = job
         self._checked = checked
         leaves = list(_blocks.leaves(job.node))
-        spans: dict[Where, list[int]] = {}
+        spans: dict[Source, list[int]] = {}
         for leaf in leaves:
             held = leaf.stored
             if held.nbytes:
@@ -251,30 +229,28 @@ class Sources:
             path: (start - start % mmap.ALLOCATIONGRANULARITY, end)
             for path, (start, end) in spans.items()
         }
-        self._open: collections.OrderedDict[Where, tuple[Any, int]] = collections.OrderedDict()
-        remote = {}
-        for path, (base, end) in self._spans.items():
-            if isinstance(path, _remote.Remote):  # anonymous: filled by ranged reads
-                remote[path] = (mmap.mmap(-1, end - base, flags=mmap.MAP_PRIVATE), base)
-        self._remote = remote
+        self._open: collections.OrderedDict[Source, tuple[Any, int]] = collections.OrderedDict()
+        fetched = {}
+        for file, (base, end) in self._spans.items():
+            if file.fetched:  # anonymous: filled by ranged reads
+                fetched[file] = (file.mapping(checked[file].identity, base, end), base)
+        self._fetched = fetched
         self.parts = {}
         for leaf in leaves:
-            # a remote part's bytes are counted as they are fetched
-            counts = [0] if isinstance(leaf.stored.file, _remote.Remote) else total
-            self.parts[id(leaf)] = Source(leaf, job.entry, self._mapping, counts)
-        self.fetch = None  # what its remote parts need fetched, and when
-        if remote:
+            # a fetched part's bytes are counted as they are fetched
+            counts = [0] if leaf.stored.file.fetched else total
+            self.parts[id(leaf)] = Part(leaf, job.entry, self._mapping, counts)
+        self.fetch = None  # what its fetched parts need fetched, and when
+        if fetched:
             views = {
-                key: part.view
-                for key, part in self.parts.items()
-                if isinstance(part.leaf.stored.file, _remote.Remote)
+                key: part.view for key, part in self.parts.items() if part.leaf.stored.file.fetched
             }
             blocks = [index for index, _ in holders(job.entry).values()]
-            self.fetch = _fetch.Fetch(job.node, blocks, views, remote, budget)
+            self.fetch = _fetch.Fetch(job.node, blocks, views, fetched, budget)
 
-    def _mapping(self, path: Where) -> tuple[Any, int]:
-        if isinstance(path, _remote.Remote):
-            return self._remote[path]
+    def _mapping(self, path: Source) -> tuple[Any, int]:
+        if path in self._fetched:
+            return self._fetched[path]
         if path in self._open:
             self._open.move_to_end(path)
             return self._open[path]
@@ -284,12 +260,7 @@ class Sources:
                 if part.leaf.stored.file == gone:
                     part.forget()
         base, end = self._spans[path]
-        try:
-            with _reopen(path, self._checked[path]) as f:
-                mapped = mmap.mmap(f.fileno(), end - base, access=mmap.ACCESS_READ, offset=base)
-        except OSError as e:
-            raise PlanError([Problem(str(path), _file.failed(e))], header=_OPEN_HEADER) from e
-        self._open[path] = (mapped, base)
+        self._open[path] = (path.mapping(self._checked[path].identity, base, end), base)
         return self._open[path]
 
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
@@ -319,13 +290,10 @@ class Sources:
             part.forget()
 
 
-_OPEN_HEADER = "meshinit.safetensors.load: a file could not be mapped (nothing loaded):"
-
-
-def source(
-    job: Job, checked: Mapping[Where, _file.Checked], total: list[int], budget: int = 1 << 30
-) -> Sources:
-    return Sources(job, checked, total, budget)
+def parts(
+    job: Job, checked: Mapping[Source, _file.Checked], total: list[int], budget: int = 1 << 30
+) -> Parts:
+    return Parts(job, checked, total, budget)
 
 
 def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _blocks.Leaf) -> np.ndarray:
@@ -415,7 +383,7 @@ def holders(entry: PlanEntry) -> dict[tuple[Any, ...], tuple[tuple[slice, ...], 
     return out
 
 
-def array(entry: PlanEntry, source: Sources) -> jax.Array:
+def array(entry: PlanEntry, pieces: Parts) -> jax.Array:
     """The entry's array, one block at a time: each distinct block of this process's
     devices is read once onto the first device that holds it, copied from there to the
     others, and dropped, so the host holds at most one block beside the arrays. No
@@ -424,7 +392,7 @@ def array(entry: PlanEntry, source: Sources) -> jax.Array:
     shards: list[jax.Array] = []
     try:
         for index, devices in holders(entry).values():
-            block = source.block(index)
+            block = pieces.block(index)
             first = None
             made = []
             for device in devices:
@@ -433,7 +401,7 @@ def array(entry: PlanEntry, source: Sources) -> jax.Array:
                 first = made[0]
             shards += made
             del block, first
-            source.placed(index, made)
+            pieces.placed(index, made)
         # dtype: a process whose devices hold none of it passes no shards to tell it
         return jax.make_array_from_single_device_arrays(
             shape, sharding, shards, dtype=entry.spec.dtype

@@ -23,18 +23,20 @@ import asyncio
 import dataclasses
 import datetime
 import io
+import mmap
 import os
 import re
 import struct
 import tempfile
 import urllib.parse
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from .._errors import Problem
 from . import aio as _aio
 from . import clients as _clients
 from . import header as _header
+from .source import CONFIG, INDEX, Source, Stored
 
 URL = re.compile(r"^(s3|gs|hf|https?)://", re.IGNORECASE)
 SCHEMES = {"s3": "s3", "gs": "gcs", "hf": "hf", "https": "remote", "http": "remote"}
@@ -57,9 +59,11 @@ def is_url(files: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Remote:
+class Remote(Source):
     """One object: where it is, and who it was when listed (its ETag; else its
-    version; else its Last-Modified time)."""
+    version; else its Last-Modified time). Its header is read by range, its data
+    fetched ahead of placement into anonymous mappings (:mod:`.fetch`), every read
+    conditional on who it was."""
 
     url: str  # as messages name it
     key: str  # its path in the store ("" for a plain http(s) URL: the store is the file)
@@ -70,12 +74,41 @@ class Remote:
     version: str | None = None
     modified: datetime.datetime | None = None
 
+    fetched: ClassVar[bool] = True
+
     def __str__(self) -> str:
+        return self.url
+
+    @property
+    def shown(self) -> str:
         return self.url
 
     @property
     def identity(self) -> tuple[Any, ...]:
         return (self.etag, self.version, self.modified, self.size)
+
+    def check(self) -> tuple[Any, dict[str, Stored], list[str]]:
+        tensors, problems = _check(self)
+        if problems:
+            return None, {}, problems
+        return self.identity, tensors, []
+
+    def contents(self, limit: int, what: str) -> tuple[bytes | None, str | None]:
+        if self.size > limit:
+            return None, f"is over {limit} bytes: not {what}"
+        try:
+            return (bytes(read(self, 0, self.size)) if self.size else b""), None
+        except Permanent as e:
+            return None, str(e)
+
+    def changed(self, checked: Any) -> str | None:
+        return None  # every read is conditional on what it was when listed
+
+    def mapping(self, checked: Any, start: int, end: int) -> Any:
+        return mmap.mmap(-1, end - start, flags=mmap.MAP_PRIVATE)
+
+    async def fetch(self, start: int, end: int) -> Any:
+        return await fetch(self, start, end)
 
     def conditions(self) -> dict[str, Any]:
         """The read options that make a read of another object fail."""
@@ -178,21 +211,17 @@ def _bucket(url: str, scheme: str, options: dict[str, Any]) -> Folder:
         rest = key[len(prefix) :].lstrip("/") if prefix else key
         if "/" in rest or rest.startswith("."):
             continue
-        if rest in (_INDEX, CONFIG) or rest.endswith(".safetensors"):
+        if rest in (INDEX, CONFIG) or rest.endswith(".safetensors"):
             found.append(_remote(f"{root}/{key}", key, meta, store))
     return _folder(url, found, "holds no *.safetensors object: check the URL")
 
 
 def _folder(url: str, found: list[Remote], empty: str) -> Folder:
     """The folder's files, its index apart; a folder with neither is a problem."""
-    index = next((r for r in found if r.name == _INDEX), None)
+    index = next((r for r in found if r.name == INDEX), None)
     config = next((r for r in found if r.name == CONFIG), None)
-    files = sorted((r for r in found if r.name not in (_INDEX, CONFIG)), key=lambda r: r.key)
+    files = sorted((r for r in found if r.name not in (INDEX, CONFIG)), key=lambda r: r.key)
     return Folder(files, index, [] if files or index else [Problem(url, empty)], config)
-
-
-_INDEX = "model.safetensors.index.json"
-CONFIG = "config.json"
 
 
 def sibling(url: str, name: str, options: Mapping[str, Any] | None) -> Remote | None:
@@ -285,7 +314,7 @@ def _hub(url: str, options: dict[str, Any]) -> Folder:
         name = path.rsplit("/", 1)[-1]
         if getattr(entry, "size", None) is None or name.startswith("."):
             continue  # a folder, or a hidden file
-        if name in (_INDEX, CONFIG) or name.endswith(".safetensors"):
+        if name in (INDEX, CONFIG) or name.endswith(".safetensors"):
             paths.append(path)
 
     async def heads() -> list[Mapping[str, Any]]:  # the ETags resolve gives, at once
@@ -424,7 +453,7 @@ def read(obj: Remote, start: int, end: int) -> Any:
         raise Permanent(str(e)) from e
 
 
-def check(obj: Remote) -> tuple[dict[str, _header.Stored], list[str]]:
+def _check(obj: Remote) -> tuple[dict[str, Stored], list[str]]:
     """The object's tensors, checked as a local file's are, from its header alone:
     one ranged read (a second where the header is longer than the first guess),
     then the ``safetensors`` package's verdict on the header and the object's size."""

@@ -26,7 +26,9 @@ from . import layout as _layout
 from . import names as _names
 from . import read as _read
 from . import unused as _unused
+from .header import READABLE
 from .parts import Concat, Fill, Pad, Stack, Tensor
+from .source import Source, Stored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +100,11 @@ def _kind(dtype: Any) -> str:
     return str(dtype)
 
 
-def _why_not(stored: _file.Stored, planned: np.dtype) -> str | None:
+def _why_not(stored: Stored, planned: np.dtype) -> str | None:
     """Why the stored dtype cannot be read into ``planned``, or None."""
-    if stored.dtype not in _file.READABLE:
+    if stored.dtype not in READABLE:
         return f"has dtype {stored.dtype}, which meshinit does not read; convert the file"
-    have = _kind(_file.READABLE[stored.dtype])
+    have = _kind(READABLE[stored.dtype])
     if have != _kind(planned):
         return (
             f"is {stored.dtype}, planned {planned.name}: meshinit casts within a kind "
@@ -121,7 +123,7 @@ class Survey:
 
     inventory: Inventory
     jobs: list[_read.Job]
-    checked: dict[Any, _file.Checked]
+    checked: dict[Source, _file.Checked]
     problems: list[Problem]
     absent: list[Problem]
     stranded: dict[str, list[str]]
@@ -134,17 +136,17 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
     if options is not None and not isinstance(options, Mapping):
         raise TypeError(f"storage_options must be a mapping or None, got {options!r}")
     listed = _file.listing(files, options)
-    paths = listed.paths
+    sources = listed.sources
     problems: list[Problem] = list(listed.problems)
-    checked: dict[Any, _file.Checked] = {}
-    for p in paths:
-        c, found = _file.check(p)
+    checked: dict[Source, _file.Checked] = {}
+    for source in sources:
+        c, found = _file.check(source)
         problems += found
         if c is not None:
-            checked[p] = c
+            checked[source] = c
     problems += _file.read_index(listed, checked.values())
     bad_files = bool(problems)
-    index: dict[str, _file.Stored] = {}
+    index: dict[str, Stored] = {}
     for c in checked.values():
         for name, held in c.tensors.items():
             if name in index:
@@ -159,7 +161,7 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
                 index[name] = held
     table: dict[str, _names.Target | None] | None = None
     if isinstance(names, _framework.FrameworkMap):  # the framework's map, built for these files
-        config, where, found = _file.read_config(listed, options)
+        config, where, found = _file.read_config(listed)
         problems += found
         if not found:
             stored = {n: (h.shape, h.dtype) for n, h in index.items()}
@@ -214,7 +216,7 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
     # what a load reads none of: no path claims it, or only missing paths would
     unused, stranded = _unused.find(targets, missing, index)
     inventory = Inventory(
-        files=tuple(p if isinstance(p, pathlib.Path) else str(p) for p in paths),
+        files=tuple(source.shown for source in sources),
         loaded=loaded,
         skipped=tuple(skipped),
         missing={} if bad_files else missing,  # a file that failed holds unknown names

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 from .._errors import Problem, printable
 from .._format import some
-from . import file as _file
 from .parts import Target, leaves
+from .source import Stored
 
 
 def find(
@@ -45,7 +45,7 @@ def problems(
     names: tuple[str, ...],
     stranded: Mapping[str, list[str]],
     missing: Mapping[str, str],
-    stored: Mapping[str, _file.Stored],
+    stored: Mapping[str, Stored],
 ) -> list[Problem]:
     """``unused="error"``'s problem for each of ``names``, naming its file."""
     return [

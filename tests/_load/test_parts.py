@@ -1,4 +1,4 @@
-"""Layout transforms of ``names=`` (issue 49): ``Tensor(offset=)``, an index with steps,
+"""Layout transforms of ``names=``: ``Tensor(offset=)``, an index with steps,
 ``Fill``, ``Pad``, and ``out_shape=``/``permute=`` after a ``Stack`` or ``Concat``,
 each against numpy computing the same thing, bit for bit, on plans sharded over the 8
 simulated devices; bytes read == bytes owned (a constant and a pad's padding read

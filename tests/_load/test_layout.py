@@ -1,4 +1,4 @@
-"""Stacked, concatenated, sliced and scaled parameters (issue 41): ``Stack``, ``Concat``,
+"""Stacked, concatenated, sliced and scaled parameters: ``Stack``, ``Concat``,
 ``Tensor(index=, scale=)``, read shard by shard, against numpy's own stack,
 concatenate and slicing of the stored tensors, with bytes read == bytes owned."""
 
@@ -55,7 +55,7 @@ def test_stack_is_numpys_stack_and_each_device_reads_only_its_own_bytes(tmp_path
 
 
 def test_a_rule_builds_one_stack_for_every_layer_with_transforms(tmp_path):
-    # The issue's MaxText example: q_proj (heads * head_dim, d) of each layer as
+    # MaxText's example: q_proj (heads * head_dim, d) of each layer as
     # (d, heads, head_dim), stacked at axis 1 into [embed, layers, heads, head_dim].
     n, d, heads, head_dim = 4, 8, 4, 2
     rng = np.random.default_rng(1)

@@ -1,4 +1,4 @@
-"""``meshinit.safetensors.load`` from object storage and the Hub (issue 43), against
+"""``meshinit.safetensors.load`` from object storage and the Hub, against
 real servers on localhost (moto's S3 behind a counting proxy; a ranged file server
 that answers as the Hub): each process fetches only the byte ranges its devices own,
 every check of a local file holds, a transient failure is retried and a permanent
@@ -437,7 +437,7 @@ def test_an_hf_repo_whose_files_redirect_to_a_cdn_loads(tmp_path, monkeypatch):
         assert redirected, [(r.method, r.path, r.status) for r in server.counters.log]
 
 
-# ------------------------------------------------- issue 48: URLs, options, identity, stops
+# ------------------------------------------------- URLs, options, identity, stops
 
 
 def test_an_http_url_is_requested_exactly_as_written_and_needs_no_options(file_server):

@@ -279,7 +279,7 @@ def test_unused_error_refuses_before_reading_anything(tmp_path, monkeypatch, new
     from meshinit._load import read as _read
 
     plan, names, layer1 = _tunix_like(tmp_path)
-    monkeypatch.setattr(_read, "source", lambda *a: pytest.fail("read"))
+    monkeypatch.setattr(_read, "parts", lambda *a: pytest.fail("read"))
     with new_arrays() as made, pytest.raises(meshinit.PlanError) as raised:
         meshinit.safetensors.load(plan, tmp_path, names=names, unused="error")
     assert made == []
@@ -339,7 +339,7 @@ def test_inventory_accounts_for_every_path_and_tensor_without_reading(tmp_path, 
     from meshinit._load import read as _read
 
     plan, names, layer1 = _tunix_like(tmp_path)
-    monkeypatch.setattr(_read, "source", lambda *a: pytest.fail("read"))
+    monkeypatch.setattr(_read, "parts", lambda *a: pytest.fail("read"))
     late = [*names, (r"layers\.2\.norm", "gone")]  # an earlier rule takes the path
     with pytest.warns(meshinit.UnusedPatternWarning, match=r"names\[7\] .* It maps nothing"):
         found = meshinit.safetensors.inventory(plan, tmp_path, names=late)

@@ -1,5 +1,5 @@
 """A remote load is the local load of the same files, bit for bit, in every layout a
-device's block can have (issue 48): rows, columns, both axes and replicated, on a
+device's block can have: rows, columns, both axes and replicated, on a
 1-D mesh of the 8 devices and on a (2, 4) one; 0-d tensors; stacked parameters (the
 same stored tensor repeated among them); a long tensor split by columns; many objects;
 a budget of several chunks per parameter and the default. Each from ``s3://`` (moto),
@@ -431,7 +431,7 @@ def many_tier(store, layout, budget, size):
     indirect=["store"],
 )
 def test_many_objects_load_as_the_local_files_do(store, layout, budget, size):
-    # issue 48's report: 16 objects of two (1024, 1024) f32 tensors, wrong rows and
+    # a reported failure: 16 objects of two (1024, 1024) f32 tensors, wrong rows and
     # zeros on a 1-D mesh; 512 is the fast tier's size (1 MiB a tensor)
     tensors, files = {}, {}
     for i in range(16):

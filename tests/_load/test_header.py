@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 import meshinit
 from meshinit import safetensors as st
 from meshinit._load import read as _read
+from meshinit._load import survey as _survey
 
 save_file = pytest.importorskip("safetensors.numpy").save_file
 safe_open = pytest.importorskip("safetensors").safe_open
@@ -184,7 +185,7 @@ def test_every_bad_file_of_a_load_is_named_in_one_error_and_nothing_is_read(
     raw(tmp_path / "ckpt" / "b.safetensors", {"x": {**F32_2, "data_offsets": [-8, 0]}}, DATA[:8])
     (tmp_path / "ckpt" / "c.safetensors").write_bytes(b"")
     reads = []
-    monkeypatch.setattr(_read, "source", lambda *a: reads.append(a))
+    monkeypatch.setattr(_read, "parts", lambda *a: reads.append(a))
     with new_arrays() as made:
         error = refused(
             plan_for({"good": (4,), "x": (2,)}), tmp_path / "ckpt", "b.safetensors", "c.safetensors"
@@ -245,7 +246,7 @@ def test_a_tensor_in_two_files_is_named(tmp_path):
 def test_a_file_changed_after_its_check_is_refused_before_reading(tmp_path, monkeypatch):
     f = tmp_path / "m.safetensors"
     save_file({"a": np.ones(4, np.float32)}, str(f))
-    survey = st._survey
+    survey = _survey.survey
 
     def then_rewritten(*args):
         out = survey(*args)
@@ -253,7 +254,7 @@ def test_a_file_changed_after_its_check_is_refused_before_reading(tmp_path, monk
         os.utime(f, ns=(1, 1))
         return out
 
-    monkeypatch.setattr(st, "_survey", then_rewritten)
+    monkeypatch.setattr(_survey, "survey", then_rewritten)
     refused(plan_for({"a": (4,)}), f, str(f), "changed since it was checked")
 
 

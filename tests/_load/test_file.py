@@ -1,4 +1,4 @@
-"""Checkpoint folders and files as they are found, not as they were written (issue 42):
+"""Checkpoint folders and files as they are found, not as they were written:
 a stale shard beside an index, a dangling cache link, a FIFO, more shards than the
 open-file limit, an unreadable folder, sub-byte integer plans and a header of 200,000
 entries. Each either loads exactly what the ``safetensors`` package reads or is one
@@ -57,7 +57,7 @@ def refused(call, *needles):
     return str(raised.value)
 
 
-# ------------------------------------------------- item 2: what the index lists
+# ------------------------------------------------- what the index lists
 
 
 def sharded(tmp_path):
@@ -102,7 +102,7 @@ def test_an_unlisted_file_beside_an_index_is_read_when_named_in_a_list(tmp_path)
     np.testing.assert_array_equal(np.asarray(loaded), np.full(8, 7, np.float32))
 
 
-# ------------------------------------------------- item 3: dangling cache links
+# ------------------------------------------------- dangling cache links
 
 
 def test_a_dangling_link_in_a_folder_is_an_incomplete_download(tmp_path):
@@ -130,7 +130,7 @@ def test_links_to_blobs_load_as_the_files_they_name(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded), want)
 
 
-# ------------------------------------------------- item 5: FIFOs do not block
+# ------------------------------------------------- FIFOs do not block
 
 
 def test_a_fifo_given_as_a_file_is_refused_without_blocking(tmp_path):
@@ -151,7 +151,7 @@ def test_a_fifo_in_a_folder_is_named_not_opened(tmp_path):
         refused(lambda: st.inventory(plan, tmp_path), "b.safetensors", "FIFO")
 
 
-# ------------------------------------------------- item 7: int4 and uint4 plans
+# ------------------------------------------------- int4 and uint4 plans
 
 
 @pytest.mark.parametrize(
@@ -174,7 +174,7 @@ def test_a_value_outside_int4_is_refused_naming_the_range(tmp_path):
     refused(lambda: st.load(plan, tmp_path), "'w'", "outside int4's range", "wider dtype")
 
 
-# ------------------------------------------------- item 8: the open-file limit
+# ------------------------------------------------- the open-file limit
 
 
 def test_more_shards_than_the_open_file_limit_load(tmp_path):
@@ -213,9 +213,21 @@ def test_a_stack_of_many_parts_holds_one_descriptor_per_file(tmp_path):
 
 @contextlib.contextmanager
 def open_files_above_held(n):
-    """The process's limit of open files set ``n`` above what it holds now."""
+    """The process's limit of open files set so that ``n + 1`` more can be opened (one
+    to list a folder with). The limit bounds descriptor numbers, not their count:
+    numbers freed below the highest one held (an event loop's, closed by an earlier
+    test) count as room."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + n, hard))
+    listing = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        held = {int(fd) for fd in os.listdir(listing)} - {listing}
+    finally:
+        os.close(listing)
+    limit, free = 0, 0
+    while limit in held or free < n + 1:
+        free += limit not in held
+        limit += 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     try:
         yield
     finally:
@@ -223,7 +235,7 @@ def open_files_above_held(n):
 
 
 def test_a_stack_over_more_files_than_the_limit_loads_and_a_full_table_is_named(tmp_path):
-    # a scanned parameter of 100 layers, one file each (issue 48): its files are
+    # a scanned parameter of 100 layers, one file each: its files are
     # mapped in turn as its blocks reach them, not all at once
     layers = [np.full((4, 8), i, np.float32) for i in range(100)]
     for i, layer in enumerate(layers):
@@ -263,7 +275,7 @@ def test_the_package_check_names_a_full_descriptor_table_not_an_absent_file(tmp_
     assert "ulimit -n" in said[0]
 
 
-# ------------------------------------------------- item 9: an unreadable folder
+# ------------------------------------------------- an unreadable folder
 
 
 def test_an_unreadable_folder_is_named_not_reported_empty(tmp_path, monkeypatch):
@@ -281,7 +293,7 @@ def test_an_unreadable_folder_is_named_not_reported_empty(tmp_path, monkeypatch)
         refused(call, str(tmp_path), "cannot be listed (Permission denied)", "read access")
 
 
-# ------------------------------------------------- item 13: a header of 200,000 entries
+# ------------------------------------------------- a header of 200,000 entries
 
 
 def many(path, n):
