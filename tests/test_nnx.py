@@ -367,7 +367,7 @@ def ab_stage_meshes():
     return [(pattern, s[i]) for pattern, i in AB_STAGES]
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["one mesh", "two ab_stages"])
+@pytest.mark.parametrize("staged", [False, True], ids=["one mesh", "two stages"])
 def test_abstract_is_init_as_structs_with_the_same_shardings_and_metadata(staged, count_compiles):
     meshes = ab_stage_meshes() if staged else None
     with jax.set_mesh(mesh8(("a", "b"))):
@@ -409,13 +409,13 @@ def test_abstract_plans_on_abstract_meshes_before_the_hardware_exists():
 
 @pytest.mark.parametrize(
     "saved, restored",
-    [("one mesh", "two ab_stages"), ("two ab_stages", "one mesh"), ("one mesh", "4x2 explicit")],
+    [("one mesh", "two stages"), ("two stages", "one mesh"), ("one mesh", "4x2 explicit")],
 )
 def test_an_nnx_checkpoint_restores_into_abstract_in_another_layout(saved, restored, tmp_path):
     def layout(name):
         if name == "one mesh":
             return [(r".*", mesh8(("a", "b")))]
-        if name == "two ab_stages":
+        if name == "two stages":
             return ab_stage_meshes()
         return [(r".*", ab_mesh(range(8), (4, 2), (AxisType.Explicit,) * 2))]
 
