@@ -191,7 +191,7 @@ def test_a_key_of_an_unknown_wrapper_is_refused_naming_its_full_type():
             mesh=auto_mesh(),
         )
     # a pytree of two keys, or of something else than a key, holds no one key
-    with pytest.raises(TypeError, match=r"got .*test_linen_inputs\.PRNGKey"):
+    with pytest.raises(TypeError, match=r"got .*_adapters\.test_linen\.PRNGKey"):
         meshinit.linen.init(model, PRNGKey(np.zeros((3,), np.float32)), x, mesh=auto_mesh())
 
 
