@@ -290,7 +290,7 @@ def planning_table(variables: int = 2_000, entries: int = 50) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import meshinit.nnx
-    from meshinit._adapters import placements as _placements
+    from meshinit._adapters.placement import read as _placements
 
     mesh = setup_cpu()
     names = [f"w{i}" for i in range(8)]

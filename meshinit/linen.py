@@ -15,253 +15,20 @@ Paths are the dot-joined variable paths: ``params.layers_0.mlp.wi.kernel``.
 
 from __future__ import annotations
 
-import dataclasses
-import traceback
-import warnings
-from collections.abc import Callable, Mapping
 from typing import Any
 
 try:
     import flax.linen as nn
-    from flax.core import meta
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
     raise ImportError("meshinit.linen needs flax: pip install meshinit[linen]") from e
 
-import jax
-import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from . import _paths
-from ._adapters import common as _adapters
-from ._adapters import linen_meta as _linen_meta
-from ._adapters import placement as _placement
-from ._adapters import placements as _placements
-from ._engine import entry as _engine
-from ._errors import PlanError, Problem
-from ._format import describe_mesh
-from ._plan import planner as _planner
+from ._adapters import linen as _linen
+from ._adapters import prepared as _prepared
 from ._plan.plan import Plan
-from ._run import agree as _agree
 
 __all__ = ["init", "plan"]
-
-
-_EXPLICIT_BOX = (
-    "its box carries mesh={mesh}, whose axes are Explicit: linen's unbox constrains the "
-    "value with jax.lax.with_sharding_constraint, which jax refuses on Explicit axes "
-    "(flax's own module.init fails the same way). Fix: give the box an Auto-axes mesh "
-    "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n)), or leave mesh= "
-    "off the box and pass the Explicit mesh to meshinit.linen.init(mesh=... or meshes=...)"
-)
-
-
-def _explicit_box_problem(error: ValueError) -> Problem | None:
-    """The path and fix for linen's unbox failing on a box whose own mesh is Explicit.
-
-    linen applies a box's sharding constraint as the module reads it, to the box's own
-    ``mesh=`` when it has one. meshinit leaves flax's classes alone (it traces under the
-    Auto twin of the context mesh, which covers every box without a mesh of its own),
-    so a box that names an Explicit mesh fails inside ``module.init``; the frames of
-    that failure say which variable it was.
-    """
-    box = scope = name = None
-    for frame, _ in traceback.walk_tb(error.__traceback__):
-        here = frame.f_locals
-        if frame.f_code.co_name == "unbox" and isinstance(here.get("self"), meta.Partitioned):
-            box = here["self"]
-        elif frame.f_code.co_name == "param" and hasattr(here.get("self"), "path_text"):
-            scope, name = here["self"], here.get("name")
-    if box is None or box.mesh is None or "Auto axes" not in str(error):
-        return None
-    parts = ["params", *(p for p in scope.path_text.split("/") if p)] if scope else []
-    path = ".".join([*parts, str(name)]) if scope is not None and name is not None else ""
-    return Problem(path, _EXPLICIT_BOX.format(mesh=describe_mesh(box.mesh)))
-
-
-def _host_keys(key: Any) -> tuple[list[np.ndarray], Callable[[list[Any]], Any]]:
-    """Host key data, and the function that rebuilds ``module.init``'s rngs from it.
-
-    A dict of keys (``{"params": k1, "dropout": k2}``) becomes a dict again. A legacy
-    uint32 key reaches ``module.init`` as a legacy key, a typed key (or an int seed, as
-    ``jax.random.key(seed)``) as a typed key of its implementation.
-    """
-    names = list(key) if isinstance(key, Mapping) else None
-    keys = [key[n] for n in names] if names is not None else [key]
-    data, makers = zip(*(_traced_key(k, names, i) for i, k in enumerate(keys)), strict=True)
-    data = list(data)
-
-    def rebuild(values: list[Any]) -> Any:
-        rebuilt = [make(v) for make, v in zip(makers, values, strict=True)]
-        return dict(zip(names, rebuilt, strict=True)) if names is not None else rebuilt[0]
-
-    return data, rebuild
-
-
-def _traced_key(
-    key: Any, names: list[Any] | None, i: int
-) -> tuple[np.ndarray, Callable[[Any], Any]]:
-    """:func:`_adapters.traced_key`, its error naming the entry of a dict of keys."""
-    try:
-        return _adapters.traced_key(key)
-    except (TypeError, ValueError) as e:
-        if names is None:
-            raise
-        raise type(e)(f"key[{names[i]!r}]: {e}") from e
-
-
-def _host_inputs(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """The array leaves of the example inputs, as host values, and how to put them back.
-
-    Arrays enter each group's computation as numpy values (an array on another mesh
-    must not pin the computation to it); a ``jax.ShapeDtypeStruct`` stands for zeros
-    of its shape, made inside the computation. Everything else (``train=False``,
-    ``method=``) stays static.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    data: list[Any] = []
-    slots: list[tuple[str, Any]] = []
-    for leaf in leaves:
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            slots.append(("zeros", leaf))
-        elif isinstance(leaf, jax.Array | np.ndarray):
-            slots.append(("arg", len(data)))
-            data.append(np.asarray(leaf))
-        else:
-            slots.append(("static", leaf))
-
-    def rebuild(values: list[Any]) -> Any:
-        out = []
-        for kind, x in slots:
-            if kind == "zeros":
-                out.append(jax.numpy.zeros(x.shape, x.dtype))
-            elif kind == "arg":
-                out.append(values[x])
-            else:
-                out.append(x)
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    return data, rebuild
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prepared:
-    plan: Plan
-    traced: Any
-    outputs: list[int]
-    flat: list[tuple[Any, Any]]  # (key path, box or value) of every variable, traced
-    treedef: Any
-    placed: dict[str, bool]  # placed by placements=: whether its box names the mesh
-
-
-def _abstract(leaf: Any, aval: Any) -> Any:
-    struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-    return leaf.replace_boxed(struct) if _linen_meta.is_box(leaf) else struct
-
-
-def _prepare(
-    module: nn.Module,
-    key: Any,
-    example_args: tuple[Any, ...],
-    example_kwargs: dict[str, Any],
-    *,
-    mesh: Any,
-    rules: Any,
-    default: Any,
-    meshes: Any,
-    placements: Any,
-    what: str,
-) -> _Prepared:
-    """Traces ``module.init`` once and plans its variables; compiles and allocates nothing."""
-    patterns = _adapters.parse_meshes(meshes)
-    table, problems = _placements.parse(placements)
-    _adapters.check_mesh("mesh", mesh)
-    placement = _linen_meta.default_placement(default, mesh)
-    key_data, make_rngs = _host_keys(key)
-    input_data, make_inputs = _host_inputs((example_args, example_kwargs))
-    n_keys = len(key_data)
-    found: list[Any] = []
-    notes: list[str | None] = []  # what capture_intermediates= gave (linen_meta)
-
-    def run_init(*values: Any) -> list[Any]:
-        args, kwargs = make_inputs(list(values[n_keys:]))
-        try:
-            variables = module.init(make_rngs(list(values[:n_keys])), *args, **kwargs)
-        except ValueError as e:
-            problem = _explicit_box_problem(e)
-            if problem is None:
-                raise
-            raise PlanError([problem]) from e
-        variables, note = _linen_meta.without_intermediates(variables, example_kwargs, what)
-        notes.append(note)
-        flat, treedef = jax.tree_util.tree_flatten_with_path(variables, is_leaf=_linen_meta.is_box)
-        found.append((flat, treedef))
-        leaves = [_linen_meta.value_of(leaf) for _, leaf in flat]
-        return [x for x in leaves if isinstance(x, jax.Array)]
-
-    host = [*key_data, *input_data]
-    traced = _engine.trace(run_init, *host)
-    if notes[0] is not None:
-        warnings.warn(notes[0], stacklevel=3)
-    flat, treedef = found[0]
-    avals = iter(traced.out_avals)
-    outputs_of: dict[str, int] = {}
-    leaves: list[tuple[str, Any]] = []
-    for keypath, leaf in flat:
-        path = _paths.path_str(keypath)
-        if isinstance(_linen_meta.value_of(leaf), jax.Array):
-            leaf = _abstract(leaf, next(avals))
-            outputs_of[path] = len(outputs_of)
-        leaves.append((path, leaf))
-    # every path matched first: a replicated placement without a mesh takes the one
-    # mesh the others name
-    matched = {p: table.match(p, _linen_meta.value_of(x)) if table else None for p, x in leaves}
-    replicas = _placement.Replicas(matched.values())
-    specs = []
-    placed: dict[str, bool] = {}
-    lengths: dict[str, int] = {}
-    for path, leaf in leaves:
-        # A meshes= match wins over every other mesh; an unannotated variable it
-        # matches is replicated there (or laid out as default= says).
-        override = next((m for pattern, m in patterns if pattern.fullmatch(path)), None)
-        entry = matched[path]
-        if entry is not None:
-            spec = None  # a broken entry is said once, for itself
-            if not entry.broken:
-                spec = _linen_meta.placed_spec(
-                    path, leaf, entry, mesh, rules, override, problems, replicas
-                )
-            specs.append(spec)
-            if spec is not None:
-                own = isinstance(leaf, meta.Partitioned) and leaf.mesh is not None
-                named = entry.mesh is not None or override is not None or own
-                placed[path] = named or path in replicas.given
-                lengths[path] = entry.spelled
-            continue
-        if table.lacks(path):  # a tree without it: said once, by the tree
-            specs.append(None)
-            continue
-        if isinstance(leaf, meta.Partitioned):
-            lengths[path] = len(leaf.names)
-        fallback = placement
-        if override is not None:
-            fallback = (override, None if placement is None else placement[1])
-        specs.append(
-            _linen_meta.spec_for(path, leaf, mesh, rules, fallback, problems, override=override)
-        )
-    # A meshes= pattern that matches no variable places nothing: likely a typo, warned.
-    names = [_paths.path_str(k) for k, _ in flat]
-    _adapters.warn_idle_meshes(what, patterns, names)
-    problems += table.finish(what, names, "annotation")
-    problems += replicas.problems(what, _placement.CONTEXT)
-    plan = _planner.build_plan(
-        jax.tree_util.tree_unflatten(treedef, specs), check_inits=False, problems=problems
-    )
-    # flax's spelling (nn.logical_to_mesh_sharding of nn.get_partition_spec): one entry
-    # per name of a box (a placed variable's new box included), none for a leaf
-    # without one (P()), so == holds
-    plan = _adapters.respell(plan, {p: lengths.get(p, 0) for p in names})
-    outputs = [outputs_of[e.path] for e in plan.entries]
-    return _Prepared(plan, traced, outputs, flat, treedef, placed)
 
 
 def plan(
@@ -310,7 +77,7 @@ def plan(
       <BLANKLINE>
       total: 2 params, 128.0 KiB, 1 mesh, most on one device 16.0 KiB
     """
-    return _prepare(
+    return _linen.prepare(
         module,
         key,
         example_args,
@@ -453,9 +220,9 @@ def init(
       >>> variables["params"]["kernel"].value.sharding.spec
       P('fsdp', 'tensor')
     """
-    # Collective: module.init failing while traced on one process fails every process.
-    with _agree.collective("meshinit.linen.init"), _engine.paused_gc():
-        prep = _prepare(
+    return _prepared.init(
+        "meshinit.linen.init",
+        lambda: _linen.prepare(
             module,
             key,
             example_args,
@@ -466,23 +233,6 @@ def init(
             meshes=meshes,
             placements=placements,
             what="meshinit.linen.init",
-        )
-        placed = jax.tree_util.tree_leaves(
-            _engine.make_arrays(
-                prep.plan,
-                prep.traced,
-                prep.outputs,
-                what="meshinit.linen.init",
-                existing=_adapters.flat_existing(existing, _linen_meta.value_of),
-            )
-        )
-    entries = {e.path: e for e in prep.plan.entries} if prep.placed else {}
-    boxes = []
-    for (keypath, leaf), array in zip(prep.flat, placed, strict=True):
-        path = _paths.path_str(keypath) if prep.placed else ""
-        if path in prep.placed:  # its box says what was placed
-            e = entries[path]
-            boxes.append(_linen_meta.placed_box(leaf, array, e.spec, e.sharding, prep.placed[path]))
-        else:
-            boxes.append(leaf.replace_boxed(array) if _linen_meta.is_box(leaf) else array)
-    return jax.tree_util.tree_unflatten(prep.treedef, boxes)
+        ),
+        existing,
+    )

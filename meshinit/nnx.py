@@ -32,10 +32,10 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
 
 from jax.sharding import AbstractMesh, Mesh
 
+from ._adapters import nnx as _prep
 from ._adapters import nnx_meta as _nnx_meta
-from ._adapters import nnx_prepare as _prep
+from ._adapters import prepared as _prepared
 from ._adapters.nnx_optimizer import optimizer
-from ._engine import entry as _engine
 from ._plan import planner as _planner
 from ._plan.plan import Plan
 from ._run import agree as _agree
@@ -190,18 +190,7 @@ def abstract(
         prep = _prep.prepare(
             factory, meshes, rules, "meshinit.nnx.abstract", placements=placements, mesh=mesh
         )
-    structs = prep.plan.abstract()
-    entries = {e.path: e for e in prep.plan.entries} if prep.placed else {}
-    placed = []
-    for path, var in prep.flat:
-        if path in prep.specs:
-            var = var.replace(
-                _prep.get(structs, path),
-                eager_sharding=nnx.using_eager_sharding(),
-                **_nnx_meta.placement_of(prep.placed, prep.keys, entries, path),
-            )
-        placed.append((path, var))
-    return nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
+    return prep.rewrap(prep.plan.abstract())
 
 
 def init(
@@ -306,33 +295,10 @@ def init(
       ...     lambda: Model(rngs=nnx.Rngs(0)),
       ...     meshes=[(r"layers\.[0-3]\..*", stage0), (r".*", stage1)])
     """
-    # Collective: a factory that fails while tracing on one process fails every process.
-    with _agree.collective("meshinit.nnx.init"), _engine.paused_gc():
-        prep = _prep.prepare(
+    return _prepared.init(
+        "meshinit.nnx.init",
+        lambda: _prep.prepare(
             factory, meshes, rules, "meshinit.nnx.init", placements=placements, mesh=mesh
-        )
-        arrays = _engine.make_arrays(
-            prep.made,
-            prep.traced,
-            prep.outputs,
-            what="meshinit.nnx.init",
-            existing=_nnx_meta.existing_arrays(existing, prep.keys),
-        )
-        entries = {e.path: e for e in prep.plan.entries}
-        placed = []
-        for path, var in prep.flat:
-            if path in prep.specs:
-                array = _prep.get(arrays, path)
-                if path in prep.keys:  # the key data, placed: a key of eager's type again
-                    sharding = entries[_prep.dotted(path)].sharding  # as the plan shows it
-                    array = _nnx_meta.rewrapped(array, prep.keys[path][1], sharding)
-                # Traced with eager sharding off; give back what the user's flax would record.
-                var = var.replace(
-                    array,
-                    eager_sharding=nnx.using_eager_sharding(),
-                    **_nnx_meta.placement_of(prep.placed, prep.keys, entries, path),
-                )
-            placed.append((path, var))
-        module = nnx.merge(prep.graphdef, nnx.from_flat_state(placed))
-        del prep, arrays, placed
-    return module
+        ),
+        existing,
+    )

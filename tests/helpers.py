@@ -337,3 +337,28 @@ def overlapping_mesh_specs():
             mesh=jax.make_mesh((2,), ("tensor",), devices=devices[6:]),
         ),
     }  # fmt: skip
+
+
+def eqx_mlp(key):
+    """A small equinox MLP (16 in, 8 out, width 32, depth 2): what the eqx tests place."""
+    import equinox as eqx
+
+    return eqx.nn.MLP(16, 8, 32, 2, key=key)
+
+
+def eqx_linear(key):
+    """An equinox Linear (16 in, 32 out) with a bias."""
+    import equinox as eqx
+
+    return eqx.nn.Linear(16, 32, key=key)
+
+
+def boxes_by_path(variables):
+    """A linen variables tree as dot-joined path -> leaf, ``nn.Partitioned`` boxes
+    (logical ones included) kept whole."""
+    import flax.linen as nn
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        variables, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+    )
+    return {meshinit._paths.path_str(kp): v for kp, v in flat}

@@ -103,7 +103,7 @@ def check_nnx(named: Mapping[str, Mesh], reference: Any) -> tuple[list[str], dic
 
     from flax import nnx
 
-    from meshinit._adapters import nnx_prepare
+    from meshinit._adapters import nnx as nnx_prepare
 
     model = nnx_model()
     meshes = [(p, named[n]) for p, n in NNX_MESHES]

@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.core import meta
+from helpers import boxes_by_path, submesh
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
 
 # MaxText's rule format: ordered (logical name, mesh axes) pairs.
-RULES = (
+MAXTEXT_RULES = (
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -23,6 +24,7 @@ RULES = (
     ("norm", None),
 )
 VOCAB, EMBED, HEADS, HEAD_DIM, MLP = 64, 16, 4, 8, 32
+FSDP_TENSOR = ("fsdp", "tensor")
 
 
 def logical(init, names):
@@ -89,13 +91,6 @@ class Decoder(nn.Module):
 TOKENS = np.zeros((2, 8), np.int32)
 
 
-def leaves_by_path(tree):
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, nn.Partitioned)
-    )
-    return {meshinit._paths.path_str(kp): v for kp, v in flat}
-
-
 @pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
 def test_a_maxtext_like_model_gets_flax_own_shardings_and_eager_values(explicit, count_compiles):
     if explicit:
@@ -104,20 +99,20 @@ def test_a_maxtext_like_model_gets_flax_own_shardings_and_eager_values(explicit,
         mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
     model, key = Decoder(), jax.random.PRNGKey(0)
     with count_compiles() as compiles:
-        variables = meshinit.linen.init(model, key, TOKENS, mesh=mesh, rules=RULES)
+        variables = meshinit.linen.init(model, key, TOKENS, mesh=mesh, rules=MAXTEXT_RULES)
     # One executable per bucket of per-variable computations (rounds), none per layer;
     # tests/_engine/test_run.py checks that the count does not grow with depth.
     assert compiles.count <= 4, f"one mesh group, {compiles.count} compiles"
 
     # flax's own answer: the logical specs of the abstract variables, through its rules.
     abstract = jax.eval_shape(model.init, key, TOKENS)
-    expected = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, RULES)
+    expected = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, MAXTEXT_RULES)
     eager = model.init(key, TOKENS)
 
     got, want, values = (
-        leaves_by_path(variables),
-        leaves_by_path(expected),
-        leaves_by_path(eager),
+        boxes_by_path(variables),
+        boxes_by_path(expected),
+        boxes_by_path(eager),
     )
     assert set(got) == set(want) and len(got) == 2 * 9 + 2, sorted(got)
     assert type(variables["params"]["layers_0_mlp"]["wi"]["kernel"]) is nn.LogicallyPartitioned
@@ -164,7 +159,9 @@ class Scanned(nn.Module):
 def test_scanned_layers_shard_with_the_added_axis():
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
     key, x = jax.random.PRNGKey(2), np.ones((2, EMBED), np.float32)
-    variables = meshinit.linen.init(Scanned(), key, x, mesh=mesh, rules=(("layers", None), *RULES))
+    variables = meshinit.linen.init(
+        Scanned(), key, x, mesh=mesh, rules=(("layers", None), *MAXTEXT_RULES)
+    )
     box = variables["params"]["layers"]["Dense_0"]["kernel"]
     assert box.names == ("layers", "embed", "mlp")
     assert box.value.sharding == NamedSharding(mesh, P(None, "fsdp", "tensor"))
@@ -195,15 +192,11 @@ class TwoStages(nn.Module):
         )(x)
 
 
-def submesh(ids, explicit=False):
-    devices = np.array([jax.devices()[i] for i in ids]).reshape(2, 2)
-    if explicit:
-        return jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=devices.ravel().tolist())
-    return Mesh(devices, ("fsdp", "tensor"))
-
-
 def test_per_parameter_meshes_on_disjoint_submeshes(count_compiles):
-    first, second = submesh(range(4)), submesh(range(4, 8))
+    first, second = (
+        submesh(range(4), (2, 2), FSDP_TENSOR),
+        submesh(range(4, 8), (2, 2), FSDP_TENSOR),
+    )
     model = TwoStages(first, second)
     key, x = jax.random.PRNGKey(1), np.ones((4, 16), np.float32)
     with count_compiles() as compiles:
@@ -231,7 +224,10 @@ def test_per_parameter_meshes_on_disjoint_submeshes(count_compiles):
 def test_a_box_on_an_explicit_mesh_is_named_with_its_fix():
     # linen's unbox constrains to the box's own mesh, and jax refuses a constraint on
     # Explicit axes; meshinit leaves flax's classes alone, so it names the box instead.
-    first, second = submesh(range(4), explicit=True), submesh(range(4, 8), explicit=True)
+    first, second = (
+        submesh(range(4), (2, 2), FSDP_TENSOR, explicit=True),
+        submesh(range(4, 8), (2, 2), FSDP_TENSOR, explicit=True),
+    )
     model, key, x = TwoStages(first, second), jax.random.PRNGKey(1), np.ones((4, 16), np.float32)
     with pytest.raises(ValueError, match="Auto axes"):
         model.init(key, x)  # flax fails the same way
@@ -253,54 +249,15 @@ def test_a_box_on_an_explicit_mesh_is_named_with_its_fix():
 def test_meshinit_never_modifies_flax_classes():
     before = {cls: dict(vars(cls)) for cls in (meta.Partitioned, nn.LogicallyPartitioned)}
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
-    meshinit.linen.init(TwoStages(submesh(range(4)), submesh(range(4, 8))), 0, np.ones((4, 16)))
+    meshinit.linen.init(
+        TwoStages(
+            submesh(range(4), (2, 2), FSDP_TENSOR), submesh(range(4, 8), (2, 2), FSDP_TENSOR)
+        ),
+        0,
+        np.ones((4, 16)),
+    )
     meshinit.linen.init(nn.Dense(8), 0, np.ones((2, 4)), mesh=mesh, default="replicated")
     assert {cls: dict(vars(cls)) for cls in before} == before
-
-
-class Unannotated(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(
-            8, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "tensor"))
-        )(x)
-        x = nn.Dense(8, name="plain")(x)
-        return nn.BatchNorm(use_running_average=True, name="bn")(x)
-
-
-def test_unannotated_variables_are_named_all_at_once():
-    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
-    x = np.ones((2, 4), np.float32)
-    with pytest.raises(meshinit.PlanError, match="with_partitioning") as err:
-        meshinit.linen.init(Unannotated(), jax.random.PRNGKey(0), x, mesh=mesh)
-    paths = {p.path for p in err.value.problems}
-    assert paths == {
-        "params.plain.kernel",
-        "params.plain.bias",
-        "params.Dense_0.bias",
-        "params.bn.scale",
-        "params.bn.bias",
-        "batch_stats.bn.mean",
-        "batch_stats.bn.var",
-    }, paths
-    assert "params.plain.kernel" in str(err.value) and 'default="replicated"' in str(err.value)
-
-
-@pytest.mark.parametrize("how", ["replicated", "mesh", "sharding"])
-def test_a_catch_all_default_places_unannotated_variables(how):
-    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
-    default = {"replicated": "replicated", "mesh": mesh, "sharding": NamedSharding(mesh, P())}
-    x = np.ones((2, 4), np.float32)
-    model, key = Unannotated(), jax.random.PRNGKey(0)
-    variables = meshinit.linen.init(model, key, x, mesh=mesh, default=default[how])
-    eager = model.init(key, x)
-    kernel = variables["params"]["Dense_0"]["kernel"].value
-    assert kernel.sharding == NamedSharding(mesh, P(None, "tensor"))
-    for path, leaf in leaves_by_path(nn.unbox(variables)).items():
-        assert leaf.sharding.mesh == mesh, path
-        if path != "params.Dense_0.kernel":
-            assert leaf.sharding.is_fully_replicated, (path, leaf.sharding)
-    jax.tree.map(np.testing.assert_array_equal, nn.unbox(variables), nn.unbox(eager))
 
 
 def test_logical_names_resolve_with_the_annotations_own_rules_and_report_problems():
@@ -322,7 +279,7 @@ def test_logical_names_resolve_with_the_annotations_own_rules_and_report_problem
 
     x = np.ones((1, 8), np.float32)
     with pytest.raises(meshinit.PlanError) as err:
-        meshinit.linen.init(M(), jax.random.PRNGKey(0), x, mesh=mesh, rules=RULES)
+        meshinit.linen.init(M(), jax.random.PRNGKey(0), x, mesh=mesh, rules=MAXTEXT_RULES)
     text = str(err.value)
     assert "params.u" in text and "'mlpp' has no rule" in text, text
     assert "params.z" in text and "'x' not in the mesh" in text, text
@@ -339,7 +296,7 @@ def test_a_logical_annotation_without_rules_or_mesh_is_a_plan_error():
     with pytest.raises(meshinit.PlanError, match="params.kernel: .*no rules"):
         meshinit.linen.init(dense, jax.random.PRNGKey(0), x, mesh=mesh, default="replicated")
     # flax's own rule context counts, as it does for linen.
-    with nn.logical_axis_rules(RULES):
+    with nn.logical_axis_rules(MAXTEXT_RULES):
         variables = meshinit.linen.init(
             dense, jax.random.PRNGKey(0), x, mesh=mesh, default="replicated"
         )
@@ -374,7 +331,7 @@ def test_context_mesh_typed_keys_rng_dicts_and_abstract_inputs():
 
 
 def test_logical_annotations_with_their_own_mesh_and_rules():
-    second = submesh(range(4, 8))
+    second = submesh(range(4, 8), (2, 2), FSDP_TENSOR)
     own = (("embed", "tensor"), ("mlp", "fsdp"))
     kernel = nn.with_logical_partitioning(
         nn.initializers.lecun_normal(), ("embed", "mlp"), mesh=second, rules=own
@@ -382,7 +339,7 @@ def test_logical_annotations_with_their_own_mesh_and_rules():
     dense = nn.Dense(8, kernel_init=kernel, use_bias=False)
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
     key, x = jax.random.PRNGKey(5), np.ones((2, 4), np.float32)
-    variables = meshinit.linen.init(dense, key, x, mesh=mesh, rules=RULES)
+    variables = meshinit.linen.init(dense, key, x, mesh=mesh, rules=MAXTEXT_RULES)
     placed = variables["params"]["kernel"].value
     assert placed.sharding == NamedSharding(second, P("tensor", "fsdp"))
     eager = nn.Dense(8, use_bias=False).init(key, x)["params"]["kernel"]
@@ -412,14 +369,6 @@ def test_linen_unboxing_is_restored_after_init_even_when_it_fails():
     with pytest.raises(RuntimeError, match="broken module"):
         meshinit.linen.init(Broken(), jax.random.PRNGKey(0), np.ones((1, 2)), mesh=mesh)
     assert constrained()  # flax's own unbox again, in this thread
-
-
-def test_a_bad_default_is_rejected():
-    dense = nn.Dense(4)
-    with pytest.raises(ValueError, match="default must be"):
-        meshinit.linen.init(dense, jax.random.PRNGKey(0), np.ones((1, 2)), default="sharded")
-    with pytest.raises(TypeError, match="default must be"):
-        meshinit.linen.init(dense, jax.random.PRNGKey(0), np.ones((1, 2)), default=3)
 
 
 def test_importing_meshinit_does_not_import_flax_linen():

@@ -6,9 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from helpers import mesh8
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
@@ -186,7 +188,7 @@ def test_a_factory_reusing_a_module_it_built_before_gets_a_clear_error():
         meshinit.nnx.init(factory)
 
 
-RULES = (("embed", "fsdp"), ("mlp", "tensor"), ("layers", None))
+LAYER_RULES = (("embed", "fsdp"), ("mlp", "tensor"), ("layers", None))
 
 
 class Block(nnx.Module):
@@ -197,7 +199,7 @@ class Block(nnx.Module):
 
 class SpecModel(nnx.Module):
     def __init__(self, mesh, n=2):
-        with meshinit.defaults(mesh=mesh, rules=RULES):
+        with meshinit.defaults(mesh=mesh, rules=LAYER_RULES):
             self.layers = nnx.List([Block() for _ in range(n)])
             self.head = nnx.Param(meshinit.param((64, 128), lecun(), axes=("embed", None)))
         self.rngs = nnx.Rngs(3)
@@ -226,7 +228,7 @@ def test_spec_module_materializes_exactly_and_keeps_metadata(new_arrays):
 def test_spec_module_values_equal_a_dict_with_the_same_paths():
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
     model = meshinit.nnx.materialize(SpecModel(mesh), 5)
-    with meshinit.defaults(mesh=jax.make_mesh((4, 2), ("fsdp", "tensor")), rules=RULES):
+    with meshinit.defaults(mesh=jax.make_mesh((4, 2), ("fsdp", "tensor")), rules=LAYER_RULES):
         tree = {
             "layers": [
                 {
@@ -321,3 +323,124 @@ def test_sharded_variable_without_any_mesh_is_a_plan_error():
 
     with pytest.raises(meshinit.PlanError, match="w: has sharding metadata but no mesh"):
         meshinit.nnx.init(Model)
+
+
+# ------------------------------------------------ abstract: init's Module as structs
+
+
+def ab_mesh(ids, shape, axis_types=None):
+    devices = np.array([jax.devices()[i] for i in ids]).reshape(shape)
+    return Mesh(devices, ("a", "b"), axis_types=axis_types)
+
+
+def ab_stages():
+    return ab_mesh(range(4), (2, 2)), ab_mesh(range(4, 8), (2, 2))
+
+
+class AbstractBlock(nnx.Module):
+    def __init__(self, rngs):
+        kernel = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("a", "b"))
+        self.up = nnx.Linear(8, 16, kernel_init=kernel, rngs=rngs)
+        self.scale = nnx.Param(jnp.ones((16,), jnp.bfloat16), out_sharding=("b",))
+        self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+
+class AbstractModel(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([AbstractBlock(rngs) for _ in range(3)])
+        self.rngs = rngs  # typed keys in the state
+
+
+def abstract_factory():
+    return AbstractModel(nnx.Rngs(0))
+
+
+def flat_variables(module):
+    return {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(module))}
+
+
+AB_STAGES = [(r"layers\.0\..*", 0), (r".*", 1)]
+
+
+def ab_stage_meshes():
+    s = ab_stages()
+    return [(pattern, s[i]) for pattern, i in AB_STAGES]
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["one mesh", "two stages"])
+def test_abstract_is_init_as_structs_with_the_same_shardings_and_metadata(staged, count_compiles):
+    meshes = ab_stage_meshes() if staged else None
+    with jax.set_mesh(mesh8(("a", "b"))):
+        with count_compiles() as compiles:
+            before = {id(x) for x in jax.live_arrays()}
+            abstract = meshinit.nnx.abstract(abstract_factory, meshes=meshes)
+            assert {id(x) for x in jax.live_arrays()} <= before  # nothing allocated
+        model = meshinit.nnx.init(abstract_factory, meshes=meshes)
+    assert compiles.count == 0
+    structs, arrays = flat_variables(abstract), flat_variables(model)
+    assert structs.keys() == arrays.keys()
+    for path, var in structs.items():
+        struct, array = var.get_value(), arrays[path].get_value()
+        assert isinstance(struct, jax.ShapeDtypeStruct), path
+        assert (struct.shape, struct.dtype) == (array.shape, array.dtype), path
+        assert struct.sharding == array.sharding, path
+        assert type(var) is type(arrays[path]), path
+        assert var.get_metadata() == arrays[path].get_metadata(), path
+    assert jax.dtypes.issubdtype(structs["rngs.default.key"].get_value().dtype, jax.dtypes.prng_key)
+    if staged:
+        first, rest = ab_stages()
+        assert structs["layers.0.up.kernel"].get_value().sharding.mesh == first
+        assert structs["layers.2.up.kernel"].get_value().sharding.mesh == rest
+
+
+def test_abstract_plans_on_abstract_meshes_before_the_hardware_exists():
+    auto = (AxisType.Auto,) * 2
+    big = jax.sharding.AbstractMesh((16, 64), ("a", "b"), axis_types=auto)
+
+    class Wide(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("a", "b"))
+            self.w = nnx.Linear(1024, 4096, kernel_init=init, use_bias=False, rngs=rngs)
+
+    struct = meshinit.nnx.abstract(lambda: Wide(nnx.Rngs(0)), meshes=[(r".*", big)]).w.kernel
+    assert struct.get_value().sharding.mesh == big
+    assert struct.get_value().sharding.shard_shape((1024, 4096)) == (64, 64)
+
+
+@pytest.mark.parametrize(
+    "saved, restored",
+    [("one mesh", "two stages"), ("two stages", "one mesh"), ("one mesh", "4x2 explicit")],
+)
+def test_an_nnx_checkpoint_restores_into_abstract_in_another_layout(saved, restored, tmp_path):
+    def layout(name):
+        if name == "one mesh":
+            return [(r".*", mesh8(("a", "b")))]
+        if name == "two stages":
+            return ab_stage_meshes()
+        return [(r".*", ab_mesh(range(8), (4, 2), (AxisType.Explicit,) * 2))]
+
+    model = meshinit.nnx.init(abstract_factory, meshes=layout(saved))
+    path = tmp_path / "ckpt"
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, nnx.state(model))  # flax's usual checkpoint
+        checkpointer.wait_until_finished()
+        graphdef, target = nnx.split(
+            meshinit.nnx.abstract(abstract_factory, meshes=layout(restored))
+        )
+        back = nnx.merge(graphdef, checkpointer.restore(path, target))
+    want, structs, got = (
+        flat_variables(model),
+        flat_variables(nnx.merge(graphdef, target)),
+        flat_variables(back),
+    )
+    assert got.keys() == want.keys()
+    for p, var in got.items():
+        value, saved_value = var.get_value(), want[p].get_value()
+        assert value.sharding == structs[p].get_value().sharding, p
+        assert value.dtype == saved_value.dtype, p
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            value, saved_value = jax.random.key_data(value), jax.random.key_data(saved_value)
+        assert np.asarray(value).tobytes() == np.asarray(saved_value).tobytes(), p
+    # the restored Module is an ordinary one: its keys draw as the saved model's do
+    drawn, want_drawn = back.rngs.params(), model.rngs.params()
+    assert np.array_equal(jax.random.key_data(drawn), jax.random.key_data(want_drawn))

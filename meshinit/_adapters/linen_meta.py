@@ -23,8 +23,8 @@ from .._errors import Problem
 from .._spec.constructor import from_constructor
 from .._spec.spec import ParamSpec, memory_kind_default, replicated_default
 from . import common as _adapters
-from .placement import Replicas, not_an_array
-from .placements import Parsed
+from .placement.parsed import Parsed, not_an_array
+from .placement.replicas import Replicas
 
 
 def is_box(x: Any) -> bool:

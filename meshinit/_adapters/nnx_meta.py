@@ -27,7 +27,9 @@ from .._spec import rules as _rules
 from .._spec.constructor import from_constructor
 from .._spec.spec import ParamSpec, key_spec, memory_kind_default, replicated_default
 from . import common as _adapters
-from .placement import Parsed, Placements, Replicas
+from .placement.forms import Placements
+from .placement.parsed import Parsed
+from .placement.replicas import Replicas
 
 
 def is_key(value: Any) -> bool:

@@ -1,5 +1,4 @@
-"""``placements=`` of ``meshinit.eqx.init``, ``nnx.init`` and ``linen.init``: the sharding
-kept outside the model, in whichever form the caller has it.
+"""``placements=`` as a table of patterns: the sharding kept outside the model.
 
 A table is an ordered sequence of ``(regex, axes)``, ``(regex, axes, mesh)`` or
 ``(regex, axes, mesh, memory_kind)``: the sharding kept outside the model, as in
@@ -11,10 +10,8 @@ dimension (logical names where the call has rules, else mesh axis names), or a
 ``jax.sharding.PartitionSpec``, whose names are mesh axes whatever the rules (jax's
 meaning), padded with None to the variable's rank as jax pads it.
 
-``placements=`` may also be a tree of shardings or a rule (:mod:`.placement_forms`).
-One parser for the three adapters: :func:`parse` reads any form into a
-:class:`~.placement.Placements` that gives each path its :class:`~.placement.Parsed`
-placement, checks every entry and collects what is wrong.
+:func:`read_table` checks every entry and collects what is wrong; :class:`Table` gives
+each path its first match, and says which entries matched nothing.
 """
 
 from __future__ import annotations
@@ -23,19 +20,17 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from .. import _patterns
-from .._errors import Problem
-from .placement import Parsed as Parsed
-from .placement import Placements, axes_of, described, not_an_array
-from .placement_forms import Rule, Tree, spec_leaf
+from ... import _patterns
+from ..._errors import Problem
+from .forms import Placements
+from .parsed import Parsed, axes_of, not_an_array
 
 Placement = tuple[Any, ...]
 """``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex, axes, mesh, memory_kind)``."""
 
-_FORMS = "(regex, axes), (regex, axes, mesh) or (regex, axes, mesh, memory_kind)"
+FORMS = "(regex, axes), (regex, axes, mesh) or (regex, axes, mesh, memory_kind)"
 
 _NOT_ARRAY_FIX = "narrow the regex so that it leaves this path out"
 
@@ -161,77 +156,7 @@ class Table(Placements):
         return [unused[i] for i in idle]
 
 
-def parse(placements: Any) -> tuple[Placements, list[Problem]]:
-    """The placements of ``placements`` (None: an empty table), in any form, and every
-    malformed entry. A sequence is a table where an entry is led by a regex, else a
-    tree of shardings (the spec tree of a model that is a list of layers).
-
-    Raises:
-      TypeError: ``placements`` is none of the forms.
-    """
-    if placements is None:
-        return Table(()), []
-    if isinstance(placements, _patterns.Searched):
-        return _table(placements.rules, placements)
-    if isinstance(placements, str | bytes):
-        raise TypeError(
-            f"placements must be an ordered sequence of {_FORMS} tuples (first match wins), a "
-            f"tree of shardings or a callable; got {type(placements).__name__}"
-        )
-    if isinstance(placements, Sequence):
-        if _is_tree(placements):  # a model that is a list of layers: its tree is a list
-            return Tree(placements), []
-        return _table(placements, None)
-    if callable(placements) and _is_leaf(placements):
-        return Rule(placements), []
-    return Tree(placements), []
-
-
-def _is_table_entry(entry: Any) -> bool:
-    """Whether ``entry`` is meant as a table's entry: a sequence led by a regex (or a
-    bare regex, an entry not wrapped in its tuple), well formed or not."""
-    if isinstance(entry, str | bytes | re.Pattern):
-        return True
-    return (
-        isinstance(entry, tuple | list)
-        and bool(entry)
-        and isinstance(entry[0], str | bytes | re.Pattern)
-    )
-
-
-def _is_tree(placements: Sequence[Any]) -> bool:
-    """Whether a sequence is a tree of shardings (the spec tree of a model that is a
-    list or tuple), not a table: no entry is led by a regex, and its leaves hold a
-    sharding. A sequence that is neither is refused, naming both forms.
-
-    Raises:
-      TypeError: ``placements`` is neither a table nor a tree of shardings.
-    """
-    if not placements or any(_is_table_entry(e) for e in placements):
-        return False
-    flat = jax.tree_util.tree_flatten_with_path(placements, is_leaf=spec_leaf)[0]
-    if any(spec_leaf(leaf) for _, leaf in flat):
-        return True
-    keypath, leaf = flat[0] if flat else ((), placements[0])
-    raise TypeError(
-        f"placements is a {type(placements).__name__} of neither table entries nor "
-        f"shardings: a table is an ordered sequence of {_FORMS} tuples (first match wins); "
-        f"a tree of shardings has the model's structure with a NamedSharding, "
-        f"PartitionSpec or None per array; this one holds {described(leaf)} at "
-        f"placements{jax.tree_util.keystr(keypath) or '[0]'}"
-    )
-
-
-def _is_leaf(value: Any) -> bool:
-    """Whether ``value`` is one leaf to jax (a function), not a tree (an eqx Module of
-    shardings is callable, and a tree)."""
-    if isinstance(value, jax.tree_util.Partial):
-        return True
-    leaves = jax.tree_util.tree_leaves(value, is_leaf=lambda x: x is None)
-    return len(leaves) == 1 and leaves[0] is value
-
-
-def _table(
+def read_table(
     placements: Sequence[Any], searched: _patterns.Searched | None
 ) -> tuple[Table, list[Problem]]:
     parsed: list[Parsed] = []
@@ -239,7 +164,7 @@ def _table(
     problems: list[Problem] = []
     for i, p in enumerate(placements):
         if not isinstance(p, tuple | list) or len(p) not in (2, 3, 4):
-            problems.append(Problem("", f"placements[{i}] must be {_FORMS}; got {p!r}"))
+            problems.append(Problem("", f"placements[{i}] must be {FORMS}; got {p!r}"))
             continue
         regex, axes, mesh, memory_kind = (*p, None, None, None)[:4]
         pattern = _patterns.compile_regex(f"placements[{i}]", regex)

@@ -4,21 +4,17 @@ in their logical column; RNG state and scalars never suggested for sharding."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from helpers import mesh8
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
 
 # A MaxText-style table: several rules per name, the first that fits wins (linen's
 # algorithm, which flax's nnx context rules follow through get_var_pspec).
-RULES = (("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor"), ("norm", None))
-
-
-def mesh8():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
+MAXTEXT_LIKE_RULES = (("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor"), ("norm", None))
 
 
 class Block(nnx.Module):
@@ -48,12 +44,12 @@ def _shardings(module):
 
 def test_rules_place_as_flax_logical_axis_rules_does():
     mesh = mesh8()
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(MAXTEXT_LIKE_RULES):
         want = _shardings(meshinit.nnx.init(factory))
     with jax.set_mesh(mesh):
-        got = _shardings(meshinit.nnx.init(factory, rules=RULES))
-        plan = meshinit.nnx.plan(factory, rules=RULES)
-        abstract = meshinit.nnx.abstract(factory, rules=RULES)
+        got = _shardings(meshinit.nnx.init(factory, rules=MAXTEXT_LIKE_RULES))
+        plan = meshinit.nnx.plan(factory, rules=MAXTEXT_LIKE_RULES)
+        abstract = meshinit.nnx.abstract(factory, rules=MAXTEXT_LIKE_RULES)
     assert got == want
     assert got["up.kernel"] == NamedSharding(mesh, P("fsdp", "tensor"))
     assert got["up.bias"] == NamedSharding(mesh, P("tensor"))
@@ -64,14 +60,14 @@ def test_rules_place_as_flax_logical_axis_rules_does():
         assert var.get_value().sharding == got[".".join(map(str, path))]
     # flax's metadata is kept as written: the logical names, not the mesh axes
     with jax.set_mesh(mesh):
-        kept = meshinit.nnx.init(factory, rules=RULES).up.kernel.out_sharding
+        kept = meshinit.nnx.init(factory, rules=MAXTEXT_LIKE_RULES).up.kernel.out_sharding
     assert kept == ("embed", "mlp")
 
 
 def test_rules_replace_the_callers_table_for_the_call_only():
     other = (("embed", "tensor"), ("mlp", "fsdp"), ("vocab", None), ("norm", None))
     with jax.set_mesh(mesh8()), nn.logical_axis_rules(other):
-        got = _shardings(meshinit.nnx.init(factory, rules=RULES))
+        got = _shardings(meshinit.nnx.init(factory, rules=MAXTEXT_LIKE_RULES))
         assert nn.get_logical_axis_rules() == other  # the caller's table is back
         theirs = _shardings(meshinit.nnx.init(factory))
     assert got["up.kernel"].spec == P("fsdp", "tensor")
@@ -92,14 +88,14 @@ def test_malformed_rules_are_a_clear_error_before_tracing():
 
 def test_a_rule_naming_an_axis_the_mesh_lacks_is_a_plan_error_naming_the_variable():
     with jax.set_mesh(mesh8()), pytest.raises(meshinit.PlanError) as e:
-        meshinit.nnx.init(factory, rules=(("embed", "fsdpp"), *RULES[1:]))
+        meshinit.nnx.init(factory, rules=(("embed", "fsdpp"), *MAXTEXT_LIKE_RULES[1:]))
     assert [p.path for p in e.value.problems] == ["up.kernel"]
     assert "'fsdpp'" in str(e.value)
 
 
 def test_nnx_plans_show_flax_names_and_never_suggest_sharding_rng_state_or_scalars():
     with jax.set_mesh(mesh8()):
-        plan = meshinit.nnx.plan(factory, rules=RULES)
+        plan = meshinit.nnx.plan(factory, rules=MAXTEXT_LIKE_RULES)
         bare = meshinit.nnx.plan(  # no rules: the names are mesh axes already
             lambda: nnx.Linear(
                 16,

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import mesh8, same_bits
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -21,15 +22,7 @@ def _mesh(ids, shape):
     return Mesh(np.array([jax.devices()[i] for i in ids]).reshape(shape), ("a", "b"))
 
 
-def mesh8():
-    return _mesh(range(8), (2, 4))
-
-
-def same_bits(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    assert got.tobytes() == want.tobytes(), what
-
+AB = ("a", "b")
 
 # ----------------------------------------------------------------------------- nnx
 
@@ -65,7 +58,7 @@ def _is_key(x):
 
 
 def test_nnx_existing_places_the_given_and_makes_the_rest_as_a_full_init(count_compiles):
-    with jax.set_mesh(mesh8()):
+    with jax.set_mesh(mesh8(AB)):
         full = _flat(meshinit.nnx.init(factory))
         base = {p: v for p, v in full.items() if not p.startswith("head.")}
         meshinit.clear_cache()
@@ -97,7 +90,7 @@ def test_nnx_existing_evaluates_on_the_host_only_what_the_rest_reads(monkeypatch
         return evaluated[-1]
 
     monkeypatch.setattr(_trace, "evaluate_host_part", recording)
-    with jax.set_mesh(mesh8()):
+    with jax.set_mesh(mesh8(AB)):
         full = _flat(meshinit.nnx.init(factory))
         base = {p: v for p, v in full.items() if not p.startswith("head.")}
         got = _flat(meshinit.nnx.init(factory, existing=base))
@@ -110,7 +103,7 @@ def test_nnx_existing_evaluates_on_the_host_only_what_the_rest_reads(monkeypatch
 
 @pytest.mark.parametrize("how", ["numpy", "other mesh", "nested", "state"])
 def test_nnx_existing_takes_numpy_other_meshes_and_nested_trees(how):
-    with jax.set_mesh(mesh8()):
+    with jax.set_mesh(mesh8(AB)):
         model = meshinit.nnx.init(factory)
     full = _flat(model)
     if how == "numpy":
@@ -122,7 +115,7 @@ def test_nnx_existing_takes_numpy_other_meshes_and_nested_trees(how):
         existing = {"layers": {2: {"up": {"kernel": full["layers.2.up.kernel"]}}}}
     else:
         existing = nnx.state(model)  # every Variable, keys included, as a State
-    with jax.set_mesh(mesh8()):
+    with jax.set_mesh(mesh8(AB)):
         got = _flat(meshinit.nnx.init(factory, existing=existing))
     kernel = got["layers.2.up.kernel"]
     assert kernel.sharding == full["layers.2.up.kernel"].sharding
@@ -131,7 +124,7 @@ def test_nnx_existing_takes_numpy_other_meshes_and_nested_trees(how):
 
 
 def test_nnx_existing_problems_are_one_plan_error_naming_each_before_allocating():
-    with jax.set_mesh(mesh8()):
+    with jax.set_mesh(mesh8(AB)):
         full = _flat(meshinit.nnx.init(factory))
         bad = {
             "layers.1.up.kernal": full["layers.1.up.kernel"],  # a typo
@@ -175,7 +168,7 @@ def _linen_flat(variables):
 @pytest.mark.parametrize("boxed", [False, True], ids=["flat", "boxed variables"])
 def test_linen_existing_places_the_given_and_makes_the_rest(boxed):
     x = jnp.ones((1, 16))
-    kw = {"mesh": mesh8(), "default": "replicated"}
+    kw = {"mesh": mesh8(AB), "default": "replicated"}
     variables = meshinit.linen.init(Dense2(), 0, x, **kw)
     full = _linen_flat(variables)
     if boxed:  # the variables dict itself, its head dropped
@@ -199,7 +192,7 @@ def test_eqx_existing_places_the_given_and_makes_the_rest():
         return eqx.nn.MLP(16, 8, 32, 2, key=key)
 
     placements = [(r"layers\.\d+\.weight", ("b", "a")), (r".*", None)]
-    full = meshinit.eqx.init(make, 0, placements, mesh=mesh8())
+    full = meshinit.eqx.init(make, 0, placements, mesh=mesh8(AB))
     flat = {
         ".".join(str(getattr(k, "idx", getattr(k, "name", k))) for k in kp): v
         for kp, v in jax.tree_util.tree_flatten_with_path(full)[0]
@@ -212,7 +205,7 @@ def test_eqx_existing_places_the_given_and_makes_the_rest():
         "layers.1.weight": jax.device_put(flat["layers.1.weight"], elsewhere),  # resharded
         "layers.2.weight": np.asarray(flat["layers.2.weight"]),  # placed shard by shard
     }
-    got = meshinit.eqx.init(make, 0, placements, mesh=mesh8(), existing=given)
+    got = meshinit.eqx.init(make, 0, placements, mesh=mesh8(AB), existing=given)
     assert got.layers[0].weight is flat["layers.0.weight"]
     assert got.layers[1].weight.sharding == flat["layers.1.weight"].sharding
     arrays = [eqx.filter(t, eqx.is_array) for t in (got, full)]
@@ -220,13 +213,13 @@ def test_eqx_existing_places_the_given_and_makes_the_rest():
         assert a.sharding == b.sharding
         same_bits(a, b, "eqx")
     with pytest.raises(meshinit.PlanError, match=r"layers\.9\.weight"):
-        meshinit.eqx.init(make, 0, placements, mesh=mesh8(), existing={"layers.9.weight": 1})
+        meshinit.eqx.init(make, 0, placements, mesh=mesh8(AB), existing={"layers.9.weight": 1})
 
 
 def test_a_backbone_checkpoint_restores_into_abstract_and_init_makes_the_head(tmp_path):
     import orbax.checkpoint as ocp
 
-    with jax.set_mesh(mesh8()):
+    with jax.set_mesh(mesh8(AB)):
         model = meshinit.nnx.init(factory)
         backbone = nnx.state(model)
         del backbone["head"]
@@ -262,7 +255,7 @@ def test_an_array_on_another_mesh_is_placed_block_by_block_never_gathered(monkey
         assert np.array_equal(np.asarray(shard.data), x[shard.index])
 
 
-# ------------------------------------------ the holes of issue 33, on every adapter
+# ------------------------------------------ what every adapter refuses alike
 # A typed PRNG key for a weight, a big-endian array, a path given twice, a restore
 # target given for its values. Each adapter's weight is a float32 (in, out) kernel.
 
@@ -275,7 +268,7 @@ EQX_PLACEMENTS = [(r"layers\.\d+\.weight", ("b", "a")), (r".*", None)]
 
 def _spec_plan():
     def param(shape, init, axes):
-        return meshinit.param(shape, init, axes=axes, mesh=mesh8())
+        return meshinit.param(shape, init, axes=axes, mesh=mesh8(AB))
 
     lecun, normal = jax.nn.initializers.lecun_normal(), jax.nn.initializers.normal(0.02)
     return meshinit.plan(
@@ -301,12 +294,12 @@ def _init(adapter, existing=None):
     if adapter == "spec":
         return _paths_of(meshinit.materialize(_spec_plan(), 0, existing=existing))
     if adapter == "nnx":
-        with jax.set_mesh(mesh8()):
+        with jax.set_mesh(mesh8(AB)):
             return _flat(meshinit.nnx.init(factory, existing=existing))
     if adapter == "linen":
-        kw = {"mesh": mesh8(), "default": "replicated", "existing": existing}
+        kw = {"mesh": mesh8(AB), "default": "replicated", "existing": existing}
         return _linen_flat(meshinit.linen.init(Dense2(), 0, jnp.ones((1, 16)), **kw))
-    got = meshinit.eqx.init(_eqx_make, 0, EQX_PLACEMENTS, mesh=mesh8(), existing=existing)
+    got = meshinit.eqx.init(_eqx_make, 0, EQX_PLACEMENTS, mesh=mesh8(AB), existing=existing)
     return _paths_of(got)
 
 
@@ -315,12 +308,12 @@ def _restore_target(adapter):
     if adapter == "spec":
         return _paths_of(_spec_plan().abstract())
     if adapter == "nnx":
-        with jax.set_mesh(mesh8()):
+        with jax.set_mesh(mesh8(AB)):
             return nnx.state(meshinit.nnx.abstract(factory))
     if adapter == "linen":
-        kw = {"mesh": mesh8(), "default": "replicated"}
+        kw = {"mesh": mesh8(AB), "default": "replicated"}
         return meshinit.linen.plan(Dense2(), 0, jnp.ones((1, 16)), **kw).abstract()
-    return _paths_of(meshinit.eqx.plan(_eqx_make, 0, EQX_PLACEMENTS, mesh=mesh8()).abstract())
+    return _paths_of(meshinit.eqx.plan(_eqx_make, 0, EQX_PLACEMENTS, mesh=mesh8(AB)).abstract())
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
@@ -410,7 +403,7 @@ def test_a_path_given_twice_is_listed_with_the_other_problems_in_one_error(adapt
 def test_linen_existing_reads_int_and_str_keys_in_order_boxes_and_all():
     # jax's tree_map sorts dict keys and cannot order 0 against "params"
     variables = meshinit.linen.init(
-        Dense2(), 0, jnp.ones((1, 16)), mesh=mesh8(), default="replicated"
+        Dense2(), 0, jnp.ones((1, 16)), mesh=mesh8(AB), default="replicated"
     )
     with pytest.raises(meshinit.PlanError, match=r"\n  0: not a planned parameter"):
         _init("linen", {**variables, 0: np.zeros((2,), np.float32)})

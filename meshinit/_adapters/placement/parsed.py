@@ -2,20 +2,18 @@
 leaf of a tree of shardings or a rule's answer gives a variable, checked alike.
 
 :class:`Parsed` is what the adapters (nnx, linen, eqx) read, whatever form the
-placements came in; :class:`Placements` is what every form offers them (the regex
-table of :mod:`.placements`, the tree and the rule of :mod:`.placement_forms`).
+placements came in (:mod:`.forms` says what every form offers them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from .._errors import Problem
-from .._format import describe_mesh, some
+from ..._errors import Problem
 
 AXES = (
     "None, a jax.sharding.PartitionSpec, or a tuple with one entry per "
@@ -77,92 +75,11 @@ class Parsed:
         return 0 if self.axes is None else len(self.axes)
 
 
-class Replicas:
-    """Where the variables go that a placement replicates (None, ``P()``) without
-    naming a mesh, when the call names none either (no ``mesh=``, no context mesh, no
-    mesh of the variable's own): on the one mesh the placements name (a rule's other
-    answers, a tree's ``NamedSharding`` s, a table's meshes), as flax replicates a
-    variable without sharding on the model's mesh. Where they name none, or several,
-    which mesh is not clear: the variables are refused, one problem per placement,
-    never left on one device beside a model on many.
-
-    Args:
-      placed: the placement of every path (None where none matched).
-    """
-
-    def __init__(self, placed: Iterable[Parsed | None]) -> None:
-        meshes: dict[Any, None] = {}
-        for p in placed:
-            if p is not None and not p.broken and p.mesh is not None:
-                meshes.setdefault(p.mesh, None)
-        self.meshes = tuple(meshes)
-        self.given: set[str] = set()  # the paths given the placements' mesh
-        self._refused: dict[str, tuple[Parsed, list[str]]] = {}
-
-    def mesh_for(self, path: str, placement: Parsed) -> Mesh | AbstractMesh | None:
-        """The mesh of ``path``, which ``placement`` replicates and nothing gives a mesh;
-        None where it is not clear (said by :meth:`problems`)."""
-        if len(self.meshes) == 1:
-            self.given.add(path)
-            return self.meshes[0]
-        self._refused.setdefault(placement.name, (placement, []))[1].append(path)
-        return None
-
-    def problems(self, call: str, context: str) -> list[Problem]:
-        """The variables refused, one problem per placement: the paths, why, and the
-        fixes (``mesh=`` of ``call``, the ``context`` mesh, the placement's own)."""
-        if self.meshes:
-            shown = "; ".join(describe_mesh(m) for m in self.meshes)
-            why = f"the placements name {len(self.meshes)} meshes ({shown}), so which is unclear"
-        else:
-            why = "no placement names one"
-        return [
-            Problem(
-                "",
-                f"{name}: no mesh for the {len(paths)} variable(s) it replicates "
-                f"({some(paths, 8)}), and {why}; pass mesh= to {call}, {context}, or "
-                f"{placement.own_mesh}",
-            )
-            for name, (placement, paths) in self._refused.items()
-        ]
-
-
 def not_an_array(path: str, name: str, value: Any, fix: str = "") -> Problem:
     """The problem of ``path``, placed by ``name``, holding ``value``, which is no array."""
     kind = "None" if value is None else type(value).__name__
     text = f"{name}: holds {kind}, not an array; meshinit cannot place it"
     return Problem(path, f"{text}; {fix}" if fix else text)
-
-
-class Placements:
-    """What every form of ``placements=`` offers the adapters. The adapters call
-    :meth:`match` once per array path, then :meth:`finish` (or, for eqx, :meth:`refuse`
-    and the idle entries) once with every path."""
-
-    def __bool__(self) -> bool:
-        return True
-
-    def match(self, path: str, struct: Any = None) -> Parsed | None:
-        """The placement of ``path`` (its ``jax.ShapeDtypeStruct`` is ``struct``), or None."""
-        raise NotImplementedError
-
-    def lacks(self, path: str) -> bool:
-        """Whether ``path`` has no placement here though it must have one (a tree
-        without its leaf, said once by :meth:`finish`): the adapter places nothing."""
-        return False
-
-    def refuse(self, others: Iterable[tuple[str, Any]], paths: Sequence[str] = ()) -> list[Problem]:
-        """The problems of the variables ``others`` (path, value), which hold no array,
-        where the placements meant to place them; ``paths`` are the array paths."""
-        return []
-
-    def finish(
-        self, what: str, paths: Sequence[str], keeps: str, others: Iterable[tuple[str, Any]] = ()
-    ) -> list[Problem]:
-        """Once every array path (``paths``) is matched: the problems of what does not
-        fit (the variables ``others`` hold no array), warning about what is only likely
-        a mistake; ``keeps`` says what an unplaced variable keeps."""
-        return self.refuse(others, paths)
 
 
 def axes_of(axes: Any) -> tuple[tuple[Any, ...] | None, str | None]:

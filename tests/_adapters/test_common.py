@@ -14,7 +14,7 @@ from flax import nnx
 
 import meshinit
 
-RULES = (("embed", "fsdp"), ("mlp", "tensor"))
+EMBED_MLP_RULES = (("embed", "fsdp"), ("mlp", "tensor"))
 lecun = jax.nn.initializers.lecun_normal
 
 
@@ -54,11 +54,11 @@ class EqxModel(eqx.Module):
 
 def test_dict_nnx_and_equinox_declarations_give_identical_values():
     # Three different meshes too: values do not depend on topology.
-    with meshinit.defaults(mesh=jax.make_mesh((2, 4), ("fsdp", "tensor")), rules=RULES):
+    with meshinit.defaults(mesh=jax.make_mesh((2, 4), ("fsdp", "tensor")), rules=EMBED_MLP_RULES):
         as_dict = meshinit.init({"layers": [{"w": up(), "b": bias()} for _ in range(2)]}, 11)
-    with meshinit.defaults(mesh=jax.make_mesh((4, 2), ("fsdp", "tensor")), rules=RULES):
+    with meshinit.defaults(mesh=jax.make_mesh((4, 2), ("fsdp", "tensor")), rules=EMBED_MLP_RULES):
         as_nnx = meshinit.nnx.materialize(NnxModel(), 11)
-    with meshinit.defaults(mesh=jax.make_mesh((1, 8), ("fsdp", "tensor")), rules=RULES):
+    with meshinit.defaults(mesh=jax.make_mesh((1, 8), ("fsdp", "tensor")), rules=EMBED_MLP_RULES):
         as_eqx = meshinit.eqx.materialize(EqxModel(), 11)
     for i in range(2):
         for name in ("w", "b"):

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh
 
 import meshinit
 
-RULES = (("layers", None), ("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"))
+STACKED_RULES = (("layers", None), ("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"))
 NAMES = ("fsdp", "tensor")
 
 
@@ -43,7 +43,7 @@ def specs(head, body):
     normal = jax.nn.initializers.normal(1.0)
 
     def p(shape, init, axes, m, **kw):
-        return meshinit.param(shape, init, axes=axes, mesh=m, rules=RULES, **kw)
+        return meshinit.param(shape, init, axes=axes, mesh=m, rules=STACKED_RULES, **kw)
 
     return {
         "embed": p((64, 32), lecun, ("vocab", "embed"), head),
@@ -131,7 +131,7 @@ def test_restore_a_backbone_then_generate_only_the_new_head(tmp_path):
         jax.nn.initializers.lecun_normal(),
         axes=("embed", "vocab"),
         mesh=head_mesh,
-        rules=RULES,
+        rules=STACKED_RULES,
     )
     backbone = {k: v for k, v in full_specs.items() if k != "head"}
     old = meshinit.plan(specs(*layout("2x4", explicit=True)))  # saved from another layout

@@ -1,11 +1,12 @@
-"""An existing nnx Module's factory traced once and its Variables planned, for
-:func:`meshinit.nnx.init`, :func:`~meshinit.nnx.plan` and :func:`~meshinit.nnx.abstract`:
-what each Variable's flax metadata, a ``placements=`` entry or ``meshes=`` pattern says,
-resolved to a plan in flax's own spelling. Compiles and allocates nothing."""
+"""nnx's trace-and-plan: an existing nnx Module's factory traced once and its Variables
+planned, for :func:`meshinit.nnx.init`, :func:`~meshinit.nnx.plan` and
+:func:`~meshinit.nnx.abstract`: what each Variable's flax metadata, a ``placements=``
+entry or ``meshes=`` pattern says, resolved to a plan in flax's own spelling, and the
+Module rebuilt around what was made. Compiles and allocates nothing."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -21,8 +22,10 @@ from .._spec import rules as _rules
 from .._spec.spec import ParamSpec
 from . import common as _adapters
 from . import nnx_meta as _nnx_meta
-from . import placement as _placement
-from . import placements as _placements
+from .placement import parsed as _parsed
+from .placement import read as _placements
+from .placement import replicas as _replicas
+from .prepared import Prepared
 
 
 def dotted(path: tuple[Any, ...]) -> str:
@@ -53,19 +56,6 @@ def get(tree: dict[str, Any], path: tuple[Any, ...]) -> Any:
 def specs_of(flat: list[tuple[tuple[Any, ...], nnx.Variable]]) -> dict[tuple[Any, ...], ParamSpec]:
     """The ``ParamSpec``s that a flat state's Variables hold, by nnx path."""
     return {path: var.get_value() for path, var in flat if isinstance(var.get_value(), ParamSpec)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    plan: Plan  # typed keys as the key arrays init gives back
-    made: Plan  # what the engine makes: typed keys as their key data
-    traced: Any
-    outputs: list[int]
-    graphdef: Any
-    flat: list[tuple[tuple[Any, ...], nnx.Variable]]
-    specs: dict[tuple[Any, ...], ParamSpec]
-    keys: dict[tuple[Any, ...], tuple[Any, Any]]  # typed key Variables: (struct, impl)
-    placed: frozenset[tuple[Any, ...]]  # the Variables a placements= entry placed
 
 
 def prepare(
@@ -156,7 +146,7 @@ def prepare_here(
     # every path matched first: a replicated placement without a mesh takes the one
     # mesh the others name
     matched = {p: table.match(dotted(p), structs[p]) if table else None for p in paths}
-    replicas = _placement.Replicas(matched.values())
+    replicas = _replicas.Replicas(matched.values())
     for p in paths:
         placement = matched[p]
         if _nnx_meta.left_as_is(by_path[p], placement):
@@ -174,7 +164,7 @@ def prepare_here(
     _adapters.warn_idle_meshes(what, patterns, names)
     others = [(dotted(p), v.get_value()) for p, v in flat if p not in avals]  # int, None
     problems += table.finish(what, names, "metadata", others)
-    problems += replicas.problems(what, _placement.CONTEXT)
+    problems += replicas.problems(what, _parsed.CONTEXT)
     plan = _planner.build_plan(nest(specs), check_inits=False, problems=problems)
     # flax's spelling (nnx.get_named_sharding of the abstract state), so == holds: as
     # many entries as the annotation has, and P() for a Variable without one. Typed
@@ -196,4 +186,47 @@ def prepare_here(
     outputs = [position[e.path] for e in plan.entries]
     # the plan shows typed keys as init gives them back, the engine makes their data
     shown = _nnx_meta.typed_key_plan(plan, {dotted(p): k[0] for p, k in keys.items()})
-    return Prepared(shown, plan, traced, outputs, graphdef, flat, specs, keys, frozenset(placed))
+    return Prepared(
+        shown,
+        plan,
+        traced,
+        outputs,
+        existing=functools.partial(_nnx_meta.existing_arrays, keys=keys),
+        rewrap=functools.partial(
+            module_of, shown, graphdef, flat, frozenset(specs), keys, frozenset(placed)
+        ),
+    )
+
+
+def module_of(
+    plan: Plan,
+    graphdef: Any,
+    flat: list[tuple[tuple[Any, ...], nnx.Variable]],
+    specs: frozenset[tuple[Any, ...]],
+    keys: dict[tuple[Any, ...], tuple[Any, Any]],
+    placed: frozenset[tuple[Any, ...]],
+    values: dict[str, Any],
+) -> nnx.Module:
+    """The Module of ``graphdef`` with each planned Variable holding its value in
+    ``values`` (the plan's tree: the arrays made, or :meth:`Plan.abstract`'s structs).
+
+    A typed key made as its data is wrapped into a key again, on the sharding ``plan``
+    shows. flax's metadata is kept; a Variable ``placements=`` placed says what was
+    placed. The Module was traced with eager sharding off: each Variable records the
+    caller's setting, as the user's flax would.
+    """
+    entries = {e.path: e for e in plan.entries}
+    rebuilt = []
+    for path, var in flat:
+        if path in specs:
+            value = get(values, path)
+            if path in keys and isinstance(value, jax.Array):  # the key data, placed
+                sharding = entries[dotted(path)].sharding  # as the plan shows it
+                value = _nnx_meta.rewrapped(value, keys[path][1], sharding)
+            var = var.replace(
+                value,
+                eager_sharding=nnx.using_eager_sharding(),
+                **_nnx_meta.placement_of(placed, keys, entries, path),
+            )
+        rebuilt.append((path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(rebuilt))

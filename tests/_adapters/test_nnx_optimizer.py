@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import on_one_device
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -71,10 +72,6 @@ def flat(state):
 def opt_state_leaves(opt):
     """{path tuple inside opt_state: array}."""
     return {p[1:]: x for p, x in flat(nnx.state(opt)).items() if p[0] == "opt_state"}
-
-
-def on_one_device(tree):
-    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), tree)
 
 
 @pytest.mark.parametrize("explicit", [False, True])
@@ -165,7 +162,7 @@ def grads_like(model, value):
     )
 
 
-def assert_placed(state, shardings):
+def assert_state_placed(state, shardings):
     """Each array on its sharding: the same mesh, an equivalent spec (P(None,) is P())."""
     arrays = jax.tree.leaves(state)
     assert len(arrays) == len(shardings)
@@ -204,8 +201,8 @@ def test_one_update_across_auto_meshes_over_the_same_devices(jit):
     else:
         opt.update(model, grads)
 
-    assert_placed(nnx.state(model), shardings)  # params keep their shardings
-    assert_placed(nnx.state(opt), state_shardings)
+    assert_state_placed(nnx.state(model), shardings)  # params keep their shardings
+    assert_state_placed(nnx.state(opt), state_shardings)
     assert int(opt.step.get_value()) == 1
     assert_step_matches_optax(opt, model, before, grads, tx)
 
@@ -232,7 +229,7 @@ def test_one_update_across_meshes_fails_so_each_stage_gets_its_own(layout, expli
         before = nnx.as_pure(nnx.state(stage, nnx.Param))
         grads = grads_like(stage, 0.1)
         nnx.jit(lambda opt, stage, grads: opt.update(stage, grads))(stage_opt, stage, grads)
-        assert_placed(nnx.state(stage), shardings)
+        assert_state_placed(nnx.state(stage), shardings)
         assert_step_matches_optax(stage_opt, stage, before, grads, tx)
 
 

@@ -1,16 +1,13 @@
-"""``placements=`` given as a tree of shardings or as a rule, read into the same
-per-path placements a table gives (:class:`~.placement.Parsed`), and checked alike.
+"""``placements=`` given as a tree of shardings, read into the same per-path placements a
+table gives (:class:`~.parsed.Parsed`), and checked alike.
 
-- A tree (:class:`Tree`): a pytree of ``NamedSharding`` / ``PartitionSpec`` / None
+A tree (:class:`Tree`) is a pytree of ``NamedSharding`` / ``PartitionSpec`` / None
   (replicated) leaves shaped like the model's variables: what
   ``nnx.get_partition_spec(nnx.state(abstract))``, ``nn.get_partition_spec`` of linen's
   variables, an equinox Module of specs or ``jax.eval_shape`` plus a strategy gives
   (kauldron, flax's own recipes). Its leaves are found by the same dot-joined paths
   as the model's variables; a variable without a leaf, or a leaf without a variable,
   is an error, never a silent default.
-- A rule (:class:`Rule`): a callable ``(path, shape_dtype) -> axes or None`` called
-  once per array variable, with its dot-joined path and ``jax.ShapeDtypeStruct``
-  (kauldron's ``FSDPSharding`` is such a rule).
 """
 
 from __future__ import annotations
@@ -21,10 +18,11 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .. import _paths
-from .._errors import Problem
-from .._format import some
-from .placement import Parsed, Placements, given, not_an_array
+from ... import _paths
+from ..._errors import Problem
+from ..._format import some
+from .forms import Placements
+from .parsed import Parsed, given, not_an_array
 
 TREE = "the placements tree"
 
@@ -127,34 +125,3 @@ def _regex_hint(extra: Sequence[str]) -> str:
         "; a table of regexes is a list of (regex, axes) tuples, in order (the first match "
         "wins), not a dict"
     )
-
-
-class Rule(Placements):
-    """A callable ``(path, shape_dtype) -> axes or None``, asked once per array path."""
-
-    def __init__(self, rule: Any) -> None:
-        self.rule = rule
-        label = getattr(rule, "__qualname__", None) or type(rule).__name__
-        label = label.rsplit("<locals>.", 1)[-1]  # a closure by its own name
-        self.name = f"placements={label}"
-        self._problems: list[Problem] = []
-
-    def match(self, path: str, struct: Any = None) -> Parsed | None:
-        """The placement the rule gives ``path``; None for a variable holding no array."""
-        if not isinstance(struct, jax.ShapeDtypeStruct):
-            return None
-        try:
-            answer = self.rule(path, struct)
-        except Exception as e:
-            e.add_note(f"raised by {self.name} for ({path!r}, {struct})")
-            raise
-        placed = given(self.name, answer, "return a NamedSharding")
-        if isinstance(placed, str):
-            self._problems.append(Problem(path, f"{self.name}: {placed}"))
-            return Parsed(self.name, None, False, None, None, broken=True)
-        return placed
-
-    def finish(
-        self, what: str, paths: Sequence[str], keeps: str, others: Iterable[tuple[str, Any]] = ()
-    ) -> list[Problem]:
-        return list(self._problems)

@@ -1,4 +1,4 @@
-"""Edges of the nnx and equinox adapters (issue 42): numpy values in Variables, typed
+"""Edges of the nnx and equinox adapters: numpy values in Variables, typed
 PRNG keys in plans, and ``existing=`` given as a Module or as keys of another shape or
 implementation.
 
@@ -16,17 +16,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from helpers import mesh8
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
 import meshinit.eqx
 import meshinit.nnx
 
-
-def mesh8(explicit=True):
-    kind = AxisType.Explicit if explicit else AxisType.Auto
-    return jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(kind, kind))
+FSDP_TP = ("fsdp", "tp")
 
 
 def default_device_mesh():
@@ -46,7 +44,7 @@ def bits(x) -> bytes:
     return np.asarray(x).tobytes()
 
 
-# ---------------------------------------------------------- numpy values (item 1)
+# ---------------------------------------------------------- numpy values
 
 NUMPY = {
     "float32": lambda: np.arange(64, dtype=np.float32).reshape(8, 8) / 7,
@@ -68,7 +66,7 @@ class NumpyParam(nnx.Module):
 @pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
 @pytest.mark.parametrize("dtype", list(NUMPY))
 def test_a_numpy_param_is_placed_as_eager_flax_and_nnx_jit_place_it(dtype, explicit):
-    mesh = mesh8(explicit)
+    mesh = mesh8(FSDP_TP, explicit)
 
     def factory():
         return NumpyParam(NUMPY[dtype](), nnx.Rngs(0), out_sharding=("fsdp", None))
@@ -94,7 +92,7 @@ def test_a_numpy_param_is_placed_as_eager_flax_and_nnx_jit_place_it(dtype, expli
 
 
 def test_a_placement_places_a_numpy_param_and_is_not_called_idle():
-    mesh = mesh8()
+    mesh = mesh8(FSDP_TP, explicit=True)
     value = NUMPY["float64"]()
 
     def annotated():
@@ -126,7 +124,7 @@ def test_numpy_that_flax_leaves_as_it_is_stays_numpy_and_out_of_the_plan():
             self.scalar = nnx.Variable(np.float32(2.5), out_sharding=())
             self.w = nnx.Param(value, out_sharding=("fsdp", None))
 
-    with jax.set_mesh(mesh8()):
+    with jax.set_mesh(mesh8(FSDP_TP, explicit=True)):
         eager = Held()
         model = meshinit.nnx.init(Held)
         plan = meshinit.nnx.plan(Held)
@@ -144,7 +142,7 @@ def test_a_numpy_scalar_a_placement_names_is_placed_replicated():
             self.s = nnx.Variable(np.float32(2.5))
             self.z = nnx.Variable(np.array(3, np.int64))
 
-    mesh = mesh8()
+    mesh = mesh8(FSDP_TP, explicit=True)
     with jax.set_mesh(mesh):
         model = meshinit.nnx.init(Scalars, placements=[(r".*", None)])
         jitted = nnx.jit(Scalars)()
@@ -162,7 +160,7 @@ def test_numpy_jax_cannot_hold_is_a_plan_error_where_it_would_be_placed():
             self.w = nnx.Param(big_endian, out_sharding=("fsdp", None))
             self.kept = nnx.Param(big_endian)  # flax leaves it; so does meshinit
 
-    with jax.set_mesh(mesh8()):
+    with jax.set_mesh(mesh8(FSDP_TP, explicit=True)):
         with pytest.raises(TypeError, match="not a valid JAX array type"):
             BigEndian()  # flax refuses it too
         with pytest.raises(meshinit.PlanError) as e:
@@ -174,7 +172,7 @@ def test_numpy_jax_cannot_hold_is_a_plan_error_where_it_would_be_placed():
 
 
 def test_a_numpy_param_takes_an_existing_value():
-    mesh = mesh8()
+    mesh = mesh8(FSDP_TP, explicit=True)
     given = jax.device_put(np.full((8, 8), 3.0, np.float32), NamedSharding(mesh, P()))
 
     def factory():
@@ -185,7 +183,7 @@ def test_a_numpy_param_takes_an_existing_value():
     assert bits(got) == bits(given) and got.sharding == NamedSharding(mesh, P("fsdp", None))
 
 
-# ------------------------------------------------------- typed keys in plans (item 6)
+# ------------------------------------------------------- typed keys in plans
 
 
 class Scanned(nnx.Module):
@@ -234,8 +232,8 @@ def assert_plan_is_what_init_makes(plan, abstract, model):
 )
 def test_plans_show_typed_keys_as_init_makes_them(where):
     meshes = {
-        "explicit": mesh8(),
-        "auto": mesh8(explicit=False),
+        "explicit": mesh8(FSDP_TP, explicit=True),
+        "auto": mesh8(FSDP_TP, explicit=False),
         "no mesh": None,
         "one device": jax.make_mesh((1, 1), ("fsdp", "tp")),
     }
@@ -262,7 +260,7 @@ def test_plans_show_typed_keys_as_init_makes_them(where):
 
 
 def test_a_placement_may_shard_a_key_array_along_its_own_dimensions():
-    mesh = mesh8()
+    mesh = mesh8(FSDP_TP, explicit=True)
     table = [(r"layers\.rngs\..*\.key", P("fsdp")), (r".*", None)]
     with jax.set_mesh(mesh):
         plan = meshinit.nnx.plan(scanned, placements=table)
@@ -294,7 +292,7 @@ def test_a_sharding_longer_than_a_keys_rank_is_one_plan_error_naming_the_path(ho
     else:
         path, kwargs = "key", {}
         factory = lambda: HeldKey(nnx.Rngs(0), out_sharding=("fsdp",))  # noqa: E731
-    with jax.set_mesh(mesh8()), count_compiles() as compiled:
+    with jax.set_mesh(mesh8(FSDP_TP, explicit=True)), count_compiles() as compiled:
         for call in (meshinit.nnx.plan, meshinit.nnx.abstract, meshinit.nnx.init):
             with pytest.raises(meshinit.PlanError) as e:
                 call(factory, **kwargs)
@@ -307,11 +305,11 @@ def test_a_sharding_longer_than_a_keys_rank_is_one_plan_error_naming_the_path(ho
     assert compiled.count == 0
 
 
-# ------------------------------------------------------------ existing= (item 12)
+# ------------------------------------------------------------ existing=
 
 
 def test_an_abstract_eqx_module_given_as_existing_is_a_plan_error_naming_each_path():
-    mesh = mesh8()
+    mesh = mesh8(FSDP_TP, explicit=True)
 
     def factory(k):
         return eqx.nn.MLP(4, 4, 8, 1, key=k)
@@ -328,20 +326,6 @@ def test_an_abstract_eqx_module_given_as_existing_is_a_plan_error_naming_each_pa
         meshinit.nnx.init(scanned, existing=meshinit.nnx.abstract(scanned))
     assert all("restore target" in p.message for p in n.value.problems)
     assert "layers.lin.kernel" in {p.path for p in n.value.problems}
-
-
-def test_an_eqx_module_of_arrays_given_as_existing_is_placed_as_given():
-    mesh = mesh8()
-
-    def factory(k):
-        return eqx.nn.MLP(4, 4, 8, 1, key=k)
-
-    given = factory(jax.random.key(7))  # a checkpoint restored into the structure
-    table = [(r".*weight", ("fsdp", None)), (r".*", None)]
-    got = meshinit.eqx.init(factory, 0, table, mesh=mesh, existing=given)
-    for layer, want in zip(got.layers, given.layers, strict=True):
-        assert bits(layer.weight) == bits(want.weight) and bits(layer.bias) == bits(want.bias)
-        assert layer.weight.sharding == NamedSharding(mesh, P("fsdp", None))
 
 
 @pytest.mark.parametrize(
@@ -365,7 +349,7 @@ def test_an_eqx_module_of_arrays_given_as_existing_is_placed_as_given():
     ids=["split key", "rbg key", "rbg key data"],
 )
 def test_a_key_of_another_shape_or_implementation_is_named_as_a_key(given, message):
-    with jax.set_mesh(mesh8()), pytest.raises(meshinit.PlanError) as e:
+    with jax.set_mesh(mesh8(FSDP_TP, explicit=True)), pytest.raises(meshinit.PlanError) as e:
         meshinit.nnx.init(
             lambda: HeldKey(nnx.Rngs(0)), existing={"rngs.default.key": given(), "w": 1.0}
         )
@@ -375,7 +359,7 @@ def test_a_key_of_another_shape_or_implementation_is_named_as_a_key(given, messa
 
 
 def test_a_key_array_given_as_existing_is_placed_as_a_key():
-    mesh = mesh8()
+    mesh = mesh8(FSDP_TP, explicit=True)
     given = jax.random.split(jax.random.key(5), 4)
     with jax.set_mesh(mesh):
         model = meshinit.nnx.init(scanned, existing={"layers.rngs.aqt.key": given})
