@@ -21,18 +21,14 @@ one that no plan path claims is named (:class:`~meshinit.UnusedTensorWarning`), 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
 
-from . import _patterns
-from ._errors import PlanError, Problem, UnusedTensorWarning
+from ._errors import PlanError
 from ._load import aio as _aio
-from ._load import keys as _keys
-from ._load import read as _read
+from ._load import load as _loader
 from ._load import survey as _survey
-from ._load import unused as _unused
 from ._load.framework import Checkpoint as Checkpoint
 from ._load.framework import FrameworkMap as FrameworkMap
 from ._load.parts import Concat as Concat
@@ -227,7 +223,7 @@ def load(
     # fails every process, and none returns arrays that lack its shards.
     with _aio.session(_timeout(timeout)), _agree.collective(what):
         options, budget = storage_options, max_inflight_bytes
-        arrays = _load(plan, files, names, missing, unused, what, options, budget, progress)
+        arrays = _loader.load(plan, files, names, missing, unused, what, options, budget, progress)
         _agree.keep(arrays.values())
     return arrays
 
@@ -238,49 +234,3 @@ def _timeout(timeout: Any) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise TypeError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     return float(timeout)
-
-
-def _load(
-    plan: Plan,
-    files: Any,
-    names: Any,
-    missing: str,
-    unused: str,
-    what: str,
-    options: Any,
-    budget: int,
-    progress: bool | None,
-) -> dict[str, jax.Array]:
-    survey = _survey.survey(plan, files, names, what, options)
-    found, jobs, checked, problems = survey.inventory, survey.jobs, survey.checked, survey.problems
-    problems += [
-        Problem(j.entry.path, "is planned on an AbstractMesh: load needs devices")
-        for j in jobs
-        if isinstance(j.entry.mesh, jax.sharding.AbstractMesh)
-    ]
-    # With missing="error" a path whose part is missing fails the load, and its
-    # problem names the path: its other parts are not unused, they are not reached.
-    stranded = survey.stranded if missing == "skip" else {}
-    idle = tuple(n for n in found.unused if missing == "skip" or n not in survey.stranded)
-    if missing == "error":
-        problems += survey.absent
-    if unused == "error":
-        stored = {n: s for c in checked.values() for n, s in c.tensors.items()}
-        problems += _unused.problems(idle, stranded, found.missing, stored)
-    if problems:
-        raise PlanError(problems, header=f"{what}: nothing was read:")
-    if unused == "warn" and idle:
-        warnings.warn(
-            UnusedTensorWarning(_unused.warning(what, idle, stranded, found.missing), idle),
-            stacklevel=_patterns.outside_stacklevel(),
-        )
-    arrays = _read.read(jobs, checked, budget, progress)
-    keys = {e.path: e for e in plan.entries if _keys.is_key(e.spec.dtype)}
-    try:
-        for path in keys.keys() & arrays.keys():
-            arrays[path] = _keys.wrapped(arrays[path], keys[path])
-    except BaseException:
-        for made in arrays.values():
-            made.delete()
-        raise
-    return arrays

@@ -1,6 +1,7 @@
 """The loader: pretrained weights in, arrays on a plan's shardings out.
 
-Its public face is :mod:`meshinit.safetensors` (``load`` and ``inventory``). Its steps:
+Its public face is :mod:`meshinit.safetensors` (``load`` and ``inventory``); a load
+runs :mod:`.load` from start to end (:mod:`.survey` first, then :mod:`.read`). Its steps:
 
 - :mod:`.source`: where a checkpoint's bytes live, one type (:mod:`.local` for files
   on disk, :mod:`.remote` for object storage and the Hub);
