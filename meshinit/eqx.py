@@ -95,7 +95,8 @@ def plan(
     Args:
       factory: as for :func:`init`.
       key: as for :func:`init`.
-      placements: as for :func:`init`; their meshes may be ``AbstractMesh`` es.
+      placements: as for :func:`init`
+        ([Placements](../placements.md)); their meshes may be ``AbstractMesh`` es.
       mesh: as for :func:`init`; an ``AbstractMesh`` plans before hardware exists.
       rules: as for :func:`init`.
 
@@ -140,28 +141,11 @@ def init(
         ``lambda k: eqx.nn.MLP(2, 3, 8, 2, key=k)``.
       key: an int seed (the factory gets ``jax.random.key(seed)``), a typed key, or a
         legacy uint32 key (the factory gets it as it is).
-      placements: ordered ``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex,
-        axes, mesh, memory_kind)`` (mesh may be None; memory_kind as in
-        :func:`meshinit.param`, None for the ``defaults()`` one). Each regex
-        is full-matched (``re.fullmatch``) against the dot-joined path of each array
-        leaf, for example ``layers.0.weight``; the first match wins. ``axes`` is as
-        in :func:`meshinit.param`: one logical name (or mesh axis name without
-        rules) or None per dimension, or None for replicated. A placement's mesh
-        overrides ``mesh``; one that replicates (None, ``P()``) where no mesh is given
-        takes the one mesh the other placements name, and with none or several is a
-        :class:`meshinit.PlanError`. A placement that matches no leaf is warned about
-        (:class:`meshinit.UnusedPatternWarning`) when every leaf is matched, and named
-        in the error when some leaf is not; one written for a leaf that holds no array
-        (an int, None) is an error. ``meshinit.searched(rules)`` is a table matched by
-        ``re.search`` on ``/``-joined paths (EasyDeL's rules, unchanged). Or a tree: a
-        Module (or pytree) of the factory's structure holding a ``PartitionSpec``, a
-        ``NamedSharding`` (its mesh and memory kind too) or None (replicated) at each
-        array leaf, as ``jax.eval_shape`` plus a strategy gives; every array leaf must
-        have one. Or a rule: ``placements(path, shape_dtype)`` (the dot-joined path and
-        the leaf's ``jax.ShapeDtypeStruct``) returning a ``NamedSharding``, a
-        ``PartitionSpec``, a tuple of axes or None. Every form is checked alike; a
-        sequence is a table where its entries are ``(regex, ...)`` tuples, else a tree
-        (a model that is a list of layers).
+      placements: the sharding of each array leaf, by its dot-joined path
+        (``layers.0.weight``): a table of ``(regex, axes)`` entries (each regex
+        full-matched, the first match wins), a tree of shardings or a rule
+        ``(path, shape_dtype) -> axes``; every array leaf must be placed. The forms,
+        and how each is read and checked: [Placements](../placements.md).
       mesh: the mesh of placements that name none; defaults to the
         ``meshinit.defaults()`` mesh, else the ``jax.set_mesh`` one.
       rules: the logical-to-mesh rule table, as in :func:`meshinit.param`.

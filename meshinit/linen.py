@@ -56,7 +56,8 @@ def plan(
       rules: as for :func:`init`.
       default: as for :func:`init`.
       meshes: as for :func:`init`; its meshes may be ``AbstractMesh`` es.
-      placements: as for :func:`init`; its meshes may be ``AbstractMesh`` es.
+      placements: as for :func:`init`
+        ([Placements](../placements.md)); its meshes may be ``AbstractMesh`` es.
       **example_kwargs: as for :func:`init`.
 
     Returns:
@@ -148,33 +149,14 @@ def init(
         that mesh, overriding its annotation's mesh, ``mesh`` and the context mesh:
         how an existing model is split into pipeline stages unchanged. A pattern that
         matches no variable path is warned about (:class:`meshinit.UnusedPatternWarning`).
-      placements: the sharding kept outside the model: ordered ``(regex, axes)``,
-        ``(regex, axes, mesh)`` or ``(regex, axes, mesh, memory_kind)``, as
-        :func:`meshinit.eqx.init` takes them. The first regex that full-matches a
-        variable's path (``params.layers_0.up.kernel``) places it, overriding its
-        annotation (and ``default``); its box then says what was placed: an
-        ``nn.LogicallyPartitioned`` with the logical names where they resolved through
-        rules, else an ``nn.Partitioned`` with the mesh axes, naming the mesh where the
-        placement, ``meshes`` or the annotation named one. ``axes``: None
-        (replicated), a ``jax.sharding.PartitionSpec`` (mesh axes, padded with None to
-        the rank), or one entry per dimension: logical names where rules are in effect
-        (``rules``, or an active ``nn.logical_axis_rules``), else mesh axes. The mesh is
-        a ``meshes`` match, else the placement's, else ``mesh``, else the context mesh
-        (``meshinit.defaults(mesh=...)``, then ``jax.set_mesh``), else the box's own;
-        a placement that replicates (None, ``P()``) and finds none takes the one mesh
-        the other placements name, and with none or several is a ``PlanError``.
-        An entry that matches no variable is warned about
-        (:class:`meshinit.UnusedPatternWarning`). ``meshinit.searched(rules)`` is a
-        table matched by ``re.search`` on ``/``-joined paths (EasyDeL's rules,
-        unchanged). ``placements`` may also be a tree of the variables' structure
-        holding a ``PartitionSpec``, a ``NamedSharding`` (its mesh and memory kind
-        too) or None (replicated) per variable, as ``nn.get_partition_spec`` of
-        ``jax.eval_shape(module.init, ...)`` gives (the whole variables dict, with its
-        ``params`` level): every variable must have a leaf, and every leaf a variable.
-        Or a rule: ``placements(path, shape_dtype)``, called once per variable with
-        its dot-joined path and ``jax.ShapeDtypeStruct``, returning a
-        ``NamedSharding``, a ``PartitionSpec``, a tuple of axes or None. Every form is
-        checked as a table is.
+      placements: the sharding kept outside the model, by dot-joined variable path
+        (``params.layers_0.up.kernel``): a table of ``(regex, axes)`` entries (each
+        regex full-matched, the first match wins), a tree of shardings (the whole
+        variables dict, ``params`` level included) or a rule ``(path, shape_dtype) ->
+        axes``. A placement overrides the variable's annotation and ``default``; its
+        box then says what was placed (an ``nn.LogicallyPartitioned`` where logical
+        names resolved through rules, else an ``nn.Partitioned``). The forms, and how
+        each is read and checked: [Placements](../placements.md).
       existing: the values of some variables, made elsewhere: their plan paths
         (``params.up.kernel``) to arrays, flat or as a nested variables dict (boxes
         are unboxed). Each is placed on its planned sharding (resharded if it is on

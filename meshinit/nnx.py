@@ -112,7 +112,8 @@ def plan(
 
     Args:
       factory: as for :func:`init`.
-      placements: as for :func:`init`; their meshes may be ``AbstractMesh`` es.
+      placements: as for :func:`init`
+        ([Placements](../placements.md)); their meshes may be ``AbstractMesh`` es.
       mesh: as for :func:`init`; an ``AbstractMesh`` plans before hardware exists.
       meshes: as for :func:`init`; ``AbstractMesh`` es work, for planning before the
         hardware exists.
@@ -166,7 +167,8 @@ def abstract(
 
     Args:
       factory: as for :func:`init`.
-      placements: as for :func:`init`; a placed Variable's metadata says what was
+      placements: as for :func:`init`
+        ([Placements](../placements.md)); a placed Variable's metadata says what was
         placed, as in :func:`init`.
       mesh: as for :func:`init`; an ``AbstractMesh`` plans before hardware exists.
       meshes: as for :func:`init`; ``AbstractMesh`` es work, for a target planned
@@ -228,28 +230,13 @@ def init(
       factory: a zero-argument callable returning an nnx Module. It is traced, so it
         must build its own ``nnx.Rngs``, must not mutate outside state, and must not
         call ``jax.set_mesh``.
-      placements: the sharding kept outside the model (EasyDeL's partition rules,
-        t5x's): ordered ``(regex, axes)``, ``(regex, axes, mesh)`` or ``(regex, axes,
-        mesh, memory_kind)``, as :func:`meshinit.eqx.init` takes them. Each regex is
-        full-matched against a Variable's dot-joined path (``layers.0.attn.q.kernel``);
-        the first match wins and overrides the Variable's own sharding metadata, which
-        then says what was placed (``out_sharding``, ``mesh``, and ``logical_axes`` for
-        logical names), so ``nnx.get_partition_spec`` reports it. ``axes``: None
-        (replicated), a ``jax.sharding.PartitionSpec`` (mesh axes, padded with None to
-        the rank, as jax pads it), or one entry per dimension: logical names where rules
-        are in effect (``rules``, or flax's context rules), else mesh axes. A
-        placement's mesh comes after a ``meshes`` match and before ``mesh``, then the
-        context mesh (``meshinit.defaults(mesh=...)``, then ``jax.set_mesh``) and the
-        Variable's own; a placement that replicates (None, ``P()``) and finds none takes
-        the one mesh the other placements name, and with none or several is a
-        ``PlanError`` naming the paths. A Variable no entry matches keeps its metadata;
-        an entry that matches no Variable is warned about
-        (:class:`meshinit.UnusedPatternWarning`), one for a Variable holding no array
-        (an int, None) is an error. Also: EasyDeL's rules as
-        ``meshinit.searched(rules)``; a tree of a ``PartitionSpec``, ``NamedSharding``
-        or None per Variable (``nnx.get_partition_spec(state)``, an ``nnx.State`` or
-        pure dict, a list for an ``nnx.List``, no path missing or extra); or a rule
-        ``(path, shape_dtype) -> axes or NamedSharding``. All are checked alike.
+      placements: the sharding kept outside the model, by dot-joined Variable path
+        (``layers.0.attn.q.kernel``): a table of ``(regex, axes)`` entries (each regex
+        full-matched, the first match wins), a tree of shardings or a rule
+        ``(path, shape_dtype) -> axes``. A placement overrides the Variable's sharding
+        metadata, which then says what was placed; a Variable it does not place keeps
+        its metadata. The forms, and how each is read and checked:
+        [Placements](../placements.md).
       mesh: the mesh of placements that name none, and of Variables whose metadata
         names none; without it, the ``jax.set_mesh`` context mesh (for placements,
         the ``meshinit.defaults(mesh=...)`` one first).

@@ -394,6 +394,7 @@ SCRIPT_PAGES = {
     "nnx.md": 3,
     "linen.md": 4,
     "equinox.md": 1,
+    "placements.md": 3,
     "checkpoints.md": 2,
     "pretrained.md": 5,
 }
