@@ -1,5 +1,6 @@
 """meshinit.optax: optimizer state on its parameters' exact shardings, on any meshes."""
 
+import logging
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import meshinit
 import meshinit.optax
 from meshinit import _paths
+from meshinit._run import checks as _checks
 from meshinit._run import compile as _compile
 
 
@@ -407,3 +409,23 @@ def test_init_ignores_an_active_context_mesh(name):
         jax.tree.leaves(state), jax.tree.leaves(tx.init(on_one_device(params))), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_init_logs_nothing_and_draws_no_bar(caplog, capfd):
+    params = make_params("shared", explicit=False)
+    meshinit.clear_cache()  # compiles too: no DEBUG line for those either
+    with caplog.at_level(logging.DEBUG, logger="meshinit"):
+        meshinit.optax.init(optax.adam(1e-3), params)
+    assert caplog.records == []
+    assert capfd.readouterr().err == ""
+
+
+def test_a_state_that_cannot_fit_is_refused_before_anything_is_made(monkeypatch, new_arrays):
+    # The run loop's memory check, shared with the spec path and the engine: the state
+    # alone needs more than the devices have free, so allocating it would fail anyway.
+    params = make_params("shared", explicit=False)
+    monkeypatch.setattr(_checks, "memory_stats", lambda d: {"bytes_limit": 64, "bytes_in_use": 0})
+    with new_arrays() as made:
+        with pytest.raises(meshinit.PlanError, match="do not fit in the memory planned for them"):
+            meshinit.optax.init(optax.adam(1e-3), params)
+    assert not made

@@ -1,7 +1,7 @@
 """The run loop: a plan made into arrays, one mesh group at a time, by a group maker.
 
-:func:`run_plan` is the loop that ``materialize``, the constructor engine and the
-adapters share: check everything (:mod:`meshinit._run.checks`), compile every
+:func:`run_plan` is the loop that ``materialize``, the constructor engine, the
+adapters and ``meshinit.optax`` share: check everything (:mod:`meshinit._run.checks`), compile every
 executable the maker lists (:mod:`meshinit._run.compile`, in parallel, cached), then
 call each group's runner (:mod:`meshinit._run.maker`), and delete everything made if
 anything fails; under ``jax.distributed`` every process agrees on the outcome
@@ -35,8 +35,9 @@ def deleting_on_failure(
     """If the block raises anything (``KeyboardInterrupt`` too), every array in ``made``
     (as it is then) is deleted and the error, with ``note(len(made))`` added, propagates.
 
-    The one delete-everything-on-failure of meshinit: materialize, the adapters' engine
-    and ``meshinit.optax`` use it, so nothing half-made outlives a failed call.
+    The one delete-everything-on-failure of meshinit: :func:`run_plan` (materialize, the
+    adapters' engine and ``meshinit.optax``) uses it, so nothing half-made outlives a
+    failed call.
     """
     try:
         yield
