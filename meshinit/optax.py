@@ -51,11 +51,14 @@ from ._errors import PlanError, Problem
 from ._format import describe_mesh
 from ._jax import jaxpr as _jaxpr
 from ._plan import state as _state
+from ._plan.entries import MeshGroup, PlanEntry
 from ._plan.plan import Plan
 from ._run import agree as _agree
 from ._run import compile as _compile
-from ._run.loop import deleting_on_failure
+from ._run import progress as _progress
+from ._run.loop import run_plan
 from ._spec import fingerprints as _signature
+from ._spec.spec import ParamSpec
 
 __all__ = ["abstract", "init"]
 
@@ -185,30 +188,29 @@ def _reads(traced: tuple[Any, Any]) -> tuple[Any, list[frozenset[int]]]:
     return state, _jaxpr.reads(closed)
 
 
-def _build(
+def _layout(
     tx: Any,
-    params: Any,
+    params_def: Any,
     paths: list[str],
     leaves: list[Any],
     scalars_on: Mesh | None,
     shard_over: tuple[str, ...],
     memory_kind: str | None,
     traced: tuple[Any, Any] | None = None,
-):
-    """The state's treedef and one compiled step per mesh that holds state leaves.
+) -> tuple[Plan, tuple[tuple[int, ...], ...]]:
+    """The state's plan, one mesh group per mesh that holds state leaves, and for each
+    group the positions of the parameters its step reads.
 
     ``traced`` is :func:`_trace_init`'s result, if the caller has traced already.
-    Compiles every step before anything is allocated, so a compile error leaves
-    nothing behind.
+    Allocates and compiles nothing.
     """
-    _, params_def = jax.tree_util.tree_flatten(params)
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     if traced is None:
         traced = _trace_init(tx, params_def, specs)
     state, reads = _reads(traced)
     shardings, _ = _state.assign(paths, leaves, state, scalars_on, shard_over, memory_kind)
-    state_def = jax.tree_util.tree_structure(state)
-    state_paths = [_paths.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    flat, state_def = jax.tree_util.tree_flatten_with_path(state)
+    state_paths = [_paths.path_str(p) for p, _ in flat]
     # A leaf is made on its own mesh, from that mesh's parameters only; one that reads
     # a parameter on another mesh would see the zeros standing in for it.
     problems = [
@@ -230,21 +232,103 @@ def _build(
             "Place the parameters they combine on one mesh, or pass scalars_on= the "
             "mesh they live on:",
         )
-
+    entries = [
+        _entry(path, x, s, j)
+        for j, (path, (_, x), s) in enumerate(zip(state_paths, flat, shardings, strict=True))
+    ]
     meshes: list[Mesh] = []
     for m in [x.sharding.mesh for x in leaves] + [s.mesh for s in shardings]:
         if m not in meshes:
             meshes.append(m)
-    steps = []
+    groups, inputs = [], []
     for mesh in meshes:
-        inputs = [i for i, x in enumerate(leaves) if x.sharding.mesh == mesh]
-        outputs = [j for j, s in enumerate(shardings) if s.mesh == mesh]
-        if not outputs:
-            continue
+        on_it = tuple(e for e in entries if e.mesh == mesh)
+        if on_it:
+            groups.append(MeshGroup(mesh, on_it))
+            inputs.append(tuple(i for i, x in enumerate(leaves) if x.sharding.mesh == mesh))
+    plan = Plan(tuple(entries), tuple(groups), state_def, tuple(x for _, x in flat))
+    return plan, tuple(inputs)
 
-        def program(*real, inputs=inputs, outputs=outputs):
+
+def _made_by_tx_init(key: Any, shape: Any, dtype: Any) -> Any:
+    raise TypeError("an optimizer state leaf is made by tx.init, not by an initializer")
+
+
+def _entry(path: str, leaf: Any, sharding: NamedSharding, j: int) -> PlanEntry:
+    """State leaf ``j`` as a plan entry; a key (Adam's noise, say) is counted as its
+    key data, which is what its bytes are."""
+    shape, dtype = leaf.shape, leaf.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        data = jax.eval_shape(jax.random.key_data, leaf)
+        shape, dtype = data.shape, data.dtype
+    spec = ParamSpec(
+        shape, _made_by_tx_init, None, sharding.mesh, None, dtype,
+        memory_kind=sharding.memory_kind,
+    )  # fmt: skip
+    return PlanEntry(path, spec, sharding, ("optax state", shape, dtype, sharding), j)
+
+
+class _Steps:
+    """optax's group maker (:class:`meshinit._run.maker.GroupMaker`): one step per mesh
+    group of state leaves, called once, taking that mesh's parameters only.
+
+    Each step is compiled in ``prepare`` and cached under ``(key, "step", i)`` beside
+    the layout (a key of None: compiled afresh every call).
+    """
+
+    def __init__(
+        self,
+        tx: Any,
+        params_def: Any,
+        leaves: list[Any],
+        plan: Plan,
+        inputs: tuple[tuple[int, ...], ...],
+        key: Hashable | None,
+    ):
+        self.tx, self.params_def, self.leaves, self.key = tx, params_def, leaves, key
+        self.inputs = inputs
+        self.index = {id(g): i for i, g in enumerate(plan.groups)}
+        self.outputs = [[e.leaf_index for e in g.entries] for g in plan.groups]
+
+    def _key(self, group: MeshGroup) -> Hashable | None:
+        return None if self.key is None else (self.key, "step", self.index[id(group)])
+
+    def builds(self, group: MeshGroup) -> list[tuple[Hashable, Any]]:
+        return []  # compiled one at a time in prepare, each error noted as optax notes it
+
+    def work(self, group: MeshGroup) -> list[tuple[Hashable | None, int]]:
+        return [(self._key(group), 1)]
+
+    def prepare(self, group: MeshGroup) -> Any:
+        i = self.index[id(group)]
+        inputs, outputs = self.inputs[i], self.outputs[i]
+        key = self._key(group)
+        exe = _compile.cached(key)
+        if exe is None:
+            exe = self._compile(group, inputs, outputs)
+            _compile.store(key, exe)
+        else:
+            _progress.cache_hit(_compile.full_key(key))
+        mesh = group.mesh
+        args = [self.leaves[k] for k in inputs]
+
+        def run() -> Any:
+            try:
+                out = exe(*args)
+            except Exception as e:
+                e.add_note(f"meshinit.optax: while making the state leaves on the mesh {mesh}")
+                raise
+            yield from enumerate(out)
+
+        return run
+
+    def _compile(self, group: MeshGroup, inputs: tuple[int, ...], outputs: list[int]) -> Any:
+        tx, params_def = self.tx, self.params_def
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.leaves]
+
+        def program(*real):
             # This mesh's real arrays, and zeros for the other meshes' parameters:
-            # none of this mesh's leaves reads them (checked above), so XLA drops them.
+            # none of this mesh's leaves reads them (checked in _layout), so XLA drops them.
             given = dict(zip(inputs, real, strict=True))
             full = [
                 given[i] if i in given else jnp.zeros(x.shape, x.dtype) for i, x in enumerate(specs)
@@ -254,16 +338,15 @@ def _build(
 
         args = [
             jax.ShapeDtypeStruct(
-                leaves[i].shape, leaves[i].dtype, sharding=_auto(leaves[i].sharding)
+                self.leaves[i].shape, self.leaves[i].dtype, sharding=_auto(self.leaves[i].sharding)
             )
             for i in inputs
         ]
         making = f"the optimizer state of {len(outputs)} leaves"
-        exe = _compile.compile_now(
-            mesh, program, [shardings[j] for j in outputs], args, making=making
-        )
-        steps.append((mesh, inputs, outputs, exe))
-    return state_def, tuple(steps)
+        mesh = cast(Mesh, group.mesh)
+        out_shardings = [e.sharding for e in group.entries]
+        key = None if self.key is None else _compile.full_key(self._key(group))
+        return _compile.compile_now(mesh, program, out_shardings, args, making=making, key=key)
 
 
 def _auto(sharding: NamedSharding) -> NamedSharding:
@@ -358,27 +441,22 @@ def _init(
     # (what tx.init computes, structure) -> (state treedef, ((mesh, input positions,
     # output positions, executable), ...)). Keyed by value, never by identity: a
     # transformation whose init reads state that changed since gets a new entry.
-    hit = _compile.cached(key)
-    if hit is None:
-        hit = _build(tx, params, paths, leaves, scalars_on, axes, memory_kind, traced)
-        _compile.store(key, hit)
-    state_def, steps = hit
-    values: dict[int, jax.Array] = {}
-    made: list[jax.Array] = []
-    with deleting_on_failure(
-        made, lambda n: f"meshinit.optax: deleted the {n} state arrays it had made"
-    ):
-        for step_mesh, inputs, outputs, exe in steps:
-            try:
-                out = exe(*[leaves[i] for i in inputs])
-            except Exception as e:
-                e.add_note(f"meshinit.optax: while making the state leaves on the mesh {step_mesh}")
-                raise
-            made.extend(out)
-            values.update(zip(outputs, out, strict=True))
-        jax.block_until_ready(made)
-    _agree.keep(made)  # deleted if another process failed
-    return jax.tree_util.tree_unflatten(state_def, [values[j] for j in range(len(values))])
+    # (what tx.init computes, structure) -> the state's plan; each group's step under
+    # (key, "step", i). Keyed by value, never by identity: a transformation whose init
+    # reads state that changed since gets new entries.
+    layout = _compile.cached(key)
+    if layout is None:
+        layout = _layout(tx, treedef, paths, leaves, scalars_on, axes, memory_kind, traced)
+        _compile.store(key, layout)
+    plan, inputs = layout
+    return run_plan(
+        plan,
+        _Steps(tx, treedef, leaves, plan, inputs, key),
+        what="meshinit.optax.init",
+        progress=False,  # optax shows no bar and logs no line of its own
+        log=False,
+        note=lambda n, where: f"meshinit.optax: deleted the {n} state arrays it had made",
+    )
 
 
 del _optax

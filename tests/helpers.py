@@ -362,3 +362,32 @@ def boxes_by_path(variables):
         variables, is_leaf=lambda x: isinstance(x, nn.Partitioned)
     )
     return {meshinit._paths.path_str(kp): v for kp, v in flat}
+
+
+class OnesMaker:
+    """A group maker (meshinit._run.maker.GroupMaker) with no executables: each entry
+    is placed from the host as ones; ``events`` records ``("prepare", i)`` and
+    ``("run", i)`` by group index of ``plan``, in the order run_plan asks."""
+
+    def __init__(self, plan=None):
+        self.index = {} if plan is None else {id(g): i for i, g in enumerate(plan.groups)}
+        self.events = []
+
+    def builds(self, group):
+        return []
+
+    def work(self, group):
+        return [(None, 1)]
+
+    def prepare(self, group):
+        from meshinit._run.place import place
+
+        i = self.index.get(id(group))
+        self.events.append(("prepare", i))
+
+        def run():
+            self.events.append(("run", i))
+            for pos, e in enumerate(group.entries):
+                yield pos, place(np.ones(e.spec.shape, e.spec.dtype), e.sharding)
+
+        return run

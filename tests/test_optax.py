@@ -1,5 +1,6 @@
 """meshinit.optax: optimizer state on its parameters' exact shardings, on any meshes."""
 
+import logging
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import meshinit
 import meshinit.optax
 from meshinit import _paths
+from meshinit._run import checks as _checks
 from meshinit._run import compile as _compile
 
 
@@ -204,13 +206,14 @@ def test_a_failing_later_group_deletes_what_was_made(new_arrays):
     tx = optax.adam(1e-3)
     meshinit.clear_cache()
     meshinit.optax.init(tx, params)  # fills the cache
-    ((key, (state_def, steps)),) = _compile.executables.items()  # the one cache
+    # the one cache holds the state's layout and each mesh group's step, (key, "step", i)
+    steps = [k for k in _compile.executables if k[0][1:2] == ("step",)]
+    assert len(steps) == 2, "one step per mesh of the disjoint layout"
 
     def broken(*args):
         raise RuntimeError("device lost")
 
-    mesh_, inputs, outputs, _ = steps[-1]
-    _compile.executables[key] = (state_def, (*steps[:-1], (mesh_, inputs, outputs, broken)))
+    _compile.executables[max(steps, key=lambda k: k[0][2])] = broken
     try:
         with new_arrays() as made:
             with pytest.raises(RuntimeError, match="device lost") as info:
@@ -218,7 +221,11 @@ def test_a_failing_later_group_deletes_what_was_made(new_arrays):
     finally:
         meshinit.clear_cache()  # every adam(1e-3) shares the entry: drop the broken one
     assert not made, f"{len(made)} state arrays survived a failed init"
-    assert any("deleted the" in n for n in info.value.__notes__)
+    second = params["head"]["w"].sharding.mesh
+    assert info.value.__notes__ == [
+        f"meshinit.optax: while making the state leaves on the mesh {second}",
+        "meshinit.optax: deleted the 7 state arrays it had made",  # count, mu and nu on m1
+    ]
 
 
 def test_unplaced_params_are_refused_with_their_paths():
@@ -402,3 +409,23 @@ def test_init_ignores_an_active_context_mesh(name):
         jax.tree.leaves(state), jax.tree.leaves(tx.init(on_one_device(params))), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_init_logs_nothing_and_draws_no_bar(caplog, capfd):
+    params = make_params("shared", explicit=False)
+    meshinit.clear_cache()  # compiles too: no DEBUG line for those either
+    with caplog.at_level(logging.DEBUG, logger="meshinit"):
+        meshinit.optax.init(optax.adam(1e-3), params)
+    assert caplog.records == []
+    assert capfd.readouterr().err == ""
+
+
+def test_a_state_that_cannot_fit_is_refused_before_anything_is_made(monkeypatch, new_arrays):
+    # The run loop's memory check, shared with the spec path and the engine: the state
+    # alone needs more than the devices have free, so allocating it would fail anyway.
+    params = make_params("shared", explicit=False)
+    monkeypatch.setattr(_checks, "memory_stats", lambda d: {"bytes_limit": 64, "bytes_in_use": 0})
+    with new_arrays() as made:
+        with pytest.raises(meshinit.PlanError, match="do not fit in the memory planned for them"):
+            meshinit.optax.init(optax.adam(1e-3), params)
+    assert not made

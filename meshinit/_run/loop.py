@@ -1,7 +1,7 @@
 """The run loop: a plan made into arrays, one mesh group at a time, by a group maker.
 
-:func:`run_plan` is the loop that ``materialize``, the constructor engine and the
-adapters share: check everything (:mod:`meshinit._run.checks`), compile every
+:func:`run_plan` is the loop that ``materialize``, the constructor engine, the
+adapters and ``meshinit.optax`` share: check everything (:mod:`meshinit._run.checks`), compile every
 executable the maker lists (:mod:`meshinit._run.compile`, in parallel, cached), then
 call each group's runner (:mod:`meshinit._run.maker`), and delete everything made if
 anything fails; under ``jax.distributed`` every process agrees on the outcome
@@ -35,8 +35,9 @@ def deleting_on_failure(
     """If the block raises anything (``KeyboardInterrupt`` too), every array in ``made``
     (as it is then) is deleted and the error, with ``note(len(made))`` added, propagates.
 
-    The one delete-everything-on-failure of meshinit: materialize, the adapters' engine
-    and ``meshinit.optax`` use it, so nothing half-made outlives a failed call.
+    The one delete-everything-on-failure of meshinit: :func:`run_plan` (materialize, the
+    adapters' engine and ``meshinit.optax``) uses it, so nothing half-made outlives a
+    failed call.
     """
     try:
         yield
@@ -56,8 +57,17 @@ def run_plan(
     max_bytes_per_call: int | None = None,
     progress: bool | None = None,
     what: str = "materialize",
+    log: bool = True,
+    note: Callable[[int, str], str] | None = None,
 ) -> Any:
     """:func:`_run_here`, agreed between processes (:mod:`meshinit._run.agree`).
+
+    What the caller says, alike for every maker: ``what`` names the call (the bar, the
+    log line, the agreement); ``progress`` decides the bar (None: the auto rule of
+    :mod:`meshinit._run.progress`); ``log=False`` logs nothing (no INFO line for the
+    call, no DEBUG line per executable); ``note(n, where)`` is the note a failure gets
+    after the ``n`` arrays made are deleted (default: ``"meshinit: {what} failed while
+    {where}; deleted the {n} arrays it had made, and returned nothing"``).
 
     Under ``jax.distributed`` it returns only when every process succeeded; when any
     failed, every process raises (its own error, or ``PeerFailure`` naming the failed
@@ -66,7 +76,9 @@ def run_plan(
     agrees instead, once, when it ends.
     """
     with _agree.collective(what):  # or the caller's call
-        tree, made = _run_here(plan, maker, given, max_bytes_per_call, progress, what)
+        tree, made = _run_here(
+            plan, maker, given, max_bytes_per_call, progress, what, log, note or _failed_note(what)
+        )
         _agree.keep(made)  # deleted if the call fails after all, here or elsewhere
     return tree
 
@@ -78,6 +90,8 @@ def _run_here(
     max_bytes_per_call: int | None,
     progress: bool | None,
     what: str,
+    log: bool,
+    note: Callable[[int, str], str],
 ) -> Any:
     """Checks, compiles, then allocates; deletes everything it made if anything fails.
 
@@ -111,7 +125,8 @@ def _run_here(
         )
     summary = _work(plan, todo, maker)
     # The bar is decided here, once; it draws on stderr only, and closes on any exit.
-    with _progress.Tracker(what, summary, _progress.show_bar(progress, summary), start) as t:
+    bar = _progress.show_bar(progress, summary)
+    with _progress.Tracker(what, summary, bar, start, log=log) as t:
         # Compile everything before allocating anything, so a compile error leaves nothing.
         precompile([(i, g, *job) for i, g in enumerate(todo.groups) for job in maker.builds(g)])
         runners = []
@@ -123,14 +138,7 @@ def _run_here(
         made: list[jax.Array] = []
         values: dict[int, jax.Array] = {}
         where = ""
-
-        def failed(n: int) -> str:
-            return (
-                f"meshinit: {what} failed while {where}; deleted the {n} arrays "
-                f"it had made, and returned nothing"
-            )
-
-        with deleting_on_failure(made, failed):
+        with deleting_on_failure(made, lambda n: note(n, where)):
             for entry in plan.entries:
                 if id(entry) in given:
                     where = f"placing existing[{entry.path!r}] on {describe_mesh(entry.mesh)}"
@@ -154,6 +162,16 @@ def _run_here(
                 raise
         t.finished()
     return plan.fill([values[id(e)] for e in plan.entries]), made
+
+
+def _failed_note(what: str) -> Callable[[int, str], str]:
+    def failed(n: int, where: str) -> str:
+        return (
+            f"meshinit: {what} failed while {where}; deleted the {n} arrays "
+            f"it had made, and returned nothing"
+        )
+
+    return failed
 
 
 def _work(plan: Plan, todo: Plan, maker: GroupMaker) -> _progress.Work:

@@ -98,8 +98,9 @@ class Tracker:
     argument. Leaving it, even on failure, closes any bar.
     """
 
-    def __init__(self, what: str, work: Work, bar: bool, start: float):
+    def __init__(self, what: str, work: Work, bar: bool, start: float, log: bool = True):
         self.what = what
+        self.log = log  # False: no log line at all (a caller that reports nothing)
         self.work = work
         self.start = start
         self.compiled = 0
@@ -137,7 +138,8 @@ class Tracker:
         if key is not None:
             self._keys.add(key)
         self.compiled += 1
-        logger.debug("compiled an executable for %s in %.2f s", label or self.label, seconds)
+        if self.log:
+            logger.debug("compiled an executable for %s in %.2f s", label or self.label, seconds)
         self._draw(self._advance)
 
     def cache_hit(self, key: Hashable) -> None:
@@ -145,7 +147,8 @@ class Tracker:
             return
         self._keys.add(key)
         self.cached += 1
-        logger.debug("reused a cached executable for %s", self.label)
+        if self.log:
+            logger.debug("reused a cached executable for %s", self.label)
 
     def generating(self) -> None:
         self._close()
@@ -163,7 +166,7 @@ class Tracker:
         """Ends the bar and logs one INFO line for the whole call."""
         self._draw(lambda bar: bar.set_postfix_str("ready", refresh=False))
         self._close()
-        if logger.isEnabledFor(logging.INFO):
+        if self.log and logger.isEnabledFor(logging.INFO):
             w = self.work
             seconds = time.perf_counter() - self.start
             placed = f" ({w.placed} from existing)" if w.placed else ""
