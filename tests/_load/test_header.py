@@ -13,8 +13,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import plan_for
-from jax.sharding import Mesh
+from helpers import mesh8, plan_for
 
 import meshinit
 from meshinit import safetensors as st
@@ -23,10 +22,6 @@ from meshinit._load import survey as _survey
 
 save_file = pytest.importorskip("safetensors.numpy").save_file
 safe_open = pytest.importorskip("safetensors").safe_open
-
-
-def mesh8():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
 
 
 def raw(path, header, data=b"", length=None):
