@@ -362,3 +362,18 @@ def boxes_by_path(variables):
         variables, is_leaf=lambda x: isinstance(x, nn.Partitioned)
     )
     return {meshinit._paths.path_str(kp): v for kp, v in flat}
+
+
+def load_refused(plan, files, *needles, **kwargs):
+    """The PlanError of ``meshinit.safetensors.load(plan, files, **kwargs)``, whose
+    message must name every one of ``needles``."""
+    import pytest
+
+    from meshinit import safetensors
+
+    with pytest.raises(meshinit.PlanError) as raised:
+        safetensors.load(plan, files, **kwargs)
+    message = str(raised.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in:\n{message}"
+    return raised.value
