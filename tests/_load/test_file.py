@@ -1,8 +1,9 @@
 """Checkpoint folders and files as they are found, not as they were written:
 hidden files, a missing file, an index naming an absent shard, a stale shard beside an
 index, a dangling cache link, a FIFO, more shards than the open-file limit, an
-unreadable folder and a header of 200,000 entries. Each either loads exactly what the ``safetensors`` package reads or is one
-PlanError naming the file and the fix; none hangs."""
+unreadable folder and a header of 200,000 entries. Each either loads exactly what the
+``safetensors`` package reads or is one PlanError naming the file and the fix; none
+hangs."""
 
 import contextlib
 import json
