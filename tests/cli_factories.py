@@ -6,7 +6,7 @@ from jax.sharding import AbstractMesh, AxisType
 import meshinit
 
 FACTORY_RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"), ("norm", None))
-lecun = jax.nn.initializers.lecun_normal()
+lecun_init = jax.nn.initializers.lecun_normal()
 ones = jax.nn.initializers.ones
 
 
@@ -21,8 +21,8 @@ OWN = _abstract_mesh((4,), ("tensor",))  # a mesh some specs bind themselves
 
 def layer() -> dict:
     return {
-        "up": meshinit.param((64, 256), lecun, axes=("embed", "mlp")),
-        "down": meshinit.param((256, 64), lecun, axes=("mlp", "embed")),
+        "up": meshinit.param((64, 256), lecun_init, axes=("embed", "mlp")),
+        "down": meshinit.param((256, 64), lecun_init, axes=("mlp", "embed")),
         "norm": meshinit.param((64,), ones, axes=("norm",)),
     }
 
@@ -31,7 +31,7 @@ def specs() -> dict:
     """Four layers and an embedding with no mesh: give one with --abstract-mesh."""
     with meshinit.defaults(rules=FACTORY_RULES):
         return {
-            "embed": meshinit.param((512, 64), lecun, axes=("vocab", "embed")),
+            "embed": meshinit.param((512, 64), lecun_init, axes=("vocab", "embed")),
             "layers": [layer() for _ in range(4)],
         }
 
@@ -39,7 +39,7 @@ def specs() -> dict:
 def mixed() -> dict:
     """:func:`specs` plus a head that binds its own mesh."""
     tree = specs()
-    tree["head"] = meshinit.param((64, 512), lecun, axes=(None, "tensor"), mesh=OWN)
+    tree["head"] = meshinit.param((64, 512), lecun_init, axes=(None, "tensor"), mesh=OWN)
     return tree
 
 
@@ -67,13 +67,15 @@ def nnx_model():
 
     class Block(nnx.Module):
         def __init__(self):
-            self.up = nnx.Param(meshinit.param((64, 256), lecun, axes=("embed", "mlp")))
+            self.up = nnx.Param(meshinit.param((64, 256), lecun_init, axes=("embed", "mlp")))
 
     class Model(nnx.Module):
         def __init__(self):
             with meshinit.defaults(rules=FACTORY_RULES):
                 self.blocks = nnx.List([Block() for _ in range(3)])
-                self.head = nnx.Param(meshinit.param((64, 512), lecun, axes=("embed", "vocab")))
+                self.head = nnx.Param(
+                    meshinit.param((64, 512), lecun_init, axes=("embed", "vocab"))
+                )
 
     return Model()
 
@@ -101,7 +103,7 @@ def nnx_ordinary():
         def __init__(self, rngs):
             self.blocks = nnx.List([Block(rngs) for _ in range(3)])
             self.head = nnx.Param(
-                lecun(rngs.params(), (64, 512)), out_sharding=(None, "tensor"), mesh=OWN
+                lecun_init(rngs.params(), (64, 512)), out_sharding=(None, "tensor"), mesh=OWN
             )
             self.dropout = nnx.Dropout(0.1, rngs=rngs)  # RNG state: a key and a count
 
@@ -141,7 +143,7 @@ def eqx_model():
         def __init__(self):
             with meshinit.defaults(rules=FACTORY_RULES):
                 self.layers = [layer() for _ in range(2)]
-                self.head = meshinit.param((64, 512), lecun, axes=("embed", "vocab"))
+                self.head = meshinit.param((64, 512), lecun_init, axes=("embed", "vocab"))
 
     return Model()
 
@@ -151,9 +153,10 @@ def bad_axes() -> dict:
     with meshinit.defaults(rules=FACTORY_RULES):
         return {
             "layers": [
-                {"up": meshinit.param((64, 256), lecun, axes=("embed", "mlpp"))} for _ in range(6)
+                {"up": meshinit.param((64, 256), lecun_init, axes=("embed", "mlpp"))}
+                for _ in range(6)
             ],
-            "odd": meshinit.param((3, 64), lecun, axes=("vocab", None)),
+            "odd": meshinit.param((3, 64), lecun_init, axes=("vocab", None)),
         }
 
 

@@ -391,3 +391,18 @@ class OnesMaker:
                 yield pos, place(np.ones(e.spec.shape, e.spec.dtype), e.sharding)
 
         return run
+
+
+def load_refused(plan, files, *needles, **kwargs):
+    """The PlanError of ``meshinit.safetensors.load(plan, files, **kwargs)``, whose
+    message must name every one of ``needles``."""
+    import pytest
+
+    from meshinit import safetensors
+
+    with pytest.raises(meshinit.PlanError) as raised:
+        safetensors.load(plan, files, **kwargs)
+    message = str(raised.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in:\n{message}"
+    return raised.value

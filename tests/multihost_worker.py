@@ -137,7 +137,7 @@ ST_TENSORS = {
 }
 
 
-def stored(path: str, value: np.ndarray) -> np.ndarray:
+def as_stored(path: str, value: np.ndarray) -> np.ndarray:
     """``value`` of plan path ``path`` as the file stores it."""
     _, shape, permute = ST_TENSORS[path]
     return np.ascontiguousarray(value.T if permute else value.reshape(-1))

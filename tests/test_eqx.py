@@ -8,13 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import eqx_linear, eqx_mlp, submesh
+from helpers import eqx_linear, eqx_mlp, lecun, submesh
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
 
-lecun = jax.nn.initializers.lecun_normal
 VOCAB_NORM_RULES = (("vocab", "tensor"), ("embed", "fsdp"), ("mlp", "tensor"), ("norm", None))
 
 
@@ -82,7 +81,7 @@ def assert_on(array, mesh, spec, path):
 # --- the optional extra ----------------------------------------------------------------
 
 
-def run_python(code):
+def run_code(code):
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
@@ -92,7 +91,7 @@ def run_python(code):
 
 
 def test_meshinit_imports_without_equinox_and_the_adapter_names_the_extra():
-    result = run_python(
+    result = run_code(
         """
         import sys
         import meshinit

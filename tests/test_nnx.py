@@ -9,13 +9,11 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from helpers import mesh8
+from helpers import lecun, mesh8
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-
-lecun = jax.nn.initializers.lecun_normal
 
 
 def meshes(explicit):

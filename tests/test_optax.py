@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import on_one_device
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -101,10 +102,6 @@ def mirrored(state_path, leaf, params_by_path):
 
     best = max(same, key=tail, default=None)  # max keeps the first on ties
     return same[best] if best is not None and tail(best) > 0 else None
-
-
-def on_one_device(tree):
-    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), tree)
 
 
 @pytest.mark.parametrize("explicit", [False, True])

@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import mesh8
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -19,10 +20,6 @@ from meshinit.safetensors import Tensor
 save_file = pytest.importorskip("safetensors.numpy").save_file
 
 D, HEADS, HEAD_DIM, MLP = 16, 4, 4, 32
-
-
-def mesh8():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
 
 
 def stages():

@@ -319,14 +319,14 @@ def client(server, attempts=1):
     )  # fmt: skip
 
 
-def stored(server, data=DATA):
+def put_object(server, data=DATA):
     bucket = server.bucket()
     server.put(f"{bucket}/dir/obj.bin", data)
     return bucket, "dir/obj.bin", f"{bucket}/dir/obj.bin"
 
 
 def test_s3_ranged_get_returns_exactly_those_bytes_and_is_counted(s3):
-    bucket, key, path = stored(s3)
+    bucket, key, path = put_object(s3)
     c = client(s3)
     got = c.get_object(Bucket=bucket, Key=key, Range="bytes=100-199")
     assert got["Body"].read() == DATA[100:200]
@@ -342,7 +342,7 @@ def test_s3_ranged_get_returns_exactly_those_bytes_and_is_counted(s3):
 
 
 def test_s3_503s_are_retried_by_boto3_until_the_fault_clears(s3):
-    bucket, key, path = stored(s3)
+    bucket, key, path = put_object(s3)
     fault = s3.fail(path, 503, times=1)
     got = client(s3, attempts=3).get_object(Bucket=bucket, Key=key, Range="bytes=0-9")
     assert (got["Body"].read(), fault.fired) == (DATA[:10], 1)
@@ -352,7 +352,7 @@ def test_s3_503s_are_retried_by_boto3_until_the_fault_clears(s3):
 def test_s3_403_is_access_denied_and_then_clears(s3):
     from botocore.exceptions import ClientError
 
-    bucket, key, path = stored(s3)
+    bucket, key, path = put_object(s3)
     s3.fail(path, 403)
     c = client(s3, attempts=3)
     with pytest.raises(ClientError, match="AccessDenied"):
@@ -363,7 +363,7 @@ def test_s3_403_is_access_denied_and_then_clears(s3):
 def test_s3_a_dropped_connection_mid_range_fails_the_read_once(s3):
     from botocore.exceptions import IncompleteReadError, ResponseStreamingError
 
-    bucket, key, path = stored(s3)
+    bucket, key, path = put_object(s3)
     s3.drop(path, keep=50)
     c = client(s3)
     with pytest.raises((IncompleteReadError, ResponseStreamingError)):
@@ -375,7 +375,7 @@ def test_s3_a_dropped_connection_mid_range_fails_the_read_once(s3):
 def test_s3_an_object_replaced_between_two_reads_has_a_new_etag(s3):
     from botocore.exceptions import ClientError
 
-    bucket, key, path = stored(s3)
+    bucket, key, path = put_object(s3)
     s3.replace_after(path, b"new" * 400, after=1)
     c = client(s3)
     first = c.get_object(Bucket=bucket, Key=key, Range="bytes=0-2")
@@ -387,7 +387,7 @@ def test_s3_an_object_replaced_between_two_reads_has_a_new_etag(s3):
 
 
 def test_s3_a_truncated_object_is_shorter(s3):
-    bucket, key, path = stored(s3)
+    bucket, key, path = put_object(s3)
     etag = s3.etag(path)
     s3.truncate(path, 600)
     head = client(s3).head_object(Bucket=bucket, Key=key)
@@ -395,7 +395,7 @@ def test_s3_a_truncated_object_is_shorter(s3):
 
 
 def test_s3_a_write_through_the_proxy_is_read_back(s3):
-    bucket, key, path = stored(s3)
+    bucket, key, path = put_object(s3)
     c = client(s3)
     assert c.get_object(Bucket=bucket, Key=key)["Body"].read() == DATA
     c.put_object(Bucket=bucket, Key=key, Body=b"second")
@@ -407,7 +407,7 @@ def test_boto3_and_obstore_find_the_server_from_the_environment_alone(s3_server)
     import obstore
     from obstore.store import S3Store
 
-    bucket, key, path = stored(s3_server)
+    bucket, key, path = put_object(s3_server)
     c = boto3.client("s3")  # AWS_ENDPOINT_URL, the keys and the region from the fixture
     assert [o["Key"] for o in c.list_objects_v2(Bucket=bucket)["Contents"]] == [key]
     got = c.get_object(Bucket=bucket, Key=key, Range="bytes=500-509")["Body"].read()

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import lecun
 
 import meshinit
 
 EMBED_MLP_RULES = (("embed", "fsdp"), ("mlp", "tensor"))
-lecun = jax.nn.initializers.lecun_normal
 
 
 def up():

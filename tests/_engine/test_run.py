@@ -14,18 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given
-from hypothesis import strategies as st
+from helpers import lecun
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit._engine import host_eval as _host
-from meshinit._engine import trace as _trace
-from meshinit._jax import jaxpr as _jaxpr
-from meshinit._jax import threefry as _threefry
-
-lecun = jax.nn.initializers.lecun_normal
 
 
 def mesh24():
@@ -459,69 +452,6 @@ def test_what_cannot_be_cut_falls_back_with_a_warning_saying_why_and_what_to_do(
     assert_close(model.w.get_value(), want["w"], "w")
 
 
-# ----------------------------------------------------------------- the host part
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2**31 - 1, -5])
-def test_host_part_computes_keys_and_counters_bit_for_bit(seed):
-    def fn():
-        key = jax.random.key(seed)
-        keys = jax.random.split(jax.random.fold_in(key, 7), 3)
-        counter = jnp.uint32(5) + jnp.uint32(1)
-        bits = jax.random.bits(keys[1], (4,))
-        shifted = jnp.right_shift(jnp.int32(-8), jnp.int32(40))  # XLA: out of range
-        return [jax.random.key_data(keys), counter, bits, shifted, jnp.int32(-7) // jnp.int32(2)]
-
-    traced = _trace.trace(lambda: fn())
-    outs = traced.program.outputs
-    traced = _trace.evaluate_host_part(traced, outs)
-    assert all(o in traced.host for o in outs)  # all of it on the host
-    for o, want in zip(outs, jax.jit(fn)(), strict=True):
-        got = traced.host[o]
-        np.testing.assert_array_equal(np.asarray(getattr(got, "data", got)), np.asarray(want))
-
-
-@given(st.lists(st.integers(0, 2**32 - 1), min_size=4, max_size=4))
-def test_the_host_hash_on_ints_is_the_numpy_hash(words):
-    k1, k2, x1, x2 = words
-    with np.errstate(over="ignore"):  # uint32 wrap-around is the hash
-        want = _threefry.threefry_rounds(*(np.uint32(w) for w in words))
-    assert _threefry.threefry_ints(k1, k2, x1, x2) == tuple(int(w) for w in want)
-
-
-def test_host_part_leaves_float_arithmetic_to_the_program():
-    # XLA contracts multiply-adds inside jitted initializers; numpy rounds twice. So
-    # float arithmetic runs in the compiled programs, and only exact moves of floats
-    # (broadcasts, casts) run on the host.
-    def fn():
-        scale = jnp.float32(2.0) / 3
-        return [jnp.exp(jnp.float32(1.5)), scale, jnp.ones((8,), jnp.bfloat16), scale * 3 + 1]
-
-    traced = _trace.trace(fn)
-    traced = _trace.evaluate_host_part(traced, traced.program.outputs)
-    exp, div, ones, fma = traced.program.outputs
-    assert exp not in traced.host and div not in traced.host and fma not in traced.host
-    np.testing.assert_array_equal(traced.host[ones], np.ones(8, jnp.bfloat16))
-
-
-def test_fingerprints_are_structural_not_by_identity():
-    def weight(scale):
-        return lambda key: jax.random.normal(key, (64, 64)) * scale
-
-    def digests(fn):
-        traced = _trace.trace(lambda d: [fn(jax.random.wrap_key_data(d))], np.zeros(2, np.uint32))
-        traced = _trace.evaluate_host_part(traced, traced.program.outputs)
-        s = _trace.cut(traced, traced.program.outputs[0], {})
-        return s.digest
-
-    a, b, c = digests(weight(2.0)), digests(weight(2.0)), digests(weight(3.0))
-    assert a == b  # two closures computing the same thing
-    assert a != c  # a different literal
-    with pytest.raises(_jaxpr.Unfingerprintable):
-        _jaxpr._canon(lambda: 0, {})
-    assert isinstance(_host.HostKey(np.zeros(2, np.uint32)), _host.HostKey)
-
-
 def test_malformed_meshes_are_one_error_naming_each_pair():
     mesh = mesh24()
     bad = [("(", mesh), (3, mesh), ("a", "mesh"), (r".*", mesh)]
@@ -550,30 +480,6 @@ def test_the_engine_programs_move_nothing_between_devices():
     assert texts
     for op in ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter"):
         assert not any(op in t for t in texts), op
-
-
-def test_the_cycle_collector_is_paused_during_init_and_restored_after():
-    import gc
-
-    seen = []
-
-    def factory():
-        seen.append(gc.isenabled())
-        return nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-
-    assert gc.isenabled()
-    meshinit.nnx.init(factory)
-    assert seen == [False] and gc.isenabled()
-    gc.disable()  # a caller that disabled it keeps it disabled
-    try:
-        with _trace.paused_gc(), _trace.paused_gc():
-            assert not gc.isenabled()
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
-    with pytest.raises(ValueError, match="must build its own"), _trace.paused_gc():
-        raise ValueError("must build its own")
-    assert gc.isenabled()  # restored after a failure too
 
 
 def test_a_model_written_like_bonsai_qwen3_under_a_context_mesh():

@@ -136,3 +136,11 @@ def test_every_strategy_makes_the_values_of_jaxs_own_threefry(strategy):
     assert ours.keys() == jaxs.keys() and len(ours) == 3 * len(inits)
     for path, value in jaxs.items():
         np.testing.assert_array_equal(ours[path], value, err_msg=path)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=4, max_size=4))
+def test_the_host_hash_on_ints_is_the_numpy_hash(words):
+    k1, k2, x1, x2 = words
+    with np.errstate(over="ignore"):  # uint32 wrap-around is the hash
+        want = _threefry.threefry_rounds(*(np.uint32(w) for w in words))
+    assert _threefry.threefry_ints(k1, k2, x1, x2) == tuple(int(w) for w in want)

@@ -86,7 +86,7 @@ def mesh(kind):
     return Mesh(devices.reshape(2, 4), ("fsdp", "tensor"))
 
 
-def plan_of(params):
+def plan_by_mesh_kind(params):
     """A plan of ``{path: (shape, mesh kind, axes)}``, zeros (never made here)."""
     zeros = jax.nn.initializers.zeros
     return meshinit.plan(
@@ -301,7 +301,7 @@ def layout_tier(store, layout, budget):
 def test_every_layout_of_a_block_loads_as_the_local_file_does(store, layout, budget):
     files, tensors = layout_checkpoint()
     kind, axes = LAYOUTS[layout]
-    plan = plan_of({n: (t.shape, kind, axes) for n, t in tensors.items()})
+    plan = plan_by_mesh_kind({n: (t.shape, kind, axes) for n, t in tensors.items()})
     kw = {"max_inflight_bytes": SMALL} if budget == "small" else {}
     assert_loads_as_local(store, plan, files, tensors, **kw)
 
@@ -314,7 +314,9 @@ def test_a_scalar_loads_on_every_device_of_both_meshes(store):
     tensors = {"s": np.array(-1.5, np.float32), "t": np.array(3.25, np.float32)}
     tensors["a"] = random(A, 3)  # beside a tensor of aligned whole-row blocks (first)
     files = {"model.safetensors": aligned(saved(tensors), ["a"])}
-    plan = plan_of({"s": ((), "1d", None), "t": ((), "2d", None), "a": (A, "1d", ("d", None))})
+    plan = plan_by_mesh_kind(
+        {"s": ((), "1d", None), "t": ((), "2d", None), "a": (A, "1d", ("d", None))}
+    )
     loaded = assert_loads_as_local(store, plan, files, tensors)
     assert [len(loaded[p].addressable_shards) for p in "st"] == [8, 8]
 
@@ -328,7 +330,7 @@ def test_a_stack_of_scalars_loads_one_element_per_device(store, layout):
     tensors = {f"e{i}": np.array(i + 0.5, np.float32) for i in range(8)}
     files = {"model.safetensors": saved(tensors)}
     axes = ("d",) if layout == "1d" else (("fsdp", "tensor"),)
-    plan = plan_of({"stack": ((8,), layout, axes)})
+    plan = plan_by_mesh_kind({"stack": ((8,), layout, axes)})
     names = {"stack": st.Stack([f"e{i}" for i in range(8)], 0)}
     want = {"stack": np.stack([tensors[f"e{i}"] for i in range(8)])}
     loaded = assert_loads_as_local(store, plan, files, want, names=names)
@@ -368,7 +370,7 @@ def test_a_stack_of_layers_loads_as_numpy_stacks_them(store, layout, budget):
     }
     axis, axes = STACKED[layout]
     want = {"w": np.stack(list(layers.values()), axis)}
-    plan = plan_of({"w": (want["w"].shape, "1d", axes)})
+    plan = plan_by_mesh_kind({"w": (want["w"].shape, "1d", axes)})
     names = {"w": st.Stack(list(layers), axis)}
     kw = {"max_inflight_bytes": 5 * math.prod(LAYER) * 4 // 2} if budget != "default" else {}
     assert_loads_as_local(store, plan, files, want, names=names, **kw)
@@ -380,7 +382,7 @@ def test_one_tensor_stacked_eight_times_loads_every_layer_within_a_small_budget(
     # released once placed must not take a later chunk's copy of the same bytes.
     a = random(A, 4)
     files = {"model.safetensors": aligned(saved({"a": a}), ["a"])}
-    plan = plan_of({"w": ((8, *A), "1d", ("d", None, None))})
+    plan = plan_by_mesh_kind({"w": ((8, *A), "1d", ("d", None, None))})
     names = {"w": st.Stack(["a"] * 8, 0)}
     budget = 5 * a.nbytes // 2  # 2.5 layers
     want = {"w": np.stack([a] * 8)}
@@ -404,7 +406,7 @@ def test_a_long_tensor_split_by_columns_is_fetched_about_once(store, budget):
     # are this process's, so the tensor is owned once, and fetched about once
     w = random((70000, 16), 5)
     files = {"model.safetensors": aligned(saved({"w": w}), ["w"])}
-    plan = plan_of({"w": (w.shape, "1d", (None, "d"))})
+    plan = plan_by_mesh_kind({"w": (w.shape, "1d", (None, "d"))})
     kw = {"max_inflight_bytes": w.nbytes // 2} if budget == "half" else {}
     assert_loads_as_local(store, plan, files, {"w": w}, **kw)  # within 1.1x (8x once)
 
@@ -445,6 +447,6 @@ def test_many_objects_load_as_the_local_files_do(store, layout, budget, size):
     starts = [offset % ALIGN for data in files.values() for offset in offsets(data).values()]
     assert starts.count(0) == 24, f"{starts}: 24 tensors at 64-byte-aligned offsets expected"
     kind, axes = LAYOUTS[layout]
-    plan = plan_of({n: (t.shape, kind, axes) for n, t in tensors.items()})
+    plan = plan_by_mesh_kind({n: (t.shape, kind, axes) for n, t in tensors.items()})
     kw = {"max_inflight_bytes": size * size * 4} if budget == "small" else {}  # a tensor
     assert_loads_as_local(store, plan, files, tensors, again=True, **kw)

@@ -1,8 +1,9 @@
 """Checkpoint folders and files as they are found, not as they were written:
-a stale shard beside an index, a dangling cache link, a FIFO, more shards than the
-open-file limit, an unreadable folder, sub-byte integer plans and a header of 200,000
-entries. Each either loads exactly what the ``safetensors`` package reads or is one
-PlanError naming the file and the fix; none hangs."""
+hidden files, a missing file, an index naming an absent shard, a stale shard beside an
+index, a dangling cache link, a FIFO, more shards than the open-file limit, an
+unreadable folder and a header of 200,000 entries. Each either loads exactly what the
+``safetensors`` package reads or is one PlanError naming the file and the fix; none
+hangs."""
 
 import contextlib
 import json
@@ -10,11 +11,9 @@ import os
 import resource
 import signal
 
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
-from helpers import plan_for
+from helpers import load_refused, plan_for
 
 import meshinit
 from meshinit import safetensors as st
@@ -149,29 +148,6 @@ def test_a_fifo_in_a_folder_is_named_not_opened(tmp_path):
     with within(20):
         refused(lambda: st.load(plan, tmp_path), "b.safetensors", "FIFO")
         refused(lambda: st.inventory(plan, tmp_path), "b.safetensors", "FIFO")
-
-
-# ------------------------------------------------- int4 and uint4 plans
-
-
-@pytest.mark.parametrize(
-    "stored, planned",
-    [(np.int8, jnp.int4), (np.uint8, jnp.uint4), (np.int32, jnp.int4)],
-)
-def test_sub_byte_integer_plans_load_exactly(tmp_path, stored, planned):
-    info = ml_dtypes.iinfo(planned)
-    want = (np.arange(64) % (int(info.max) - int(info.min) + 1) + int(info.min)).astype(stored)
-    save_file({"w": want.reshape(8, 8)}, str(tmp_path / "m.safetensors"))
-    plan = plan_for({"w": (8, 8)}, dtype=planned, axes=("fsdp", "tensor"))
-    (loaded,) = st.load(plan, tmp_path).values()
-    assert loaded.dtype == planned and loaded.sharding == plan.entries[0].sharding
-    np.testing.assert_array_equal(np.asarray(loaded).astype(np.int64), want.reshape(8, 8))
-
-
-def test_a_value_outside_int4_is_refused_naming_the_range(tmp_path):
-    save_file({"w": np.full((8, 8), 8, np.int8)}, str(tmp_path / "m.safetensors"))
-    plan = plan_for({"w": (8, 8)}, dtype=jnp.int4)
-    refused(lambda: st.load(plan, tmp_path), "'w'", "outside int4's range", "wider dtype")
 
 
 # ------------------------------------------------- the open-file limit
@@ -336,3 +312,43 @@ def test_a_large_header_is_checked_without_a_call_into_the_package_per_tensor(
     found = st.inventory(plan, path)
     assert found.loaded and len(found.unused) == 4999
     assert len(calls) <= 3, sorted(set(calls))  # keys(), not get_slice() per tensor
+
+
+def test_hidden_files_in_a_checkpoint_directory_are_skipped(tmp_path):
+    # macOS's AppleDouble file beside the real one once broke the load with MemoryError
+    save_file({"w": np.arange(8, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "._model.safetensors").write_bytes(b"\x00\x05\x16\x07" + b"\xff" * 200)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "sub.safetensors").mkdir()
+    (loaded,) = st.load(plan_for({"w": (8,)}), tmp_path).values()
+    np.testing.assert_array_equal(np.asarray(loaded), np.arange(8, dtype=np.float32))
+    # named explicitly, it is checked like any file, and named
+    load_refused(plan_for({"w": (8,)}), [tmp_path / "._model.safetensors"], "._model.safetensors")
+
+
+def test_a_missing_file_in_a_list_is_named(tmp_path):
+    load_refused(
+        plan_for({"w": (8,)}),
+        [tmp_path / "nope.safetensors"],
+        "nope.safetensors",
+        "cannot be opened",
+    )
+
+
+def test_an_index_naming_an_absent_shard_is_an_incomplete_download(tmp_path):
+    # with missing="skip", the absent shard's tensors would otherwise be made at random
+    save_file({"a": np.ones(4, np.float32)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        }
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    load_refused(
+        plan_for({"a": (4,), "b": (4,)}),
+        tmp_path,
+        "model-00002-of-00002.safetensors",
+        "incomplete download",
+        missing="skip",
+    )

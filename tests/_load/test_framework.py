@@ -38,7 +38,7 @@ class Layers(st.FrameworkMap):
         return {p: t for p, t in table.items() if p not in self.leave_out}, self.problems
 
 
-def stored(seed=0):
+def block_tensors(seed=0):
     rng = np.random.default_rng(seed)
     return {f"blk.{i}.weight": rng.standard_normal((16, 8)).astype(np.float32) for i in range(2)}
 
@@ -59,7 +59,7 @@ def exact(loaded, tensors):
 
 @pytest.mark.parametrize("named", ["folder", "file", "list"])
 def test_the_map_gets_config_and_headers_and_its_table_is_loaded(tmp_path, named):
-    tensors = stored()
+    tensors = block_tensors()
     write(tmp_path / "m", tensors)
     files = {
         "folder": tmp_path / "m",
@@ -91,7 +91,7 @@ def test_the_map_gets_config_and_headers_and_its_table_is_loaded(tmp_path, named
 
 
 def test_no_config_json_is_one_error_naming_where_it_was_looked_for(tmp_path):
-    write(tmp_path, stored(), config=None)
+    write(tmp_path, block_tensors(), config=None)
     plan = plan_for(SHAPES)
     with pytest.raises(
         meshinit.PlanError, match=r"the toy framework's map needs config\.json"
@@ -106,14 +106,14 @@ def test_no_config_json_is_one_error_naming_where_it_was_looked_for(tmp_path):
     [("{", "is not JSON"), ("[1, 2]", "holds a JSON list, not an object")],
 )
 def test_a_config_json_that_is_no_json_object_is_named(tmp_path, text, said):
-    write(tmp_path, stored())
+    write(tmp_path, block_tensors())
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(meshinit.PlanError, match=said):
         st.load(plan_for(SHAPES), tmp_path, names=Layers())
 
 
 def test_the_maps_problems_refuse_all_of_it_before_any_read(tmp_path):
-    write(tmp_path, stored())
+    write(tmp_path, block_tensors())
     bad = [meshinit.Problem("layers.1.w", "its hook reads values: cannot be followed")]
     with pytest.raises(meshinit.PlanError, match="its hook reads values") as e:
         st.load(plan_for(SHAPES), tmp_path, names=Layers(problems=bad))
@@ -121,7 +121,7 @@ def test_the_maps_problems_refuse_all_of_it_before_any_read(tmp_path):
 
 
 def test_a_plan_path_the_map_leaves_out_is_refused_not_looked_up_by_its_own_name(tmp_path):
-    tensors = stored()
+    tensors = block_tensors()
     tensors["layers.0.w"] = np.zeros((8, 16), np.float32)  # a tensor of the path's own name
     write(tmp_path, tensors)
     with pytest.raises(meshinit.PlanError, match="gives it no target") as e:
@@ -139,7 +139,7 @@ from storage_servers import file_server_fixture, s3_server_fixture  # noqa: E402
 @pytest.mark.parametrize("named", ["folder", "object"])
 def test_a_bucket_gives_the_map_its_config_json(s3_server, named):
     bucket = s3_server.bucket()
-    tensors = stored(1)
+    tensors = block_tensors(1)
     s3_server.put(f"{bucket}/m/model.safetensors", save(tensors))
     s3_server.put(f"{bucket}/m/config.json", json.dumps({"num_hidden_layers": 2}).encode())
     url = f"s3://{bucket}/m/" if named == "folder" else f"s3://{bucket}/m/model.safetensors"
@@ -154,13 +154,13 @@ def test_a_bucket_gives_the_map_its_config_json(s3_server, named):
 
 def test_a_bucket_without_config_json_is_named(s3_server):
     bucket = s3_server.bucket()
-    s3_server.put(f"{bucket}/m/model.safetensors", save(stored()))
+    s3_server.put(f"{bucket}/m/model.safetensors", save(block_tensors()))
     with pytest.raises(meshinit.PlanError, match="needs config.json"):
         st.load(plan_for(SHAPES), f"s3://{bucket}/m/model.safetensors", names=Layers())
 
 
 def test_the_hub_and_an_https_file_give_the_map_its_config_json(file_server):
-    tensors = stored(2)
+    tensors = block_tensors(2)
     file_server.put("org/model/model.safetensors", save(tensors))
     file_server.put("org/model/config.json", json.dumps({"num_hidden_layers": 2}).encode())
     options = {"endpoint": file_server.url, "token": False}

@@ -2,31 +2,22 @@
 requires before a byte of data is read or allocated; a bad one is one PlanError naming
 the file, the tensor and what is wrong; nothing half-loaded outlives a failure."""
 
-import gc
 import json
-import os
 import struct
 import tracemalloc
-import weakref
 
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import plan_for
-from jax.sharding import Mesh
+from helpers import load_refused, mesh8, plan_for
 
 import meshinit
 from meshinit import safetensors as st
 from meshinit._load import read as _read
-from meshinit._load import survey as _survey
 
 save_file = pytest.importorskip("safetensors.numpy").save_file
 safe_open = pytest.importorskip("safetensors").safe_open
-
-
-def mesh8():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
 
 
 def raw(path, header, data=b"", length=None):
@@ -44,29 +35,19 @@ F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 DATA = np.arange(4, dtype=np.float32).tobytes()
 
 
-def refused(plan, files, *needles, **kwargs):
-    """The load's PlanError, which must name every one of ``needles``."""
-    with pytest.raises(meshinit.PlanError) as raised:
-        st.load(plan, files, **kwargs)
-    message = str(raised.value)
-    for needle in needles:
-        assert needle in message, f"{needle!r} not in:\n{message}"
-    return raised.value
-
-
 # ---------------------------------------------------------------- headers that lie
 
 
 def test_overlapping_offsets_are_refused_not_read_as_a_copy(tmp_path):
     f = raw(tmp_path / "m.safetensors", {"a": F32_2, "b": F32_2}, DATA[:8])
-    refused(plan_for({"a": (2,), "b": (2,)}), f, str(f), "'b'", "overlap", "'a'")
+    load_refused(plan_for({"a": (2,), "b": (2,)}), f, str(f), "'b'", "overlap", "'a'")
 
 
 @pytest.mark.parametrize("offsets", [[-8, 0], [0.0, 8], [0, 8, 8], "0:8", [8, 0]])
 def test_negative_fractional_or_malformed_offsets_are_refused(tmp_path, offsets):
     # a negative start once read the header's own JSON text as weights
     f = raw(tmp_path / "m.safetensors", {"a": {**F32_2, "data_offsets": offsets}}, DATA[:8])
-    refused(plan_for({"a": (2,)}), f, str(f), "'a'", "data_offsets")
+    load_refused(plan_for({"a": (2,)}), f, str(f), "'a'", "data_offsets")
 
 
 def test_a_start_offset_before_the_previous_end_is_an_overlap(tmp_path):
@@ -75,7 +56,7 @@ def test_a_start_offset_before_the_previous_end_is_an_overlap(tmp_path):
         "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
     }
     f = raw(tmp_path / "m.safetensors", header, DATA[:12])
-    refused(plan_for({"a": (2,), "b": (2,)}), f, "'b'", "overlap")
+    load_refused(plan_for({"a": (2,), "b": (2,)}), f, "'b'", "overlap")
 
 
 @pytest.mark.parametrize(
@@ -90,7 +71,7 @@ def test_a_dtype_or_shape_that_disagrees_with_the_extent_is_refused(tmp_path, en
     # a larger dtype or shape once read the neighbouring tensor's bytes
     header = {"a": entry, "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}
     f = raw(tmp_path / "m.safetensors", header, DATA)
-    refused(plan_for({"b": (2,)}), f, "'a'", said, "hold 8", unused="ignore")
+    load_refused(plan_for({"b": (2,)}), f, "'a'", said, "hold 8", unused="ignore")
 
 
 def test_a_name_given_twice_is_refused(tmp_path):
@@ -103,7 +84,7 @@ def test_a_name_given_twice_is_refused(tmp_path):
     f = raw(tmp_path / "m.safetensors", header, DATA[:8])
     with safe_open(str(f), "numpy") as reference:  # what the package does
         assert list(reference.keys()) == ["a"]
-    refused(plan_for({"a": (2,)}), f, str(f), "'a' twice")
+    load_refused(plan_for({"a": (2,)}), f, str(f), "'a' twice")
 
 
 def test_a_gap_or_bytes_after_the_last_tensor_are_refused(tmp_path):
@@ -115,9 +96,9 @@ def test_a_gap_or_bytes_after_the_last_tensor_are_refused(tmp_path):
         },
         DATA,
     )
-    refused(plan_for({"b": (2,)}), gap, "'b'", "no gap", unused="ignore")
+    load_refused(plan_for({"b": (2,)}), gap, "'b'", "no gap", unused="ignore")
     trailing = raw(tmp_path / "trailing.safetensors", {"a": F32_2}, DATA)
-    refused(plan_for({"a": (2,)}), trailing, "8 bytes after its last tensor")
+    load_refused(plan_for({"a": (2,)}), trailing, "8 bytes after its last tensor")
 
 
 # ---------------------------------------------------------------- the header's length
@@ -130,7 +111,7 @@ def test_a_header_length_that_lies_allocates_nothing(tmp_path, length, said):
     f = raw(tmp_path / "m.safetensors", {"a": F32_2}, DATA[:8], length=length)
     tracemalloc.start()
     try:
-        refused(plan_for({"a": (2,)}), f, str(f), "header length", said)
+        load_refused(plan_for({"a": (2,)}), f, str(f), "header length", said)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -141,7 +122,7 @@ def test_a_header_length_that_lies_allocates_nothing(tmp_path, length, said):
 def test_an_empty_or_tiny_file_is_named(tmp_path, size):
     f = tmp_path / "m.safetensors"
     f.write_bytes(b"\x01" * size)
-    refused(plan_for({"a": (2,)}), f, str(f), f"is {size} bytes")
+    load_refused(plan_for({"a": (2,)}), f, str(f), f"is {size} bytes")
 
 
 def test_a_truncated_download_is_named(tmp_path):
@@ -151,7 +132,7 @@ def test_a_truncated_download_is_named(tmp_path):
     cut = tmp_path / "m.safetensors"
     cut.write_bytes(full.read_bytes()[:-5])
     full.unlink()
-    refused(plan_for({"a": (2,), "b": (2,)}), cut, str(cut), "truncated")
+    load_refused(plan_for({"a": (2,), "b": (2,)}), cut, str(cut), "truncated")
 
 
 @pytest.mark.parametrize(
@@ -174,7 +155,7 @@ def test_a_malformed_header_is_one_plan_error_naming_the_file(tmp_path, header, 
     # these were bare UnicodeDecodeError, JSONDecodeError, AttributeError, KeyError and
     # TypeError, naming nothing
     f = raw(tmp_path / "m.safetensors", header, DATA[:8])
-    refused(plan_for({"a": (2,)}), f, str(f), said)
+    load_refused(plan_for({"a": (2,)}), f, str(f), said)
 
 
 def test_every_bad_file_of_a_load_is_named_in_one_error_and_nothing_is_read(
@@ -187,75 +168,11 @@ def test_every_bad_file_of_a_load_is_named_in_one_error_and_nothing_is_read(
     reads = []
     monkeypatch.setattr(_read, "parts", lambda *a: reads.append(a))
     with new_arrays() as made:
-        error = refused(
+        error = load_refused(
             plan_for({"good": (4,), "x": (2,)}), tmp_path / "ckpt", "b.safetensors", "c.safetensors"
         )
     assert len(error.problems) == 2, error.problems
     assert reads == [] and made == []
-
-
-# ---------------------------------------------------------------- directories
-
-
-def test_hidden_files_in_a_checkpoint_directory_are_skipped(tmp_path):
-    # macOS's AppleDouble file beside the real one once broke the load with MemoryError
-    save_file({"w": np.arange(8, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "._model.safetensors").write_bytes(b"\x00\x05\x16\x07" + b"\xff" * 200)
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "sub.safetensors").mkdir()
-    (loaded,) = st.load(plan_for({"w": (8,)}), tmp_path).values()
-    np.testing.assert_array_equal(np.asarray(loaded), np.arange(8, dtype=np.float32))
-    # named explicitly, it is checked like any file, and named
-    refused(plan_for({"w": (8,)}), [tmp_path / "._model.safetensors"], "._model.safetensors")
-
-
-def test_a_missing_file_in_a_list_is_named(tmp_path):
-    refused(
-        plan_for({"w": (8,)}),
-        [tmp_path / "nope.safetensors"],
-        "nope.safetensors",
-        "cannot be opened",
-    )
-
-
-def test_an_index_naming_an_absent_shard_is_an_incomplete_download(tmp_path):
-    # with missing="skip", the absent shard's tensors would otherwise be made at random
-    save_file({"a": np.ones(4, np.float32)}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    index = {
-        "weight_map": {
-            "a": "model-00001-of-00002.safetensors",
-            "b": "model-00002-of-00002.safetensors",
-        }
-    }
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    refused(
-        plan_for({"a": (4,), "b": (4,)}),
-        tmp_path,
-        "model-00002-of-00002.safetensors",
-        "incomplete download",
-        missing="skip",
-    )
-
-
-def test_a_tensor_in_two_files_is_named(tmp_path):
-    save_file({"a": np.ones(4, np.float32)}, str(tmp_path / "x.safetensors"))
-    save_file({"a": np.zeros(4, np.float32)}, str(tmp_path / "y.safetensors"))
-    refused(plan_for({"a": (4,)}), tmp_path, "'a' is also in")
-
-
-def test_a_file_changed_after_its_check_is_refused_before_reading(tmp_path, monkeypatch):
-    f = tmp_path / "m.safetensors"
-    save_file({"a": np.ones(4, np.float32)}, str(f))
-    survey = _survey.survey
-
-    def then_rewritten(*args):
-        out = survey(*args)
-        save_file({"a": np.zeros(4, np.float32)}, str(f))  # a download finishing, say
-        os.utime(f, ns=(1, 1))
-        return out
-
-    monkeypatch.setattr(_survey, "survey", then_rewritten)
-    refused(plan_for({"a": (4,)}), f, str(f), "changed since it was checked")
 
 
 # ---------------------------------------------------------------- valid files
@@ -299,83 +216,6 @@ def test_scalars_and_f8_load_bit_for_bit(tmp_path):
     got = st.load(meshinit.plan(specs), tmp_path)
     for k, v in tensors.items():
         assert np.asarray(got[k]).tobytes() == v.tobytes(), k
-
-
-# ---------------------------------------------------------------- casts
-
-
-@pytest.mark.parametrize(
-    "stored,planned,said",
-    [
-        (np.array([2**40, 1], np.int64), np.int32, "outside int32's range"),
-        (np.array([1e5, 1], np.float32), np.float16, "overflows float16"),
-    ],
-)
-def test_a_cast_that_would_change_a_value_is_refused(tmp_path, stored, planned, said):
-    save_file({"a": stored}, str(tmp_path / "m.safetensors"))
-    refused(plan_for({"a": stored.shape}, dtype=planned), tmp_path, "'a'", said)
-
-
-def test_a_cast_across_kinds_is_refused_before_reading(tmp_path):
-    save_file(
-        {"a": np.ones(4, np.float32), "b": np.ones(4, np.int32)}, str(tmp_path / "m.safetensors")
-    )
-    plan = meshinit.plan(
-        {
-            "a": meshinit.param((4,), jax.nn.initializers.zeros, dtype=np.int32, mesh=mesh8()),
-            "b": meshinit.param((4,), jax.nn.initializers.zeros, dtype=np.float32, mesh=mesh8()),
-        }
-    )
-    error = refused(plan, tmp_path, "casts within a kind")
-    assert [p.path for p in error.problems] == ["a", "b"]
-
-
-def test_casts_within_a_kind_keep_infinities_and_fit_ranges(tmp_path):
-    stored = {
-        "f": np.array([np.inf, -np.inf, 1.5, 0], np.float32),
-        "i": np.arange(4, dtype=np.int64),
-    }
-    save_file(stored, str(tmp_path / "m.safetensors"))
-    plan = meshinit.plan(
-        {
-            "f": meshinit.param((4,), jax.nn.initializers.zeros, dtype=np.float16, mesh=mesh8()),
-            "i": meshinit.param((4,), jax.nn.initializers.zeros, dtype=np.int8, mesh=mesh8()),
-        }
-    )
-    got = st.load(plan, tmp_path)
-    np.testing.assert_array_equal(np.asarray(got["f"]), stored["f"].astype(np.float16))
-    np.testing.assert_array_equal(np.asarray(got["i"]), stored["i"].astype(np.int8))
-
-
-# ---------------------------------------------------------------- interrupted loads
-
-
-def test_an_interrupt_mid_load_leaves_nothing_alive_while_the_exception_is_held(
-    tmp_path, monkeypatch
-):
-    # bf16 stored, f32 planned: every block is a cast copy on the host
-    tensors = {f"t{i}": np.ones((8, 8), ml_dtypes.bfloat16) for i in range(3)}
-    save_file(tensors, str(tmp_path / "m.safetensors"))
-    plan = plan_for({k: (8, 8) for k in tensors}, axes=("fsdp", "tensor"))
-    made, blocks = [], []
-    put = jax.device_put
-
-    def interrupted(x, *args, **kwargs):
-        if len(made) == 13:  # the second tensor's sixth shard
-            raise KeyboardInterrupt
-        out = put(x, *args, **kwargs)
-        made.append(out)
-        if isinstance(x, np.ndarray):
-            blocks.append(weakref.ref(x))
-        return out
-
-    monkeypatch.setattr(jax, "device_put", interrupted)
-    with pytest.raises(KeyboardInterrupt) as held:
-        st.load(plan, tmp_path)
-    gc.collect()
-    assert held.value.__traceback__ is not None  # held, as a notebook holds it
-    assert len(made) == 13 and all(a.is_deleted() for a in made)
-    assert blocks and all(b() is None for b in blocks)
 
 
 def test_without_the_safetensors_package_the_error_says_how_to_install_it(tmp_path, monkeypatch):

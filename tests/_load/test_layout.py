@@ -9,8 +9,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import Reads, owned_bytes, plan_of, stored
-from jax.sharding import Mesh
+from helpers import Reads, mesh8, owned_bytes, plan_of, stored
 
 import meshinit
 from meshinit.safetensors import Concat, Stack, Tensor
@@ -18,11 +17,7 @@ from meshinit.safetensors import Concat, Stack, Tensor
 save_file = pytest.importorskip("safetensors.numpy").save_file
 
 
-def mesh8():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
-
-
-def assert_placed(array, want, entry):
+def assert_loaded(array, want, entry):
     assert array.sharding == entry.sharding
     assert array.dtype == want.dtype
     for shard in array.addressable_shards:
@@ -50,7 +45,7 @@ def test_stack_is_numpys_stack_and_each_device_reads_only_its_own_bytes(tmp_path
     names = {"w": Stack([f"model.layers.{i}.w" for i in range(4)], axis=axis)}
     with Reads() as reads:
         loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
-    assert_placed(loaded["w"], want, plan.entries[0])
+    assert_loaded(loaded["w"], want, plan.entries[0])
     assert reads.values == [owned_bytes(plan, 4)]  # once per load; read == owned
 
 
@@ -96,7 +91,7 @@ def test_a_rule_builds_one_stack_for_every_layer_with_transforms(tmp_path):
             .transpose(2, 0, 1)
             for i in range(n)
         ]
-        assert_placed(loaded[entry.path], np.stack(per_layer, axis=1), entry)
+        assert_loaded(loaded[entry.path], np.stack(per_layer, axis=1), entry)
     assert reads.values == [owned_bytes(plan, 4)]
 
 
@@ -113,7 +108,7 @@ def test_concat_is_numpys_concatenate_and_blocks_cut_across_parts(tmp_path, size
         loaded = meshinit.safetensors.load(
             plan, tmp_path, names={"fused": Concat(list(held), axis=0)}
         )
-    assert_placed(loaded["fused"], want, plan.entries[0])
+    assert_loaded(loaded["fused"], want, plan.entries[0])
     assert reads.values == [owned_bytes(plan, 4)]
 
 
@@ -142,8 +137,8 @@ def test_gemma_style_fused_kv_and_gating_from_separate_tensors(tmp_path):
     }
     loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
     kv_want = np.stack([held[n].reshape(kv, hd, d).transpose(0, 2, 1) for n in ("k", "v")])
-    assert_placed(loaded["kv_einsum"], kv_want, plan.entries[1])
-    assert_placed(loaded["gating_einsum"], np.stack([held["gate"], held["up"]]), plan.entries[0])
+    assert_loaded(loaded["kv_einsum"], kv_want, plan.entries[1])
+    assert_loaded(loaded["gating_einsum"], np.stack([held["gate"], held["up"]]), plan.entries[0])
 
 
 def test_a_fused_stored_tensor_feeds_several_parameters_by_index(tmp_path):
@@ -179,7 +174,7 @@ def test_a_fused_stored_tensor_feeds_several_parameters_by_index(tmp_path):
         "up": gate_up[ffn:].reshape(ffn, 2, 4),
     }
     for entry in plan.entries:
-        assert_placed(loaded[entry.path], wants[entry.path], entry)
+        assert_loaded(loaded[entry.path], wants[entry.path], entry)
     assert reads.values == [owned_bytes(plan, 4)]
     found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
     assert found.unused == ()  # both fused tensors are read by some part
@@ -196,8 +191,8 @@ def test_a_slice_along_a_later_axis_keeps_reading_only_owned_bytes(tmp_path):
     }
     with Reads() as reads:
         loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
-    assert_placed(loaded["a"], held[:, :4], plan.entries[0])
-    assert_placed(loaded["b"], held[:, 4:].reshape(8, 2, 4), plan.entries[1])
+    assert_loaded(loaded["a"], held[:, :4], plan.entries[0])
+    assert_loaded(loaded["b"], held[:, 4:].reshape(8, 2, 4), plan.entries[1])
     assert reads.values == [owned_bytes(plan, 4)]
 
 
@@ -405,7 +400,7 @@ def test_a_stack_of_concats_is_maxtexts_scanned_fused_layout(tmp_path):
         ],
         axis=1,
     )
-    assert_placed(loaded["wi"], want, plan.entries[0])
+    assert_loaded(loaded["wi"], want, plan.entries[0])
     assert reads.values == [owned_bytes(plan, 4)]
     found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
     assert found.reads["wi"] == tuple(held)  # every layer's gate, then up, in order
@@ -601,7 +596,7 @@ def test_out_shape_interleaves_rotary_halves_as_maxtexts_adjust_rope(tmp_path, a
     with Reads() as reads:
         loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
     want = np.stack([maxtext_query(w, heads, head_dim, True) for w in held.values()], axis=1)
-    assert_placed(loaded["query"], want, plan.entries[0])
+    assert_loaded(loaded["query"], want, plan.entries[0])
     assert reads.values == [owned_bytes(plan, 2)]
 
 

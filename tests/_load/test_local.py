@@ -7,10 +7,13 @@ import os
 
 import numpy as np
 import pytest
-from helpers import stored
+from helpers import load_refused, plan_for, stored
 
 import meshinit
 from meshinit._load import local
+from meshinit._load import survey as _survey
+
+save_file = pytest.importorskip("safetensors.numpy").save_file
 
 
 def test_a_checked_file_maps_as_the_bytes_it_holds(tmp_path):
@@ -52,3 +55,18 @@ def test_a_small_file_is_read_whole_or_named_or_absent(tmp_path, text, want):
     if text is not None:
         path.write_text(text)
     assert local.LocalFile(path).contents(10, "X") == want
+
+
+def test_a_file_changed_after_its_check_is_refused_before_reading(tmp_path, monkeypatch):
+    f = tmp_path / "m.safetensors"
+    save_file({"a": np.ones(4, np.float32)}, str(f))
+    survey = _survey.survey
+
+    def then_rewritten(*args):
+        out = survey(*args)
+        save_file({"a": np.zeros(4, np.float32)}, str(f))  # a download finishing, say
+        os.utime(f, ns=(1, 1))
+        return out
+
+    monkeypatch.setattr(_survey, "survey", then_rewritten)
+    load_refused(plan_for({"a": (4,)}), f, str(f), "changed since it was checked")

@@ -9,8 +9,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
-from helpers import plan_for
-from jax.sharding import Mesh
+from helpers import mesh8, plan_for
 
 import meshinit
 from meshinit.safetensors import Stack, Tensor
@@ -18,10 +17,6 @@ from meshinit.safetensors import Stack, Tensor
 save_file = pytest.importorskip("safetensors.numpy").save_file
 
 D, HEADS, HEAD_DIM, MLP, LAYERS = 8, 2, 4, 16, 3
-
-
-def mesh8():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
 
 
 def specs():

@@ -6,12 +6,10 @@ nothing); every refusal before anything is read, naming the path and the part.""
 
 import warnings
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
 from helpers import Reads, owned, owned_bytes, plan_of, stored
-from jax.sharding import Mesh
 from storage_servers import s3_server_fixture  # noqa: F401 (moto is imported when used)
 
 import meshinit
@@ -19,10 +17,6 @@ from meshinit.safetensors import Concat, Fill, Pad, Stack, Tensor
 
 save_file = pytest.importorskip("safetensors.numpy").save_file
 bf16 = ml_dtypes.bfloat16
-
-
-def mesh8():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
 
 
 def random(shape, seed=0, dtype=np.float32):

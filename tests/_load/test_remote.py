@@ -9,7 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import owned, plan_for
+from helpers import BYTES_READ, owned, plan_for
 
 import meshinit
 from meshinit import safetensors as st
@@ -18,8 +18,6 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from storage_servers import file_server_fixture, gcs_fixture, s3_server_fixture  # noqa: E402, F401
-
-BYTES_READ = "/meshinit/safetensors/bytes_read"
 
 
 def checkpoint(shapes, seed=0):
@@ -54,7 +52,7 @@ SHAPES = {"embed": (64, 48), "up": (48, 96), "down": (96, 48), "norm": (48,)}
 AXES = {"embed": ("fsdp", "tensor"), "up": (None, "tensor"), "down": ("tensor", None)}
 
 
-def plan_of(shapes=SHAPES):
+def plan_with_axes(shapes=SHAPES):
     plans = {n: plan_for({n: s}, axes=AXES.get(n)) for n, s in shapes.items()}
     entries = {e.path: e.spec for p in plans.values() for e in p.entries}
     return meshinit.plan(entries)
@@ -73,7 +71,7 @@ def test_a_bucket_folder_loads_as_the_package_reads_it_fetching_only_owned_bytes
     b, data_b = checkpoint({k: SHAPES[k] for k in ("down", "norm")}, seed=2)
     server.put(f"{bucket}/llama/model-00001-of-00002.safetensors", data_a)
     server.put(f"{bucket}/llama/model-00002-of-00002.safetensors", data_b)
-    plan = plan_of()
+    plan = plan_with_axes()
     server.reset()
     before = len(RECORDED.values)
     loaded = st.load(plan, f"{scheme}://{bucket}/llama/")
@@ -96,7 +94,7 @@ def test_a_single_object_url_and_a_list_of_urls_load(s3_server):
     bucket = s3_server.bucket()
     tensors, data = checkpoint({"up": SHAPES["up"]})
     s3_server.put(f"{bucket}/one.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     same(st.load(plan, f"s3://{bucket}/one.safetensors"), tensors)
     same(st.load(plan, [f"s3://{bucket}/one.safetensors"]), tensors)
 
@@ -109,7 +107,7 @@ def test_an_index_in_a_bucket_lists_what_is_read(s3_server):
     s3_server.put(f"{bucket}/m/model-old.safetensors", data_stale)
     index = {"weight_map": {"up": "model-1.safetensors"}}
     s3_server.put(f"{bucket}/m/model.safetensors.index.json", json.dumps(index).encode())
-    plan = plan_of({"up": SHAPES["up"], "norm": SHAPES["norm"]})
+    plan = plan_with_axes({"up": SHAPES["up"], "norm": SHAPES["norm"]})
     with pytest.warns(UserWarning, match="does not list 'model-old.safetensors'"):
         loaded = st.load(plan, f"s3://{bucket}/m/", missing="skip")
     assert sorted(loaded) == ["up"]
@@ -120,7 +118,7 @@ def test_a_transient_failure_is_retried_and_the_load_is_exact(s3_server):
     bucket = s3_server.bucket()
     tensors, data = checkpoint({"up": SHAPES["up"], "down": SHAPES["down"]})
     s3_server.put(f"{bucket}/m.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"], "down": SHAPES["down"]})
+    plan = plan_with_axes({"up": SHAPES["up"], "down": SHAPES["down"]})
     unavailable = s3_server.fail("*m.safetensors", 503, times=2)
     dropped = s3_server.drop("*m.safetensors", keep=100, times=1, after=2)
     same(st.load(plan, f"s3://{bucket}/m.safetensors"), tensors)
@@ -132,7 +130,7 @@ def test_a_permanent_failure_is_one_plan_error_naming_the_url(s3_server, status,
     bucket = s3_server.bucket()
     _, data = checkpoint({"up": SHAPES["up"]})
     s3_server.put(f"{bucket}/m.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     s3_server.fail("*m.safetensors", status, times=100, after=1)  # the header read passes
     with pytest.raises(meshinit.PlanError, match=said) as raised:
         st.load(plan, f"s3://{bucket}/m.safetensors")
@@ -145,7 +143,7 @@ def test_an_object_replaced_between_check_and_read_is_refused(s3_server):
     _, data = checkpoint({"up": SHAPES["up"]})
     _, other = checkpoint({"up": SHAPES["up"]}, seed=9)
     s3_server.put(f"{bucket}/m.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     s3_server.replace_after(f"{bucket}/m.safetensors", other, after=1)
     with pytest.raises(meshinit.PlanError, match="changed since it was checked"):
         st.load(plan, f"s3://{bucket}/m.safetensors")
@@ -155,7 +153,7 @@ def test_a_truncated_object_is_refused_before_any_data_is_read(s3_server):
     bucket = s3_server.bucket()
     _, data = checkpoint({"up": SHAPES["up"]})
     s3_server.put(f"{bucket}/m.safetensors", data[:-100])
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     s3_server.reset()
     with pytest.raises(meshinit.PlanError, match="truncated"):
         st.load(plan, f"s3://{bucket}/m.safetensors")
@@ -254,7 +252,7 @@ def test_gs_failures_are_retried_refused_or_named_as_for_s3(gcs):
     _, other = checkpoint({"up": SHAPES["up"], "down": SHAPES["down"]}, seed=9)
     gcs.put(f"{public}/m.safetensors", data)
     gcs.put(f"{private}/m.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"], "down": SHAPES["down"]})
+    plan = plan_with_axes({"up": SHAPES["up"], "down": SHAPES["down"]})
     url = f"gs://{public}/m.safetensors"
     unavailable = gcs.fail("*m.safetensors", 503, times=2)
     dropped = gcs.drop("*m.safetensors", keep=100, times=1, after=2)
@@ -281,7 +279,7 @@ def test_without_the_client_the_error_names_the_extra(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", without)
     with pytest.raises(ImportError, match=r"pip install 'meshinit\[s3\]'"):
-        st.load(plan_of({"up": SHAPES["up"]}), "s3://bucket/m.safetensors")
+        st.load(plan_with_axes({"up": SHAPES["up"]}), "s3://bucket/m.safetensors")
 
 
 # ------------------------------------------------- the Hub and https
@@ -290,7 +288,7 @@ def test_without_the_client_the_error_names_the_extra(monkeypatch):
 def test_an_hf_repo_loads_at_its_commit_through_the_resolve_urls(file_server):
     a, data = checkpoint({"up": SHAPES["up"], "norm": SHAPES["norm"]})
     file_server.put("org/model/model.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"], "norm": SHAPES["norm"]})
+    plan = plan_with_axes({"up": SHAPES["up"], "norm": SHAPES["norm"]})
     options = {"endpoint": file_server.url, "token": False}
     loaded = st.load(plan, "hf://org/model", storage_options=options)
     same(loaded, a)
@@ -302,7 +300,7 @@ def test_an_hf_repo_loads_at_its_commit_through_the_resolve_urls(file_server):
 def test_an_https_file_loads(file_server):
     a, data = checkpoint({"up": SHAPES["up"]})
     file_server.put("files/m.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     options = {"client_options": {"allow_http": True}}
     same(st.load(plan, file_server.url_for("files/m.safetensors"), storage_options=options), a)
 
@@ -318,7 +316,7 @@ def test_a_header_longer_than_the_first_read_takes_one_more_read(s3_server):
     s3_server.put(f"{bucket}/m.safetensors", data)
     first = sorted(long)[0]
     s3_server.reset()
-    found = st.inventory(plan_of({first: (2,)}), f"s3://{bucket}/m.safetensors")
+    found = st.inventory(plan_with_axes({first: (2,)}), f"s3://{bucket}/m.safetensors")
     assert found.reads == {first: (first,)}
     reads = [r.range for r in s3_server.counters.log if r.method == "GET"]
     assert reads == [(0, 1 << 16), (1 << 16, 8 + n)]  # the header only, in two reads
@@ -350,7 +348,7 @@ def test_a_long_load_shows_bytes_and_bytes_per_second(s3_server, capsys):
     bucket = s3_server.bucket()
     tensors, data = checkpoint({"up": SHAPES["up"]})
     s3_server.put(f"{bucket}/m.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     same(st.load(plan, f"s3://{bucket}/m.safetensors", progress=True), tensors)
     err = capsys.readouterr().err
     assert "meshinit: fetching" in err and "B/s" in err and "18.0k/18.0k" in err, err
@@ -363,7 +361,9 @@ def test_an_hf_revision_the_hub_does_not_have_is_named(file_server):
     file_server.put("org/model/model.safetensors", data)
     options = {"endpoint": file_server.url, "token": False}
     with pytest.raises(meshinit.PlanError, match="the Hub does not give org/model@v9"):
-        st.inventory(plan_of({"up": SHAPES["up"]}), "hf://org/model@v9", storage_options=options)
+        st.inventory(
+            plan_with_axes({"up": SHAPES["up"]}), "hf://org/model@v9", storage_options=options
+        )
 
 
 def test_runs_follow_the_stored_layout_and_merge_only_small_gaps():
@@ -431,7 +431,7 @@ def test_an_hf_repo_whose_files_redirect_to_a_cdn_loads(tmp_path, monkeypatch):
     with FileServer(root, lfs_redirect=True) as server:
         server.put("org/model/model.safetensors", data)
         options = {"endpoint": server.url, "token": False}
-        plan = plan_of({"up": SHAPES["up"]})
+        plan = plan_with_axes({"up": SHAPES["up"]})
         same(st.load(plan, "hf://org/model", storage_options=options), a)
         redirected = [r for r in server.counters.log if r.status in (301, 302, 307)]
         assert redirected, [(r.method, r.path, r.status) for r in server.counters.log]
@@ -443,7 +443,7 @@ def test_an_hf_repo_whose_files_redirect_to_a_cdn_loads(tmp_path, monkeypatch):
 def test_an_http_url_is_requested_exactly_as_written_and_needs_no_options(file_server):
     a, data = checkpoint({"up": SHAPES["up"]})
     file_server.put("files/m.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     url = file_server.url_for("files/m.safetensors") + "?X-Sig=a%2Fb&expires=1"  # presigned
     same(st.load(plan, url), a)  # http:// chosen by the URL: no allow_http needed
     targets = {r.target for r in file_server.counters.log}
@@ -453,7 +453,7 @@ def test_an_http_url_is_requested_exactly_as_written_and_needs_no_options(file_s
 def test_hf_resolve_urls_have_no_doubled_slash(file_server):
     a, data = checkpoint({"up": SHAPES["up"]})
     file_server.put("org/model/sub/model.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     same(st.load(plan, "hf://org/model/sub", storage_options=file_server.hf_options()), a)
     commit = file_server.commit("org/model")
     reads = {r.target for r in file_server.counters.log if "/resolve/" in r.target}
@@ -466,7 +466,7 @@ def test_a_hash_in_a_bucket_key_is_part_of_the_key(s3_server):
     other, other_data = checkpoint({"up": SHAPES["up"]}, seed=2)
     s3_server.put(f"{bucket}/dir/x#1.safetensors", data)
     s3_server.put(f"{bucket}/dir/x/model.safetensors", other_data)  # what a fragment finds
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     same(st.load(plan, f"s3://{bucket}/dir/x#1.safetensors"), hashed)
     assert st.inventory(plan, f"s3://{bucket}/dir/").files == (
         f"s3://{bucket}/dir/x#1.safetensors",
@@ -496,7 +496,7 @@ def test_an_unknown_storage_option_is_a_plan_error_before_any_request(
     }[scheme]
     s3_server.reset()
     with pytest.raises(meshinit.PlanError, match=said) as raised:
-        st.load(plan_of({"up": SHAPES["up"]}), url, storage_options=options)
+        st.load(plan_with_axes({"up": SHAPES["up"]}), url, storage_options=options)
     assert "nothing was requested" in str(raised.value)
     assert s3_server.counters.requests == 0 and file_server.counters.requests == 0
 
@@ -504,7 +504,7 @@ def test_an_unknown_storage_option_is_a_plan_error_before_any_request(
 def test_token_false_sends_no_token_not_even_hf_tokens(file_server, monkeypatch):
     a, data = checkpoint({"up": SHAPES["up"]})
     file_server.put("org/model/model.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     monkeypatch.setenv("HF_TOKEN", "hf_secret_of_the_environment")
     same(st.load(plan, "hf://org/model", storage_options=file_server.hf_options()), a)
     log = file_server.counters.log
@@ -528,7 +528,7 @@ def test_an_object_without_an_etag_is_known_by_its_last_modified_time(tmp_path):
 
     a, data = checkpoint({"up": SHAPES["up"]})
     _, other = checkpoint({"up": SHAPES["up"]}, seed=9)  # the same size, other bytes
-    plan = plan_of({"up": SHAPES["up"]})
+    plan = plan_with_axes({"up": SHAPES["up"]})
     with _served(tmp_path, etags=False) as server:
         server.put("m.safetensors", data)
         url = server.url_for("m.safetensors")
@@ -544,7 +544,7 @@ def test_an_object_with_neither_etag_nor_last_modified_is_refused(tmp_path):
     with _served(tmp_path, etags=False, last_modified=False) as server:
         server.put("m.safetensors", data)
         with pytest.raises(meshinit.PlanError, match="neither an ETag, a version nor a Last"):
-            st.load(plan_of({"up": SHAPES["up"]}), server.url_for("m.safetensors"))
+            st.load(plan_with_axes({"up": SHAPES["up"]}), server.url_for("m.safetensors"))
 
 
 def _meshinit_threads():
@@ -562,7 +562,7 @@ def test_ctrl_c_stops_a_stalled_load_within_two_seconds_leaving_nothing(file_ser
 
     _, data = checkpoint({"up": SHAPES["up"], "down": SHAPES["down"]})
     file_server.put("m.safetensors", data)
-    plan = plan_of({"up": SHAPES["up"], "down": SHAPES["down"]})
+    plan = plan_with_axes({"up": SHAPES["up"], "down": SHAPES["down"]})
     file_server.stall("m.safetensors", seconds=30, times=100, after=int(stalled == "data"))
     live = len(jax.live_arrays())
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
@@ -585,11 +585,15 @@ def test_timeout_bounds_a_stalled_request_retries_included(file_server):
     file_server.stall("m.safetensors", seconds=30, times=100, after=1)
     start = time.monotonic()
     with pytest.raises(meshinit.PlanError, match=r"no complete answer within 1\.5 s") as raised:
-        st.load(plan_of({"up": SHAPES["up"]}), file_server.url_for("m.safetensors"), timeout=1.5)
+        st.load(
+            plan_with_axes({"up": SHAPES["up"]}), file_server.url_for("m.safetensors"), timeout=1.5
+        )
     assert time.monotonic() - start < 4.0
     assert "m.safetensors" in str(raised.value) and _meshinit_threads() == []
     with pytest.raises(TypeError, match="timeout must be a positive number"):
-        st.load(plan_of({"up": SHAPES["up"]}), file_server.url_for("m.safetensors"), timeout=0)
+        st.load(
+            plan_with_axes({"up": SHAPES["up"]}), file_server.url_for("m.safetensors"), timeout=0
+        )
 
 
 def test_missing_aws_credentials_say_where_the_client_looked(s3_server, monkeypatch):
@@ -598,5 +602,5 @@ def test_missing_aws_credentials_say_where_the_client_looked(s3_server, monkeypa
     # the metadata service, the client's last resort, answers nothing here
     options = {"metadata_endpoint": "http://127.0.0.1:9"}
     with pytest.raises(meshinit.PlanError, match="no AWS credentials were found") as raised:
-        st.load(plan_of({"up": SHAPES["up"]}), "s3://bucket/m/", storage_options=options)
+        st.load(plan_with_axes({"up": SHAPES["up"]}), "s3://bucket/m/", storage_options=options)
     assert "AWS_ACCESS_KEY_ID" in str(raised.value) and "skip_signature" in str(raised.value)

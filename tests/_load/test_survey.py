@@ -1,11 +1,15 @@
 """What a load reads, found before it reads: every file checked, every plan path
 resolved, the dtype policy (casts within a kind), every stored tensor accounted for."""
 
+import jax
 import numpy as np
 import pytest
-from helpers import plan_for, stored
+from helpers import load_refused, mesh8, plan_for, stored
 
+import meshinit
 from meshinit._load import survey
+
+save_file = pytest.importorskip("safetensors.numpy").save_file
 
 
 def test_a_survey_accounts_for_every_path_and_every_tensor(tmp_path):
@@ -31,3 +35,23 @@ def test_a_cast_across_kinds_is_a_problem_and_within_a_kind_is_not(tmp_path):
 def test_a_survey_takes_a_plan():
     with pytest.raises(TypeError, match="what takes a Plan"):
         survey.survey({"a": 1}, "x.safetensors", None, "what")
+
+
+def test_a_tensor_in_two_files_is_named(tmp_path):
+    save_file({"a": np.ones(4, np.float32)}, str(tmp_path / "x.safetensors"))
+    save_file({"a": np.zeros(4, np.float32)}, str(tmp_path / "y.safetensors"))
+    load_refused(plan_for({"a": (4,)}), tmp_path, "'a' is also in")
+
+
+def test_a_cast_across_kinds_is_refused_before_reading(tmp_path):
+    save_file(
+        {"a": np.ones(4, np.float32), "b": np.ones(4, np.int32)}, str(tmp_path / "m.safetensors")
+    )
+    plan = meshinit.plan(
+        {
+            "a": meshinit.param((4,), jax.nn.initializers.zeros, dtype=np.int32, mesh=mesh8()),
+            "b": meshinit.param((4,), jax.nn.initializers.zeros, dtype=np.float32, mesh=mesh8()),
+        }
+    )
+    error = load_refused(plan, tmp_path, "casts within a kind")
+    assert [p.path for p in error.problems] == ["a", "b"]

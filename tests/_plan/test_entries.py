@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import lecun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, NamedSharding
@@ -12,7 +13,6 @@ from jax.sharding import PartitionSpec as P
 
 import meshinit
 
-lecun = jax.nn.initializers.lecun_normal
 zeros = jax.nn.initializers.zeros
 ones = jax.nn.initializers.ones
 

@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec as P
 import meshinit
 from meshinit import _paths
 
-lecun = jax.nn.initializers.lecun_normal
 zeros = jax.nn.initializers.zeros
 ones = jax.nn.initializers.ones
 
@@ -185,7 +184,7 @@ def test_bad_replication_marks_are_named_all_at_once():
 # arrays (with or without flax sharding metadata), never specs.
 
 MESH = jax.make_mesh((2, 4), ("fsdp", "tensor"))
-lecun = jax.nn.initializers.lecun_normal()
+lecun_init = jax.nn.initializers.lecun_normal()
 
 
 class Annotated(nnx.Module):
@@ -245,7 +244,7 @@ def test_metadata_module_is_a_plan_error_naming_the_metadata_and_the_fix():
 def test_every_flax_sharding_key_is_recognised(metadata, named):
     class Model(nnx.Module):
         def __init__(self, rngs):
-            self.w = nnx.Param(lecun(rngs.params(), (8, 16)), **metadata)
+            self.w = nnx.Param(lecun_init(rngs.params(), (8, 16)), **metadata)
 
     with warnings.catch_warnings(), nnx.use_eager_sharding(False):
         warnings.simplefilter("ignore", DeprecationWarning)  # sharding=, sharding_names=

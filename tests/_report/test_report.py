@@ -6,7 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
-from helpers import auto_abstract_mesh, cli_factory_specs, overlapping_mesh_specs
+from helpers import auto_abstract_mesh, cli_factory_specs, lecun, overlapping_mesh_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
@@ -14,7 +14,6 @@ from jax.sharding import AbstractMesh
 import meshinit
 from meshinit._report import report as _report
 
-lecun = jax.nn.initializers.lecun_normal
 ones = jax.nn.initializers.ones
 
 

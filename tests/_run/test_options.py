@@ -40,34 +40,6 @@ def test_the_host_bound_nests_and_is_restored():
     assert _trace.host_bound() == _trace.SMALL_BYTES
 
 
-def _host_made(bound):
-    """Which of a key (8 bytes), its 256 bytes of random bits and a 4-byte count the
-    host part makes under ``bound``."""
-
-    def fn(data):
-        key = jax.random.wrap_key_data(data)
-        bits = jax.random.bits(key, (8, 8))
-        count = jax.lax.slice(data, (0,), (1,)) * jnp.uint32(3)
-        return [jax.random.key_data(jax.random.fold_in(key, 3)), bits, count]
-
-    traced = _trace.trace(fn, np.array([0, 7], np.uint32))
-    outs = traced.program.outputs
-    with meshinit.options(host_eval_bytes=bound):
-        traced = _trace.evaluate_host_part(traced, outs)
-    return [
-        name for name, o in zip(("key", "bits", "count"), outs, strict=True) if o in traced.host
-    ]
-
-
-@pytest.mark.parametrize(
-    "bound, made",
-    [(None, ["key", "bits", "count"]), (256, ["key", "bits", "count"]), (255, ["key", "count"])]
-    + [(8, ["key", "count"]), (4, ["count"]), (0, [])],
-)
-def test_the_host_bound_decides_what_the_host_part_makes(bound, made):
-    assert _host_made(bound) == made
-
-
 def test_values_and_placement_do_not_depend_on_the_host_bound():
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
 

@@ -2,12 +2,12 @@
 
 import jax
 import numpy as np
+from helpers import lecun
 from jax.sharding import AbstractMesh
 
 import meshinit
 from meshinit._spec import fingerprints as _signature
 
-lecun = jax.nn.initializers.lecun_normal
 ones = jax.nn.initializers.ones
 
 

@@ -250,8 +250,8 @@ def meshes() -> dict[str, Mesh]:
 
 
 AUTO_MESHES = ("ab", "xyz", "stage", "c")
-RULES = (("A", "a"), ("B", "b"), ("X", "x"), ("Y", "y"), ("Z", "z"), ("C", "c"))
-LOGICAL = {mesh_axis: logical for logical, mesh_axis in RULES}
+FUZZ_RULES = (("A", "a"), ("B", "b"), ("X", "x"), ("Y", "y"), ("Z", "z"), ("C", "c"))
+LOGICAL = {mesh_axis: logical for logical, mesh_axis in FUZZ_RULES}
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -1255,7 +1255,7 @@ def nnx_factory(c: Constructor, annotate: bool = True, keys: dict | None = None)
         meta: dict[str, Any] = {"out_sharding": var.axes}
         if c.option("logical"):
             meta["out_sharding"] = tuple(None if a is None else LOGICAL[a] for a in var.axes)
-            meta["sharding_rules"] = RULES
+            meta["sharding_rules"] = FUZZ_RULES
         if not under_context:
             meta["mesh"] = meshes()[var.mesh]
         if var.memory_in(layer) is not None:
@@ -1549,7 +1549,7 @@ def run_linen(c: Constructor, config: Config = Config(), record: list | None = N
     x = jnp.ones((1, 8), jnp.float32)
     kw: dict[str, Any] = {"default": "replicated", "meshes": _stage_meshes(c, "linen")}
     if c.option("logical"):
-        kw["rules"] = RULES
+        kw["rules"] = FUZZ_RULES
     with contextlib.ExitStack() as stack:
         if c.option("context"):  # the mesh comes from jax.set_mesh instead of mesh=
             stack.enter_context(jax.set_mesh(meshes()[c.option("init_mesh")]))

@@ -20,10 +20,9 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import examples
+from helpers import examples, mesh8
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh
 
 import meshinit
 
@@ -46,10 +45,6 @@ DTYPES = {
     "BOOL": np.bool_,
 }
 NAMES = st.text(alphabet="ab._é", min_size=1, max_size=4)
-
-
-def mesh8():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
 
 
 @st.composite

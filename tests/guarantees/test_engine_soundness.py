@@ -12,19 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import mesh8, same_bits
 from jax.sharding import Mesh
 
 import meshinit
-
-
-def mesh8():
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
-
-
-def same_bits(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    assert got.tobytes() == want.tobytes(), f"{what}: the engine's values differ from eager's"
 
 
 def near_bits(got, want, what, ulp=4, share=0.1):
@@ -89,7 +80,7 @@ def test_a_shared_jitted_helper_gets_each_callers_own_scalars_linen_and_eqx():
         k1, k2 = jax.random.split(key)
         return {"a": _scaled(k1, 2.0), "b": _scaled(k2, 200.0)}
 
-    got = meshinit.eqx.init(factory, 0, [(r".*", None)], mesh=mesh8())
+    got = meshinit.eqx.init(factory, 0, [(r".*", None)], mesh=mesh8(("a", "b")))
     want = factory(jax.random.key(0))
     for name in ("a", "b"):
         same_bits(got[name], want[name], f"eqx {name}")
@@ -128,7 +119,7 @@ def _host_kind():
 
 def test_identical_variables_in_different_memories_land_where_each_asks():
     kind = _host_kind()
-    mesh = mesh8()
+    mesh = mesh8(("a", "b"))
 
     class M(nnx.Module):
         def __init__(self, rngs, offload):
@@ -158,7 +149,7 @@ def test_identical_variables_in_different_memories_land_where_each_asks():
 
 def test_eqx_placements_in_different_memories_land_where_each_asks():
     kind = _host_kind()
-    mesh = mesh8()
+    mesh = mesh8(("a", "b"))
 
     def factory(key):
         k1, k2 = jax.random.split(key)
@@ -213,7 +204,7 @@ def test_a_typed_key_made_outside_the_factory_is_a_host_value(make, fallbacks):
     def factory(key):
         return {"w": jax.random.normal(jax.random.fold_in(outer, 1), (8, 8))}
 
-    got = meshinit.eqx.init(factory, 0, [(r"w", ("a", None))], mesh=mesh8())
+    got = meshinit.eqx.init(factory, 0, [(r"w", ("a", None))], mesh=mesh8(("a", "b")))
     same_bits(got["w"], factory(None)["w"], "eqx w")
     assert fallbacks() == []
 
@@ -229,7 +220,7 @@ def test_remat_and_checkpoint_are_cut_not_fallen_back(how, fallbacks, count_comp
                 self.w = nnx.Param(
                     jax.random.normal(rngs.params(), (16, 16)),
                     out_sharding=("a", "b"),
-                    mesh=mesh8(),
+                    mesh=mesh8(("a", "b")),
                 )
 
         def make(rngs):
@@ -287,7 +278,9 @@ def test_linen_remat_layers_compile_the_same_at_4_and_32_layers(fallbacks, count
         with count_compiles() as c:
             jax.block_until_ready(
                 jax.tree.leaves(
-                    meshinit.linen.init(Decoder(n), 0, x, mesh=mesh8(), default="replicated")
+                    meshinit.linen.init(
+                        Decoder(n), 0, x, mesh=mesh8(("a", "b")), default="replicated"
+                    )
                 )
             )
         return c.count
@@ -345,12 +338,12 @@ def test_a_scanned_variable_staged_onto_a_smaller_disjoint_mesh_is_built_there(f
             _, u = jax.lax.scan(body, 0, jax.random.split(rngs.params(), 3))
             self.kept = nnx.Param(u, out_sharding=(None, "a", "b"))
 
-    with jax.set_mesh(mesh8()):
+    with jax.set_mesh(mesh8(("a", "b"))):
         got = meshinit.nnx.init(lambda: M(nnx.Rngs(0)), meshes=[("staged", stage)])
         with nnx.use_eager_sharding(False):
             want = M(nnx.Rngs(0))
     assert got.staged[...].sharding.mesh == stage
-    assert got.kept[...].sharding.mesh == mesh8()
+    assert got.kept[...].sharding.mesh == mesh8(("a", "b"))
     assert got.staged[...].sharding.spec == got.kept[...].sharding.spec
     for name in ("staged", "kept"):
         same_bits(getattr(got, name)[...], getattr(want, name)[...], name)
@@ -363,7 +356,7 @@ def test_a_constraint_made_with_no_context_mesh_fingerprints(fallbacks):
     the fingerprint failed on ("'NoneType' object has no attribute 'id'")."""
     devices = np.array(jax.devices())
     stage = Mesh(devices[4:].reshape(2, 2), ("a", "b"))
-    boxed = nn.with_partitioning(nn.initializers.normal(), (None, "b"), mesh=mesh8())
+    boxed = nn.with_partitioning(nn.initializers.normal(), (None, "b"), mesh=mesh8(("a", "b")))
 
     class M(nn.Module):
         @nn.compact
@@ -374,7 +367,7 @@ def test_a_constraint_made_with_no_context_mesh_fingerprints(fallbacks):
 
     x = jnp.ones((1,))
     got = meshinit.linen.init(
-        M(), 0, x, mesh=mesh8(), default="replicated", meshes=[(r"params\.w", stage)]
+        M(), 0, x, mesh=mesh8(("a", "b")), default="replicated", meshes=[(r"params\.w", stage)]
     )
     want = nn.unbox(jax.jit(M().init)(jax.random.key(0), x))["params"]
     assert got["params"]["w"].value.sharding.mesh == stage

@@ -4,15 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import RULES, Boom, assert_exact, two_stage_specs
+from helpers import RULES, Boom, assert_exact, lecun, two_stage_specs
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
 from meshinit._run import checks as _checks
 from meshinit._run import strategies as _strategies
-
-lecun = jax.nn.initializers.lecun_normal
 
 
 def flat(tree):

@@ -29,7 +29,7 @@ AXES = ("fsdp", "tensor")
 KINDS = pytest.mark.parametrize(
     "kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"]
 )
-RULES = (("embed", "fsdp"), ("mlp", "tensor"))
+EMBED_MLP_RULES = (("embed", "fsdp"), ("mlp", "tensor"))
 
 
 def mesh_of(kind, ids=range(8), shape=(2, 4)):
@@ -48,7 +48,9 @@ class Model(nnx.Module):
         self.short = nnx.Param(init(rngs.params(), (16, 8, 4)), out_sharding=("fsdp",))
         self.empty = nnx.Param(jnp.ones((8,)), out_sharding=())  # P(): replicated on purpose
         self.logical = nnx.Param(
-            init(rngs.params(), (16, 8)), out_sharding=("embed", "mlp"), sharding_rules=RULES
+            init(rngs.params(), (16, 8)),
+            out_sharding=("embed", "mlp"),
+            sharding_rules=EMBED_MLP_RULES,
         )
         self.stat = nnx.BatchStat(jnp.zeros((8,)))
         self.keys = nnx.RngKey(jax.random.split(rngs.params(), 2))  # a (2,) typed key array
@@ -162,9 +164,9 @@ def test_linen_init_and_plan_equal_flax_logical_to_mesh_sharding(kind):
     mesh = mesh_of(kind)
     module, x = Linen(), np.ones((2, 8), np.float32)
     abstract = jax.eval_shape(lambda: module.init(jax.random.key(0), x))
-    want = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, RULES)
+    want = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, EMBED_MLP_RULES)
     want = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(want)[0]}
-    kwargs = dict(mesh=mesh, rules=RULES, default="replicated")
+    kwargs = dict(mesh=mesh, rules=EMBED_MLP_RULES, default="replicated")
     got = nn.meta.unbox(meshinit.linen.init(module, jax.random.key(0), x, **kwargs))
     got = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_flatten_with_path(got)[0]}
     planned = meshinit.linen.plan(module, jax.random.key(0), x, **kwargs)

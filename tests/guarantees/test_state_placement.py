@@ -6,14 +6,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_exact, submesh
+from helpers import assert_exact, lecun, on_one_device, submesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
 from meshinit._run import checks as _checks
 
-lecun = jax.nn.initializers.lecun_normal
 normal = jax.nn.initializers.normal()
 
 
@@ -28,11 +27,6 @@ def hsdp_params(axis_type=AxisType.Explicit):
             "odd": meshinit.param((3, 5), lecun(), axes=(None, None)),  # nothing divides
         }
     return mesh, meshinit.materialize(meshinit.plan(specs), 0)
-
-
-def on_one_device(tree):
-    cpu = jax.devices()[0]
-    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), cpu), tree)
 
 
 def assert_same_values(got, want):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import on_one_device
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -71,10 +72,6 @@ def batch():
     x = rng.standard_normal((BATCH, D_IN)).astype(np.float32)
     y = rng.standard_normal((BATCH, D_OUT)).astype(np.float32)
     return x, y
-
-
-def on_one_device(tree):
-    return jax.tree.map(lambda a: jax.device_put(np.asarray(a), jax.devices()[0]), tree)
 
 
 def sharded_step(params, opt_state):
