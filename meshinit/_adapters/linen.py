@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax.core import meta
 
-from .. import _paths
+from .. import _paths, _patterns
 from .._engine import entry as _engine
 from .._errors import PlanError, Problem
 from .._format import describe_mesh
@@ -175,7 +175,7 @@ def prepare(
     host = [*key_data, *input_data]
     traced = _engine.trace(run_init, *host)
     if notes[0] is not None:
-        warnings.warn(notes[0], stacklevel=3)
+        warnings.warn(notes[0], stacklevel=_patterns.outside_stacklevel())
     flat, treedef = found[0]
     avals = iter(traced.out_avals)
     outputs_of: dict[str, int] = {}

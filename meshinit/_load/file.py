@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from .. import _patterns
 from .._errors import Problem, printable
 from . import remote as _remote
 from .header import MAX_HEADER
@@ -138,7 +139,7 @@ def _indexed(found: list[Any], weight_map: Any, problems: list[Problem], index: 
             f"meshinit.safetensors: {index} does not list {', '.join(map(repr, unlisted))}: "
             f"left unread, as transformers leaves them (a stale shard of an earlier "
             f"download?). Remove them, or give the files as a list to read them",
-            stacklevel=4,
+            stacklevel=_patterns.outside_stacklevel(),
         )
     return [p for p in found if p.name in listed]
 

@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
+from .. import _patterns
 from .._errors import FallbackWarning
 from .._format import human_bytes, some
 
@@ -289,7 +290,7 @@ def fell_back(what: str, fallen: Sequence[tuple[str, Any]]) -> None:
             f"holding the whole constructor, so compile time grows with the model's depth. "
             f"To avoid it: {fix}.",
             FallbackWarning,
-            stacklevel=4,  # the caller of the adapter's init
+            stacklevel=_patterns.outside_stacklevel(),  # the caller of the adapter's init
         )
         logger.debug(
             "meshinit: %s makes with the whole-constructor program, because %s: %s",

@@ -80,8 +80,11 @@ def test_a_shard_the_index_does_not_list_is_not_read(tmp_path):
     want = sharded(tmp_path)
     save_file({"c": np.full(8, 7, np.float32)}, str(tmp_path / "model-00003-of-00003.safetensors"))
     plan = plan_for({"a": (8,), "b": (8,), "c": (8,)})
-    with pytest.warns(UserWarning, match="does not list 'model-00003-of-00003.safetensors'"):
+    with pytest.warns(
+        UserWarning, match="does not list 'model-00003-of-00003.safetensors'"
+    ) as said:
         loaded = st.load(plan, tmp_path, missing="skip")
+    assert {w.filename for w in said} == {__file__}  # the warning points at the caller's line
     assert sorted(loaded) == ["a", "b"]  # c is left to the init, not read from the stale file
     for name in ("a", "b"):
         np.testing.assert_array_equal(np.asarray(loaded[name]), want[name])
