@@ -78,18 +78,9 @@ def plan(
       <BLANKLINE>
       total: 2 params, 128.0 KiB, 1 mesh, most on one device 16.0 KiB
     """
-    return _linen.prepare(
-        module,
-        key,
-        example_args,
-        example_kwargs,
-        mesh=mesh,
-        rules=rules,
-        default=default,
-        meshes=meshes,
-        placements=placements,
-        what="meshinit.linen.plan",
-    ).plan
+    options = dict(mesh=mesh, rules=rules, default=default, meshes=meshes, placements=placements)
+    what = "meshinit.linen.plan"
+    return _linen.prepare(module, key, example_args, example_kwargs, what=what, **options).plan
 
 
 def init(
@@ -202,19 +193,10 @@ def init(
       >>> variables["params"]["kernel"].value.sharding.spec
       P('fsdp', 'tensor')
     """
+    options = dict(mesh=mesh, rules=rules, default=default, meshes=meshes, placements=placements)
+    what = "meshinit.linen.init"
     return _prepared.init(
-        "meshinit.linen.init",
-        lambda: _linen.prepare(
-            module,
-            key,
-            example_args,
-            example_kwargs,
-            mesh=mesh,
-            rules=rules,
-            default=default,
-            meshes=meshes,
-            placements=placements,
-            what="meshinit.linen.init",
-        ),
+        what,
+        lambda: _linen.prepare(module, key, example_args, example_kwargs, what=what, **options),
         existing,
     )

@@ -199,13 +199,9 @@ def placed_spec(
     table = rules if rules is not None else (nn.get_logical_axis_rules() or None)
     if table is None and isinstance(leaf, nn.LogicallyPartitioned):
         table = leaf.rules
+    where = replicas.mesh_or_problem(where, path, placement, axes, problems, "meshinit.linen.init")
     if where is None:
-        if placement.shards(axes):
-            problems.append(placement.no_mesh(path, "meshinit.linen.init"))
-            return None
-        where = replicas.mesh_for(path, placement)
-        if where is None:
-            return None  # said once, for the placement, by replicas.problems
+        return None
     memory_kind = placement.memory_kind
     try:
         return ParamSpec(

@@ -277,13 +277,9 @@ def placed_spec(
         axes = axes + (None,) * (len(shape) - len(value.shape))  # a key's data dimension
     context = flax_spmd.get_logical_axis_rules()
     rules = placement.rules_for(_rules.normalize_rules(context) if context else None)
+    where = replicas.mesh_or_problem(where, path, placement, axes, problems, "the call")
     if where is None:
-        if placement.shards(axes):
-            problems.append(placement.no_mesh(path, "the call"))
-            return None
-        where = replicas.mesh_for(path, placement)
-        if where is None:
-            return None  # said once, for the placement, by replicas.problems
+        return None
     meant = tuple(where.axis_names) if isinstance(var, nnx.RngState) or not shape else ()
     memory_kind = placement.memory_kind
     if memory_kind is None:

@@ -281,7 +281,7 @@ def _part(part: Any, kind: str, i: int | None = None) -> Target:
     )
 
 
-def _joined(self: Stack | Concat) -> None:
+def _joined(self: Joined) -> None:
     kind = type(self).__name__
     parts = self.parts
     if isinstance(parts, str | bytes) or not isinstance(parts, Sequence) or not parts:
@@ -295,7 +295,21 @@ def _joined(self: Stack | Concat) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Stack:
+class Joined:
+    """What :class:`Stack` and :class:`Concat` share: parts joined along ``axis``, then
+    merged to ``out_shape`` and transposed by ``permute``; each checked as it is made."""
+
+    parts: tuple[Target, ...]
+    axis: int
+    out_shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
+    permute: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _joined(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack(Joined):
     """Parts stacked along a new axis into one parameter, as ``np.stack`` does: every
     layer's stored tensor in the layer axis of a scanned model.
 
@@ -334,17 +348,9 @@ class Stack:
       (1, 0)
     """
 
-    parts: tuple[Target, ...]
-    axis: int
-    out_shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
-    permute: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
-
-    def __post_init__(self) -> None:
-        _joined(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class Concat:
+class Concat(Joined):
     """Parts concatenated along an existing axis into one parameter, as
     ``np.concatenate`` does: k and v into a fused ``kv_einsum``, gate and up into
     ``gating_einsum``.
@@ -381,14 +387,6 @@ class Concat:
       >>> Concat(["q", "k", "v", "z"], axis=1, out_shape=(4096, 128), permute=(1, 0)).out_shape
       (4096, 128)
     """
-
-    parts: tuple[Target, ...]
-    axis: int
-    out_shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
-    permute: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
-
-    def __post_init__(self) -> None:
-        _joined(self)
 
 
 @dataclasses.dataclass(frozen=True)

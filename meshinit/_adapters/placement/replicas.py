@@ -44,6 +44,25 @@ class Replicas:
         self._refused.setdefault(placement.name, (placement, []))[1].append(path)
         return None
 
+    def mesh_or_problem(
+        self,
+        where: Mesh | AbstractMesh | None,
+        path: str,
+        placement: Parsed,
+        axes: tuple[Any, ...] | None,
+        problems: list[Problem],
+        call: str,
+    ) -> Mesh | AbstractMesh | None:
+        """``where``, the mesh something gave ``path``; else, where ``placement``
+        replicates it, :meth:`mesh_for`; else None, with the problem of a sharding
+        placement without a mesh added to ``problems`` (``call`` named in its fix)."""
+        if where is not None:
+            return where
+        if placement.shards(axes):
+            problems.append(placement.no_mesh(path, call))
+            return None
+        return self.mesh_for(path, placement)  # None: said once, by problems()
+
     def problems(self, call: str, context: str) -> list[Problem]:
         """The variables refused, one problem per placement: the paths, why, and the
         fixes (``mesh=`` of ``call``, the ``context`` mesh, the placement's own)."""
