@@ -70,7 +70,7 @@ def write_reference(path: Path) -> None:
     from safetensors.numpy import save_file
 
     tensors = {
-        worker.ST_TENSORS[p][0]: worker.stored(p, arrays[f"single-0-{p}"])
+        worker.ST_TENSORS[p][0]: worker.as_stored(p, arrays[f"single-0-{p}"])
         for p in worker.ST_TENSORS
     }
     save_file(tensors, str(path.with_name("weights.safetensors")))
@@ -394,9 +394,10 @@ def collective_calls(fail):
     }
 
 
-# (call, where it fails: None for not at all). optax makes its state without run_plan
-# (its "run" is its own loop), and materialize's preparation is the caller's
-# meshinit.plan, which is not collective (meshinit.init's is).
+# (call, where it fails: None for not at all). optax's state goes through run_plan too,
+# but its maker calls its own compiled steps, not strategies.call, where "run" is
+# injected here (tests/test_optax.py fails a step); materialize's preparation is the
+# caller's meshinit.plan, which is not collective (meshinit.init's is).
 ENDINGS = [
     (name, where)
     for name in ("materialize", "init", "nnx.init", "eqx.init", "linen.init")
