@@ -130,23 +130,28 @@ def _row(p: Record, mesh: Record) -> list[str]:
     ]
 
 
+def _marked(
+    head: list[str], rows: list[tuple[list[str], Record]], params: Sequence[Record], memory_at: int
+) -> tuple[list[list[str]], bool]:
+    """``head``, then each row (beside the param it shows): the memory column inserted at
+    ``memory_at`` where any of ``params`` has a memory kind, and a last column marking
+    ("!") a param whose replicated axes could shard it, where any could. Also whether
+    the memory column is there."""
+    kinds, flagged = _has_memory_kinds(params), bool(_flagged(params))
+    out = []
+    for row, p in [(head, None), *rows]:
+        if kinds:
+            row.insert(memory_at, "memory" if p is None else p["memory_kind"])
+        if flagged:
+            row.append("!" if p is not None and p["shardable_axes"] else "")
+        out.append(row)
+    return out, kinds
+
+
 def group_table(mesh: Record, params: Sequence[Record]) -> list[str]:
     """One mesh's block of :func:`table`: heading, a row per parameter, totals."""
     head = ["path", "shape", "dtype", "logical axes", "mesh axes", "PartitionSpec", "per device"]
-    kinds = _has_memory_kinds(params)
-    if kinds:
-        head.insert(6, "memory")
-    flagged = bool(_flagged(params))
-    if flagged:
-        head.append("")
-    rows = [head]
-    for p in params:
-        row = _row(p, mesh)
-        if kinds:
-            row.insert(6, p["memory_kind"])
-        if flagged:
-            row.append("!" if p["shardable_axes"] else "")
-        rows.append(row)
+    rows, kinds = _marked(head, [(_row(p, mesh), p) for p in params], params, memory_at=6)
     return [
         _mesh_line(mesh),
         *_columns(rows, right={7 if kinds else 6}),
@@ -309,29 +314,22 @@ def group_compact(mesh: Record, params: Sequence[Record]) -> list[str]:
     ``n`` counts a row's parameters; ``per device`` is the bytes all ``n`` take on each
     device, so the column sums to the mesh's per-device total.
     """
-    flagged = bool(_flagged(params))
-    kinds = _has_memory_kinds(params)
     head = ["path", "n", "array", "logical", "PartitionSpec", "per device"]
-    if kinds:
-        head.insert(5, "memory")
-    if flagged:
-        head.append("")
-    rows = [head]
-    for path, ps in collapse(params):
-        p = ps[0]
-        row = [
-            printable(path),
-            str(len(ps)),
-            f"{_short_dtype(p['dtype'])}[{','.join(map(str, p['shape']))}]",
-            _logical(p, tight=True),
-            axes_text(p["sharding"].spec, tight=True),
-            human_bytes(p["device_bytes"] * len(ps)),
-        ]
-        if kinds:
-            row.insert(5, p["memory_kind"])
-        if flagged:
-            row.append("!" if p["shardable_axes"] else "")
-        rows.append(row)
+    one = [
+        (
+            [
+                printable(path),
+                str(len(ps)),
+                f"{_short_dtype(ps[0]['dtype'])}[{','.join(map(str, ps[0]['shape']))}]",
+                _logical(ps[0], tight=True),
+                axes_text(ps[0]["sharding"].spec, tight=True),
+                human_bytes(ps[0]["device_bytes"] * len(ps)),
+            ],
+            ps[0],
+        )
+        for path, ps in collapse(params)
+    ]
+    rows, kinds = _marked(head, one, params, memory_at=5)
     return [
         _mesh_line(mesh),
         *_columns(rows, right={1, 6 if kinds else 5}),
