@@ -289,15 +289,21 @@ def reference(spec, key, path):
     return np.asarray(fn(meshinit.param_key(key, path)))
 
 
-def run_python(*args, timeout=300):
-    """``python ARGS`` in a subprocess from the repository root, output captured."""
+CPU_ONLY = {"JAX_PLATFORMS": "cpu", "PATH": ""}
+"""The environment of a bare interpreter: CPU only, nothing of the caller's (no
+``jax_num_cpu_devices``, no MESHINIT_* switches)."""
+
+
+def run_python(*args, timeout=300, env=None):
+    """``python ARGS`` in a subprocess from the repository root, output captured; in
+    ``env`` where given (e.g. :data:`CPU_ONLY`), else in the caller's environment."""
     import pathlib
     import subprocess
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=root
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=root, env=env
     )
 
 

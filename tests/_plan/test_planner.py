@@ -3,15 +3,13 @@ in first-appearance order; every problem gathered with its path and raised once;
 flax nnx Module refused with the fix."""
 
 import re
-import subprocess
-import sys
 import warnings
 
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from helpers import three_mesh_specs
+from helpers import CPU_ONLY, run_python, three_mesh_specs
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -332,11 +330,5 @@ def test_an_empty_plan_does_not_import_flax():
         "assert meshinit.plan({'lr': 3e-4}).entries == ()\n"
         "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-    )
+    r = run_python("-c", code, timeout=120, env=CPU_ONLY)
     assert r.returncode == 0, r.stderr

@@ -1,10 +1,8 @@
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import CPU_ONLY, run_python
 from jax.sharding import AbstractMesh
 
 import meshinit
@@ -114,13 +112,7 @@ def test_import_and_abstract_planning_start_no_backend():
         "assert len(jax.devices()) == 3, jax.devices()\n"
         "import sys; assert 'flax' not in sys.modules and 'equinox' not in sys.modules\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-    )
+    r = run_python("-c", code, timeout=120, env=CPU_ONLY)
     assert r.returncode == 0, r.stderr
 
 
