@@ -43,6 +43,7 @@ from .._caches import LRUCache
 from .._jax import compat as _compat
 from .._jax import jaxpr as _jaxpr
 from .._jax import threefry as _threefry
+from .._jax import tiles as _tiles
 from .._jax.jaxpr import Lit
 from .._plan.plan import MeshGroup, Plan, PlanEntry
 from .._run import checks as _checks
@@ -90,10 +91,16 @@ def _const_sharding(traced: Traced, n: int, entry: PlanEntry) -> NamedSharding |
 
 
 def _evaluator(
-    traced: Traced, s: _trace.Slice, key_impl: Any, straight: bool, mesh: Mesh
+    traced: Traced,
+    s: _trace.Slice,
+    key_impl: Any,
+    straight: bool,
+    mesh: Mesh,
+    sharding: NamedSharding,
 ) -> Callable[..., Any]:
     """``s`` as a traceable function of its inputs' values (keys as their data), in
-    a program for ``mesh``."""
+    a program for ``mesh`` that places it on ``sharding``: a large value made in tiles
+    (:mod:`meshinit._jax.tiles`) where its equations allow, with the same bits."""
     prog = traced.program
     hash_p, wrap_p, seed_p, bits_p = (
         _compat.prim(n) for n in ("threefry2x32", "random_wrap", "random_seed", "random_bits")
@@ -118,11 +125,16 @@ def _evaluator(
     keys = [jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended) for n in s.inputs]
 
     fixed = {n: np.asarray(prog.consts[n]) for n in s.consts}  # constants, as jit has them
+    twin = NamedSharding(_compile.auto_twin(mesh), sharding.spec, memory_kind=sharding.memory_kind)
+    tiled = _tiles.tiling(prog, s.nodes, s.out, twin, _strategies.tile_bytes(mesh))
 
     def run(*values: Any) -> Any:
         env: dict[int, Any] = dict(fixed)
         for n, v, is_key in zip(s.inputs, values, keys, strict=True):
             env[n] = jax.random.wrap_key_data(v, impl=key_impl) if is_key else v
+        if tiled is not None:
+            # the barrier after the bits, as bind puts it in the whole slice's program
+            return _tiles.evaluate(prog, tiled, env, bind, straight=straight, barrier=straight)
         _jaxpr.run_nodes(prog, s.nodes, env, bind)
         return s.out.value if isinstance(s.out, Lit) else env[s.out]
 
@@ -355,7 +367,8 @@ class _Constructor:
                 s = w.slices[k]
                 straight = w.on_cpu and not s.has_control_flow
                 impl = _threefry.STRAIGHT_LINE if straight else _threefry.SHARDING_INVARIANT_IMPL
-                fns.append(_evaluator(self.traced, s, impl, straight, w.group.mesh))
+                sharding = w.group.entries[k].sharding
+                fns.append(_evaluator(self.traced, s, impl, straight, w.group.mesh, sharding))
                 for item, n, sh in zip(items, s.inputs, self._shardings(w, k), strict=True):
                     if item[0] == "host":
                         totals[item[1]] = max(totals[item[1]], item[2] + math.prod(item[3]))

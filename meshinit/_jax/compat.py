@@ -45,6 +45,12 @@ THREEFRY_IMPL = threefry_prng_impl
 THREEFRY2X32 = threefry2x32_p
 
 
+def impl_of(x: Any) -> Any:
+    """The :data:`PRNGImpl` of a key dtype (a key aval's ``dtype``) or of a PRNGSpec
+    (what ``jax.extend.random.define_prng_impl`` returns); None for anything else."""
+    return getattr(x, "_impl", None)
+
+
 def impl_name(impl: Any) -> str:
     """The name of a key implementation: a :data:`PRNGImpl` (a jaxpr's ``impl=``
     parameter) or what ``jax.random.key_impl`` returns (a name, or a PRNGSpec)."""

@@ -161,6 +161,7 @@ def full_key(cache_key: Hashable) -> Hashable:
         cache_key,
         _compat.value_config(),  # the flags that change the bits a program makes
         _options.current().compiler_options,  # None: meshinit's own, fixed per process
+        _options.current().tile_bytes,  # None: the platform's, fixed per process
     )
 
 

@@ -83,11 +83,13 @@ class Options:
     """What :func:`options` set: a strategy name (or object), the compiler options
     (None: meshinit's choice per platform; a tuple of pairs: exactly these), and the
     constructor engine's host bound in bytes (None: its default,
-    ``meshinit._engine.trace.SMALL_BYTES``)."""
+    ``meshinit._engine.trace.SMALL_BYTES``), and the size of the tiles a large array is
+    made in (None: the platform's, ``meshinit._jax.tiles.TILE_BYTES``; 0: none)."""
 
     strategy: Any = STRATEGY_NAMES[0]
     compiler_options: tuple[tuple[str, Any], ...] | None = None
     host_eval_bytes: int | None = None
+    tile_bytes: int | None = None
 
 
 _OPTIONS: contextvars.ContextVar[Options] = contextvars.ContextVar(
@@ -140,17 +142,14 @@ def _check_compiler_options(given: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(given.items()))
 
 
-def _check_host_eval_bytes(given: Any) -> int:
+def _check_bytes(name: str, given: Any, default: str, zero: str) -> int:
     if isinstance(given, bool) or not isinstance(given, int):
         raise TypeError(
-            "host_eval_bytes must be a number of bytes (an int, 0 or more; 16384 by "
+            f"{name} must be a number of bytes (an int, 0 or more; {default} by "
             f"default), got {type(given).__name__} {given!r}"
         )
     if given < 0:
-        raise ValueError(
-            f"host_eval_bytes must be 0 or more (0: nothing but the constructor's "
-            f"arguments is evaluated on the host), got {given}"
-        )
+        raise ValueError(f"{name} must be 0 or more (0: {zero}), got {given}")
     return int(given)
 
 
@@ -160,6 +159,7 @@ def options(
     strategy: Any = None,
     compiler_options: Mapping[str, Any] | None = None,
     host_eval_bytes: int | None = None,
+    tile_bytes: int | None = None,
 ) -> Iterator[None]:
     """Sets how ``materialize`` and the adapters' ``init`` compile, for a block.
 
@@ -194,8 +194,13 @@ def options(
         change, and so their compile time: a bound below the size of the key arrays a
         constructor splits puts its key derivations into the programs, which compiled
         much slower (over 15 minutes for ``split(split(k)[1])`` on jaxlib 0.12.0.1).
-        The differential fuzzer (``tests/test_fuzz_constructor.py``) lowers it to 64
+        The differential fuzzer (``tests/fuzz/test_fuzz_constructor.py``) lowers it to 64
         so that most of its variables go through the compiled programs.
+      tile_bytes: the most bytes of one tile when a large parameter is made by a
+        loop over tiles (docs/performance.md, "Tiles"): its values are the whole
+        array's, bit for bit, and its program compiles in the same time whatever the
+        parameter's size. By default the platform's size (32 MiB on TPU, 64 MiB on
+        CPU and GPU); ``0`` makes every parameter whole.
 
     Raises:
       TypeError: a strategy, compiler options or bound of the wrong kind.
@@ -217,7 +222,17 @@ def options(
             host_eval_bytes=(
                 outer.host_eval_bytes
                 if host_eval_bytes is None
-                else _check_host_eval_bytes(host_eval_bytes)
+                else _check_bytes(
+                    "host_eval_bytes",
+                    host_eval_bytes,
+                    "16384",
+                    "nothing but the constructor's arguments is evaluated on the host",
+                )
+            ),
+            tile_bytes=(
+                outer.tile_bytes
+                if tile_bytes is None
+                else _check_bytes("tile_bytes", tile_bytes, "per platform", "no tiles")
             ),
         )
     )

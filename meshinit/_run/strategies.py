@@ -17,6 +17,7 @@ with one call's key.
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -24,13 +25,15 @@ from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from .._format import some
+from .._jax import jaxpr as _jaxpr
 from .._jax import threefry as _threefry
+from .._jax import tiles as _tiles
 from .._plan.plan import MeshGroup
 from . import options as _options
-from .compile import Build, compiled, on_cpu
+from .compile import Build, auto_twin, compiled, on_cpu
 from .maker import Needs, Runner
 
 KeyImpl = Any  # what jax.random.wrap_key_data takes as impl: a name or a PRNGSpec
@@ -53,9 +56,34 @@ def program_key_impl(group: MeshGroup, impl: str) -> KeyImpl:
     return impl
 
 
-def _make(spec: Any, key_data: Any, impl: KeyImpl) -> Any:
-    """The spec's value from its own key's data (traced)."""
-    return spec.init(jax.random.wrap_key_data(key_data, impl=impl), spec.shape, spec.dtype)
+def tile_bytes(mesh: Mesh) -> int | None:
+    """The size of the tiles a large array is made in on ``mesh``
+    (:func:`meshinit.options`, else the platform's); None: every array whole."""
+    chosen = _options.current().tile_bytes
+    if chosen is not None:
+        return chosen or None
+    return _tiles.tile_bytes_for(mesh.devices.flat[0].platform)
+
+
+def _make(spec: Any, key_data: Any, impl: KeyImpl, sharding: NamedSharding) -> Any:
+    """The spec's value from its own key's data (traced): a large one made in tiles
+    (:mod:`meshinit._jax.tiles`) where its initializer allows, with the same bits."""
+
+    def made(data: Any) -> Any:
+        return spec.init(jax.random.wrap_key_data(data, impl=impl), spec.shape, spec.dtype)
+
+    mesh = cast(Mesh, sharding.mesh)
+    size = tile_bytes(mesh)
+    if size and math.prod(spec.shape) * np.dtype(spec.dtype).itemsize > size:
+        prog = _jaxpr.flatten(jax.make_jaxpr(made)(_KEY))
+        twin = NamedSharding(auto_twin(mesh), sharding.spec, memory_kind=sharding.memory_kind)
+        tiled = _tiles.tiling(prog, range(len(prog.nodes)), prog.outputs[0], twin, size)
+        if tiled is not None:
+            env = {**prog.consts, prog.inputs[0]: key_data}
+            straight = impl is _threefry.STRAIGHT_LINE
+            bind = _jaxpr.bind_node
+            return _tiles.evaluate(prog, tiled, env, bind, straight=straight, barrier=False)
+    return made(key_data)
 
 
 KeyRunner = Callable[[np.ndarray], Iterator[tuple[int, jax.Array]]]  # key data -> arrays
@@ -158,7 +186,7 @@ class PerSignature(_Cached):
             spec = entry.spec
 
             def program(key_data):
-                return _make(spec, key_data, impl)
+                return _make(spec, key_data, impl, entry.sharding)
 
             return program, entry.sharding, (_KEY,)
 
@@ -196,7 +224,7 @@ class Rounds(_Cached):
 
         def build():
             def program(keys):
-                return [_make(e.spec, keys[k], impl) for k, e in enumerate(entries)]
+                return [_make(e.spec, keys[k], impl, e.sharding) for k, e in enumerate(entries)]
 
             keys = jax.ShapeDtypeStruct((len(entries), 2), np.uint32)
             return program, [e.sharding for e in entries], (keys,)

@@ -1,0 +1,424 @@
+"""A large array made by a loop over tiles, with exactly the whole array's bits.
+
+XLA's TPU compile time grows with an array's size: one ``jax.jit`` of ``lecun_normal``
+compiles in about 1 s at (4096, 1024) and 6 to 12 s at a vocabulary's (128256, 4096)
+on a v5e, so one embedding sets a whole model's cold start. A program whose loop body
+makes a tile of fixed size compiles in the same time whatever the array's size.
+
+The tiles give the whole array's bits because of how jax draws them. Under
+``jax_threefry_partitionable`` (jax's default), element ``i`` (row-major) of
+``random_bits(key, shape)`` is the threefry hash of the key and the counter ``i``
+(jax's ``_threefry_random_bits_partitionable``), and what an initializer does after the
+bits (a uniform's shift and bitcast, ``erf_inv``, a scale) is elementwise. So each
+device makes its own block (``shard_map``: no communication, nothing whole on one
+device), a tile at a time (``fori_loop``), every value of the tile from its element's
+global index: counters, iotas and slices of small operands offset by the tile's place.
+
+:func:`tiling` decides, for one slice of a traced program (the equations that make one
+array), whether it can be made so: every large value in it must have the output's
+shape, be made by ``random_bits`` of a threefry key, ``iota``, ``broadcast_in_dim`` of
+a small value or an elementwise primitive (:data:`ELEMENTWISE`), and be read by
+nothing but the slice's other tile values. Anything else (a reshape, a reduction, a
+matmul, control flow, an rbg key, a memory kind other than the device's) is made
+whole, as before. :func:`evaluate` makes it. tests/_jax/test_tiles.py checks every
+initializer the engine compiles, tiled and whole, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import compat as _compat
+from . import jaxpr as _jaxpr
+from . import threefry as _threefry
+from .jaxpr import Lit
+
+# The size of one tile's largest value, per platform, from measurements
+# (benchmarks/README.md, "Tiles"): on a TPU v5e, a (128256, 4096) lecun_normal in
+# bf16 compiles in ... s whole and ... s in tiles of this size, with the same run
+# time. A platform not named here makes every array whole.
+TILE_BYTES: dict[str, int] = {"tpu": 32 << 20, "gpu": 64 << 20, "cpu": 64 << 20}
+
+# Elementwise primitives by name: each result element depends only on the elements
+# of its operands at the same index (operands broadcast from size-1 dimensions).
+ELEMENTWISE = frozenset(
+    """abs acos acosh add and asin asinh atan atan2 atanh bitcast_convert_type cbrt ceil
+    clamp convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp
+    exp2 expm1 floor ge gt integer_pow is_finite le lgamma log log1p logistic lt max min
+    mul ne neg nextafter not or population_count pow reduce_precision rem round rsqrt
+    select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt
+    square stop_gradient sub tan tanh xor""".split()
+)
+
+_COUNTER_LIMIT = 2**32  # counters as one uint32 word (jax's high word is then zero)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How one slice's output is made tile by tile (:func:`tiling`).
+
+    Attributes:
+      inner: the equations (indices into the program's nodes) made once per tile, in
+        order; ``outer`` those made once, before the loop.
+      reads: the values the inner equations read and do not make; ``sliced[i]``: read
+        ``i`` has the output's shape and enters split as the output is (a large
+        captured constant), else it enters whole (a key, a scalar, a small array).
+      out: the slice's output value.
+      sharding: the output's sharding (on the mesh the program is traced under).
+      local: the shape of one device's block; ``tile``: the shape of one tile, whole
+        along every axis after ``axis``, ``tile[axis]`` rows of it, one element of
+        every axis before it; ``count``: tiles per block.
+    """
+
+    inner: tuple[int, ...]
+    outer: tuple[int, ...]
+    reads: tuple[int, ...]
+    sliced: tuple[bool, ...]
+    out: int
+    sharding: NamedSharding
+    local: tuple[int, ...]
+    tile: tuple[int, ...]
+    axis: int
+    count: int
+
+
+def tile_bytes_for(platform: str) -> int | None:
+    """:data:`TILE_BYTES` of ``platform``; None: make every array whole."""
+    return TILE_BYTES.get(platform)
+
+
+def tiling(
+    prog: _jaxpr.Program,
+    nodes: Sequence[int],
+    out: int | Lit,
+    sharding: NamedSharding,
+    tile_bytes: int | None,
+) -> Tiling | None:
+    """How ``out`` (made by ``prog.nodes[i]`` for ``i`` in ``nodes``) is made in tiles of
+    at most ``tile_bytes`` per value, or None: made whole (see the module's docstring)."""
+    if isinstance(out, Lit) or not tile_bytes or not _compat.value_config()[0]:
+        return None  # without partitionable threefry, bits depend on the whole shape
+    shape = tuple(prog.avals[out].shape)
+    if not shape or math.prod(shape) >= _COUNTER_LIMIT:
+        return None
+    if sharding.memory_kind not in (None, "device"):
+        return None
+    local = _block_shape(shape, sharding)
+    if local is None:
+        return None
+    inner: list[int] = []
+    outer: list[int] = []
+    made: set[int] = set()
+    itemsize = 1
+    for i in nodes:
+        node = prog.nodes[i]
+        outs = [n for n in node.outs if n >= 0]
+        if len(node.outs) == 1 and outs and tuple(prog.avals[outs[0]].shape) == shape:
+            if node.control or not _tileable(prog, node, shape, made, tile_bytes):
+                return None
+            inner.append(i)
+            made.add(outs[0])
+            itemsize = max(itemsize, np.dtype(prog.avals[outs[0]].dtype).itemsize)
+        elif any(_nbytes(prog.avals[n]) > tile_bytes for n in outs):
+            return None  # a large value of another shape: a reshape, a transpose ...
+        else:
+            outer.append(i)
+    if out not in made or any(
+        x in made for i in outer for x in prog.nodes[i].ins if not isinstance(x, Lit)
+    ):
+        return None  # the output is not made in tiles, or a tile value is read whole
+    if math.prod(local) * itemsize <= tile_bytes:
+        return None  # one tile would be the whole block
+    axis, rows = _tile_axis(local, itemsize, tile_bytes)
+    keyed = [len(prog.avals[_key_of(prog.nodes[i])].shape) for i in inner if _bits(prog.nodes[i])]
+    if any(k > axis for k in keyed):
+        return None  # a tile would span several keys of a batch of keys
+    reads = sorted(
+        {x for i in inner for x in prog.nodes[i].ins if not isinstance(x, Lit) and x not in made}
+    )
+    tile = (1,) * axis + (rows,) + local[axis + 1 :]
+    count = math.prod(local[:axis]) * -(-local[axis] // rows)
+    return Tiling(
+        tuple(inner),
+        tuple(outer),
+        tuple(reads),
+        tuple(tuple(prog.avals[n].shape) == shape for n in reads),
+        out,
+        sharding,
+        local,
+        tile,
+        axis,
+        count,
+    )
+
+
+def _nbytes(aval: Any) -> int:
+    dtype = aval.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return math.prod(aval.shape) * 8
+    return math.prod(aval.shape) * np.dtype(dtype).itemsize
+
+
+def _block_shape(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[int, ...] | None:
+    """One device's block of ``shape`` under ``sharding``; None if a dimension does not
+    divide evenly."""
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    local = []
+    for size, axes in zip(shape, spec, strict=True):
+        n = math.prod(sharding.mesh.shape[a] for a in _axes(axes))
+        if size % n:
+            return None
+        local.append(size // n)
+    return tuple(local)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+
+
+def _tile_axis(local: tuple[int, ...], itemsize: int, tile_bytes: int) -> tuple[int, int]:
+    """The first axis whose trailing block fits a tile, and how many of its rows do."""
+    for axis in range(len(local)):
+        row = math.prod(local[axis + 1 :]) * itemsize
+        if row <= tile_bytes:
+            return axis, min(local[axis], max(1, tile_bytes // row))
+    raise AssertionError("a single element exceeds a tile")  # tile_bytes >= 8
+
+
+def _bits(node: _jaxpr.Node) -> bool:
+    return node.primitive.name == "random_bits"
+
+
+def _key_of(node: _jaxpr.Node) -> int:
+    key = node.ins[0]
+    assert not isinstance(key, Lit)
+    return key
+
+
+def _counter_based(impl: Any) -> bool:
+    """Whether a key implementation draws element ``i``'s bits from counter ``i``:
+    jax's threefry2x32, and meshinit's straight-line twin of it."""
+    return impl is _compat.THREEFRY_IMPL or impl is _compat.impl_of(_threefry.STRAIGHT_LINE)
+
+
+def _tileable(
+    prog: _jaxpr.Program, node: _jaxpr.Node, shape: tuple[int, ...], made: set[int], limit: int
+) -> bool:
+    name = node.primitive.name
+    if _bits(node):
+        key = node.ins[0]
+        if isinstance(key, Lit):
+            return False
+        impl = _compat.impl_of(prog.avals[key].dtype)
+        k = len(prog.avals[key].shape)
+        return (
+            _counter_based(impl)
+            and node.params["bit_width"] in (8, 16, 32)
+            and tuple(node.params["shape"]) == shape[k:]
+        )
+    if name == "iota":
+        dtype = np.dtype(node.params["dtype"])
+        size = shape[node.params["dimension"]]
+        if jax.dtypes.issubdtype(dtype, np.integer):
+            return size < 2**31
+        # a float iota is exact (the same bits however it is computed) while every
+        # index is an integer of the float type
+        return jax.dtypes.issubdtype(dtype, np.floating) and size <= 2 ** (
+            jax.dtypes.finfo(dtype).nmant + 1
+        )
+    if name == "broadcast_in_dim":
+        x = node.ins[0]
+        if isinstance(x, Lit):
+            return np.ndim(x.value) == 0
+        return x not in made and _nbytes(prog.avals[x]) <= limit
+    if not (name in ELEMENTWISE or (_jaxpr.is_identity(node) and len(node.ins) == 1)):
+        return False
+    for x in node.ins:
+        if isinstance(x, Lit):
+            if np.ndim(x.value) != 0:
+                return False
+            continue
+        if x in made:
+            continue
+        have = tuple(prog.avals[x].shape)
+        if have == shape:
+            continue  # enters split as the output is
+        if have and (
+            len(have) != len(shape)
+            or any(h not in (1, s) for h, s in zip(have, shape, strict=True))
+        ):
+            return False
+        if _nbytes(prog.avals[x]) > limit:
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------ making
+
+
+def evaluate(
+    prog: _jaxpr.Program,
+    t: Tiling,
+    env: dict[int, Any],
+    bind: Callable[[_jaxpr.Node, list[Any]], Sequence[Any]],
+    *,
+    straight: bool,
+    barrier: bool,
+) -> jax.Array:
+    """The output of ``t``, made tile by tile.
+
+    ``env`` holds the slice's inputs; the outer equations are evaluated with ``bind``
+    (as the whole slice would be), the inner ones per tile. ``straight``: hash with
+    :func:`meshinit._jax.threefry.threefry2x32` (CPU) rather than jax's primitive;
+    ``barrier``: the float math after the bits in a loop of its own, as the whole
+    slice's program has it.
+    """
+    _jaxpr.run_nodes(prog, t.outer, env, bind)
+    args, specs = [], []
+    for n, sliced in zip(t.reads, t.sliced, strict=True):
+        x = env[n]
+        if jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended):
+            x = jax.random.key_data(x)
+        args.append(x)
+        specs.append(t.sharding.spec if sliced else PartitionSpec())
+    out_aval = prog.avals[t.out]
+    mesh = t.sharding.mesh
+
+    def block(*values: Any) -> jax.Array:
+        offsets = _block_offsets(t)
+        given = dict(zip(t.reads, values, strict=True))
+
+        def step(i: Any, buf: jax.Array) -> jax.Array:
+            starts = _tile_starts(t, i)
+            where = [s + o for s, o in zip(starts, offsets, strict=True)]
+            tile: dict[int, Any] = {}
+
+            def read(x: int | Lit, sliced: bool) -> Any:
+                if isinstance(x, Lit):
+                    return x.value
+                if x in tile:
+                    return tile[x]
+                return _fit(given[x], starts if sliced else where, t.tile)
+
+            for k in t.inner:
+                node = prog.nodes[k]
+                if _bits(node):
+                    value = _tile_bits(node, given[_key_of(node)], where, t, straight)
+                    value = jax.lax.optimization_barrier(value) if barrier else value
+                elif node.primitive.name == "iota":
+                    value = _tile_iota(node, where, t.tile)
+                elif node.primitive.name == "broadcast_in_dim":
+                    value = _tile_broadcast(node, read(node.ins[0], False), where, t.tile)
+                elif _jaxpr.is_identity(node) and node.primitive.name not in ELEMENTWISE:
+                    value = read(node.ins[0], _sliced(t, node.ins[0]))
+                else:
+                    ins = [read(x, _sliced(t, x)) for x in node.ins]
+                    params = {k: None if k == "sharding" else v for k, v in node.params.items()}
+                    (value,) = _compat.bind(node.primitive, ins, params)
+                tile[node.outs[0]] = value
+            return jax.lax.dynamic_update_slice(buf, tile[t.out], starts)
+
+        buf = jnp.zeros(t.local, out_aval.dtype)
+        return jax.lax.fori_loop(0, t.count, step, buf)
+
+    made = jax.shard_map(
+        block, mesh=mesh, in_specs=tuple(specs), out_specs=t.sharding.spec, check_vma=False
+    )
+    return made(*args)
+
+
+def _sliced(t: Tiling, x: int | Lit) -> bool:
+    return not isinstance(x, Lit) and x in t.reads and t.sliced[t.reads.index(x)]
+
+
+def _block_offsets(t: Tiling) -> list[Any]:
+    """Where this device's block starts in the whole array, per axis (traced)."""
+    mesh = t.sharding.mesh
+    spec = tuple(t.sharding.spec) + (None,) * (len(t.local) - len(t.sharding.spec))
+    offsets: list[Any] = []
+    for size, entry in zip(t.local, spec, strict=True):
+        index: Any = np.int32(0)
+        for a in _axes(entry):  # major to minor
+            index = index * np.int32(mesh.shape[a]) + jax.lax.axis_index(a).astype(np.int32)
+        offsets.append(index * np.int32(size))
+    return offsets
+
+
+def _tile_starts(t: Tiling, i: Any) -> list[Any]:
+    """Where tile ``i`` starts in the block, per axis (traced): the block's row-major
+    order over the axes before ``t.axis``, then runs of ``t.tile[t.axis]`` rows; the
+    last run moved back to end at the block's end (its rows made twice, the same
+    values both times)."""
+    rows = t.tile[t.axis]
+    runs = -(-t.local[t.axis] // rows)
+    outer, run = i // np.int32(runs), i % np.int32(runs)
+    starts: list[Any] = []
+    for size in reversed(t.local[: t.axis]):
+        starts.append(outer % np.int32(size))
+        outer = outer // np.int32(size)
+    starts.reverse()
+    starts.append(jnp.minimum(run * np.int32(rows), np.int32(t.local[t.axis] - rows)))
+    starts.extend(np.int32(0) for _ in t.local[t.axis + 1 :])
+    return starts
+
+
+def _fit(x: Any, starts: Sequence[Any], tile: tuple[int, ...]) -> Any:
+    """The part of operand ``x`` (a scalar, or the output's rank with size-1 axes
+    broadcast) that a tile at ``starts`` reads."""
+    if np.ndim(x) == 0:
+        return x
+    sizes = [1 if have == 1 else want for have, want in zip(np.shape(x), tile, strict=True)]
+    at = [np.int32(0) if have == 1 else s for have, s in zip(np.shape(x), starts, strict=True)]
+    return jax.lax.dynamic_slice(x, at, sizes)
+
+
+def _tile_bits(
+    node: _jaxpr.Node, key_data: Any, where: Sequence[Any], t: Tiling, straight: bool
+) -> Any:
+    """``random_bits`` of the tile at ``where``: its elements' counters hashed with
+    their key, as jax's partitionable threefry does for the whole array."""
+    k = key_data.ndim - 1  # a batch of keys: leading axes of the output
+    if k:
+        key_data = jax.lax.dynamic_slice(key_data, [*where[:k], np.int32(0)], (1,) * k + (2,))
+        key_data = key_data.reshape(2)
+    inner = tuple(node.params["shape"])
+    strides = [math.prod(inner[d + 1 :]) for d in range(len(inner))]
+    counts: Any = jnp.zeros(t.tile, np.uint32)
+    for d, stride in enumerate(strides):
+        index = jax.lax.broadcasted_iota(np.uint32, t.tile, k + d) + where[k + d].astype(np.uint32)
+        counts = counts + index * np.uint32(stride)
+    high = jnp.zeros(t.tile, np.uint32)
+    k1, k2 = key_data[0], key_data[1]
+    if straight:
+        bits1, bits2 = _threefry.threefry2x32(k1, k2, high, counts)
+    else:
+        bits1, bits2 = _compat.THREEFRY2X32.bind(k1, k2, high, counts)
+    bits = bits1 ^ bits2
+    width = node.params["bit_width"]
+    return bits if width == 32 else bits.astype(np.dtype(f"uint{width}"))
+
+
+def _tile_iota(node: _jaxpr.Node, where: Sequence[Any], tile: tuple[int, ...]) -> Any:
+    d = node.params["dimension"]
+    index = jax.lax.broadcasted_iota(np.int32, tile, d) + where[d]
+    return index.astype(node.params["dtype"])
+
+
+def _tile_broadcast(node: _jaxpr.Node, x: Any, where: Sequence[Any], tile: tuple[int, ...]) -> Any:
+    dims = tuple(node.params["broadcast_dimensions"])
+    shape = np.shape(x)
+    sizes = [1 if shape[j] == 1 else tile[d] for j, d in enumerate(dims)]
+    at = [np.int32(0) if shape[j] == 1 else where[d] for j, d in enumerate(dims)]
+    if shape:
+        x = jax.lax.dynamic_slice(x, at, sizes)
+    return jax.lax.broadcast_in_dim(x, tile, dims)
