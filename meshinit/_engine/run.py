@@ -126,7 +126,7 @@ def _evaluator(
 
     fixed = {n: np.asarray(prog.consts[n]) for n in s.consts}  # constants, as jit has them
     twin = NamedSharding(_compile.auto_twin(mesh), sharding.spec, memory_kind=sharding.memory_kind)
-    tiled = _tiles.tiling(prog, s.nodes, s.out, twin, _strategies.tile_bytes(mesh))
+    tiled = _tiles.tiling(prog, s.nodes, s.out, twin, _strategies.tiles(mesh))
 
     def run(*values: Any) -> Any:
         env: dict[int, Any] = dict(fixed)

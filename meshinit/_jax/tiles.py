@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,11 +42,17 @@ from . import jaxpr as _jaxpr
 from . import threefry as _threefry
 from .jaxpr import Lit
 
-# The size of one tile's largest value, per platform, from measurements
-# (benchmarks/README.md, "Tiles"): on a TPU v5e, a (128256, 4096) lecun_normal in
-# bf16 compiles in ... s whole and ... s in tiles of this size, with the same run
-# time. A platform not named here makes every array whole.
-TILE_BYTES: dict[str, int] = {"tpu": 32 << 20, "gpu": 64 << 20, "cpu": 64 << 20}
+# The size of one tile, per platform and by the widest element (bytes) of the values a
+# tile makes, from measurements on a TPU v5e (benchmarks/README.md, "Tiles"). Compile
+# time there grows with a tile's elements, far more steeply for 32-bit values: a
+# (128256, 4096) lecun_normal compiled in 12.2 s whole in bf16 and in 1.1 s in tiles of
+# 2 to 8 MiB; in f32, 18 s whole, 15 s in tiles of 4 MiB, 3.3 s of 1 MiB and 1.0 s of
+# 256 KiB. CPU compile time does not grow with size (0.15 to 0.21 s from (1024, 4096)
+# to (32768, 4096) f32, where tiles added 0.2 s), and no GPU was measured: both make
+# every array whole.
+TILE_BYTES: Mapping[str, Mapping[int, int]] = types.MappingProxyType(
+    {"tpu": types.MappingProxyType({1: 4 << 20, 2: 4 << 20, 4: 256 << 10, 8: 256 << 10})}
+)
 
 # Elementwise primitives by name: each result element depends only on the elements
 # of its operands at the same index (operands broadcast from size-1 dimensions).
@@ -58,6 +65,7 @@ ELEMENTWISE = frozenset(
     square stop_gradient sub tan tanh xor""".split()
 )
 
+_ROW_GROUP = 32
 _COUNTER_LIMIT = 2**32  # counters as one uint32 word (jax's high word is then zero)
 
 
@@ -90,9 +98,17 @@ class Tiling:
     count: int
 
 
-def tile_bytes_for(platform: str) -> int | None:
-    """:data:`TILE_BYTES` of ``platform``; None: make every array whole."""
-    return TILE_BYTES.get(platform)
+Tiles = int | str | None  # bytes; a platform, whose TILE_BYTES apply; None: no tiles
+
+
+def tile_bytes_for(tiles: Tiles, itemsize: int) -> int | None:
+    """The most bytes of one tile whose widest element has ``itemsize`` bytes: ``tiles``
+    itself if it is a size, the platform's :data:`TILE_BYTES` if it names one; None:
+    the array is made whole."""
+    if isinstance(tiles, str):
+        sizes = TILE_BYTES.get(tiles, {})
+        return sizes.get(min((k for k in sizes if k >= itemsize), default=max(sizes, default=0)))
+    return tiles or None
 
 
 def tiling(
@@ -100,11 +116,11 @@ def tiling(
     nodes: Sequence[int],
     out: int | Lit,
     sharding: NamedSharding,
-    tile_bytes: int | None,
+    tiles: Tiles,
 ) -> Tiling | None:
-    """How ``out`` (made by ``prog.nodes[i]`` for ``i`` in ``nodes``) is made in tiles of
-    at most ``tile_bytes`` per value, or None: made whole (see the module's docstring)."""
-    if isinstance(out, Lit) or not tile_bytes or not _compat.value_config()[0]:
+    """How ``out`` (made by ``prog.nodes[i]`` for ``i`` in ``nodes``) is made in tiles
+    (:func:`tile_bytes_for` ``tiles``), or None: made whole (see the module's docstring)."""
+    if isinstance(out, Lit) or tiles is None or not _compat.value_config()[0]:
         return None  # without partitionable threefry, bits depend on the whole shape
     shape = tuple(prog.avals[out].shape)
     if not shape or math.prod(shape) >= _COUNTER_LIMIT:
@@ -114,6 +130,9 @@ def tiling(
     local = _block_shape(shape, sharding)
     if local is None:
         return None
+    limit = tile_bytes_for(tiles, 8)  # small operands and values: at most a tile of any width
+    if not limit:
+        return None
     inner: list[int] = []
     outer: list[int] = []
     made: set[int] = set()
@@ -122,12 +141,12 @@ def tiling(
         node = prog.nodes[i]
         outs = [n for n in node.outs if n >= 0]
         if len(node.outs) == 1 and outs and tuple(prog.avals[outs[0]].shape) == shape:
-            if node.control or not _tileable(prog, node, shape, made, tile_bytes):
+            if node.control or not _tileable(prog, node, shape, made, limit):
                 return None
             inner.append(i)
             made.add(outs[0])
             itemsize = max(itemsize, np.dtype(prog.avals[outs[0]].dtype).itemsize)
-        elif any(_nbytes(prog.avals[n]) > tile_bytes for n in outs):
+        elif any(_nbytes(prog.avals[n]) > limit for n in outs):
             return None  # a large value of another shape: a reshape, a transpose ...
         else:
             outer.append(i)
@@ -135,7 +154,8 @@ def tiling(
         x in made for i in outer for x in prog.nodes[i].ins if not isinstance(x, Lit)
     ):
         return None  # the output is not made in tiles, or a tile value is read whole
-    if math.prod(local) * itemsize <= tile_bytes:
+    tile_bytes = tile_bytes_for(tiles, itemsize)
+    if not tile_bytes or math.prod(local) * itemsize <= tile_bytes:
         return None  # one tile would be the whole block
     axis, rows = _tile_axis(local, itemsize, tile_bytes)
     keyed = [len(prog.avals[_key_of(prog.nodes[i])].shape) for i in inner if _bits(prog.nodes[i])]
@@ -191,7 +211,10 @@ def _tile_axis(local: tuple[int, ...], itemsize: int, tile_bytes: int) -> tuple[
     for axis in range(len(local)):
         row = math.prod(local[axis + 1 :]) * itemsize
         if row <= tile_bytes:
-            return axis, min(local[axis], max(1, tile_bytes // row))
+            rows = min(local[axis], max(1, tile_bytes // row))
+            # whole groups of 32 rows where there are as many: TPU tiles its arrays'
+            # last two axes in (8, 128) blocks (and packs narrower types into them)
+            return axis, rows - rows % _ROW_GROUP if _ROW_GROUP < rows < local[axis] else rows
     raise AssertionError("a single element exceeds a tile")  # tile_bytes >= 8
 
 

@@ -56,13 +56,20 @@ def program_key_impl(group: MeshGroup, impl: str) -> KeyImpl:
     return impl
 
 
-def tile_bytes(mesh: Mesh) -> int | None:
-    """The size of the tiles a large array is made in on ``mesh``
-    (:func:`meshinit.options`, else the platform's); None: every array whole."""
+def tiles(mesh: Mesh) -> _tiles.Tiles:
+    """How large arrays are tiled on ``mesh`` (:func:`meshinit._jax.tiles.tile_bytes_for`):
+    :func:`meshinit.options`' ``tile_bytes``, else the platform's sizes."""
     chosen = _options.current().tile_bytes
-    if chosen is not None:
-        return chosen or None
-    return _tiles.tile_bytes_for(mesh.devices.flat[0].platform)
+    return mesh.devices.flat[0].platform if chosen is None else chosen
+
+
+def tiled_alone(entry: Any) -> bool:
+    """Whether ``entry`` is large enough to be made in tiles on its platform, and so gets
+    a program of its own: tiled programs compile in parallel, each in about a second on
+    a TPU, where one program holding several would add up their compile times."""
+    mesh = cast(Mesh, entry.mesh)  # materialize refuses abstract meshes first
+    size = _tiles.tile_bytes_for(tiles(mesh), np.dtype(entry.spec.dtype).itemsize)
+    return size is not None and entry.device_bytes > size
 
 
 def _make(spec: Any, key_data: Any, impl: KeyImpl, sharding: NamedSharding) -> Any:
@@ -73,11 +80,12 @@ def _make(spec: Any, key_data: Any, impl: KeyImpl, sharding: NamedSharding) -> A
         return spec.init(jax.random.wrap_key_data(data, impl=impl), spec.shape, spec.dtype)
 
     mesh = cast(Mesh, sharding.mesh)
-    size = tile_bytes(mesh)
+    how = tiles(mesh)
+    size = _tiles.tile_bytes_for(how, np.dtype(spec.dtype).itemsize)
     if size and math.prod(spec.shape) * np.dtype(spec.dtype).itemsize > size:
         prog = _jaxpr.flatten(jax.make_jaxpr(made)(_KEY))
         twin = NamedSharding(auto_twin(mesh), sharding.spec, memory_kind=sharding.memory_kind)
-        tiled = _tiles.tiling(prog, range(len(prog.nodes)), prog.outputs[0], twin, size)
+        tiled = _tiles.tiling(prog, range(len(prog.nodes)), prog.outputs[0], twin, how)
         if tiled is not None:
             env = {**prog.consts, prog.inputs[0]: key_data}
             straight = impl is _threefry.STRAIGHT_LINE
@@ -275,16 +283,21 @@ def bucket_batches(group: MeshGroup, max_bytes_per_call: int | None) -> list[tup
     device's share of the parameters (temporaries as docs/concepts.md, "Memory",
     describes them). With a
     ``max_bytes_per_call``, a bucket whose call would make more bytes per device
-    is split (largest signatures first) into buckets that stay under it.
+    is split (largest signatures first) into buckets that stay under it. A signature
+    made in tiles (:func:`tiled_alone`) is a bucket of its own.
     """
     by_count: dict[int, list[int]] = {}
+    alone: list[list[int]] = []
     for i, batch in enumerate(group.batches):
-        by_count.setdefault(len(batch), []).append(i)
+        if tiled_alone(group.entries[batch[0]]):
+            alone.append([i])
+        else:
+            by_count.setdefault(len(batch), []).append(i)
 
     def nbytes(i: int) -> int:
         return group.entries[group.batches[i][0]].device_bytes
 
-    buckets = list(by_count.values())
+    buckets = [*by_count.values(), *alone]
     if max_bytes_per_call is not None:
         buckets = [b for bucket in buckets for b in _pack(bucket, nbytes, max_bytes_per_call)]
     return [tuple(b) for b in sorted(buckets, key=lambda b: sum(map(nbytes, b)), reverse=True)]

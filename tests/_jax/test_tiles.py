@@ -1,0 +1,250 @@
+"""Large arrays made by a loop over tiles give the whole array's bits, for every
+initializer the engine compiles, on the spec path and through the constructor engine;
+what cannot be tiled is made whole, never approximately."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from helpers import mesh8, same_bits
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshinit
+from meshinit._jax import jaxpr as _jaxpr
+from meshinit._jax import tiles as _tiles
+
+init = nnx.initializers
+
+# Every initializer flax and equinox give a parameter, and the jax.random draws model
+# code makes parameters with directly; (name, initializer, tiled): orthogonal ones are
+# made by a QR decomposition of the whole array, never in tiles.
+INITIALIZERS = [
+    ("zeros", init.zeros, True),
+    ("ones", init.ones, True),
+    ("constant", init.constant(0.5), True),
+    ("normal", init.normal(0.02), True),
+    ("truncated_normal", init.truncated_normal(0.02), True),
+    ("truncated_normal_bounds", init.truncated_normal(1.0, lower=-1.0, upper=3.0), True),
+    ("uniform", init.uniform(0.1), True),
+    ("lecun_normal", init.lecun_normal(), True),
+    ("lecun_uniform", init.lecun_uniform(), True),
+    ("glorot_normal", init.glorot_normal(), True),
+    ("glorot_uniform", init.glorot_uniform(), True),
+    ("he_normal", init.he_normal(), True),
+    ("he_uniform", init.he_uniform(), True),
+    ("variance_scaling_normal", init.variance_scaling(2.0, "fan_avg", "normal"), True),
+    ("variance_scaling_uniform", init.variance_scaling(0.5, "fan_out", "uniform"), True),
+    ("equinox_linear", lambda k, s, d: jax.random.uniform(k, s, d, -0.05, 0.05), True),
+    ("jax_normal", lambda k, s, d: jax.random.normal(k, s, d) * 0.02 + 1.0, True),
+    ("bernoulli_mask", lambda k, s, d: jax.random.bernoulli(k, 0.3, s).astype(d), True),
+    ("orthogonal", init.orthogonal(), False),
+]
+IDS = [name for name, _, _ in INITIALIZERS]
+TINY_TILES = 2048  # bytes: every parameter below is several tiles on its device
+
+
+@pytest.fixture
+def tiled_calls(monkeypatch):
+    """The tilings programs were built with (one per program that makes an array in
+    tiles), from here on."""
+    calls = []
+    real = _tiles.evaluate
+
+    def counted(prog, t, *args, **kwargs):
+        calls.append(t)
+        return real(prog, t, *args, **kwargs)
+
+    monkeypatch.setattr(_tiles, "evaluate", counted)
+    return calls
+
+
+def whole_and_tiled(make):
+    """``make()`` with every array whole, then in tiny tiles, from empty caches."""
+    meshinit.clear_cache()
+    with meshinit.options(tile_bytes=0):
+        whole = make()
+    with meshinit.options(tile_bytes=TINY_TILES):
+        tiled = make()
+    return whole, tiled
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)]
+)
+def test_every_initializer_tiled_gives_the_whole_arrays_bits_spec_path(dtype, tiled_calls):
+    mesh = mesh8()
+    layouts = [  # shape, axes: split both ways, one way, replicated, 3-D, 1-D
+        ((128, 48), ("fsdp", "tensor")),
+        ((200, 24), (None, "tensor")),
+        ((96, 40), (None, None)),
+        ((6, 64, 20), (None, "fsdp", None)),
+        ((4096,), ("fsdp",)),
+    ]
+    specs = {
+        f"{name}.{i}": meshinit.param(shape, fn, dtype=dtype, axes=axes, mesh=mesh)
+        for name, fn, _ in INITIALIZERS
+        for i, (shape, axes) in enumerate(layouts)
+        if (len(shape) >= 2 or name not in _FAN_BASED) and _runs(name, dtype)
+    }
+    plan = meshinit.plan(specs)
+    whole, tiled = whole_and_tiled(lambda: meshinit.materialize(plan, 0))
+    for path in specs:
+        same_bits(tiled[path], whole[path], path)
+        assert tiled[path].sharding == whole[path].sharding, path
+    made = {t.local for t in tiled_calls}
+    assert len(tiled_calls) >= len(INITIALIZERS) - 1, "most parameters were not tiled"
+    assert {(64, 12), (200, 6), (96, 40), (6, 32, 20), (2048,)} <= made, made
+
+
+def _runs(name, dtype):
+    """Whether XLA's CPU code has the initializer in ``dtype``: no QR below f32."""
+    return name != "orthogonal" or dtype == jnp.float32
+
+
+_FAN_BASED = {n for n, _, _ in INITIALIZERS if n.split("_")[0] in ("lecun", "glorot", "he")}
+_FAN_BASED |= {"variance_scaling_normal", "variance_scaling_uniform", "orthogonal"}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
+def test_every_initializer_tiled_gives_nnx_jits_bits_engine(dtype, tiled_calls):
+    """Through ``meshinit.nnx.init`` (the constructor engine): tiled, whole and
+    ``nnx.jit`` of the constructor give the same bits."""
+
+    KINDS = [k for k in INITIALIZERS if _runs(k[0], dtype)]
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            for name, fn, _ in KINDS:
+                box = nnx.with_partitioning(fn, ("fsdp", "tensor"))
+                setattr(self, name, nnx.Param(box(rngs.params(), (128, 48), dtype)))
+
+    mesh = mesh8()
+    with jax.set_mesh(mesh):
+        whole, tiled = whole_and_tiled(lambda: meshinit.nnx.init(lambda: Model(nnx.Rngs(3))))
+        jitted = nnx.jit(lambda: Model(nnx.Rngs(3)))()
+    for name, _, _ in KINDS:
+        got = getattr(tiled, name)[...]
+        same_bits(got, getattr(whole, name)[...], name)
+        same_bits(got, getattr(jitted, name)[...], f"{name} against nnx.jit")
+    tiled_names = len(tiled_calls)
+    assert sum(can for _, _, can in KINDS) - 3 <= tiled_names <= sum(c for _, _, c in KINDS), (
+        "every random initializer but orthogonal is tiled (zeros, ones and constants are "
+        "made on the host)"
+    )
+
+
+def test_a_stack_of_layers_made_with_a_batch_of_keys_is_tiled_within_each_key(tiled_calls):
+    """``nnx.vmap`` over split keys draws a batch of keys at once: each tile lies within
+    one key's layer, its counters that layer's."""
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            kernel = nnx.with_partitioning(init.lecun_normal(), (None, "tensor"))
+            self.w = nnx.Param(kernel(rngs.params(), (64, 48)))
+
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stack(rngs):
+        return Layer(rngs)
+
+    with jax.set_mesh(mesh8()):
+        whole, tiled = whole_and_tiled(lambda: meshinit.nnx.init(lambda: stack(nnx.Rngs(0))))
+        jitted = nnx.jit(lambda: stack(nnx.Rngs(0)))()
+    same_bits(tiled.w[...], whole.w[...], "w")
+    same_bits(tiled.w[...], jitted.w[...], "w against nnx.jit")
+    (t,) = tiled_calls
+    assert t.axis >= 1 and t.tile[0] == 1, "a tile spans several layers' keys"
+
+
+def test_the_last_tile_of_rows_that_do_not_divide_is_moved_back_not_left_out(tiled_calls):
+    mesh = mesh8()
+    spec = meshinit.param((8 * 37, 16), init.normal(1.0), axes=("fsdp", None), mesh=mesh)
+    plan = meshinit.plan({"w": spec})
+    whole, tiled = whole_and_tiled(lambda: meshinit.materialize(plan, 1))
+    same_bits(tiled["w"], whole["w"], "w")
+    (t,) = tiled_calls
+    assert t.local == (148, 16) and 148 % t.tile[0] != 0, t
+
+
+def test_what_is_not_elementwise_after_the_bits_is_made_whole(tiled_calls):
+    """A reshape of the bits, a normalization by a reduction, a matmul: every element
+    depends on more than its own index, so the array is made whole, and exactly."""
+    mesh = mesh8()
+
+    def reshaped(key, shape, dtype):
+        return jax.random.normal(key, (shape[0] * shape[1],), dtype).reshape(shape)
+
+    def normalized(key, shape, dtype):
+        x = jax.random.normal(key, shape, dtype)
+        return x / jnp.linalg.norm(x, axis=0, keepdims=True)
+
+    def product(key, shape, dtype):
+        a, b = jax.random.split(key)
+        return jax.random.normal(a, (shape[0], 8), dtype) @ jax.random.normal(b, (8, shape[1]))
+
+    specs = {
+        f.__name__: meshinit.param((256, 64), f, axes=("fsdp", "tensor"), mesh=mesh)
+        for f in (reshaped, normalized, product)
+    }
+    plan = meshinit.plan(specs)
+    whole, tiled = whole_and_tiled(lambda: meshinit.materialize(plan, 0))
+    for path in specs:
+        same_bits(tiled[path], whole[path], path)
+    assert tiled_calls == []
+
+
+def _program(fn, *structs):
+    closed = jax.make_jaxpr(fn)(*structs)
+    prog = _jaxpr.flatten(closed)
+    return prog, range(len(prog.nodes)), prog.outputs[0]
+
+
+KEY = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+
+
+def test_tiling_refuses_what_it_cannot_make_exactly():
+    mesh = mesh8()
+    split = NamedSharding(mesh, P("fsdp", "tensor"))
+    normal = _program(lambda k: jax.random.normal(k, (256, 64)), KEY)
+    assert _tiles.tiling(*normal, split, 1024) is not None
+    assert _tiles.tiling(*normal, split, None) is None, "no tile size: whole"
+    assert _tiles.tiling(*normal, split, 1 << 20) is None, "a block within one tile: whole"
+    uneven = _program(lambda k: jax.random.normal(k, (250, 64)), KEY)
+    assert _tiles.tiling(*uneven, split, 1024) is None, "rows that do not divide the mesh"
+    pinned = NamedSharding(mesh, P("fsdp", "tensor"), memory_kind="pinned_host")
+    assert _tiles.tiling(*normal, pinned, 1024) is None, "made outside device memory"
+    rbg = jax.ShapeDtypeStruct((), jax.random.key(0, impl="rbg").dtype)
+    by_rbg = _program(lambda k: jax.random.normal(k, (256, 64)), rbg)
+    assert _tiles.tiling(*by_rbg, split, 1024) is None, "rbg bits are not per element"
+    with jax.threefry_partitionable(False):
+        assert _tiles.tiling(*normal, split, 1024) is None, "counters of the whole shape"
+    with_scan = _program(
+        lambda k: jax.lax.scan(lambda c, _: (c, jax.random.normal(k, (64,))), 0, None, 256)[1],
+        KEY,
+    )
+    assert _tiles.tiling(*with_scan, split, 1024) is None, "made by control flow"
+
+
+def test_the_tile_size_is_in_the_executable_cache_key(tiled_calls):
+    """A program built whole is never reused for tiles, nor the other way round."""
+    mesh = mesh8()
+    plan = meshinit.plan({"w": meshinit.param((256, 64), init.normal(1.0), mesh=mesh)})
+    meshinit.clear_cache()
+    with meshinit.options(tile_bytes=0):
+        meshinit.materialize(plan, 0)
+    with meshinit.options(tile_bytes=TINY_TILES):
+        meshinit.materialize(plan, 0)
+    with meshinit.options(tile_bytes=2 * TINY_TILES):
+        meshinit.materialize(plan, 0)
+    assert [t.tile for t in tiled_calls] == [(32, 64), (64, 64)][: len(tiled_calls)]
+    assert len(tiled_calls) == 2
+
+
+@pytest.mark.parametrize("platform, tiles", [("tpu", True), ("cpu", False), ("gpu", False)])
+def test_platforms_tile_where_compile_time_grows_with_size(platform, tiles):
+    """TPU compiles grow with an array's size and CPU ones do not (benchmarks/README.md,
+    "Tiles"); no GPU was measured, so GPUs keep whole arrays."""
+    for itemsize in (1, 2, 4, 8):
+        assert (_tiles.tile_bytes_for(platform, itemsize) is not None) is tiles
+    assert _tiles.tile_bytes_for(1024, 4) == 1024 and _tiles.tile_bytes_for(0, 4) is None
