@@ -32,15 +32,15 @@ def cold(
     The placement check is ``recipe``'s (:func:`checks.expected`); the value contract
     (``check_values``) is the spec path's, so it is checked for those recipes only.
 
-    With ``cache_dir``, jax's persistent compilation cache is on, in that directory.
+    With ``cache_dir``, jax's persistent compilation cache is on, in that directory,
+    with jax's thresholds at their defaults, as a user configures it: meshinit writes
+    its own programs whatever their compile time.
     """
     import jax
 
     mesh = setup_cpu()
     if cache_dir is not None:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         jax.config.update("jax_enable_compilation_cache", True)
     model = Model.cpu(layers, width)
     recipes.preload(recipe)

@@ -18,6 +18,8 @@ compatibility across releases. No other module of meshinit names a jax internal:
 - **Binding.** :func:`bind` rebinds an equation as jax's own interpreter does.
 - **Key implementations.** :data:`PRNGImpl`, the type of jax's key implementations.
 - **The configuration that changes values** (:func:`value_config`).
+- **The persistent cache's thresholds** (:func:`persist_every_compile`), lowered for
+  meshinit's own compiles only, through jax's thread-local config states.
 - **The tracer-origin hook** (:func:`quiet_origin_messages`), the one patch of a
   private jax attribute, with its reason.
 """
@@ -31,6 +33,7 @@ from typing import Any, cast
 
 import jax
 import numpy as np
+from jax._src import config as _config
 from jax.extend import core
 from jax.extend.core import primitives as _exported
 from jax.extend.random import threefry2x32_p, threefry_prng_impl
@@ -342,6 +345,46 @@ def value_config() -> tuple[Any, ...]:
         bool(cast(Any, jax.config).jax_enable_x64),
         str(cast(Any, jax.config).jax_default_matmul_precision),
     )
+
+
+# ------------------------------------------------- the persistent compilation cache
+
+# jax's thresholds for writing a compiled program to its persistent compilation cache
+# (``jax_compilation_cache_dir``): a program that compiled in less time, or whose entry
+# is smaller, is not written. Both are thread-local config states on jax 0.10 to 0.12
+# (``jax._src.config.float_state`` / ``int_state``): entered as a context manager, the
+# value holds in this thread only, and every other thread (the user's own jits) keeps
+# the global one. None where the installed jax has no such state.
+_MIN_COMPILE_TIME = getattr(_config, "persistent_cache_min_compile_time_secs", None)
+_MIN_ENTRY_SIZE = getattr(_config, "persistent_cache_min_entry_size_bytes", None)
+
+
+def _thread_local(state: Any) -> bool:
+    return state is not None and callable(state) and hasattr(state, "swap_local")
+
+
+PERSIST_EVERY_COMPILE = _thread_local(_MIN_COMPILE_TIME) and _thread_local(_MIN_ENTRY_SIZE)
+"""Whether :func:`persist_every_compile` can lower jax's thresholds for one thread."""
+
+
+@contextlib.contextmanager
+def persist_every_compile() -> Iterator[None]:
+    """In this thread, jax's persistent compilation cache keeps every program compiled
+    inside, whatever its compile time and size; where no cache is configured, nothing
+    changes.
+
+    jax reads both thresholds in the thread that compiles, when it writes the entry:
+    the compile time 0 s (none is shorter), the entry size -1 (jax's "no size limit,
+    and no override": with 0, jax's first cache initialization would replace the
+    global value). Where the installed jax lacks either thread-local state
+    (:data:`PERSIST_EVERY_COMPILE` false), this does nothing, and jax's own thresholds
+    apply: meshinit never sets a global jax option.
+    """
+    if not PERSIST_EVERY_COMPILE:
+        yield
+        return
+    with cast(Any, _MIN_COMPILE_TIME)(0.0), cast(Any, _MIN_ENTRY_SIZE)(-1):
+        yield
 
 
 # ------------------------------------------------------------- tracer messages

@@ -80,6 +80,27 @@ def default_cpu_options() -> dict[str, Any]:
     return {k: v for k, v in known if k not in unknown_options}
 
 
+# jax's persistent compilation cache. Every compile of meshinit's (the spec path, the
+# constructor engine and its fallback, optax's steps) runs in compile_lowered, which
+# lowers jax's thresholds for that compile only (compat.persist_every_compile, in the
+# compiling thread: the user's own jits keep jax's 1 s). So where the user configured
+# the cache (jax_compilation_cache_dir), a restart reads every program back instead of
+# compiling it; where not, or with jax_enable_compilation_cache=False, nothing is
+# written. jax's key is enough for meshinit's values (read in jax 0.10.2's and
+# 0.12.0.1's _src/cache_key.py): it hashes the StableHLO without debug info, which
+# holds everything that value_config() names (partitionable threefry and the key
+# implementation are the random ops themselves, x64 the dtypes, the matmul precision
+# each dot's precision), the constants left in the program, and the out_shardings;
+# the serialized compile options, whose env_option_overrides are the options of
+# compiler_options() (a change of meshinit.options(compiler_options=) is a miss: a
+# test compiles again); jaxlib's version, the platform and its version; the device
+# topology's fingerprint, which on CPU covers the host's target triple, CPU name and
+# features (checked on 0.12.0.1; XLA also refuses to load a CPU executable that uses a
+# feature this host lacks); and XLA_FLAGS, LIBTPU_INIT_ARGS and --xla argv flags, less
+# dump and device-count flags, which change no value. What a program reads at run time
+# (keys, host values, constants jax passes as arguments) is not part of the program, and
+# a program read back reads it afresh.
+
 # Of CPU_COMPILER_OPTIONS, those a compile rejected although meshinit's table of retired
 # options (meshinit._run.options.CPU_OPTIONS_RETIRED_IN) did not expect it: a jaxlib newer
 # than the tested ones.
@@ -88,7 +109,8 @@ _NO_SUCH_OPTION = re.compile(r"No such compile option: '([^']+)'")
 
 
 def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
-    """``lowered.compile`` with the mesh's compiler options (:func:`compiler_options`).
+    """``lowered.compile`` with the mesh's compiler options (:func:`compiler_options`),
+    written to jax's persistent compilation cache whatever its compile time (below).
 
     meshinit passes only the options the installed jaxlib knows
     (:func:`default_cpu_options`). Should a jaxlib newer than the tested ones reject
@@ -101,7 +123,8 @@ def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
     own = _options.current().compiler_options is None
     while True:
         try:
-            return lowered.compile(compiler_options(mesh))
+            with _compat.persist_every_compile():  # in this (compiling) thread only
+                return lowered.compile(compiler_options(mesh))
         except Exception as e:
             found = _NO_SUCH_OPTION.search(str(e))
             name = found and found.group(1)

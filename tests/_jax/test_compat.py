@@ -2,6 +2,7 @@
 
 import pathlib
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -158,3 +159,29 @@ def test_a_retraced_body_keeps_its_literals_weak_types_and_drops_the_trace_mesh(
     assert again.out_avals[0].sharding.mesh.empty
     got = _jaxpr.run(again, [jnp.ones((4,), jnp.bfloat16)], _jaxpr.bind_node)[0]
     assert np.array_equal(np.asarray(got, np.float32), np.full(4, 3.0, np.float32))
+
+
+def test_persist_every_compile_lowers_jax_s_thresholds_in_its_own_thread_only():
+    assert _compat.PERSIST_EVERY_COMPILE, (
+        f"jax {jax.__version__} has no thread-local persistent-cache thresholds: meshinit's "
+        "programs are no longer written to the persistent cache whatever their compile time"
+    )
+    times = jax.config.jax_persistent_cache_min_compile_time_secs
+    sizes = jax.config.jax_persistent_cache_min_entry_size_bytes
+    inside, elsewhere = threading.Event(), {}
+
+    def other_thread():  # the user's own jits, compiling while meshinit compiles
+        inside.wait(10)
+        elsewhere["time"] = jax.config.jax_persistent_cache_min_compile_time_secs
+        elsewhere["size"] = jax.config.jax_persistent_cache_min_entry_size_bytes
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with _compat.persist_every_compile():
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+        assert jax.config.jax_persistent_cache_min_entry_size_bytes == -1
+        inside.set()
+        thread.join(10)
+    assert elsewhere == {"time": times, "size": sizes}, "the override reached another thread"
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == times
+    assert jax.config.jax_persistent_cache_min_entry_size_bytes == sizes

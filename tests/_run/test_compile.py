@@ -1,5 +1,8 @@
-"""meshinit's own XLA options on CPU: only those the installed jaxlib knows, and quietly."""
+"""Compiling meshinit's programs: its own XLA options on CPU (only those the installed jaxlib
+knows, and quietly), parallel compiles, and jax's persistent compilation cache (every
+program written where one is configured, read back by a restarted process)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from helpers import (
     flat_values,
     lecun,
     reference,
+    run_python,
     submesh,
     two_stage_plan,
 )
@@ -295,3 +299,201 @@ def test_an_option_the_caller_names_is_never_dropped():
     ):
         meshinit.materialize(plan, 0)
     assert "xla_meshinit_no_such_option" not in _compile.unknown_options
+
+
+# ------------------------------------------------- jax's persistent compilation cache
+
+# One process of the restart tests: argv[1] the cache directory ("" for none; "off:DIR"
+# for DIR with jax_enable_compilation_cache=False), then the parts to run, in order.
+# It prints one RESULT line: per part, XLA compile requests, persistent-cache hits and
+# writes, the new cache entries and a digest of the values it made.
+RESTART = textwrap.dedent(
+    """
+    import collections, hashlib, json, os, sys
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    where = sys.argv[1]
+    if where.startswith("off:"):
+        jax.config.update("jax_enable_compilation_cache", False)
+        where = where[4:]
+    if where:
+        jax.config.update("jax_compilation_cache_dir", where)
+    import jax.numpy as jnp
+    import numpy as np
+    import meshinit
+    from flax import linen as nn
+    from flax import nnx
+
+    events = collections.Counter()
+    jax.monitoring.register_event_listener(lambda e, **k: events.update([e]))
+    jax.monitoring.register_event_duration_secs_listener(lambda e, d, **k: events.update([e]))
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    stage = jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=jax.devices()[4:])
+    lecun = jax.nn.initializers.lecun_normal()
+    key = jax.random.key(0)  # the user's own eager compiles, before any part counts
+
+    def spec_path():  # two mesh groups: their programs compile in meshinit's threads
+        def layer(m):
+            return {
+                "w": meshinit.param((16, 32), lecun, axes=("fsdp", "tensor"), mesh=m),
+                "b": meshinit.param((32,), jax.nn.initializers.zeros, axes=("tensor",), mesh=m),
+            }
+        out = meshinit.materialize(meshinit.plan({"a": layer(mesh), "s": layer(stage)}), 0)
+        return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(out)}
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            part = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", "tensor"))
+            self.up = nnx.Linear(16, 32, kernel_init=part, rngs=rngs)
+            self.norm = nnx.LayerNorm(32, rngs=rngs)
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([Block(rngs) for _ in range(2)])
+
+    def nnx_init():
+        with jax.set_mesh(mesh):
+            model = meshinit.nnx.init(lambda: Stack(nnx.Rngs(0)))
+        return {str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            part = nn.with_partitioning(nn.initializers.lecun_normal(), ("fsdp", "tensor"))
+            return nn.Dense(16, kernel_init=part)(nn.Dense(32, kernel_init=part)(x))
+
+    def linen_init():
+        x = np.ones((2, 16), np.float32)
+        out = meshinit.linen.init(Mlp(), key, x, mesh=mesh, default="replicated")
+        return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(out)}
+
+    def other_options():  # the spec path again, with other XLA options
+        with meshinit.options(compiler_options={"xla_backend_optimization_level": 2}):
+            return spec_path()
+
+    def user_jit():  # the user's own jit of a program compiled in far under 1 s
+        return {"y": jax.jit(lambda x: x * 3 + 1)(np.ones(4, np.float32))}
+
+    parts = dict(spec=spec_path, nnx=nnx_init, linen=linen_init, options=other_options,
+                 user=user_jit)
+    entries = lambda: set(os.listdir(where)) if where and os.path.isdir(where) else set()
+    result = {}
+    for name in sys.argv[2:]:
+        before, had = dict(events), entries()
+        values = parts[name]()
+        digest = hashlib.sha256()
+        for path in sorted(values):
+            a = np.asarray(values[path])
+            digest.update(f"{path} {a.dtype} {a.shape}".encode() + a.tobytes())
+        new = lambda e: events[e] - before.get(e, 0)
+        result[name] = {
+            "compiles": new("/jax/core/compile/backend_compile_duration"),
+            "hits": new("/jax/compilation_cache/cache_hits"),
+            "writes": new("/jax/compilation_cache/cache_misses"),
+            "entries": len(entries() - had),
+            "digest": digest.hexdigest(),
+        }
+    print("RESULT", json.dumps(result))
+    """
+)
+
+
+def restart(cache: str, *parts: str) -> dict:
+    """:data:`RESTART` in a fresh process, in an environment that configures no cache."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    done = run_python("-c", RESTART, cache, *parts, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, done.stdout + done.stderr[-4000:]
+    return json.loads(line[-1][len("RESULT ") :])
+
+
+INITS = ("spec", "nnx", "linen")
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """Two processes on one cache directory: the first fills it, the second restarts."""
+    cache = str(tmp_path_factory.mktemp("jax-cache"))
+    first = restart(cache, *INITS, "user")
+    second = restart(cache, *INITS, "options")
+    return first, second
+
+
+@pytest.mark.parametrize("part", INITS)
+def test_a_restarted_process_reads_every_program_back_and_makes_the_same_bits(restarted, part):
+    first, second = restarted
+    made, again = first[part], second[part]
+    assert made["compiles"] > 0 and made["hits"] == 0
+    assert made["writes"] == made["compiles"] == made["entries"], (
+        f"{part}: the first process compiled {made['compiles']} programs (each in far under "
+        f"jax's 1 s threshold) but wrote {made['writes']} to the persistent cache"
+    )
+    assert again["hits"] == again["compiles"] == made["compiles"], (
+        f"{part}: the restart compiled {again['compiles'] - again['hits']} of "
+        f"{again['compiles']} programs instead of reading them from the cache"
+    )
+    assert again["writes"] == 0 and again["entries"] == 0
+    assert again["digest"] == made["digest"], f"{part}: the restart made other values"
+
+
+def test_the_user_s_own_jit_keeps_jax_s_threshold(restarted):
+    first, _ = restarted
+    assert first["user"]["compiles"] >= 1
+    assert first["user"]["writes"] == first["user"]["entries"] == 0, (
+        "a sub-second program of the user's own was written to the persistent cache: "
+        "meshinit's lower thresholds leaked out of its own compiles"
+    )
+
+
+def test_other_compiler_options_miss_the_cache(restarted):
+    first, second = restarted
+    other = second["options"]
+    assert other["hits"] == 0, "a program compiled with other XLA options was read back"
+    assert other["compiles"] == other["writes"] == first["spec"]["compiles"]
+
+
+@pytest.mark.parametrize("cache", ["", "off"])
+def test_without_a_configured_cache_nothing_is_written(tmp_path, cache):
+    where = "" if cache == "" else f"off:{tmp_path}"
+    made = restart(where, "spec", "nnx")
+    for part in ("spec", "nnx"):
+        assert made[part]["compiles"] > 0
+        assert made[part]["hits"] == made[part]["writes"] == made[part]["entries"] == 0
+    assert list(tmp_path.iterdir()) == [], "jax_enable_compilation_cache=False was ignored"
+
+
+@pytest.mark.parametrize(
+    "flag, other",
+    [
+        ("jax_threefry_partitionable", None),  # None: the flag's other boolean
+        ("jax_default_prng_impl", "rbg"),
+        ("jax_enable_x64", None),
+        ("jax_default_matmul_precision", "highest"),
+    ],
+)
+def test_every_flag_that_changes_values_changes_the_program_jax_s_cache_key_hashes(flag, other):
+    # jax's persistent cache keys a program on its StableHLO (less debug info), so a
+    # flag of value_config() that left the program as it is would let a restart read
+    # back bits made under the other setting.
+    mesh = cpu_mesh()
+
+    def program(key, x):
+        return jax.random.normal(key, (8, 8)) + x @ x * 0.5
+
+    def text():  # the key as jax.random.key makes it under the current settings
+        args = (jax.random.key_data(jax.random.key(0)), np.ones((8, 8), np.float32))
+        lowered = _compile.lower(
+            mesh, lambda k, x: program(jax.random.wrap_key_data(k), x), None, args
+        )
+        return lowered.as_text()
+
+    before, value = text(), getattr(jax.config, flag)
+    try:
+        jax.config.update(flag, (not value) if other is None else other)
+        after = text()
+    finally:
+        jax.config.update(flag, value)
+    assert after != before, f"{flag} changes values but not the compiled program"
