@@ -117,7 +117,7 @@ def test_every_initializer_tiled_gives_nnx_jits_bits_engine(dtype, tiled_calls):
         def __init__(self, rngs):
             for name, fn, _ in KINDS:
                 box = nnx.with_partitioning(fn, ("fsdp", "tensor"))
-                setattr(self, name, nnx.Param(box(rngs.params(), (128, 48), dtype)))
+                setattr(self, name, nnx.Param(box(rngs.params(), (256, 96), dtype)))
 
     mesh = mesh8()
     with jax.set_mesh(mesh):
