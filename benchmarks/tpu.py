@@ -1,0 +1,231 @@
+"""issue 51's table on one TPU: cold init by meshinit and by the frameworks' own recipes,
+each recipe in a fresh process, and the restart, the bits, the load and the compile per
+program that its goals name.
+
+The model: the Llama-3-8B-shaped stack in bf16 (d=4096, ffn=14336, vocab=128256, 32
+query and 8 kv heads of 128) at ``--layers`` layers (16: 9.08 GB), on the mesh (fsdp=1,
+tensor=1) of one chip (``--mesh``). Parts (``--parts``, all by default):
+
+- ``cold``: one fresh process per recipe: the spec path (``meshinit.plan`` +
+  ``materialize``), ``meshinit.nnx.init`` and ``meshinit.linen.init`` of unchanged
+  Modules, the fused ``jax.jit(out_shardings=...)``, ``nnx.jit`` of the constructor,
+  ``jax.jit(model.init, out_shardings=...)`` (linen) and eager nnx. Cold: from after the
+  backend's start until every array is ready. Compile: XLA's backend compile time summed
+  over threads, the number of programs, the slowest one (``harness.CompileClock``). Warm
+  re-init (new key, best of ``--repeats``) for the spec path and the fused jit. Every
+  array's placement is checked (``checks.placement_problems``).
+- ``restart``: jax's persistent compilation cache in a temporary folder; one process
+  fills it (spec path, ``meshinit.nnx.init``, ``meshinit.linen.init``), then a fresh
+  process per recipe is timed, with what it compiled (the goal: nothing). jax's own
+  threshold of compile time is kept unless ``--cache-threshold-zero``.
+- ``bits``: at ``--bits-layers`` layers of the same width, in f32 and bf16:
+  ``meshinit.nnx.init`` against ``nnx.jit`` and eager nnx, ``meshinit.linen.init``
+  against ``jax.jit(model.init)``: elements that differ, and the largest distance in ulp.
+- ``load``: ``--load-mib`` of bf16 safetensors (written once to a temporary folder, page
+  cache warm) into device memory: ``meshinit.safetensors.load`` against
+  ``jax.device_put`` of each memory-mapped tensor, ``safe_open`` (numpy) then
+  ``device_put``, and orbax v1's safetensors layout where orbax is importable.
+- ``depth``: meshinit's three recipes at ``--depth-layers`` layers: the slowest
+  program's compile time there and at ``--layers`` (the goal: at most 2 s at both).
+
+What a bare TPU machine needs on ``PYTHONPATH``: this checkout's root (``models.py``
+puts it first on ``sys.path`` itself), and the packages ``import meshinit`` (jax,
+numpy), ``meshinit.nnx`` and ``meshinit.linen`` (flax, with its optax, msgpack, rich,
+treescope, pyyaml and etils), and ``meshinit.safetensors``'s load (safetensors) import;
+orbax-checkpoint only for its anchor, tqdm only if a progress bar is shown. Nothing
+here imports equinox or opens a socket.
+
+Run: python benchmarks/tpu.py [--layers 16] [--parts cold restart bits load depth]
+         [--json results.json] [--cache-threshold-zero] [--timeout 400]
+     python benchmarks/tpu.py --merge a.json b.json   # one table from several runs
+     python benchmarks/tpu.py --cpu-check   # all parts on CPU, tiny model; asserts
+
+A device call may be shorter than a whole run at 16 layers: run the parts in two calls
+with ``--json`` each, then ``--merge``. Without a TPU (and without ``--cpu-check``) it
+prints a message and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import tpu_cases
+import tpu_report
+from harness import run_child
+
+HERE = Path(__file__).resolve().parent
+PARTS = ("cold", "restart", "bits", "load", "depth")
+MESHINIT_ROWS = ("meshinit", "meshinit.nnx", "meshinit.linen")
+
+
+def child(name: str, args: argparse.Namespace, **kwargs: Any) -> dict:
+    """``tpu_cases.CHILDREN[name](**kwargs)`` in a fresh process (this script with
+    ``--child``), with ``--timeout``; ``{"error": ...}`` if it fails."""
+    command = [sys.executable, str(HERE / "tpu.py"), "--child", name, json.dumps(kwargs)]
+    start = time.perf_counter()
+    result = run_child(command, args.timeout)
+    result["process_s"] = time.perf_counter() - start  # start-up and imports included
+    return result
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def measure(args: argparse.Namespace, env: dict) -> dict:
+    """Every part of ``args.parts``, each process in turn; the results by part."""
+    base = {"cpu_check": args.cpu_check, "mesh": args.mesh}
+    results: dict[str, Any] = {"env": env, "layers": args.layers, "mesh": args.mesh}
+    results["cache_threshold_zero"] = args.cache_threshold_zero
+    if "cold" in args.parts:
+        results["cold"] = {}
+        for recipe in tpu_cases.ROWS:
+            log(f"cold: {recipe} at {args.layers} layers ...")
+            results["cold"][recipe] = child(
+                "cold", args, recipe=recipe, layers=args.layers, repeats=args.repeats, **base
+            )
+    if "restart" in args.parts:
+        log("restart: filling jax's persistent cache, then a fresh process per recipe ...")
+        cached = {**base, "layers": args.layers, "threshold_zero": args.cache_threshold_zero}
+        with tempfile.TemporaryDirectory(prefix="meshinit-tpu-cache-") as folder:
+            results["restart"] = {
+                "fill": child("fill", args, names=list(MESHINIT_ROWS), cache_dir=folder, **cached)
+            }
+            for recipe in MESHINIT_ROWS:
+                results["restart"][recipe] = child(
+                    "cold", args, recipe=recipe, cache_dir=folder, **cached
+                )
+    if "bits" in args.parts:
+        log(f"bits: meshinit against the jitted recipes and eager at {args.bits_layers} layers ...")
+        results["bits"] = child(
+            "bits", args, layers=args.bits_layers, dtypes=args.bits_dtypes, **base
+        )
+    if "load" in args.parts:
+        log(f"load: {args.load_mib} MiB of bf16 safetensors ...")
+        with tempfile.TemporaryDirectory(prefix="meshinit-tpu-load-") as folder:
+            tpu_cases.write_checkpoint(Path(folder), args.load_mib)
+            results["load"] = child(
+                "load", args, directory=folder, mib=args.load_mib, repeats=args.repeats, **base
+            )
+    if "depth" in args.parts and args.depth_layers:
+        results["depth"] = {"layers": args.depth_layers}
+        for recipe in MESHINIT_ROWS:
+            log(f"depth: {recipe} at {args.depth_layers} layers ...")
+            results["depth"][recipe] = child(
+                "cold", args, recipe=recipe, layers=args.depth_layers, **base
+            )
+    return results
+
+
+def failures(results: dict, cpu_check: bool) -> list[str]:
+    """What did not hold: a process that failed, a placement that is not exact, a
+    re-init or a restart that compiled, and (in ``--cpu-check``, or on any platform
+    where it is stated) meshinit's values against the jitted recipes'."""
+    found = []
+
+    def ran(where: str, r: dict) -> bool:
+        if "error" in r:
+            found.append(f"{where}: {r['error']}")
+            return False
+        if r.get("problems"):
+            found.append(f"{where}: placements not exact: {r['problems']}")
+        return True
+
+    for recipe, r in results.get("cold", {}).items():
+        if ran(f"cold {recipe}", r) and r.get("warm_compiles"):
+            found.append(f"cold {recipe}: the warm re-init compiled {r['warm_compiles']} programs")
+    for recipe, r in results.get("restart", {}).items():
+        if recipe == "fill":
+            if "error" in r:
+                found.append(f"restart, filling the cache: {r['error']}")
+        elif ran(f"restart {recipe}", r) and r["compiles"]:
+            hint = "" if results.get("cache_threshold_zero") else " (--cache-threshold-zero?)"
+            found.append(f"restart {recipe}: compiled {r['compiles']} programs{hint}")
+    for recipe, r in results.get("depth", {}).items():
+        if recipe != "layers":
+            ran(f"depth {recipe}", r)
+    if "bits" in results and ran("bits", results["bits"]):
+        for name, d in results["bits"].items():
+            if isinstance(d, dict) and "eager" not in name and d["differ"]:
+                found.append(
+                    f"bits {name}: {d['differ']} elements differ, up to {d['max_ulp']} ulp"
+                )
+    if "load" in results and ran("load", results["load"]):
+        for name in ("meshinit", "device_put", "safe_open"):
+            if "error" in results["load"][name]:
+                found.append(f"load {name}: {results['load'][name]['error']}")
+        if results["load"]["meshinit_vs_device_put"]["differ"]:
+            found.append("load: meshinit's arrays differ from device_put's")
+    if cpu_check:
+        parts = [p for p in PARTS if p not in results]
+        found += [f"part {p} did not run" for p in parts]
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--layers", type=int, default=None, help="depth of the table (16; CPU 1)")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--mesh", type=int, nargs=2, default=None, help="fsdp tensor (1 1; CPU 2 4)")
+    ap.add_argument("--repeats", type=int, default=3, help="warm re-inits and loads (best of)")
+    ap.add_argument("--bits-layers", type=int, default=1, help="depth of the bits' model")
+    ap.add_argument("--depth-layers", type=int, default=None, help="(4; CPU 2); 0 skips")
+    ap.add_argument("--bits-dtypes", nargs="+", choices=tpu_cases.DTYPES, default=None,
+                    help="(float32 bfloat16; CPU float32)")  # fmt: skip
+    ap.add_argument("--load-mib", type=int, default=None, help="checkpoint size (2048; CPU 2)")
+    ap.add_argument("--cache-threshold-zero", action="store_true",
+                    help="restart: jax_persistent_cache_min_compile_time_secs=0")  # fmt: skip
+    ap.add_argument("--timeout", type=float, default=400, help="seconds per process")
+    ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--merge", nargs="+", help="print one table from these --json files")
+    ap.add_argument("--cpu-check", action="store_true", help="tiny model on CPU; asserts")
+    ap.add_argument("--child", nargs=2, metavar=("NAME", "JSON"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        name, kwargs = args.child
+        print("RESULT " + json.dumps(tpu_cases.CHILDREN[name](**json.loads(kwargs))), flush=True)
+        return 0
+    if args.merge:
+        results: dict[str, Any] = {}
+        for path in args.merge:
+            results.update(json.loads(Path(path).read_text()))
+        print(tpu_report.report(results))
+        for line in failures(results, cpu_check=False):
+            print(f"FAILED: {line}")
+        return 0
+    cpu = args.cpu_check
+    args.layers = args.layers or (1 if cpu else 16)
+    args.mesh = args.mesh or ([2, 4] if cpu else [1, 1])
+    args.depth_layers = (2 if cpu else 4) if args.depth_layers is None else args.depth_layers
+    args.bits_dtypes = args.bits_dtypes or (["float32"] if cpu else list(tpu_cases.DTYPES))
+    args.load_mib = args.load_mib or (2 if cpu else 2048)
+    # The parent never starts a TPU itself: the chip serves one process at a time.
+    env = tpu_cases.probe(True) if cpu else child("probe", args, cpu_check=False)
+    if "error" in env:
+        print(f"could not start jax: {env['error']}")
+        return 1
+    if env["platform"] != "tpu" and not cpu:
+        print(f"no TPU: jax.devices()[0].platform is {env['platform']!r}; nothing measured.")
+        return 0
+    start = time.perf_counter()
+    results = measure(args, env)
+    results["wall_s"] = time.perf_counter() - start
+    print(tpu_report.report(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    found = failures(results, cpu)
+    for line in found:
+        print(f"FAILED: {line}")
+    print(f"(the whole measurement took {results['wall_s']:.0f} s)")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
