@@ -35,23 +35,30 @@ treescope, pyyaml and etils), and ``meshinit.safetensors``'s load (safetensors) 
 orbax-checkpoint only for its anchor, tqdm only if a progress bar is shown. Nothing
 here imports equinox or opens a socket.
 
+Each part's processes run one at a time (``--jobs``, 2 with ``--cpu-check``; a TPU
+serves one process). The parent never starts the TPU itself.
+
 Run: python benchmarks/tpu.py [--layers 16] [--parts cold restart bits load depth]
          [--json results.json] [--cache-threshold-zero] [--timeout 400]
-     python benchmarks/tpu.py --merge a.json b.json   # one table from several runs
-     python benchmarks/tpu.py --cpu-check   # all parts on CPU, tiny model; asserts
+     python benchmarks/tpu.py --parts cold --json a.json     # a whole run at 16 layers
+     python benchmarks/tpu.py --parts restart bits load depth --json b.json  # is ~12 min:
+     python benchmarks/tpu.py --merge a.json b.json          # two device calls, one table
+     python benchmarks/tpu.py --cpu-check   # every part on CPU, tiny model; asserts
 
-A device call may be shorter than a whole run at 16 layers: run the parts in two calls
-with ``--json`` each, then ``--merge``. Without a TPU (and without ``--cpu-check``) it
-prints a message and exits with status 0.
+It exits 1 if a process failed, a placement was not exact, a re-init or a restart
+compiled, or meshinit's values differ from the jitted recipe's. Without a TPU (and
+without ``--cpu-check``) it prints a message and exits with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -79,48 +86,53 @@ def log(message: str) -> None:
 
 
 def measure(args: argparse.Namespace, env: dict) -> dict:
-    """Every part of ``args.parts``, each process in turn; the results by part."""
+    """Every part of ``args.parts``: its processes, ``args.jobs`` at a time (the restart's
+    after the process that fills the cache); the results by part."""
     base = {"cpu_check": args.cpu_check, "mesh": args.mesh}
     results: dict[str, Any] = {"env": env, "layers": args.layers, "mesh": args.mesh}
     results["cache_threshold_zero"] = args.cache_threshold_zero
-    if "cold" in args.parts:
-        results["cold"] = {}
-        for recipe in tpu_cases.ROWS:
-            log(f"cold: {recipe} at {args.layers} layers ...")
-            results["cold"][recipe] = child(
-                "cold", args, recipe=recipe, layers=args.layers, repeats=args.repeats, **base
-            )
-    if "restart" in args.parts:
-        log("restart: filling jax's persistent cache, then a fresh process per recipe ...")
-        cached = {**base, "layers": args.layers, "threshold_zero": args.cache_threshold_zero}
-        with tempfile.TemporaryDirectory(prefix="meshinit-tpu-cache-") as folder:
-            results["restart"] = {
-                "fill": child("fill", args, names=list(MESHINIT_ROWS), cache_dir=folder, **cached)
-            }
-            for recipe in MESHINIT_ROWS:
-                results["restart"][recipe] = child(
-                    "cold", args, recipe=recipe, cache_dir=folder, **cached
-                )
-    if "bits" in args.parts:
-        log(f"bits: meshinit against the jitted recipes and eager at {args.bits_layers} layers ...")
-        results["bits"] = child(
-            "bits", args, layers=args.bits_layers, dtypes=args.bits_dtypes, **base
-        )
-    if "load" in args.parts:
-        log(f"load: {args.load_mib} MiB of bf16 safetensors ...")
-        with tempfile.TemporaryDirectory(prefix="meshinit-tpu-load-") as folder:
+    parts = set(args.parts) - ({"depth"} if not args.depth_layers else set())
+    # (part, row, what the process runs, its arguments); the second list waits for the first
+    first: list[tuple[str, str, str, dict]] = []
+    then: list[tuple[str, str, str, dict]] = []
+    with contextlib.ExitStack() as folders:
+        if "cold" in parts:
+            cold = {**base, "layers": args.layers, "repeats": args.repeats}
+            first += [("cold", r, "cold", {**cold, "recipe": r}) for r in tpu_cases.ROWS]
+        if "restart" in parts:
+            cache = folders.enter_context(tempfile.TemporaryDirectory(prefix="meshinit-cache-"))
+            cached = {**base, "layers": args.layers, "cache_dir": cache}
+            cached["threshold_zero"] = args.cache_threshold_zero
+            first.append(("restart", "fill", "fill", {**cached, "names": list(MESHINIT_ROWS)}))
+            then += [("restart", r, "cold", {**cached, "recipe": r}) for r in MESHINIT_ROWS]
+        if "bits" in parts:
+            bits = {**base, "layers": args.bits_layers, "dtypes": args.bits_dtypes}
+            first.append(("bits", "", "bits", bits))
+        if "load" in parts:
+            folder = folders.enter_context(tempfile.TemporaryDirectory(prefix="meshinit-load-"))
+            log(f"writing {args.load_mib} MiB of bf16 safetensors ...")
             tpu_cases.write_checkpoint(Path(folder), args.load_mib)
-            results["load"] = child(
-                "load", args, directory=folder, mib=args.load_mib, repeats=args.repeats, **base
-            )
-    if "depth" in args.parts and args.depth_layers:
-        results["depth"] = {"layers": args.depth_layers}
-        for recipe in MESHINIT_ROWS:
-            log(f"depth: {recipe} at {args.depth_layers} layers ...")
-            results["depth"][recipe] = child(
-                "cold", args, recipe=recipe, layers=args.depth_layers, **base
-            )
+            load = {**base, "directory": folder, "mib": args.load_mib, "repeats": args.repeats}
+            first.append(("load", "", "load", load))
+        if "depth" in parts:
+            results["depth"] = {"layers": args.depth_layers}
+            depth = {**base, "layers": args.depth_layers}
+            first += [("depth", r, "cold", {**depth, "recipe": r}) for r in MESHINIT_ROWS]
+        for tasks in (first, then):
+            with ThreadPoolExecutor(args.jobs) as pool:
+                done = pool.map(lambda task: _run(task, args), tasks)
+                for (part, row, _, _), result in zip(tasks, done, strict=True):
+                    if row:
+                        results.setdefault(part, {})[row] = result
+                    else:
+                        results[part] = result
     return results
+
+
+def _run(task: tuple[str, str, str, dict], args: argparse.Namespace) -> dict:
+    part, row, name, kwargs = task
+    log(f"{part}: {row or name} ({kwargs.get('layers', '')} layers) ...")
+    return child(name, args, **kwargs)
 
 
 def failures(results: dict, cpu_check: bool) -> list[str]:
@@ -181,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-mib", type=int, default=None, help="checkpoint size (2048; CPU 2)")
     ap.add_argument("--cache-threshold-zero", action="store_true",
                     help="restart: jax_persistent_cache_min_compile_time_secs=0")  # fmt: skip
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes at once (1; CPU 2): a TPU serves one process")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=400, help="seconds per process")
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--merge", nargs="+", help="print one table from these --json files")
@@ -214,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     if env["platform"] != "tpu" and not cpu:
         print(f"no TPU: jax.devices()[0].platform is {env['platform']!r}; nothing measured.")
         return 0
+    args.jobs = args.jobs or (2 if cpu else 1)
+    if args.jobs > 1 and env["platform"] == "tpu":
+        print(f"--jobs {args.jobs}: a TPU chip serves one process at a time; use --jobs 1")
+        return 2
     start = time.perf_counter()
     results = measure(args, env)
     results["wall_s"] = time.perf_counter() - start

@@ -125,6 +125,45 @@ def test_gpu_script_code_path_runs_on_cpu_and_places_exactly():
     assert "NOT exact" not in r.stdout
 
 
+def test_tpu_script_exits_cleanly_without_a_tpu():
+    r = run_script("tpu.py", timeout=300)
+    assert "no TPU: jax.devices()[0].platform is 'cpu'; nothing measured." in r.stdout
+
+
+@pytest.mark.slow
+def test_tpu_script_code_path_runs_every_part_on_cpu(tmp_path):
+    # The TPU table's own code (every recipe in its fresh process, the restart from
+    # jax's persistent cache, the bits, the load, the second depth) on 8 simulated CPU
+    # devices with a tiny model: a TPU run only swaps the model, the mesh and the device.
+    raw = tmp_path / "tpu.json"
+    r = run_script("tpu.py", "--cpu-check", "--cache-threshold-zero", "--json", str(raw))
+    found = json.loads(raw.read_text())
+    rows = ("meshinit", "meshinit.nnx", "meshinit.linen", "jax.jit", "nnx.jit", "linen.jit")
+    assert set(found["cold"]) == {*rows, "eager-nnx"}
+    for recipe, row in found["cold"].items():
+        assert "error" not in row and row["problems"] == [], (recipe, row)
+        assert row["compiles"] >= 1 and row["slowest_s"] <= row["compile_s"], (recipe, row)
+    assert found["cold"]["meshinit"]["warm_compiles"] == 0  # a re-init compiles nothing
+    assert found["cold"]["jax.jit"]["warm_s"] > 0
+    for recipe in ("meshinit", "meshinit.nnx", "meshinit.linen"):
+        restart = found["restart"][recipe]
+        assert restart["problems"] == [] and restart["compiles"] == 0, (recipe, restart)
+        assert restart["cache_hits"] >= 1, restart  # read from the cache, not skipped
+        assert "error" not in found["depth"][recipe], found["depth"][recipe]
+    bits = found["bits"]
+    assert bits["float32 meshinit.nnx vs nnx.jit"]["differ"] == 0, bits
+    assert bits["float32 meshinit.linen vs linen.jit"]["differ"] == 0, bits
+    assert bits["float32 meshinit.nnx vs eager-nnx"]["elements"] > 0, bits
+    load = found["load"]
+    assert load["meshinit_vs_device_put"]["differ"] == 0 and load["problems"] == [], load
+    assert load["meshinit"]["best_s"] > 0 and load["device_put"]["best_s"] > 0, load
+    assert "| `meshinit.nnx.init` | " in r.stdout and "| eager nnx | " in r.stdout, r.stdout
+    assert "FAILED" not in r.stdout, r.stdout
+    # the tables come back from the numbers alone, as when two device calls are merged
+    merged = run_script("tpu.py", "--merge", str(raw))
+    assert merged.stdout.strip() in r.stdout, merged.stdout
+
+
 def test_header_check_script_times_meshinit_against_the_package(tmp_path):
     out = tmp_path / "header.json"
     args = ("--entries", "3000", "--rounds", "1", "--json", str(out))
