@@ -13,6 +13,7 @@ starts a clock. Only meshinit's public API is used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
@@ -137,23 +138,23 @@ def cold(
     mesh_ = setup(cpu_check, mesh, cache_dir, threshold_zero)
     model = model_for(cpu_check, layers)
     recipes.preload(recipe)
+    iter_keys = iter(jax.block_until_ready([jax.random.key(s) for s in range(1, repeats + 1)]))
+    seeds = iter(range(1, repeats + 1))
     clock = CompileClock()
-    again = None
     start = time.perf_counter()
     if recipe == "meshinit":
         import meshinit
 
         plan = meshinit.plan(recipes.meshinit_specs(model, mesh_))
         out = meshinit.materialize(plan, 0)
-        seeds = iter(range(1, repeats + 1))
         again = lambda: meshinit.materialize(plan, next(seeds))  # noqa: E731
     elif recipe == "jax.jit":
         fused = recipes.fused_jit(model, mesh_)
         out = fused(jax.random.key(0))
-        keys = iter([jax.random.key(seed) for seed in range(1, repeats + 1)])
-        again = lambda: fused(next(keys))  # noqa: E731
+        again = lambda: fused(next(iter_keys))  # noqa: E731
     else:
         out = recipes.run(recipe, model, mesh_)
+        again = None
     result = _timed(clock, start, out)
     result["problems"] = checks.placement_problems(model, mesh_, out, recipe=recipe)
     result["nbytes"] = model.nbytes
@@ -196,9 +197,10 @@ def fill(
     return found
 
 
-def differences(a: Any, b: Any) -> dict:
-    """Elements of two trees of arrays, how many differ, and the largest distance in
-    units in the last place (ulp), computed on the devices."""
+@functools.cache
+def _comparer() -> Any:
+    """One jitted comparison of two arrays (compiled once per shape and dtype): how many
+    elements differ, and the largest distance in ulp."""
     import jax
     import jax.numpy as jnp
 
@@ -209,15 +211,22 @@ def differences(a: Any, b: Any) -> dict:
         magnitude = bits & (0x7FFFFFFF if wide else 0x7FFF)
         return jnp.where(bits < 0, -magnitude, magnitude)
 
-    @jax.jit
     def compare(x: Any, y: Any) -> Any:
         ox, oy = (jax.lax.bitcast_convert_type(ordered(v), jnp.uint32) for v in (x, y))
         distance = jnp.where(ordered(x) >= ordered(y), ox - oy, oy - ox)  # exact in uint32
         return jnp.sum(x != y, dtype=jnp.int32), jnp.max(distance)
 
+    return jax.jit(compare)
+
+
+def differences(a: Any, b: Any) -> dict:
+    """Elements of two trees of arrays, how many differ, and the largest distance in
+    units in the last place (ulp), computed on the devices."""
+    import jax
+
     elements = differ = max_ulp = 0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        count, ulp = compare(x, y)
+        count, ulp = _comparer()(x, y)
         elements += x.size
         differ += int(count)
         max_ulp = max(max_ulp, int(ulp))
@@ -326,11 +335,13 @@ def load(directory: str, mib: int, cpu_check: bool, mesh: list[int], repeats: in
                 return ocp.load(directory, abstract)
 
         loaders["orbax"] = orbax
-    except ImportError as e:
-        found["orbax"] = {"error": f"not importable: {e}"}
+    except Exception as e:  # an optional anchor: absent, or not this version's API
+        found["orbax"] = {"error": f"not importable: {type(e).__name__}: {e}"[:300]}
     times: dict[str, list[float]] = {name: [] for name in loaders}
     for round_ in range(repeats + 1):
         for name, loader in loaders.items():
+            if name in found:  # failed before
+                continue
             try:
                 start = time.perf_counter()
                 out = jax.block_until_ready(loader())

@@ -139,7 +139,7 @@ def load_table(results: dict) -> str:
         "safe_open": "`safe_open` (numpy), then `jax.device_put`",
         "orbax": "orbax v1's safetensors layout",
     }
-    floor = load["device_put"].get("best_s")
+    floor = load.get("device_put", {}).get("best_s")
     rows = []
     for key, label in names.items():
         r = load.get(key, {"error": "not run"})
@@ -149,7 +149,7 @@ def load_table(results: dict) -> str:
         ratio = f"{r['best_s'] / floor:.3f}x" if floor else ""
         rows.append([label, _s(r["best_s"], 3), _s(r["first_s"], 3), ratio])
     gib = load["nbytes"] / (1 << 30)
-    same = load["meshinit_vs_device_put"]
+    same = load.get("meshinit_vs_device_put", {"differ": "not compared"})
     exact = "equal" if not same["differ"] else f"{same['differ']} elements DIFFER"
     title = f"{gib:.2f} GiB bf16 safetensors into device memory"
     tail = f"meshinit's arrays and device_put's: {exact}; placement: {_placed(load)}."
