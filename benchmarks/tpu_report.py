@@ -28,6 +28,10 @@ ANCHOR = {
 MESHINIT = ("meshinit", "meshinit.nnx", "meshinit.linen")
 
 
+def _layers(n: int) -> str:
+    return f"{n} layer" if n == 1 else f"{n} layers"
+
+
 def _s(seconds: float | None, digits: int = 2) -> str:
     return "" if seconds is None else f"{seconds:.{digits}f} s"
 
@@ -70,7 +74,7 @@ def cold_table(results: dict) -> str:
                 _placed(r),
             ]
         )
-    title = f"{results['layers']} layers, {gb:.2f} GB"
+    title = f"{_layers(results['layers'])}, {gb:.2f} GB"
     head = [title, "cold", "/ jitted", "compile (summed over threads)", "compiles"]
     head += ["slowest compile", "warm re-init", "placement"]
     notes = (
@@ -125,7 +129,7 @@ def bits_table(results: dict) -> str:
                 str(d["max_ulp"]),
             ]
         )
-    title = f"values, {b['layers']}-layer stack ({b['nbytes'] / 1e9:.2f} GB in f32)"
+    title = f"values, the {b['layers']}-layer stack ({b['nbytes'] / 1e9:.2f} GB in f32)"
     return md_table([title, "dtype", "elements", "differ", "max ulp"], rows)
 
 
@@ -148,10 +152,11 @@ def load_table(results: dict) -> str:
             continue
         ratio = f"{r['best_s'] / floor:.3f}x" if floor else ""
         rows.append([label, _s(r["best_s"], 3), _s(r["first_s"], 3), ratio])
-    gib = load["nbytes"] / (1 << 30)
+    n = load["nbytes"]
+    size = f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
     same = load.get("meshinit_vs_device_put", {"differ": "not compared"})
     exact = "equal" if not same["differ"] else f"{same['differ']} elements DIFFER"
-    title = f"{gib:.2f} GiB bf16 safetensors into device memory"
+    title = f"{size} of bf16 safetensors into device memory"
     tail = f"meshinit's arrays and device_put's: {exact}; placement: {_placed(load)}."
     return md_table([title, "best", "first", "/ device_put"], rows) + "\n\n" + tail
 
@@ -168,7 +173,7 @@ def depth_table(results: dict) -> str:
             else:
                 cells.append(f"{_s(r.get('slowest_s'))} ({r.get('compiles', '?')} programs)")
         rows.append(cells)
-    head = ["slowest single compile", f"{lo} layers", f"{hi} layers"]
+    head = ["slowest single compile", _layers(lo), _layers(hi)]
     return md_table(head, rows)
 
 
