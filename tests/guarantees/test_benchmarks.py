@@ -507,3 +507,29 @@ def test_state_bytes_script_measures_zero1_and_offload():
     }
     assert 'shard_over="data" (ZeRO-1)' in rows and 'memory_kind="pinned_host"' in rows
     assert "| 0.500 |" in rows['shard_over="data" (ZeRO-1)']  # data=2 halves the state
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tpu_bits_count_what_differs_in_ulp_across_zero_and_shards(dtype):
+    # The bits table's numbers: elements that differ and the largest distance in ulp,
+    # on sharded arrays; -0.0 and 0.0 are equal values, and the distance across zero
+    # is the ulps on both sides (normal numbers: XLA's CPU code flushes subnormals).
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    differences = _bench("tpu_cases").differences
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    place = NamedSharding(mesh, P("fsdp", "tensor"))
+    a = np.ones((8, 8), jnp.dtype(dtype))
+    b = a.copy()
+    mantissa = 23 if dtype == "float32" else 7
+    b[0, 0] = 1 + 2.0**-mantissa  # the next value after 1: 1 ulp
+    b[7, 7] = 2  # one binade up: 2**mantissa ulps
+    a[3, 3], b[3, 3] = 0.0, -0.0
+    smallest = np.finfo(a.dtype).tiny  # the smallest normal number: 2**mantissa ulps from 0
+    a[5, 5], b[5, 5] = smallest, -smallest
+    got = differences({"x": jax.device_put(a, place)}, {"x": jax.device_put(b, place)})
+    assert got == {"elements": 64, "differ": 3, "max_ulp": 2 << mantissa}, got
