@@ -33,20 +33,8 @@ from typing import Any
 import checks
 import recipes
 import recipes_nnx
-from harness import CompileClock, delete_arrays
+from harness import CompileClock, best_of, delete_arrays, warm_up_backend
 from models import Model
-
-
-def _best(fn: Any, repeats: int) -> float:
-    import jax
-
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-        delete_arrays(out)
-    return min(times)
 
 
 def measure(model: Model, devices: list[Any], repeats: int) -> dict[str, Any]:
@@ -57,8 +45,7 @@ def measure(model: Model, devices: list[Any], repeats: int) -> dict[str, Any]:
 
     clock = CompileClock()
     mesh = jax.make_mesh((1, len(devices)), ("fsdp", "tensor"), devices=devices)
-    # The backend's lazy start-up (first compile, first kernels) is nobody's cost.
-    jax.block_until_ready(jax.jit(lambda k: jax.random.normal(k, (8,)))(jax.random.key(1)))
+    warm_up_backend()
     clock.reset()
     r: dict[str, Any] = {}
 
@@ -81,11 +68,11 @@ def measure(model: Model, devices: list[Any], repeats: int) -> dict[str, Any]:
 
     seeds = iter(range(1, 10**6))
     clock.reset()
-    r["meshinit_warm"] = _best(lambda: meshinit.materialize(plan, next(seeds)), repeats)
+    r["meshinit_warm"] = best_of(lambda: meshinit.materialize(plan, next(seeds)), repeats)
     r["meshinit_warm_compiles"] = clock.count
     keys = jax.block_until_ready([jax.random.key(s) for s in range(1, repeats + 1)])
     key_iter = iter(keys)
-    r["fused_warm"] = _best(lambda: fused(next(key_iter)), repeats)
+    r["fused_warm"] = best_of(lambda: fused(next(key_iter)), repeats)
 
     meshinit.clear_cache()  # the spec path's executables are not the engine's to reuse
     clock.reset()

@@ -106,7 +106,7 @@ def load_case(
         def run():
             return st.load(plan, directory, names=names)
     elif recipe == "floor-scanned":
-        files = _mapped(directory)
+        files = mapped(directory)
 
         def run():  # each device's block of every layer, stacked on the host, put
             indices = sharding.addressable_devices_indices_map((rows, tensors, cols))
@@ -120,7 +120,7 @@ def load_case(
 
         def run():
             out = {}
-            for name, view in _mapped(directory).items():
+            for name, view in mapped(directory).items():
                 shards = [
                     jax.device_put(view[index], device)
                     for device, index in sharding.addressable_devices_indices_map(shape).items()
@@ -166,20 +166,23 @@ def load_case(
     }
 
 
-def _mapped(directory: str) -> dict:
-    """Every tensor of the checkpoint as a view of its memory-mapped file: no checks."""
+def mapped(directory: str) -> dict:
+    """Every tensor of the checkpoint as a view of its memory-mapped file, by name, in
+    its stored dtype (F32, F16, BF16): no checks."""
+    import ml_dtypes
     import numpy as np
 
+    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
     out = {}
     for f in sorted(Path(directory).glob("*.safetensors")):
         with open(f, "rb") as stream:
             (n,) = struct.unpack("<Q", stream.read(8))
             header = json.loads(stream.read(n))
-        mapped = np.memmap(f, dtype=np.uint8, mode="r")
+        memory = np.memmap(f, dtype=np.uint8, mode="r")
         for name, info in header.items():
             if name != "__metadata__":
                 begin, end = info["data_offsets"]
-                view = mapped[8 + n + begin : 8 + n + end].view(np.float32)
+                view = memory[8 + n + begin : 8 + n + end].view(dtypes[info["dtype"]])
                 out[name] = view.reshape(info["shape"])
     return out
 

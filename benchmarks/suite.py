@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ import recipes
 import report
 import report_goals
 import report_real_size
+from harness import run_child
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,37 +46,10 @@ def spawn(case: str, timeout: float, *, cap_bytes: int | None = None, **kwargs: 
     """Runs ``cases.CASES[case](**kwargs)`` in a fresh process; ``{"error": ...}`` if it fails.
 
     With ``cap_bytes``, the process is killed once its resident memory passes that many
-    bytes, and the result says so (``"killed_for_memory"``): a recipe that would take
-    the machine's memory is recorded, not left to the kernel's OOM killer.
+    bytes, and the result says so (``"killed_for_memory"``): see :func:`harness.run_child`.
     """
     command = [sys.executable, str(HERE / "suite.py"), "--case", json.dumps([case, kwargs])]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
-        start, peak, killed = time.perf_counter(), 0, None
-        while child.poll() is None:
-            if time.perf_counter() - start > timeout:
-                killed = f"timed out after {timeout:.0f} s"
-            elif cap_bytes is not None:
-                peak = max(peak, _rss_of(child.pid))
-                if peak > cap_bytes:
-                    over = f"resident {peak / 1e9:.2f} GB > {cap_bytes / 1e9:.2f} GB"
-                    killed = f"killed for memory: {over}"
-            if killed:
-                child.kill()
-                child.wait()
-                result: dict[str, Any] = {"error": killed}
-                if killed.startswith("killed for memory"):
-                    result["killed_for_memory"] = True
-                return result
-            time.sleep(0.05)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    for line in reversed(stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line.removeprefix("RESULT "))
-    tail = [line for line in stderr.splitlines() if line.strip()][-3:]
-    return {"error": f"exit {child.returncode}: " + " | ".join(tail)[-600:]}
+    return run_child(command, timeout, cap_bytes)
 
 
 def _mem_total() -> int:
@@ -86,18 +59,6 @@ def _mem_total() -> int:
             return int(f.readline().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return 24 * 10**9
-
-
-def _rss_of(pid: int) -> int:
-    """A process's resident bytes now (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def run_case(spec: str) -> None:

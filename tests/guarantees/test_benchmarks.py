@@ -125,6 +125,45 @@ def test_gpu_script_code_path_runs_on_cpu_and_places_exactly():
     assert "NOT exact" not in r.stdout
 
 
+def test_tpu_script_exits_cleanly_without_a_tpu():
+    r = run_script("tpu.py", timeout=300)
+    assert "no TPU: jax.devices()[0].platform is 'cpu'; nothing measured." in r.stdout
+
+
+@pytest.mark.slow
+def test_tpu_script_code_path_runs_every_part_on_cpu(tmp_path):
+    # The TPU table's own code (every recipe in its fresh process, the restart from
+    # jax's persistent cache, the bits, the load, the second depth) on 8 simulated CPU
+    # devices with a tiny model: a TPU run only swaps the model, the mesh and the device.
+    raw = tmp_path / "tpu.json"
+    r = run_script("tpu.py", "--cpu-check", "--cache-threshold-zero", "--json", str(raw))
+    found = json.loads(raw.read_text())
+    rows = ("meshinit", "meshinit.nnx", "meshinit.linen", "jax.jit", "nnx.jit", "linen.jit")
+    assert set(found["cold"]) == {*rows, "eager-nnx"}
+    for recipe, row in found["cold"].items():
+        assert "error" not in row and row["problems"] == [], (recipe, row)
+        assert row["compiles"] >= 1 and row["slowest_s"] <= row["compile_s"], (recipe, row)
+    assert found["cold"]["meshinit"]["warm_compiles"] == 0  # a re-init compiles nothing
+    assert found["cold"]["jax.jit"]["warm_s"] > 0
+    for recipe in ("meshinit", "meshinit.nnx", "meshinit.linen"):
+        restart = found["restart"][recipe]
+        assert restart["problems"] == [] and restart["compiles"] == 0, (recipe, restart)
+        assert restart["cache_hits"] >= 1, restart  # read from the cache, not skipped
+        assert "error" not in found["depth"][recipe], found["depth"][recipe]
+    bits = found["bits"]
+    assert bits["float32 meshinit.nnx vs nnx.jit"]["differ"] == 0, bits
+    assert bits["float32 meshinit.linen vs linen.jit"]["differ"] == 0, bits
+    assert bits["float32 meshinit.nnx vs eager-nnx"]["elements"] > 0, bits
+    load = found["load"]
+    assert load["meshinit_vs_device_put"]["differ"] == 0 and load["problems"] == [], load
+    assert load["meshinit"]["best_s"] > 0 and load["device_put"]["best_s"] > 0, load
+    assert "| `meshinit.nnx.init` | " in r.stdout and "| eager nnx | " in r.stdout, r.stdout
+    assert "FAILED" not in r.stdout, r.stdout
+    # the tables come back from the numbers alone, as when two device calls are merged
+    merged = run_script("tpu.py", "--merge", str(raw))
+    assert merged.stdout.strip() in r.stdout, merged.stdout
+
+
 def test_header_check_script_times_meshinit_against_the_package(tmp_path):
     out = tmp_path / "header.json"
     args = ("--entries", "3000", "--rounds", "1", "--json", str(out))
@@ -468,3 +507,29 @@ def test_state_bytes_script_measures_zero1_and_offload():
     }
     assert 'shard_over="data" (ZeRO-1)' in rows and 'memory_kind="pinned_host"' in rows
     assert "| 0.500 |" in rows['shard_over="data" (ZeRO-1)']  # data=2 halves the state
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tpu_bits_count_what_differs_in_ulp_across_zero_and_shards(dtype):
+    # The bits table's numbers: elements that differ and the largest distance in ulp,
+    # on sharded arrays; -0.0 and 0.0 are equal values, and the distance across zero
+    # is the ulps on both sides (normal numbers: XLA's CPU code flushes subnormals).
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    differences = _bench("tpu_cases").differences
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    place = NamedSharding(mesh, P("fsdp", "tensor"))
+    a = np.ones((8, 8), jnp.dtype(dtype))
+    b = a.copy()
+    mantissa = 23 if dtype == "float32" else 7
+    b[0, 0] = 1 + 2.0**-mantissa  # the next value after 1: 1 ulp
+    b[7, 7] = 2  # one binade up: 2**mantissa ulps
+    a[3, 3], b[3, 3] = 0.0, -0.0
+    smallest = np.finfo(a.dtype).tiny  # the smallest normal number: 2**mantissa ulps from 0
+    a[5, 5], b[5, 5] = smallest, -smallest
+    got = differences({"x": jax.device_put(a, place)}, {"x": jax.device_put(b, place)})
+    assert got == {"elements": 64, "differ": 3, "max_ulp": 2 << mantissa}, got
