@@ -24,10 +24,11 @@ from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
-from jax.extend.random import define_prng_impl
+from jax.extend.random import define_prng_impl, threefry2x32_p, threefry_prng_impl
 from jax.sharding import Mesh
 
 from .._format import some
+from .._jax import jaxpr as _jaxpr
 from .._jax import threefry as _threefry
 from .._plan.plan import MeshGroup
 from . import options as _options
@@ -43,44 +44,53 @@ def _straight(key_data: Any) -> Any:
     return jax.random.wrap_key_data(key_data, impl=_threefry.STRAIGHT_LINE)
 
 
+def _hash_apart(node: Any, ins: list[Any]) -> Sequence[Any]:
+    if node.primitive is threefry2x32_p:
+        return jax.lax.optimization_barrier(_threefry.threefry2x32(*ins))
+    return _jaxpr.bind_as_traced(node, ins)
+
+
 def _bits_apart(key_data: Any, bit_width: int, shape: tuple[int, ...]) -> Any:
-    bits = jax.random.bits(_straight(key_data), shape, np.dtype(f"uint{bit_width}"))
-    # jax.jit's own program on CPU hashes in a loop (a while loop), so the initializer's
-    # float math after it is a loop of its own over the bits; fused into the hash, XLA's
-    # CPU code rounded erf_inv otherwise where a device's block is narrow (jaxlib
-    # 0.12.0.1, this Xeon: lecun_normal (4096, 4) on P("fsdp", None), 666 of 16,384
-    # elements up to 3 ulp off jax.jit's with the same out_shardings)
-    return jax.lax.optimization_barrier(bits)
+    """jax's threefry2x32 random bits, each hash straight-line, its two output words
+    behind an optimization barrier."""
+    struct = jax.ShapeDtypeStruct(np.shape(key_data), key_data.dtype)
+    closed = jax.make_jaxpr(lambda k: threefry_prng_impl.random_bits(k, bit_width, shape))(struct)
+    (bits,) = _jaxpr.run(closed, [key_data], _hash_apart)
+    return bits
 
 
-SPEC_KEY_IMPL = define_prng_impl(
+PROGRAM_KEY_IMPL = define_prng_impl(
     key_shape=(2,),
     seed=lambda seed: jax.random.key_data(jax.random.key(seed, impl=_threefry.STRAIGHT_LINE)),
     split=lambda k, shape: jax.random.key_data(jax.random.split(_straight(k), shape)),
     random_bits=_bits_apart,
     fold_in=lambda k, d: jax.random.key_data(jax.random.fold_in(_straight(k), d)),
-    name="threefry2x32 (straight-line hash, float math apart, meshinit)",
+    name="threefry2x32 (straight-line hash, its words apart, meshinit)",
     tag="fry",
 )
-"""The key implementation of the spec path's programs on CPU: jax's threefry2x32 with
-each hash straight-line (:data:`_threefry.STRAIGHT_LINE`, the same bits), and its random
-bits behind an optimization barrier, so the float math after them is one loop of its
-own, as in the program ``jax.jit`` builds (whose rolled hash is a while loop)."""
+"""The key implementation of meshinit's programs on CPU: jax's threefry2x32, the same
+bits, with each hash of random bits emitted straight-line (as
+:data:`_threefry.STRAIGHT_LINE` does, which XLA compiles and runs faster than jax's
+rolled loop: benchmarks/README.md, "Measurements behind the code's choices") and its
+two output words behind an optimization barrier. So the initializer's float math is
+one loop of its own over the two words, as in the program ``jax.jit`` builds, whose
+rolled hash is a while loop: XLA's CPU code splits and vectorizes that loop by its
+cost, and fused into the hash, or fed one word, it rounded ``erf_inv`` otherwise
+(jaxlib 0.12.0.1 on this Xeon: ``lecun_normal`` of a (4096, 4) matrix on
+``P("fsdp", None)``, 666 of 16,384 elements up to 3 ulp off ``jax.jit``'s with the same
+out_shardings; a (1024, 4) one, 7 elements off ``nnx.jit``'s)."""
 
 
 def program_key_impl(group: MeshGroup, impl: str) -> KeyImpl:
     """The key implementation that ``group``'s programs wrap their key data with.
 
-    On CPU, :data:`SPEC_KEY_IMPL`: jax's threefry2x32 bits, with the hash emitted
-    straight-line, which XLA compiles and runs faster than jax's rolled loop
-    (benchmarks/README.md, "Measurements behind the code's choices"), and the float
-    math after the bits apart, as ``jax.jit`` of the initializer has it: its bits.
-    Other platforms already get a straight-line hash from jax and keep its
-    implementation.
+    On CPU, :data:`PROGRAM_KEY_IMPL`: jax's threefry2x32 bits, in a program built as
+    ``jax.jit`` of the initializer builds it (its bits), with a faster hash. Other
+    platforms already get a straight-line hash from jax and keep its implementation.
     """
     # materialize refuses abstract groups before it picks key implementations
     if impl == _threefry.SHARDING_INVARIANT_IMPL and on_cpu(cast(Mesh, group.mesh)):
-        return SPEC_KEY_IMPL
+        return PROGRAM_KEY_IMPL
     return impl
 
 
