@@ -283,9 +283,12 @@ def break_compiles_on(monkeypatch, bad):
     return real
 
 
-def reference(spec, key, path):
-    """The value contract's jitted reference for one parameter."""
-    fn = jax.jit(lambda k: spec.init(k, spec.shape, spec.dtype))
+def reference(spec, key, path, sharding=None):
+    """The value contract's jitted reference for one parameter: ``jax.jit`` of
+    ``spec.init(param_key(key, path), shape, dtype)``, with ``out_shardings=sharding``
+    where given (the planned sharding: XLA's CPU code may round a block otherwise than
+    the whole array, and meshinit's values are jit's on the planned sharding)."""
+    fn = jax.jit(lambda k: spec.init(k, spec.shape, spec.dtype), out_shardings=sharding)
     return np.asarray(fn(meshinit.param_key(key, path)))
 
 

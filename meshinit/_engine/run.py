@@ -102,23 +102,18 @@ def _evaluator(
     a program for ``mesh`` that places it on ``sharding``: a large value made in tiles
     (:mod:`meshinit._jax.tiles`) where its equations allow, with the same bits."""
     prog = traced.program
-    hash_p, wrap_p, seed_p, bits_p = (
-        _compat.prim(n) for n in ("threefry2x32", "random_wrap", "random_seed", "random_bits")
+    hash_p, wrap_p, seed_p = (
+        _compat.prim(n) for n in ("threefry2x32", "random_wrap", "random_seed")
     )
 
     def bind(node: _jaxpr.Node, ins: list[Any]) -> Sequence[Any]:
         prim = node.primitive
-        if straight and prim is hash_p:
-            return _threefry.threefry2x32(*ins)
+        if straight and prim is hash_p:  # its words apart, as _threefry.PROGRAM_KEY_IMPL
+            return jax.lax.optimization_barrier(_threefry.threefry2x32(*ins))
         if straight and prim is wrap_p and _threefry.is_threefry(node.params["impl"]):
             return [jax.random.wrap_key_data(ins[0], impl=key_impl)]
         if straight and prim is seed_p and _threefry.is_threefry(node.params["impl"]):
             return [jax.random.key(ins[0], impl=key_impl)]
-        if straight and prim is bits_p:
-            # the float math after the hash in a loop of its own, as jax's rolled hash
-            # leaves it: fused into the hash's loop, XLA's CPU code rounded erf_inv
-            # otherwise (jaxlib 0.12.0.1, AMD EPYC: up to 3 ulp off eager's bits)
-            return [jax.lax.optimization_barrier(x) for x in other(node, ins)]
         return other(node, ins)
 
     other = _jaxpr.bind_rehomed if _rehomes(traced, mesh) else _jaxpr.bind_node
@@ -133,7 +128,7 @@ def _evaluator(
         for n, v, is_key in zip(s.inputs, values, keys, strict=True):
             env[n] = jax.random.wrap_key_data(v, impl=key_impl) if is_key else v
         if tiled is not None:
-            # the barrier after the bits, as bind puts it in the whole slice's program
+            # each hash's words apart, as bind makes them in the whole slice's program
             return _tiles.evaluate(prog, tiled, env, bind, straight=straight, barrier=straight)
         _jaxpr.run_nodes(prog, s.nodes, env, bind)
         return s.out.value if isinstance(s.out, Lit) else env[s.out]
@@ -366,7 +361,7 @@ class _Constructor:
             for k, items in zip(firsts, layout, strict=True):
                 s = w.slices[k]
                 straight = w.on_cpu and not s.has_control_flow
-                impl = _threefry.STRAIGHT_LINE if straight else _threefry.SHARDING_INVARIANT_IMPL
+                impl = _threefry.PROGRAM_KEY_IMPL if straight else _threefry.SHARDING_INVARIANT_IMPL
                 sharding = w.group.entries[k].sharding
                 fns.append(_evaluator(self.traced, s, impl, straight, w.group.mesh, sharding))
                 for item, n, sh in zip(items, s.inputs, self._shardings(w, k), strict=True):

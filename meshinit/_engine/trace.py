@@ -296,6 +296,20 @@ def folds(prog: Program, n: int) -> bool:
     return bool(jax.dtypes.issubdtype(prog.avals[n].dtype, np.floating))
 
 
+def enters(prog: Program, n: int) -> bool:
+    """Whether the host value ``n`` may enter a program as an argument: an argument of
+    the constructor, a PRNG key or a scalar (an RNG counter). Any other array the host
+    computed (random bits, an iota and what integer arithmetic made of them) is
+    computed in the program from those, as ``jax.jit`` computes it: fed in as an
+    argument, it changed how XLA's CPU code split and vectorized the initializer's
+    float loop (jaxlib 0.12.0.1 on this Xeon: ``lecun_normal`` of a (1024, 4) matrix
+    whose random bits the host computed, 6 of 4,096 elements up to 2 ulp off
+    ``nnx.jit``'s and eager's bits)."""
+    aval = prog.avals[n]
+    key = jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
+    return n not in prog.producer or key or math.prod(aval.shape) <= 1
+
+
 def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallback | None:
     """The slice of ``out``; None if it is a literal or a captured constant.
 
@@ -330,7 +344,9 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
         if n in consts and n not in host and embedded_const(prog, n):
             embedded.add(n)
             continue
-        if n in consts or (n in host and (n in dynamic or not (recompute or folds(prog, n)))):
+        if n in consts or (
+            n in host and enters(prog, n) and (n in dynamic or not (recompute or folds(prog, n)))
+        ):
             if n not in host and jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended):
                 return Fallback(  # only threefry keys have host data to pass in
                     f"it reads a {prog.avals[n].dtype} key made outside the factory",

@@ -18,6 +18,9 @@
   compile and the run of meshinit's programs faster (see benchmarks/README.md). Its
   keys never leave the programs, and its values are those of jax's threefry2x32 keys,
   bit for bit, which the tests check against jax's own hash and initializers.
+- :data:`PROGRAM_KEY_IMPL` is :data:`STRAIGHT_LINE` with each hash's two output words
+  behind an optimization barrier: the key implementation of meshinit's CPU programs,
+  built as ``jax.jit`` builds an initializer (its bits; see its docstring).
 - :func:`is_threefry` says whether a key implementation is jax's threefry2x32.
 """
 
@@ -153,3 +156,44 @@ STRAIGHT_LINE = define_prng_impl(
     name="threefry2x32 (straight-line hash, meshinit)",
     tag="fry",
 )
+
+
+def _straight_key(key_data: Any) -> Any:
+    return jax.random.wrap_key_data(key_data, impl=STRAIGHT_LINE)
+
+
+def _hash_apart(node: Any, ins: list[Any]) -> Sequence[Any]:
+    if node.primitive is threefry2x32_p:
+        return jax.lax.optimization_barrier(threefry2x32(*ins))
+    return _jaxpr.bind_as_traced(node, ins)
+
+
+def _bits_apart(key_data: Any, bit_width: int, shape: tuple[int, ...]) -> Any:
+    """jax's threefry2x32 random bits, each hash straight-line, its two output words
+    behind an optimization barrier."""
+    struct = jax.ShapeDtypeStruct(np.shape(key_data), key_data.dtype)
+    closed = jax.make_jaxpr(lambda k: threefry_prng_impl.random_bits(k, bit_width, shape))(struct)
+    (bits,) = _jaxpr.run(closed, [key_data], _hash_apart)
+    return bits
+
+
+PROGRAM_KEY_IMPL = define_prng_impl(
+    key_shape=(2,),
+    seed=lambda seed: jax.random.key_data(jax.random.key(seed, impl=STRAIGHT_LINE)),
+    split=lambda k, shape: jax.random.key_data(jax.random.split(_straight_key(k), shape)),
+    random_bits=_bits_apart,
+    fold_in=lambda k, d: jax.random.key_data(jax.random.fold_in(_straight_key(k), d)),
+    name="threefry2x32 (straight-line hash, its words apart, meshinit)",
+    tag="fry",
+)
+"""The key implementation of meshinit's programs on CPU: jax's threefry2x32, the same
+bits, with each hash of random bits emitted straight-line (as
+:data:`STRAIGHT_LINE` does, which XLA compiles and runs faster than jax's
+rolled loop: benchmarks/README.md, "Measurements behind the code's choices") and its
+two output words behind an optimization barrier. So the initializer's float math is
+one loop of its own over the two words, as in the program ``jax.jit`` builds, whose
+rolled hash is a while loop: XLA's CPU code splits and vectorizes that loop by its
+cost, and fused into the hash, or fed one word, it rounded ``erf_inv`` otherwise
+(jaxlib 0.12.0.1 on this Xeon: ``lecun_normal`` of a (4096, 4) matrix on
+``P("fsdp", None)``, 666 of 16,384 elements up to 3 ulp off ``jax.jit``'s with the same
+out_shardings; a (1024, 4) one, 7 elements off ``nnx.jit``'s)."""

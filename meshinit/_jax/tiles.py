@@ -230,8 +230,11 @@ def _key_of(node: _jaxpr.Node) -> int:
 
 def _counter_based(impl: Any) -> bool:
     """Whether a key implementation draws element ``i``'s bits from counter ``i``:
-    jax's threefry2x32, and meshinit's straight-line twin of it."""
-    return impl is _compat.THREEFRY_IMPL or impl is _compat.impl_of(_threefry.STRAIGHT_LINE)
+    jax's threefry2x32, and meshinit's straight-line twins of it."""
+    return impl is _compat.THREEFRY_IMPL or any(
+        impl is _compat.impl_of(ours)
+        for ours in (_threefry.STRAIGHT_LINE, _threefry.PROGRAM_KEY_IMPL)
+    )
 
 
 def _tileable(
@@ -303,8 +306,9 @@ def evaluate(
     ``env`` holds the slice's inputs; the outer equations are evaluated with ``bind``
     (as the whole slice would be), the inner ones per tile. ``straight``: hash with
     :func:`meshinit._jax.threefry.threefry2x32` (CPU) rather than jax's primitive;
-    ``barrier``: the float math after the bits in a loop of its own, as the whole
-    slice's program has it.
+    ``barrier``: each hash's two words behind an optimization barrier, as
+    :data:`meshinit._jax.threefry.PROGRAM_KEY_IMPL` makes them in the whole slice's
+    program (so the float math after them is a loop of its own).
     """
     _jaxpr.run_nodes(prog, t.outer, env, bind)
     args, specs = [], []
@@ -336,8 +340,8 @@ def evaluate(
             for k in t.inner:
                 node = prog.nodes[k]
                 if _bits(node):
-                    value = _tile_bits(node, given[_key_of(node)], where, t, straight)
-                    value = jax.lax.optimization_barrier(value) if barrier else value
+                    key_data = given[_key_of(node)]
+                    value = _tile_bits(node, key_data, where, t, straight, barrier)
                 elif node.primitive.name == "iota":
                     value = _tile_iota(node, where, t.tile)
                 elif node.primitive.name == "broadcast_in_dim":
@@ -406,7 +410,12 @@ def _fit(x: Any, starts: Sequence[Any], tile: tuple[int, ...]) -> Any:
 
 
 def _tile_bits(
-    node: _jaxpr.Node, key_data: Any, where: Sequence[Any], t: Tiling, straight: bool
+    node: _jaxpr.Node,
+    key_data: Any,
+    where: Sequence[Any],
+    t: Tiling,
+    straight: bool,
+    barrier: bool,
 ) -> Any:
     """``random_bits`` of the tile at ``where``: its elements' counters hashed with
     their key, as jax's partitionable threefry does for the whole array."""
@@ -426,6 +435,8 @@ def _tile_bits(
         bits1, bits2 = _threefry.threefry2x32(k1, k2, high, counts)
     else:
         bits1, bits2 = _compat.THREEFRY2X32.bind(k1, k2, high, counts)
+    if barrier:
+        bits1, bits2 = jax.lax.optimization_barrier((bits1, bits2))
     bits = bits1 ^ bits2
     width = node.params["bit_width"]
     return bits if width == 32 else bits.astype(np.dtype(f"uint{width}"))

@@ -44,15 +44,14 @@ _KEY = jax.ShapeDtypeStruct((2,), np.uint32)
 def program_key_impl(group: MeshGroup, impl: str) -> KeyImpl:
     """The key implementation that ``group``'s programs wrap their key data with.
 
-    On CPU, jax's threefry2x32 with its hash emitted straight-line
-    (:data:`_threefry.STRAIGHT_LINE`): the same bits, and XLA fuses the hash into the
-    initializer: faster cold and warm (benchmarks/README.md, "Measurements behind the
-    code's choices"). Other platforms already get a straight-line hash from jax and
-    keep its implementation.
+    On CPU, :data:`meshinit._jax.threefry.PROGRAM_KEY_IMPL`: jax's threefry2x32 bits,
+    in a program built as ``jax.jit`` of the initializer builds it (its bits), with a
+    faster hash. Other
+    platforms already get a straight-line hash from jax and keep its implementation.
     """
     # materialize refuses abstract groups before it picks key implementations
     if impl == _threefry.SHARDING_INVARIANT_IMPL and on_cpu(cast(Mesh, group.mesh)):
-        return _threefry.STRAIGHT_LINE
+        return _threefry.PROGRAM_KEY_IMPL
     return impl
 
 
@@ -88,9 +87,10 @@ def _make(spec: Any, key_data: Any, impl: KeyImpl, sharding: NamedSharding) -> A
         tiled = _tiles.tiling(prog, range(len(prog.nodes)), prog.outputs[0], twin, how)
         if tiled is not None:
             env = {**prog.consts, prog.inputs[0]: key_data}
-            straight = impl is _threefry.STRAIGHT_LINE
+            apart = impl is _threefry.PROGRAM_KEY_IMPL  # the hash's words, as made whole
+            straight = apart or impl is _threefry.STRAIGHT_LINE
             bind = _jaxpr.bind_node
-            return _tiles.evaluate(prog, tiled, env, bind, straight=straight, barrier=False)
+            return _tiles.evaluate(prog, tiled, env, bind, straight=straight, barrier=apart)
     return made(key_data)
 
 

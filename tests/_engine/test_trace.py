@@ -197,6 +197,28 @@ def test_layers_of_one_signature_cut_to_one_fingerprint_with_their_own_inputs():
     assert other.digest != one.digest  # another shape is another program
 
 
+def test_random_bits_the_host_made_are_made_again_in_the_program_from_their_key():
+    """A small weight's random bits are computed on the host (they fit the host bound),
+    yet its slice computes them from its key, as ``jax.jit`` does: fed in as an
+    argument, they changed how XLA's CPU code split the float loop, and its rounding."""
+
+    def fn(d):
+        key = jax.random.wrap_key_data(d)
+        bits = jax.random.bits(key, (64, 4))  # 1 KiB: within the host bound
+        return [jax.random.normal(key, (64, 4)), bits]
+
+    traced = _trace.trace(fn, np.zeros(2, np.uint32))
+    traced = _trace.evaluate_host_part(traced, traced.program.outputs)
+    weight, bits = traced.program.outputs
+    assert bits in traced.host  # the host made the bits
+    s = _trace.cut(traced, weight, {})
+    prog = traced.program
+    assert s.inputs and all(_trace.enters(prog, n) for n in s.inputs)
+    assert all(prog.avals[n].shape == () for n in s.inputs)  # the key alone, no array
+    assert not _trace.enters(prog, bits)  # an array the host computed
+    assert _trace.enters(prog, prog.inputs[0])  # an argument of the constructor
+
+
 def test_an_argument_returned_as_is_is_a_slice_of_no_equations():
     traced = _trace.trace(lambda d: [d], np.zeros(2, np.uint32))
     traced = _trace.evaluate_host_part(traced, traced.program.outputs)

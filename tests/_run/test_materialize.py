@@ -11,6 +11,7 @@ from helpers import (
     layered_specs,
     lecun,
     reference,
+    same_bits,
     submesh,
     three_mesh_specs,
 )
@@ -34,9 +35,8 @@ def test_three_meshes_materialize_exactly_with_or_without_context_mesh(explicit,
         out = meshinit.materialize(plan, jax.random.key(0))
     by_path = assert_exact(plan, out)
     for e in plan.entries:
-        np.testing.assert_array_max_ulp(
-            np.asarray(by_path[e.path]), reference(e.spec, jax.random.key(0), e.path), maxulp=2
-        )
+        want = reference(e.spec, jax.random.key(0), e.path, e.sharding)
+        same_bits(by_path[e.path], want, e.path)
 
 
 @pytest.mark.parametrize("explicit", [False, True])
@@ -126,15 +126,12 @@ def test_values_are_bit_identical_across_meshes_groupings_order_and_other_params
             assert np.array_equal(got[path], value), path
 
 
-def test_values_equal_the_jitted_reference_within_2_ulp():
+def test_values_equal_the_jitted_reference_on_the_planned_shardings_bit_for_bit():
     tree = layered_specs(jax.make_mesh((2, 4), ("fsdp", "tensor")), 2, LAYERED_RULES)
     plan = meshinit.plan(tree)
     got = flat_values(meshinit.materialize(plan, jax.random.key(42)))
     for e in plan.entries:
-        ref = reference(e.spec, jax.random.key(42), e.path)
-        np.testing.assert_array_max_ulp(
-            got[e.path].astype(np.float32), ref.astype(np.float32), maxulp=2
-        )
+        same_bits(got[e.path], reference(e.spec, jax.random.key(42), e.path, e.sharding), e.path)
 
 
 def test_second_key_and_same_shaped_model_trigger_zero_compiles(count_compiles):
@@ -253,10 +250,9 @@ def test_property_exact_placement_and_value_contract_on_random_meshes(mesh_specs
     }
     single_values = meshinit.init(alone, seed)
     for e in plan.entries:
-        got = np.asarray(by_path[e.path])
-        assert np.array_equal(got, np.asarray(single_values[e.path])), e.path
-        np.testing.assert_array_max_ulp(
-            got.astype(np.float32),
-            reference(e.spec, jax.random.key(seed), e.path).astype(np.float32),
-            maxulp=2,
-        )
+        want = reference(e.spec, jax.random.key(seed), e.path, e.sharding)
+        same_bits(by_path[e.path], want, e.path)
+        # one device: jit's bits there, the same as on the mesh wherever jit's are
+        # (XLA's CPU code may round a narrow block otherwise than the whole array)
+        one = reference(e.spec, jax.random.key(seed), e.path)
+        same_bits(single_values[e.path], one, f"{e.path} on one device")

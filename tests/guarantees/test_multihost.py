@@ -42,20 +42,29 @@ def free_port() -> int:
 
 
 def write_reference(path: Path) -> None:
-    """Single-process values for every path and seed, as float32.
+    """Single-process values for every path and seed, as float32, each made on a mesh
+    of this process's devices shaped as the workers' mesh of that name (so each device
+    holds a block of the workers' shape: XLA's CPU code may round a block otherwise
+    than the whole array).
 
-    ``single``: meshinit on one device, which the workers must match bit for bit.
-    ``reference``: ``init(param_key(key, path), shape, dtype)`` jitted on one device.
+    ``single``: meshinit, which the workers must match bit for bit.
+    ``reference``: ``init(param_key(key, path), shape, dtype)``, ``jax.jit`` with the
+    planned out_shardings, which they must match bit for bit too.
     """
-    one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), worker.AXES)
-    plan = meshinit.plan(worker.specs(dict.fromkeys(worker.MESH_NAMES, one)))
+    devices = np.array(jax.devices())
+    shaped = {
+        "global_auto": Mesh(devices.reshape(2, 4), worker.AXES),
+        "global_explicit": jax.make_mesh((2, 4), worker.AXES),
+        "stage0": jax.make_mesh((2, 2), worker.AXES, devices=list(devices[:4])),
+        "stage1": Mesh(devices[4:].reshape(2, 2), worker.AXES),
+    }
+    assert set(shaped) == set(worker.MESH_NAMES)
+    plan = meshinit.plan(worker.specs(shaped))
     arrays = {}
-    jitted = {}  # one per parameter name: the four meshes declare the same six
     for seed in worker.SEEDS:
         leaves = jax.tree_util.tree_leaves(meshinit.materialize(plan, seed))
         for e in plan.entries:
-            name = e.path.split(".", 1)[1]
-            fn = jitted.setdefault(name, jax.jit(lambda k, s=e.spec: s.init(k, s.shape, s.dtype)))
+            fn = jax.jit(lambda k, s=e.spec: s.init(k, s.shape, s.dtype), out_shardings=e.sharding)
             ref = fn(meshinit.param_key(seed, e.path))
             arrays[f"single-{seed}-{e.path}"] = np.asarray(leaves[e.leaf_index], np.float32)
             arrays[f"reference-{seed}-{e.path}"] = np.asarray(ref, np.float32)
