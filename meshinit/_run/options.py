@@ -197,10 +197,11 @@ def options(
         The differential fuzzer (``tests/fuzz/test_fuzz_constructor.py``) lowers it to 64
         so that most of its variables go through the compiled programs.
       tile_bytes: the most bytes of one tile when a large parameter is made by a
-        loop over tiles (docs/performance.md, "Tiles"): its values are the whole
-        array's, bit for bit, and its program compiles in the same time whatever the
-        parameter's size. By default the platform's size (32 MiB on TPU, 64 MiB on
-        CPU and GPU); ``0`` makes every parameter whole.
+        loop over tiles (docs/concepts.md, "The value contract"): its values are the
+        whole array's, bit for bit, and its program compiles in the same time whatever
+        the parameter's size. By default the platform's measured sizes (on TPU 4 MiB,
+        or 256 KiB where a tile makes 32-bit values; CPU and GPU make every parameter
+        whole: benchmarks/README.md, "Tiles"); ``0`` makes every parameter whole.
 
     Raises:
       TypeError: a strategy, compiler options or bound of the wrong kind.
