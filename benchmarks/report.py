@@ -105,7 +105,7 @@ tensor=1)), each row a fresh process, meshinit with tiled programs (issue 51),
 2026-12-06. Two device calls: `--parts cold`, then `--parts restart bits load
 --bits-layers 0 --bits-dtypes float32 --load-mib 1024 --repeats 2`.
 
-| 16 layers, 9.08 GB | cold | / jitted | compile (summed over threads) | compiles | slowest compile | warm re-init |
+| 16 layers, 9.08 GB | cold | / jitted | compile, all threads | compiles | slowest | warm re-init |
 |---|---|---|---|---|---|---|
 | meshinit spec path | 2.20 s | 0.037x | 9.94 s | 8 | 1.65 s | 0.216 s |
 | `meshinit.nnx.init` | 2.40 s | 0.043x | 9.51 s | 8 | 1.71 s |  |
