@@ -66,6 +66,8 @@ def tiled_alone(entry: Any) -> bool:
     """Whether ``entry`` is large enough to be made in tiles on its platform, and so gets
     a program of its own: tiled programs compile in parallel, each in about a second on
     a TPU, where one program holding several would add up their compile times."""
+    if jax.dtypes.issubdtype(entry.spec.dtype, jax.dtypes.extended):
+        return False  # keys are never made in tiles
     mesh = cast(Mesh, entry.mesh)  # materialize refuses abstract meshes first
     size = _tiles.tile_bytes_for(tiles(mesh), np.dtype(entry.spec.dtype).itemsize)
     return size is not None and entry.device_bytes > size
@@ -80,6 +82,8 @@ def _make(spec: Any, key_data: Any, impl: KeyImpl, sharding: NamedSharding) -> A
 
     mesh = cast(Mesh, sharding.mesh)
     how = tiles(mesh)
+    if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.extended):
+        return made(key_data)  # keys are never made in tiles
     size = _tiles.tile_bytes_for(how, np.dtype(spec.dtype).itemsize)
     if size and math.prod(spec.shape) * np.dtype(spec.dtype).itemsize > size:
         prog = _jaxpr.flatten(jax.make_jaxpr(made)(_KEY))

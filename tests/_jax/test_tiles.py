@@ -275,3 +275,21 @@ def test_platforms_tile_where_compile_time_grows_with_size(platform, tiles):
     for itemsize in (1, 2, 4, 8):
         assert (_tiles.tile_bytes_for(platform, itemsize) is not None) is tiles
     assert _tiles.tile_bytes_for(1024, 4) == 1024 and _tiles.tile_bytes_for(0, 4) is None
+
+
+def test_a_large_array_of_keys_is_made_whole_and_exactly(tiled_calls):
+    """Keys have no element size a tile could count: an array of them larger than a
+    tile is made whole (and the engine's buckets are not split for it)."""
+
+    class Keys(nnx.Module):
+        def __init__(self, rngs):
+            self.keys = nnx.Variable(jax.random.split(rngs.params(), 4096))
+            self.w = nnx.Param(init.normal(1.0)(rngs.params(), (256, 64)))
+
+    whole, tiled = whole_and_tiled(lambda: meshinit.nnx.init(lambda: Keys(nnx.Rngs(0))))
+    jitted = nnx.jit(lambda: Keys(nnx.Rngs(0)))()
+    want = jax.random.key_data(jitted.keys[...])
+    same_bits(jax.random.key_data(tiled.keys[...]), want, "keys")
+    same_bits(jax.random.key_data(whole.keys[...]), want, "keys, whole")
+    same_bits(tiled.w[...], jitted.w[...], "w")
+    assert [t.local for t in tiled_calls] == [(256, 64)]
