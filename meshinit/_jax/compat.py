@@ -311,6 +311,28 @@ def _placement() -> frozenset[Primitive]:
     return prims("sharding_constraint", "device_put", "reshard", "pvary")
 
 
+# Elementwise primitives, by the names jax.lax exports them under (``<name>_p``): each
+# result element depends only on its operands' elements at the same index (operands
+# broadcast from size-1 axes). What meshinit._jax.tiles makes a tile at a time.
+_ELEMENTWISE = """abs acos acosh add and asin asinh atan atan2 atanh bitcast_convert_type cbrt
+ceil clamp convert_element_type cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
+floor ge gt integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
+nextafter not or population_count pow reduce_precision rem round rsqrt select_n
+shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
+stop_gradient sub tan tanh xor""".split()
+
+
+@_caches.memo(maxsize=1)
+def _elementwise() -> frozenset[Primitive]:
+    found = {getattr(jax.lax, f"{name}_p", None) for name in _ELEMENTWISE}
+    return frozenset(p for p in found if p is not None) | prims("copy")
+
+
+def elementwise(primitive: Primitive) -> bool:
+    """Whether ``primitive`` is elementwise (:data:`_ELEMENTWISE`, and ``copy``)."""
+    return primitive in _elementwise()
+
+
 def placement_only(primitive: Primitive) -> bool:
     """Whether ``primitive`` only constrains or moves its operands (a sharding
     constraint, ``device_put``, ``reshard``, ``pvary``, ``mesh_cast``)."""

@@ -17,7 +17,7 @@ global index: counters, iotas and slices of small operands offset by the tile's 
 :func:`tiling` decides, for one slice of a traced program (the equations that make one
 array), whether it can be made so: every large value in it must have the output's
 shape, be made by ``random_bits`` of a threefry key, ``iota``, ``broadcast_in_dim`` of
-a small value or an elementwise primitive (:data:`ELEMENTWISE`), and be read by
+a small value or an elementwise primitive (:func:`meshinit._jax.compat.elementwise`), and be read by
 nothing but the slice's other tile values. Anything else (a reshape, a reduction, a
 matmul, control flow, an rbg key, a memory kind other than the device's) is made
 whole, as before. :func:`evaluate` makes it. tests/_jax/test_tiles.py checks every
@@ -52,17 +52,6 @@ from .jaxpr import Lit
 # every array whole.
 TILE_BYTES: Mapping[str, Mapping[int, int]] = types.MappingProxyType(
     {"tpu": types.MappingProxyType({1: 4 << 20, 2: 4 << 20, 4: 256 << 10, 8: 256 << 10})}
-)
-
-# Elementwise primitives by name: each result element depends only on the elements
-# of its operands at the same index (operands broadcast from size-1 dimensions).
-ELEMENTWISE = frozenset(
-    """abs acos acosh add and asin asinh atan atan2 atanh bitcast_convert_type cbrt ceil
-    clamp convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp
-    exp2 expm1 floor ge gt integer_pow is_finite le lgamma log log1p logistic lt max min
-    mul ne neg nextafter not or population_count pow reduce_precision rem round rsqrt
-    select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt
-    square stop_gradient sub tan tanh xor""".split()
 )
 
 _ROW_GROUP = 32
@@ -219,7 +208,15 @@ def _tile_axis(local: tuple[int, ...], itemsize: int, tile_bytes: int) -> tuple[
 
 
 def _bits(node: _jaxpr.Node) -> bool:
-    return node.primitive.name == "random_bits"
+    return node.primitive is _compat.prim("random_bits")
+
+
+def _iota(node: _jaxpr.Node) -> bool:
+    return node.primitive is _compat.prim("iota")
+
+
+def _broadcast(node: _jaxpr.Node) -> bool:
+    return node.primitive is _compat.prim("broadcast_in_dim")
 
 
 def _key_of(node: _jaxpr.Node) -> int:
@@ -240,7 +237,6 @@ def _counter_based(impl: Any) -> bool:
 def _tileable(
     prog: _jaxpr.Program, node: _jaxpr.Node, shape: tuple[int, ...], made: set[int], limit: int
 ) -> bool:
-    name = node.primitive.name
     if _bits(node):
         key = node.ins[0]
         if isinstance(key, Lit):
@@ -252,7 +248,7 @@ def _tileable(
             and node.params["bit_width"] in (8, 16, 32)
             and tuple(node.params["shape"]) == shape[k:]
         )
-    if name == "iota":
+    if _iota(node):
         dtype = np.dtype(node.params["dtype"])
         size = shape[node.params["dimension"]]
         if jax.dtypes.issubdtype(dtype, np.integer):
@@ -262,12 +258,13 @@ def _tileable(
         return jax.dtypes.issubdtype(dtype, np.floating) and size <= 2 ** (
             jax.dtypes.finfo(dtype).nmant + 1
         )
-    if name == "broadcast_in_dim":
+    if _broadcast(node):
         x = node.ins[0]
         if isinstance(x, Lit):
             return np.ndim(x.value) == 0
         return x not in made and _nbytes(prog.avals[x]) <= limit
-    if not (name in ELEMENTWISE or (_jaxpr.is_identity(node) and len(node.ins) == 1)):
+    moved = _jaxpr.is_identity(node) and len(node.ins) == 1
+    if not (_compat.elementwise(node.primitive) or moved):
         return False
     for x in node.ins:
         if isinstance(x, Lit):
@@ -342,11 +339,11 @@ def evaluate(
                 if _bits(node):
                     key_data = given[_key_of(node)]
                     value = _tile_bits(node, key_data, where, t, straight, barrier)
-                elif node.primitive.name == "iota":
+                elif _iota(node):
                     value = _tile_iota(node, where, t.tile)
-                elif node.primitive.name == "broadcast_in_dim":
+                elif _broadcast(node):
                     value = _tile_broadcast(node, read(node.ins[0], False), where, t.tile)
-                elif _jaxpr.is_identity(node) and node.primitive.name not in ELEMENTWISE:
+                elif _jaxpr.is_identity(node) and not _compat.elementwise(node.primitive):
                     value = read(node.ins[0], _sliced(t, node.ins[0]))
                 else:
                     ins = [read(x, _sliced(t, x)) for x in node.ins]

@@ -97,7 +97,7 @@ def test_meshinit_cpu_programs_hash_without_a_loop_and_jax_would_loop():
         return _compile.lower(group.mesh, *build()).as_text()
 
     ours = _strategies.program_key_impl(group, "threefry2x32")
-    assert ours is _threefry.STRAIGHT_LINE
+    assert ours is _threefry.PROGRAM_KEY_IMPL
     assert "while" not in lowered_text(ours)
     assert "while" in lowered_text("threefry2x32")
 
@@ -119,7 +119,7 @@ def test_every_strategy_makes_the_values_of_jaxs_own_threefry(strategy):
     }
     plan = meshinit.plan(tree)
     key_data, name = meshinit._paths.host_key(5)
-    assert _strategies.program_key_impl(plan.groups[0], name) is _threefry.STRAIGHT_LINE
+    assert _strategies.program_key_impl(plan.groups[0], name) is _threefry.PROGRAM_KEY_IMPL
     s = _strategies.STRATEGIES[strategy]
 
     class JaxsOwnImpl(_strategies.Specs):

@@ -237,7 +237,7 @@ def test_tiling_refuses_what_it_cannot_make_exactly():
     assert _tiles.tiling(*normal, split, 1024) is not None
     assert _tiles.tiling(*normal, split, None) is None, "no tile size: whole"
     assert _tiles.tiling(*normal, split, 1 << 20) is None, "a block within one tile: whole"
-    uneven = _program(lambda k: jax.random.normal(k, (250, 64)), KEY)
+    uneven = _program(lambda k: jax.random.normal(k, (251, 64)), KEY)
     assert _tiles.tiling(*uneven, split, 1024) is None, "rows that do not divide the mesh"
     pinned = NamedSharding(mesh, P("fsdp", "tensor"), memory_kind="pinned_host")
     assert _tiles.tiling(*normal, pinned, 1024) is None, "made outside device memory"
@@ -264,8 +264,7 @@ def test_the_tile_size_is_in_the_executable_cache_key(tiled_calls):
         meshinit.materialize(plan, 0)
     with meshinit.options(tile_bytes=2 * TINY_TILES):
         meshinit.materialize(plan, 0)
-    assert [t.tile for t in tiled_calls] == [(32, 64), (64, 64)][: len(tiled_calls)]
-    assert len(tiled_calls) == 2
+    assert [t.tile for t in tiled_calls] == [(8, 64), (16, 64)]
 
 
 @pytest.mark.parametrize("platform, tiles", [("tpu", True), ("cpu", False), ("gpu", False)])
