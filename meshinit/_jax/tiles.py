@@ -17,8 +17,8 @@ global index: counters, iotas and slices of small operands offset by the tile's 
 :func:`tiling` decides, for one slice of a traced program (the equations that make one
 array), whether it can be made so: every large value in it must have the output's
 shape, be made by ``random_bits`` of a threefry key, ``iota``, ``broadcast_in_dim`` of
-a small value or an elementwise primitive (:func:`meshinit._jax.compat.elementwise`), and be read by
-nothing but the slice's other tile values. Anything else (a reshape, a reduction, a
+a small value or an elementwise primitive (:func:`meshinit._jax.compat.elementwise`),
+and be read by nothing but the slice's other tile values. Anything else (a reshape, a reduction, a
 matmul, control flow, an rbg key, a memory kind other than the device's) is made
 whole, as before. :func:`evaluate` makes it. tests/_jax/test_tiles.py checks every
 initializer the engine compiles, tiled and whole, bit for bit.
