@@ -355,6 +355,8 @@ def evaluate(
         buf = jnp.zeros(t.local, out_aval.dtype)
         return jax.lax.fori_loop(0, t.count, step, buf)
 
+    if not mesh.axis_names:
+        return block(*args)  # a mesh of no axes: one block, nothing to go manual over
     made = jax.shard_map(
         block, mesh=mesh, in_specs=tuple(specs), out_specs=t.sharding.spec, check_vma=False
     )

@@ -80,7 +80,11 @@ def test_straight_line_keys_give_jax_threefry_values(use, sharded):
         f = jax.jit(lambda d: fn(jax.random.wrap_key_data(d, impl=impl)), out_shardings=out)
         return np.asarray(f(data))
 
-    np.testing.assert_array_equal(value(_threefry.STRAIGHT_LINE), value("threefry2x32"))
+    # PROGRAM_KEY_IMPL, what meshinit's CPU programs use: the straight-line hash with its
+    # words apart from the float math, as jax's rolled hash leaves them (STRAIGHT_LINE
+    # alone, fused, rounds a sharded uniform 1 ulp off in 265 of 3072 elements on
+    # jaxlib 0.12.1; its bits are checked above and by the integer uses here)
+    np.testing.assert_array_equal(value(_threefry.PROGRAM_KEY_IMPL), value("threefry2x32"))
 
 
 def test_meshinit_cpu_programs_hash_without_a_loop_and_jax_would_loop():
