@@ -144,13 +144,22 @@ its programs whatever their compile time; one process filled it first.)
 | orbax v1's safetensors layout | 3.207 s | 20.763x |
 
 Goals (issue 51): cold <= 3 s and <= 0.05x the jitted recipes: met by all three; the
-slowest program <= 2 s: 1.65 s and 1.71 s, 2.04 s for linen (not met, by 0.04 s); warm
+slowest program <= 2 s: 1.65 s and 1.71 s, 2.04 s for linen in the table's run; warm
 re-init <= 0.15 s: 0.216 s (not met: a tiled program runs a loop, 1.3x a whole array's
 time in bf16; still 0.74x the fused `jax.jit`'s re-init); a restart <= 1 s with no
 compile: met; the load <= 0.8x `device_put`: 0.868x (not met in this run; the load path
-did not change, and issue 51's own run measured 0.78x at 2 GiB). The 4-layer depth
-point was not measured on the TPU (the session's device time ran out); by construction
-the programs are the same at every depth (one per tiled signature, the rest bucketed).
+did not change, and issue 51's own run measured 0.78x at 2 GiB).
+
+| `--parts depth` | slowest, 4 layers | slowest, 16 | cold, 4 layers | cold, 16 |
+|---|---|---|---|---|
+| meshinit spec path | 1.72 s | 1.79 s | 2.12 s | 2.32 s |
+| `meshinit.nnx.init` | 1.71 s | 1.79 s | 2.15 s | 2.50 s |
+| `meshinit.linen.init` | 1.84 s | 1.84 s | 2.29 s | 2.55 s |
+
+(A later session, 2026-12-06, the same chip and stack: 8 programs in each row, each
+recipe a fresh process, `--depth-layers 4`, then 16; the slowest program is the same at
+both depths, one per tiled signature and the rest bucketed. Linen's 2.04 s in the
+table's run was 1.84 s here: met at both depths.)
 Tile sizes and their measurements: benchmarks/README.md, "Tiles".
 `python benchmarks/tpu.py --cpu-check` runs every part on 8 simulated CPU devices with
 a tiny model, and the test suite runs it (slow tier)."""
