@@ -10,7 +10,7 @@ import gc  # noqa: E402
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
-from helpers import TIER, TIERS  # noqa: E402
+from helpers import FUZZ_PART, TIER, TIERS  # noqa: E402
 
 _compiles: list[str] = []
 
@@ -114,11 +114,13 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
+    k, n = FUZZ_PART
+    part = f"; the engine fuzzer draws part {k} of {n} (MESHINIT_FUZZ_PART)" if n > 1 else ""
     if TIER == "all":
-        return "meshinit tests: all tiers (MESHINIT_TESTS=all)"
+        return f"meshinit tests: all tiers (MESHINIT_TESTS=all){part}"
     return (
         "meshinit tests: the fast tier; tests marked slow are deselected and the fuzzers "
-        "run small (MESHINIT_TESTS=all runs everything, as CI does)"
+        f"run small (MESHINIT_TESTS=all runs everything, as CI does){part}"
     )
 
 

@@ -17,6 +17,21 @@ marked ``slow`` and runs the fuzzers and large property tests at a smaller size;
 other value."""
 
 
+def _fuzz_part() -> tuple[int, int]:
+    text = os.environ.get("MESHINIT_FUZZ_PART", "1/1")
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise ValueError(f"MESHINIT_FUZZ_PART={text!r} is not k/n with 1 <= k <= n; e.g. 1/2")
+    return int(k), int(n)
+
+
+FUZZ_PART = _fuzz_part()
+"""Which share of the engine fuzzer's draws this run makes (``MESHINIT_FUZZ_PART=k/n``):
+``(1, 1)``, the default, is every draw, derandomized; part ``k`` of ``n`` draws
+``1/n`` of the examples from its own fixed seed, so that ``n`` runs (CI's two stacks)
+draw different constructors, each run repeatable."""
+
+
 def examples(full: int, fast: int) -> int:
     """A property test's ``max_examples``: ``full`` with ``MESHINIT_TESTS=all``,
     ``fast`` (at most ``full``) by default."""

@@ -26,8 +26,10 @@ under the same configuration:
   warns its documented reason and the values still keep the contract.
 
 ``MESHINIT_FUZZ_EXAMPLES=N`` sets the total number of drawn constructors across the
-three frameworks (default 200, what CI runs); the draws are derandomized, so a run is
-repeatable.
+three frameworks (default 200 with ``MESHINIT_TESTS=all``); the draws are derandomized,
+so a run is repeatable. ``MESHINIT_FUZZ_PART=k/n`` makes part ``k`` of ``n``: ``N/n``
+draws from a seed of their own. CI's two stacks run parts 1/2 and 2/2, 200 different
+constructors in all.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import examples
-from hypothesis import HealthCheck, given, settings
+from helpers import FUZZ_PART, examples
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -60,8 +62,9 @@ import meshinit
 from meshinit._engine import trace as _trace
 
 EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", examples(200, 20)))
-"""Drawn constructors per run: 200 (CI size) with ``MESHINIT_TESTS=all``, 20 in the
-fast tier; ``MESHINIT_FUZZ_EXAMPLES`` sets it outright."""
+"""Drawn constructors in all: 200 (CI's size) with ``MESHINIT_TESTS=all``, 20 in the
+fast tier; ``MESHINIT_FUZZ_EXAMPLES`` sets it outright. A run that is one part of
+several (:data:`helpers.FUZZ_PART`) draws its share."""
 
 
 RELEASE_EVERY = 50
@@ -85,15 +88,22 @@ def released() -> None:
         gc.collect()
 
 
-def _settings(share: float) -> settings:
-    return settings(
-        max_examples=max(1, round(EXAMPLES * share)),
+def _settings(share: float) -> Callable[[Callable], Callable]:
+    """``share`` of :data:`EXAMPLES`, and of those this run's part
+    (:data:`helpers.FUZZ_PART`): one part is derandomized, part ``k`` of several is
+    seeded with ``k``, so that the parts draw different constructors."""
+    k, n = FUZZ_PART
+    chosen = settings(
+        max_examples=max(1, round(EXAMPLES * share / n)),
         deadline=None,
         derandomize=True,  # the same draws on every run: CI is repeatable
         database=None,
         print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
+    if n == 1:
+        return chosen
+    return lambda test: seed(k)(chosen(test))  # a seed overrides derandomize
 
 
 # ----------------------------------------------------------------------------- the contract
