@@ -65,14 +65,15 @@ def _single_device(mesh: Any, launches: int) -> tuple[list[Any], list[Any]]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import SingleDeviceSharding
 
     init = jax.nn.initializers.lecun_normal()
     fsdp, tensor = mesh.shape["fsdp"], mesh.shape["tensor"]
     shard = (SHAPE[0] // fsdp, SHAPE[1] // tensor)
     exes, args = [], []
     for d in mesh.devices.flat:
-        struct = jax.ShapeDtypeStruct((2,), np.uint32, sharding=SingleDeviceSharding(d))
+        struct = jax.ShapeDtypeStruct(
+            (2,), np.uint32, sharding=jax.sharding.make_single_device_sharding(d)
+        )
         exes.append(
             jax.jit(lambda k: init(jax.random.wrap_key_data(k), shard, jnp.float32))
             .lower(struct)

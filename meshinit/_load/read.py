@@ -396,7 +396,9 @@ def array(entry: PlanEntry, pieces: Parts) -> jax.Array:
             first = None
             made = []
             for device in devices:
-                where = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+                where = jax.sharding.make_single_device_sharding(
+                    device, memory_kind=sharding.memory_kind
+                )
                 made.append(put(block, where) if first is None else jax.device_put(first, where))
                 first = made[0]
             shards += made

@@ -41,7 +41,7 @@ def test_a_cast_that_would_change_a_value_is_a_plan_error_naming_the_part():
 def test_a_placed_block_keeps_none_of_the_memory_it_was_read_from():
     memory = np.zeros(1 << 16, np.float32)  # aligned and contiguous: a view of it may alias
     block = memory[: 1 << 12]
-    placed = read.put(block, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    placed = read.put(block, jax.sharding.make_single_device_sharding(jax.devices()[0]))
     placed.block_until_ready()
     memory[:] = 7
     assert not np.asarray(placed).any()
