@@ -127,9 +127,8 @@ def test_plain_flax_misplaces_the_counts_and_fails_under_jit_on_disjoint_meshes(
     tx = optax.adamw(1e-3)
     plain = nnx.Optimizer(model, tx, wrt=nnx.Param)
     # Step counts land on one default device, not on any of the params' meshes.
-    one = type(
-        jax.sharding.make_single_device_sharding(jax.devices()[0])
-    )  # jax 0.12.1 deprecates the name
+    # jax 0.12.1 deprecates the name SingleDeviceSharding: its type, from its maker
+    one = type(jax.sharding.make_single_device_sharding(jax.devices()[0]))
     assert isinstance(plain.step.get_value().sharding, one)
     assert isinstance(plain.opt_state[0].count.get_value().sharding, one)
     if layout == "disjoint":
