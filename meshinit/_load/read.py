@@ -263,6 +263,11 @@ class Parts:
         self._open[path] = (path.mapping(self._checked[path].identity, base, end), base)
         return self._open[path]
 
+    def order(self, keys: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """The order to place the blocks of ``keys`` (:func:`holders`' keys) in: a
+        fetch's (blocks that share pages side by side), else as given."""
+        return keys if self.fetch is None else self.fetch.order
+
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         if self.fetch is not None:
             self.fetch.ready(index)
@@ -391,7 +396,9 @@ def array(entry: PlanEntry, pieces: Parts) -> jax.Array:
     sharding, shape = entry.sharding, entry.spec.shape
     shards: list[jax.Array] = []
     try:
-        for index, devices in holders(entry).values():
+        held = holders(entry)
+        for key in pieces.order(list(held)):
+            index, devices = held[key]
             block = pieces.block(index)
             first = None
             made = []
