@@ -179,9 +179,10 @@ def load(
         meshinit's included (default 120; None: no deadline). Past it, the request is
         cancelled and the load fails naming the URL and the bytes. Ctrl-C cancels
         every request in flight at once.
-      progress: for URLs, a bar (tqdm, on stderr) of the bytes fetched and bytes per
-        second: ``True``, ``False``, or ``None`` (default: shown when stderr is a
-        terminal and the load fetches at least 1 GiB).
+      progress: a bar (tqdm, on stderr) of the bytes read (of URLs: fetched) and bytes
+        per second: ``True``, ``False``, or ``None`` (default: where stderr is a
+        terminal, shown at once for a load of at least 1 GiB, else once it has run a
+        second: a slow disk or a network filesystem makes a small load long too).
 
     Returns:
       Plan path -> ``jax.Array`` on the entry's sharding, cast to its dtype (within a
@@ -196,7 +197,11 @@ def load(
         (naming the file, the tensor and what is wrong), each missing tensor (with
         ``missing="error"``), unused tensor (with ``unused="error"``), tensor whose
         shape after the transforms is not the planned one or whose dtype cannot be
-        cast to the planned one; a malformed ``names``; a plan on abstract meshes.
+        cast to the planned one; a float8 weight of a quantized checkpoint (its
+        ``<name>_scale_inv`` beside it, or a ``quantization_config`` in config.json)
+        planned as a wider float: loading it dequantized is not supported yet (plan it
+        as float8 to read the stored values as they are); a malformed ``names``; a
+        plan on abstract meshes.
         While reading: a value that does not fit the planned dtype (an int out of
         range, a float that overflows), or a file changed since it was checked.
       TypeError: ``files``, ``names``, ``missing`` or ``unused`` are of the wrong kind.

@@ -542,6 +542,78 @@ class S3Server(Server):
 
 # --- fixtures -----------------------------------------------------------------------
 
+
+class ServedElsewhere:
+    """A :class:`FileServer` over ``root`` in a child process, so that its threads (one
+    per open connection) are not this process's, as a real server's are not: what a
+    test counts of this process's threads is then the client's alone. Faults are set
+    by a line on the child's stdin (:meth:`fail_data`); a context manager."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        import subprocess
+        import sys
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        code = (
+            f"import sys; sys.path.insert(0, {here!r}); "
+            f"import storage_servers as s; s._serve({str(root)!r})"
+        )
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._child.stdout is not None
+        self.url = self._child.stdout.readline().strip()
+        assert self.url.startswith("http://"), self.url
+
+    def url_for(self, path: str) -> str:
+        return f"{self.url}/{urllib.parse.quote(path)}"
+
+    def _say(self, line: str) -> None:
+        assert self._child.stdin is not None and self._child.stdout is not None
+        self._child.stdin.write(line + "\n")
+        self._child.stdin.flush()
+        assert self._child.stdout.readline().strip() == "ok"
+
+    def fail_data(self, path: str) -> None:
+        """From now on, every GET of ``path`` after the next one (a load's header read)
+        is answered 403: a load that fails mid-fetch."""
+        self._say(f"fail {path}")
+
+    def stall_data(self, path: str) -> None:
+        """From now on, every GET of ``path`` after the next one gets no answer (for 30
+        s): a load that hangs mid-fetch, until Ctrl-C."""
+        self._say(f"stall {path}")
+
+    def reset(self) -> None:
+        self._say("reset")
+
+    def __enter__(self) -> ServedElsewhere:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._child.kill()
+        self._child.wait(timeout=10)
+
+
+def _serve(root: str) -> None:
+    """The child of :class:`ServedElsewhere`: serves ``root`` until its stdin closes."""
+    import sys
+
+    with FileServer(root) as server:
+        print(server.url, flush=True)
+        for line in sys.stdin:
+            command, _, path = line.strip().partition(" ")
+            server.reset()
+            if command == "fail":
+                server.fail(path, 403, times=1 << 30, after=1)
+            elif command == "stall":
+                server.stall(path, seconds=30, times=1 << 30, after=1)
+            print("ok", flush=True)
+
+
 _CLEARED = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL_S3")
 _shared: dict[str, Any] = {}
 
@@ -604,6 +676,7 @@ __all__ = [
     "FileServer",
     "S3Server",
     "Served",
+    "ServedElsewhere",
     "file_server_fixture",
     "gcs_fixture",
     "https_server_fixture",

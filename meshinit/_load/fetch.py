@@ -8,7 +8,8 @@ ranges its views will read have been fetched into that mapping: each view's
 elements, in the stored layout, are runs of contiguous bytes (a row, a column block
 of a row), found from the view's strides (:func:`runs`).
 
-Blocks are fetched in chunks, in the order they are placed. A chunk holds the
+Blocks are placed in the order of the first byte each reads (blocks that share
+pages side by side), and fetched in chunks in that order. A chunk holds the
 mapping's pages its runs touch (its footprint, what it costs in memory), at most
 ``budget`` bytes of them, except that a block most of whose pages the chunk already
 holds always joins it: column blocks of a row-major tensor each touch every page of
@@ -193,9 +194,8 @@ class Fetch:
         npages = {obj: -(-len(m) // PAGE) for obj, (m, _) in maps.items()}
         self.chunks: list[Chunk] = []
         self._chunk_of: dict[tuple[Any, ...], Chunk] = {}
-        held: dict[Source, np.ndarray] = {}  # the open chunk's pages
-        pending: dict[Source, list[Spans]] = {}
-        size, members = 0, list[tuple[Any, ...]]()
+        rank = {obj: k for k, obj in enumerate(maps)}
+        found_of: list[tuple[tuple[int, int], tuple[Any, ...], dict[Source, list[Spans]]]] = []
         for index in blocks:
             spans: dict[Source, list[Spans]] = {}
             for leaf, at in _blocks.reached(node, index):
@@ -207,6 +207,22 @@ class Fetch:
                     continue
                 starts, length = runs(view, view.ctypes.data - origin[obj])
                 spans.setdefault(obj, []).append((starts, starts + length))
+            first = min(
+                ((rank[o], int(_cat(f)[0].min())) for o, f in spans.items()), default=(-1, 0)
+            )
+            found_of.append((first, _key(index), spans))
+        # Placed in the order of the first byte each block reads (stable: as the devices
+        # come where blocks start alike): blocks that share pages are then neighbours
+        # (a transposed weight's blocks of the same stored rows, which the devices
+        # interleave with others), fetched in one chunk, once. In the devices' order a
+        # small budget closed a chunk between them, and each chunk read its rows
+        # through the other's columns: 1.8x the bytes.
+        found_of.sort(key=lambda f: f[0])
+        self.order = [key for _, key, _ in found_of]
+        held: dict[Source, np.ndarray] = {}  # the open chunk's pages
+        pending: dict[Source, list[Spans]] = {}
+        size, members = 0, list[tuple[Any, ...]]()
+        for _, key, spans in found_of:
             touched = {obj: _pages(*_cat(found), npages[obj]) for obj, found in spans.items()}
             own = sum(int(p.sum()) for p in touched.values())
             shared = sum(int((p & held[o]).sum()) for o, p in touched.items() if o in held)
@@ -222,7 +238,7 @@ class Fetch:
                 pending.setdefault(obj, []).extend(found)
                 held[obj] = held[obj] | touched[obj] if obj in held else touched[obj]
             size += grows
-            members.append(_key(index))
+            members.append(key)
         if members:
             self._close(pending, members, npages)
         self._plan_release(npages)

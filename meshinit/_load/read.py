@@ -70,22 +70,23 @@ def read(
         ]
         if changed:
             raise PlanError(changed, header="meshinit.safetensors.load: nothing was read:")
+        owned = functools.partial(sum, map(_owned, jobs))
         if not any(file.fetched for file in needed):
-            for job in jobs:
-                pieces = parts(job, checked, total, budget)
-                out[job.entry.path] = array(job.entry, pieces)
-                pieces.close()
-        else:  # fetched ahead, within the budget, while each parameter is placed
-            make = functools.partial(_made, checked=checked, total=total, budget=budget)
-            owned = sum(_owned(job) for job in jobs)
-            with (
-                _progress.byte_bar("fetching", owned, progress) as update,
-                _fetch.Pipeline(jobs, make, budget, total, update) as pipeline,
-            ):
-                for job, pieces in pipeline:
+            with _progress.byte_bar("reading", owned, progress) as update:
+                for job in jobs:
+                    pieces = parts(job, checked, total, budget, update)
                     out[job.entry.path] = array(job.entry, pieces)
                     pieces.close()
-                    del pieces
+        else:  # fetched ahead, within the budget, while each parameter is placed
+            with _progress.byte_bar("fetching", owned, progress) as update:
+                make = functools.partial(
+                    _made, checked=checked, total=total, budget=budget, update=update
+                )
+                with _fetch.Pipeline(jobs, make, budget, total, update) as pipeline:
+                    for job, pieces in pipeline:
+                        out[job.entry.path] = array(job.entry, pieces)
+                        pieces.close()
+                        del pieces
     except BaseException as e:
         for made in out.values():
             made.delete()
@@ -110,8 +111,14 @@ def _owned(job: Job) -> int:
     return total
 
 
-def _made(job: Job, checked: Mapping[Source, _file.Checked], total: list[int], budget: int) -> Any:
-    return parts(job, checked, total, budget)  # looked up when called: tests wrap it
+def _made(
+    job: Job,
+    checked: Mapping[Source, _file.Checked],
+    total: list[int],
+    budget: int,
+    update: Callable[[int], None],
+) -> Any:
+    return parts(job, checked, total, budget, update)  # looked up when called: tests wrap it
 
 
 RELEASE_BYTES = 64 << 20
@@ -137,9 +144,11 @@ class Part:
         entry: PlanEntry,
         mapping: Callable[[Source], tuple[Any, int]],
         total: list[int],
+        tally: list[int] | None = None,
     ):
         stored = leaf.stored
         self.leaf, self.entry, self._total = leaf, entry, total
+        self._tally = [0] if tally is None else tally  # bytes read since the bar was told
         self._mapping, self._read = mapping, 0
         self._view_of: tuple[Any, np.ndarray] | None = None
         low = stored.start
@@ -181,6 +190,7 @@ class Part:
         block = _blocks.at(self.view, index)  # a 0-d block stays an array
         self._read += block.nbytes
         self._total[0] += block.nbytes
+        self._tally[0] += block.nbytes
         dtype = self.entry.spec.dtype
         if block.dtype != dtype:
             block = cast(block, dtype, self.entry.path, self.leaf)
@@ -214,10 +224,16 @@ class Parts:
     mapping that :class:`~meshinit._load.fetch.Fetch` fills."""
 
     def __init__(
-        self, job: Job, checked: Mapping[Source, _file.Checked], total: list[int], budget: int
+        self,
+        job: Job,
+        checked: Mapping[Source, _file.Checked],
+        total: list[int],
+        budget: int,
+        update: Callable[[int], None] = lambda n: None,
     ):
         self.job = job
         self._checked = checked
+        self._update, self._tally = update, [0]  # a local file's bytes, for the bar
         leaves = list(_blocks.leaves(job.node))
         spans: dict[Source, list[int]] = {}
         for leaf in leaves:
@@ -238,8 +254,9 @@ class Parts:
         self.parts = {}
         for leaf in leaves:
             # a fetched part's bytes are counted as they are fetched
-            counts = [0] if leaf.stored.file.fetched else total
-            self.parts[id(leaf)] = Part(leaf, job.entry, self._mapping, counts)
+            fetched_part = leaf.stored.file.fetched
+            counts, tally = ([0], [0]) if fetched_part else (total, self._tally)
+            self.parts[id(leaf)] = Part(leaf, job.entry, self._mapping, counts, tally)
         self.fetch = None  # what its fetched parts need fetched, and when
         if fetched:
             views = {
@@ -263,6 +280,11 @@ class Parts:
         self._open[path] = (path.mapping(self._checked[path].identity, base, end), base)
         return self._open[path]
 
+    def order(self, keys: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """The order to place the blocks of ``keys`` (:func:`holders`' keys) in: a
+        fetch's (blocks that share pages side by side), else as given."""
+        return keys if self.fetch is None else self.fetch.order
+
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         if self.fetch is not None:
             self.fetch.ready(index)
@@ -280,6 +302,9 @@ class Parts:
         for part in self.parts.values():
             if part.leaf.stored.file in self._open:
                 part.release(*self._open[part.leaf.stored.file])
+        read, self._tally[0] = self._tally[0], 0
+        if read:
+            self._update(read)
         if self.fetch is not None:
             self.fetch.placed(index, arrays)
 
@@ -291,9 +316,13 @@ class Parts:
 
 
 def parts(
-    job: Job, checked: Mapping[Source, _file.Checked], total: list[int], budget: int = 1 << 30
+    job: Job,
+    checked: Mapping[Source, _file.Checked],
+    total: list[int],
+    budget: int = 1 << 30,
+    update: Callable[[int], None] = lambda n: None,
 ) -> Parts:
-    return Parts(job, checked, total, budget)
+    return Parts(job, checked, total, budget, update)
 
 
 def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _blocks.Leaf) -> np.ndarray:
@@ -391,7 +420,9 @@ def array(entry: PlanEntry, pieces: Parts) -> jax.Array:
     sharding, shape = entry.sharding, entry.spec.shape
     shards: list[jax.Array] = []
     try:
-        for index, devices in holders(entry).values():
+        held = holders(entry)
+        for key in pieces.order(list(held)):
+            index, devices = held[key]
             block = pieces.block(index)
             first = None
             made = []

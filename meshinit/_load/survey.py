@@ -24,6 +24,7 @@ from . import framework as _framework
 from . import keys as _keys
 from . import layout as _layout
 from . import names as _names
+from . import quantized as _quantized
 from . import read as _read
 from . import unused as _unused
 from .header import READABLE
@@ -213,6 +214,8 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
         loaded[entry.path] = target
         reads[entry.path] = tuple(dict.fromkeys(leaf.stored.name for leaf in _layout.leaves(node)))
         jobs.append(_read.Job(read_as, node))
+    # a float8 weight planned wider, never cast without its scale
+    problems += _quantized.problems(jobs, index, functools.partial(_file.read_config, listed))
     # what a load reads none of: no path claims it, or only missing paths would
     unused, stranded = _unused.find(targets, missing, index)
     inventory = Inventory(

@@ -300,26 +300,37 @@ def fell_back(what: str, fallen: Sequence[tuple[str, Any]]) -> None:
         )
 
 
+SLOW_SECONDS = 1.0
+"""A load of fewer than :data:`MIN_BYTES` shows its bar (auto rule) once it has run this
+long: a slow disk or a network filesystem makes a small load long too."""
+
+
 @contextlib.contextmanager
-def byte_bar(what: str, total: int, progress: bool | None) -> Iterator[Callable[[int], None]]:
-    """A bar of bytes and bytes per second (a load fetching ``total`` bytes): shown as
-    ``progress`` says, or by the auto rule (stderr a terminal, at least
-    :data:`MIN_BYTES`). Yields ``update(nbytes)``, which any thread may call."""
+def byte_bar(
+    what: str, total: int | Callable[[], int], progress: bool | None
+) -> Iterator[Callable[[int], None]]:
+    """A bar of bytes and bytes per second (a load reading or fetching ``total`` bytes,
+    or a function giving them, asked only where a bar may show): shown as ``progress``
+    says, or by the auto rule: where stderr is a terminal, at once for at least
+    :data:`MIN_BYTES`, else once the load has run :data:`SLOW_SECONDS` (tqdm's
+    ``delay``: a load that ends sooner draws nothing). Yields ``update(nbytes)``, which
+    any thread may call."""
     check_progress(progress)
-    show = progress if progress is not None else _stderr_is_terminal() and total >= MIN_BYTES
-    if not show:
+    if progress is False or (progress is None and not _stderr_is_terminal()):
         yield lambda n: None
         return
+    size = total() if callable(total) else total
     from tqdm import tqdm
 
     bar = tqdm(
-        total=total,
+        total=size,
         desc=f"meshinit: {what}",
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
         file=sys.stderr,
         leave=True,
+        delay=SLOW_SECONDS if progress is None and size < MIN_BYTES else 0,
     )
     lock = threading.Lock()
 

@@ -122,3 +122,52 @@ def test_a_value_outside_int4_is_refused_naming_the_range(tmp_path):
     save_file({"w": np.full((8, 8), 8, np.int8)}, str(tmp_path / "m.safetensors"))
     plan = plan_for({"w": (8, 8)}, dtype=jnp.int4)
     load_refused(plan, tmp_path, "'w'", "outside int4's range", "wider dtype")
+
+
+# ------------------------------------------------- a local load's progress
+
+
+def progress_checkpoint(tmp_path):
+    w = np.arange(512 * 256, dtype=np.float32).reshape(512, 256)  # 512 KiB
+    save_file({"w": w, "b": w[:8].copy()}, str(tmp_path / "model.safetensors"))
+    return plan_of({"w": ((512, 256), ("fsdp", None)), "b": ((8, 256), (None, "tensor"))})
+
+
+def test_progress_true_draws_a_bar_of_the_bytes_a_local_load_reads(tmp_path, capfd):
+    # progress=True was ignored for local files: no bar, whatever the load's size
+    plan = progress_checkpoint(tmp_path)
+    st.load(plan, tmp_path, progress=True)
+    err = capfd.readouterr().err
+    assert "meshinit: reading" in err and "520k/520k" in err, err  # 512 KiB + 8 KiB, in KiB
+    st.load(plan, tmp_path, progress=False)
+    assert capfd.readouterr().err == ""
+
+
+def test_by_default_a_bar_shows_on_a_terminal_for_a_large_or_slow_load_only(
+    tmp_path, capfd, monkeypatch
+):
+    from meshinit._run import progress
+
+    plan = progress_checkpoint(tmp_path)
+    monkeypatch.setattr(progress, "_stderr_is_terminal", lambda: True)
+    st.load(plan, tmp_path)  # small and quick: nothing
+    assert capfd.readouterr().err == ""
+    monkeypatch.setattr(progress, "MIN_BYTES", 64 << 10)  # as if 1 GiB: at once
+    st.load(plan, tmp_path)
+    assert "meshinit: reading" in capfd.readouterr().err
+    monkeypatch.setattr(progress, "MIN_BYTES", 1 << 30)
+    monkeypatch.setattr(progress, "SLOW_SECONDS", 0.05)  # a slow filesystem: once it lasts
+    block = read.Part.block
+
+    def slow(self, index):
+        import time
+
+        time.sleep(0.1)
+        return block(self, index)
+
+    monkeypatch.setattr(read.Part, "block", slow)
+    st.load(plan, tmp_path)
+    assert "meshinit: reading" in capfd.readouterr().err
+    monkeypatch.setattr(progress, "_stderr_is_terminal", lambda: False)
+    st.load(plan, tmp_path)  # not a terminal: never by default
+    assert capfd.readouterr().err == ""
