@@ -32,6 +32,8 @@ HINT = (
     "hint: --rules embed=fsdp,mlp=tensor maps logical names to mesh axes "
     "(or --rules FILE: a .json list of [name, axes] pairs, or MaxText's .yml)"
 )
+# what a problem says when logical names met a mesh without rules to map them
+ASKED = ("pass rules", "not in the mesh")
 _NAME = re.compile(r"[A-Za-z_][\w.-]*")
 _FILE_SUFFIXES = (".json", ".yml", ".yaml")
 
