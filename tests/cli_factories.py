@@ -173,3 +173,34 @@ def needs_arguments(depth):
 
 
 NOT_A_FUNCTION = 3
+
+
+def _logical_nnx(mesh=None):
+    from flax import nnx
+
+    lecun = nnx.initializers.lecun_normal()
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            up = nnx.with_partitioning(lecun, ("embed", "mlp"), mesh=mesh)
+            down = nnx.with_partitioning(lecun, ("mlp", "embed"), mesh=mesh)
+            self.up = nnx.Linear(64, 256, kernel_init=up, use_bias=False, rngs=rngs)
+            self.down = nnx.Linear(256, 64, kernel_init=down, use_bias=False, rngs=rngs)
+
+    return Model(nnx.Rngs(0))
+
+
+def nnx_logical():
+    """Ordinary nnx code with logical names, no mesh and no rules: the most common
+    style, which ``meshinit plan`` plans with ``--rules`` (issue 57)."""
+    return _logical_nnx()
+
+
+def nnx_logical_on_mesh():
+    """:func:`nnx_logical` on a real (2, 4) mesh of its own (needs 8 devices)."""
+    return _logical_nnx(jax.make_mesh((2, 4), ("fsdp", "tensor")))
+
+
+def specs_logical() -> dict:
+    """Specs with logical names and neither mesh nor rules."""
+    return {"layers": [layer() for _ in range(2)]}

@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from . import rules
+
 
 class _BadInput(Exception):
     """One line for stderr (more only for a PlanError's problems); exit status 2."""
@@ -171,7 +173,7 @@ def _factory(target: str) -> Any:
     return factory
 
 
-def _problems(error: Exception, hint_mesh: bool, limit: int = 10) -> str:
+def _problems(error: Exception, hint_mesh: bool, limit: int = 10, hint_rules: bool = False) -> str:
     """A PlanError's problems, repeated layers collapsed: ``layers.{0..3}.w: ...``."""
     from .._report.report import collapse_paths
 
@@ -197,6 +199,8 @@ def _problems(error: Exception, hint_mesh: bool, limit: int = 10) -> str:
             "hint: --abstract-mesh data=16,fsdp=16,tensor=8 gives nnx Variables without a "
             "mesh one, as jax.set_mesh would"
         )
+    if hint_rules and any(s in p.message for p in problems for s in rules.ASKED):
+        shown.append(rules.HINT)
     return "\n".join([head + ":", *shown])
 
 
@@ -253,7 +257,7 @@ def _traced_nnx(factory: Any) -> tuple[str, ...] | None:
     return found[0]
 
 
-def _plan_nnx(factory: Any, target: str, mesh: Any, meshless: tuple[str, ...]) -> Any:
+def _plan_nnx(factory: Any, target: str, mesh: Any, meshless: tuple[str, ...], table: Any) -> Any:
     """``meshinit.nnx.plan(factory)``; ``mesh`` (from --abstract-mesh) goes to the
     ``meshless`` Variables, as a ``jax.set_mesh`` around the factory would give it them."""
     import re
@@ -266,9 +270,9 @@ def _plan_nnx(factory: Any, target: str, mesh: Any, meshless: tuple[str, ...]) -
         # one pattern for all of them: meshinit.nnx tries each pattern on each path
         meshes = [("|".join(map(re.escape, meshless)), mesh)]
     try:
-        return meshinit_nnx.plan(factory, meshes=meshes)
+        return meshinit_nnx.plan(factory, meshes=meshes, rules=table)
     except PlanError as e:
-        raise _BadInput(_problems(e, hint_mesh=mesh is None)) from None
+        raise _BadInput(_problems(e, hint_mesh=mesh is None, hint_rules=table is None)) from None
     except Exception as e:
         raise _BadInput(
             f"meshinit.nnx.plan({target}) failed: {_one_line(e)}{_devices_hint(e)}"
@@ -291,6 +295,7 @@ def plan_command(args: argparse.Namespace) -> int:
         if not png_dir.is_dir():
             raise _BadInput(f"cannot write {args.png}: no directory {png_dir}")
     mesh_shape = parse_mesh(args.abstract_mesh) if args.abstract_mesh is not None else None
+    table = rules.parse_rules(args.rules) if args.rules is not None else None
     if args.devices is not None:
         if args.devices < 1:
             raise _BadInput(f"--devices must be a positive number, got {args.devices}")
@@ -326,6 +331,8 @@ def plan_command(args: argparse.Namespace) -> int:
         if args.replicated:
             axes = tuple(a.strip() for a in args.replicated.split(",") if a.strip())
             stack.enter_context(meshinit.defaults(replicated=axes))
+        if table is not None:  # specs without rules of their own take these
+            stack.enter_context(meshinit.defaults(rules=table))
         # Ordinary nnx code makes its arrays as it is built: it is traced, never called,
         # and planned as meshinit.nnx.plan plans it.
         meshless = _traced_nnx(factory)
@@ -339,7 +346,7 @@ def plan_command(args: argparse.Namespace) -> int:
             meshless = _ordinary_nnx(made)  # one that cannot be traced: nnx.plan says why
         if meshless is not None:
             made = None
-            plan = _plan_nnx(factory, args.target, mesh, meshless)
+            plan = _plan_nnx(factory, args.target, mesh, meshless, table)
     ordinary_nnx = meshless is not None
     if not ordinary_nnx:
         tree = made
@@ -351,7 +358,8 @@ def plan_command(args: argparse.Namespace) -> int:
         try:
             plan = meshinit.plan(tree)
         except meshinit.PlanError as e:
-            raise _BadInput(_problems(e, hint_mesh=mesh is None)) from None
+            problems = _problems(e, hint_mesh=mesh is None, hint_rules=table is None)
+            raise _BadInput(problems) from None
         except Exception as e:
             raise _BadInput(
                 f"planning what {args.target}() returned failed: {_one_line(e)}"
@@ -459,6 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "no shardable hint (!) for them, as meshinit.defaults(replicated=...) gives"
         ),
     )
+    p_plan.add_argument("--rules", metavar="RULES", help=rules.HELP)
     view = p_plan.add_mutually_exclusive_group()
     view.add_argument("--json", action="store_true", help="print Plan.to_json()")
     view.add_argument("--compact", action="store_true", help="collapse repeated layers")
@@ -473,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         try:
             return plan_command(args)
-        except _BadInput as e:
+        except (_BadInput, rules.RulesError) as e:
             print(f"meshinit plan: {e}", file=sys.stderr)
             return 2
         except BrokenPipeError:  # `meshinit plan ... | head`: the reader has gone

@@ -499,3 +499,161 @@ def test_replicated_flag_quiets_the_hints_for_those_axes(capsys):
     assert rc == 0 and "fsdp=2 could shard" not in quiet and "tensor=4 could shard" in quiet
     rc, _, err = plan_cli(capsys, f"{F}:mixed", *MESH, "--replicated", "fsdpp")
     assert rc == 2 and "'fsdpp', which no mesh of the plan has" in err
+
+
+# --rules: logical names to mesh axes, inline or from a file (issue 57)
+
+LOGICAL_RULES = (("embed", "fsdp"), ("mlp", "tensor"))
+RULES_FILES = {
+    "rules.json": '[["embed", "fsdp"], ["mlp", ["tensor"]], ["unused", null]]',
+    # MaxText's config style: the table under logical_axis_rules, among other keys
+    "base.yml": (
+        "model_name: tiny\n"
+        "logical_axis_rules: [\n"
+        "  ['embed', 'fsdp'],\n"
+        "  ['mlp', ['tensor']],\n"
+        "  ['unused', null],\n"
+        "]\n"
+    ),
+}
+
+
+def test_logical_nnx_code_needs_rules_and_the_error_names_the_option(capsys):
+    rc, out, err = plan_cli(capsys, f"{F}:nnx_logical", *MESH)
+    assert rc == 2 and out == ""
+    assert "'embed', 'mlp'" in err or "'embed'" in err
+    assert err.rstrip().endswith(
+        "hint: --rules embed=fsdp,mlp=tensor maps logical names to mesh axes (or --rules "
+        "FILE: a .json list of [name, axes] pairs, or MaxText's .yml)"
+    )
+
+
+@pytest.mark.parametrize("form", ["inline", "rules.json", "base.yml"])
+def test_rules_plan_logical_nnx_code_as_nnx_plan_with_rules(capsys, tmp_path, form):
+    if form == "inline":
+        value = "embed=fsdp,mlp=tensor"
+    else:
+        (tmp_path / form).write_text(RULES_FILES[form])
+        value = str(tmp_path / form)
+    rc, out, err = plan_cli(capsys, f"{F}:nnx_logical", *MESH, "--rules", value, "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    for m in d["meshes"]:
+        del m["mesh_from"]
+    mesh = auto_abstract_mesh((2, 4), ("fsdp", "tensor"))
+    expected = meshinit.nnx.plan(factory("nnx_logical"), meshes=[(".*", mesh)], rules=LOGICAL_RULES)
+    assert d == expected.to_dict()
+    specs = {p["path"]: p["partition_spec"] for p in d["params"]}
+    assert specs == {"up.kernel": ["fsdp", "tensor"], "down.kernel": ["tensor", "fsdp"]}
+
+
+def test_rules_map_a_name_to_several_axes_or_to_none(capsys):
+    rules = ["--rules", "embed=fsdp+tensor,mlp="]
+    rc, out, err = plan_cli(capsys, f"{F}:nnx_logical", *MESH, *rules, "--json")
+    assert rc == 0, err
+    specs = {p["path"]: p["partition_spec"] for p in json.loads(out)["params"]}
+    assert specs == {
+        "up.kernel": [["fsdp", "tensor"], None],
+        "down.kernel": [None, ["fsdp", "tensor"]],
+    }
+
+
+def test_rules_reach_specs_without_rules_of_their_own(capsys):
+    rc, out, err = plan_cli(
+        capsys, f"{F}:specs_logical", *MESH, "--rules", "embed=fsdp,mlp=tensor,norm="
+    )
+    assert rc == 0, err
+    mesh = auto_abstract_mesh((2, 4), ("fsdp", "tensor"))
+    with meshinit.defaults(mesh=mesh, rules=(*LOGICAL_RULES, ("norm", None))):
+        expected = meshinit.plan(cli_factory_specs("specs_logical"))
+    specs = {e.path: e.sharding.spec for e in expected.entries}
+    assert specs["layers.1.up"] == jax.P("fsdp", "tensor") and specs["layers.1.norm"] == jax.P(None)
+    assert out.rstrip("\n") == str(expected).replace(
+        "mesh 0: AbstractMesh(fsdp=2, tensor=4; Auto)",
+        "mesh 0: AbstractMesh(fsdp=2, tensor=4; Auto)  (mesh from --abstract-mesh)",
+    )
+
+
+def test_rules_with_a_real_mesh_of_the_factorys_own(capsys):
+    # what --devices 8 gives a subprocess (test_subprocess_rules_with_devices); here the
+    # tests' 8 simulated devices
+    rc, out, err = plan_cli(capsys, f"{F}:nnx_logical_on_mesh", "--rules", "embed=fsdp,mlp=tensor")
+    assert rc == 0, err
+    expected = meshinit.nnx.plan(factory("nnx_logical_on_mesh"), rules=LOGICAL_RULES)
+    assert [e.sharding.spec for e in expected.entries] == [
+        jax.P("tensor", "fsdp"),
+        jax.P("fsdp", "tensor"),
+    ]
+    assert out.rstrip("\n") == str(expected)
+
+
+def test_a_rule_naming_an_axis_the_mesh_lacks_is_the_planners_error(capsys):
+    rc, out, err = plan_cli(capsys, f"{F}:nnx_logical", *MESH, "--rules", "embed=fsdp,mlp=model")
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert "'model'" in err and "problem" in err
+    assert "hint: --rules" not in err  # rules were given: the fix is in them
+
+
+def test_a_yaml_rules_file_without_pyyaml_names_the_package(capsys, tmp_path, monkeypatch):
+    (tmp_path / "base.yml").write_text(RULES_FILES["base.yml"])
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml raises ImportError
+    rc, out, err = plan_cli(
+        capsys, f"{F}:nnx_logical", *MESH, "--rules", str(tmp_path / "base.yml")
+    )
+    assert rc == 2 and out == ""
+    assert err == (
+        f"meshinit plan: --rules {tmp_path / 'base.yml'}: reading a YAML file needs PyYAML, "
+        f"which is not installed: pip install pyyaml (or give the rules as JSON)\n"
+    )
+
+
+BAD_RULES = [
+    ("nope.json", r"--rules nope\.json: no such file; expected NAME=AXES pairs"),
+    ("embed", r"--rules 'embed': no such file, and not NAME=AXES pairs; expected NAME=AXES"),
+    ("embed=fsdp,mlp", r"--rules 'embed=fsdp,mlp': 'mlp' is not NAME=AXES; expected"),
+    ("embed=fsdp,mlp=ten sor", r"'mlp=ten sor': 'ten sor' is not a mesh axis name; expected"),
+    ("embed=fsdp+fsdp", r"'embed=fsdp\+fsdp' names a mesh axis twice; expected"),
+    ("=fsdp", r"'' is not a logical axis name; expected"),
+]
+
+
+@pytest.mark.parametrize("value, message", BAD_RULES, ids=[v for v, _ in BAD_RULES])
+def test_bad_rules_are_one_line_and_exit_2(capsys, value, message):
+    rc, out, err = plan_cli(capsys, f"{F}:nnx_logical", *MESH, "--rules", value)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("meshinit plan: ")
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        (
+            "r.json",
+            '[["embed"], ["mlp", 3], ["ok", "fsdp"]]',
+            r"entry 0 \[\"embed\"\], entry 1 \[\"mlp\", 3\]: each entry is \[name, axes\]",
+        ),
+        ("r.json", '{"embed": "fsdp"}', r"a dict, not a list of \[name, axes\] pairs"),
+        ("r.json", "[[", r"not JSON: "),
+        ("r.yml", "rules: []\n", r"no logical_axis_rules key \(found: rules\); a YAML rules file"),
+        ("r.yaml", "a: [\n", r"not YAML: "),
+    ],
+)
+def test_a_malformed_rules_file_names_the_file_and_entry(capsys, tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    rc, out, err = plan_cli(capsys, f"{F}:nnx_logical", *MESH, "--rules", str(tmp_path / name))
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"meshinit plan: --rules {tmp_path / name}: ")
+    assert re.search(message, err), err
+
+
+@pytest.mark.slow
+def test_subprocess_rules_with_devices():
+    args = ["-m", "meshinit", "plan", "tests/cli_factories.py:nnx_logical_on_mesh"]
+    ok = run_python(*args, "--devices", "8", "--rules", "embed=fsdp,mlp=tensor", "--compact")
+    assert ok.returncode == 0, ok.stderr
+    assert "mesh 0: Mesh(fsdp=2, tensor=4; Explicit; devices 0-7)" in ok.stdout
+    rows = {line.split()[0]: line.split() for line in ok.stdout.splitlines() if "kernel" in line}
+    assert rows["up.kernel"][4] == "fsdp,tensor" and rows["down.kernel"][4] == "tensor,fsdp"
+    bare = run_python(*args, "--devices", "8")
+    assert bare.returncode == 2 and "hint: --rules" in bare.stderr

@@ -1,5 +1,6 @@
 """The docs site: it builds strictly, every public name is documented, every page is in
-the nav, and the runnable scripts on the guide pages run."""
+the nav, and the command line page's sessions print what it shows. The pages' python
+blocks run in ``test_doc_blocks.py``."""
 
 import ast
 import dataclasses
@@ -342,33 +343,7 @@ def test_every_nav_page_exists_and_every_page_is_in_the_nav():
     assert not orphans, f"in docs/ but not in the nav: {orphans}"
 
 
-# ----------------------------------------------------------------------------- scripts
-
-
-def _scripts(page: str) -> list[tuple[str, str | None, list[str]]]:
-    """The page's complete scripts: python blocks that set up the simulated devices.
-
-    Each comes with what the page says it does, up to the next script:
-    - the text block right after it, when that block shows a traceback: the script is
-      the "before" of a migration, and must fail the way the page says;
-    - the text blocks that show a plan table (``mesh 0: ...``): the script must print
-      them exactly, so the page cannot drift from meshinit's output.
-    """
-    text = (DOCS / page).read_text()
-    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)
-    starts = [
-        i
-        for i, (lang, code) in enumerate(blocks)
-        if lang == "python" and "jax_num_cpu_devices" in code
-    ]
-    out = []
-    for start, end in zip(starts, [*starts[1:], len(blocks)], strict=True):
-        shown = [code for lang, code in blocks[start + 1 : end] if lang == "text"]
-        error = shown[0] if start + 1 < end and blocks[start + 1][0] == "text" else None
-        error = error if error and error.startswith("Traceback") else None
-        tables = [t for t in shown if t.startswith("mesh 0: ")]
-        out.append((blocks[start][1], error, tables))
-    return out
+# ----------------------------------------------------------------------------- pages
 
 
 def test_the_readme_requirements_name_every_extra():
@@ -384,56 +359,6 @@ def test_the_readme_requirements_name_every_extra():
     missing = [name for name in extras if f"`{name}`" not in section]
     assert not missing, f"README's requirements do not name the extras {missing}"
     assert "pip install 'meshinit[safetensors]'" in section
-
-
-# The pages whose complete scripts run in the tests, and how many each has at least.
-SCRIPT_PAGES = {
-    "getting-started.md": 1,
-    "migrating.md": 9,
-    "train_state.md": 4,
-    "nnx.md": 3,
-    "linen.md": 4,
-    "equinox.md": 1,
-    "placements.md": 3,
-    "checkpoints.md": 2,
-    "pretrained.md": 5,
-}
-
-
-@pytest.mark.parametrize("page", SCRIPT_PAGES)
-def test_each_guide_page_keeps_its_complete_scripts(page):
-    found = len(_scripts(page))
-    assert found >= SCRIPT_PAGES[page], f"{page}: {found} complete scripts, want all of them"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "page,index",
-    [(page, i) for page in SCRIPT_PAGES for i in range(len(_scripts(page)))],
-)
-def test_guide_scripts_run_as_shown(page, index, tmp_path):
-    code, shown_error, tables = _scripts(page)[index]
-    script = tmp_path / "script.py"
-    script.write_text(code)
-    r = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    if shown_error is None:
-        assert r.returncode == 0, f"{page} script {index} failed:\n{code}\n{r.stderr}"
-        for table in tables:
-            assert table in r.stdout, f"{page}: the page shows\n{table}\nbut it printed\n{r.stdout}"
-        return
-    # The page shows a traceback: the script must fail with the exception it shows.
-    raised = re.findall(r"^([\w.]+(?:Error|Exception)):", shown_error, re.M)
-    assert raised, f"{page} script {index}: the traceback shown names no exception"
-    error = raised[-1].rsplit(".", 1)[-1]
-    assert r.returncode != 0, f"{page} script {index} should fail with {error}, but ran"
-    assert error in r.stderr, f"{page} script {index}: expected {error}, got:\n{r.stderr}"
 
 
 def _cli_sessions() -> tuple[dict[str, str], list[tuple[str, str]]]:
