@@ -307,8 +307,9 @@ def test_plan_error_prints_its_problems_collapsed(capsys):
     assert rc == 2 and out == ""
     assert err.splitlines() == [
         "meshinit plan: 7 problems found while planning (2 after collapsing repeated layers):",
-        "  layers.{0..5}.up: logical axis 'mlpp' has no rule; known: embed, mlp, norm, vocab; "
-        "add ('mlpp', None) to the rules to replicate it",
+        "  layers.{0..5}.up: logical axis 'mlpp' has no rule; did you mean 'mlp'? (known: "
+        "embed, mlp, norm, vocab); fix the name, or add ('mlpp', None) to the rules to "
+        "replicate it",
         "  odd: dimension 0 (logical 'vocab') of size 3 is not divisible by mesh axes 'tensor' "
         "of size 4; pad the dimension or map it to other mesh axes",
     ]
