@@ -15,7 +15,6 @@ import meshinit.eqx
 import meshinit.linen
 import meshinit.nnx
 
-lecun = jax.nn.initializers.lecun_normal()
 BAD_RULE = (("embed", "fsdp"), ("mlp", "model"))  # no mesh has 'model'
 
 
@@ -48,7 +47,13 @@ def _message(call) -> str:
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_a_rule_naming_a_missing_axis_reads_the_same_on_every_path(kind):
     mesh = _mesh(kind)
-    spec = meshinit.param((8, 16), lecun, axes=("embed", "mlp"), mesh=mesh, rules=BAD_RULE)
+    spec = meshinit.param(
+        (8, 16),
+        jax.nn.initializers.lecun_normal(),
+        axes=("embed", "mlp"),
+        mesh=mesh,
+        rules=BAD_RULE,
+    )
     want = (
         "rule ('mlp', 'model') names mesh axis 'model', which is in none of the plan's "
         "meshes (axes: fsdp, tensor); flax would build a PartitionSpec jax refuses, and "
