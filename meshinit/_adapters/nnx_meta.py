@@ -179,7 +179,8 @@ def spec_for(
         unruled = _nnx_rules.unruled(meta, raw, mesh)
         missed = _nnx_rules.misses(meta, raw, path, mesh)
         if unruled or missed:
-            problems += [Problem(path, m) for m in unruled] + missed
+            problems += [Problem(path, m) for m in unruled]
+            problems += missed
             return None
         # flax returns None only for a Variable without a shape; this one has a value
         pspec = tuple(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(var)))

@@ -236,7 +236,7 @@ def missing_axis_problems(
     return list(found.values())
 
 
-def rule_axis_message(rule: Rule, axis: str, known: Sequence[str], mesh: str = "") -> str:
+def rule_axis_message(rule: Rule, axis: str, known: Sequence[str], mesh: Sequence[str] = ()) -> str:
     """The one wording of a rule that names a mesh axis its parameter cannot use: the
     spec path's, linen's, equinox's and nnx's (:func:`missing_axis_problems`).
 
