@@ -99,9 +99,10 @@ def heatmap(record: dict[str, Any]) -> Any:
                 if ids is not None:
                     text = f"device {ids[r, c]}\n{text}"
                 if extra[r, c] > 0:
-                    text += f"\n+{human_bytes(int(extra[r, c]))} other meshes"
+                    text += f"\n+{human_bytes(int(extra[r, c]))}\nother meshes"
                 color = "white" if v < top / 2 else "black"  # readable on viridis
-                ax.text(c, r, text, ha="center", va="center", fontsize=7, color=color)
+                size = 7 if grid.shape[1] <= 4 else 6  # eight columns of text still fit
+                ax.text(c, r, text, ha="center", va="center", fontsize=size, color=color)
     bar = fig.colorbar(image, ax=list(axes), format=fmt)
     bar.set_ticks(_byte_ticks(top, MaxNLocator))
     # Short lines: a label longer than one panel is tall would be cut off at the edges.

@@ -43,7 +43,7 @@ def test_heatmap_draws_each_mesh_grid_with_its_own_bytes_per_device():
     others = total - plan.groups[2].device_bytes
     texts = [t.get_text() for t in images[2].texts]
     assert texts[1] == (
-        f"device 7\n{plan.groups[2].device_bytes} B\n+{meshinit._format.human_bytes(others)} "
+        f"device 7\n{plan.groups[2].device_bytes} B\n+{meshinit._format.human_bytes(others)}\n"
         f"other meshes"
     )
 
