@@ -84,33 +84,47 @@ def _ranges(values: frozenset[int]) -> str:
     return "{" + ",".join(parts) + "}"
 
 
-def _boxes(points: list[tuple[int, ...]]) -> list[tuple[frozenset[int], ...]]:
-    """Distinct index tuples as products of index sets whose union is exactly them.
+Box = tuple[frozenset[int], ...]
+
+
+def _boxes(points: list[tuple[tuple[int, ...], int]]) -> list[tuple[Box, list[int]]]:
+    """Index tuples as products of index sets whose union is exactly them, each with the
+    positions of the points it holds (a point may repeat: a problem said twice).
 
     One box when the tuples form a full product, as the layers of one stack do. Else
     split on the first index and merge the values whose rest splits the same way, so
     that ``stages.0.layers.{0..3}`` and ``stages.1.layers.{4..7}`` stay two rows
-    rather than claiming ``stages.{0,1}.layers.{0..7}``.
+    rather than claiming ``stages.{0,1}.layers.{0..7}``. Linear in the points: each
+    point is handed down once per index, never tested against every box.
     """
-    if not points[0]:
-        return [()]
-    sets = [frozenset(p[i] for p in points) for i in range(len(points[0]))]
-    if math.prod(map(len, sets)) == len(points):
-        return [tuple(sets)]
-    rests: dict[int, list[tuple[int, ...]]] = {}
-    for p in points:
-        rests.setdefault(p[0], []).append(p[1:])
-    merged: dict[tuple[tuple[frozenset[int], ...], ...], list[int]] = {}
+    positions = [k for _, k in points]
+    if not points[0][0]:
+        return [((), positions)]
+    sets = [frozenset(p[i] for p, _ in points) for i in range(len(points[0][0]))]
+    if math.prod(map(len, sets)) == len({p for p, _ in points}):
+        return [(tuple(sets), positions)]
+    rests: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+    for p, k in points:
+        rests.setdefault(p[0], []).append((p[1:], k))
+    merged: dict[tuple[Box, ...], tuple[list[int], list[list[int]]]] = {}
     for first, rest in rests.items():
-        merged.setdefault(tuple(_boxes(rest)), []).append(first)
-    return [(frozenset(firsts), *box) for boxes, firsts in merged.items() for box in boxes]
+        below = _boxes(rest)
+        firsts, held = merged.setdefault(tuple(b for b, _ in below), ([], [[] for _ in below]))
+        firsts.append(first)
+        for into, (_, ks) in zip(held, below, strict=True):
+            into.extend(ks)
+    return [
+        ((frozenset(firsts), *box), sorted(ks))
+        for boxes, (firsts, held) in merged.items()
+        for box, ks in zip(boxes, held, strict=True)
+    ]
 
 
 def collapse_paths(paths: Sequence[str], keys: Sequence[Any]) -> list[tuple[str, list[int]]]:
     """Paths that differ only in integer components and share a key, as one row each.
 
     Args:
-      paths: dot-joined paths, distinct among those with the same key.
+      paths: dot-joined paths; one repeated with the same key is one path.
       keys: one hashable per path; only paths with equal keys collapse.
 
     Returns:
@@ -126,10 +140,7 @@ def collapse_paths(paths: Sequence[str], keys: Sequence[Any]) -> list[tuple[str,
         keyed.setdefault((template, key), []).append((index, position))
     rows: list[tuple[str, list[int]]] = []
     for (template, _), members in keyed.items():
-        for box in _boxes([index for index, _ in members]):
-            chosen = [
-                k for index, k in members if all(v in b for v, b in zip(index, box, strict=True))
-            ]
+        for box, chosen in _boxes(members):
             sets = iter(box)
             path = ".".join(_ranges(next(sets)) if p is None else p for p in template)
             rows.append((path or "<root>", chosen))
