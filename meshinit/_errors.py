@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from ._format import collapse_paths
 
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -52,7 +54,10 @@ class PlanError(ValueError):
 
     Attributes:
       problems: one :class:`Problem` per problem, each naming its path. ``str(p)``
-        reads ``"layers.3.mlp.up: logical axis 'mlpp' has no rule; ..."``.
+        reads ``"layers.3.mlp.up: logical axis 'mlpp' has no rule; ..."``. The
+        message says each distinct problem once: the same message in repeated layers
+        is one line, ``layers.{0..31}.mlp.up: ...``, while ``problems`` keeps every
+        path.
 
     Examples:
       >>> specs = {"up": meshinit.param((d, 4 * d), init, axes=("embed", "mlpp"),
@@ -68,8 +73,29 @@ class PlanError(ValueError):
     def __init__(self, problems: Iterable[Problem], header: str | None = None):
         self.problems = list(problems)
         n = len(self.problems)
-        header = header or f"{n} problem{'s' if n != 1 else ''} found while planning:"
-        super().__init__("\n".join([header, *(f"  {p}" for p in self.problems)]))
+        lines = collapsed(self.problems)
+        if header is None:
+            header = f"{n} problem{'s' if n != 1 else ''} found while planning"
+            if len(lines) < n:
+                header += f" ({len(lines)} after collapsing repeated layers)"
+            header += ":"
+        super().__init__("\n".join([header, *(f"  {line}" for line in lines)]))
+
+
+def collapsed(problems: Sequence[Problem]) -> list[str]:
+    """Problems as message lines, one per distinct message over repeated layers.
+
+    The same message at paths that differ only in their integer components is one
+    line naming the layers: ``layers.{0..31}.mlp.up: logical axis 'mlpp' has no
+    rule; ...``. Every path a line stands for is named by it exactly (see
+    :func:`meshinit._format.collapse_paths`); the problems themselves are not merged.
+    """
+    rows = collapse_paths([p.path for p in problems], [p.message for p in problems])
+    out = []
+    for path, positions in rows:
+        first = problems[positions[0]]
+        out.append(f"{printable(path)}: {first.message}" if first.path else str(first))
+    return out
 
 
 class UnusedPatternWarning(UserWarning):

@@ -95,3 +95,49 @@ def test_a_renamed_method_warns_as_a_deprecation_and_a_peer_failure_is_a_runtime
     assert not issubclass(RenamedWarning, UserWarning)
     assert issubclass(meshinit.PeerFailure, RuntimeError)
     assert str(meshinit.PeerFailure("process 1 failed")) == "process 1 failed"
+
+
+def test_the_same_problem_in_repeated_layers_is_one_line_naming_the_layers():
+    problems = [
+        meshinit.Problem(f"layers.{i}.mlp.up", "logical axis 'mlpp' has no rule") for i in range(32)
+    ] + [meshinit.Problem("layers.7.mlp.down", "dimension 0 is not divisible")]
+    err = meshinit.PlanError(problems)
+    assert str(err) == (
+        "33 problems found while planning (2 after collapsing repeated layers):\n"
+        "  layers.{0..31}.mlp.up: logical axis 'mlpp' has no rule\n"
+        "  layers.7.mlp.down: dimension 0 is not divisible"
+    )
+    assert err.problems == problems  # the data keeps every path
+    # A header of the caller's own is kept; the lines collapse all the same.
+    err = meshinit.PlanError(problems[:3], header="cannot load:")
+    assert str(err) == "cannot load:\n  layers.{0..2}.mlp.up: logical axis 'mlpp' has no rule"
+
+
+def test_layers_with_other_messages_or_gaps_are_not_claimed():
+    problems = [meshinit.Problem(f"layers.{i}.w", "bad") for i in (0, 1, 2, 5)]
+    problems.append(meshinit.Problem("layers.3.w", "other"))
+    assert str(meshinit.PlanError(problems)).splitlines()[1:] == [
+        "  layers.{0..2,5}.w: bad",
+        "  layers.3.w: other",
+    ]
+
+
+def test_a_plan_of_32_layers_with_one_typo_raises_one_line():
+    import jax
+
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+    rules = (("embed", "fsdp"), ("mlp", "tensor"))
+    specs = {
+        "layers": [
+            {"up": meshinit.param((8, 16), jax.nn.initializers.zeros, axes=("embed", "mlpp"),
+                                  mesh=mesh, rules=rules)}
+            for _ in range(32)
+        ]
+    }  # fmt: skip
+    with pytest.raises(
+        meshinit.PlanError,
+        match=r"^32 problems found while planning \(1 after collapsing repeated layers\):\n"
+        r"  layers\.\{0\.\.31\}\.up: logical axis 'mlpp' has no rule; did you mean 'mlp'\?[^\n]*$",
+    ) as exc:
+        meshinit.plan(specs)
+    assert [p.path for p in exc.value.problems] == [f"layers.{i}.up" for i in range(32)]

@@ -4,7 +4,7 @@ message."""
 import jax
 from jax.sharding import AbstractMesh, AxisType
 
-from meshinit._format import axes_text, describe_mesh, human_bytes, some
+from meshinit._format import axes_text, collapse_paths, describe_mesh, human_bytes, some
 
 
 def test_human_bytes_uses_binary_units_and_whole_bytes():
@@ -36,3 +36,19 @@ def test_some_shows_the_first_items_and_counts_the_rest():
     assert some(["a", "b"]) == "a, b"
     assert some(list("abcdefg")) == "a, b, c and 4 more"
     assert some(list("abc"), n=1) == "a and 2 more"
+
+
+def test_a_path_repeated_with_one_key_collapses_without_claiming_other_paths():
+    # the same problem said twice at each of two layers: two rows, never l.{0,1}.{0,1}
+    paths = ["l.0.0", "l.0.0", "l.1.1", "l.1.1"]
+    assert collapse_paths(paths, ["x"] * 4) == [("l.0.0", [0, 1]), ("l.1.1", [2, 3])]
+    paths = ["l.0.w", "l.1.w", "l.1.w", "l.2.w"]
+    assert collapse_paths(paths, ["x"] * 4) == [("l.{0..2}.w", [0, 1, 2, 3])]
+
+
+def test_irregular_layers_split_into_exact_rows_holding_every_position():
+    paths = [f"stages.{s}.layers.{i}.w" for s, i in [(0, 0), (0, 1), (1, 4), (1, 5), (0, 2)]]
+    assert collapse_paths(paths, [None] * 5) == [
+        ("stages.0.layers.{0..2}.w", [0, 1, 4]),
+        ("stages.1.layers.{4,5}.w", [2, 3]),
+    ]

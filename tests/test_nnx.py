@@ -161,7 +161,8 @@ def test_a_name_that_is_not_a_mesh_axis_is_a_plan_error_naming_the_variable():
 
     with pytest.raises(
         meshinit.PlanError,
-        match=r"inner.w: logical axis name\(s\) 'B' .* sharding_rules, which were searched",
+        match=r"inner.w: logical axis 'B' in its sharding \('a', 'B'\) has no rule in its "
+        r"sharding_rules and is not a mesh axis",
     ):
         meshinit.nnx.init(Model)
 

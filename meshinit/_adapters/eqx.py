@@ -119,7 +119,7 @@ def specs_from_placements(
                 Problem(
                     "",
                     f"{placement.name}: no mesh for the leaves it places ({path}, ...); pass "
-                    f"mesh= to meshinit.eqx.init, {_parsed.CONTEXT}, or {placement.own_mesh}",
+                    f"mesh= to {what}, {_parsed.CONTEXT}, or {placement.own_mesh}",
                 ),
             )
             continue

@@ -220,7 +220,9 @@ def prepare(
         if override is not None:
             fallback = (override, None if placement is None else placement[1])
         specs.append(
-            _linen_meta.spec_for(path, leaf, mesh, rules, fallback, problems, override=override)
+            _linen_meta.spec_for(
+                path, leaf, mesh, rules, fallback, problems, override=override, call=what
+            )
         )
     # A meshes= pattern that matches no variable places nothing: likely a typo, warned.
     names = [_paths.path_str(k) for k, _ in flat]

@@ -98,10 +98,12 @@ def spec_for(
     default: tuple[Any, Any] | None,
     problems: list[Problem],
     override: Any = None,
+    call: str = "meshinit.linen.init",
 ) -> ParamSpec | None:
     """Translates one variable (boxed or not) into a spec; records what is wrong.
 
-    ``override`` (a ``meshes=`` match) wins over the annotation's own mesh.
+    ``override`` (a ``meshes=`` match) wins over the annotation's own mesh; ``call``
+    is the function the user called, as a message names it.
     """
     boxed = isinstance(leaf, meta.Partitioned)
     value = _placeable(path, leaf, problems)
@@ -129,8 +131,8 @@ def spec_for(
             problems.append(
                 Problem(
                     path,
-                    "is annotated but has no mesh: pass mesh= to meshinit.linen.init or "
-                    "to its annotation, or call under jax.set_mesh",
+                    f"is annotated but has no mesh: pass mesh= to {call} or to its "
+                    f"annotation, or call under jax.set_mesh",
                 )
             )
             return None
@@ -143,7 +145,7 @@ def spec_for(
                     Problem(
                         path,
                         f"has logical axis names {names} but no rules: pass rules= to "
-                        f"meshinit.linen.init or to its annotation, or call under "
+                        f"{call} or to its annotation, or call under "
                         f"nn.logical_axis_rules(...)",
                     )
                 )

@@ -22,6 +22,7 @@ from .._spec import rules as _rules
 from .._spec.spec import ParamSpec
 from . import common as _adapters
 from . import nnx_meta as _nnx_meta
+from . import nnx_rules as _nnx_rules
 from .placement import parsed as _parsed
 from .placement import read as _placements
 from .placement import replicas as _replicas
@@ -152,7 +153,7 @@ def prepare_here(
         if _nnx_meta.left_as_is(by_path[p], placement):
             continue  # numpy that flax leaves as it is: so does meshinit
         spec = _nnx_meta.spec_for(
-            by_path[p], structs[p], problems, dotted(p), patterns, mesh, placement, replicas
+            by_path[p], structs[p], problems, dotted(p), patterns, mesh, placement, replicas, what
         )
         if spec is not None:
             specs[p] = spec
@@ -165,6 +166,7 @@ def prepare_here(
     others = [(dotted(p), v.get_value()) for p, v in flat if p not in avals]  # int, None
     problems += table.finish(what, names, "metadata", others)
     problems += replicas.problems(what, _parsed.CONTEXT)
+    problems = _nnx_rules.settle(problems, [s.mesh for s in specs.values()])
     plan = _planner.build_plan(nest(specs), check_inits=False, problems=problems)
     # flax's spelling (nnx.get_named_sharding of the abstract state), so == holds: as
     # many entries as the annotation has, and P() for a Variable without one. Typed

@@ -27,6 +27,7 @@ from .._spec import rules as _rules
 from .._spec.constructor import from_constructor
 from .._spec.spec import ParamSpec, key_spec, memory_kind_default, replicated_default
 from . import common as _adapters
+from . import nnx_rules as _nnx_rules
 from .placement.forms import Placements
 from .placement.parsed import Parsed
 from .placement.replicas import Replicas
@@ -119,29 +120,6 @@ def _sharding_names(meta: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(next((meta[k] for k in keys if meta.get(k)), ()))
 
 
-def _unruled_names(meta: dict[str, Any], mesh: Any) -> str | None:
-    """With ``sharding_rules`` (or flax's context rules), the names in the sharding
-    that no rule maps and the mesh does not have: flax would pass them through as mesh
-    axes, and the core would then say only that the mesh lacks them."""
-    local = meta.get("sharding_rules")
-    context = flax_spmd.get_logical_axis_rules()
-    if not local and not context:
-        return None
-    raw = _sharding_names(meta)
-    names = [n for e in raw for n in (e if isinstance(e, tuple) else (e,)) if isinstance(n, str)]
-    ruled = {r[0] for r in (*(context or ()), *(local or ()))}
-    missing = [n for n in dict.fromkeys(names) if n not in ruled and n not in mesh.axis_names]
-    if not missing:
-        return None
-    given = "its sharding_rules" if local else "flax's logical axis rules"
-    return (
-        f"logical axis name(s) {', '.join(map(repr, missing))} in its sharding "
-        f"{tuple(raw)} have no rule in {given}, which were searched (rules for "
-        f"{', '.join(map(repr, sorted(ruled)))}), and are not axes of the mesh "
-        f"({', '.join(mesh.axis_names)}); add a rule or fix the name"
-    )
-
-
 def spec_for(
     var: nnx.Variable,
     value: Any,
@@ -151,6 +129,7 @@ def spec_for(
     mesh: Mesh | AbstractMesh | None,
     placement: Parsed | None,
     replicas: Replicas,
+    call: str = "meshinit.nnx.init",
 ) -> ParamSpec | None:
     """Translates flax's sharding metadata into a spec whose axes are mesh axes.
 
@@ -165,7 +144,8 @@ def spec_for(
     A ``placement`` (the first ``placements=`` entry that matches ``path``) overrides
     the metadata: its axes, and its mesh (else ``mesh``, else the context mesh, else
     the Variable's own, else for a replicated one the mesh of ``replicas``), unless a
-    ``meshes`` pattern matches; :func:`placed_spec`.
+    ``meshes`` pattern matches; :func:`placed_spec`. ``call`` is the function the user
+    called, as a message names it.
     """
     shape, dtype = value.shape, value.dtype
     if is_key(value):  # keys travel as their uint32 data; rewrapped after placement
@@ -189,18 +169,21 @@ def spec_for(
             problems.append(
                 Problem(
                     path,
-                    "has sharding metadata but no mesh: pass mesh= to the Variable, "
-                    "build it under jax.set_mesh, or give it one with meshes=",
+                    f"has sharding metadata but no mesh: pass mesh= to {call} (or to the "
+                    f"Variable), build it under jax.set_mesh, or give it one with meshes=",
                 )
             )
             return None
-        unruled = _unruled_names(meta, mesh)
-        if unruled:
-            problems.append(Problem(path, unruled))
+        raw = _sharding_names(meta)
+        # in the core's words, naming the rule (_nnx_rules.settle words each miss)
+        unruled = _nnx_rules.unruled(meta, raw, mesh)
+        missed = _nnx_rules.misses(meta, raw, path, mesh)
+        if unruled or missed:
+            problems += [Problem(path, m) for m in unruled]
+            problems += missed
             return None
         # flax returns None only for a Variable without a shape; this one has a value
         pspec = tuple(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(var)))
-        raw = _sharding_names(meta)
         if raw and (meta.get("sharding_rules") or flax_spmd.get_logical_axis_rules()):
             logical = tuple(raw) + (None,) * (len(value.shape) - len(raw))
         entries = pspec + (None,) * (len(value.shape) - len(pspec))

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from . import png as _png
 from . import rules
 
 
@@ -282,18 +283,12 @@ def _plan_nnx(factory: Any, target: str, mesh: Any, meshless: tuple[str, ...], t
 def plan_command(args: argparse.Namespace) -> int:
     """``meshinit plan MODULE:FACTORY``: prints the plan of the factory's specs."""
     import contextlib
-    import pathlib
 
     if args.png:
-        from .._report.plot import require_matplotlib
-
         try:
-            require_matplotlib()
-        except ImportError as e:
+            _png.check(args.png)
+        except _png.Unwritable as e:
             raise _BadInput(str(e)) from None
-        png_dir = pathlib.Path(args.png).resolve().parent
-        if not png_dir.is_dir():
-            raise _BadInput(f"cannot write {args.png}: no directory {png_dir}")
     mesh_shape = parse_mesh(args.abstract_mesh) if args.abstract_mesh is not None else None
     table = rules.parse_rules(args.rules) if args.rules is not None else None
     if args.devices is not None:
@@ -397,10 +392,10 @@ def plan_command(args: argparse.Namespace) -> int:
         print(_report.table(_record.record(plan, sources)))
     if args.png:
         try:
-            plan.heatmap().savefig(args.png)
-        except OSError as e:
-            raise _BadInput(f"cannot write {args.png}: {e.strerror or e}") from None
-        print(f"meshinit plan: wrote {args.png}", file=sys.stderr)
+            written = _png.write(plan, args.png)
+        except _png.Unwritable as e:
+            raise _BadInput(str(e)) from None
+        print(f"meshinit plan: wrote {' and '.join(written)}", file=sys.stderr)
     return 0
 
 
@@ -426,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="build, plan and materialize a multi-mesh model")
     p_demo.add_argument("--devices", type=int, default=8, help="simulated CPU devices (8)")
+    p_demo.add_argument("--png", metavar="FILE", help=_png.HELP)
     p_plan = sub.add_parser(
         "plan",
         help="print where every parameter of a model goes, allocating nothing",
@@ -471,14 +467,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     view = p_plan.add_mutually_exclusive_group()
     view.add_argument("--json", action="store_true", help="print Plan.to_json()")
     view.add_argument("--compact", action="store_true", help="collapse repeated layers")
-    p_plan.add_argument(
-        "--png", metavar="FILE", help="also draw per-device bytes over each mesh (matplotlib)"
-    )
+    p_plan.add_argument("--png", metavar="FILE", help=_png.HELP)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import demo
 
-        return demo(args.devices)
+        try:
+            if args.png:
+                _png.check(args.png)
+            return demo(args.devices, png=args.png)
+        except _png.Unwritable as e:
+            print(f"meshinit demo: {e}", file=sys.stderr)
+            return 2
     if args.command == "plan":
         try:
             return plan_command(args)

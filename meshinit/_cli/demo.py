@@ -69,7 +69,7 @@ def _demo_specs(devices: Sequence) -> tuple[dict, Mesh]:
     return specs, context
 
 
-def demo(devices: int) -> int:
+def demo(devices: int, png: str | None = None) -> int:
     if devices < 4 or devices % 4:
         print(f"meshinit demo: --devices must be a multiple of 4, got {devices}", file=sys.stderr)
         return 2
@@ -85,6 +85,10 @@ def demo(devices: int) -> int:
     specs, context = _demo_specs(jax.devices())
     plan = meshinit.plan(specs)
     print(plan)
+    if png:  # the stages interleave over the devices: the devices figure shows how
+        from . import png as _png
+
+        print(f"\nwrote {' and '.join(_png.write(plan, png))}")
     print(
         f"\nmaterializing {len(plan.entries)} params in {len(plan.groups)} mesh groups, "
         f"under an unrelated jax.set_mesh({dict(context.shape)}) ..."

@@ -244,9 +244,11 @@ class Plan(_renamed.PlanRenames):
     def heatmap(self) -> Any:
         """Draws each mesh's per-device bytes as a heatmap over the mesh grid.
 
-        One subplot per mesh group. Each cell is a device; its colour is the bytes of
-        parameters it holds from every mesh, so meshes over shared devices add up
-        (abstract meshes share none). Meshes with more than two axes are drawn with the
+        One subplot per mesh group. Each cell is a device of that mesh; its colour is
+        the bytes of that mesh's parameters it holds (one colour scale for all panels).
+        Where a device also holds other meshes' parameters (meshes over shared devices;
+        abstract meshes share none), its cell says how much, and the title the most any
+        device holds in all. Meshes with more than two axes are drawn with the
         first axis as rows and the rest flattened row-major as columns, as the title
         says. Built without pyplot, so it works headless.
 
@@ -262,6 +264,29 @@ class Plan(_renamed.PlanRenames):
           >>> meshinit.plan(specs).heatmap().savefig("plan.png", dpi=120)
         """
         return _plot.heatmap(_record.record(self))
+
+    def devices_figure(self) -> Any:
+        """Draws which devices each mesh covers: a cell per device, a colour per mesh.
+
+        A device that several meshes cover (a ``(2, 4)`` and an ``(8,)`` mesh over the
+        same devices) is split into one band per mesh; disjoint pipeline stages, even
+        interleaved ones (``devices[0::2]``, ``devices[1::2]``), show as cells of one
+        colour or the other. The legend names each mesh, what it holds (``stages.0.*``)
+        and its parameter count. Devices are drawn in id order, row by row; an
+        ``AbstractMesh`` has no devices, so its cells are its own, by position. Built
+        without pyplot, so it works headless.
+
+        Returns:
+          A ``matplotlib.figure.Figure``.
+
+        Raises:
+          ImportError: matplotlib is not installed (``pip install 'meshinit[plot]'``).
+          ValueError: the plan has no parameters.
+
+        Examples:
+          >>> meshinit.plan(specs).devices_figure().savefig("devices.png", dpi=120)
+        """
+        return _plot.devices(_record.record(self))
 
     def _repr_html_(self) -> str:
         """The table as HTML, for notebooks: one table per mesh, then the totals."""

@@ -7,12 +7,11 @@ parameter its record (``record["params"][i]``); no ``Plan`` is ever read here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import printable
-from .._format import axes_text, human_bytes, some
+from .._format import axes_text, collapse_paths, human_bytes, some
 
 Record = dict[str, Any]
 """A plan's, a mesh's or a parameter's record."""
@@ -203,78 +202,6 @@ def summary(record: Record) -> str:
 
 
 # Compact view: repeated layers collapsed into one row.
-
-
-def _is_index(part: str) -> bool:
-    # "07" stays a name: printing it back as 7 would show a path that does not exist.
-    return part.isascii() and part.isdigit() and (part == "0" or not part.startswith("0"))
-
-
-def _ranges(values: frozenset[int]) -> str:
-    """``{0, 1, 2, 5}`` -> ``"{0..2,5}"``; a single value stands alone."""
-    if len(values) == 1:
-        return str(next(iter(values)))
-    runs: list[list[int]] = []
-    for v in sorted(values):
-        if runs and v == runs[-1][-1] + 1:
-            runs[-1].append(v)
-        else:
-            runs.append([v])
-    parts = [f"{r[0]}..{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs]
-    return "{" + ",".join(parts) + "}"
-
-
-def _boxes(points: list[tuple[int, ...]]) -> list[tuple[frozenset[int], ...]]:
-    """Distinct index tuples as products of index sets whose union is exactly them.
-
-    One box when the tuples form a full product, as the layers of one stack do. Else
-    split on the first index and merge the values whose rest splits the same way, so
-    that ``stages.0.layers.{0..3}`` and ``stages.1.layers.{4..7}`` stay two rows
-    rather than claiming ``stages.{0,1}.layers.{0..7}``.
-    """
-    if not points[0]:
-        return [()]
-    sets = [frozenset(p[i] for p in points) for i in range(len(points[0]))]
-    if math.prod(map(len, sets)) == len(points):
-        return [tuple(sets)]
-    rests: dict[int, list[tuple[int, ...]]] = {}
-    for p in points:
-        rests.setdefault(p[0], []).append(p[1:])
-    merged: dict[tuple[tuple[frozenset[int], ...], ...], list[int]] = {}
-    for first, rest in rests.items():
-        merged.setdefault(tuple(_boxes(rest)), []).append(first)
-    return [(frozenset(firsts), *box) for boxes, firsts in merged.items() for box in boxes]
-
-
-def collapse_paths(paths: Sequence[str], keys: Sequence[Any]) -> list[tuple[str, list[int]]]:
-    """Paths that differ only in integer components and share a key, as one row each.
-
-    Args:
-      paths: dot-joined paths, distinct among those with the same key.
-      keys: one hashable per path; only paths with equal keys collapse.
-
-    Returns:
-      ``("layers.{0..125}.mlp.up", positions)`` pairs, ``positions`` indexing
-      ``paths``, in the order of each row's first position. Every row is exact: its
-      paths are the product of its index sets.
-    """
-    keyed: dict[Any, list[tuple[tuple[int, ...], int]]] = {}
-    for position, (path, key) in enumerate(zip(paths, keys, strict=True)):
-        parts = path.split(".") if path else []
-        template = tuple(None if _is_index(p) else p for p in parts)
-        index = tuple(int(p) for p in parts if _is_index(p))
-        keyed.setdefault((template, key), []).append((index, position))
-    rows: list[tuple[str, list[int]]] = []
-    for (template, _), members in keyed.items():
-        for box in _boxes([index for index, _ in members]):
-            chosen = [
-                k for index, k in members if all(v in b for v, b in zip(index, box, strict=True))
-            ]
-            sets = iter(box)
-            path = ".".join(_ranges(next(sets)) if p is None else p for p in template)
-            rows.append((path or "<root>", chosen))
-    rows.sort(key=lambda r: r[1][0])
-    return rows
 
 
 def collapse(params: Sequence[Record]) -> list[tuple[str, list[Record]]]:

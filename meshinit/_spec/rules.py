@@ -163,10 +163,11 @@ def partition(
         flat = [a for e in axes if e is not None for a in _as_tuple(e)]
         missing = [a for a in dict.fromkeys(flat) if a not in mesh_shape]
         if missing:
+            guess = _guesses(missing, list(mesh_shape))
             problems.append(
                 f"mesh axis name(s) {', '.join(map(repr, missing))} not in the mesh "
-                f"(axes: {', '.join(mesh_shape)}); use a mesh axis, or pass rules to map "
-                f"logical names"
+                f"(axes: {', '.join(mesh_shape)}); {guess + ' otherwise use' if guess else 'use'} "
+                f"a mesh axis, or pass rules to map logical names"
             )
         twice = sorted(a for a, c in Counter(flat).items() if c > 1 and a not in dups)
         if twice:
@@ -183,11 +184,7 @@ def partition(
             )
         known = {name for name, _ in rules}
         unknown = [n for n in dict.fromkeys(names) if n not in known]
-        for n in unknown:
-            problems.append(
-                f"logical axis {n!r} has no rule; known: {', '.join(sorted(known)) or '(none)'}; "
-                f"add ({n!r}, None) to the rules to replicate it"
-            )
+        problems += [no_rule_message(n, known) for n in unknown]
         if problems:
             return (), problems
         entries = _resolve(tuple(axes), rules, tuple(mesh_shape))
@@ -235,19 +232,79 @@ def missing_axis_problems(
             missing = [a for a in _as_tuple(target) if a not in known]
             if not missing:
                 continue
-            hint = ""
-            close = difflib.get_close_matches(missing[0], known, n=1, cutoff=0.75)
-            if close:
-                hint = f"; did you mean {close[0]!r}?"
-            found[(name, target)] = (
-                path,
-                f"rule {(name, target)!r} names mesh axis {missing[0]!r}, which is in none "
-                f"of the plan's meshes (axes: {', '.join(known)}); flax would build a "
-                f"PartitionSpec jax refuses, and meshinit does not guess a placement "
-                f"instead: fix the axis name, add the axis to the mesh, or drop the "
-                f"rule{hint}",
-            )
+            found[(name, target)] = (path, rule_axis_message((name, target), missing[0], known))
     return list(found.values())
+
+
+def rule_axis_message(rule: Rule, axis: str, known: Sequence[str], mesh: Sequence[str] = ()) -> str:
+    """The one wording of a rule that names a mesh axis its parameter cannot use: the
+    spec path's, linen's, equinox's and nnx's (:func:`missing_axis_problems`).
+
+    Args:
+      rule: the rule, as the table has it.
+      axis: the first of its mesh axes that is missing.
+      known: the axes of every mesh of the plan.
+      mesh: where another mesh of the plan has ``axis`` but the parameter's own does
+        not (nnx applies a rule on every mesh), that mesh's axes; else empty.
+    """
+    where = (
+        f"which its mesh lacks (axes: {', '.join(mesh)}; another mesh of the plan has it)"
+        if mesh
+        else f"which is in none of the plan's meshes (axes: {', '.join(known)})"
+    )
+    guess = _guesses([axis], mesh or known)
+    return (
+        f"rule {rule!r} names mesh axis {axis!r}, {where}; flax would build a "
+        f"PartitionSpec jax refuses, and meshinit does not guess a placement instead: fix "
+        f"the axis name, add the axis to the mesh, or drop the rule{'; ' + guess if guess else ''}"
+    )
+
+
+def no_rule_message(
+    name: str,
+    known: Any,
+    where: str = "",
+    mesh_axes: Sequence[str] | None = None,
+    searched: str = "",
+) -> str:
+    """The one wording of a logical name that no rule maps, with the likely typo first.
+
+    Args:
+      name: the logical name.
+      known: the names the rules map.
+      where: what holds the name, as `` in its sharding (...)``; empty for a spec.
+      mesh_axes: where a name without a rule would be read as a mesh axis (flax nnx's
+        metadata), the mesh's axes, which the name is not one of.
+      searched: which rules were searched, as `` in flax's logical axis rules``.
+    """
+    head = f"logical axis {name!r}{where} has no rule{searched}"
+    if mesh_axes is not None:
+        head += f" and is not a mesh axis (axes: {', '.join(mesh_axes)})"
+    names = ", ".join(sorted(known)) or "(none)"
+    close = _close(name, [*sorted(known), *(mesh_axes or ())])
+    if close:
+        return (
+            f"{head}; did you mean {close!r}? (known: {names}); fix the name, or add "
+            f"({name!r}, None) to the rules to replicate it"
+        )
+    return f"{head}; known: {names}; add ({name!r}, None) to the rules to replicate it"
+
+
+def _close(name: str, candidates: Sequence[str]) -> str | None:
+    """The candidate ``name`` is most likely a typo of, if any (``mlpp``: ``mlp``)."""
+    found = difflib.get_close_matches(name, [c for c in candidates if c != name], 1, 0.75)
+    return found[0] if found else None
+
+
+def _guesses(names: Sequence[str], candidates: Sequence[str]) -> str:
+    """``"did you mean 'tensor'?"`` for the names that look like typos of a candidate
+    (``"did you mean 'tensor' for 'tensr'?"`` when several names are missing)."""
+    pairs = [(n, c) for n in names if (c := _close(n, candidates)) is not None]
+    if not pairs:
+        return ""
+    if len(names) == 1:
+        return f"did you mean {pairs[0][1]!r}?"
+    return "did you mean " + ", ".join(f"{c!r} for {n!r}" for n, c in pairs) + "?"
 
 
 def shard_options(shape, spec, mesh) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -74,6 +74,16 @@ def test_no_mesh_anywhere_is_a_plan_error():
     assert "pass mesh= to meshinit.eqx.init" in str(e.value) and "param()" not in str(e.value)
 
 
+@pytest.mark.parametrize("call", ["plan", "init"])
+def test_a_sharding_placement_without_a_mesh_names_mesh_on_the_function_called(call):
+    with pytest.raises(
+        meshinit.PlanError,
+        match=rf'placements\[0\] r".\*weight": no mesh for the leaves it places '
+        rf"\(layers\.0\.weight, \.\.\.\); pass mesh= to meshinit\.eqx\.{call},",
+    ):
+        getattr(meshinit.eqx, call)(eqx_mlp, 0, [(r".*weight", P("x")), (r".*bias", None)])
+
+
 def test_key_leaves_are_reported_by_path():
     mesh = jax.make_mesh((8,), ("x",))
     with pytest.raises(meshinit.PlanError, match=r"1: holds a key<fry> array"):

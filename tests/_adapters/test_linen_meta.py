@@ -64,3 +64,20 @@ def test_a_bad_default_is_rejected():
         meshinit.linen.init(dense, jax.random.PRNGKey(0), np.ones((1, 2)), default="sharded")
     with pytest.raises(TypeError, match="default must be"):
         meshinit.linen.init(dense, jax.random.PRNGKey(0), np.ones((1, 2)), default=3)
+
+
+@pytest.mark.parametrize("call", ["plan", "init"])
+def test_no_mesh_names_mesh_on_the_function_called(call):
+    class Sharded(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "tensor"))
+            return nn.Dense(8, kernel_init=init, use_bias=False)(x)
+
+    fn = getattr(meshinit.linen, call)
+    with pytest.raises(
+        meshinit.PlanError,
+        match=rf"params\.Dense_0\.kernel: is annotated but has no mesh: pass mesh= to "
+        rf"meshinit\.linen\.{call} or to its annotation",
+    ):
+        fn(Sharded(), jax.random.PRNGKey(0), np.ones((2, 4), np.float32))

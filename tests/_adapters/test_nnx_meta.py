@@ -368,3 +368,23 @@ def test_a_key_array_given_as_existing_is_placed_as_a_key():
     assert got.dtype == given.dtype and bits(got) == bits(given)
     assert got.sharding == {e.path: e for e in plan.entries}["layers.rngs.aqt.key"].sharding
     assert re.fullmatch(r"key<fry>", str(got.dtype))
+
+
+# ---------------------------------------------------------- no mesh anywhere
+
+
+class Sharded(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "tp"))
+        self.up = nnx.Linear(8, 16, kernel_init=init, use_bias=False, rngs=rngs)
+
+
+@pytest.mark.parametrize("call", ["plan", "init"])
+def test_no_mesh_names_mesh_on_the_function_called_first(call):
+    fn = getattr(meshinit.nnx, call)
+    with pytest.raises(
+        meshinit.PlanError,
+        match=rf"up\.kernel: has sharding metadata but no mesh: pass mesh= to "
+        rf"meshinit\.nnx\.{call} \(or to the Variable\), build it under jax\.set_mesh",
+    ):
+        fn(lambda: Sharded(nnx.Rngs(0)))

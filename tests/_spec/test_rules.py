@@ -289,6 +289,48 @@ def test_unknown_logical_name_names_it_and_suggests_a_replicate_rule():
     assert nn.logical_to_mesh_axes(("embed", "mlpp"), rules) == P("fsdp", None)
 
 
+@pytest.mark.parametrize(
+    "axes, rules, want",
+    [
+        # a typo of a logical name: the fix of the name first, the replicate rule second
+        (("embed", "mlpp"), (("embed", "fsdp"), ("mlp", "tensor")),
+         r"logical axis 'mlpp' has no rule; did you mean 'mlp'\? \(known: embed, mlp\); "
+         r"fix the name, or add \('mlpp', None\) to the rules to replicate it$"),
+        # a name like none of the known ones: no guess, the replicate rule
+        (("embed", "ffw"), (("embed", "fsdp"), ("mlp", "tensor")),
+         r"logical axis 'ffw' has no rule; known: embed, mlp; add \('ffw', None\) to the "
+         r"rules to replicate it$"),
+        # a typo of a mesh axis, without rules
+        ((None, "tensr"), None,
+         r"mesh axis name\(s\) 'tensr' not in the mesh \(axes: fsdp, tensor\); did you mean "
+         r"'tensor'\? otherwise use a mesh axis, or pass rules to map logical names$"),
+        # several missing, one a typo: the guess names the name it is for
+        (("embed", "tensr"), None,
+         r"mesh axis name\(s\) 'embed', 'tensr' not in the mesh \(axes: fsdp, tensor\); did "
+         r"you mean 'tensor' for 'tensr'\? otherwise use a mesh axis"),
+        (("embed", "mlp"), None,
+         r"mesh axis name\(s\) 'embed', 'mlp' not in the mesh \(axes: fsdp, tensor\); use a "
+         r"mesh axis, or pass rules to map logical names$"),
+    ],
+)  # fmt: skip
+def test_a_typo_gets_a_guess_before_any_other_fix(axes, rules, want):
+    spec = meshinit.param((8, 16), zeros, axes=axes, mesh=FSDP_TENSOR, rules=rules)
+    with pytest.raises(meshinit.PlanError, match=r"\n  w: " + want) as exc:
+        meshinit.plan({"w": spec})
+    assert re.search(want, exc.value.problems[0].message)
+
+
+def test_a_rule_naming_a_typo_of_a_mesh_axis_guesses_it():
+    rules = (("embed", "fsdp"), ("mlp", "tensr"))
+    spec = meshinit.param((8, 16), zeros, axes=("embed", "mlp"), mesh=FSDP_TENSOR, rules=rules)
+    with pytest.raises(
+        meshinit.PlanError,
+        match=r"w: rule \('mlp', 'tensr'\) names mesh axis 'tensr', which is in none of the "
+        r"plan's meshes \(axes: fsdp, tensor\); .* or drop the rule; did you mean 'tensor'\?$",
+    ):
+        meshinit.plan({"w": spec})
+
+
 def test_following_the_suggestion_fixes_the_unknown_name():
     rules = (("embed", "fsdp"), ("mlp", "tensor"), ("mlpp", None))
     spec = meshinit.param((8, 16), zeros, axes=("embed", "mlpp"), mesh=FSDP_TENSOR, rules=rules)
