@@ -17,11 +17,12 @@ global index: counters, iotas and slices of small operands offset by the tile's 
 :func:`tiling` decides, for one slice of a traced program (the equations that make one
 array), whether it can be made so: every large value in it must have the output's
 shape, be made by ``random_bits`` of a threefry key, ``iota``, ``broadcast_in_dim`` of
-a small value or an elementwise primitive (:func:`meshinit._jax.compat.elementwise`),
-and be read by nothing but the slice's other tile values. Anything else (a reshape, a reduction, a
-matmul, control flow, an rbg key, a memory kind other than the device's) is made
-whole, as before. :func:`evaluate` makes it. tests/_jax/test_tiles.py checks every
-initializer the engine compiles, tiled and whole, bit for bit.
+a small value or an elementwise primitive (:func:`meshinit._jax.compat.elementwise`)
+and be read by nothing but the slice's other tile values, and a value made before the
+loop must be provably the whole program's (:func:`_same_as_whole`). Anything else (a
+reshape, a reduction, a matmul, control flow, an rbg key, a small float vector computed
+first, a memory kind other than the device's) is made whole. :func:`evaluate` makes
+it. tests/_jax/test_tiles.py checks every initializer, tiled and whole, bit for bit.
 """
 
 from __future__ import annotations
@@ -207,10 +208,7 @@ def _same_as_whole(prog: _jaxpr.Program, outer: frozenset[int], reads: Sequence[
             return all(check(y, False) for y in ins)  # keys, integers, booleans
         if name == "iota":
             return _exact_iota(aval.dtype, aval.shape[node.params["dimension"]])
-        width = np.dtype(aval.dtype).itemsize
-        moves = name in _MOVES or _jaxpr.is_identity(node)
-        if name == "bitcast_convert_type":
-            moves = all(np.dtype(prog.avals[y].dtype).itemsize == width for y in ins)
+        moves = name in _MOVES or _jaxpr.is_identity(node)  # placement, or data movement
         return moves and all(check(y, False) for y in ins)
 
     return all(check(x, False) for x in reads)
@@ -394,7 +392,8 @@ def evaluate(
                 tile[node.outs[0]] = value
             return jax.lax.dynamic_update_slice(buf, tile[t.out], starts)
 
-        buf = jnp.zeros(t.local, out_aval.dtype)
+        # every element is written by a tile: allocated, not zero-filled (CPU: zeros)
+        buf = jax.lax.empty(t.local, out_aval.dtype)
         return jax.lax.fori_loop(0, t.count, step, buf)
 
     if not mesh.axis_names:
