@@ -184,9 +184,9 @@ def _same_as_whole(prog: _jaxpr.Program, outer: frozenset[int], reads: Sequence[
     of the elements; on CPU a small f32 vector's division or ``sin``, up to 3 ulp). So,
     conservatively, only these cross: the slice's inputs and literals; keys, integers,
     booleans computed from such values; an exact float ``iota``; data movement of such
-    values; a float scalar made from literal scalars only, which XLA folds alike in both
-    (variance_scaling's ``sqrt(variance) / 0.8796...``: exact on a TPU v5e). Any other
-    float (arithmetic, a transcendental, a convert) and anything a loop makes: whole."""
+    values; a float scalar of literal scalars, which XLA folds alike in both (variance
+    scaling's ``sqrt(variance) / 0.8796...``: exact on a TPU v5e). Any other float
+    (arithmetic, a transcendental, a convert) and anything a loop makes: whole."""
     seen: dict[tuple[int, bool], bool] = {}
 
     def check(x: int | Lit, literal: bool) -> bool:  # literal: made from literals only
@@ -215,10 +215,8 @@ def _same_as_whole(prog: _jaxpr.Program, outer: frozenset[int], reads: Sequence[
 
 
 def _nbytes(aval: Any) -> int:
-    dtype = aval.dtype
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return math.prod(aval.shape) * 8
-    return math.prod(aval.shape) * np.dtype(dtype).itemsize
+    key = jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)  # a key: its data's 8 bytes
+    return math.prod(aval.shape) * (8 if key else np.dtype(aval.dtype).itemsize)
 
 
 def _block_shape(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[int, ...] | None:
@@ -235,9 +233,7 @@ def _block_shape(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[int, 
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple | list) else (entry,)
 
 
 def _tile_axis(local: tuple[int, ...], itemsize: int, tile_bytes: int) -> tuple[int, int]:
@@ -363,7 +359,7 @@ def evaluate(
         given = dict(zip(t.reads, values, strict=True))
 
         def step(i: Any, buf: jax.Array) -> jax.Array:
-            starts = _tile_starts(t, i)
+            starts, placed = _tile_starts(t, i)
             where = [s + o for s, o in zip(starts, offsets, strict=True)]
             tile: dict[int, Any] = {}
 
@@ -390,7 +386,7 @@ def evaluate(
                     params = {k: None if k == "sharding" else v for k, v in node.params.items()}
                     (value,) = _compat.bind(node.primitive, ins, params)
                 tile[node.outs[0]] = value
-            return jax.lax.dynamic_update_slice(buf, tile[t.out], starts)
+            return jax.lax.dynamic_update_slice(buf, tile[t.out], placed)
 
         # every element is written by a tile: allocated, not zero-filled (CPU: zeros)
         buf = jax.lax.empty(t.local, out_aval.dtype)
@@ -421,22 +417,25 @@ def _block_offsets(t: Tiling) -> list[Any]:
     return offsets
 
 
-def _tile_starts(t: Tiling, i: Any) -> list[Any]:
+def _tile_starts(t: Tiling, i: Any) -> tuple[list[Any], list[Any]]:
     """Where tile ``i`` starts in the block, per axis (traced): the block's row-major
-    order over the axes before ``t.axis``, then runs of ``t.tile[t.axis]`` rows; the
-    last run moved back to end at the block's end (its rows made twice, the same
-    values both times)."""
+    order over the axes before ``t.axis``, then runs of ``t.tile[t.axis]`` rows, the
+    last moved back to end at the block's end (rows made twice, alike); and where it is
+    written: its run unmoved, which ``dynamic_update_slice`` clamps to the same place.
+    XLA writes a tile in place (not by a copy) only where it sees a multiple of the
+    rows: no clamp, and lax's div and rem (i >= 0), not jnp's floor ones (selects)."""
     rows = t.tile[t.axis]
-    runs = -(-t.local[t.axis] // rows)
-    outer, run = i // np.int32(runs), i % np.int32(runs)
+    runs = np.int32(-(-t.local[t.axis] // rows))
+    outer, run = (jax.lax.div(i, runs), jax.lax.rem(i, runs)) if t.axis else (i, i)
     starts: list[Any] = []
     for size in reversed(t.local[: t.axis]):
-        starts.append(outer % np.int32(size))
-        outer = outer // np.int32(size)
+        starts.append(jax.lax.rem(outer, np.int32(size)))
+        outer = jax.lax.div(outer, np.int32(size))
     starts.reverse()
-    starts.append(jnp.minimum(run * np.int32(rows), np.int32(t.local[t.axis] - rows)))
-    starts.extend(np.int32(0) for _ in t.local[t.axis + 1 :])
-    return starts
+    placed = run * np.int32(rows)
+    moved = jnp.minimum(placed, np.int32(t.local[t.axis] - rows))
+    rest = [np.int32(0)] * (len(t.local) - t.axis - 1)
+    return [*starts, moved if t.local[t.axis] % rows else placed, *rest], [*starts, placed, *rest]
 
 
 def _fit(x: Any, starts: Sequence[Any], tile: tuple[int, ...]) -> Any:
