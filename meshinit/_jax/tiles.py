@@ -17,11 +17,12 @@ global index: counters, iotas and slices of small operands offset by the tile's 
 :func:`tiling` decides, for one slice of a traced program (the equations that make one
 array), whether it can be made so: every large value in it must have the output's
 shape, be made by ``random_bits`` of a threefry key, ``iota``, ``broadcast_in_dim`` of
-a small value or an elementwise primitive (:func:`meshinit._jax.compat.elementwise`),
-and be read by nothing but the slice's other tile values. Anything else (a reshape, a reduction, a
-matmul, control flow, an rbg key, a memory kind other than the device's) is made
-whole, as before. :func:`evaluate` makes it. tests/_jax/test_tiles.py checks every
-initializer the engine compiles, tiled and whole, bit for bit.
+a small value or an elementwise primitive (:func:`meshinit._jax.compat.elementwise`)
+and be read by nothing but the slice's other tile values, and a value made before the
+loop must be provably the whole program's (:func:`_same_as_whole`). Anything else (a
+reshape, a reduction, a matmul, control flow, an rbg key, a small float vector computed
+first, a memory kind other than the device's) is made whole. :func:`evaluate` makes
+it. tests/_jax/test_tiles.py checks every initializer, tiled and whole, bit for bit.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ TILE_BYTES: Mapping[str, Mapping[int, int]] = types.MappingProxyType(
 
 _ROW_GROUP = 32
 _COUNTER_LIMIT = 2**32  # counters as one uint32 word (jax's high word is then zero)
+_KINDS = (None, "device")  # the memory kinds a tile loop writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,16 +114,13 @@ def tiling(
     if isinstance(out, Lit) or tiles is None or not _compat.value_config()[0]:
         return None  # without partitionable threefry, bits depend on the whole shape
     shape = tuple(prog.avals[out].shape)
-    if not shape or math.prod(shape) >= _COUNTER_LIMIT:
-        return None
-    if sharding.memory_kind not in (None, "device"):
+    if not shape or math.prod(shape) >= _COUNTER_LIMIT or sharding.memory_kind not in _KINDS:
         return None
     local = _block_shape(shape, sharding)
     if local is None:
         return None
-    limit = tile_bytes_for(tiles, 8)  # small operands and values: at most a tile of any width
-    if not limit:
-        return None
+    # small operands and values: at most a tile of any width, and at least one element
+    limit = max(tile_bytes_for(tiles, 8) or 0, 8)
     inner: list[int] = []
     outer: list[int] = []
     made: set[int] = set()
@@ -143,6 +142,11 @@ def tiling(
         x in made for i in outer for x in prog.nodes[i].ins if not isinstance(x, Lit)
     ):
         return None  # the output is not made in tiles, or a tile value is read whole
+    reads = sorted(
+        {x for i in inner for x in prog.nodes[i].ins if not isinstance(x, Lit) and x not in made}
+    )
+    if not _same_as_whole(prog, frozenset(outer), reads):
+        return None  # a value made before the loop might not be the whole program's
     tile_bytes = tile_bytes_for(tiles, itemsize)
     if not tile_bytes or math.prod(local) * itemsize <= tile_bytes:
         return None  # one tile would be the whole block
@@ -150,11 +154,10 @@ def tiling(
     keyed = [len(prog.avals[_key_of(prog.nodes[i])].shape) for i in inner if _bits(prog.nodes[i])]
     if any(k > axis for k in keyed):
         return None  # a tile would span several keys of a batch of keys
-    reads = sorted(
-        {x for i in inner for x in prog.nodes[i].ins if not isinstance(x, Lit) and x not in made}
-    )
     tile = (1,) * axis + (rows,) + local[axis + 1 :]
     count = math.prod(local[:axis]) * -(-local[axis] // rows)
+    if count >= 2**31:
+        return None  # more tiles than the loop's int32 index counts
     return Tiling(
         tuple(inner),
         tuple(outer),
@@ -169,11 +172,51 @@ def tiling(
     )
 
 
+_MOVES = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy")
+
+
+def _same_as_whole(prog: _jaxpr.Program, outer: frozenset[int], reads: Sequence[int]) -> bool:
+    """Whether each of ``reads`` that an ``outer`` equation makes (before the loop) is
+    provably what the whole program computes. It need not be: the whole program fuses
+    a small operand into the large array's code, the tiled one stores it, and XLA's
+    float code differs (TPU's excess precision keeps a fused bf16 value in f32, a stored
+    one is rounded: ``normal(k, s, bf16) * exp(small).astype(bf16)``, 2 ulp in a fifth
+    of the elements; on CPU a small f32 vector's division or ``sin``, up to 3 ulp). So,
+    conservatively, only these cross: the slice's inputs and literals; keys, integers,
+    booleans computed from such values; an exact float ``iota``; data movement of such
+    values; a float scalar of literal scalars, which XLA folds alike in both (variance
+    scaling's ``sqrt(variance) / 0.8796...``: exact on a TPU v5e). Any other float
+    (arithmetic, a transcendental, a convert) and anything a loop makes: whole."""
+    seen: dict[tuple[int, bool], bool] = {}
+
+    def check(x: int | Lit, literal: bool) -> bool:  # literal: made from literals only
+        i = None if isinstance(x, Lit) else prog.producer.get(x)
+        if i not in outer:
+            return isinstance(x, Lit) or not literal  # a literal, or the slice's input
+        assert not isinstance(x, Lit) and i is not None
+        if (x, literal) not in seen:
+            seen[(x, literal)] = not prog.nodes[i].control and made(x, prog.nodes[i], literal)
+        return seen[(x, literal)]
+
+    def made(x: int, node: _jaxpr.Node, literal: bool) -> bool:
+        ins = [y for y in node.ins if not isinstance(y, Lit)]
+        aval, name = prog.avals[x], node.primitive.name
+        one = math.prod(aval.shape) == 1  # a scalar of literal scalars: folded alike
+        if literal or (one and all(check(y, True) for y in ins)):
+            return one and all(check(y, True) for y in ins)
+        if not jax.dtypes.issubdtype(aval.dtype, np.inexact):
+            return all(check(y, False) for y in ins)  # keys, integers, booleans
+        if name == "iota":
+            return _exact_iota(aval.dtype, aval.shape[node.params["dimension"]])
+        moves = name in _MOVES or _jaxpr.is_identity(node)  # placement, or data movement
+        return moves and all(check(y, False) for y in ins)
+
+    return all(check(x, False) for x in reads)
+
+
 def _nbytes(aval: Any) -> int:
-    dtype = aval.dtype
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return math.prod(aval.shape) * 8
-    return math.prod(aval.shape) * np.dtype(dtype).itemsize
+    key = jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)  # a key: its data's 8 bytes
+    return math.prod(aval.shape) * (8 if key else np.dtype(aval.dtype).itemsize)
 
 
 def _block_shape(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[int, ...] | None:
@@ -190,21 +233,28 @@ def _block_shape(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[int, 
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple | list) else (entry,)
 
 
 def _tile_axis(local: tuple[int, ...], itemsize: int, tile_bytes: int) -> tuple[int, int]:
-    """The first axis whose trailing block fits a tile, and how many of its rows do."""
-    for axis in range(len(local)):
-        row = math.prod(local[axis + 1 :]) * itemsize
-        if row <= tile_bytes:
-            rows = min(local[axis], max(1, tile_bytes // row))
-            # whole groups of 32 rows where there are as many: TPU tiles its arrays'
-            # last two axes in (8, 128) blocks (and packs narrower types into them)
-            return axis, rows - rows % _ROW_GROUP if _ROW_GROUP < rows < local[axis] else rows
-    raise AssertionError("a single element exceeds a tile")  # tile_bytes >= 8
+    """The first axis whose trailing block fits a tile, and how many of its rows do; a
+    tile is never less than one element (``tile_bytes`` below an element's size)."""
+    fits = [a for a in range(len(local)) if math.prod(local[a + 1 :]) * itemsize <= tile_bytes]
+    axis = fits[0] if fits else len(local) - 1
+    rows = min(local[axis], max(1, tile_bytes // (math.prod(local[axis + 1 :]) * itemsize)))
+    # whole groups of 32 rows where there are as many: TPU tiles its arrays' last two
+    # axes in (8, 128) blocks (and packs narrower types into them)
+    return axis, rows - rows % _ROW_GROUP if _ROW_GROUP < rows < local[axis] else rows
+
+
+def _exact_iota(dtype: Any, size: int) -> bool:
+    """Whether an iota of ``size`` in ``dtype`` has the same bits however it is computed
+    (a float one: while every index is an integer of the type), with int32 offsets."""
+    if jax.dtypes.issubdtype(dtype, np.integer):
+        return size < 2**31
+    return jax.dtypes.issubdtype(dtype, np.floating) and size <= 2 ** (
+        jax.dtypes.finfo(dtype).nmant + 1
+    )
 
 
 def _bits(node: _jaxpr.Node) -> bool:
@@ -249,15 +299,7 @@ def _tileable(
             and tuple(node.params["shape"]) == shape[k:]
         )
     if _iota(node):
-        dtype = np.dtype(node.params["dtype"])
-        size = shape[node.params["dimension"]]
-        if jax.dtypes.issubdtype(dtype, np.integer):
-            return size < 2**31
-        # a float iota is exact (the same bits however it is computed) while every
-        # index is an integer of the float type
-        return jax.dtypes.issubdtype(dtype, np.floating) and size <= 2 ** (
-            jax.dtypes.finfo(dtype).nmant + 1
-        )
+        return _exact_iota(np.dtype(node.params["dtype"]), shape[node.params["dimension"]])
     if _broadcast(node):
         x = node.ins[0]
         if isinstance(x, Lit):
@@ -271,17 +313,11 @@ def _tileable(
             if np.ndim(x.value) != 0:
                 return False
             continue
-        if x in made:
-            continue
         have = tuple(prog.avals[x].shape)
-        if have == shape:
-            continue  # enters split as the output is
-        if have and (
-            len(have) != len(shape)
-            or any(h not in (1, s) for h, s in zip(have, shape, strict=True))
-        ):
-            return False
-        if _nbytes(prog.avals[x]) > limit:
+        if x in made or have == shape:
+            continue  # a tile's value, or an operand that enters split as the output is
+        ok = len(have) == len(shape) and all(h in (1, s) for h, s in zip(have, shape, strict=True))
+        if (have and not ok) or _nbytes(prog.avals[x]) > limit:
             return False
     return True
 
@@ -323,7 +359,7 @@ def evaluate(
         given = dict(zip(t.reads, values, strict=True))
 
         def step(i: Any, buf: jax.Array) -> jax.Array:
-            starts = _tile_starts(t, i)
+            starts, placed = _tile_starts(t, i)
             where = [s + o for s, o in zip(starts, offsets, strict=True)]
             tile: dict[int, Any] = {}
 
@@ -350,9 +386,10 @@ def evaluate(
                     params = {k: None if k == "sharding" else v for k, v in node.params.items()}
                     (value,) = _compat.bind(node.primitive, ins, params)
                 tile[node.outs[0]] = value
-            return jax.lax.dynamic_update_slice(buf, tile[t.out], starts)
+            return jax.lax.dynamic_update_slice(buf, tile[t.out], placed)
 
-        buf = jnp.zeros(t.local, out_aval.dtype)
+        # every element is written by a tile: allocated, not zero-filled (CPU: zeros)
+        buf = jax.lax.empty(t.local, out_aval.dtype)
         return jax.lax.fori_loop(0, t.count, step, buf)
 
     if not mesh.axis_names:
@@ -380,22 +417,25 @@ def _block_offsets(t: Tiling) -> list[Any]:
     return offsets
 
 
-def _tile_starts(t: Tiling, i: Any) -> list[Any]:
+def _tile_starts(t: Tiling, i: Any) -> tuple[list[Any], list[Any]]:
     """Where tile ``i`` starts in the block, per axis (traced): the block's row-major
-    order over the axes before ``t.axis``, then runs of ``t.tile[t.axis]`` rows; the
-    last run moved back to end at the block's end (its rows made twice, the same
-    values both times)."""
+    order over the axes before ``t.axis``, then runs of ``t.tile[t.axis]`` rows, the
+    last moved back to end at the block's end (rows made twice, alike); and where it is
+    written: its run unmoved, which ``dynamic_update_slice`` clamps to the same place.
+    XLA writes a tile in place (not by a copy) only where it sees a multiple of the
+    rows: no clamp, and lax's div and rem (i >= 0), not jnp's floor ones (selects)."""
     rows = t.tile[t.axis]
-    runs = -(-t.local[t.axis] // rows)
-    outer, run = i // np.int32(runs), i % np.int32(runs)
+    runs = np.int32(-(-t.local[t.axis] // rows))
+    outer, run = (jax.lax.div(i, runs), jax.lax.rem(i, runs)) if t.axis else (i, i)
     starts: list[Any] = []
     for size in reversed(t.local[: t.axis]):
-        starts.append(outer % np.int32(size))
-        outer = outer // np.int32(size)
+        starts.append(jax.lax.rem(outer, np.int32(size)))
+        outer = jax.lax.div(outer, np.int32(size))
     starts.reverse()
-    starts.append(jnp.minimum(run * np.int32(rows), np.int32(t.local[t.axis] - rows)))
-    starts.extend(np.int32(0) for _ in t.local[t.axis + 1 :])
-    return starts
+    placed = run * np.int32(rows)
+    moved = jnp.minimum(placed, np.int32(t.local[t.axis] - rows))
+    rest = [np.int32(0)] * (len(t.local) - t.axis - 1)
+    return [*starts, moved if t.local[t.axis] % rows else placed, *rest], [*starts, placed, *rest]
 
 
 def _fit(x: Any, starts: Sequence[Any], tile: tuple[int, ...]) -> Any:

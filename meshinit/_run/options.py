@@ -201,7 +201,9 @@ def options(
         whole array's, bit for bit, and its program compiles in the same time whatever
         the parameter's size. By default the platform's measured sizes (on TPU 4 MiB,
         or 256 KiB where a tile makes 32-bit values; CPU and GPU make every parameter
-        whole: benchmarks/README.md, "Tiles"); ``0`` makes every parameter whole.
+        whole: benchmarks/README.md, "Tiles"); ``0`` makes every parameter whole. A
+        tile is never less than one element (a size below an element's size: tiles of
+        one element each, slow to run but exact).
 
     Raises:
       TypeError: a strategy, compiler options or bound of the wrong kind.
