@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -57,6 +57,7 @@ _PREPROCESS = {"_stack_experts": False, "_make_preprocess_fn": True}
 # what else a loader may call: Gemma's reads the vocabulary size from the files (the
 # plan's own is then checked against the stored shapes)
 _HELPERS = {"_peek_vocab_size_from_safetensors"}
+_UNUSED = "unused."  # the prefix of tunix's names for tensors its loaders drop
 
 
 def names(model_config: Any) -> FrameworkMap:
@@ -233,19 +234,28 @@ def _transform(t: Any) -> bool:
 
 
 def _mapped(
-    key_map: Mapping[str, Any], checkpoint: Checkpoint, family: str
+    key_map: Mapping[str, Any],
+    checkpoint: Checkpoint,
+    family: str,
+    match: Callable[[Mapping[str, Any], str], tuple[str, Any]] | None = None,
 ) -> tuple[dict[str, _trace.Sym], dict[str, Any], list[Problem]]:
     """Each stored tensor as tunix's loader has it before its preprocess step: by
-    tunix's own regex match, transposed, then reshaped."""
-    from tunix.utils.torch_utils import torch_key_to_jax_key
+    tunix's own regex match (``match``: tunix's ``torch_key_to_jax_key``), transposed,
+    then reshaped. A tensor sent to one of tunix's ``unused.`` names is left unread,
+    however many go to the same name (Gemma's map sends every ``.*\\.bias`` to
+    ``unused.bias``; tunix's loader overwrites one with the next and uses none)."""
+    if match is None:
+        from tunix.utils.torch_utils import torch_key_to_jax_key as match
 
     syms: dict[str, _trace.Sym] = {}
     dtypes: dict[str, Any] = {}
     problems = []
     for name, (shape, dtype) in sorted(checkpoint.tensors.items()):
         try:
-            key, transform = torch_key_to_jax_key(key_map, name)
+            key, transform = match(key_map, name)
         except ValueError:  # no regex, or several: tunix skips it, and so is it here
+            continue
+        if key.startswith(_UNUSED):  # tunix's own name for what it drops: unread
             continue
         if key in syms:
             first = ", ".join(_read(syms[key]))
@@ -299,8 +309,6 @@ def _assembled(
         except _trace.Inexpressible as e:
             problems.append(Problem(path, f"{family}: {e}: no target expresses it"))
     for key in sorted(set(syms) - used):
-        if key.startswith("unused."):  # tunix's own name for what it drops
-            continue
         read = ", ".join(_read(syms[key])) or "a value"
         problems.append(Problem(key, f"{family} maps {read} here: not a path of the plan"))
     return table, problems

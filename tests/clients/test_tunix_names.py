@@ -211,6 +211,41 @@ def test_tunix_names_loads_what_tunix_loads_bit_for_bit_on_tunix_shardings(tmp_p
 
 
 @pytest.mark.slow
+def test_every_tensor_gemmas_map_sends_to_one_unused_name_is_left_unread(tmp_path):
+    """tunix's Gemma map sends every ``.*\\.bias`` to ``unused.bias`` and each layer's
+    rotary tensors to ``unused.rotary.<layer>``: several tensors to one name, which
+    tunix's loader drops (it loads the checkpoint); meshinit refused it ("maps both
+    ...k_proj.bias and ...q_proj.bias here") and now leaves them unread, named unused."""
+    factory, config, loader = tm.LOADERS["gemma"]
+    dropped = {}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        dropped |= {
+            f"{p}.self_attn.q_proj.bias": (config.num_heads * HEAD_DIM,),
+            f"{p}.self_attn.k_proj.bias": (config.num_kv_heads * HEAD_DIM,),
+            f"{p}.self_attn.rotary_emb.inv_freq": (HEAD_DIM // 2,),
+            f"{p}.self_attn.rotary_emb.cos_cached": (8, HEAD_DIM),
+        }
+    rng = np.random.default_rng(1)
+    shapes = tm.hf_shapes("gemma") | dropped
+    tensors = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    mesh = tm.mesh()
+    theirs = tm.arrays(
+        loader.create_model_from_safe_tensors(str(tmp_path), config, mesh=mesh, mode="optimized")
+    )
+    plan = meshinit.nnx.plan(factory, meshes=[(r".*", mesh)])
+    names = meshinit.tunix.names(config)
+    found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    assert set(found.unused) == set(dropped), found
+    with pytest.warns(meshinit.UnusedTensorWarning, match=r"k_proj\.bias"):
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
+    assert set(loaded) == set(theirs)
+    differ = [p for p in loaded if tm.bits(loaded[p]).tobytes() != tm.bits(theirs[p]).tobytes()]
+    assert not differ, f"values differ from tunix's loader at {differ}"
+
+
+@pytest.mark.slow
 def test_float32_files_are_cast_to_the_planned_bfloat16_as_tunix_casts_with_dtype(tmp_path):
     write_checkpoint("gemma3", tmp_path, dtype=np.float32)
     mesh = tm.mesh()
