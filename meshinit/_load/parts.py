@@ -15,6 +15,9 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+import ml_dtypes  # noqa: F401 - np.dtype('bfloat16') by name
+import numpy as np
+
 
 def _ints(value: Any, what: str, kind: str = "Tensor") -> tuple[int, ...] | None:
     if value is None:
@@ -125,6 +128,13 @@ class Tensor:
     ``scale - 1``). A value that overflows the product, the sum or the planned dtype
     is a :class:`~meshinit.PlanError`. Floating-point tensors only, for both.
 
+    ``compute_dtype`` puts another dtype in the role of the save dtype: the stored
+    values are cast to it, scaled and offset in it as above, and only then cast to the
+    planned dtype. MaxText's direct loader runs its hooks on the stored bfloat16
+    values of a float32 model (``compute_dtype="bfloat16"``: the scaled query rounded
+    to bfloat16, then widened exactly); its ``to_maxtext --save_dtype=float32`` in
+    float32 whatever the files hold. None: the planned dtype.
+
     A map written for tunix or MaxText transposes first, then reshapes. For a split
     of a torch ``(out, in)`` weight the two agree once the reshape is moved first:
     tunix's ``permute=(1, 0)`` then ``reshape=(d, heads, head_dim)`` of a
@@ -143,6 +153,8 @@ class Tensor:
       out_shape: the shape the transposed view is reshaped to last, merging axes
         that the transpose left side by side, or None.
       offset: a Python float added to the values (after ``scale``), or None.
+      compute_dtype: the floating dtype the values are cast to, scaled and offset in
+        before the cast to the planned dtype, or None (the planned dtype).
 
     Raises:
       TypeError: a field of the wrong kind: ``index`` not basic slices with positive
@@ -173,10 +185,29 @@ class Tensor:
     scale: float | None = dataclasses.field(default=None, kw_only=True)
     out_shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
     offset: float | None = dataclasses.field(default=None, kw_only=True)
+    compute_dtype: Any = dataclasses.field(default=None, kw_only=True, repr=False)
+
+    def __repr__(self) -> str:
+        # compute_dtype is shown only where it is given: the form of most tables
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr]
+        if self.compute_dtype is not None:
+            shown.append(f"compute_dtype={self.compute_dtype.name!r}")
+        return f"Tensor({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise TypeError(f"Tensor name must be a str, got {self.name!r}")
+        if self.compute_dtype is not None:
+            try:
+                dtype = np.dtype(self.compute_dtype)
+            except TypeError:
+                dtype = None
+            if dtype is None or dtype.kind != "f" and "float" not in dtype.name:
+                raise TypeError(
+                    f"Tensor compute_dtype must be a floating dtype (np.float32, "
+                    f"ml_dtypes.bfloat16, 'bfloat16'), got {self.compute_dtype!r}"
+                )
+            object.__setattr__(self, "compute_dtype", dtype)
         shape, permute = _ints(self.shape, "shape"), _ints(self.permute, "permute")
         object.__setattr__(self, "index", _slices(self.index))
         for what in ("scale", "offset"):
