@@ -4,12 +4,16 @@ framework's code. The maps against MaxText and tunix themselves are in
 test_maxtext_names.py and test_tunix_names.py (their own venvs)."""
 
 import re
+import types
 
 import numpy as np
+import pytest
 
 import meshinit
+import meshinit.maxtext
 from meshinit import tunix as tunix_map
-from meshinit._load.framework import Checkpoint
+from meshinit._load import hooks, trace
+from meshinit._load.framework import Checkpoint, MissingKey
 from meshinit.safetensors import Tensor
 
 
@@ -59,3 +63,84 @@ def test_tunix_two_tensors_to_one_planned_name_are_still_refused():
         "final_norm.scale: toy maps both model.norm.scale and model.norm.weight here"
     ]
     assert isinstance(problems[0], meshinit.Problem)
+
+
+# ------------------------------------------------------------------ meshinit.maxtext
+
+
+def llama_hook_fns(config):
+    """The form of MaxText's Llama hooks: the query scale reads the config's head_dim
+    when it runs (as ``scale_query_layer`` does)."""
+
+    def scale_query_layer(x, target_shape):
+        depth_scale = np.dtype("float32").type(1 / np.sqrt(config["head_dim"]))
+        return (x.astype(np.float32) * depth_scale).astype(x.dtype)
+
+    return scale_query_layer
+
+
+def test_a_config_key_a_hook_reads_is_named_not_inexpressible():
+    # Meta's Llama 3.1 config.json has no head_dim; without transformers (which
+    # fills it, as MaxText builds the config) the file is read as it is
+    raw = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}
+    hf, fix, problems = meshinit.maxtext.hf_config(raw, "ckpt/config.json")
+    assert problems == [] and hf == raw
+    hook = llama_hook_fns(hf)
+    with pytest.raises(MissingKey) as raised:
+        hooks.followed(hook, trace.stand_in("q", (64, 64), np.float32), (64, 64))
+    assert raised.value.key == "head_dim"
+    problem = meshinit.maxtext._missing(
+        "head_dim", ["hook scale_query_layer of 'q'", "k"], "MaxText's map", "ckpt/config.json", fix
+    )
+    assert str(problem) == (
+        "ckpt/config.json: config.json has no 'head_dim', which MaxText's map reads (hook "
+        "scale_query_layer of 'q' and 1 more); install transformers (MaxText builds the "
+        "config with it, filling 'head_dim' and the other defaults), or add 'head_dim' to "
+        "config.json"
+    )
+
+
+def test_an_exception_of_a_hook_is_still_what_it_cannot_express():
+    def hook(x, target_shape):
+        return {}["other"]  # a KeyError that is not the config's
+
+    with pytest.raises(trace.Inexpressible, match="KeyError: 'other'"):
+        hooks.followed(hook, trace.stand_in("q", (4, 4), np.float32), (4, 4))
+
+
+def test_the_checkpoints_sizes_against_maxtexts_each_mismatch_named():
+    config = types.SimpleNamespace(
+        model_name="llama3.1-8b",
+        attention_type="global",
+        emb_dim=64,
+        mlp_dim=128,
+        num_query_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        num_decoder_layers=2,
+        vocab_size=256,
+    )
+    hf = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "vocab_size": 262,  # not compared: MaxText's hooks pad and truncate it
+    }
+    found = meshinit.maxtext.mismatches(hf, config, "c.json")
+    assert [p.message.split(":")[0] for p in found] == [
+        "config.json says num_attention_heads=4, MaxText's config num_query_heads=8",
+        "config.json says num_key_value_heads=2, MaxText's config num_kv_heads=4",
+        "config.json says head_dim=16, MaxText's config head_dim=8",
+    ]
+    assert {p.path for p in found} == {"c.json"}
+    # a multimodal config's text model; Gemma 2's layer is two of Hugging Face's
+    same = dict(hf, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    assert meshinit.maxtext.mismatches({"text_config": same}, config, "c.json") == []
+    gemma2 = types.SimpleNamespace(**{**vars(config), "model_name": "gemma2-2b"})
+    assert meshinit.maxtext.mismatches(dict(same, num_hidden_layers=4), gemma2, "") == []
+    # with MLA attention there is no head_dim to compare
+    mla = types.SimpleNamespace(**{**vars(config), "attention_type": "mla"})
+    assert meshinit.maxtext.mismatches(dict(same, head_dim=99), mla, "") == []
