@@ -32,7 +32,7 @@ from ._load import trace as _trace
 from ._load.framework import Checkpoint, ConfigView, FrameworkMap, MissingKey
 from ._load.header import READABLE
 
-__all__ = ["names"]
+__all__ = ["names", "rules"]
 
 VERSIONS = ("0.2.5",)
 """The MaxText releases whose maps this module was tested against."""
@@ -108,6 +108,81 @@ def names(config: Any, *, hook_dtype: str = "stored") -> FrameworkMap:
         )
     _maxtext()
     return _MaxTextMap(config, hook_dtype)
+
+
+class Rules(tuple):  # type: ignore[type-arg]
+    """A rule table (``rules=`` of the plans), with the logical names it replicates
+    because MaxText's own rules have no entry for them (:attr:`replicated`)."""
+
+    replicated: tuple[str, ...]
+
+    def __new__(cls, table: Any, replicated: tuple[str, ...]) -> Rules:
+        made = super().__new__(cls, table)
+        made.replicated = replicated
+        return made
+
+
+def rules(config: Any, abstract: Any) -> Rules:
+    """MaxText's ``logical_axis_rules`` for one of its models, completed as MaxText runs
+    it: each logical axis name the model's parameters use that the rules leave out
+    gets ``(name, None)`` (replicated, as flax places a name with no rule), and is
+    listed in :attr:`Rules.replicated`.
+
+    meshinit's plans refuse a logical name that has no rule (a typo would otherwise
+    replicate a parameter silently). MaxText's own models use names its rules lack
+    (deepseek4's ``o_groups``, ``indexer_weights``, ``o_lora_up_proj``, nnx's scan axis
+    ``scanned_blocks``), and MaxText runs them replicated; with these rules they plan
+    unchanged, each such name in the plan's logical axes, its dimension replicated.
+
+    Args:
+      config: MaxText's config object (its ``logical_axis_rules``).
+      abstract: the model's abstract variables, with their logical names: the nnx
+        model of ``nnx.eval_shape(factory)`` (or its ``nnx.state``), or linen's
+        ``jax.eval_shape(model.init, ...)`` (flax's boxed metadata), as MaxText's
+        own abstract model gives them.
+
+    Returns:
+      The table for ``rules=`` of :func:`meshinit.nnx.plan`, :func:`meshinit.linen.plan`
+      (and their ``init``); its ``replicated`` names the added names, sorted.
+
+    Examples:
+      >>> abstract = nnx.eval_shape(factory)  # doctest: +SKIP
+      >>> rules = meshinit.maxtext.rules(config, abstract)  # doctest: +SKIP
+      >>> rules.replicated  # doctest: +SKIP
+      ('indexer_weights', 'o_groups', 'o_lora_up_proj', 'scanned_blocks')
+      >>> plan = meshinit.nnx.plan(factory, rules=rules)  # doctest: +SKIP
+    """
+    table = [(str(n), tuple(a) if isinstance(a, list) else a) for n, a in config.logical_axis_rules]
+    known = {n for n, _ in table}
+    left = tuple(sorted(n for n in _logical_names(abstract) if n not in known))
+    return Rules((*table, *((n, None) for n in left)), left)
+
+
+def _logical_names(abstract: Any) -> set[str]:
+    """Every logical axis name the abstract variables' metadata names."""
+    from flax import nnx
+    from flax.linen import meta
+
+    if isinstance(abstract, nnx.Module):
+        abstract = nnx.state(abstract)
+    found: set[str] = set()
+
+    def names(axes: Any) -> None:
+        for a in axes if isinstance(axes, tuple | list) else ():
+            if isinstance(a, str):
+                found.add(a)
+            elif isinstance(a, tuple | list):
+                names(a)
+
+    boxed = (nnx.Variable, meta.AxisMetadata)
+    for leaf in jax.tree_util.tree_leaves(abstract, is_leaf=lambda x: isinstance(x, boxed)):
+        if isinstance(leaf, nnx.Variable):
+            metadata = leaf.get_metadata()
+            for key in ("out_sharding", "sharding_names", "sharding"):
+                names(metadata.get(key))
+        elif isinstance(leaf, meta.AxisMetadata):
+            names(getattr(leaf, "names", None))
+    return found
 
 
 def _maxtext() -> Any:

@@ -52,6 +52,25 @@ def tiny_config(scan_layers: bool, layers: int = 2, **overrides):
     )
 
 
+@functools.cache
+def maxtext_config(**overrides):
+    """MaxText's base.yml with a model's yml as it is (``model_name=``), on CPU."""
+    return pyconfig.initialize(
+        ["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")],
+        max_target_length=16,
+        per_device_batch_size=1,
+        scan_layers=True,
+        dcn_data_parallelism=1,
+        hardware="cpu",
+        enable_checkpointing=False,
+        dataset_type="synthetic",
+        skip_jax_distributed_system=True,
+        jax_cache_dir="",
+        log_config=False,
+        **overrides,
+    )
+
+
 def maxtext_mesh(config):
     """MaxText's own mesh for the config: every axis of ``config.mesh_axes``."""
     return maxtext_utils.get_mesh_from_config(config)

@@ -6,6 +6,7 @@ test_maxtext_names.py and test_tunix_names.py (their own venvs)."""
 import re
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -144,3 +145,25 @@ def test_the_checkpoints_sizes_against_maxtexts_each_mismatch_named():
     # with MLA attention there is no head_dim to compare
     mla = types.SimpleNamespace(**{**vars(config), "attention_type": "mla"})
     assert meshinit.maxtext.mismatches(dict(same, head_dim=99), mla, "") == []
+
+
+def test_maxtext_rules_replicate_and_list_the_names_its_rules_leave_out():
+    import flax.linen as nn
+    from flax import nnx
+
+    config = types.SimpleNamespace(logical_axis_rules=[["embed", ["fsdp"]], ["mlp", "tensor"]])
+    linen = {
+        "w": nn.LogicallyPartitioned(np.zeros((4, 4)), ("embed", "o_groups")),
+        "b": nn.LogicallyPartitioned(np.zeros((4,)), ("mlp",)),
+    }
+    rules = meshinit.maxtext.rules(config, linen)
+    assert rules == (("embed", ("fsdp",)), ("mlp", "tensor"), ("o_groups", None))
+    assert rules.replicated == ("o_groups",)
+    with nnx.use_eager_sharding(False):
+        kernel = nnx.Param(np.zeros((4, 4)), sharding_names=("embed", "scanned_blocks"))
+    assert meshinit.maxtext.rules(config, {"k": kernel}).replicated == ("scanned_blocks",)
+    plan = meshinit.plan(
+        {"w": meshinit.param((8, 4), jax.nn.initializers.zeros, axes=("embed", "o_groups"),
+                             rules=rules, mesh=jax.make_mesh((8,), ("fsdp",)))}
+    )  # fmt: skip
+    assert plan.entries[0].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)

@@ -785,3 +785,46 @@ def test_hook_dtype_bfloat16_rounds_float32_files_as_to_maxtexts_default(checkpo
     assert not problems, "\n".join(problems)
     with pytest.raises(ValueError, match=r"hook_dtype must be one of 'stored', 'bfloat16'"):
         meshinit.maxtext.names(config, hook_dtype="float16")
+
+
+# ------------------------------------------- MaxText's own models with rule-less names
+
+
+def test_deepseek4_plans_with_maxtexts_rules_completed_as_flax_places_them():
+    """MaxText's rules have no entry for deepseek4's o_groups, indexer_q,
+    indexer_weights, o_lora_up_proj and scanned_blocks: the strict plan refuses them;
+    meshinit.maxtext.rules replicates them as flax does, lists them, and the plan is
+    flax's own placement of MaxText's init, leaf for leaf."""
+    config = mm.maxtext_config(
+        model_name="deepseek4-tiny",
+        attention="dot_product",
+        sparse_matmul=False,
+        ici_fsdp_parallelism=8,
+        ici_tensor_parallelism=1,
+    )
+    mesh = mm.maxtext_mesh(config)
+    model, args, kwargs = mm.linen_model_and_inputs(config, mesh)
+    key, keys = mm.linen_keys(config)
+    options = dict(mesh=mesh, default="replicated", **kwargs)
+    with pytest.raises(meshinit.PlanError, match="logical axis 'o_groups' has no rule"):
+        meshinit.linen.plan(model, keys, *args, rules=config.logical_axis_rules, **options)
+    with nn.logical_axis_rules(config.logical_axis_rules):
+        abstract = jax.eval_shape(
+            lambda: maxtext_utils.init_initial_state(model, None, config, False, key).params
+        )
+    rules = meshinit.maxtext.rules(config, abstract)
+    assert rules.replicated == (
+        "indexer_q",
+        "indexer_weights",
+        "o_groups",
+        "o_lora_up_proj",
+        "scanned_blocks",
+    )
+    plan = meshinit.linen.plan(model, keys, *args, rules=rules, **options)
+    theirs = linen_placement(config, mesh, model, key)
+    assert {e.path: e.sharding for e in plan.entries} == {p: a.sharding for p, a in theirs.items()}
+    kernel = next(e for e in plan.entries if e.path.endswith("o_a_proj.kernel"))
+    assert (
+        "o_groups" in kernel.spec.axes
+        and kernel.sharding.spec[kernel.spec.axes.index("o_groups")] is None
+    )
