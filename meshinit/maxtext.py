@@ -110,7 +110,7 @@ def names(config: Any, *, hook_dtype: str = "stored") -> FrameworkMap:
     return _MaxTextMap(config, hook_dtype)
 
 
-class Rules(tuple):  # type: ignore[type-arg]
+class Rules(tuple):
     """A rule table (``rules=`` of the plans), with the logical names it replicates
     because MaxText's own rules have no entry for them (:attr:`replicated`)."""
 
@@ -247,7 +247,7 @@ class _MaxTextMap(FrameworkMap):
             said = f"{type(e).__name__}: {str(e)[:300]}"
             return {}, [Problem(where, f"MaxText's map fails on {checkpoint.where}: {said}")]
         table: dict[str, Any] = {}
-        problems: list[Problem] = []
+        problems = []
         composite = {mt: key for key in mapping if isinstance(key, tuple) for mt in key}
         for path, (shape, dtype) in checkpoint.planned.items():
             key = mt_key(path)

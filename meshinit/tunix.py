@@ -245,7 +245,9 @@ def _mapped(
     however many go to the same name (Gemma's map sends every ``.*\\.bias`` to
     ``unused.bias``; tunix's loader overwrites one with the next and uses none)."""
     if match is None:
-        from tunix.utils.torch_utils import torch_key_to_jax_key as match
+        from tunix.utils.torch_utils import torch_key_to_jax_key
+
+        match = torch_key_to_jax_key
 
     syms: dict[str, _trace.Sym] = {}
     dtypes: dict[str, Any] = {}

@@ -97,7 +97,7 @@ class MissingKey(KeyError):
         return self.args[0]
 
 
-class ConfigView(dict):  # type: ignore[type-arg]
+class ConfigView(dict):
     """A checkpoint's config as a framework's map reads it: a plain dict (nested
     dicts too), except that a key it lacks raises :class:`MissingKey`, which names it,
     rather than a ``KeyError`` that could come from anywhere in the map's code."""

@@ -160,7 +160,7 @@ def test_maxtext_rules_replicate_and_list_the_names_its_rules_leave_out():
     assert rules == (("embed", ("fsdp",)), ("mlp", "tensor"), ("o_groups", None))
     assert rules.replicated == ("o_groups",)
     with nnx.use_eager_sharding(False):
-        kernel = nnx.Param(np.zeros((4, 4)), sharding_names=("embed", "scanned_blocks"))
+        kernel = nnx.Param(np.zeros((4, 4)), out_sharding=("embed", "scanned_blocks"))
     assert meshinit.maxtext.rules(config, {"k": kernel}).replicated == ("scanned_blocks",)
     plan = meshinit.plan(
         {"w": meshinit.param((8, 4), jax.nn.initializers.zeros, axes=("embed", "o_groups"),
