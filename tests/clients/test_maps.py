@@ -4,6 +4,7 @@ framework's code. The maps against MaxText and tunix themselves are in
 test_maxtext_names.py and test_tunix_names.py (their own venvs)."""
 
 import re
+import sys
 import types
 
 import jax
@@ -80,9 +81,10 @@ def llama_hook_fns(config):
     return scale_query_layer
 
 
-def test_a_config_key_a_hook_reads_is_named_not_inexpressible():
+def test_a_config_key_a_hook_reads_is_named_not_inexpressible(monkeypatch):
     # Meta's Llama 3.1 config.json has no head_dim; without transformers (which
     # fills it, as MaxText builds the config) the file is read as it is
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed: no import
     raw = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}
     hf, fix, problems = meshinit.maxtext.hf_config(raw, "ckpt/config.json")
     assert problems == [] and hf == raw
