@@ -169,3 +169,26 @@ def test_maxtext_rules_replicate_and_list_the_names_its_rules_leave_out():
                              rules=rules, mesh=jax.make_mesh((8,), ("fsdp",)))}
     )  # fmt: skip
     assert plan.entries[0].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+
+
+def test_tunix_sizes_against_the_model_config_each_mismatch_named():
+    moe = types.SimpleNamespace(
+        embed_dim=64, hidden_dim=32, num_heads=8, num_kv_heads=4, head_dim=16, num_layers=2,
+        num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    hf = {
+        "hidden_size": 64,
+        "intermediate_size": 6144,  # the dense width: an MoE model's experts are moe_...
+        "moe_intermediate_size": 32,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    assert tunix_map.mismatches(hf, moe, "c.json") == []
+    assert tunix_map.mismatches(None, moe, "c.json") == []  # no config.json: nothing to check
+    found = tunix_map.mismatches({"text_config": hf | {"num_experts": 8}}, moe, "c.json")
+    assert [p.message.split(":")[0] for p in found] == [
+        "config.json says num_experts=8, the tunix ModelConfig num_experts=4"
+    ]

@@ -415,6 +415,36 @@ def test_a_loader_step_meshinit_does_not_know_is_refused(tmp_path, monkeypatch):
         meshinit.safetensors.load(llama_plan(), tmp_path, names=meshinit.tunix.names(CONFIG))
 
 
+def test_a_checkpoint_of_other_heads_at_equal_sizes_is_refused_naming_each_field(tmp_path):
+    """Files of 4 heads of 32 (2 KV heads) fit the plan's 8 heads of 16 (4 KV heads) in
+    every shape, and loaded scrambled; config.json says so, and is checked."""
+    write_checkpoint("llama3", tmp_path)
+    sizes = dict(
+        model_type="llama",
+        hidden_size=D,
+        intermediate_size=CONFIG.hidden_dim,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=CONFIG.num_layers,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(sizes))
+    with pytest.raises(meshinit.PlanError) as e:
+        meshinit.safetensors.load(llama_plan(), tmp_path, names=meshinit.tunix.names(CONFIG))
+    fix = (
+        "the files are of another model than the plan's; load that model's checkpoint, or "
+        "build the ModelConfig with its sizes"
+    )
+    where = str(tmp_path / "config.json")
+    assert [str(p) for p in e.value.problems] == [
+        f"{where}: config.json says num_attention_heads=4, the tunix ModelConfig "
+        f"num_heads=8: {fix}",
+        f"{where}: config.json says num_key_value_heads=2, the tunix ModelConfig "
+        f"num_kv_heads=4: {fix}",
+        f"{where}: config.json says head_dim=32, the tunix ModelConfig head_dim=16: {fix}",
+    ]
+
+
 def test_tensors_the_map_sends_nowhere_and_parameters_nothing_fills_are_each_named(tmp_path):
     tensors = write_checkpoint("llama3", tmp_path)
     for f in tmp_path.glob("*.safetensors"):
