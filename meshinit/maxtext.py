@@ -15,30 +15,68 @@ becomes a :class:`~meshinit.safetensors.Tensor`, :class:`~meshinit.safetensors.S
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.metadata
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from ._errors import Problem
 from ._load import hooks as _hooks
 from ._load import parts as _names
 from ._load import trace as _trace
-from ._load.framework import Checkpoint, FrameworkMap
+from ._load.framework import Checkpoint, ConfigView, FrameworkMap, MissingKey
+from ._load.header import READABLE
 
-__all__ = ["names"]
+__all__ = ["names", "rules"]
 
 VERSIONS = ("0.2.5",)
 """The MaxText releases whose maps this module was tested against."""
 
 
-def names(config: Any) -> FrameworkMap:
+HOOK_DTYPES = ("stored", "bfloat16", "float32")
+"""The values of ``hook_dtype`` of :func:`names`: the dtype MaxText's hooks run in."""
+
+
+def names(config: Any, *, hook_dtype: str = "stored") -> FrameworkMap:
     """The ``names=`` of a Hugging Face checkpoint for MaxText's own model of ``config``.
+
+    The checkpoint's ``config.json`` is read as MaxText reads a Hugging Face config:
+    built by transformers (``AutoConfig.for_model``, then ``.to_dict()``, which fills
+    ``head_dim = hidden_size // num_attention_heads`` and the other defaults: Meta's
+    Llama 3.1 files have no ``head_dim``). Where transformers is not installed the
+    file is read as it is, and a key MaxText's map reads that it lacks is named. It
+    is then checked against ``config``, as MaxText's own
+    ``to_huggingface._validate_or_update_architecture`` checks the two: heads, KV
+    heads, head_dim, hidden and intermediate sizes, layers, experts, the MLA and
+    indexer sizes. A checkpoint of other sizes would load scrambled where the
+    reshapes still fit (4 heads of 16 into 8 of 8), or only its first layers into an
+    unrolled model of fewer: every field that differs is a problem, before any byte is
+    read. The vocabulary is not compared: MaxText's hooks pad or truncate the
+    embedding (Gemma 3's 262208 rows into MaxText's 262144), and a map without such a
+    hook is refused by the shapes.
+
+    ``hook_dtype`` says in which dtype MaxText's hooks (its query scale, Gemma's norm
+    offset, a padding) compute, which decides the bits where they round:
+
+    - ``"stored"`` (the default): in each tensor's dtype in the files, as MaxText's
+      direct loader (``load_safetensors_dynamic_state``, ``load_dynamic``) runs them
+      on the arrays it reads, then cast to the planned dtype. For bfloat16 files (as
+      models are published) this is also ``to_maxtext`` at its default
+      ``--save_dtype=bfloat16``: a float32 model gets the bfloat16 results, widened.
+    - ``"bfloat16"``: ``to_maxtext``'s default for any file: every tensor cast to
+      bfloat16, the hooks run in bfloat16, then cast to the planned dtype.
+    - ``"float32"``: ``to_maxtext --save_dtype=float32``: every tensor cast to
+      float32, the hooks run in float32, then cast to the planned dtype.
 
     Args:
       config: MaxText's config object, as its ``pyconfig.initialize`` gives it
         (``model_name``, ``scan_layers``, ``param_scan_axis``, ...).
+      hook_dtype: ``"stored"``, ``"bfloat16"`` or ``"float32"``, as above.
 
     Returns:
       A :class:`~meshinit.safetensors.FrameworkMap` for ``names=`` of
@@ -53,16 +91,98 @@ def names(config: Any) -> FrameworkMap:
     Raises:
       ImportError: MaxText is not installed, or is a release this module was not
         tested with (:data:`VERSIONS`).
+      ValueError: ``hook_dtype`` is not one of :data:`HOOK_DTYPES`.
 
     Examples:
       >>> plan = meshinit.nnx.plan(lambda: maxtext_model(config, mesh))  # doctest: +SKIP
       >>> params = meshinit.safetensors.load(  # doctest: +SKIP
       ...     plan, "hf://Qwen/Qwen3-8B", names=meshinit.maxtext.names(config))
+      >>> as_float32 = meshinit.maxtext.names(config, hook_dtype="float32")  # doctest: +SKIP
 
       (Skipped: it needs MaxText, on Python 3.12, and a checkpoint.)
     """
+    if hook_dtype not in HOOK_DTYPES:
+        raise ValueError(
+            f"hook_dtype must be one of {', '.join(map(repr, HOOK_DTYPES))} (the dtype "
+            f"MaxText's hooks compute in), got {hook_dtype!r}"
+        )
     _maxtext()
-    return _MaxTextMap(config)
+    return _MaxTextMap(config, hook_dtype)
+
+
+class Rules(tuple):
+    """A rule table (``rules=`` of the plans), with the logical names it replicates
+    because MaxText's own rules have no entry for them (:attr:`replicated`)."""
+
+    replicated: tuple[str, ...]
+
+    def __new__(cls, table: Any, replicated: tuple[str, ...]) -> Rules:
+        made = super().__new__(cls, table)
+        made.replicated = replicated
+        return made
+
+
+def rules(config: Any, abstract: Any) -> Rules:
+    """MaxText's ``logical_axis_rules`` for one of its models, completed as MaxText runs
+    it: each logical axis name the model's parameters use that the rules leave out
+    gets ``(name, None)`` (replicated, as flax places a name with no rule), and is
+    listed in :attr:`Rules.replicated`.
+
+    meshinit's plans refuse a logical name that has no rule (a typo would otherwise
+    replicate a parameter silently). MaxText's own models use names its rules lack
+    (deepseek4's ``o_groups``, ``indexer_weights``, ``o_lora_up_proj``, nnx's scan axis
+    ``scanned_blocks``), and MaxText runs them replicated; with these rules they plan
+    unchanged, each such name in the plan's logical axes, its dimension replicated.
+
+    Args:
+      config: MaxText's config object (its ``logical_axis_rules``).
+      abstract: the model's abstract variables, with their logical names: the nnx
+        model of ``nnx.eval_shape(factory)`` (or its ``nnx.state``), or linen's
+        ``jax.eval_shape(model.init, ...)`` (flax's boxed metadata), as MaxText's
+        own abstract model gives them.
+
+    Returns:
+      The table for ``rules=`` of :func:`meshinit.nnx.plan`, :func:`meshinit.linen.plan`
+      (and their ``init``); its ``replicated`` names the added names, sorted.
+
+    Examples:
+      >>> abstract = nnx.eval_shape(factory)  # doctest: +SKIP
+      >>> rules = meshinit.maxtext.rules(config, abstract)  # doctest: +SKIP
+      >>> rules.replicated  # doctest: +SKIP
+      ('indexer_weights', 'o_groups', 'o_lora_up_proj', 'scanned_blocks')
+      >>> plan = meshinit.nnx.plan(factory, rules=rules)  # doctest: +SKIP
+    """
+    table = [(str(n), tuple(a) if isinstance(a, list) else a) for n, a in config.logical_axis_rules]
+    known = {n for n, _ in table}
+    left = tuple(sorted(n for n in _logical_names(abstract) if n not in known))
+    return Rules((*table, *((n, None) for n in left)), left)
+
+
+def _logical_names(abstract: Any) -> set[str]:
+    """Every logical axis name the abstract variables' metadata names."""
+    from flax import nnx
+    from flax.linen import meta
+
+    if isinstance(abstract, nnx.Module):
+        abstract = nnx.state(abstract)
+    found: set[str] = set()
+
+    def names(axes: Any) -> None:
+        for a in axes if isinstance(axes, tuple | list) else ():
+            if isinstance(a, str):
+                found.add(a)
+            elif isinstance(a, tuple | list):
+                names(a)
+
+    boxed = (nnx.Variable, meta.AxisMetadata)
+    for leaf in jax.tree_util.tree_leaves(abstract, is_leaf=lambda x: isinstance(x, boxed)):
+        if isinstance(leaf, nnx.Variable):
+            metadata = leaf.get_metadata()
+            for key in ("out_sharding", "sharding_names", "sharding"):
+                names(metadata.get(key))
+        elif isinstance(leaf, meta.AxisMetadata):
+            names(getattr(leaf, "names", None))
+    return found
 
 
 def _maxtext() -> Any:
@@ -89,17 +209,19 @@ def mt_key(path: str) -> str:
 
 
 class _MaxTextMap(FrameworkMap):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, hook_dtype: str = "stored"):
         self.config = config
         self.model = str(config.model_name)
         self.scan = bool(config.scan_layers)
+        self.hook_dtype = hook_dtype
 
     @property
     def family(self) -> str:
         return f"MaxText {importlib.metadata.version('maxtext')}'s map of {self.model!r}"
 
     def __repr__(self) -> str:
-        return f"meshinit.maxtext.names(<{self.model}, scan_layers={self.scan}>)"
+        dtype = "" if self.hook_dtype == "stored" else f", hook_dtype={self.hook_dtype!r}"
+        return f"meshinit.maxtext.names(<{self.model}, scan_layers={self.scan}>{dtype})"
 
     def table(self, checkpoint: Checkpoint) -> tuple[dict[str, Any], list[Problem]]:
         param_mapping, tensor_handling = _maxtext()
@@ -107,17 +229,25 @@ class _MaxTextMap(FrameworkMap):
         if self.model not in param_mapping.PARAM_MAPPING:
             known = ", ".join(sorted(param_mapping.PARAM_MAPPING))
             return {}, [Problem(where, f"MaxText maps no {self.model!r}; it maps {known}")]
-        hf = dict(checkpoint.config or {})
+        hf, fix, problems = hf_config(checkpoint.config or {}, checkpoint.where)
+        if problems:
+            return {}, problems
+        problems = mismatches(hf, self.config, checkpoint.where)
+        if problems:  # another model's files: nothing of its map is worth reading
+            return {}, problems
+        missing: dict[Any, list[str]] = {}  # config key -> what of the map reads it
         try:
             mapping = param_mapping.PARAM_MAPPING[self.model](hf, self.config, self.scan)
             hooks = param_mapping.HOOK_FNS[self.model](
                 hf, self.config, self.scan, saving_to_hf=False
             )
+        except MissingKey as e:
+            return {}, [_missing(e.key, ["the map"], where, checkpoint.where, fix)]
         except Exception as e:  # noqa: BLE001 - MaxText's own error, named
             said = f"{type(e).__name__}: {str(e)[:300]}"
             return {}, [Problem(where, f"MaxText's map fails on {checkpoint.where}: {said}")]
         table: dict[str, Any] = {}
-        problems: list[Problem] = []
+        problems = []
         composite = {mt: key for key in mapping if isinstance(key, tuple) for mt in key}
         for path, (shape, dtype) in checkpoint.planned.items():
             key = mt_key(path)
@@ -142,6 +272,8 @@ class _MaxTextMap(FrameworkMap):
                 table[path] = self._target(
                     key, mapping[key], hooks.get(key), shape, dtype, checkpoint, tensor_handling
                 )
+            except MissingKey as e:
+                missing.setdefault(e.key, []).append(f"hook {_named(hooks.get(key))} of {key!r}")
             except _trace.Inexpressible as e:
                 problems.append(
                     Problem(
@@ -154,6 +286,9 @@ class _MaxTextMap(FrameworkMap):
                 problems.append(
                     Problem(path, f"{where}: {key!r} reads {e}, which is not in the files")
                 )
+        problems += [
+            _missing(k, users, where, checkpoint.where, fix) for k, users in missing.items()
+        ]
         return table, problems
 
     def _target(
@@ -171,8 +306,11 @@ class _MaxTextMap(FrameworkMap):
                 raise _trace.Inexpressible("several HF tensors combined by one hook")
             if name not in checkpoint.tensors:
                 raise _Absent(repr(name))
-            stored = checkpoint.tensors[name][0]
-            return _hooks.followed(hook, _trace.stand_in(name, stored, dtype), target_shape)
+            stored, kind = checkpoint.tensors[name]
+            held = READABLE.get(kind)
+            compute = self._compute(held, dtype)
+            made = _hooks.followed(hook, _trace.stand_in(name, stored, compute), target_shape)
+            return _computed(made, compute, np.dtype(dtype), held)
 
         if not isinstance(hf, list):
             return leaf(hf, shape)
@@ -194,6 +332,135 @@ class _MaxTextMap(FrameworkMap):
             return _names.Stack(tuple(nested(k, level + 1) for k in keys), at)
 
         return nested(hf, 0)
+
+    def _compute(self, held: np.dtype | None, planned: Any) -> np.dtype:
+        """The dtype the hooks of a tensor stored as ``held`` compute in."""
+        if self.hook_dtype == "bfloat16":
+            return np.dtype(ml_dtypes.bfloat16)
+        if self.hook_dtype == "float32":
+            return np.dtype(np.float32)
+        floating = held is not None and jax.dtypes.issubdtype(held, np.floating)
+        return held if floating and held is not None else np.dtype(planned)
+
+
+def _computed(
+    target: _names.Target, compute: np.dtype, planned: np.dtype, held: np.dtype | None
+) -> _names.Target:
+    """``target`` with every tensor that the hooks' dtype ``compute`` rounds otherwise
+    than the planned dtype would told so (``compute_dtype``): a scaled or offset one, or
+    any one whose stored dtype is not ``compute`` (cast to it first, as MaxText does)."""
+    if compute == planned:
+        return target
+    if isinstance(target, _names.Tensor):
+        rounds = target.scale is not None or target.offset is not None or held != compute
+        return dataclasses.replace(target, compute_dtype=compute) if rounds else target
+    if isinstance(target, _names.Pad):
+        return dataclasses.replace(target, part=_computed(target.part, compute, planned, held))
+    if isinstance(target, _names.Stack | _names.Concat):
+        parts = tuple(_computed(p, compute, planned, held) for p in target.parts)
+        return dataclasses.replace(target, parts=parts)
+    return target  # a Fill: its value computed by the hook, in its dtype
+
+
+def hf_config(raw: Mapping[str, Any], where: str) -> tuple[ConfigView, str, list[Problem]]:
+    """The checkpoint's ``config.json`` as MaxText's maps read a Hugging Face config:
+    a transformers config's ``.to_dict()`` (defaults filled: ``head_dim``, ...), built
+    with transformers where it is installed and knows the file's ``model_type``, else
+    the file as it is (a key it lacks is then named: :class:`ConfigView`); and, where
+    it is the file as it is, the fix a missing key's message gives."""
+    try:
+        import transformers
+    except ImportError:
+        fix = "install transformers (MaxText builds the config with it, filling {key!r} and the"
+        return ConfigView(raw), f"{fix} other defaults), or add {{key!r}} to config.json", []
+    model_type = raw.get("model_type")
+    try:
+        made = transformers.AutoConfig.for_model(**copy.deepcopy(dict(raw)))
+    except Exception as e:  # noqa: BLE001 - a type transformers does not know, named
+        said = f"{type(e).__name__}: {str(e)[:120]}"
+        fix = (
+            f"transformers builds no config of model_type {model_type!r} ({said}), which "
+            f"would fill the defaults: add {{key!r}} to config.json"
+        )
+        return ConfigView(raw), fix, []
+    return ConfigView(made.to_dict()), "add {key!r} to config.json", []
+
+
+# MaxText 0.2.5's to_huggingface._validate_or_update_architecture: each Hugging Face
+# config field and the MaxText config attribute it must equal (head_dim too, except
+# with MLA attention). The vocabulary is left out: see names().
+_COMPARED = (
+    ("hidden_size", "emb_dim"),
+    ("intermediate_size", "mlp_dim"),
+    ("kv_lora_rank", "kv_lora_rank"),
+    ("moe_intermediate_size", "moe_mlp_dim"),
+    ("n_routed_experts", "num_experts"),
+    ("n_shared_experts", "shared_experts"),
+    ("num_attention_heads", "num_query_heads"),
+    ("num_experts", "num_experts"),
+    ("num_experts_per_tok", "num_experts_per_tok"),
+    ("num_hidden_layers", "num_decoder_layers"),
+    ("num_key_value_heads", "num_kv_heads"),
+    ("num_local_experts", "num_experts"),
+    ("q_lora_rank", "q_lora_rank"),
+    ("qk_nope_head_dim", "qk_nope_head_dim"),
+    ("qk_rope_head_dim", "qk_rope_head_dim"),
+    ("v_head_dim", "v_head_dim"),
+    ("global_head_dim", "global_head_dim"),
+    ("num_global_key_value_heads", "global_num_kv_heads"),
+    ("hc_mult", "mhc_expansion_rate"),
+    ("num_hash_layers", "first_num_hash_layers"),
+    ("index_n_heads", "indexer_n_heads"),
+    ("index_head_dim", "indexer_head_dim"),
+    ("o_lora_rank", "o_lora_rank"),
+    ("o_groups", "o_groups"),
+)
+
+
+def mismatches(hf: Mapping[str, Any], config: Any, where: str) -> list[Problem]:
+    """Every field of the checkpoint's config (``hf``, a config dict) that differs from
+    MaxText's ``config``, as MaxText's own check compares them (its special cases too),
+    each a problem naming both values."""
+    compared = list(_COMPARED)
+    if getattr(config, "attention_type", None) != "mla":
+        compared.append(("head_dim", "head_dim"))
+    text = hf.get("text_config") or hf
+    model = str(getattr(config, "model_name", ""))
+    problems = []
+    for field, attr in compared:
+        ours = getattr(config, attr, None)
+        theirs = text.get(field) if isinstance(text, Mapping) else None
+        if ours is None or theirs is None:
+            continue
+        if model.startswith("gemma2") and field == "num_hidden_layers" and isinstance(ours, int):
+            ours *= 2  # MaxText's Gemma 2 layer is a local and a global one
+        if "qwen3" in model and getattr(config, "num_experts", 0) > 1:
+            if field == "intermediate_size":  # MaxText's: per expert, times those routed
+                ours *= getattr(config, "num_experts_per_tok", 1)
+        if isinstance(theirs, float) or isinstance(ours, float):
+            try:
+                same = abs(float(theirs) - float(ours)) < 1e-6
+            except (TypeError, ValueError):
+                same = theirs == ours
+        else:
+            same = theirs == ours
+        if not same:
+            problems.append(
+                Problem(
+                    where,
+                    f"config.json says {field}={theirs!r}, MaxText's config {attr}={ours!r}: "
+                    f"the files are of another model than the plan's; load that model's "
+                    f"checkpoint, or configure MaxText with the checkpoint's sizes",
+                )
+            )
+    return problems
+
+
+def _missing(key: Any, users: list[str], where: str, file: str, fix: str) -> Problem:
+    """The problem of a config key MaxText's map reads that the checkpoint's config lacks."""
+    shown = users[0] + (f" and {len(users) - 1} more" if len(users) > 1 else "")
+    said = f"config.json has no {key!r}, which {where} reads ({shown}); {fix.format(key=key)}"
+    return Problem(file, said)
 
 
 class _Absent(Exception):

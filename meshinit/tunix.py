@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -57,6 +57,7 @@ _PREPROCESS = {"_stack_experts": False, "_make_preprocess_fn": True}
 # what else a loader may call: Gemma's reads the vocabulary size from the files (the
 # plan's own is then checked against the stored shapes)
 _HELPERS = {"_peek_vocab_size_from_safetensors"}
+_UNUSED = "unused."  # the prefix of tunix's names for tensors its loaders drop
 
 
 def names(model_config: Any) -> FrameworkMap:
@@ -79,7 +80,10 @@ def names(model_config: Any) -> FrameworkMap:
     operation no target expresses (a reshape that cuts an axis unevenly, a
     broadcast, arithmetic); a preprocess step or loader call meshinit does not know;
     a stored tensor tunix maps to a path the plan does not have, or two to one path;
-    and a planned parameter that no stored tensor fills. Tensors that tunix's map
+    and a planned parameter that no stored tensor fills; where the files have a
+    ``config.json``, each size it states (hidden, intermediate or expert width,
+    heads, KV heads, head_dim, layers, experts) that differs from ``model_config``'s
+    (files of 4 heads of 32 fit a model of 8 heads of 16 in every shape). Tensors that tunix's map
     does not match, or sends to its ``unused.`` names, are left unread (and named by
     ``unused=``). Plan paths of nnx RNG state (typed keys, uint32 counts) map to
     None: made by the init.
@@ -136,6 +140,9 @@ class _TunixMap(FrameworkMap):
                 f"not of {self.kind}"
             )
             return {}, [Problem("", f"{family}: {why}; load with a table of your own")]
+        problems = mismatches(checkpoint.config, self.model_config, checkpoint.where)
+        if problems:  # another model's files: nothing of its map is worth reading
+            return {}, problems
         try:
             key_map, preprocess, problems = _loader(self.kind, self.model_config, family)
         except ImportError as e:
@@ -153,6 +160,49 @@ class _TunixMap(FrameworkMap):
         if problems:
             return {}, problems
         return _assembled(syms, checkpoint, family)
+
+
+# a tunix ModelConfig's sizes and the Hugging Face config fields that say them (an MoE
+# model's expert width is its moe_intermediate_size); the vocabulary is left out:
+# Gemma's loader takes it from the files, and the others' shapes check it
+_COMPARED = (
+    ("embed_dim", ("hidden_size",)),
+    ("hidden_dim", ("intermediate_size",)),
+    ("num_heads", ("num_attention_heads",)),
+    ("num_kv_heads", ("num_key_value_heads",)),
+    ("head_dim", ("head_dim",)),
+    ("num_layers", ("num_hidden_layers",)),
+    ("num_experts", ("num_experts", "num_local_experts")),
+    ("num_experts_per_tok", ("num_experts_per_tok",)),
+)
+
+
+def mismatches(hf: Mapping[str, Any] | None, model_config: Any, where: str) -> list[Problem]:
+    """Every size of the checkpoint's ``config.json`` (where it has one, and the
+    field) that differs from the tunix ``model_config`` the plan's model is built from:
+    files of other heads fit the same shapes (4 heads of 32 as 8 of 16) and would load
+    scrambled. Each is a problem naming both values."""
+    if not isinstance(hf, Mapping):
+        return []
+    text = hf.get("text_config") or hf
+    problems = []
+    for attr, fields in _COMPARED:
+        ours = getattr(model_config, attr, None)
+        if attr == "hidden_dim" and getattr(model_config, "num_experts", None):
+            fields = ("moe_intermediate_size",)  # tunix's MoE MLP: one expert's width
+        for field in fields:
+            theirs = text.get(field) if isinstance(text, Mapping) else None
+            if ours is None or theirs is None or theirs == ours:
+                continue
+            problems.append(
+                Problem(
+                    where,
+                    f"config.json says {field}={theirs!r}, the tunix ModelConfig "
+                    f"{attr}={ours!r}: the files are of another model than the plan's; "
+                    f"load that model's checkpoint, or build the ModelConfig with its sizes",
+                )
+            )
+    return problems
 
 
 def _version() -> str:
@@ -233,19 +283,30 @@ def _transform(t: Any) -> bool:
 
 
 def _mapped(
-    key_map: Mapping[str, Any], checkpoint: Checkpoint, family: str
+    key_map: Mapping[str, Any],
+    checkpoint: Checkpoint,
+    family: str,
+    match: Callable[[Mapping[str, Any], str], tuple[str, Any]] | None = None,
 ) -> tuple[dict[str, _trace.Sym], dict[str, Any], list[Problem]]:
     """Each stored tensor as tunix's loader has it before its preprocess step: by
-    tunix's own regex match, transposed, then reshaped."""
-    from tunix.utils.torch_utils import torch_key_to_jax_key
+    tunix's own regex match (``match``: tunix's ``torch_key_to_jax_key``), transposed,
+    then reshaped. A tensor sent to one of tunix's ``unused.`` names is left unread,
+    however many go to the same name (Gemma's map sends every ``.*\\.bias`` to
+    ``unused.bias``; tunix's loader overwrites one with the next and uses none)."""
+    if match is None:
+        from tunix.utils.torch_utils import torch_key_to_jax_key
+
+        match = torch_key_to_jax_key
 
     syms: dict[str, _trace.Sym] = {}
     dtypes: dict[str, Any] = {}
     problems = []
     for name, (shape, dtype) in sorted(checkpoint.tensors.items()):
         try:
-            key, transform = torch_key_to_jax_key(key_map, name)
+            key, transform = match(key_map, name)
         except ValueError:  # no regex, or several: tunix skips it, and so is it here
+            continue
+        if key.startswith(_UNUSED):  # tunix's own name for what it drops: unread
             continue
         if key in syms:
             first = ", ".join(_read(syms[key]))
@@ -299,8 +360,6 @@ def _assembled(
         except _trace.Inexpressible as e:
             problems.append(Problem(path, f"{family}: {e}: no target expresses it"))
     for key in sorted(set(syms) - used):
-        if key.startswith("unused."):  # tunix's own name for what it drops
-            continue
         read = ", ".join(_read(syms[key])) or "a value"
         problems.append(Problem(key, f"{family} maps {read} here: not a path of the plan"))
     return table, problems

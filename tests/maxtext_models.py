@@ -27,15 +27,13 @@ def tiny_config(scan_layers: bool, layers: int = 2, **overrides):
     (``model_name=`` a family's yml, its sizes overridden)."""
     if "model_name" in overrides:
         overrides.setdefault("override_model_config", True)
+    sizes = dict(
+        base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=4, head_dim=16, vocab_size=256
+    )
     return pyconfig.initialize(
         ["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")],
-        base_emb_dim=64,
-        base_num_query_heads=4,
-        base_num_kv_heads=4,
-        head_dim=16,
         base_mlp_dim=128,
         base_num_decoder_layers=layers,
-        vocab_size=256,
         max_target_length=16,
         per_device_batch_size=1,
         scan_layers=scan_layers,
@@ -48,6 +46,25 @@ def tiny_config(scan_layers: bool, layers: int = 2, **overrides):
         skip_jax_distributed_system=True,
         # base.yml turns on jax's persistent compilation cache (~/jax_cache) for the
         # whole process: compiles would be served from disk and not counted.
+        jax_cache_dir="",
+        log_config=False,
+        **(sizes | overrides),
+    )
+
+
+@functools.cache
+def maxtext_config(**overrides):
+    """MaxText's base.yml with a model's yml as it is (``model_name=``), on CPU."""
+    return pyconfig.initialize(
+        ["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")],
+        max_target_length=16,
+        per_device_batch_size=1,
+        scan_layers=True,
+        dcn_data_parallelism=1,
+        hardware="cpu",
+        enable_checkpointing=False,
+        dataset_type="synthetic",
+        skip_jax_distributed_system=True,
         jax_cache_dir="",
         log_config=False,
         **overrides,

@@ -88,6 +88,35 @@ class FrameworkMap(abc.ABC):
         ``config.json`` it cannot read. With any problem the table is not used."""
 
 
+class MissingKey(KeyError):
+    """A key of ``config.json`` that a framework's map reads and the file lacks
+    (raised by :class:`ConfigView`); its one argument is the key."""
+
+    @property
+    def key(self) -> Any:
+        return self.args[0]
+
+
+class ConfigView(dict):
+    """A checkpoint's config as a framework's map reads it: a plain dict (nested
+    dicts too), except that a key it lacks raises :class:`MissingKey`, which names it,
+    rather than a ``KeyError`` that could come from anywhere in the map's code."""
+
+    def __init__(self, data: Mapping[str, Any]):
+        super().__init__({k: _viewed(v) for k, v in data.items()})
+
+    def __missing__(self, key: Any) -> Any:
+        raise MissingKey(key)
+
+
+def _viewed(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return ConfigView(value)
+    if isinstance(value, list):
+        return [_viewed(v) for v in value]
+    return value
+
+
 def built(
     names: FrameworkMap,
     config: Mapping[str, Any] | None,

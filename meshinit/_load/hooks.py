@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import parts as _names
+from .framework import MissingKey
 from .trace import Inexpressible, Sym, concatenate, filled, stack, target
 
 
@@ -120,7 +121,7 @@ def followed(hooks: Any, x: Any, target_shape: tuple[int, ...]) -> _names.Target
     for hook in hooks if isinstance(hooks, list) else [hooks]:
         try:
             x = rebound(hook)(x, target_shape)
-        except Inexpressible:
+        except (Inexpressible, MissingKey):  # a config key the file lacks: named as such
             raise
         except Exception as e:  # noqa: BLE001 - what the hook did instead, named
             raise Inexpressible(f"{type(e).__name__}: {str(e)[:200]}") from e

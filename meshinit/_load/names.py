@@ -83,14 +83,20 @@ def _expand(target: str | Target | None, match: re.Match[str]) -> Target | None:
 
 def targets(
     paths: Sequence[str], names: Any, what: str
-) -> tuple[dict[str, Target | None], list[Problem]]:
-    """Each plan path's target (None: not in the files), and the problems of a
-    Mapping or rule table against the paths. A path that a Mapping lacks or that no
-    rule matches is looked up under its own name, as with ``names=None``; a rule that
-    matches no path is an :class:`~meshinit.UnusedPatternWarning`."""
+) -> tuple[dict[str, Target | None], list[Problem], dict[str, str]]:
+    """Each plan path's target (None: not in the files), the problems of a Mapping or
+    rule table against the paths, and for each path no rule matched while a rule
+    matched no path, a note naming those rules (:func:`linked`).
+
+    A path that a Mapping lacks or that no rule matches is looked up under its own
+    name, as with ``names=None``; a rule that matches no path is an
+    :class:`~meshinit.UnusedPatternWarning`. A path whose rule's target does not
+    expand is that one problem, not looked up (None), so it is not also reported as
+    absent from the files."""
     problems: list[Problem] = []
+    notes: dict[str, str] = {}
     if names is None:
-        return {p: Tensor(p) for p in paths}, []
+        return {p: Tensor(p) for p in paths}, [], notes
     if isinstance(names, Mapping):
         known = set(paths)
         for key in names:
@@ -106,6 +112,7 @@ def targets(
         rules = _rules(names)
         used: set[int] = set()
         found = {}
+        unmatched = []
         for p in paths:
             found[p] = Tensor(p)
             for rule in rules:
@@ -114,6 +121,7 @@ def targets(
                     try:
                         found[p] = _expand(rule.target, m)
                     except (re.error, IndexError) as e:
+                        found[p] = None  # this problem, not also "not in the files"
                         problems.append(
                             Problem(
                                 p,
@@ -122,6 +130,8 @@ def targets(
                             )
                         )
                     break
+            else:
+                unmatched.append(p)
         idle = [
             _patterns.pattern_name("names", r.index, r.pattern)
             for r in rules
@@ -130,6 +140,13 @@ def targets(
         _patterns.warn_idle(
             what, idle, paths, "plan path", "It maps nothing (every path is matched without it)"
         )
+        if idle:
+            them = "that regex" if len(idle) == 1 else "those regexes"
+            note = (
+                f"no rule of names= matched the path, and {' and '.join(idle)} matched no "
+                f"plan path (the UnusedPatternWarning): fix {them} to match it"
+            )
+            notes = dict.fromkeys(unmatched, note)
         source = ""
     elif callable(names):
         found = {p: _target(names(p)) for p in paths}
@@ -143,4 +160,11 @@ def targets(
             f"{shown}{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}: each path's "
             f"target must be {KINDS}, or None for a path the files do not hold"
         )
-    return {p: t for p, t in found.items() if not isinstance(t, str)}, problems
+    return {p: t for p, t in found.items() if not isinstance(t, str)}, problems, notes
+
+
+def linked(problem: Problem, notes: Mapping[str, str]) -> Problem:
+    """``problem`` (a path's tensor not in the files) with the note :func:`targets`
+    gave its path, if any: the rule meant to map it matched nothing."""
+    note = notes.get(problem.path)
+    return Problem(problem.path, f"{problem.message}; {note}") if note else problem

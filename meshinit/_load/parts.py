@@ -15,6 +15,9 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+import ml_dtypes  # noqa: F401 - np.dtype('bfloat16') by name
+import numpy as np
+
 
 def _ints(value: Any, what: str, kind: str = "Tensor") -> tuple[int, ...] | None:
     if value is None:
@@ -111,19 +114,15 @@ class Tensor:
     alone; a sharding whose blocks cut a merged axis other than along its outer
     axis is refused before anything is read.
 
-    ``scale`` multiplies the values as MaxText's conversion does (its query scale
-    ``1 / sqrt(head_dim)``), with the planned dtype in the role of MaxText's save
-    dtype: the stored values are cast to the planned dtype first (rounded once, as
-    any tensor is), then, as its hooks compute
-    ``(x.astype(np.float32) * np.float32(scale)).astype(x.dtype)``, taken to float32,
-    multiplied by ``scale`` rounded to float32, and rounded back to the planned dtype
-    (a float64 plan computes in float64). So a float32 tensor planned as bfloat16 is
-    rounded twice, as MaxText rounds it. ``offset`` adds a constant the same way,
-    after the scale, rounded back to the planned dtype as a step of its own:
-    ``(x.astype(np.float32) + np.float32(offset)).astype(x.dtype)``, which is what
-    ``x + 1.0`` gives on a bfloat16 array (MaxText's Gemma norm scales, stored as
-    ``scale - 1``). A value that overflows the product, the sum or the planned dtype
-    is a :class:`~meshinit.PlanError`. Floating-point tensors only, for both.
+    ``scale`` multiplies the values as MaxText's hooks do (its query scale ``1 /
+    sqrt(head_dim)``) in their dtype ``compute_dtype`` (None: the planned dtype; MaxText's
+    direct loader on bfloat16 files: bfloat16): the stored values cast to it, then
+    ``(x.astype(np.float32) * np.float32(scale)).astype(x.dtype)`` (float64 stays
+    float64), then cast to the planned dtype. ``offset`` adds a constant after the
+    scale, rounded on its own: ``(x.astype(np.float32) + np.float32(offset))
+    .astype(x.dtype)``, ``x + 1.0`` on a bfloat16 array (Gemma's norm scales, stored as
+    ``scale - 1``). A value that overflows is a :class:`~meshinit.PlanError`.
+    Floating-point tensors only, for both.
 
     A map written for tunix or MaxText transposes first, then reshapes. For a split
     of a torch ``(out, in)`` weight the two agree once the reshape is moved first:
@@ -143,6 +142,7 @@ class Tensor:
       out_shape: the shape the transposed view is reshaped to last, merging axes
         that the transpose left side by side, or None.
       offset: a Python float added to the values (after ``scale``), or None.
+      compute_dtype: the floating dtype of the scale and offset, or None (planned).
 
     Raises:
       TypeError: a field of the wrong kind: ``index`` not basic slices with positive
@@ -173,10 +173,21 @@ class Tensor:
     scale: float | None = dataclasses.field(default=None, kw_only=True)
     out_shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
     offset: float | None = dataclasses.field(default=None, kw_only=True)
+    compute_dtype: Any = dataclasses.field(default=None, kw_only=True, repr=False)
+
+    def __repr__(self) -> str:  # compute_dtype only where given: most tables' form
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr]
+        given = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype.name!r}"
+        return f"Tensor({', '.join(shown)}{given})"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise TypeError(f"Tensor name must be a str, got {self.name!r}")
+        if self.compute_dtype is not None:
+            dtype = np.dtype(self.compute_dtype)  # TypeError for what is no dtype
+            if "float" not in dtype.name:
+                raise TypeError(f"Tensor compute_dtype must be a floating dtype, got {dtype}")
+            object.__setattr__(self, "compute_dtype", dtype)
         shape, permute = _ints(self.shape, "shape"), _ints(self.permute, "permute")
         object.__setattr__(self, "index", _slices(self.index))
         for what in ("scale", "offset"):

@@ -192,13 +192,17 @@ class Part:
         self._total[0] += block.nbytes
         self._tally[0] += block.nbytes
         dtype = self.entry.spec.dtype
-        if block.dtype != dtype:
-            block = cast(block, dtype, self.entry.path, self.leaf)
         tensor = self.leaf.tensor
+        # the dtype MaxText's hooks see the values in: the planned one unless told
+        work = dtype if tensor.compute_dtype is None else tensor.compute_dtype
+        if block.dtype != work:
+            block = cast(block, work, self.entry.path, self.leaf)
         if tensor.scale is not None:  # after the cast: MaxText's hooks see it cast
             block = scaled(block, tensor.scale, self.entry.path, self.leaf)
         if tensor.offset is not None:  # after the scale, rounded on its own
             block = offset(block, tensor.offset, self.entry.path, self.leaf)
+        if block.dtype != dtype:
+            block = cast(block, dtype, self.entry.path, self.leaf)
         return block
 
     def release(self, mapped: Any, base: int) -> None:

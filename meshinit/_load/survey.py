@@ -171,7 +171,7 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
             problems += found
         # with a problem, nothing is resolved: its problems say what to fix first
         names = table = table if table and not found else {e.path: None for e in plan.entries}
-    targets, found = _names.targets([e.path for e in plan.entries], names, what)
+    targets, found, notes = _names.targets([e.path for e in plan.entries], names, what)
     problems += found
     loaded: dict[str, _names.Target] = {}
     reads: dict[str, tuple[str, ...]] = {}
@@ -207,7 +207,8 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
             if refused.missing:
                 missing[entry.path] = refused.missing[0][1]
                 names_held = names_held or sorted(index)
-                absent.append(_absent(entry.path, refused.missing, names_held, len(absent) < 20))
+                gone = _absent(entry.path, refused.missing, names_held, len(absent) < 20)
+                absent.append(_names.linked(gone, notes))
             else:
                 problems.append(Problem(entry.path, refused.message))
             continue

@@ -3,6 +3,8 @@ over ``meshinit._load.trace``):
 the target they become, loaded by ``meshinit.safetensors.load``, has the bits of the
 hook run on the real arrays; what no target can express is refused by name."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -334,3 +336,31 @@ def test_a_refused_stand_in_names_why_where_it_is_used(use):
     refused = trace.refused("the operation mul", (4, 6), np.float32)
     with pytest.raises(trace.Inexpressible, match="^the operation mul$"):
         use(refused)
+
+
+@pytest.mark.parametrize("compute", [BF16, np.dtype(np.float32)])
+def test_a_hook_computed_in_another_dtype_than_the_plans(tmp_path, compute):
+    """MaxText's direct loader runs its hooks on the stored bfloat16 of a float32
+    model (compute_dtype bfloat16: scaled, rounded to bfloat16, widened exactly), and
+    to_maxtext --save_dtype=float32 in float32: both the hook's own bits."""
+
+    def scale(x, target_shape):
+        s = np.dtype("float32").type(1 / np.sqrt(8))
+        return (x.astype(np.float32) * s).astype(x.dtype)
+
+    stored = RNG.standard_normal((16, 8)).astype(BF16)
+    made = hooks.followed(scale, trace.stand_in("w", stored.shape, compute), (16, 8))
+    target = dataclasses.replace(made, compute_dtype=compute)
+    assert target.compute_dtype == compute and "compute_dtype=" in repr(target)
+    save_file({"w": stored}, str(tmp_path / "m.safetensors"))
+    plan = plan_for({"p": (16, 8)}, dtype=np.float32)
+    (loaded,) = st.load(plan, tmp_path, names={"p": target}).values()
+    want = scale(stored.astype(compute), (16, 8)).astype(np.float32)
+    assert np.asarray(loaded).tobytes() == want.tobytes()
+    planned = scale(stored.astype(np.float32), (16, 8))  # in the plan's dtype: other bits
+    assert (want.tobytes() != planned.tobytes()) == (compute == BF16)
+
+
+def test_a_compute_dtype_that_is_not_floating_is_a_type_error():
+    with pytest.raises(TypeError, match="Tensor compute_dtype must be a floating dtype"):
+        st.Tensor("w", compute_dtype=np.int8)

@@ -146,6 +146,42 @@ def test_a_backreference_to_no_group_is_named_with_its_rule_and_path(tmp_path):
         meshinit.safetensors.load(plan, tmp_path, names=[(r"w", r"model.\1")])
 
 
+def test_a_backreference_to_no_group_is_one_problem_per_path(tmp_path):
+    # it was reported twice per path: the rule's problem, then the path looked up
+    # under its own name as "not in the files"
+    save_file({"model.w": np.ones(D, np.float32)}, str(tmp_path / "m.safetensors"))
+    norm = specs()["layers"][0]["norm"]
+    plan = meshinit.plan({"v": norm, "w": norm})
+    with pytest.raises(meshinit.PlanError, match="its target does not expand") as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=[(r"(w|v)", r"model.\2")])
+    assert [str(p) for p in raised.value.problems] == [
+        f'{p}: names[0] r"(w|v)": its target does not expand: invalid group reference 2 '
+        "at position 7"
+        for p in ("v", "w")
+    ]
+
+
+def test_the_error_of_a_path_no_rule_matched_names_the_rule_that_matched_nothing(tmp_path):
+    # the idle rule was only a warning, apart from the error it caused
+    save_file({"model.w": np.ones(D, np.float32)}, str(tmp_path / "m.safetensors"))
+    norm = specs()["layers"][0]["norm"]
+    plan = meshinit.plan({"w": norm, "v": norm})
+    table = [(r"model\.w", "model.w"), (r"v", None)]
+    with pytest.warns(meshinit.UnusedPatternWarning, match=r'names\[0\] r"model\\\.w"'):
+        with pytest.raises(meshinit.PlanError, match="is not in the files") as raised:
+            meshinit.safetensors.load(plan, tmp_path, names=table)
+    (problem,) = raised.value.problems
+    assert problem.path == "w"
+    assert problem.message.endswith(
+        r'; no rule of names= matched the path, and names[0] r"model\.w" matched no plan '
+        "path (the UnusedPatternWarning): fix that regex to match it"
+    )
+    # a path no rule matched is not linked where every rule matched something
+    with pytest.raises(meshinit.PlanError, match="is not in the files") as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=[(r"v", None)])
+    assert "no rule of names=" not in str(raised.value)
+
+
 def test_a_rule_that_matches_no_path_is_an_unused_pattern_warning(tmp_path):
     save_file({"w": np.ones(D, np.float32)}, str(tmp_path / "m.safetensors"))
     plan = meshinit.plan({"w": specs()["layers"][0]["norm"]})

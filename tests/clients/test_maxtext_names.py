@@ -54,6 +54,7 @@ maxtext = pytest.importorskip(
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import maxtext_models as mm  # noqa: E402
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from helpers import Reads, owned_bytes  # noqa: E402
@@ -557,3 +558,273 @@ def test_a_family_whose_hooks_no_table_expresses_is_refused_by_name(
         assert problem.message.startswith(family), problem
         (reason,) = [why[r] for r in why if re.search(r, problem.path)]
         assert re.fullmatch(reason, problem.message.removeprefix(family)), problem
+
+
+# ------------------------------------------- the checkpoint's config, as MaxText reads it
+
+
+def seeded(config) -> dict[str, np.ndarray]:
+    """Seeded random values (MaxText key -> array) in MaxText's NNX placement of ``config``."""
+    placement = nnx_placement(config, mm.maxtext_mesh(config))
+    rng = np.random.default_rng(0)
+    return {mt_key(p): rng.standard_normal(a.shape).astype(a.dtype) for p, a in placement.items()}
+
+
+# Meta's Llama 3.1 config.json (8B), its sizes those of the tiny model: no head_dim
+META_LLAMA31 = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+}
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_metas_llama31_config_without_head_dim_loads_as_maxtexts_conversion(
+    checkpoint, tmp_path, scan
+):
+    """It was refused ("needs KeyError: 'head_dim', which names= cannot express"):
+    MaxText builds the config with transformers, which fills head_dim."""
+    model = "llama3.1-8b"
+    folder, stored = checkpoint(model, scan)
+    config = config_of(model, scan)
+    sizes = dict(
+        hidden_size=config.emb_dim,
+        intermediate_size=config.mlp_dim,
+        num_attention_heads=config.num_query_heads,
+        num_key_value_heads=config.num_kv_heads,
+        num_hidden_layers=config.num_decoder_layers,
+        vocab_size=config.vocab_size,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(META_LLAMA31 | sizes))
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    plan, placement = plan_and_placement(config, "nnx")
+    targets = {mt_key(p): a.shape for p, a in placement.items()}
+    want = maxtext_conversion(model, config, stored, targets)
+    loaded = meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    problems = differences(loaded, want, placement)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_config_key_the_map_reads_and_the_file_lacks_is_named_with_the_fix(checkpoint, tmp_path):
+    """A model type transformers does not know: the file as it is, and the key that
+    MaxText's map reads and it lacks named (it was "needs KeyError: ..., which names=
+    cannot express")."""
+    model = "llama3.1-8b"
+    folder, _ = checkpoint(model)
+    config = config_of(model, True)
+    hf = json.loads((folder / "config.json").read_text())
+    del hf["num_hidden_layers"]
+    hf["model_type"] = "no-such-model-type"
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    plan, _ = plan_and_placement(config, "nnx")
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == []
+    (problem,) = raised.value.problems
+    assert problem.path == str(tmp_path / "config.json")
+    assert problem.message.startswith(
+        "config.json has no 'num_hidden_layers', which MaxText 0.2.5's map of "
+        "'llama3.1-8b' reads (the map); transformers builds no config of model_type "
+        "'no-such-model-type' ("
+    )
+    assert problem.message.endswith(
+        "which would fill the defaults: add 'num_hidden_layers' to config.json"
+    )
+
+
+# ------------------------------------------------ the checkpoint's sizes against MaxText's
+
+
+def test_heads_that_disagree_at_equal_sizes_are_refused_naming_each_field(tmp_path):
+    """Files of 4 heads of 16 (2 KV heads) into a model of 8 heads of 8 (4 KV heads):
+    every reshape fits, and it loaded scrambled (with the files' query scale)."""
+    model = "llama3.1-8b"
+    files = mm.tiny_config(True, 2, model_name=model, base_num_kv_heads=2)
+    write_checkpoint(model, files, seeded(files), tmp_path)
+    config = mm.tiny_config(True, 2, model_name=model, base_num_query_heads=8, head_dim=8)
+    plan, _ = plan_and_placement(config, "nnx")
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == [], "refused before any byte is read"
+    fix = (
+        "the files are of another model than the plan's; load that model's checkpoint, or "
+        "configure MaxText with the checkpoint's sizes"
+    )
+    where = str(tmp_path / "config.json")
+    assert [str(p) for p in raised.value.problems] == [
+        f"{where}: config.json says num_attention_heads=4, MaxText's config "
+        f"num_query_heads=8: {fix}",
+        f"{where}: config.json says num_key_value_heads=2, MaxText's config num_kv_heads=4: {fix}",
+        f"{where}: config.json says head_dim=16, MaxText's config head_dim=8: {fix}",
+    ]
+
+
+def test_an_unrolled_model_of_fewer_layers_than_the_files_is_refused(tmp_path):
+    """It loaded the files' first layers and only warned of the others as unused."""
+    model = "llama3.1-8b"
+    files = mm.tiny_config(False, 3, model_name=model)
+    write_checkpoint(model, files, seeded(files), tmp_path)
+    config = config_of(model, False)  # 2 layers
+    plan, _ = plan_and_placement(config, "linen")
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    (problem,) = raised.value.problems
+    assert problem.message.startswith(
+        "config.json says num_hidden_layers=3, MaxText's config num_decoder_layers=2: "
+    )
+
+
+# ------------------------------------ bf16 files into a float32 model: MaxText's routes
+
+
+def to_maxtext_route(model, config, stored, targets, save_dtype):
+    """``to_maxtext`` at ``--save_dtype``: each stored tensor converted as its loader
+    converts a torch tensor (cast to the save dtype), its loading function (hooks,
+    stacking), its ``LazyTensor`` in the save dtype (what orbax saves); then the
+    restore into the model's dtype."""
+    from maxtext.checkpoint_conversion import to_maxtext
+
+    save = np.dtype(ml_dtypes.bfloat16) if save_dtype == "bfloat16" else np.dtype(np.float32)
+    hf = json.loads(json.dumps(hf_config(model, config)))
+    mapping = param_mapping.PARAM_MAPPING[model](hf, config, config.scan_layers)
+    hooks = param_mapping.HOOK_FNS[model](hf, config, config.scan_layers, saving_to_hf=False)
+
+    def getter(key):  # _convert_tensor_to_numpy of a torch tensor: to float32, then save
+        return stored[key].astype(np.float32).astype(save)
+
+    out = {}
+    for key, leaf in targets.items():
+        load = to_maxtext._get_hf_loading_function(
+            mapping[key], getter, hooks.get(key), leaf.shape, config, key
+        )
+        lazy = to_maxtext.LazyTensor(load, leaf.shape, save_dtype, name=key)
+        out[key] = np.asarray(lazy.__array__(lazy.dtype)).astype(leaf.dtype)
+    return out
+
+
+def load_dynamic_route(model, config, stored, targets):
+    """MaxText's direct loader: its loading functions on the stored arrays, onto the
+    model's abstract leaves, in the model's dtype."""
+    hf = json.loads(json.dumps(hf_config(model, config)))
+    mapping = param_mapping.PARAM_MAPPING[model](hf, config, config.scan_layers)
+    hooks = param_mapping.HOOK_FNS[model](hf, config, config.scan_layers, saving_to_hf=False)
+    return {
+        key: np.asarray(
+            tensor_handling.get_hf_loading_function(
+                mapping[key], stored.__getitem__, hooks.get(key), leaf, config, key
+            )()
+        ).astype(leaf.dtype)
+        for key, leaf in targets.items()
+    }
+
+
+@pytest.mark.parametrize("model", ["llama3.1-8b", "gemma2-2b"])
+def test_bf16_files_into_a_float32_model_give_maxtexts_default_routes_bits(tmp_path, model):
+    """llama's query scale 1/sqrt(8) and Gemma 2's norm offset round in bfloat16 on
+    MaxText's default routes (its direct loader and to_maxtext at --save_dtype=bfloat16);
+    meshinit computed them in float32, which is only to_maxtext --save_dtype=float32:
+    now hook_dtype="float32"."""
+    config = mm.tiny_config(True, 2, model_name=model, head_dim=8)
+    f32 = write_checkpoint(model, config, seeded(config), tmp_path / "f32")
+    stored = {k: v.astype(ml_dtypes.bfloat16) for k, v in f32.items()}
+    (tmp_path / "bf16").mkdir()
+    save_file(stored, str(tmp_path / "bf16" / "model.safetensors"))
+    (tmp_path / "bf16" / "config.json").write_text((tmp_path / "f32" / "config.json").read_text())
+    plan, placement = plan_and_placement(config, "nnx")
+    assert {a.dtype for a in placement.values()} == {np.dtype(np.float32)}
+    targets = {mt_key(p): jax.ShapeDtypeStruct(a.shape, a.dtype) for p, a in placement.items()}
+    direct = load_dynamic_route(model, config, stored, targets)
+    default = to_maxtext_route(model, config, stored, targets, "bfloat16")
+    wide = to_maxtext_route(model, config, stored, targets, "float32")
+    assert {k: a.tobytes() for k, a in direct.items()} == {
+        k: a.tobytes() for k, a in default.items()
+    }, "MaxText's two default routes agree"
+    rounds = [k for k in wide if wide[k].tobytes() != default[k].tobytes()]
+    assert rounds, "a hook that rounds otherwise in float32 (the test has teeth)"
+
+    for given, want in (({}, default), ({"hook_dtype": "bfloat16"}, default), (
+        {"hook_dtype": "float32"}, wide
+    )):  # fmt: skip
+        names = meshinit.maxtext.names(config, **given)
+        loaded = meshinit.safetensors.load(plan, tmp_path / "bf16", names=names)
+        problems = differences(loaded, want, placement)
+        assert not problems, f"{names!r}:\n" + "\n".join(problems)
+
+
+def test_hook_dtype_bfloat16_rounds_float32_files_as_to_maxtexts_default(checkpoint):
+    model = "gemma2-2b"
+    folder, stored = checkpoint(model, True)
+    config = config_of(model, True)
+    plan, placement = plan_and_placement(config, "nnx")
+    targets = {mt_key(p): jax.ShapeDtypeStruct(a.shape, a.dtype) for p, a in placement.items()}
+    want = to_maxtext_route(model, config, stored, targets, "bfloat16")
+    names = meshinit.maxtext.names(config, hook_dtype="bfloat16")
+    problems = differences(meshinit.safetensors.load(plan, folder, names=names), want, placement)
+    assert not problems, "\n".join(problems)
+    with pytest.raises(ValueError, match=r"hook_dtype must be one of 'stored', 'bfloat16'"):
+        meshinit.maxtext.names(config, hook_dtype="float16")
+
+
+# ------------------------------------------- MaxText's own models with rule-less names
+
+
+def test_deepseek4_plans_with_maxtexts_rules_completed_as_flax_places_them():
+    """MaxText's rules have no entry for deepseek4's o_groups, indexer_q,
+    indexer_weights, o_lora_up_proj and scanned_blocks: the strict plan refuses them;
+    meshinit.maxtext.rules replicates them as flax does, lists them, and the plan is
+    flax's own placement of MaxText's init, leaf for leaf."""
+    config = mm.maxtext_config(
+        model_name="deepseek4-tiny",
+        attention="dot_product",
+        sparse_matmul=False,
+        ici_fsdp_parallelism=8,
+        ici_tensor_parallelism=1,
+    )
+    mesh = mm.maxtext_mesh(config)
+    model, args, kwargs = mm.linen_model_and_inputs(config, mesh)
+    key, keys = mm.linen_keys(config)
+    options = dict(mesh=mesh, default="replicated", **kwargs)
+    with pytest.raises(meshinit.PlanError, match="logical axis 'o_groups' has no rule"):
+        meshinit.linen.plan(model, keys, *args, rules=config.logical_axis_rules, **options)
+    with nn.logical_axis_rules(config.logical_axis_rules):
+        abstract = jax.eval_shape(
+            lambda: maxtext_utils.init_initial_state(model, None, config, False, key).params
+        )
+    rules = meshinit.maxtext.rules(config, abstract)
+    assert rules.replicated == (
+        "indexer_q",
+        "indexer_weights",
+        "o_groups",
+        "o_lora_up_proj",
+        "scanned_blocks",
+    )
+    plan = meshinit.linen.plan(model, keys, *args, rules=rules, **options)
+    theirs = linen_placement(config, mesh, model, key)
+    assert {e.path: e.sharding for e in plan.entries} == {p: a.sharding for p, a in theirs.items()}
+    kernel = next(e for e in plan.entries if e.path.endswith("o_a_proj.kernel"))
+    assert (
+        "o_groups" in kernel.spec.axes
+        and kernel.sharding.spec[kernel.spec.axes.index("o_groups")] is None
+    )

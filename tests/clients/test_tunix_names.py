@@ -211,6 +211,41 @@ def test_tunix_names_loads_what_tunix_loads_bit_for_bit_on_tunix_shardings(tmp_p
 
 
 @pytest.mark.slow
+def test_every_tensor_gemmas_map_sends_to_one_unused_name_is_left_unread(tmp_path):
+    """tunix's Gemma map sends every ``.*\\.bias`` to ``unused.bias`` and each layer's
+    rotary tensors to ``unused.rotary.<layer>``: several tensors to one name, which
+    tunix's loader drops (it loads the checkpoint); meshinit refused it ("maps both
+    ...k_proj.bias and ...q_proj.bias here") and now leaves them unread, named unused."""
+    factory, config, loader = tm.LOADERS["gemma"]
+    dropped = {}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        dropped |= {
+            f"{p}.self_attn.q_proj.bias": (config.num_heads * HEAD_DIM,),
+            f"{p}.self_attn.k_proj.bias": (config.num_kv_heads * HEAD_DIM,),
+            f"{p}.self_attn.rotary_emb.inv_freq": (HEAD_DIM // 2,),
+            f"{p}.self_attn.rotary_emb.cos_cached": (8, HEAD_DIM),
+        }
+    rng = np.random.default_rng(1)
+    shapes = tm.hf_shapes("gemma") | dropped
+    tensors = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    mesh = tm.mesh()
+    theirs = tm.arrays(
+        loader.create_model_from_safe_tensors(str(tmp_path), config, mesh=mesh, mode="optimized")
+    )
+    plan = meshinit.nnx.plan(factory, meshes=[(r".*", mesh)])
+    names = meshinit.tunix.names(config)
+    found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    assert set(found.unused) == set(dropped), found
+    with pytest.warns(meshinit.UnusedTensorWarning, match=r"k_proj\.bias"):
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names)
+    assert set(loaded) == set(theirs)
+    differ = [p for p in loaded if tm.bits(loaded[p]).tobytes() != tm.bits(theirs[p]).tobytes()]
+    assert not differ, f"values differ from tunix's loader at {differ}"
+
+
+@pytest.mark.slow
 def test_float32_files_are_cast_to_the_planned_bfloat16_as_tunix_casts_with_dtype(tmp_path):
     write_checkpoint("gemma3", tmp_path, dtype=np.float32)
     mesh = tm.mesh()
@@ -378,6 +413,36 @@ def test_a_loader_step_meshinit_does_not_know_is_refused(tmp_path, monkeypatch):
     )
     with pytest.raises(meshinit.PlanError, match="its loader calls _fix_norms, a step meshinit"):
         meshinit.safetensors.load(llama_plan(), tmp_path, names=meshinit.tunix.names(CONFIG))
+
+
+def test_a_checkpoint_of_other_heads_at_equal_sizes_is_refused_naming_each_field(tmp_path):
+    """Files of 4 heads of 32 (2 KV heads) fit the plan's 8 heads of 16 (4 KV heads) in
+    every shape, and loaded scrambled; config.json says so, and is checked."""
+    write_checkpoint("llama3", tmp_path)
+    sizes = dict(
+        model_type="llama",
+        hidden_size=D,
+        intermediate_size=CONFIG.hidden_dim,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=CONFIG.num_layers,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(sizes))
+    with pytest.raises(meshinit.PlanError) as e:
+        meshinit.safetensors.load(llama_plan(), tmp_path, names=meshinit.tunix.names(CONFIG))
+    fix = (
+        "the files are of another model than the plan's; load that model's checkpoint, or "
+        "build the ModelConfig with its sizes"
+    )
+    where = str(tmp_path / "config.json")
+    assert [str(p) for p in e.value.problems] == [
+        f"{where}: config.json says num_attention_heads=4, the tunix ModelConfig "
+        f"num_heads=8: {fix}",
+        f"{where}: config.json says num_key_value_heads=2, the tunix ModelConfig "
+        f"num_kv_heads=4: {fix}",
+        f"{where}: config.json says head_dim=32, the tunix ModelConfig head_dim=16: {fix}",
+    ]
 
 
 def test_tensors_the_map_sends_nowhere_and_parameters_nothing_fills_are_each_named(tmp_path):

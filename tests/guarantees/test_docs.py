@@ -116,7 +116,7 @@ def test_the_public_surface_is_what_the_docs_cover():
     assert sorted(meshinit.eqx.__all__) == ["init", "materialize", "plan"]
     assert sorted(meshinit.optax.__all__) == ["abstract", "init"]
     assert sorted(meshinit.linen.__all__) == ["init", "plan"]
-    assert meshinit.maxtext.__all__ == ["names"]
+    assert meshinit.maxtext.__all__ == ["names", "rules"]
     assert sorted(meshinit.safetensors.__all__) == [
         "Checkpoint",
         "Concat",
