@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from .._caches import LRUCache
 from .._jax import compat as _compat
+from .._jax import explicit as _explicit
 from .._jax import jaxpr as _jaxpr
 from .._jax import threefry as _threefry
 from .._jax import tiles as _tiles
@@ -117,6 +118,9 @@ def _evaluator(
         return other(node, ins)
 
     other = _jaxpr.bind_rehomed if _rehomes(traced, mesh) else _jaxpr.bind_node
+    if traced.explicit and not isinstance(s.out, Lit):  # jit's constraints there
+        shape = tuple(prog.avals[s.out].shape)
+        bind = _explicit.explicit_bind(bind, _compile.auto_twin(mesh), shape, sharding.spec)
     keys = [jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended) for n in s.inputs]
 
     fixed = {n: np.asarray(prog.consts[n]) for n in s.consts}  # constants, as jit has them
@@ -321,7 +325,7 @@ class _Constructor:
         for k in self._entries(w, bucket):
             shardings = tuple(None if s is None else s.spec for s in self._shardings(w, k))
             signatures.append((w.group.entries[k].signature, shardings))
-        return ("constructor", w.group.mesh, tuple(signatures), w.on_cpu)
+        return ("constructor", w.group.mesh, tuple(signatures), w.on_cpu, self.traced.explicit)
 
     def _layout(self, w: _Work, bucket: tuple[int, ...]) -> tuple[list[np.dtype], list[list[Any]]]:
         """How one call's inputs travel: integer host values (keys, counters, token ids)
