@@ -107,7 +107,7 @@ def _evaluator(
         _compat.prim(n) for n in ("threefry2x32", "random_wrap", "random_seed")
     )
 
-    def bind(node: _jaxpr.Node, ins: list[Any]) -> Sequence[Any]:
+    def straight_bind(node: _jaxpr.Node, ins: list[Any]) -> Sequence[Any]:
         prim = node.primitive
         if straight and prim is hash_p:  # its words apart, as _threefry.PROGRAM_KEY_IMPL
             return jax.lax.optimization_barrier(_threefry.threefry2x32(*ins))
@@ -118,6 +118,7 @@ def _evaluator(
         return other(node, ins)
 
     other = _jaxpr.bind_rehomed if _rehomes(traced, mesh) else _jaxpr.bind_node
+    bind: _explicit.Bind = straight_bind
     if traced.explicit and not isinstance(s.out, Lit):  # jit's constraints there
         shape = tuple(prog.avals[s.out].shape)
         bind = _explicit.explicit_bind(bind, _compile.auto_twin(mesh), shape, sharding.spec)

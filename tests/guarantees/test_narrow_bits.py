@@ -218,11 +218,20 @@ EXPLICIT_CASES = {
     "variance_scaling": lambda k, s: inits.variance_scaling(
         1.0, "fan_in", "normal", in_axis=1, out_axis=0
     )(k, s, jnp.float32),
-    "tanh-exp": lambda k, s: jnp.tanh(jax.random.normal(k, s))
-    * jnp.exp(jax.random.normal(jax.random.fold_in(k, 1), s) * 0.1),
+    "tanh-exp": lambda k, s: (
+        jnp.tanh(jax.random.normal(k, s))
+        * jnp.exp(jax.random.normal(jax.random.fold_in(k, 1), s) * 0.1)
+    ),
     "cauchy": lambda k, s: jax.random.cauchy(k, s, jnp.float32),
 }
 FAST_CASES = ("normal-0.02", "cauchy")
+
+
+def assert_same_bits(made, want, what=""):
+    """Equal bit for bit (NaNs and signed zeros included), dtype and shape too."""
+    made, want = np.asarray(made), np.asarray(want)
+    assert (made.dtype, made.shape) == (want.dtype, want.shape), what
+    np.testing.assert_array_equal(made.view(np.uint8), want.view(np.uint8), err_msg=what)
 
 
 def _one_param_module(make, axes=("fsdp", "tensor"), shape=(128, 40)):
@@ -252,9 +261,7 @@ def test_nnx_init_gives_nnx_jits_bits_on_the_mesh_the_user_made(name):
             made = meshinit.nnx.init(factory).w.get_value()
             jitted = nnx.jit(factory)().w.get_value()
         assert made.sharding == jitted.sharding == NamedSharding(mesh, P("fsdp", "tensor"))
-        np.testing.assert_array_equal(
-            np.asarray(made).view(np.uint8), np.asarray(jitted).view(np.uint8), err_msg=kind
-        )
+        assert_same_bits(made, jitted, kind)
         texts = [e.as_text() for k, e in _compile.executables.items() if k[0][0] == "constructor"]
         assert texts, kind
         for text in texts:
@@ -274,9 +281,9 @@ def test_the_spec_path_gives_jits_bits_under_the_mesh_the_user_made(kind):
         specs = {"w": meshinit.param((128, 40), init, axes=("fsdp", "tensor"), mesh=mesh)}
         made = meshinit.materialize(meshinit.plan(specs), 0)["w"]
         key = meshinit.param_key(jax.random.key(0), "w")
-        jitted = jax.jit(lambda k: init(k, (128, 40), jnp.float32), out_shardings=made.sharding)(key)
+        jitted = jax.jit(lambda k: init(k, (128, 40)), out_shardings=made.sharding)(key)
     assert made.sharding == jitted.sharding == NamedSharding(mesh, P("fsdp", "tensor"))
-    np.testing.assert_array_equal(np.asarray(made).view(np.uint8), np.asarray(jitted).view(np.uint8))
+    assert_same_bits(made, jitted)
 
 
 class _Dense(nn.Module):
