@@ -83,14 +83,15 @@ def _cases() -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str, Make]]:
 def _axes(shape: tuple[int, ...], mesh: Any) -> tuple[str | None, ...]:
     """Rows on fsdp and columns on tensor where the mesh's axes divide them."""
     names = ("fsdp", "tensor")[: len(shape)]
-    return tuple(n if size % mesh.shape[n] == 0 else None for size, n in zip(shape, names))
+    return tuple(n if shape[i] % mesh.shape[n] == 0 else None for i, n in enumerate(names))
 
 
 def meshes(mesh: Any) -> dict[str, Any]:
     """``mesh`` as jax makes it (Explicit axes) and its all-Auto twin."""
     from jax.sharding import AxisType, Mesh
 
-    explicit = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
+    kinds = (AxisType.Explicit,) * len(mesh.axis_names)
+    explicit = Mesh(mesh.devices, mesh.axis_names, axis_types=kinds)
     return {"explicit": explicit, "auto": Mesh(mesh.devices, mesh.axis_names)}
 
 
@@ -126,7 +127,13 @@ def cases(cpu_check: bool, mesh: Any, differences: Callable[[Any, Any], dict]) -
                         with meshinit.options(tile_bytes=tile_bytes):
                             made = meshinit.nnx.init(factory).w.get_value()
                         d = differences(made, want)
-                        d["same_sharding"] = made.sharding == want.sharding
+                        # the same placement; == also compares the spelling (P(None,) and
+                        # P() place a 1-D array alike)
+                        d["same_sharding"] = made.sharding.is_equivalent_to(
+                            want.sharding, made.ndim
+                        )
+                        d["equal_sharding"] = made.sharding == want.sharding
+                        d["shardings"] = [str(made.sharding.spec), str(want.sharding.spec)]
                         found[f"{kind} {tiling} {name}"] = d
                         made.delete()
                     want.delete()
@@ -134,3 +141,30 @@ def cases(cpu_check: bool, mesh: Any, differences: Callable[[Any, Any], dict]) -
                 found[f"{kind} {name}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
             meshinit.clear_cache()
     return found
+
+
+# What differs on purpose, by (platform, mesh kind, case), measured and stated in
+# docs/concepts.md ("The value contract"): reported, not failures.
+KNOWN: dict[tuple[str, str, str], str] = {
+    ("cpu", "auto", "gamma f32"): (
+        "XLA folds the loop's constant sqrt(2) * c in meshinit's program, not in jit's "
+        "(jax 0.10.2: 306 of 3,840 elements, 8 ulp)"
+    ),
+}
+
+
+def failures(found: dict, platform: str) -> list[str]:
+    """The cases that failed or differ from ``nnx.jit`` (less :data:`KNOWN`), or whose
+    sharding is not ``nnx.jit``'s."""
+    out = []
+    for name, d in found.items():
+        if "error" in d:
+            out.append(f"bits case {name}: {d['error']}")
+            continue
+        kind, _, case = name.split(" ", 2)
+        if d["differ"] and (platform, kind, case) not in KNOWN:
+            off = f"{d['differ']} of {d['elements']} differ, {d['max_ulp']} ulp"
+            out.append(f"bits case {name}: {off}")
+        if not d["same_sharding"]:
+            out.append(f"bits case {name}: not nnx.jit's sharding")
+    return out
