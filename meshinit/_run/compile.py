@@ -1,9 +1,11 @@
 """Compiling meshinit's programs: the Auto twin, compiler options, the executable cache.
 
 Every program is traced under an all-Auto twin of its group's mesh
-(:func:`auto_twin`), lowered with exact out_shardings and compiled with the mesh's
-compiler options of the call (:func:`meshinit.options`; by default, on CPU, those of
-meshinit's :data:`CPU_COMPILER_OPTIONS` that the installed jaxlib knows). Executables
+(:func:`auto_twin`; where the caller's context mesh is Explicit, with the sharding
+constraints jit lowers there: :mod:`meshinit._jax.explicit`), lowered with exact
+out_shardings and compiled with the mesh's compiler options of the call
+(:func:`meshinit.options`; by default, on CPU, those of meshinit's
+:data:`CPU_COMPILER_OPTIONS` that the installed jaxlib knows). Executables
 (the spec path's, the constructor engine's, optax's state steps) are cached in one
 process-wide cache (:data:`executables`, in the registry of :mod:`meshinit._caches`,
 guarded by :data:`lock`), keyed with the settings that change a program
