@@ -119,7 +119,8 @@ def _evaluator(
 
     other = _jaxpr.bind_rehomed if _rehomes(traced, mesh) else _jaxpr.bind_node
     bind: _explicit.Bind = straight_bind
-    if traced.explicit and not isinstance(s.out, Lit):  # jit's constraints there
+    explicit = traced.explicit and not isinstance(s.out, Lit)
+    if explicit and not isinstance(s.out, Lit):  # jit's constraints there
         shape = tuple(prog.avals[s.out].shape)
         bind = _explicit.explicit_bind(bind, _compile.auto_twin(mesh), shape, sharding.spec)
     keys = [jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended) for n in s.inputs]
@@ -134,7 +135,9 @@ def _evaluator(
             env[n] = jax.random.wrap_key_data(v, impl=key_impl) if is_key else v
         if tiled is not None:
             # each hash's words apart, as bind makes them in the whole slice's program
-            return _tiles.evaluate(prog, tiled, env, bind, straight=straight, barrier=straight)
+            return _tiles.evaluate(
+                prog, tiled, env, bind, straight=straight, barrier=straight, explicit=explicit
+            )
         _jaxpr.run_nodes(prog, s.nodes, env, bind)
         return s.out.value if isinstance(s.out, Lit) else env[s.out]
 

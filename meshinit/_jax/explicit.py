@@ -87,15 +87,32 @@ def explicit_bind(bind: Bind, mesh: Mesh, shape: tuple[int, ...], spec: Partitio
         return jax.lax.with_sharding_constraint(x, sharding)
 
     def bound(node: Node, ins: list[Any]) -> Sequence[Any]:
-        if _broadcasts_scalars(node) and len(node.outs) == 1:
-            ranks = [np.ndim(x) for x in ins]
-            rank = max(ranks, default=0)
-            if rank > 0 and 0 in ranks:
-                full = next(np.shape(x) for x, r in zip(ins, ranks, strict=True) if r == rank)
-                ins = [
-                    constrain(_broadcast(x, operand, full)) if r == 0 else x
-                    for x, operand, r in zip(ins, node.ins, ranks, strict=True)
-                ]
+        ins = _scalars_broadcast(node, ins, constrain)
         return [constrain(x) for x in bind(node, ins)]
 
     return bound
+
+
+def _scalars_broadcast(node: Node, ins: list[Any], wrap: Callable[[Any], Any]) -> list[Any]:
+    """``ins`` with each scalar operand of an elementwise ``node`` whose result is an
+    array broadcast to that array's shape and passed through ``wrap``."""
+    if not _broadcasts_scalars(node) or len(node.outs) != 1:
+        return ins
+    ranks = [np.ndim(x) for x in ins]
+    rank = max(ranks, default=0)
+    if rank == 0 or 0 not in ranks:
+        return ins
+    full = next(np.shape(x) for x, r in zip(ins, ranks, strict=True) if r == rank)
+    return [
+        wrap(_broadcast(x, operand, full)) if r == 0 else x
+        for x, operand, r in zip(ins, node.ins, ranks, strict=True)
+    ]
+
+
+def hidden_scalars(node: Node, ins: list[Any]) -> list[Any]:
+    """``ins`` with each scalar operand of an elementwise ``node`` broadcast and behind an
+    optimization barrier: what hides the constant from XLA's simplifier as jit's
+    constraint does, where no constraint can be lowered (a tile loop, inside
+    ``shard_map``'s manual region). The same bits as the constraints on CPU (jax 0.10.2:
+    ``normal(0.02)``, ``variance_scaling``, a tanh·exp chain)."""
+    return _scalars_broadcast(node, ins, jax.lax.optimization_barrier)

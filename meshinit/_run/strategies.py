@@ -104,7 +104,9 @@ def _make(
         if tiled is not None:
             apart = impl is _threefry.PROGRAM_KEY_IMPL  # the hash's words, as made whole
             straight = apart or impl is _threefry.STRAIGHT_LINE
-            return _tiles.evaluate(prog, tiled, env, bind, straight=straight, barrier=apart)
+            return _tiles.evaluate(
+                prog, tiled, env, bind, straight=straight, barrier=apart, explicit=explicit
+            )
         if not explicit:
             return made(key_data)
     _jaxpr.run_nodes(prog, range(len(prog.nodes)), env, bind)
