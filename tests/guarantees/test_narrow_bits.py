@@ -217,6 +217,9 @@ EXPLICIT_CASES = {
         * jnp.exp(jax.random.normal(jax.random.fold_in(k, 1), s) * 0.1)
     ),
     "cauchy": lambda k, s: jax.random.cauchy(k, s, jnp.float32),
+    "iota-normal-bf16": lambda k, s: (
+        jax.lax.broadcasted_iota(jnp.bfloat16, s, 1) * 0.001 + jax.random.normal(k, s, jnp.bfloat16)
+    ),
 }
 FAST_CASES = ("normal-0.02", "cauchy")
 
@@ -261,6 +264,21 @@ def test_nnx_init_gives_nnx_jits_bits_on_the_mesh_the_user_made(name):
         for text in texts:
             assert "[128,40]" not in text, f"{kind}: the whole parameter in a program"
             assert "all-gather" not in text and "collective-permute" not in text, kind
+
+
+def test_gamma_on_an_explicit_mesh_gives_nnx_jits_bits():
+    """``jax.random.gamma`` (a rejection loop, made whole) under ``jax.make_mesh``'s
+    Explicit mesh: 419 of these 5,120 elements up to 8 ulp off nnx.jit before meshinit
+    lowered jit's constraints (jax 0.10.2). On an Auto mesh jax 0.10.2's XLA folds a
+    constant of the loop in meshinit's program of the variable and not in nnx.jit's
+    (docs/concepts.md, the table): that mesh is not compared here."""
+    factory = _one_param_module(lambda k, s: jax.random.gamma(k, 2.0, s, jnp.float32))
+    mesh = _meshes()["explicit"]
+    with jax.set_mesh(mesh):
+        made = meshinit.nnx.init(factory).w.get_value()
+        jitted = nnx.jit(factory)().w.get_value()
+    assert made.sharding == jitted.sharding == NamedSharding(mesh, P("fsdp", "tensor"))
+    assert_same_bits(made, jitted)
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
