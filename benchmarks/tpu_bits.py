@@ -149,8 +149,9 @@ def cases(cpu_check: bool, mesh: Any, differences: Callable[[Any, Any], dict]) -
 # docs/concepts.md ("The value contract"): reported, not failures.
 KNOWN: dict[tuple[str, str, str], str] = {
     ("cpu", "auto", "gamma f32"): (
-        "XLA folds the loop's constant sqrt(2) * c in meshinit's program, not in jit's "
-        "(jax 0.10.2: 306 of 3,840 elements, 8 ulp)"
+        "jax 0.10.2: meshinit inlines jax's _gamma call, so its rejection loop's c is "
+        "a constant XLA folds with sqrt(2); in jit it is computed at run time "
+        "(306 of 3,840 elements, 8 ulp)"
     ),
 }
 
