@@ -20,7 +20,9 @@ tensor=1) of one chip (``--mesh``). Parts (``--parts``, all by default):
   threshold of compile time is kept unless ``--cache-threshold-zero``.
 - ``bits``: at ``--bits-layers`` layers of the same width, in f32 and bf16:
   ``meshinit.nnx.init`` against ``nnx.jit`` and eager nnx, ``meshinit.linen.init``
-  against ``jax.jit(model.init)``: elements that differ, and the largest distance in ulp.
+  against ``jax.jit(model.init)``: elements that differ, and the largest distance in ulp;
+  then issue 57's cases (``tpu_bits.py``) on the Explicit mesh and its Auto twin, tiled
+  and whole, each against ``nnx.jit`` on the same mesh.
 - ``load``: ``--load-mib`` of bf16 safetensors (written once to a temporary folder, page
   cache warm) into device memory: ``meshinit.safetensors.load`` against
   ``jax.device_put`` of each memory-mapped tensor, ``safe_open`` (numpy) then
@@ -62,6 +64,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import tpu_bits
 import tpu_cases
 import tpu_report
 from harness import run_child
@@ -164,8 +167,11 @@ def failures(results: dict, cpu_check: bool) -> list[str]:
         if recipe != "layers":
             ran(f"depth {recipe}", r)
     if "bits" in results and ran("bits", results["bits"]):
+        platform = results.get("env", {}).get("platform", "")
         for name, d in results["bits"].items():
-            if isinstance(d, dict) and "eager" not in name and d["differ"]:
+            if name == "cases":
+                found += tpu_bits.failures(d, platform)
+            elif isinstance(d, dict) and "eager" not in name and d["differ"]:
                 found.append(
                     f"bits {name}: {d['differ']} elements differ, up to {d['max_ulp']} ulp"
                 )

@@ -21,6 +21,7 @@ from typing import Any
 
 import checks
 import recipes
+import tpu_bits
 from harness import CompileClock, best_of, delete_arrays, warm_up_backend
 from models import Model
 
@@ -250,6 +251,7 @@ def bits(layers: int, dtypes: list[str], cpu_check: bool, mesh: list[int]) -> di
                 found[f"{dtype} {ours} vs {other}"] = differences(reference, theirs)
                 delete_arrays(theirs)
             delete_arrays(reference)
+    found["cases"] = tpu_bits.cases(cpu_check, mesh_, differences)
     return {"layers": layers, "nbytes": model_for(cpu_check, layers, "float32").nbytes, **found}
 
 

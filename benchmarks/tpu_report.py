@@ -117,7 +117,7 @@ def bits_table(results: dict) -> str:
         return f"bits: failed: {b['error']}"
     rows = []
     for name, d in b.items():
-        if not isinstance(d, dict):
+        if not isinstance(d, dict) or name == "cases":
             continue
         dtype, ours, _, theirs = name.split(" ")
         rows.append(
@@ -130,7 +130,24 @@ def bits_table(results: dict) -> str:
             ]
         )
     title = f"values, the {b['layers']}-layer stack ({b['nbytes'] / 1e9:.2f} GB in f32)"
-    return md_table([title, "dtype", "elements", "differ", "max ulp"], rows)
+    stack = md_table([title, "dtype", "elements", "differ", "max ulp"], rows)
+    return stack if "cases" not in b else stack + "\n\n" + cases_table(b["cases"])
+
+
+def cases_table(cases: dict) -> str:
+    """Issue 57's cases (``tpu_bits.py``): ``meshinit.nnx.init`` against ``nnx.jit`` on
+    the same mesh, per mesh kind and tiling."""
+    rows = []
+    for name, d in cases.items():
+        kind, tiling, case = name.split(" ", 2) if "error" not in d else (*name.split(" ", 1), "")
+        if "error" in d:
+            rows.append([tiling, kind, "", "failed", d["error"][:150], ""])
+            continue
+        share = f"{d['differ']:,} of {d['elements']:,}"
+        same = "==" if d.get("equal_sharding") else "yes" if d.get("same_sharding") else "no"
+        rows.append([case, kind, tiling, share, str(d["max_ulp"]), same])
+    head = ["`meshinit.nnx.init` vs `nnx.jit`, same mesh", "mesh", "tiles", "differ"]
+    return md_table([*head, "max ulp", "same sharding"], rows)
 
 
 def load_table(results: dict) -> str:
@@ -217,8 +234,12 @@ def goals(results: dict) -> list[str]:
         ratio = load["meshinit"]["best_s"] / load["device_put"]["best_s"]
         lines.append(f"load <= 0.8x device_put: {ratio:.3f}x: {_met(ratio <= 0.8)}")
     for name, d in results.get("bits", {}).items():
-        if isinstance(d, dict) and "eager" not in name:
+        if isinstance(d, dict) and "eager" not in name and name != "cases":
             lines.append(f"bits {name}: {d['differ']} differ: {_met(d['differ'] == 0)}")
+    cases = results.get("bits", {}).get("cases", {})
+    off = [n for n, d in cases.items() if d.get("differ", 1)]
+    if cases:
+        lines.append(f"issue 57 cases equal to nnx.jit: {len(cases) - len(off)} of {len(cases)}")
     return lines
 
 

@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from .._caches import LRUCache
 from .._jax import compat as _compat
+from .._jax import explicit as _explicit
 from .._jax import jaxpr as _jaxpr
 from .._jax import threefry as _threefry
 from .._jax import tiles as _tiles
@@ -106,7 +107,7 @@ def _evaluator(
         _compat.prim(n) for n in ("threefry2x32", "random_wrap", "random_seed")
     )
 
-    def bind(node: _jaxpr.Node, ins: list[Any]) -> Sequence[Any]:
+    def straight_bind(node: _jaxpr.Node, ins: list[Any]) -> Sequence[Any]:
         prim = node.primitive
         if straight and prim is hash_p:  # its words apart, as _threefry.PROGRAM_KEY_IMPL
             return jax.lax.optimization_barrier(_threefry.threefry2x32(*ins))
@@ -117,6 +118,11 @@ def _evaluator(
         return other(node, ins)
 
     other = _jaxpr.bind_rehomed if _rehomes(traced, mesh) else _jaxpr.bind_node
+    bind: _explicit.Bind = straight_bind
+    explicit = traced.explicit and not isinstance(s.out, Lit)
+    if explicit and not isinstance(s.out, Lit):  # jit's constraints there
+        shape = tuple(prog.avals[s.out].shape)
+        bind = _explicit.explicit_bind(bind, _compile.auto_twin(mesh), shape, sharding.spec)
     keys = [jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended) for n in s.inputs]
 
     fixed = {n: np.asarray(prog.consts[n]) for n in s.consts}  # constants, as jit has them
@@ -129,7 +135,9 @@ def _evaluator(
             env[n] = jax.random.wrap_key_data(v, impl=key_impl) if is_key else v
         if tiled is not None:
             # each hash's words apart, as bind makes them in the whole slice's program
-            return _tiles.evaluate(prog, tiled, env, bind, straight=straight, barrier=straight)
+            return _tiles.evaluate(
+                prog, tiled, env, bind, straight=straight, barrier=straight, explicit=explicit
+            )
         _jaxpr.run_nodes(prog, s.nodes, env, bind)
         return s.out.value if isinstance(s.out, Lit) else env[s.out]
 
@@ -321,7 +329,7 @@ class _Constructor:
         for k in self._entries(w, bucket):
             shardings = tuple(None if s is None else s.spec for s in self._shardings(w, k))
             signatures.append((w.group.entries[k].signature, shardings))
-        return ("constructor", w.group.mesh, tuple(signatures), w.on_cpu)
+        return ("constructor", w.group.mesh, tuple(signatures), w.on_cpu, self.traced.explicit)
 
     def _layout(self, w: _Work, bucket: tuple[int, ...]) -> tuple[list[np.dtype], list[list[Any]]]:
         """How one call's inputs travel: integer host values (keys, counters, token ids)

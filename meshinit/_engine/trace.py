@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._jax import compat as _compat
+from .._jax import explicit as _explicit
 from .._jax import jaxpr as _jaxpr
 from .._jax.jaxpr import Lit, Program
 from .._run import compile as _compile
@@ -66,6 +67,9 @@ class Traced:
       dynamic: the values that depend on those arguments (key data, example inputs).
       mesh: the mesh it was traced under (the all-Auto twin of the context mesh), or
         None; every aval inside its loops' and branches' bodies records it.
+      explicit: whether the context mesh was Explicit: a jit of the constructor there
+        lowers sharding constraints that change XLA's float code, and the programs
+        lower them too (:mod:`meshinit._jax.explicit`).
     """
 
     program: Program
@@ -73,6 +77,7 @@ class Traced:
     args: tuple[Any, ...]
     dynamic: frozenset[int] = frozenset()
     mesh: Mesh | None = None
+    explicit: bool = False
 
     @property
     def out_avals(self) -> list[Any]:
@@ -163,7 +168,7 @@ def trace(fn: Callable[..., Sequence[Any]], *args: Any) -> Traced:
             "the constructor returned values of an earlier trace (it keeps what it built "
             "in outside state); it must build everything anew each call"
         )
-    return Traced(prog, {}, tuple(args), mesh=twin)
+    return Traced(prog, {}, tuple(args), mesh=twin, explicit=_explicit.is_explicit(context))
 
 
 def evaluate_host_part(traced: Traced, outputs: Sequence[int | Lit]) -> Traced:

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import compat as _compat
+from . import explicit as _explicit
 from . import jaxpr as _jaxpr
 from . import threefry as _threefry
 from .jaxpr import Lit
@@ -333,6 +334,7 @@ def evaluate(
     *,
     straight: bool,
     barrier: bool,
+    explicit: bool = False,
 ) -> jax.Array:
     """The output of ``t``, made tile by tile.
 
@@ -341,7 +343,9 @@ def evaluate(
     :func:`meshinit._jax.threefry.threefry2x32` (CPU) rather than jax's primitive;
     ``barrier``: each hash's two words behind an optimization barrier, as
     :data:`meshinit._jax.threefry.PROGRAM_KEY_IMPL` makes them in the whole slice's
-    program (so the float math after them is a loop of its own).
+    program (so the float math after them is a loop of its own). ``explicit``: each
+    tile's scalar operands hidden as jit's constraints hide them under an Explicit
+    mesh (:func:`meshinit._jax.explicit.hidden_scalars`).
     """
     _jaxpr.run_nodes(prog, t.outer, env, bind)
     args, specs = [], []
@@ -383,6 +387,8 @@ def evaluate(
                     value = read(node.ins[0], _sliced(t, node.ins[0]))
                 else:
                     ins = [read(x, _sliced(t, x)) for x in node.ins]
+                    if explicit:
+                        ins = _explicit.hidden_scalars(node, ins)
                     params = {k: None if k == "sharding" else v for k, v in node.params.items()}
                     (value,) = _compat.bind(node.primitive, ins, params)
                 tile[node.outs[0]] = value

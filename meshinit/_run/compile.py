@@ -1,9 +1,11 @@
 """Compiling meshinit's programs: the Auto twin, compiler options, the executable cache.
 
 Every program is traced under an all-Auto twin of its group's mesh
-(:func:`auto_twin`), lowered with exact out_shardings and compiled with the mesh's
-compiler options of the call (:func:`meshinit.options`; by default, on CPU, those of
-meshinit's :data:`CPU_COMPILER_OPTIONS` that the installed jaxlib knows). Executables
+(:func:`auto_twin`; where the caller's context mesh is Explicit, with the sharding
+constraints jit lowers there: :mod:`meshinit._jax.explicit`), lowered with exact
+out_shardings and compiled with the mesh's compiler options of the call
+(:func:`meshinit.options`; by default, on CPU, those of meshinit's
+:data:`CPU_COMPILER_OPTIONS` that the installed jaxlib knows). Executables
 (the spec path's, the constructor engine's, optax's state steps) are cached in one
 process-wide cache (:data:`executables`, in the registry of :mod:`meshinit._caches`,
 guarded by :data:`lock`), keyed with the settings that change a program
@@ -113,7 +115,9 @@ def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
     written to jax's persistent compilation cache whatever its compile time (below).
 
     meshinit passes only the options the installed jaxlib knows
-    (:func:`default_cpu_options`). Should a jaxlib newer than the tested ones reject
+    (:func:`default_cpu_options`), and compiles a program that holds an operation
+    XLA's classic CPU emitters round otherwise (:func:`_emitters_round`) with XLA's
+    default emitters. Should a jaxlib newer than the tested ones reject
     one of them anyway (XLA renames and retires its debug options), it is dropped for
     the rest of the process, with an INFO record, instead of failing every compile:
     meshinit's options change compile and run time, never values (a test compares them
@@ -123,8 +127,11 @@ def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
     own = _options.current().compiler_options is None
     while True:
         try:
+            chosen = compiler_options(mesh)
+            if own and chosen and _EMITTERS in chosen and _emitters_round(lowered):
+                chosen = {k: v for k, v in chosen.items() if k != _EMITTERS} or None
             with _compat.persist_every_compile():  # in this (compiling) thread only
-                return lowered.compile(compiler_options(mesh))
+                return lowered.compile(chosen)
         except Exception as e:
             found = _NO_SUCH_OPTION.search(str(e))
             name = found and found.group(1)
@@ -142,6 +149,23 @@ def compile_lowered(lowered: Any, mesh: Mesh) -> Any:
                     jaxlib.__version__,
                     name,
                 )
+
+
+_EMITTERS = "xla_cpu_use_fusion_emitters"
+# Operations whose code XLA's classic CPU emitters round otherwise than its fusion
+# emitters: jaxlib 0.10.2, each elementwise operation compiled both ways on 65,536
+# values: tan differed in 21,172 and cbrt in 11,163 (jax.random.cauchy is a tan: 39,661
+# of 122,880 elements, 2 ulp), every other one alike (exp, log, log1p, expm1, tanh,
+# sin, cos, atan, atan2, erf, erf_inv, lgamma, digamma, pow, sqrt, rsqrt, logistic,
+# sinh, cosh, asin, acos, asinh, acosh, atanh, rem, div, round; bf16 tan, exp, log).
+_EMITTER_ROUNDED = re.compile(r"\b(?:stablehlo|chlo|mhlo)\.(?:tan|cbrt)\b")
+
+
+def _emitters_round(lowered: Any) -> bool:
+    """Whether ``lowered`` holds an operation whose bits depend on which CPU emitters
+    compile it (:data:`_EMITTER_ROUNDED`): it then compiles with XLA's default
+    emitters, as ``jax.jit`` does."""
+    return _EMITTER_ROUNDED.search(lowered.as_text()) is not None
 
 
 def lower(mesh: Mesh, program: Callable[..., Any], out_shardings: Any, args: Sequence[Any]) -> Any:

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from .._format import some
+from .._jax import explicit as _explicit
 from .._jax import jaxpr as _jaxpr
 from .._jax import threefry as _threefry
 from .._jax import tiles as _tiles
@@ -73,9 +74,13 @@ def tiled_alone(entry: Any) -> bool:
     return size is not None and entry.device_bytes > size
 
 
-def _make(spec: Any, key_data: Any, impl: KeyImpl, sharding: NamedSharding) -> Any:
+def _make(
+    spec: Any, key_data: Any, impl: KeyImpl, sharding: NamedSharding, explicit: bool = False
+) -> Any:
     """The spec's value from its own key's data (traced): a large one made in tiles
-    (:mod:`meshinit._jax.tiles`) where its initializer allows, with the same bits."""
+    (:mod:`meshinit._jax.tiles`) where its initializer allows, with the same bits; with
+    ``explicit``, with the sharding constraints jit lowers under an Explicit context
+    mesh (:mod:`meshinit._jax.explicit`)."""
 
     def made(data: Any) -> Any:
         return spec.init(jax.random.wrap_key_data(data, impl=impl), spec.shape, spec.dtype)
@@ -85,17 +90,28 @@ def _make(spec: Any, key_data: Any, impl: KeyImpl, sharding: NamedSharding) -> A
     if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.extended):
         return made(key_data)  # keys are never made in tiles
     size = _tiles.tile_bytes_for(how, np.dtype(spec.dtype).itemsize)
-    if size and math.prod(spec.shape) * np.dtype(spec.dtype).itemsize > size:
-        prog = _jaxpr.flatten(jax.make_jaxpr(made)(_KEY))
-        twin = NamedSharding(auto_twin(mesh), sharding.spec, memory_kind=sharding.memory_kind)
+    large = bool(size) and math.prod(spec.shape) * np.dtype(spec.dtype).itemsize > size
+    if not (large or explicit):
+        return made(key_data)
+    prog = _jaxpr.flatten(jax.make_jaxpr(made)(_KEY))
+    twin = NamedSharding(auto_twin(mesh), sharding.spec, memory_kind=sharding.memory_kind)
+    env = {**prog.consts, prog.inputs[0]: key_data}
+    bind: _explicit.Bind = _jaxpr.bind_node
+    if explicit:
+        bind = _explicit.explicit_bind(bind, auto_twin(mesh), tuple(spec.shape), sharding.spec)
+    if large:
         tiled = _tiles.tiling(prog, range(len(prog.nodes)), prog.outputs[0], twin, how)
         if tiled is not None:
-            env = {**prog.consts, prog.inputs[0]: key_data}
             apart = impl is _threefry.PROGRAM_KEY_IMPL  # the hash's words, as made whole
             straight = apart or impl is _threefry.STRAIGHT_LINE
-            bind = _jaxpr.bind_node
-            return _tiles.evaluate(prog, tiled, env, bind, straight=straight, barrier=apart)
-    return made(key_data)
+            return _tiles.evaluate(
+                prog, tiled, env, bind, straight=straight, barrier=apart, explicit=explicit
+            )
+        if not explicit:
+            return made(key_data)
+    _jaxpr.run_nodes(prog, range(len(prog.nodes)), env, bind)
+    (out,) = prog.outputs
+    return out.value if isinstance(out, _jaxpr.Lit) else env[out]
 
 
 KeyRunner = Callable[[np.ndarray], Iterator[tuple[int, jax.Array]]]  # key data -> arrays
@@ -189,16 +205,18 @@ class PerSignature(_Cached):
         return [(self._key(group, batch, impl), len(batch)) for batch in group.batches]
 
     def _key(self, group: MeshGroup, batch: tuple[int, ...], impl: KeyImpl) -> Hashable:
-        return ("per_signature", group.mesh, group.entries[batch[0]].signature, impl)
+        signature = group.entries[batch[0]].signature
+        return ("per_signature", group.mesh, signature, impl, _explicit.context_is_explicit())
 
     def _build(self, group: MeshGroup, batch: tuple[int, ...], impl: KeyImpl) -> Build:
         entry = group.entries[batch[0]]
+        explicit = _explicit.context_is_explicit()  # the caller's, not the compile's
 
         def build():
             spec = entry.spec
 
             def program(key_data):
-                return _make(spec, key_data, impl, entry.sharding)
+                return _make(spec, key_data, impl, entry.sharding, explicit)
 
             return program, entry.sharding, (_KEY,)
 
@@ -233,10 +251,14 @@ class Rounds(_Cached):
 
     def _build(self, group: MeshGroup, bucket: tuple[int, ...], impl: KeyImpl) -> Build:
         entries = [group.entries[group.batches[i][0]] for i in bucket]
+        explicit = _explicit.context_is_explicit()  # the caller's, not the compile's
 
         def build():
             def program(keys):
-                return [_make(e.spec, keys[k], impl, e.sharding) for k, e in enumerate(entries)]
+                return [
+                    _make(e.spec, keys[k], impl, e.sharding, explicit)
+                    for k, e in enumerate(entries)
+                ]
 
             keys = jax.ShapeDtypeStruct((len(entries), 2), np.uint32)
             return program, [e.sharding for e in entries], (keys,)
@@ -245,7 +267,7 @@ class Rounds(_Cached):
 
     def _key(self, group: MeshGroup, bucket: tuple[int, ...], impl: KeyImpl) -> Hashable:
         signatures = tuple(group.entries[group.batches[i][0]].signature for i in bucket)
-        return ("rounds", group.mesh, signatures, impl)
+        return ("rounds", group.mesh, signatures, impl, _explicit.context_is_explicit())
 
     def builds(self, group: MeshGroup, impl: KeyImpl) -> list[tuple[Hashable, Build]]:
         return self._builds(group, self._buckets(group), impl)
