@@ -159,17 +159,9 @@ def tiling(
     count = math.prod(local[:axis]) * -(-local[axis] // rows)
     if count >= 2**31:
         return None  # more tiles than the loop's int32 index counts
+    sliced = tuple(tuple(prog.avals[n].shape) == shape for n in reads)
     return Tiling(
-        tuple(inner),
-        tuple(outer),
-        tuple(reads),
-        tuple(tuple(prog.avals[n].shape) == shape for n in reads),
-        out,
-        sharding,
-        local,
-        tile,
-        axis,
-        count,
+        tuple(inner), tuple(outer), tuple(reads), sliced, out, sharding, local, tile, axis, count
     )
 
 
