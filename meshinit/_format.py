@@ -70,7 +70,7 @@ def _is_index(part: str) -> bool:
     return part.isascii() and part.isdigit() and (part == "0" or not part.startswith("0"))
 
 
-def _ranges(values: frozenset[int]) -> str:
+def index_ranges(values: frozenset[int] | set[int]) -> str:
     """``{0, 1, 2, 5}`` -> ``"{0..2,5}"``; a single value stands alone."""
     if len(values) == 1:
         return str(next(iter(values)))
@@ -142,7 +142,7 @@ def collapse_paths(paths: Sequence[str], keys: Sequence[Any]) -> list[tuple[str,
     for (template, _), members in keyed.items():
         for box, chosen in _boxes(members):
             sets = iter(box)
-            path = ".".join(_ranges(next(sets)) if p is None else p for p in template)
+            path = ".".join(index_ranges(next(sets)) if p is None else p for p in template)
             rows.append((path or "<root>", chosen))
     rows.sort(key=lambda r: r[1][0])
     return rows

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from .._errors import Problem, printable
-from .._format import some
+from .._format import index_ranges, some
 from . import blocks as _blocks
 from .header import READABLE
 from .source import Stored
@@ -141,7 +141,7 @@ def _collapsed(
         if len(members) == 1 or product != len(set(points)) or len(set(points)) != len(points):
             out += [(p, t, k, f) for p, t, k, f in members]
             continue
-        shown = [_ranges(set(column)) for column in columns]
+        shown = [index_ranges(set(column)) for column in columns]
         path, tensor = _filled(members[0][0], shown), _filled(members[0][1], shown)
         where = files[0] if len(files) == 1 else f"{len(files)} files ({some(files, 2)})"
         out.append((path, tensor, key, where))
@@ -154,17 +154,3 @@ def _filled(name: str, shown: list[str]) -> str:
     for k in range(1, len(parts), 2):
         parts[k] = shown.pop(0)
     return "".join(parts)
-
-
-def _ranges(values: set[int]) -> str:
-    """``{0, 1, 2, 5}`` -> ``"{0..2,5}"``; a single value stands alone."""
-    if len(values) == 1:
-        return str(next(iter(values)))
-    runs: list[list[int]] = []
-    for v in sorted(values):
-        if runs and v == runs[-1][-1] + 1:
-            runs[-1].append(v)
-        else:
-            runs.append([v])
-    parts = [f"{r[0]}..{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs]
-    return "{" + ",".join(parts) + "}"
