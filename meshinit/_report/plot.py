@@ -46,15 +46,20 @@ def _byte_ticks(top: float, locator: Any) -> list[float]:
     return [float(t) for t in ticks if 0 <= t <= top]
 
 
+def _meshes(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The record's meshes, or ValueError: a plan of no parameters draws nothing."""
+    if not record["meshes"]:
+        raise ValueError("the plan has no parameters: there is nothing to draw")
+    return record["meshes"]
+
+
 def heatmap(record: dict[str, Any]) -> Any:
     """See ``Plan.heatmap``; ``record`` is the plan's record."""
     require_matplotlib()
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    meshes = record["meshes"]
-    if not meshes:
-        raise ValueError("the plan has no parameters: there is nothing to draw")
+    meshes = _meshes(record)
     n = len(meshes)
     fig = Figure(figsize=(9, 0.6 + 3.0 * n), layout="constrained")
     axes = fig.subplots(n, 1, squeeze=False)[:, 0]
@@ -156,9 +161,7 @@ def devices(record: dict[str, Any]) -> Any:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
 
-    meshes = record["meshes"]
-    if not meshes:
-        raise ValueError("the plan has no parameters: there is nothing to draw")
+    meshes = _meshes(record)
     cells = device_cells(record)
     n = len(cells)
     cols = min(n, 2 ** math.ceil(math.log2(math.sqrt(n)))) if n > 1 else 1
