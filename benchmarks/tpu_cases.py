@@ -234,10 +234,17 @@ def differences(a: Any, b: Any) -> dict:
     return {"elements": elements, "differ": differ, "max_ulp": max_ulp}
 
 
-def bits(layers: int, dtypes: list[str], cpu_check: bool, mesh: list[int]) -> dict:
+def bits(
+    layers: int,
+    dtypes: list[str],
+    cpu_check: bool,
+    mesh: list[int],
+    case_recipes: list[str] = list(tpu_bits.RECIPES),  # noqa: B006 - never mutated
+) -> dict:
     """meshinit's values against the jitted recipe's and eager's (:data:`BITS`), in each
     of ``dtypes``: meshinit's arrays are kept while each other recipe runs, and
-    every result is deleted once compared."""
+    every result is deleted once compared; then issue 57's cases for ``case_recipes``
+    (``tpu_bits.cases``), if any."""
     mesh_ = setup(cpu_check, mesh)
     found: dict[str, Any] = {}
     for dtype in dtypes:
@@ -251,7 +258,8 @@ def bits(layers: int, dtypes: list[str], cpu_check: bool, mesh: list[int]) -> di
                 found[f"{dtype} {ours} vs {other}"] = differences(reference, theirs)
                 delete_arrays(theirs)
             delete_arrays(reference)
-    found["cases"] = tpu_bits.cases(cpu_check, mesh_, differences)
+    if case_recipes:
+        found["cases"] = tpu_bits.cases(cpu_check, mesh_, differences, case_recipes)
     return {"layers": layers, "nbytes": model_for(cpu_check, layers, "float32").nbytes, **found}
 
 
