@@ -137,8 +137,10 @@ def bits_table(results: dict) -> str:
             ]
         )
     title = f"values, the {b['layers']}-layer stack ({b['nbytes'] / 1e9:.2f} GB in f32)"
-    stack = md_table([title, "dtype", "elements", "differ", "max ulp"], rows)
-    return stack if "cases" not in b else stack + "\n\n" + cases_table(b["cases"])
+    # each part only where it ran (--bits-dtypes or --bits-recipes with none leave it out)
+    tables = [md_table([title, "dtype", "elements", "differ", "max ulp"], rows)] if rows else []
+    tables += [cases_table(b["cases"])] if b.get("cases") else []
+    return "\n\n".join(tables)
 
 
 def cases_table(cases: dict) -> str:
