@@ -31,6 +31,7 @@ from ._load import parts as _names
 from ._load import trace as _trace
 from ._load.framework import Checkpoint, ConfigView, FrameworkMap, MissingKey
 from ._load.header import READABLE
+from ._spec.rules import NotedRules
 
 __all__ = ["names", "rules"]
 
@@ -110,15 +111,21 @@ def names(config: Any, *, hook_dtype: str = "stored") -> FrameworkMap:
     return _MaxTextMap(config, hook_dtype)
 
 
-class Rules(tuple):
+NO_ENTRY = "replicated: MaxText's rules have no entry"
+"""The note a plan's reports give a name :func:`rules` added."""
+
+
+class Rules(NotedRules):
     """A rule table (``rules=`` of the plans), with the logical names it replicates
-    because MaxText's own rules have no entry for them (:attr:`replicated`)."""
+    because MaxText's own rules have no entry for them (:attr:`replicated`); a plan's
+    table and summary list each such name its parameters use, as "logical axis
+    'o_groups' replicated: MaxText's rules have no entry (n params)"."""
 
     replicated: tuple[str, ...]
 
-    def __new__(cls, table: Any, replicated: tuple[str, ...]) -> Rules:
-        made = super().__new__(cls, table)
-        made.replicated = replicated
+    def __new__(cls, table: Any, replicated: tuple[str, ...] = ()) -> Rules:
+        made = super().__new__(cls, table, {n: NO_ENTRY for n in replicated})
+        made.replicated = tuple(replicated)
         return made
 
 
@@ -126,7 +133,9 @@ def rules(config: Any, abstract: Any) -> Rules:
     """MaxText's ``logical_axis_rules`` for one of its models, completed as MaxText runs
     it: each logical axis name the model's parameters use that the rules leave out
     gets ``(name, None)`` (replicated, as flax places a name with no rule), and is
-    listed in :attr:`Rules.replicated`.
+    listed in :attr:`Rules.replicated`, and in the table and summary of a plan made
+    with these rules ("logical axis 'o_groups' replicated: MaxText's rules have no
+    entry (4 params)").
 
     meshinit's plans refuse a logical name that has no rule (a typo would otherwise
     replicate a parameter silently). MaxText's own models use names its rules lack

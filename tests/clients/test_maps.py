@@ -153,6 +153,8 @@ def test_maxtext_rules_replicate_and_list_the_names_its_rules_leave_out():
     import flax.linen as nn
     from flax import nnx
 
+    import meshinit.nnx
+
     config = types.SimpleNamespace(logical_axis_rules=[["embed", ["fsdp"]], ["mlp", "tensor"]])
     linen = {
         "w": nn.LogicallyPartitioned(np.zeros((4, 4)), ("embed", "o_groups")),
@@ -169,6 +171,26 @@ def test_maxtext_rules_replicate_and_list_the_names_its_rules_leave_out():
                              rules=rules, mesh=jax.make_mesh((8,), ("fsdp",)))}
     )  # fmt: skip
     assert plan.entries[0].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+    # the plan's table and summary say which names are replicated for want of a rule
+    noted = "logical axis 'o_groups' replicated: MaxText's rules have no entry (1 param)"
+    assert f"  {noted}" in str(plan).splitlines() and noted in plan.summary(), str(plan)
+    assert "'embed'" not in str(plan) and noted in plan.compact()
+
+    # nnx resolves the names before planning: its plan lists them as well
+    class Scanned(nnx.Module):
+        def __init__(self):
+            self.k = nnx.Param(np.zeros((8, 4)), out_sharding=("embed", "scanned_blocks"))
+
+    scanned = meshinit.maxtext.rules(config, {"k": kernel})
+    nnx_plan = meshinit.nnx.plan(Scanned, rules=scanned, mesh=jax.make_mesh((8,), ("fsdp",)))
+    assert nnx_plan.entries[0].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+    assert noted.replace("o_groups", "scanned_blocks") in nnx_plan.summary()
+    # a table written out by hand (a plain tuple) notes nothing
+    plain = meshinit.plan(
+        {"w": meshinit.param((8, 4), jax.nn.initializers.zeros, axes=("embed", "o_groups"),
+                             rules=tuple(rules), mesh=jax.make_mesh((8,), ("fsdp",)))}
+    )  # fmt: skip
+    assert "MaxText" not in str(plain) and plain.entries[0].sharding == plan.entries[0].sharding
 
 
 def test_tunix_sizes_against_the_model_config_each_mismatch_named():

@@ -821,6 +821,9 @@ def test_deepseek4_plans_with_maxtexts_rules_completed_as_flax_places_them():
         "scanned_blocks",
     )
     plan = meshinit.linen.plan(model, keys, *args, rules=rules, **options)
+    summary = plan.summary()  # each added name listed, with why it is replicated
+    for name in rules.replicated:
+        assert f"logical axis {name!r} replicated: MaxText's rules have no entry (" in summary
     theirs = linen_placement(config, mesh, model, key)
     assert {e.path: e.sharding for e in plan.entries} == {p: a.sharding for p, a in theirs.items()}
     kernel = next(e for e in plan.entries if e.path.endswith("o_a_proj.kernel"))
