@@ -110,27 +110,27 @@ CASES: dict[str, Case] = {
             "w": Param("auto", ("data", "tensor"), ("w",), (64, 32), holders=1),
             "e": Param("explicit", ("tensor", "data"), ("e",), (32, 16), 1, "bfloat16"),
         }
-    ),  # fmt: skip
+    ),
     # replicated over data, which spans the processes: each column half on all four
     "replicated_data": Case(
         {
             "w": Param("auto", (None, "tensor"), ("w",), (64, 32), holders=4),
             "v": Param("explicit", (None, "tensor"), ("v",), (40, 16), 4, "bfloat16"),
         }
-    ),  # fmt: skip
+    ),
     "replicated": Case(
         {
             "norm": Param("explicit", (None,), ("norm",), (64,), holders=4),
             "m": Param("auto", (None, None), ("m",), (36, 8), holders=4),
         }
-    ),  # fmt: skip
+    ),
     # leading sizes that 4 does not divide: 13 rows as 4 + 3 + 3 + 3, 7 as 2 + 2 + 2 + 1
     "odd": Case(
         {
             "o": Param("auto", (None, "tensor"), ("o",), (13, 24), holders=4),
             "p": Param("explicit", (None, None), ("p",), (7, 8), holders=4),
         }
-    ),  # fmt: skip
+    ),
     # a Stack of three layers (the split runs along each stored layer's rows, plan
     # dimension 1) and a transposed tensor (split along plan dimension 1, the stored rows)
     "layouts": Case(
@@ -138,19 +138,20 @@ CASES: dict[str, Case] = {
             "stack": Param("auto", (None, None, "tensor"), _layers("layer", 3), (24, 16), 4),
             "t": Param("explicit", ("tensor", None), ("wt",), (48, 32), 4, permute=(1, 0)),
         }
-    ),  # fmt: skip
+    ),
     "two_replicas": Case(
         {
             "w2": Param("replicas", (None, "tensor"), ("w2",), (32, 16), holders=2),
             "r2": Param("replicas", (None,), ("r2",), (24,), holders=4),
         }
-    ),  # fmt: skip
+    ),
 }
 # today's reads, on the same objects
-CASES["no_fan_out"] = dataclasses.replace(CASES["replicated_data"], fan_out=False,
-                                          object="replicated_data")  # fmt: skip
-CASES["sharded_no_fan_out"] = dataclasses.replace(CASES["sharded"], fan_out=False,
-                                                  object="sharded")  # fmt: skip
+CASES["no_fan_out"] = dataclasses.replace(
+    CASES["replicated_data"], fan_out=False, object="replicated_data"
+)
+CASES["odd_fan_out_true"] = dataclasses.replace(CASES["odd"], fan_out=True, object="odd")
+CASES["sharded_no_fan_out"] = dataclasses.replace(CASES["sharded"], fan_out=False, object="sharded")
 # One process's fetches fail for good (S3: a fault on its access key id): every process
 # raises, none hangs, nothing is left alive; then a load that must agree again.
 FAILING = Case({"f": Param("auto", (None, "tensor"), ("f",), (64, 32), holders=4)})
@@ -162,10 +163,9 @@ DEPTH_LAYER = Param("explicit", (None, "tensor"), ("",), (32, 16), holders=4)
 
 
 def depth_case(depth: int) -> Case:
-    layer = DEPTH_LAYER
     return Case(
         {
-            f"layers.{i}.w": dataclasses.replace(layer, tensors=(f"layers.{i}.w",))
+            f"layers.{i}.w": dataclasses.replace(DEPTH_LAYER, tensors=(f"layers.{i}.w",))
             for i in range(depth)
         },
         object="depth",
