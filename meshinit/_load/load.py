@@ -6,6 +6,7 @@ its collective call; nothing half-done is returned, and on failure no array is l
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -14,6 +15,7 @@ import jax
 from .. import _patterns
 from .._errors import PlanError, Problem, UnusedTensorWarning
 from .._plan.plan import Plan
+from . import fanout as _fanout
 from . import keys as _keys
 from . import read as _read
 from . import survey as _survey
@@ -30,6 +32,7 @@ def load(
     options: Any,
     budget: int,
     progress: bool | None,
+    fan_out: bool | None = None,
 ) -> dict[str, jax.Array]:
     """The arrays of every path ``files`` fill, read onto ``plan``'s shardings; every
     problem of the survey and of the policy raised at once, as one :class:`PlanError`
@@ -57,6 +60,8 @@ def load(
             UnusedTensorWarning(_unused.warning(what, idle, stranded, found.missing), idle),
             stacklevel=_patterns.outside_stacklevel(),
         )
+    if fan_out is not False and jax.process_count() > 1:
+        jobs = [dataclasses.replace(j, stage=_fanout.stage(j.entry, j.node)) for j in jobs]
     arrays = _read.read(jobs, checked, budget, progress)
     keys = {e.path: e for e in plan.entries if _keys.is_key(e.spec.dtype)}
     try:
