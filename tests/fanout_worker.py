@@ -131,13 +131,14 @@ CASES: dict[str, Case] = {
             "p": Param("explicit", (None, None), ("p",), (7, 8), holders=4),
         }
     ),
-    # a Stack of three layers (the split runs along each stored layer's rows, plan
-    # dimension 1) and a transposed tensor (split along plan dimension 1, the stored rows)
-    "layouts": Case(
-        {
-            "stack": Param("auto", (None, None, "tensor"), _layers("layer", 3), (24, 16), 4),
-            "t": Param("explicit", ("tensor", None), ("wt",), (48, 32), 4, permute=(1, 0)),
-        }
+    # a Stack of three layers: the split runs along each stored layer's rows (plan
+    # dimension 1), 6 of 24 a process; not along the 3 layers, which 4 cannot share
+    "stack": Case(
+        {"stack": Param("auto", (None, None, "tensor"), _layers("layer", 3), (24, 16), 4)}
+    ),
+    # a transposed tensor: the split runs along plan dimension 1, the stored rows
+    "transposed": Case(
+        {"t": Param("explicit", ("tensor", None), ("wt",), (48, 32), 4, permute=(1, 0))}
     ),
     "two_replicas": Case(
         {
@@ -372,10 +373,6 @@ class Runner:
         plan = plan_of(case, self.named)
         names = {path: p.names() for path, p in case.params.items()}
         fan_out = {} if case.fan_out is None else {"fan_out": case.fan_out}
-        import inspect  # XXX interim: before s8-core
-
-        if "fan_out" not in inspect.signature(st.load).parameters:
-            fan_out = {}
         kwargs.setdefault("storage_options", self.options())
         return st.load(
             plan, self.url(case.object or name), names=names, unused="ignore", **fan_out, **kwargs
@@ -399,10 +396,11 @@ class Runner:
     ) -> dict[str, Any]:
         """Every addressable shard of ``loaded`` against ``expected.npz``'s
         ``<obj>/<path>`` (of ``dtypes``), bit for bit; what the load recorded; the
-        bytes of this process's distinct blocks and how many processes hold each; and
+        bytes of this process's distinct blocks, on how many of its devices each is
+        (``copies``), and how many processes hold each; and
         how many arrays are alive beyond the ``before`` count once they are deleted."""
         wrong: list[str] = []
-        owned, held, shards = {}, {}, 0
+        owned, copies, held, shards = {}, {}, {}, 0
         for path, array in loaded.items():
             want = self.expected[f"{obj}/{path}"]
             where = f"process {self.me}, {name}: {path}"
@@ -417,6 +415,7 @@ class Runner:
                     wrong.append(f"{where}: shard {s.index} on device {s.device.id} differs")
                 shards += 1
             owned[path] = sum(blocks(array).values())
+            copies[path] = sum(s.data.nbytes for s in array.addressable_shards) // owned[path]
             held[path] = holders(array)
         for array in loaded.values():
             array.delete()
@@ -425,6 +424,7 @@ class Runner:
             "read": got[BYTES_READ],
             "from_peers": got[BYTES_FROM_PEERS],
             "owned": owned,
+            "copies": copies,
             "holders": held,
             "shards": shards,
             "wrong": wrong,
