@@ -37,8 +37,8 @@ import meshinit
 
 NUM_PROCESSES = 4
 LOCAL_DEVICES = 2
-BYTES_READ = "/meshinit/safetensors/bytes_read"
-BYTES_FROM_PEERS = "/meshinit/safetensors/bytes_from_peers"
+STORE_BYTES = "/meshinit/safetensors/bytes_read"
+PEER_BYTES = "/meshinit/safetensors/bytes_from_peers"
 COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
@@ -291,7 +291,7 @@ def meshes() -> dict[str, Mesh]:
     }
 
 
-def plan_of(case: Case, named: dict[str, Mesh]) -> meshinit.Plan:
+def case_plan(case: Case, named: dict[str, Mesh]) -> meshinit.Plan:
     zeros = jax.nn.initializers.zeros
     return meshinit.plan(
         {
@@ -306,7 +306,7 @@ def plan_of(case: Case, named: dict[str, Mesh]) -> meshinit.Plan:
 @contextmanager
 def recorded() -> Iterator[dict[str, list[float]]]:
     """The scalars the loads inside record: bytes read and bytes from peers, in order."""
-    got: dict[str, list[float]] = {BYTES_READ: [], BYTES_FROM_PEERS: []}
+    got: dict[str, list[float]] = {STORE_BYTES: [], PEER_BYTES: []}
 
     def on(event: str, value: float, **kwargs: Any) -> None:
         if event in got:
@@ -370,7 +370,7 @@ class Runner:
     def load(self, name: str, case: Case, **kwargs: Any) -> dict[str, jax.Array]:
         from meshinit import safetensors as st
 
-        plan = plan_of(case, self.named)
+        plan = case_plan(case, self.named)
         names = {path: p.names() for path, p in case.params.items()}
         fan_out = {} if case.fan_out is None else {"fan_out": case.fan_out}
         kwargs.setdefault("storage_options", self.options())
@@ -421,8 +421,8 @@ class Runner:
             array.delete()
         del loaded
         return {
-            "read": got[BYTES_READ],
-            "from_peers": got[BYTES_FROM_PEERS],
+            "read": got[STORE_BYTES],
+            "from_peers": got[PEER_BYTES],
             "owned": owned,
             "copies": copies,
             "holders": held,
