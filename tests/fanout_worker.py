@@ -173,6 +173,13 @@ def depth_case(depth: int) -> Case:
     )
 
 
+def stacked_case(depth: int) -> Case:
+    """The same layers as one ``Stack`` (a parameter ``stack<depth>``)."""
+    layers = tuple(f"layers.{i}.w" for i in range(depth))
+    stack = dataclasses.replace(DEPTH_LAYER, axes=(None, *DEPTH_LAYER.axes), tensors=layers)
+    return Case({f"stack{depth}": stack}, object="depth")
+
+
 def objects() -> dict[str, dict[str, Param]]:
     """Each object's tensors (by the params that read them): the cases', the failing
     one's and the deepest stack's."""
@@ -180,7 +187,8 @@ def objects() -> dict[str, dict[str, Param]]:
     for name, case in {
         **CASES,
         "fail": FAILING,
-        "depth": depth_case(max(DEPTHS)),
+        **{f"depth-{d}": depth_case(d) for d in DEPTHS},
+        **{f"stacked-{d}": stacked_case(d) for d in DEPTHS},
     }.items():
         out.setdefault(case.object or name, {}).update(case.params)
     return out
@@ -197,7 +205,8 @@ def stored_tensors(seed: int = 58) -> dict[str, dict[str, np.ndarray]]:
         for p in params.values():
             dtype = ml_dtypes.bfloat16 if p.dtype == "bfloat16" else np.dtype(p.dtype)
             for t in p.tensors:
-                tensors[t] = rng.standard_normal(p.shape).astype(dtype)
+                if t not in tensors:  # a tensor several params read (the depth cases)
+                    tensors[t] = rng.standard_normal(p.shape).astype(dtype)
         out[obj] = tensors
     return out
 
@@ -351,7 +360,6 @@ class Runner:
         self.source = source
         self.named = meshes()
         self.expected = np.load(os.path.join(folder, "expected.npz"))
-        self.failures: list[str] = []
 
     def url(self, obj: str) -> str:
         return f"{self.source.rstrip('/')}/{obj}.safetensors"
@@ -447,20 +455,26 @@ class Runner:
         dtypes = {e.path: str(e.spec.dtype) for e in plan.entries}
         return self.check("maxtext", "maxtext", loaded, dtypes, got, before)
 
-    def compiles(self) -> dict[str, list[int]]:
+    def compiles(self) -> dict[str, Any]:
         """Programs compiled by the load of :data:`DEPTHS` identical layers, caches
-        cleared before each, with fan-out and without."""
-        out: dict[str, list[int]] = {}
-        for label, fan_out in (("fan_out", None), ("no_fan_out", False)):
+        cleared before each: unrolled with fan-out and without, and as one ``Stack``;
+        and what the loads' checks found."""
+        out: dict[str, Any] = {"wrong": [], "leaked": 0}
+        for label, make, fan_out in (
+            ("fan_out", depth_case, None),
+            ("no_fan_out", depth_case, False),
+            ("stacked", stacked_case, None),
+        ):
             counts = []
             for depth in DEPTHS:
-                case = dataclasses.replace(depth_case(depth), fan_out=fan_out)
+                case = dataclasses.replace(make(depth), fan_out=fan_out)
                 meshinit.clear_cache()
                 jax.clear_caches()
                 start = len(_compiles)
                 result = self.run_case("depth", case)
                 counts.append(len(_compiles) - start)
-                self.failures += result["wrong"]
+                out["wrong"] += result["wrong"]
+                out["leaked"] += result["leaked"]
             out[label] = counts
         return out
 

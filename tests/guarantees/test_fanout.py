@@ -324,6 +324,9 @@ def test_the_load_compiles_as_many_programs_at_either_depth(run):
         # fan-out adds its reshard program (the layers share one signature), once
         added = [a - b for a, b in zip(compiles["fan_out"], compiles["no_fan_out"], strict=True)]
         assert added[0] == added[1] >= 1, (me, compiles)
+        small, deep = compiles["stacked"]  # the layers as one Stack: one signature each
+        assert small == deep, (me, worker.DEPTHS, compiles)
+        assert compiles["wrong"] == [] and compiles["leaked"] == 0, (me, compiles)
 
 
 def test_a_permanent_failure_on_one_process_fails_every_process_quickly(run):
