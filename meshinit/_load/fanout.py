@@ -109,29 +109,25 @@ def shared(entry: PlanEntry) -> bool:
     return False
 
 
-def outer_axis(node: _blocks.Node) -> int | None:
-    """The result axis of ``node`` along which its stored bytes run contiguously (a
-    split along it gives each share whole stored rows), or None where no one axis is
-    (a constant; parts that disagree)."""
+def outer_axes(node: _blocks.Node) -> list[int]:
+    """The result axes of ``node`` in the order its stored bytes nest them, outermost
+    first: a split along the first gives each share whole stored rows, along the
+    second a run of each row. Empty where no order holds for every part (a
+    constant; parts that disagree)."""
     if isinstance(node, _blocks.Const):
-        return None
+        return []
     if isinstance(node, _blocks.Padded):
-        return outer_axis(node.part)
+        return outer_axes(node.part)
     if isinstance(node, _blocks.Leaf):
-        first = next((a for a, n in enumerate(node.shape) if n > 1), None)
-        if first is None:
-            return None
-        return _merged_axis(node.order.index(first), node.groups)
-    if node.stacked and node.shape[node.axis] > 1:
-        joined = node.axis  # each part is a tensor of its own: whole tensors per share
-    else:
-        found = {a for a in map(outer_axis, node.parts) if a is not None}
-        if len(found) != 1:
-            return None
-        (inner,) = found
-        joined = inner + (1 if node.stacked and inner >= node.axis else 0)
-    merged = _merged_axis(joined, node.groups)
-    return merged if node.order is None else node.order.index(merged)
+        view = [node.order.index(a) for a, n in enumerate(node.shape) if n > 1]
+        return list(dict.fromkeys(_merged_axis(a, node.groups) for a in view))
+    found = {tuple(outer_axes(p)) for p in node.parts}
+    inner = list(found.pop()) if len(found) == 1 else []
+    if node.stacked:  # each part is a tensor of its own: whole tensors per share
+        inner = [a + (a >= node.axis) for a in inner]
+        inner = ([node.axis] if node.shape[node.axis] > 1 else []) + inner
+    merged = dict.fromkeys(_merged_axis(a, node.groups) for a in inner)
+    return [m if node.order is None else node.order.index(m) for m in merged]
 
 
 def _merged_axis(axis: int, groups: tuple[int, ...] | None) -> int:
@@ -155,10 +151,16 @@ def stage(entry: PlanEntry, node: _blocks.Node) -> Stage | None:
     added = tuple(a for a in spanning(mesh) if a not in used)
     if not added:
         return None
-    axis = outer_axis(node)
-    if axis is None:
-        axis = max(range(len(shape)), key=lambda a: (shape[a], -a))
     k = math.prod(mesh.shape[a] for a in added)
+
+    def rows_of(a: int) -> int:
+        return shape[a] // math.prod(mesh.shape[x] for x in spec[a])
+
+    # the outermost stored axis, or the next where the shares would not be even and
+    # there they are (a stack of fewer layers than shares): runs of every row still
+    axes = outer_axes(node)[:2] or [max(range(len(shape)), key=lambda a: (shape[a], -a))]
+    even = [a for a in axes if rows_of(a) % k == 0] or [a for a in axes if rows_of(a) >= k]
+    axis = (even or axes)[0]
     shards = math.prod(mesh.shape[a] for a in spec[axis])
     rows = shape[axis] // shards
     padded = -(-rows // k) * k
