@@ -96,6 +96,19 @@ def spanning(mesh: Mesh) -> tuple[str, ...]:
     )
 
 
+def processes() -> int:
+    """The job's process count (a function: tests stand in for a job of several)."""
+    return jax.process_count()
+
+
+def staged(jobs: list[Any], fan_out: bool | None) -> list[Any]:
+    """``jobs`` (:class:`~meshinit._load.read.Job`), each with the stage it is read onto
+    where fan-out applies: unless ``fan_out`` is False, under more than one process."""
+    if fan_out is False or processes() == 1:
+        return jobs
+    return [dataclasses.replace(j, stage=stage(j.entry, j.node)) for j in jobs]
+
+
 def shared(entry: PlanEntry) -> bool:
     """Whether a block of the entry is held by devices of more than one process."""
     owners: dict[tuple[Any, ...], set[int]] = {}
@@ -156,11 +169,11 @@ def stage(entry: PlanEntry, node: _blocks.Node) -> Stage | None:
     def rows_of(a: int) -> int:
         return shape[a] // math.prod(mesh.shape[x] for x in spec[a])
 
-    # the outermost stored axis, or the next where the shares would not be even and
-    # there they are (a stack of fewer layers than shares): runs of every row still
+    # the outermost stored axis (whole rows per share; uneven rows are padded), or
+    # the next where the first has fewer rows than shares (a stack of few layers):
+    # a run of every row per share, each share still fetched once
     axes = outer_axes(node)[:2] or [max(range(len(shape)), key=lambda a: (shape[a], -a))]
-    even = [a for a in axes if rows_of(a) % k == 0] or [a for a in axes if rows_of(a) >= k]
-    axis = (even or axes)[0]
+    axis = next((a for a in axes if rows_of(a) >= k), axes[0])
     shards = math.prod(mesh.shape[a] for a in spec[axis])
     rows = shape[axis] // shards
     padded = -(-rows // k) * k
