@@ -155,8 +155,8 @@ def stage(entry: PlanEntry, node: _blocks.Node) -> Stage | None:
     """The staging of ``entry`` (read from ``node``), or None where it is read as
     planned: no block is held by two processes, or no axis to split."""
     sharding, shape = entry.sharding, entry.spec.shape
-    if not shape or not shared(entry):
-        return None
+    if not shape or not _blocks.leaves(node) or not shared(entry):
+        return None  # a scalar, or a constant (a Fill reads nothing), or no replica
     mesh = sharding.mesh
     assert isinstance(mesh, Mesh)  # the load refuses abstract meshes before it reads
     spec = [_axes(a) for a in sharding.spec] + [()] * (len(shape) - len(sharding.spec))
@@ -184,7 +184,16 @@ def stage(entry: PlanEntry, node: _blocks.Node) -> Stage | None:
         twin, P(*(a if a else None for a in spec)), memory_kind=sharding.memory_kind
     )
     staged = (*shape[:axis], shards * padded, *shape[axis + 1 :])
-    return Stage(staging, staged, axis, shards, rows, padded, added)
+    made = Stage(staging, staged, axis, shards, rows, padded, added)
+    # a merged axis (out_shape) can refuse a block that cuts inside a row: read such a
+    # parameter as planned (every planned block was checked before the load)
+    shares = {}
+    for index in staging.devices_indices_map(staged).values():
+        real = made.real(resolved(index, staged))[0]
+        shares[tuple((x.start, x.stop) for x in real)] = real  # slices hash from 3.12 only
+    if _blocks.check(node, list(shares.values())) is not None:
+        return None
+    return made
 
 
 def batches(entries: Sequence[PlanEntry], budget: int) -> list[int]:

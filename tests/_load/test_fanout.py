@@ -80,6 +80,7 @@ def test_staging_adds_the_spanning_axes_to_the_outer_axis(fsdp_spans_processes):
     assert stage.padded == stage.rows == 6 and stage.shards == 1  # 2 shares of 3 rows
     tiny = fanout.stage(b, leaf((3,)))  # 3 rows in 2 shares: padded to 4
     assert tiny.shape == (4,) and tiny.sharding.spec == P("fsdp")
+    assert fanout.stage(w, blocks.Const(0.0, (6, 8), "")) is None  # a Fill reads nothing
     scalar = plan_of({"s": ((), None)}).entries[0]
     assert fanout.stage(scalar, leaf(())) is None  # no axis to split: read by each holder
 
