@@ -86,6 +86,7 @@ def _axes(spec: Any) -> tuple[str, ...]:
     return (spec,) if isinstance(spec, str) else tuple(spec)
 
 
+@_caches.memo(64)
 def spanning(mesh: Mesh) -> tuple[str, ...]:
     """The mesh's axes along which a step can change the process (in mesh order)."""
     procs = np.vectorize(lambda d: _process(d), otypes=[int])(mesh.devices)
