@@ -124,20 +124,20 @@ def shared(entry: PlanEntry) -> bool:
 
 
 def outer_axes(node: _blocks.Node) -> list[int]:
-    """The result axes of ``node`` in the order its stored bytes nest them, outermost
-    first: a split along the first gives each share whole stored rows, along the
-    second a run of each row. Empty where no order holds for every part (a
-    constant; parts that disagree)."""
+    """The result axes of ``node`` a split along which gives each share long runs of
+    its stored bytes: a stored tensor's outermost axis (whole rows per share); of a
+    stack, the stacked axis (whole tensors), then its parts' outermost axis (one run
+    of each part). Empty where the parts disagree, or for a constant."""
     if isinstance(node, _blocks.Const):
         return []
     if isinstance(node, _blocks.Padded):
         return outer_axes(node.part)
     if isinstance(node, _blocks.Leaf):
         view = [node.order.index(a) for a, n in enumerate(node.shape) if n > 1]
-        return list(dict.fromkeys(_merged_axis(a, node.groups) for a in view))
-    found = {tuple(outer_axes(p)) for p in node.parts}
+        return [_merged_axis(view[0], node.groups)] if view else []
+    found = {tuple(outer_axes(p)[-1:]) for p in node.parts}
     inner = list(found.pop()) if len(found) == 1 else []
-    if node.stacked:  # each part is a tensor of its own: whole tensors per share
+    if node.stacked:
         inner = [a + (a >= node.axis) for a in inner]
         inner = ([node.axis] if node.shape[node.axis] > 1 else []) + inner
     merged = dict.fromkeys(_merged_axis(a, node.groups) for a in inner)
@@ -170,11 +170,11 @@ def stage(entry: PlanEntry, node: _blocks.Node) -> Stage | None:
     def rows_of(a: int) -> int:
         return shape[a] // math.prod(mesh.shape[x] for x in spec[a])
 
-    # the outermost stored axis (whole rows per share; uneven rows are padded), or
-    # the next where the first has fewer rows than shares (a stack of few layers):
-    # a run of every row per share, each share still fetched once
-    axes = outer_axes(node)[:2] or [max(range(len(shape)), key=lambda a: (shape[a], -a))]
-    axis = next((a for a in axes if rows_of(a) >= k), axes[0])
+    # of the axes of long runs, one the shares divide, else one with a row for each
+    # share (its blocks padded: shares differ by a row), else the first
+    axes = outer_axes(node) or [max(range(len(shape)), key=lambda a: (shape[a], -a))]
+    even = [a for a in axes if rows_of(a) % k == 0] + [a for a in axes if rows_of(a) >= k]
+    axis = (even or axes)[0]
     shards = math.prod(mesh.shape[a] for a in spec[axis])
     rows = shape[axis] // shards
     padded = -(-rows // k) * k

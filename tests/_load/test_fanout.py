@@ -65,9 +65,9 @@ def test_the_split_axis_is_the_stored_outer_axis_through_transposes_and_stacks(t
     from meshinit._load import survey
 
     jobs = {j.entry.path: j for j in survey.survey(plan, tmp_path, names, "t").jobs}
-    assert fanout.outer_axes(jobs["k"].node) == [1, 0]
-    assert fanout.outer_axes(jobs["s"].node) == [0, 1, 2]
-    assert fanout.outer_axes(jobs["c"].node) == [0, 1]
+    assert fanout.outer_axes(jobs["k"].node) == [1]
+    assert fanout.outer_axes(jobs["s"].node) == [0, 1]  # the layers, then each one's rows
+    assert fanout.outer_axes(jobs["c"].node) == [0]
     assert fanout.outer_axes(blocks.Const(0, (3,), "")) == []
 
 
@@ -127,3 +127,17 @@ def test_fan_out_is_none_true_or_false(tmp_path, bad):
     save_file({"a": np.zeros(4, np.float32)}, str(tmp_path / "m.safetensors"))
     with pytest.raises(TypeError, match="fan_out must be None, True or False"):
         st.load(plan_of({"a": ((4,), None)}), tmp_path, fan_out=bad)
+
+
+def test_a_stack_of_layers_the_shares_do_not_divide_is_split_along_each_layers_rows(
+    tmp_path, fsdp_spans_processes
+):
+    from meshinit._load import survey
+
+    save_file({f"l.{i}": np.zeros((4, 8), np.float32) for i in range(3)}, str(tmp_path / "m.st"))
+    names = {"s": st.Stack(["l.0", "l.1", "l.2"], axis=0), "e": st.Stack(["l.0", "l.1"], axis=0)}
+    plan = plan_of({"s": ((3, 4, 8), None), "e": ((2, 4, 8), None)})
+    jobs = {j.entry.path: j for j in survey.survey(plan, tmp_path / "m.st", names, "t").jobs}
+    # 3 layers in 2 shares would be 2 and 1; each layer's 4 rows split evenly: 2 and 2
+    assert fanout.stage(jobs["s"].entry, jobs["s"].node).axis == 1
+    assert fanout.stage(jobs["e"].entry, jobs["e"].node).axis == 0  # 2 layers: 1 each
