@@ -86,6 +86,7 @@ def _axes(spec: Any) -> tuple[str, ...]:
     return (spec,) if isinstance(spec, str) else tuple(spec)
 
 
+@_caches.memo(64)
 def spanning(mesh: Mesh) -> tuple[str, ...]:
     """The mesh's axes along which a step can change the process (in mesh order)."""
     procs = np.vectorize(lambda d: _process(d), otypes=[int])(mesh.devices)
@@ -94,6 +95,19 @@ def spanning(mesh: Mesh) -> tuple[str, ...]:
         for i, name in enumerate(mesh.axis_names)
         if procs.shape[i] > 1 and bool((np.diff(procs, axis=i) != 0).any())
     )
+
+
+def processes() -> int:
+    """The job's process count (a function: tests stand in for a job of several)."""
+    return jax.process_count()
+
+
+def staged(jobs: list[Any], fan_out: bool | None) -> list[Any]:
+    """``jobs`` (:class:`~meshinit._load.read.Job`), each with the stage it is read onto
+    where fan-out applies: unless ``fan_out`` is False, under more than one process."""
+    if fan_out is False or processes() == 1:
+        return jobs
+    return [dataclasses.replace(j, stage=stage(j.entry, j.node)) for j in jobs]
 
 
 def shared(entry: PlanEntry) -> bool:
@@ -109,29 +123,25 @@ def shared(entry: PlanEntry) -> bool:
     return False
 
 
-def outer_axis(node: _blocks.Node) -> int | None:
-    """The result axis of ``node`` along which its stored bytes run contiguously (a
-    split along it gives each share whole stored rows), or None where no one axis is
-    (a constant; parts that disagree)."""
+def outer_axes(node: _blocks.Node) -> list[int]:
+    """The result axes of ``node`` a split along which gives each share long runs of
+    its stored bytes: a stored tensor's outermost axis (whole rows per share); of a
+    stack, the stacked axis (whole tensors), then its parts' outermost axis (one run
+    of each part). Empty where the parts disagree, or for a constant."""
     if isinstance(node, _blocks.Const):
-        return None
+        return []
     if isinstance(node, _blocks.Padded):
-        return outer_axis(node.part)
+        return outer_axes(node.part)
     if isinstance(node, _blocks.Leaf):
-        first = next((a for a, n in enumerate(node.shape) if n > 1), None)
-        if first is None:
-            return None
-        return _merged_axis(node.order.index(first), node.groups)
-    if node.stacked and node.shape[node.axis] > 1:
-        joined = node.axis  # each part is a tensor of its own: whole tensors per share
-    else:
-        found = {a for a in map(outer_axis, node.parts) if a is not None}
-        if len(found) != 1:
-            return None
-        (inner,) = found
-        joined = inner + (1 if node.stacked and inner >= node.axis else 0)
-    merged = _merged_axis(joined, node.groups)
-    return merged if node.order is None else node.order.index(merged)
+        view = [node.order.index(a) for a, n in enumerate(node.shape) if n > 1]
+        return [_merged_axis(view[0], node.groups)] if view else []
+    found = {tuple(outer_axes(p)[-1:]) for p in node.parts}
+    inner = list(found.pop()) if len(found) == 1 else []
+    if node.stacked:
+        inner = [a + (a >= node.axis) for a in inner]
+        inner = ([node.axis] if node.shape[node.axis] > 1 else []) + inner
+    merged = dict.fromkeys(_merged_axis(a, node.groups) for a in inner)
+    return [m if node.order is None else node.order.index(m) for m in merged]
 
 
 def _merged_axis(axis: int, groups: tuple[int, ...] | None) -> int:
@@ -146,8 +156,8 @@ def stage(entry: PlanEntry, node: _blocks.Node) -> Stage | None:
     """The staging of ``entry`` (read from ``node``), or None where it is read as
     planned: no block is held by two processes, or no axis to split."""
     sharding, shape = entry.sharding, entry.spec.shape
-    if not shape or not shared(entry):
-        return None
+    if not shape or not _blocks.leaves(node) or not shared(entry):
+        return None  # a scalar, or a constant (a Fill reads nothing), or no replica
     mesh = sharding.mesh
     assert isinstance(mesh, Mesh)  # the load refuses abstract meshes before it reads
     spec = [_axes(a) for a in sharding.spec] + [()] * (len(shape) - len(sharding.spec))
@@ -155,10 +165,16 @@ def stage(entry: PlanEntry, node: _blocks.Node) -> Stage | None:
     added = tuple(a for a in spanning(mesh) if a not in used)
     if not added:
         return None
-    axis = outer_axis(node)
-    if axis is None:
-        axis = max(range(len(shape)), key=lambda a: (shape[a], -a))
     k = math.prod(mesh.shape[a] for a in added)
+
+    def rows_of(a: int) -> int:
+        return shape[a] // math.prod(mesh.shape[x] for x in spec[a])
+
+    # of the axes of long runs, one the shares divide, else one with a row for each
+    # share (its blocks padded: shares differ by a row), else the first
+    axes = outer_axes(node) or [max(range(len(shape)), key=lambda a: (shape[a], -a))]
+    even = [a for a in axes if rows_of(a) % k == 0] + [a for a in axes if rows_of(a) >= k]
+    axis = (even or axes)[0]
     shards = math.prod(mesh.shape[a] for a in spec[axis])
     rows = shape[axis] // shards
     padded = -(-rows // k) * k
@@ -169,7 +185,16 @@ def stage(entry: PlanEntry, node: _blocks.Node) -> Stage | None:
         twin, P(*(a if a else None for a in spec)), memory_kind=sharding.memory_kind
     )
     staged = (*shape[:axis], shards * padded, *shape[axis + 1 :])
-    return Stage(staging, staged, axis, shards, rows, padded, added)
+    made = Stage(staging, staged, axis, shards, rows, padded, added)
+    # a merged axis (out_shape) can refuse a block that cuts inside a row: read such a
+    # parameter as planned (every planned block was checked before the load)
+    shares = {}
+    for index in staging.devices_indices_map(staged).values():
+        real = made.real(resolved(index, staged))[0]
+        shares[tuple((x.start, x.stop) for x in real)] = real  # slices hash from 3.12 only
+    if _blocks.check(node, list(shares.values())) is not None:
+        return None
+    return made
 
 
 def batches(entries: Sequence[PlanEntry], budget: int) -> list[int]:

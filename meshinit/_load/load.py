@@ -6,7 +6,6 @@ its collective call; nothing half-done is returned, and on failure no array is l
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any
 
@@ -60,9 +59,7 @@ def load(
             UnusedTensorWarning(_unused.warning(what, idle, stranded, found.missing), idle),
             stacklevel=_patterns.outside_stacklevel(),
         )
-    if fan_out is not False and jax.process_count() > 1:
-        jobs = [dataclasses.replace(j, stage=_fanout.stage(j.entry, j.node)) for j in jobs]
-    arrays = _read.read(jobs, checked, budget, progress)
+    arrays = _read.read(_fanout.staged(jobs, fan_out), checked, budget, progress)
     keys = {e.path: e for e in plan.entries if _keys.is_key(e.spec.dtype)}
     try:
         for path in keys.keys() & arrays.keys():
