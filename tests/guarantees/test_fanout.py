@@ -237,19 +237,7 @@ def test_every_shard_is_bit_identical_to_the_stored_values_on_every_process(run,
         assert one["leaked"] == 0, (me, one)  # the arrays deleted, nothing else kept
 
 
-# s8-core (ac7f88e) splits a Stack along its layers: 3 layers over 4 processes are
-# fetched 1, 1, 1 and 0 (a third of the blocks for the busiest), not 6 of each layer's
-# 24 stored rows a process (a quarter); values and store bytes are right
-SPLIT_BY_LAYER = "s8-core splits a Stack along its layer axis, not the stored rows"
-SHARES = [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=SPLIT_BY_LAYER))
-    if c == "stack"
-    else c
-    for c in worker.CASES
-]
-
-
-@pytest.mark.parametrize("case", SHARES)
+@pytest.mark.parametrize("case", worker.CASES)
 def test_each_process_fetches_its_share_of_the_blocks_it_holds(run, case):
     spec = worker.CASES[case]
     for me, got in enumerate(results(run)):
