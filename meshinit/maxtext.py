@@ -10,7 +10,10 @@ stand-in of its stored tensor (:mod:`meshinit._load.hooks`; no data is read) and
 becomes a :class:`~meshinit.safetensors.Tensor`, :class:`~meshinit.safetensors.Stack`,
 :class:`~meshinit.safetensors.Concat`, :class:`~meshinit.safetensors.Pad` or
 :class:`~meshinit.safetensors.Fill`; lists of HF keys stack as MaxText's
-``tensor_handling`` stacks them. MaxText is imported only when the table is built.
+``tensor_handling`` stacks them. A composite key is followed as ``to_maxtext`` runs it:
+a tuple of HF keys on a tuple of stand-ins, a tuple of MaxText keys (gpt-oss's
+``wi_0``/``wi_1``) as part ``[..., i]`` of its hook's result, each parameter read
+alone. MaxText is imported only when the table is built.
 """
 
 from __future__ import annotations
@@ -257,38 +260,33 @@ class _MaxTextMap(FrameworkMap):
             return {}, [Problem(where, f"MaxText's map fails on {checkpoint.where}: {said}")]
         table: dict[str, Any] = {}
         problems = []
+        # a composite key: one hook makes several parameters (MaxText's [..., i] of it)
         composite = {mt: key for key in mapping if isinstance(key, tuple) for mt in key}
+        shapes = {mt_key(p): s for p, (s, _) in checkpoint.planned.items()}
         for path, (shape, dtype) in checkpoint.planned.items():
             key = mt_key(path)
-            if key not in mapping:
-                if key in composite:
-                    group = composite[key]
-                    others = ", ".join(repr(k) for k in group if k != key)
-                    problems.append(
-                        Problem(
-                            path,
-                            f"{where}: hook {_named(hooks.get(group))} of {group!r} makes "
-                            f"it together with {others} from the same stored tensors (a "
-                            f"composite key), which names= cannot express",
-                        )
-                    )
-                elif _made_by_init(path, dtype):
+            group: Any = composite.get(key, key)
+            if group not in mapping:
+                if _made_by_init(path, dtype):
                     table[path] = None  # RNG state, made by the init
                 else:
                     problems.append(Problem(path, f"{where} names no tensor for {key!r}"))
                 continue
+            part = group.index(key) if isinstance(group, tuple) else None
+            members = tuple(shapes.get(k, shape) for k in group) if part is not None else None
+            hook = f"hook {_named(hooks.get(group))} of {group!r}"
             try:
                 table[path] = self._target(
-                    key, mapping[key], hooks.get(key), shape, dtype, checkpoint, tensor_handling
-                )
+                    key, mapping[group], hooks.get(group), shape, dtype, checkpoint,
+                    tensor_handling, part, members,
+                )  # fmt: skip
             except MissingKey as e:
-                missing.setdefault(e.key, []).append(f"hook {_named(hooks.get(key))} of {key!r}")
+                missing.setdefault(e.key, []).append(hook)
             except _trace.Inexpressible as e:
                 problems.append(
                     Problem(
                         path,
-                        f"{where}: hook {_named(hooks.get(key))} of {key!r} needs {e}, "
-                        f"which names= cannot express",
+                        f"{where}: {hook} needs {e}, which names= cannot express",
                     )
                 )
             except _Absent as e:
@@ -309,28 +307,40 @@ class _MaxTextMap(FrameworkMap):
         dtype: np.dtype,
         checkpoint: Checkpoint,
         tensor_handling: Any,
+        part: int | None = None,
+        members: tuple[tuple[int, ...], ...] | None = None,
     ) -> _names.Target:
-        def leaf(name: Any, target_shape: tuple[int, ...]) -> _names.Target:
-            if isinstance(name, tuple):
-                raise _trace.Inexpressible("several HF tensors combined by one hook")
-            if name not in checkpoint.tensors:
-                raise _Absent(repr(name))
-            stored, kind = checkpoint.tensors[name]
-            held = READABLE.get(kind)
+        """The target of ``key`` from ``hf`` (a name, a tuple of them that ``hook``
+        combines, or MaxText's lists of either, stacked); of a composite key's member
+        ``part`` (whose shapes are ``members``), part ``[..., part]`` of the hook's result."""
+
+        def leaf(name: Any, cut: Any) -> _names.Target:
+            names = name if isinstance(name, tuple) else (name,)
+            absent = [n for n in names if n not in checkpoint.tensors]
+            if absent:
+                raise _Absent(", ".join(map(repr, absent)))
+            kinds = {READABLE.get(checkpoint.tensors[n][1]) for n in names}
+            if len(kinds) > 1:
+                raise _trace.Inexpressible("HF tensors of several dtypes combined by one hook")
+            held = kinds.pop()
             compute = self._compute(held, dtype)
-            made = _hooks.followed(hook, _trace.stand_in(name, stored, compute), target_shape)
+            x = tuple(_trace.stand_in(n, checkpoint.tensors[n][0], compute) for n in names)
+            hooked = x if isinstance(name, tuple) else x[0]
+            # a composite key's hook is given every member's shape, as MaxText gives them
+            target_shape = [cut(m) for m in members] if members is not None else cut(shape)
+            made = _hooks.followed(hook, hooked, target_shape, part)
             return _computed(made, compute, np.dtype(dtype), held)
 
         if not isinstance(hf, list):
-            return leaf(hf, shape)
+            return leaf(hf, lambda s: s)
         depth = tensor_handling.nesting_depth(hf)
         if depth == 1:  # tensor_handling's single-axis stacking
             psa = self.config.param_scan_axis
             axis = psa if self.scan and len(shape) > psa else 0
-            inner = shape[:axis] + shape[axis + 1 :]
-            return _names.Stack(tuple(leaf(k, inner) for k in hf), axis)
+            cut = lambda s: s[:axis] + s[axis + 1 :]  # noqa: E731
+            return _names.Stack(tuple(leaf(k, cut) for k in hf), axis)
         axes = tuple(tensor_handling.stacked_axes(key, self.config, depth))
-        inner = tensor_handling.slice_shape(shape, axes)
+        inner = lambda s: tensor_handling.slice_shape(s, axes)  # noqa: E731
 
         def nested(keys: Any, level: int) -> _names.Target:
             if level == depth:
