@@ -46,6 +46,7 @@ class Job:
     entry: PlanEntry
     node: _blocks.Node
     stage: _fanout.Stage | None = None
+    parts: Any = None  # the Parts class that reads it (None: Parts; dequantized: .dequant)
 
 
 def read(
@@ -303,15 +304,21 @@ class Parts:
             keys.setdefault(_fetch.block_key(index), []).append(key)
         return [k for found in self.fetch.order for k in keys.pop(found, [])]
 
-    def block(self, index: tuple[slice, ...]) -> np.ndarray:
+    def block(self, index: tuple[slice, ...], pad: tuple[int, int] | None = None) -> Any:
+        """The block at ``index``, with ``pad`` (axis, rows) of zeros after it (fan-out)."""
         if self.fetch is not None:
             self.fetch.ready(index)
-        return _blocks.block(
-            self.job.node,
-            index,
-            lambda leaf, at: self.parts[id(leaf)].block(at),
-            self.job.entry.spec.dtype,
-        )
+        read = lambda leaf, at: self.parts[id(leaf)].block(at)  # noqa: E731
+        got = _blocks.block(self.job.node, index, read, self.job.entry.spec.dtype)
+        widths = [(0, 0 if pad is None or a != pad[0] else pad[1]) for a in range(got.ndim)]
+        return got if pad is None else np.pad(got, widths)
+
+    def put(self, block: Any, where: jax.sharding.Sharding) -> jax.Array:
+        return put(block, where)
+
+    def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> jax.Array:
+        dtype = self.job.entry.spec.dtype
+        return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=dtype)
 
     def placed(self, index: tuple[slice, ...], arrays: list[jax.Array]) -> None:
         """The block at ``index`` is on its devices as ``arrays``: the parts' read
@@ -340,7 +347,7 @@ def parts(
     budget: int = 1 << 30,
     update: Callable[[int], None] = lambda n: None,
 ) -> Parts:
-    return Parts(job, checked, total, budget, update)
+    return (job.parts or Parts)(job, checked, total, budget, update)
 
 
 def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _blocks.Leaf) -> np.ndarray:
@@ -451,26 +458,23 @@ def array(entry: PlanEntry, pieces: Parts) -> jax.Array:
         held = holders(entry, stage)
         for key in pieces.order(held):
             index, devices = held[key]
-            block = pieces.block(index)
-            if stage is not None and (pad := stage.real(tuple(slice(*b) for b in key))[1]):
-                widths = [(0, 0)] * block.ndim
-                widths[stage.axis] = (0, pad)
-                block = np.pad(block, widths)
+            pad = 0 if stage is None else stage.real(tuple(slice(*b) for b in key))[1]
+            block = pieces.block(index, None if stage is None or not pad else (stage.axis, pad))
             first = None
             made = []
             for device in devices:
                 where = jax.sharding.make_single_device_sharding(
                     device, memory_kind=sharding.memory_kind
                 )
-                made.append(put(block, where) if first is None else jax.device_put(first, where))
+                made.append(
+                    pieces.put(block, where) if first is None else jax.device_put(first, where)
+                )
                 first = made[0]
             shards += made
             del block, first
             pieces.placed(index, made)
         # dtype: a process whose devices hold none of it passes no shards to tell it
-        return jax.make_array_from_single_device_arrays(
-            shape, sharding, shards, dtype=entry.spec.dtype
-        )
+        return pieces.whole(shape, sharding, shards)
     except BaseException:
         for s in shards:
             s.delete()
