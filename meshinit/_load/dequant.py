@@ -152,15 +152,13 @@ class QuantParts(_read.Parts):
         key = tuple((s.start, s.stop) for s in index)
         reached = _blocks.reached(node, index)
         planned = np.dtype(entry.spec.dtype)
-        if not reached:  # an empty block
-            stored = READABLE[_blocks.leaves(node)[0].stored.dtype]
-            raw = np.zeros(_padded(sizes, pad), stored)
+        if not math.prod(sizes):  # an empty block (of an empty parameter): placed as planned
+            raw = np.zeros(sizes, planned)
             return Raw(key, raw, np.zeros((0, 1, 1), np.float32), (0, 0, 0, 0), (), False, "")
         first, at = reached[0]
         stored = READABLE[first.stored.dtype]
         raw = _blocks.block(node, index, self._raw, stored)
-        if pad is not None:  # zero bytes are 0.0, which any scale keeps 0.0
-            raw = np.pad(raw, [(0, pad[1] * (a == pad[0])) for a in range(raw.ndim)])
+        assert pad is None  # fan-out stages no dequantized parameter (fanout.staged)
         leaf, steps = axes(node, sizes)
         found = geometry(leaf)
         assert not isinstance(found, str)
@@ -242,12 +240,6 @@ def _per_device(values: list[tuple[Any, np.ndarray]], n: int, sharding: Any) -> 
     shape = (n, *values[0][1].shape)
     rows = [jax.device_put(v[None], d) for d, v in values]
     return jax.make_array_from_single_device_arrays(shape, sharding, rows)
-
-
-def _padded(sizes: tuple[int, ...], pad: tuple[int, int] | None) -> tuple[int, ...]:
-    if pad is None:
-        return sizes
-    return tuple(n + pad[1] * (a == pad[0]) for a, n in enumerate(sizes))
 
 
 def _named(names: list[str]) -> str:
