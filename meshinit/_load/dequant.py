@@ -267,6 +267,31 @@ def _tiny(rects: np.ndarray, stored: Any, path: str, names: str) -> None:
         )
 
 
+def _spread(
+    rects: Any, offsets: Any, sizes: tuple[int, ...], steps: tuple[Axis, ...], block: Any
+) -> Any:
+    """Each element's scale where the row and the column each move along one axis of
+    the block at most: the rectangles, one axis per stacked axis (the leaves are read
+    in row-major order of those), gathered as whole slices of rows, then of columns,
+    their axes then placed on their axes of the block."""
+    stacked = sorted((k for k, a in enumerate(steps) if a[0]), key=lambda k: -steps[k][0])
+    scale = rects.reshape(*(sizes[k] for k in stacked), *rects.shape[1:])
+    placed = list(stacked)
+    for c in (1, 2):
+        axis = next((k for k, a in enumerate(steps) if a[c]), None)
+        n, step = (1, 0) if axis is None else (sizes[axis], steps[axis][c])
+        moved = offsets[c - 1] + jnp.arange(n, dtype=jnp.int32) * step
+        index = moved // block[c - 1] - offsets[c + 1]
+        scale = jnp.take(scale, index, axis=len(stacked) + c - 1, mode="clip")
+        placed.append(len(sizes) + c if axis is None else axis)
+    order = sorted(range(len(placed)), key=lambda c: placed[c])
+    shape = [1] * len(sizes)
+    for c, axis in enumerate(placed):
+        if axis < len(sizes):
+            shape[axis] = scale.shape[c]
+    return scale.transpose(order).reshape(shape)
+
+
 @functools.lru_cache(maxsize=256)
 def program(
     sizes: tuple[int, ...],
@@ -287,15 +312,20 @@ def program(
     (every layer) shares it."""
     b0, b1 = block
     P = jax.sharding.PartitionSpec
+    # rows and columns each move along one axis at most: gathered as slices
+    separable = all(sum(1 for a in steps if a[c]) <= 1 for c in (1, 2))
 
     def dequantized(raw: Any, rects: Any, offsets: Any) -> Any:
         rects, offsets = rects[0], offsets[0]
-        leaf, row, col = jnp.int32(0), offsets[0], offsets[1]
-        for k, (dl, dr, dc) in enumerate(steps):
-            step = jax.lax.broadcasted_iota(jnp.int32, raw.shape, k)
-            leaf, row, col = leaf + step * dl, row + step * dr, col + step * dc
-        at = (leaf, row // b0 - offsets[2], col // b1 - offsets[3])
-        scale = rects[at].astype(jnp.float32)
+        if separable:
+            scale = _spread(rects, offsets, raw.shape, steps, block)
+        else:  # an element's scale gathered at its own (leaf, row, column)
+            leaf, row, col = jnp.int32(0), offsets[0], offsets[1]
+            for k, (dl, dr, dc) in enumerate(steps):
+                step = jax.lax.broadcasted_iota(jnp.int32, raw.shape, k)
+                leaf, row, col = leaf + step * dl, row + step * dr, col + step * dc
+            scale = rects[leaf, row // b0 - offsets[2], col // b1 - offsets[3]]
+        scale = scale.astype(jnp.float32)
         wide = raw.astype(jnp.float32) * scale  # rounded once to float32, as the reference
         out = wide.astype(work).astype(planned)  # then to the planned dtype
         if not check:
