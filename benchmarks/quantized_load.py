@@ -23,7 +23,11 @@ read / (fp8 bytes + scale bytes) (one process owns every block here), and the co
 of the fp8 load at ``--layers`` and at half as many. The files are read once first, so
 the page cache is warm for every route.
 
+With ``--check``, the fp8 load's arrays are compared bit for bit with the bf16 copy's
+(after the timing), and a difference exits 1.
+
 Run: python benchmarks/quantized_load.py [--layers 4] [--experts 8] [--divide 1] [--dir DIR]
+[--check]
 """
 
 from __future__ import annotations
@@ -121,7 +125,7 @@ def table(layers: int, experts: int, divide: int) -> dict:
     return out
 
 
-def child(route: str, directory: Path, layers: int, experts: int, divide: int) -> None:
+def child(route: str, directory: Path, layers: int, experts: int, divide: int, check: bool) -> None:
     """One route in this process; prints its JSON."""
     import jax
 
@@ -161,7 +165,14 @@ def child(route: str, directory: Path, layers: int, experts: int, divide: int) -
     jax.block_until_ready(list(loaded.values()))
     seconds = time.perf_counter() - start
     peak = peak_rss() - baseline
-    print(json.dumps({"seconds": seconds, "rss": peak, "read": read[0], "compiles": compiles[0]}))
+    done = {"seconds": seconds, "rss": peak, "read": read[0], "compiles": compiles[0]}
+    if check and route == "fp8":  # the bits of weight_dequant's copy, or exit 1
+        copy = meshinit.safetensors.load(plan, directory / "bf16", names=targets, progress=False)
+        for path, array in loaded.items():
+            same = np.asarray(array).view(np.uint16) == np.asarray(copy[path]).view(np.uint16)
+            if not same.all():
+                raise SystemExit(f"{path}: {(~same).sum()} elements differ from weight_dequant")
+    print(json.dumps(done))
 
 
 def peak_rss() -> int:
@@ -203,7 +214,7 @@ def two_step(directory: Path) -> None:
 def run(route: str, args, layers: int | None = None) -> dict:
     command = [sys.executable, __file__, "--child", route, "--dir", str(args.dir)]
     command += ["--layers", str(layers or args.layers), "--experts", str(args.experts)]
-    command += ["--divide", str(args.divide)]
+    command += ["--divide", str(args.divide)] + ["--check"] * args.check
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
@@ -218,9 +229,10 @@ def main() -> None:
     parser.add_argument("--divide", type=int, default=1, help="shapes divided by this")
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--child", default=None)
+    parser.add_argument("--check", action="store_true", help="compare the fp8 load's bits")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.dir, args.layers, args.experts, args.divide)
+        child(args.child, args.dir, args.layers, args.experts, args.divide, args.check)
         return
     with tempfile.TemporaryDirectory() as scratch:
         args.dir = args.dir or Path(scratch)
