@@ -107,14 +107,18 @@ def paired(
     return out, _refusals(rows, read) + problems, dequantized
 
 
-def scales(dequantized: Sequence[Any]) -> set[str]:
-    """The scale tensors the dequantized ``jobs`` read (never unused)."""
-    return {
-        leaf.quant.scale.name
-        for job in dequantized
-        for leaf in _blocks.leaves(job.node)
-        if leaf.quant
-    }
+def scales(jobs: Sequence[Any], stored: Mapping[str, Stored]) -> set[str]:
+    """The scale tensors beside the float8 weights that ``jobs`` plan as a wider float:
+    read with them, or named by their refusal; never reported unused as well."""
+    out = set()
+    for job in jobs:
+        planned = np.dtype(job.entry.spec.dtype)
+        if not _float(planned) or _is_float8(planned):
+            continue
+        for leaf in _blocks.leaves(job.node):
+            if leaf.stored.dtype in _FLOAT8 and leaf.stored.name + SCALES[0] in stored:
+                out.add(leaf.stored.name + SCALES[0])
+    return out
 
 
 def _pair(

@@ -227,7 +227,7 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
     jobs, found, dequantized = _quantized.paired(jobs, index, reader)
     problems += found
     # what a load reads none of: no path claims it, or only missing paths would
-    unused, stranded = _unused.find(targets, missing, index, _quantized.scales(jobs))
+    unused, stranded = _unused.find(targets, missing, index, _quantized.scales(jobs, index))
     inventory = Inventory(
         files=tuple(source.shown for source in sources),
         loaded=loaded,

@@ -286,6 +286,9 @@ def test_a_scale_of_the_wrong_shape_or_a_disagreeing_block_is_refused(tmp_path):
     # the scale fits 64x64 blocks, the config says 128x128
     folder = write(tmp_path / "b", {"w": w, "w_scale_inv": np.ones((4, 6), np.float32)})
     refused(plan, folder, match="the shapes fit a block of (64, 64) instead: the config and")
+    with pytest.raises(meshinit.PlanError) as e:  # named by its refusal, not unused as well
+        st.load(plan, folder, unused="error")
+    assert "unused" not in str(e.value) and "no plan path claims" not in str(e.value)
     # no config: 128x128 only if it fits, never a guess
     folder = write(tmp_path / "c", {"w": w, "w_scale_inv": np.ones((4, 6), np.float32)}, None)
     refused(plan, folder, match="(the default, as no config states weight_block_size); the sha")
@@ -363,3 +366,27 @@ def test_a_product_overflowing_float16_is_refused(tmp_path):
     plan = plan_for({"w": (128, 128)}, dtype=jnp.float16)
     with pytest.raises(meshinit.PlanError, match="w: tensor 'w' times its block scales overflows"):
         st.load(plan, folder)
+
+
+def test_a_remote_float8_weight_is_refused_by_name_not_read_unscaled(tmp_path, monkeypatch):
+    pytest.importorskip("obstore")
+    from safetensors.numpy import save
+    from storage_servers import FileServer
+
+    rng = np.random.default_rng(8)
+    w, s = fp8_pair(rng, (256, 256))
+    root = tmp_path / "served"
+    root.mkdir()
+    with FileServer(root) as server:
+        server.put("files/m.safetensors", save({"w": w, "w_scale_inv": s}))
+        plan = plan_for({"w": (256, 256)}, dtype=jnp.bfloat16)
+        options = {"client_options": {"allow_http": True}}
+        with Reads() as reads, pytest.raises(meshinit.PlanError, match="nothing was read") as e:
+            st.load(plan, server.url_for("files/m.safetensors"), storage_options=options)
+    assert reads.values == []
+    assert str(e.value.problems[0]) == (
+        "w: tensor 'w' (float8, dequantized) is not read dequantized through a remote object "
+        "(download the files first) yet; plan the parameter as float8 to load the stored "
+        "values (and its scale as a parameter of its own), or convert the checkpoint to the "
+        "planned dtype first"
+    )
