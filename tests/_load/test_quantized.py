@@ -390,3 +390,44 @@ def test_a_remote_float8_weight_is_refused_by_name_not_read_unscaled(tmp_path, m
         "values (and its scale as a parameter of its own), or convert the checkpoint to the "
         "planned dtype first"
     )
+
+
+@pytest.mark.slow
+def test_two_processes_each_dequantize_the_blocks_their_devices_hold(tmp_path):
+    import os
+    import pathlib
+    import socket
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(9)
+    w, s = fp8_pair(rng, (320, 264))  # 160-row and 66-column shards cut scale blocks
+    write(tmp_path, {"w": w, "w_scale_inv": s})
+    np.save(tmp_path / "w.npy", w.view(np.uint8))
+    np.save(tmp_path / "s.npy", s)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
+    worker = root / "tests" / "quantized_worker.py"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(i), str(port), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        done = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, done, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got == {k: [True] * 4 for k in ("split", "replicated", "transposed")}, got
