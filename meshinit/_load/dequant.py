@@ -107,10 +107,10 @@ class Raw:
 
 
 class QuantParts(_read.Parts):
-    """:class:`~meshinit._load.read.Parts` of a dequantized parameter: a block is a
-    :class:`Raw`; :meth:`put` places its stored bytes on the device that holds it,
-    and :meth:`whole` runs one program over the whole sharded array of bytes (each
-    device dequantizing its own block with its own scales and offsets)."""
+    """:class:`~meshinit._load.read.Parts` of a dequantized parameter: a block is its
+    stored bytes (a :class:`Raw` kept aside), placed on the devices that hold it as
+    any block is, and :meth:`whole` runs one program over the whole sharded array of
+    bytes (each device dequantizing its own block with its own scales and offsets)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -146,7 +146,14 @@ class QuantParts(_read.Parts):
         part._tally[0] += block.nbytes
         return block
 
-    def block(self, index: tuple[slice, ...], pad: tuple[int, int] | None = None) -> Any:
+    def block(self, index: tuple[slice, ...]) -> np.ndarray:
+        """The block's stored bytes (placed as they are by :func:`~.read.put`); its
+        scales, offsets and signature are kept for :meth:`whole`."""
+        found = self._block(index)
+        self._held[found.key] = found
+        return found.raw
+
+    def _block(self, index: tuple[slice, ...]) -> Raw:
         node, entry = self.job.node, self.job.entry
         sizes = tuple(max(0, s.stop - s.start) for s in index)
         key = tuple((s.start, s.stop) for s in index)
@@ -158,7 +165,7 @@ class QuantParts(_read.Parts):
         first, at = reached[0]
         stored = READABLE[first.stored.dtype]
         raw = _blocks.block(node, index, self._raw, stored)
-        assert pad is None  # fan-out stages no dequantized parameter (fanout.staged)
+        # fan-out stages no dequantized parameter (fanout.staged): no padding here
         leaf, steps = axes(node, sizes)
         found = geometry(leaf)
         assert not isinstance(found, str)
@@ -184,12 +191,6 @@ class QuantParts(_read.Parts):
         check = not bound < min(float(ml_dtypes.finfo(t).max) for t in (work, planned))
         shapes = (raw.shape, stored, rects.shape, rects.dtype, tuple(steps), (b0, b1))
         return Raw(key, raw, rects, (r0, c0, rb, cb), (*shapes, work, planned), check, names)
-
-    def put(self, block: Any, where: jax.sharding.Sharding) -> jax.Array:
-        """The block's stored bytes on ``where`` (in memory of their own); its scales
-        and offsets are kept for :meth:`whole`."""
-        self._held[block.key] = block
-        return _read.put(block.raw, where)
 
     def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> jax.Array:
         """The parameter, dequantized: one program over the array of stored bytes,

@@ -304,17 +304,15 @@ class Parts:
             keys.setdefault(_fetch.block_key(index), []).append(key)
         return [k for found in self.fetch.order for k in keys.pop(found, [])]
 
-    def block(self, index: tuple[slice, ...], pad: tuple[int, int] | None = None) -> Any:
-        """The block at ``index``, with ``pad`` (axis, rows) of zeros after it (fan-out)."""
+    def block(self, index: tuple[slice, ...]) -> np.ndarray:
         if self.fetch is not None:
             self.fetch.ready(index)
-        read = lambda leaf, at: self.parts[id(leaf)].block(at)  # noqa: E731
-        got = _blocks.block(self.job.node, index, read, self.job.entry.spec.dtype)
-        widths = [(0, 0 if pad is None or a != pad[0] else pad[1]) for a in range(got.ndim)]
-        return got if pad is None else np.pad(got, widths)
-
-    def put(self, block: Any, where: jax.sharding.Sharding) -> jax.Array:
-        return put(block, where)
+        return _blocks.block(
+            self.job.node,
+            index,
+            lambda leaf, at: self.parts[id(leaf)].block(at),
+            self.job.entry.spec.dtype,
+        )
 
     def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> jax.Array:
         dtype = self.job.entry.spec.dtype
@@ -458,17 +456,18 @@ def array(entry: PlanEntry, pieces: Parts) -> jax.Array:
         held = holders(entry, stage)
         for key in pieces.order(held):
             index, devices = held[key]
-            pad = 0 if stage is None else stage.real(tuple(slice(*b) for b in key))[1]
-            block = pieces.block(index, None if stage is None or not pad else (stage.axis, pad))
+            block = pieces.block(index)
+            if stage is not None and (pad := stage.real(tuple(slice(*b) for b in key))[1]):
+                widths = [(0, 0)] * block.ndim
+                widths[stage.axis] = (0, pad)
+                block = np.pad(block, widths)
             first = None
             made = []
             for device in devices:
                 where = jax.sharding.make_single_device_sharding(
                     device, memory_kind=sharding.memory_kind
                 )
-                made.append(
-                    pieces.put(block, where) if first is None else jax.device_put(first, where)
-                )
+                made.append(put(block, where) if first is None else jax.device_put(first, where))
                 first = made[0]
             shards += made
             del block, first
