@@ -200,6 +200,10 @@ def load(
     Returns:
       Plan path -> ``jax.Array`` on the entry's sharding, cast to its dtype (within a
       kind: floats to floats, ints to ints), for every path that a tensor fills. A
+      float8 weight with its ``<name>_scale_inv`` beside it (DeepSeek-V3, Kimi K2,
+      Qwen3-FP8 as published), planned as bfloat16, float16 or float32, is
+      dequantized on the device with the bits of DeepSeek's ``weight_dequant``:
+      ``planned(float32(w) * float32(scale[i // b0, j // b1]))``. A
       typed PRNG key (an nnx ``Rngs`` stream's ``key<fry>``) is read from its stored
       key data (``jax.random.key_data``: uint32, the key's shape plus the
       implementation's trailing dimensions) and given back as a key array of the
@@ -210,13 +214,20 @@ def load(
         (naming the file, the tensor and what is wrong), each missing tensor (with
         ``missing="error"``), unused tensor (with ``unused="error"``), tensor whose
         shape after the transforms is not the planned one or whose dtype cannot be
-        cast to the planned one; a float8 weight of a quantized checkpoint (its
-        ``<name>_scale_inv`` beside it, or a ``quantization_config`` in config.json)
-        planned as a wider float: loading it dequantized is not supported yet (plan it
-        as float8 to read the stored values as they are); a malformed ``names``; a
-        plan on abstract meshes.
+        cast to the planned one; a float8 weight of a quantized checkpoint
+        planned as a wider float that cannot be read dequantized: no
+        ``<name>_scale_inv`` where config.json states a ``quantization_config`` (naming
+        both), a scale that is not F32 or BF16 or whose shape is not ``(ceil(R / b0),
+        ceil(C / b1))`` for the block (``quantization_config.weight_block_size``, else
+        128x128; the config and the shapes disagreeing), a weight that is not 2-D, or
+        one read through a ``Concat``, ``Pad``, ``out_shape``, a Stack's ``permute``,
+        ``scale=``/``offset=`` or a remote object (not supported yet; plan it as
+        float8 to read the stored values as they are); a malformed ``names``; a plan
+        on abstract meshes.
         While reading: a value that does not fit the planned dtype (an int out of
-        range, a float that overflows), or a file changed since it was checked.
+        range, a float that overflows, a dequantized product that overflows; a block
+        scale so small that its products would be float32 subnormals), or a file
+        changed since it was checked.
       TypeError: ``files``, ``names``, ``missing`` or ``unused`` are of the wrong kind.
 
     Examples:

@@ -37,6 +37,7 @@ class Leaf:
     order: tuple[int, ...]
     label: str  # how messages name the part: "" for a whole parameter, "Stack part [3] "
     groups: tuple[int, ...] | None = None  # out_shape: how many view axes each axis merges
+    quant: Any = None  # a float8 weight read with its block scales (quantized.Quant)
 
     @property
     def view(self) -> tuple[int, ...]:

@@ -107,7 +107,8 @@ def staged(jobs: list[Any], fan_out: bool | None) -> list[Any]:
     where fan-out applies: unless ``fan_out`` is False, under more than one process."""
     if fan_out is False or processes() == 1:
         return jobs
-    return [dataclasses.replace(j, stage=stage(j.entry, j.node)) for j in jobs]
+    # a dequantized parameter (its own Parts: .dequant) is read by each holder
+    return [j if j.parts else dataclasses.replace(j, stage=stage(j.entry, j.node)) for j in jobs]
 
 
 def shared(entry: PlanEntry) -> bool:

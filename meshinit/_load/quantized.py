@@ -1,17 +1,21 @@
-"""Quantized checkpoints that a load refuses, before a byte of data is read.
+"""Quantized checkpoints: float8 weights paired with their block scales, before a byte
+of data is read.
 
 DeepSeek-V3/R1, Kimi K2 and the Qwen3 FP8 releases store their weights as float8 with
-a float32 ``<name>_scale_inv`` per 128x128 block beside each, and say so in
+a ``<name>_scale_inv`` (float32, or bfloat16) per block beside each, and say so in
 ``config.json`` (``quantization_config: {quant_method: "fp8", weight_block_size:
-[128, 128]}``). Cast to a wider float without its scale, such a weight is off by the
-scale's factor in nearly every element (about 1000x): silently wrong. Until quantized
-checkpoints are read dequantized, a float8 tensor planned as another kind of float is
-refused where a scale lies beside it or the checkpoint's config declares a
-quantization; planned as float8 (kept quantized), it is read as stored.
+[128, 128]}``). Such a weight planned as a wider float is read dequantized
+(:mod:`.dequant`): :func:`paired` pairs it with its scale and checks the pair, the
+block size (the config's ``weight_block_size``, else 128x128) and the scale's shape
+``(ceil(R / b0), ceil(C / b1))``. Cast without its scale, every value would be off by
+the scale's factor (about 1000x): a float8 tensor planned wider with no scale, where
+the config declares a quantization, is refused; planned as float8 (kept quantized),
+it is read as stored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -23,71 +27,296 @@ import numpy as np
 from .._errors import Problem, printable
 from .._format import index_ranges, some
 from . import blocks as _blocks
+from . import dequant as _dequant
 from .header import READABLE
 from .source import Stored
 
 SCALES = ("_scale_inv", "_scale")
 """The names a float8 weight's scale is published under, after the weight's own name:
-``weight_scale_inv`` (DeepSeek, Kimi, Qwen3 FP8: the value is multiplied), and
-``weight_scale`` (compressed-tensors' and FBGEMM's FP8)."""
+``weight_scale_inv`` (DeepSeek, Kimi, Qwen3 FP8: the value is multiplied, and read
+dequantized), and ``weight_scale`` (compressed-tensors' and FBGEMM's FP8: refused)."""
 
 _FLOAT8 = {name for name, dtype in READABLE.items() if name.startswith("F8_")} - {"F8_E8M0"}
 """Stored float8 dtypes of quantized values (E8M0 is a scale's format: exponents only)."""
 
+_SCALE_DTYPES = ("F32", "BF16")
+DEFAULT_BLOCK = (128, 128)
 
-def problems(
+
+@dataclasses.dataclass(frozen=True)
+class Quant:
+    """How a float8 weight is dequantized: by ``scale``, one per ``block``."""
+
+    scale: Stored
+    block: tuple[int, int]
+
+
+def paired(
     jobs: Sequence[Any],
     stored: Mapping[str, Stored],
     config: Callable[[], tuple[dict[str, Any] | None, str, list[Problem]]],
-) -> list[Problem]:
-    """The refusal of every float8 tensor that a job (``.entry``, ``.node``) would cast
-    to a wider float without its scale: one with a scale beside it in ``stored``, or
-    any where the checkpoint's ``config()`` (read only if some float8 tensor is planned
-    wider) states a ``quantization_config``. Repeated layers are one problem."""
-    found = []  # (path, tensor, scale suffix or None, planned dtype)
+) -> tuple[list[Any], list[Problem], dict[str, str]]:
+    """``jobs`` (``.entry``, ``.node``) with every float8 weight that a job plans as a
+    wider float paired with its scale (read dequantized), the problems of those that
+    cannot be, and plan path -> what it is dequantized with (the inventory's). The
+    checkpoint's ``config()`` is read only if some float8 tensor is planned wider.
+    Repeated layers are one problem."""
+    rows = []  # (path, tensor, why (a key), file), collapsed over layers
+    problems: list[Problem] = []
+    out, dequantized = [], {}
+    read: list[Any] = []
+    for job in jobs:
+        planned = np.dtype(job.entry.spec.dtype)
+        held = list(dict.fromkeys(leaf.stored for leaf in _blocks.leaves(job.node)))
+        float8 = [h for h in held if h.dtype in _FLOAT8]
+        if not _float(planned) or _is_float8(planned) or not float8:
+            out.append(job)
+            continue
+        if not read:
+            settings, where, _ = config()  # an unreadable config.json: the scales decide
+            read[:] = [settings, where, _declared(settings), _block(settings)]
+        settings, where, declared, configured = read
+        quants, bad = {}, False
+        for weight in float8:
+            why, quant = _pair(weight, stored, declared, configured, where)
+            if why is not None:
+                rows.append(
+                    (job.entry.path, weight.name, (*why, planned.name), str(weight.file.name))
+                )
+                bad = True
+            elif quant is not None:
+                quants[weight.name] = quant
+        if bad or not quants:
+            out.append(job)
+            continue
+        try:
+            if len(quants) != len(held):
+                others = [printable(h.name) for h in held if h.name not in quants]
+                raise _blocks.Refused(
+                    f"it reads float8 weights with scales and other tensors "
+                    f"({some([repr(n) for n in others], 3)}) together: a dequantized "
+                    f"parameter reads only paired float8 weights; plan them apart"
+                )
+            node = _attached(job.node, quants)
+        except _blocks.Refused as refused:
+            problems.append(Problem(job.entry.path, refused.message))
+            out.append(job)
+            continue
+        out.append(dataclasses.replace(job, node=node, parts=_dequant.QuantParts))
+        dequantized[job.entry.path] = _described(held, quants, planned)
+    return out, _refusals(rows, read) + problems, dequantized
+
+
+def scales(jobs: Sequence[Any], stored: Mapping[str, Stored]) -> set[str]:
+    """The scale tensors beside the float8 weights that ``jobs`` plan as a wider float:
+    read with them, or named by their refusal; never reported unused as well."""
+    out = set()
     for job in jobs:
         planned = np.dtype(job.entry.spec.dtype)
         if not _float(planned) or _is_float8(planned):
             continue
-        for leaf in dict.fromkeys(leaf.stored for leaf in _blocks.leaves(job.node)):
-            if leaf.dtype in _FLOAT8:
-                scale = next((s for s in SCALES if leaf.name + s in stored), None)
-                found.append((job.entry.path, leaf, scale, planned))
-    if not found:
-        return []
-    settings, where, _ = config()  # an unreadable config.json: only the scales decide
-    declared = _declared(settings)
-    if declared is None:
-        found = [f for f in found if f[2] is not None]
-    said = "" if declared is None else f"; {where} says quantization_config {declared}"
-    rows = [
-        (
-            path,
-            leaf.name,
-            (scale, leaf.dtype, planned.name),
-            str(leaf.file.name),
-        )
-        for path, leaf, scale, planned in found
-    ]
-    out = []
-    for path, tensor, (scale, dtype, planned), files in _collapsed(rows):
-        if scale is not None:
-            why = f"with its scale {printable(tensor + scale)!r} beside it"
-        else:
-            why = f"with no scale beside it ({printable(tensor + SCALES[0])!r} is in no file)"
-        float8 = READABLE[dtype].name
-        out.append(
-            Problem(
-                path,
-                f"tensor {printable(tensor)!r} in {files} is {dtype}, {why}{said}, planned "
-                f"{planned}: loading FP8 checkpoints dequantized is not supported yet, and "
-                f"cast without its scale every value would be off by the scale's factor; "
-                f"plan the parameter as {float8} to load the stored values as they are "
-                f"(and its scale as a parameter of its own), or convert the checkpoint "
-                f"to {planned} first",
-            )
-        )
+        for leaf in _blocks.leaves(job.node):
+            if leaf.stored.dtype in _FLOAT8 and leaf.stored.name + SCALES[0] in stored:
+                out.add(leaf.stored.name + SCALES[0])
     return out
+
+
+def _pair(
+    weight: Stored,
+    stored: Mapping[str, Stored],
+    declared: str | None,
+    configured: tuple[int, int] | None,
+    where: str,
+) -> tuple[tuple[Any, ...] | None, Quant | None]:
+    """The weight's :class:`Quant`, or why not (a hashable key of the refusal): with
+    neither a scale nor a declared quantization, (None, None): a plain float8 tensor."""
+    scale = stored.get(weight.name + SCALES[0])
+    if scale is None:
+        if weight.name + SCALES[1] in stored:
+            return ("other", SCALES[1]), None
+        if declared is not None:
+            return ("missing",), None
+        return None, None
+    if scale.dtype not in _SCALE_DTYPES:
+        return ("dtype", scale.dtype), None
+    if len(weight.shape) != 2:
+        return ("rank", weight.shape), None
+    block = configured or DEFAULT_BLOCK
+    rows, cols = weight.shape
+    want = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape) != want:
+        fits = _fitting(weight.shape, scale.shape)
+        return ("shape", weight.shape, scale.shape, block, configured is not None, fits), None
+    return None, Quant(scale, block)
+
+
+def _fitting(shape: tuple[int, ...], scale: tuple[int, ...]) -> tuple[int, int] | None:
+    """A power-of-two block (16 to 1024) for which ``scale`` covers ``shape``, or None."""
+    if len(scale) != 2:
+        return None
+    sizes = [1 << k for k in range(4, 11)]
+    found = [
+        next((b for b in sizes if -(-n // b) == s), None) for n, s in zip(shape, scale, strict=True)
+    ]
+    return None if None in found else (found[0], found[1])  # type: ignore[return-value]
+
+
+def _attached(node: _blocks.Node, quants: Mapping[str, Quant]) -> _blocks.Node:
+    """``node`` with each leaf's :class:`Quant`; :class:`~.blocks.Refused` where v1
+    does not dequantize through it: a Concat, a Pad, an out_shape, a Stack permute or
+    out_shape, a Stack of parts whose views differ, a scale or offset, a view that
+    mixes rows and columns, a remote file."""
+    if isinstance(node, _blocks.Leaf):
+        held, tensor = node.stored, node.tensor
+        what = f"{node.label}tensor {printable(held.name)!r} (float8, dequantized)"
+        found = _dequant.geometry(node)
+        why = None
+        if node.groups is not None:
+            why = f"out_shape={tensor.out_shape}"
+        elif tensor.scale is not None or tensor.offset is not None:
+            why = "a scale= or offset="
+        elif isinstance(found, str):
+            why = f"this view: {found}"
+        elif held.file.fetched or quants[held.name].scale.file.fetched:
+            why = "a remote object (download the files first)"
+        if why is not None:
+            raise _blocks.Refused(f"{what} is not read dequantized through {why} yet; {_FIX}")
+        return dataclasses.replace(node, quant=quants[held.name])
+    if (
+        isinstance(node, _blocks.Joined)
+        and node.stacked
+        and node.groups is None
+        and node.order is None
+    ):
+        parts = [_attached(p, quants) for p in node.parts]
+        keys = {_key(p) for p in parts}
+        if len(keys) > 1:
+            raise _blocks.Refused(
+                f"{node.label}Stack of float8 weights read dequantized: its parts differ in "
+                f"their stored shape, slice, transforms or scales; v1 stacks equal parts "
+                f"only; {_FIX}"
+            )
+        return dataclasses.replace(node, parts=tuple(parts))
+    if isinstance(node, _blocks.Joined):
+        how = node.kind if not node.stacked else "a Stack with out_shape= or permute="
+    else:
+        how = "a Pad" if isinstance(node, _blocks.Padded) else "a Fill"
+    raise _blocks.Refused(
+        f"{node.label}{how} over float8 weights read dequantized is not supported yet; {_FIX}"
+    )
+
+
+_FIX = (
+    "plan the parameter as float8 to load the stored values (and its scale as a "
+    "parameter of its own), or convert the checkpoint to the planned dtype first"
+)
+
+
+def _key(node: _blocks.Node) -> Any:
+    """What a Stack's parts must share to be dequantized as one block."""
+    if isinstance(node, _blocks.Leaf):
+        q = node.quant
+        held = node.stored
+        index = tuple((s.start, s.stop, s.step) for s in node.index)  # hashable before 3.12
+        views = (held.dtype, held.shape, index, node.shape, node.order)
+        return (*views, q.block, q.scale.shape, q.scale.dtype, node.tensor.compute_dtype)
+    assert isinstance(node, _blocks.Joined)
+    return (node.axis, len(node.parts), _key(node.parts[0]))
+
+
+def _described(held: list[Stored], quants: Mapping[str, Quant], planned: np.dtype) -> str:
+    first = quants[held[0].name]
+    more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+    b0, b1 = first.block
+    return (
+        f"{held[0].dtype} x {printable(first.scale.name)!r}{more} ({first.scale.dtype}, "
+        f"{b0}x{b1} blocks) -> {planned.name}"
+    )
+
+
+def _refusals(rows: list[tuple[str, str, Any, str]], read: list[Any]) -> list[Problem]:
+    if not rows:
+        return []
+    _, where, declared, configured = read
+    said = "" if declared is None else f"; {where} says quantization_config {declared}"
+    out = []
+    for path, tensor, key, files in _collapsed(rows):
+        kind, planned = key[0], key[-1]
+        name = f"tensor {printable(tensor)!r} in {files}"
+        if kind == "missing":
+            why = (
+                f"{name} is float8, planned {planned}, with no scale beside it "
+                f"({printable(tensor + SCALES[0])!r} is in no file){said}: cast without "
+                f"its scale every value would be off by the scale's factor; add the "
+                f"scale's file, plan the parameter as float8 to load the stored values, or "
+                f"convert the checkpoint to {planned} first"
+            )
+        elif kind == "other":
+            why = (
+                f"{name} is float8 with a {printable(tensor + key[1])!r} beside it, planned "
+                f"{planned}: only DeepSeek-style block scales ('{SCALES[0]}') are read "
+                f"dequantized; {_FIX}"
+            )
+        elif kind == "dtype":
+            why = (
+                f"{name} is float8, planned {planned}, and its scale "
+                f"{printable(tensor + SCALES[0])!r} is {key[1]}: block scales are read from "
+                f"F32 or BF16; {_FIX}"
+            )
+        elif kind == "rank":
+            why = (
+                f"{name} is float8 of shape {key[1]}, planned {planned}: block-scaled "
+                f"weights are read dequantized where they are 2-D; {_FIX}"
+            )
+        else:
+            _, shape, scale, block, from_config, fits = key[:6]
+            want = tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
+            source = (
+                f"{where}'s weight_block_size"
+                if from_config
+                else "the default, as no config states weight_block_size"
+            )
+            other = ""
+            if fits is not None and from_config:
+                other = (
+                    f"; the shapes fit a block of {fits} instead: the config and the "
+                    f"shapes disagree"
+                )
+            elif fits is not None:
+                other = (
+                    f"; the shapes fit a block of {fits}: state it as "
+                    f"quantization_config.weight_block_size in config.json"
+                )
+            why = (
+                f"{name} is float8 {shape}, planned {planned}, and its scale "
+                f"{printable(tensor + SCALES[0])!r} has shape {scale}, not (ceil({shape[0]}/"
+                f"{block[0]}), ceil({shape[1]}/{block[1]})) = {want} for the block {block} "
+                f"({source}){other}; fix the scale or the block size"
+            )
+        out.append(Problem(path, why))
+    return out
+
+
+def _block(settings: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The config's ``quantization_config.weight_block_size`` (or a nested config's),
+    or None where it states none."""
+    for part in _configs(settings):
+        found = (part.get("quantization_config") or {}).get("weight_block_size")
+        if (
+            isinstance(found, list | tuple)
+            and len(found) == 2
+            and all(isinstance(b, int) and b > 0 for b in found)
+        ):
+            return (found[0], found[1])
+        if isinstance(found, int) and found > 0:
+            return (found, found)
+    return None
+
+
+def _configs(settings: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not isinstance(settings, dict):
+        return []
+    return [settings, *[v for v in settings.values() if isinstance(v, dict)]]
 
 
 def _float(dtype: np.dtype) -> bool:
@@ -101,10 +330,7 @@ def _is_float8(dtype: np.dtype) -> bool:
 def _declared(settings: dict[str, Any] | None) -> str | None:
     """The config's ``quantization_config`` (or a nested config's, as a multimodal
     model's ``text_config`` holds it) as JSON, or None where it states none."""
-    if not isinstance(settings, dict):
-        return None
-    nested = [v for v in settings.values() if isinstance(v, dict)]
-    for part in (settings, *nested):
+    for part in _configs(settings):
         quantization = part.get("quantization_config")
         if quantization:
             return json.dumps(quantization, sort_keys=True, default=str)[:300]

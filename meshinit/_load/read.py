@@ -46,6 +46,7 @@ class Job:
     entry: PlanEntry
     node: _blocks.Node
     stage: _fanout.Stage | None = None
+    parts: Any = None  # the Parts class that reads it (None: Parts; dequantized: .dequant)
 
 
 def read(
@@ -313,6 +314,10 @@ class Parts:
             self.job.entry.spec.dtype,
         )
 
+    def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> jax.Array:
+        dtype = self.job.entry.spec.dtype
+        return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=dtype)
+
     def placed(self, index: tuple[slice, ...], arrays: list[jax.Array]) -> None:
         """The block at ``index`` is on its devices as ``arrays``: the parts' read
         pages go (a local file's stay in the page cache; a remote chunk's once the
@@ -340,7 +345,7 @@ def parts(
     budget: int = 1 << 30,
     update: Callable[[int], None] = lambda n: None,
 ) -> Parts:
-    return Parts(job, checked, total, budget, update)
+    return (job.parts or Parts)(job, checked, total, budget, update)
 
 
 def cast(block: np.ndarray, dtype: np.dtype, path: str, leaf: _blocks.Leaf) -> np.ndarray:
@@ -468,9 +473,7 @@ def array(entry: PlanEntry, pieces: Parts) -> jax.Array:
             del block, first
             pieces.placed(index, made)
         # dtype: a process whose devices hold none of it passes no shards to tell it
-        return jax.make_array_from_single_device_arrays(
-            shape, sharding, shards, dtype=entry.spec.dtype
-        )
+        return pieces.whole(shape, sharding, shards)
     except BaseException:
         for s in shards:
             s.delete()

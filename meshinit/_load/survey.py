@@ -53,6 +53,8 @@ class Inventory:
         ``meshinit.tunix.names``), the table it built for these files: every plan
         path -> its target, or None; ``str()`` prints it. None for a ``names=`` given
         as a table.
+      dequantized: plan path -> how its float8 weights are read dequantized: the
+        stored dtype, the scale tensor (its dtype and block) and the planned dtype.
 
     Examples:
       >>> from safetensors.numpy import save_file
@@ -71,6 +73,7 @@ class Inventory:
     unused: tuple[str, ...]
     reads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     table: Mapping[str, Tensor | Stack | Concat | Fill | Pad | None] | None = None
+    dequantized: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         def line(what: str, items: list[str]) -> str:
@@ -87,6 +90,10 @@ class Inventory:
                 ),
                 line(
                     "unused (no plan path claims them)", [repr(printable(t)) for t in self.unused]
+                ),
+                line(
+                    "dequantized (float8 x block scales)",
+                    [f"{printable(p)} <- {d}" for p, d in self.dequantized.items()],
                 ),
                 *([] if self.table is None else ["table (built by the framework's map):"]),
                 *(f"  {printable(p)} <- {t!r}" for p, t in (self.table or {}).items()),
@@ -215,10 +222,12 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
         loaded[entry.path] = target
         reads[entry.path] = tuple(dict.fromkeys(leaf.stored.name for leaf in _layout.leaves(node)))
         jobs.append(_read.Job(read_as, node))
-    # a float8 weight planned wider, never cast without its scale
-    problems += _quantized.problems(jobs, index, functools.partial(_file.read_config, listed))
+    # a float8 weight planned wider: read with its scale (dequantized), never without
+    reader = functools.partial(_file.read_config, listed)
+    jobs, found, dequantized = _quantized.paired(jobs, index, reader)
+    problems += found
     # what a load reads none of: no path claims it, or only missing paths would
-    unused, stranded = _unused.find(targets, missing, index)
+    unused, stranded = _unused.find(targets, missing, index, _quantized.scales(jobs, index))
     inventory = Inventory(
         files=tuple(source.shown for source in sources),
         loaded=loaded,
@@ -227,6 +236,7 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
         unused=unused,
         reads=reads,
         table=table,
+        dequantized=dequantized,
     )
     if bad_files:
         absent, stranded = [], {}

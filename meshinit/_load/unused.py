@@ -9,7 +9,7 @@ whose last layer is absent). :func:`find` tells the two apart; :func:`problems` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from .._errors import Problem, printable
 from .._format import some
@@ -18,10 +18,14 @@ from .source import Stored
 
 
 def find(
-    targets: Mapping[str, Target | None], missing: Mapping[str, str], held: Mapping[str, object]
+    targets: Mapping[str, Target | None],
+    missing: Mapping[str, str],
+    held: Mapping[str, object],
+    scales: Collection[str] = (),
 ) -> tuple[tuple[str, ...], dict[str, list[str]]]:
     """The stored tensors (``held``'s names) that no load reads, sorted, and of them
     those that only ``missing`` paths would read (tensor -> those paths, "stranded").
+    ``scales`` are read with the float8 weights they dequantize: claimed.
 
     A path refused for another reason (a shape that does not fit) fails the load
     anyway: its tensors count as claimed, and are not named twice."""
@@ -30,7 +34,7 @@ def find(
         for path, target in targets.items()
         if target is not None and path not in missing
         for t in leaves(target)
-    }
+    } | set(scales)
     stranded: dict[str, list[str]] = {}
     for path in missing:
         target = targets[path]

@@ -989,3 +989,54 @@ def test_deepseek4_plans_with_maxtexts_rules_completed_as_flax_places_them():
         "o_groups" in kernel.spec.axes
         and kernel.sharding.spec[kernel.spec.axes.index("o_groups")] is None
     )
+
+
+# DeepSeek-V3's float8 weights as published: every attention and MLP (dense, expert,
+# shared-expert) projection; not the embedding, the head, the norms or the router
+FP8_WEIGHTS = re.compile(
+    r"\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)|"
+    r"mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj))\.weight$"
+)
+
+
+@pytest.mark.parametrize(("scan", "framework"), [(True, "nnx"), (False, "linen")])
+def test_deepseek3_fp8_files_load_as_maxtexts_conversion_of_their_dequantized_copy(
+    tmp_path, scan, framework
+):
+    """DeepSeek-V3's FP8 files (float8 weights, a float32 scale per 128x128 block,
+    config.json's quantization_config) through ``maxtext.names``: every Param has the
+    bits MaxText's own conversion gives from the copy DeepSeek's ``weight_dequant``
+    makes (here in the files' float32), on MaxText's sharding."""
+    model = "deepseek3-671b"
+    config = config_of(model, scan)
+    wide = write_checkpoint(model, config, seeded(config), tmp_path / "wide")
+    hf = json.loads((tmp_path / "wide" / "config.json").read_text())
+    rng = np.random.default_rng(1)
+    fp8, dequantized = {}, {}
+    for name, x in wide.items():
+        if not FP8_WEIGHTS.search(name):
+            fp8[name] = dequantized[name] = x
+            continue
+        assert x.ndim == 2, name
+        s = rng.uniform(1e-3, 1e-2, (-(-x.shape[0] // 128), -(-x.shape[1] // 128)))
+        s = s.astype(np.float32)
+        every = np.repeat(np.repeat(s, 128, 0), 128, 1)[: x.shape[0], : x.shape[1]]
+        w = (x.astype(np.float32) / every).astype(ml_dtypes.float8_e4m3fn)
+        fp8[name], fp8[name + "_scale_inv"] = w, s
+        dequantized[name] = (w.astype(np.float32) * every).astype(x.dtype)  # weight_dequant
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    save_file(fp8, str(folder / "model.safetensors"))
+    quantization = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    (folder / "config.json").write_text(json.dumps(hf | {"quantization_config": quantization}))
+    plan, placement = plan_and_placement(config, framework)
+    want = maxtext_conversion(
+        model, config, dequantized, {mt_key(p): a.shape for p, a in placement.items()}
+    )
+    names = meshinit.maxtext.names(config)
+    found = meshinit.safetensors.inventory(plan, folder, names=names)
+    assert found.unused == () and len(found.dequantized) >= 5
+    loaded = meshinit.safetensors.load(plan, folder, names=names, unused="error")
+    assert sorted(loaded) == sorted(placement)
+    problems = differences(loaded, want, placement)
+    assert not problems, "\n".join(problems)

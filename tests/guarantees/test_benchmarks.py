@@ -536,3 +536,11 @@ def test_tpu_bits_count_what_differs_in_ulp_across_zero_and_shards(dtype):
     a[5, 5], b[5, 5] = smallest, -smallest
     got = differences({"x": jax.device_put(a, place)}, {"x": jax.device_put(b, place)})
     assert got == {"elements": 64, "differ": 3, "max_ulp": 2 << mantissa}, got
+
+
+@pytest.mark.slow
+def test_quantized_load_benchmark_runs_and_gives_weight_dequants_bits():
+    r = run_script(
+        "quantized_load.py", "--layers", "2", "--experts", "1", "--divide", "16", "--check"
+    )
+    assert "| bytes read / (fp8 + scale bytes) | 1.0000 |" in r.stdout, r.stdout
