@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # The largest piece of an object read into memory at once while answering.
@@ -30,7 +31,9 @@ class Served:
     and a client that went away what reached the socket);
     ``range`` the half-open byte range a 206 answer carried; ``target`` the request's
     target as the client sent it (path and query, not decoded: a doubled slash shows);
-    ``authorization`` the credentials it sent, if any.
+    ``authorization`` the credentials it sent, if any; ``client`` the access key id
+    of a SigV4-signed request (:func:`client_of`), which tells apart processes that
+    each sign with their own key.
     """
 
     method: str
@@ -40,6 +43,27 @@ class Served:
     range: tuple[int, int] | None = None
     target: str | None = None
     authorization: str | None = None  # the request's Authorization header
+    client: str | None = None
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        """The object's bytes this answer sent, half-open: a 206's range (cut to what
+        went out), ``(0, sent)`` for a 200 of a whole object, None for anything else."""
+        if self.status == 206 and self.range is not None:
+            return self.range[0], self.range[0] + self.sent
+        if self.status == 200 and self.method == "GET":
+            return 0, self.sent
+        return None
+
+
+_CREDENTIAL = re.compile(r"Credential=([^/,\s]+)/")
+
+
+def client_of(authorization: str | None) -> str | None:
+    """The access key id of a SigV4 ``Authorization`` header (``AWS4-HMAC-SHA256
+    Credential=<key id>/<date>/<region>/s3/aws4_request, ...``), else None."""
+    found = _CREDENTIAL.search(authorization or "")
+    return found[1] if found else None
 
 
 class Counters:
@@ -89,6 +113,37 @@ class Counters:
         """Body bytes of the 200 and 206 answers for one object."""
         return sum(s.sent for s in self.log if s.path == path and s.status in (200, 206))
 
+    @property
+    def clients(self) -> set[str | None]:
+        """The access key ids that sent requests (None: an unsigned request)."""
+        return {s.client for s in self.log}
+
+    def spans(self, client: str | None = None) -> list[tuple[str, int, int]]:
+        """``(path, start, stop)`` of the object bytes each GET answer sent (200 and
+        206, what went out), in order; given ``client``, only that key id's."""
+        return [
+            (s.path, *s.span)
+            for s in self.log
+            if s.span is not None and (client is None or s.client == client)
+        ]
+
+    def bytes_by_client(self, data_from: Mapping[str, int] | None = None) -> dict[str | None, int]:
+        """Object bytes sent to each client (200 and 206 GETs). With ``data_from``
+        (an object's path to the offset where its data starts, e.g. a safetensors
+        file's ``8 + header length``), only the bytes at or past that offset, of those
+        objects only: the tensor data, without the header reads."""
+        out: dict[str | None, int] = {}
+        for s in self.log:
+            if s.span is None:
+                continue
+            start, stop = s.span
+            if data_from is not None:
+                if s.path not in data_from:
+                    continue
+                start = max(start, data_from[s.path])
+            out[s.client] = out.get(s.client, 0) + max(stop - start, 0)
+        return out
+
 
 @dataclasses.dataclass(eq=False)
 class Fault:
@@ -102,6 +157,9 @@ class Fault:
     - ``replace``: store ``data`` as the object before answering (a new ETag), once;
     - ``stall``: answer nothing for ``seconds``, then close the connection (a server
       that accepted the request and hangs).
+
+    With ``client`` (an access key id), only that client's requests match (and
+    count toward ``after``).
     """
 
     kind: str
@@ -113,6 +171,7 @@ class Fault:
     keep: int | None = None
     data: bytes | None = None
     seconds: float = 0.0
+    client: str | None = None
     seen: int = 0
     fired: int = 0
 
@@ -228,14 +287,15 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(self.owner.latency)
         total = len(body) if read is None else span[1] - span[0]
         length = total if length is None else length
-        drop = self.owner.take("drop", method, path) if method == "GET" and total else None
+        drop = self.take("drop", method, path) if method == "GET" and total else None
         keep = total if drop is None else min(total // 2 if drop.keep is None else drop.keep, total)
         # Recorded before anything goes out, so a client that has its answer finds it
         # counted; a write that fails corrects the count.
         keep = 0 if method == "HEAD" else keep
         ranged = span if status == 206 else None
+        auth = self.headers.get("Authorization")
         at = self.owner.counters.record(
-            Served(method, path, status, keep, ranged, self.path, self.headers.get("Authorization"))
+            Served(method, path, status, keep, ranged, self.path, auth, client_of(auth))
         )
         sent = 0
         try:
@@ -321,15 +381,20 @@ class Handler(BaseHTTPRequestHandler):
         headers = [("Content-Type", content_type), *extra, *headers]
         self.send(method, path, status, headers, b"" if method == "HEAD" else body)
 
+    def take(self, kind: str, method: str, path: str) -> Fault | None:
+        """:meth:`Server.take` for this request, its client (key id) included."""
+        client = client_of(self.headers.get("Authorization"))
+        return self.owner.take(kind, method, path, client)
+
     def answer_fault(self, method: str, path: str) -> bool:
         """Apply a ``replace`` fault, then answer a ``status`` one; True if answered."""
-        if (fault := self.owner.take("replace", method, path)) is not None:
+        if (fault := self.take("replace", method, path)) is not None:
             self.owner.put(path, fault.data)
-        if (fault := self.owner.take("stall", method, path)) is not None:
+        if (fault := self.take("stall", method, path)) is not None:
             time.sleep(fault.seconds)
             self.close_connection = True
             return True
-        if (fault := self.owner.take("status", method, path)) is not None:
+        if (fault := self.take("status", method, path)) is not None:
             codes = {403: "AccessDenied", 404: "NoSuchKey", 416: "InvalidRange"}
             code = codes.get(fault.status, "SlowDown" if fault.status == 503 else "InternalError")
             self.error(method, path, fault.status, code, f"injected fault {fault.status}")
@@ -431,8 +496,9 @@ class Server:
         HEADs too)."""
         return self.inject("replace", path, data=data, after=after, **fields)
 
-    def take(self, kind: str, method: str, path: str) -> Fault | None:
-        """The first live fault of ``kind`` this request triggers, counted as fired."""
+    def take(self, kind: str, method: str, path: str, client: str | None = None) -> Fault | None:
+        """The first live fault of ``kind`` this request (from the key id ``client``)
+        triggers, counted as fired."""
         with self._fault_lock:
             for fault in self.faults:
                 if fault.kind != kind or fault.done:
@@ -440,6 +506,8 @@ class Server:
                 if not fnmatch.fnmatchcase(method, fault.method):
                     continue
                 if not fnmatch.fnmatchcase(path, fault.path):
+                    continue
+                if fault.client is not None and fault.client != client:
                     continue
                 fault.seen += 1
                 if fault.seen > fault.after:

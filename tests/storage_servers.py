@@ -437,11 +437,13 @@ class S3Server(Server):
         """``s3fs.S3FileSystem(**...)`` for this server."""
         return {"endpoint_url": self.url, "key": self.key_id, "secret": self.secret}
 
-    def obstore_options(self) -> dict:
-        """``obstore.store.S3Store(bucket, **...)`` for this server."""
+    def obstore_options(self, key_id: str | None = None) -> dict:
+        """``obstore.store.S3Store(bucket, **...)`` for this server, signing with
+        ``key_id`` (moto takes any access key id with any secret) where given: the
+        counters then tell this client's requests apart (``Served.client``)."""
         return {
             "endpoint": self.url,
-            "access_key_id": self.key_id,
+            "access_key_id": key_id or self.key_id,
             "secret_access_key": self.secret,
             "region": self.region,
             "client_options": {"allow_http": True},

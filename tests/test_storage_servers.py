@@ -419,3 +419,57 @@ def test_boto3_and_obstore_find_the_server_from_the_environment_alone(s3_server)
     # obstore merges ranges less than 1 MiB apart (its get_ranges' coalesce=)
     assert sorted(r[1:] for r in s3_server.counters.ranges) == [(1, 1000), (500, 510)]
     assert [s.path for s in s3_server.counters.log].count(bucket) == 2  # the two listings
+
+
+# --- per-client attribution ---------------------------------------------------------
+
+
+def test_client_of_reads_the_access_key_id_from_a_sigv4_authorization_header():
+    from storage_http import client_of
+
+    header = (
+        "AWS4-HMAC-SHA256 Credential=proc-3/20261206/us-east-1/s3/aws4_request, "
+        "SignedHeaders=host;range;x-amz-date, Signature=abc"
+    )
+    assert client_of(header) == "proc-3"
+    assert client_of(None) is None
+    assert client_of("Bearer hf_token") is None
+
+
+def test_s3_counts_object_bytes_per_access_key_and_a_fault_fires_for_one_key_only(s3):
+    import obstore
+    from obstore.store import S3Store
+
+    bucket, key, path = put_object(s3)
+    stores = {
+        k: S3Store(bucket, **s3.obstore_options(k), retry_config={"max_retries": 0})
+        for k in ("proc-0", "proc-1")
+    }
+    got = obstore.get_range(stores["proc-0"], key, start=0, end=100)  # "the header"
+    assert bytes(got) == DATA[:100]
+    assert bytes(obstore.get_range(stores["proc-0"], key, start=100, end=400)) == DATA[100:400]
+    assert bytes(obstore.get_range(stores["proc-1"], key, start=400, end=1000)) == DATA[400:]
+    c = client(s3)  # signs with the server's own key id, "testing"
+    assert c.get_object(Bucket=bucket, Key=key)["Body"].read() == DATA
+    c.head_object(Bucket=bucket, Key=key)  # sends no object bytes
+    counters = s3.counters
+    assert counters.clients == {"proc-0", "proc-1", "testing"}
+    assert counters.bytes_by_client() == {"proc-0": 400, "proc-1": 600, "testing": 1000}
+    # the data from offset 100 on: proc-0's first read was all "header"
+    assert counters.bytes_by_client({path: 100}) == {"proc-0": 300, "proc-1": 600, "testing": 900}
+    assert counters.bytes_by_client({"other/obj": 0}) == {}
+    assert counters.spans("proc-0") == [(path, 0, 100), (path, 100, 400)]
+    assert counters.spans("testing") == [(path, 0, 1000)]
+    assert [(s.method, s.client) for s in counters.log][-1] == ("HEAD", "testing")
+
+    # a permanent fault for proc-1's requests: proc-0 and the others read on
+    s3.reset()
+    fault = s3.fail(path, 503, times=1 << 30, client="proc-1")
+    with pytest.raises(Exception, match="503|Service Unavailable|SlowDown"):
+        obstore.get_range(stores["proc-1"], key, start=0, end=10)
+    assert bytes(obstore.get_range(stores["proc-0"], key, start=0, end=10)) == DATA[:10]
+    assert c.get_object(Bucket=bucket, Key=key, Range="bytes=0-9")["Body"].read() == DATA[:10]
+    assert fault.fired == 1
+    assert [(s.client, s.status) for s in counters.log] == [
+        ("proc-1", 503), ("proc-0", 206), ("testing", 206)
+    ]  # fmt: skip
