@@ -47,6 +47,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -138,7 +139,10 @@ def peer_bytes(pid: int, skip: set[int]) -> dict[tuple[str, str], tuple[int, int
     """(local, peer) -> (bytes_sent, bytes_received) of ``pid``'s TCP sockets to other
     processes: not those with a port in ``skip`` at either end (the S3 and coordinator
     ones), nor those whose both ends are ``pid``'s own."""
-    text = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
+    ss = shutil.which("ss", path=f"{os.defpath}:/usr/sbin:/sbin")  # PATH may be empty
+    if ss is None:
+        raise RuntimeError("fanout: `ss` (iproute2) not found: it counts the peer bytes")
+    text = subprocess.run([ss, "-tinpH"], capture_output=True, text=True, check=True).stdout
     found, current = {}, None
     for line in text.splitlines():
         if not line[:1].isspace():  # a socket's first line: state, queues, ends, users
