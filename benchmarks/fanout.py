@@ -48,6 +48,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -171,7 +172,10 @@ def moved(before: dict, after: dict) -> tuple[int, int]:
 
 
 def worker(rank: int, port: int, url: str, s3_port: int, folder: str, args) -> list[dict]:
+    import faulthandler
     import inspect
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's, on a hang
 
     import jax
 
@@ -244,21 +248,10 @@ def worker(rank: int, port: int, url: str, s3_port: int, folder: str, args) -> l
                 for a in arrays.values():
                     a.delete()
                 results.append(
-                    {
-                        "layers": layers,
-                        "mode": mode,
-                        "rep": rep,
-                        "key": key,
-                        "seconds": seconds,
-                        "compiles": seen["compiles"],
-                        "bytes_read": seen["bytes_read"],
-                        "bytes_from_peers": seen["bytes_from_peers"],
-                        "peer_sent": sent,
-                        "peer_received": received,
-                        "wrong": wrong[:5],
-                        "fan_out_supported": has_fan_out,
-                    }
-                )
+                    dict(layers=layers, mode=mode, rep=rep, key=key, seconds=seconds,
+                         peer_sent=sent, peer_received=received, wrong=wrong[:5],
+                         fan_out_supported=has_fan_out, **seen)
+                )  # fmt: skip
     multihost_utils.sync_global_devices("done")
     return results
 
@@ -281,7 +274,9 @@ def bound(shapes: dict) -> tuple[int, int]:
 # ------------------------------------------------------------------------ the driver
 
 
-def spawn(url: str, s3_port: int, folder: str, argv: list[str], env: dict) -> list[dict]:
+def spawn(
+    url: str, s3_port: int, folder: str, argv: list[str], env: dict, timeout: float
+) -> list[dict]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -290,14 +285,19 @@ def spawn(url: str, s3_port: int, folder: str, argv: list[str], env: dict) -> li
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     procs = [subprocess.Popen([*cmd, str(r), str(port), *tail], **pipes) for r in range(PROCESSES)]
     results, failed = [], []
-    deadline = time.monotonic() + 1200
+    deadline = time.monotonic() + timeout
     for rank, proc in enumerate(procs):
         try:
             out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            for p in procs:  # each worker prints its threads' stacks (faulthandler)
+                p.send_signal(signal.SIGUSR1)
+            time.sleep(2)
             for p in procs:
                 p.kill()
-            raise RuntimeError("fanout: a worker ran past 20 minutes") from None
+            tails = [p.communicate()[1][-4000:] for p in procs]
+            text = "\n".join(tails)
+            raise RuntimeError(f"fanout: the workers ran past {timeout} s:\n{text}") from None
         if proc.returncode:
             failed.append(f"worker {rank} exited {proc.returncode}:\n{err[-3000:]}")
         else:
@@ -323,7 +323,7 @@ def measure(args, argv: list[str]) -> dict:
             env = {**os.environ, **hello["env"], "JAX_PLATFORMS": "cpu"}
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
             env.pop("AWS_ACCESS_KEY_ID", None)  # each load gives its own
-            loads = spawn(f"s3://{BUCKET}/", hello["port"], d, argv, env)
+            loads = spawn(f"s3://{BUCKET}/", hello["port"], d, argv, env, args.timeout)
             server.stdin.write("stats\n")
             server.stdin.flush()
             served = json.loads(server.stdout.readline())  # by each load's access key id
@@ -360,7 +360,7 @@ def summarize(args, loads: list[dict], served: dict, rate: float) -> dict:
                         "wrong": [w for r in rows for w in r["wrong"]],
                     }
                 )
-            first = per_rep[0]
+            first, at = per_rep[0], (unique / rate) if rate else None
             out[f"{layers}/{mode}"] = {
                 "unique": unique,
                 "bound": low,
@@ -368,10 +368,8 @@ def summarize(args, loads: list[dict], served: dict, rate: float) -> dict:
                 "store": max(p["store"] for p in per_rep),
                 "busiest": max((p["busiest"] or 0) for p in per_rep),
                 "between": first["peer_sent"] / low if low else None,
-                "time_first": first["seconds"] / (unique / rate) if rate else None,
-                "time_best": min(p["seconds"] for p in per_rep[1:] or per_rep) / (unique / rate)
-                if rate
-                else None,
+                "time_first": first["seconds"] / at if at else None,
+                "time_best": min(p["seconds"] for p in per_rep[1:] or per_rep) / at if at else None,
                 "compiles": first["compiles"],
                 "supported": all(r["fan_out_supported"] for r in mine),
                 "wrong": [w for p in per_rep for w in p["wrong"]],
@@ -379,32 +377,29 @@ def summarize(args, loads: list[dict], served: dict, rate: float) -> dict:
     return out
 
 
+GOALS = (  # (measure, key, goal); the first three are structural: --quick asserts them
+    ("data bytes served by the store / unique", "store", 1.02),
+    ("bytes fetched: busiest process / mean", "busiest", 1.10),
+    ("bytes between processes / all-gather bound", "between", 1.05),
+    ("load time at the cap / (unique / cap), first", "time_first", 1.3),
+    ("load time at the cap / (unique / cap), repeat", "time_best", 1.3),
+)
+
+
 def goals(found: dict, layers: list[int]) -> list[list[str]]:
     """Rows: measure, goal, fan_out=None, fan_out=False, met? (fan_out=None's)."""
-
-    def cell(v, fmt="{:.3f}"):
-        return "n/a" if v is None else fmt.format(v)
-
     rows = []
     for n in layers:
         on, off = found[f"{n}/None"], found[f"{n}/False"]
-        for what, key, goal, limit in (
-            ("data bytes served by the store / unique", "store", "<= 1.02", 1.02),
-            ("bytes fetched: busiest process / mean", "busiest", "<= 1.10", 1.10),
-            ("bytes between processes / all-gather bound", "between", "<= 1.05", 1.05),
-            ("load time at the cap / (unique / cap), first", "time_first", "<= 1.3", 1.3),
-            ("load time at the cap / (unique / cap), repeat", "time_best", "<= 1.3", 1.3),
-        ):
-            v = on[key]
-            met = "met" if v is not None and v <= limit else "NOT met"
-            met = "n/a" if v is None or not on["supported"] else met
-            rows.append([f"{what}, {n} layers", goal, cell(v), cell(off[key]), met])
+        for what, key, limit in GOALS:
+            v, cells = on[key], ["n/a" if x is None else f"{x:.3f}" for x in (on[key], off[key])]
+            met = "n/a" if v is None or not on["supported"] else "met" if v <= limit else "NOT met"
+            rows.append([f"{what}, {n} layers", f"<= {limit:.2f}", *cells, met])
     added = [found[f"{n}/None"]["compiles"] - found[f"{n}/False"]["compiles"] for n in layers]
     same = "met" if len(set(added)) == 1 else "NOT met"
-    rows.append(
-        [f"compiles added by fan-out, {' and '.join(map(str, layers))} layers", "equal",
-         " and ".join(map(str, added)), "0 (the baseline)", same]
-    )  # fmt: skip
+    depths = " and ".join(map(str, layers))
+    counts = " and ".join(map(str, added))
+    rows.append([f"compiles added by fan-out, {depths} layers", "equal", counts, "0", same])
     return rows
 
 
@@ -412,20 +407,15 @@ def check_quick(found: dict, layers: list[int]) -> list[str]:
     """The structural goals --quick asserts: what is wrong, or nothing."""
     wrong = [w for k, v in found.items() if k != "config" for w in v["wrong"]]
     for n in layers:
-        off = found[f"{n}/False"]
+        off, on = found[f"{n}/False"], found[f"{n}/None"]
         if off["loads"][0]["peer_sent"] > 0.05 * off["bound"]:  # the agreement only
             wrong.append(f"{n} layers, fan_out=False: processes exchanged data")
-        on = found[f"{n}/None"]
         if not on["supported"]:
             wrong.append("this meshinit's safetensors.load has no fan_out")
             continue
         wrong += [
-            f"{n} layers, fan_out=None: {what} {on[key]:.3f} > {limit}"
-            for what, key, limit in (
-                ("store / unique", "store", 1.02),
-                ("busiest / mean", "busiest", 1.10),
-                ("between / bound", "between", 1.05),
-            )
+            f"{n} layers, fan_out=None: {what} {on[key]} > {limit}"
+            for what, key, limit in GOALS[:3]
             if on[key] is None or on[key] > limit
         ]
         first = on["loads"][0]
@@ -451,6 +441,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--bandwidth-mib", type=float, default=16.0, help="the cap; 0: none")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds for all the loads")
     ap.add_argument("--json")
     ap.add_argument("--serve")
     ap.add_argument("--worker", nargs=5)
@@ -459,6 +450,7 @@ def main() -> None:
         # large enough that the collectives' fixed bytes per entry (about 8 KB here)
         # stay under 5% of the bound
         args.d, args.ffn, args.vocab, args.bandwidth_mib, args.repeats = 128, 256, 512, 0, 1
+        args.timeout = min(args.timeout, 240)
     argv = ["--layers", *map(str, args.layers), f"--d={args.d}", f"--ffn={args.ffn}"]
     argv += [f"--vocab={args.vocab}", f"--repeats={args.repeats}"]
     if args.serve:
