@@ -120,6 +120,7 @@ def load(
     max_inflight_bytes: int = 1 << 30,
     progress: bool | None = None,
     timeout: float | None = _aio.TIMEOUT,
+    fan_out: bool | None = None,
 ) -> dict[str, jax.Array]:
     r"""Reads the plan's parameters from safetensors files onto their planned shardings.
 
@@ -179,6 +180,18 @@ def load(
         meshinit's included (default 120; None: no deadline). Past it, the request is
         cancelled and the load fails naming the URL and the bytes. Ctrl-C cancels
         every request in flight at once.
+      fan_out: under ``jax.distributed``, whether a stored block that devices of
+        several processes hold (a parameter replicated across hosts, whole or per
+        shard) is fetched once for the whole job: ``None`` (default) and ``True`` do
+        so wherever more than one process holds a block. Its bytes are split among
+        those processes along the stored tensor's outer dimension, each process
+        fetching only its share, and one compiled all-gather per signature (not per
+        layer) fills every replica, in batches of at most ``max_inflight_bytes`` per
+        process. The values are the same bits as each process reading it all.
+        ``False``: each process fetches every block its devices hold. With one
+        process it changes nothing. Each process records the bytes its shards got
+        from other processes' reads as the ``jax.monitoring`` scalar
+        ``/meshinit/safetensors/bytes_from_peers``.
       progress: a bar (tqdm, on stderr) of the bytes read (of URLs: fetched) and bytes
         per second: ``True``, ``False``, or ``None`` (default: where stderr is a
         terminal, shown at once for a load of at least 1 GiB, else once it has run a
@@ -224,11 +237,15 @@ def load(
         raise TypeError(f'unused must be "warn", "error" or "ignore", got {unused!r}')
     if not (isinstance(max_inflight_bytes, int) and max_inflight_bytes > 0):
         raise TypeError(f"max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}")
+    if fan_out not in (None, True, False) or not isinstance(fan_out, bool | None):
+        raise TypeError(f"fan_out must be None, True or False, got {fan_out!r}")
     # Collective: under jax.distributed a process whose copy of a file fails its checks
     # fails every process, and none returns arrays that lack its shards.
     with _aio.session(_timeout(timeout)), _agree.collective(what):
         options, budget = storage_options, max_inflight_bytes
-        arrays = _loader.load(plan, files, names, missing, unused, what, options, budget, progress)
+        arrays = _loader.load(
+            plan, files, names, missing, unused, what, options, budget, progress, fan_out
+        )
         _agree.keep(arrays.values())
     return arrays
 

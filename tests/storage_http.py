@@ -127,14 +127,20 @@ class Counters:
             if s.span is not None and (client is None or s.client == client)
         ]
 
-    def bytes_by_client(self, data_from: Mapping[str, int] | None = None) -> dict[str | None, int]:
+    def bytes_by_client(
+        self, data_from: Mapping[str, int] | None = None, *, header_reads: bool = True
+    ) -> dict[str | None, int]:
         """Object bytes sent to each client (200 and 206 GETs). With ``data_from``
         (an object's path to the offset where its data starts, e.g. a safetensors
         file's ``8 + header length``), only the bytes at or past that offset, of those
-        objects only: the tensor data, without the header reads."""
+        objects only. ``header_reads=False`` leaves out the answers that start at
+        offset 0: a safetensors header read, which may run on into the data (a
+        reader guesses the header's length), where a read of tensor data never
+        starts. Both give the tensor data each client fetched, without its header
+        reads."""
         out: dict[str | None, int] = {}
         for s in self.log:
-            if s.span is None:
+            if s.span is None or (not header_reads and s.span[0] == 0):
                 continue
             start, stop = s.span
             if data_from is not None:

@@ -458,6 +458,11 @@ def test_s3_counts_object_bytes_per_access_key_and_a_fault_fires_for_one_key_onl
     # the data from offset 100 on: proc-0's first read was all "header"
     assert counters.bytes_by_client({path: 100}) == {"proc-0": 300, "proc-1": 600, "testing": 900}
     assert counters.bytes_by_client({"other/obj": 0}) == {}
+    # a read from offset 0 (a header read that runs on into the data) left out
+    assert counters.bytes_by_client({path: 50}, header_reads=False) == {
+        "proc-0": 300,
+        "proc-1": 600,
+    }
     assert counters.spans("proc-0") == [(path, 0, 100), (path, 100, 400)]
     assert counters.spans("testing") == [(path, 0, 1000)]
     assert [(s.method, s.client) for s in counters.log][-1] == ("HEAD", "testing")

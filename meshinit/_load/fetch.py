@@ -210,7 +210,7 @@ class Fetch:
             first = min(
                 ((rank[o], int(_cat(f)[0].min())) for o, f in spans.items()), default=(-1, 0)
             )
-            found_of.append((first, _key(index), spans))
+            found_of.append((first, block_key(index), spans))
         # Placed in the order of the first byte each block reads (stable: as the devices
         # come where blocks start alike): blocks that share pages are then neighbours
         # (a transposed weight's blocks of the same stored rows, which the devices
@@ -294,7 +294,7 @@ class Fetch:
 
     def ready(self, index: tuple[slice, ...]) -> None:
         """Waits for the remote bytes of the block at ``index`` (its chunk's)."""
-        chunk = self._chunk_of[_key(index)]
+        chunk = self._chunk_of[block_key(index)]
         chunk.done.wait()
         if chunk.failed:
             raise PlanError(
@@ -309,7 +309,7 @@ class Fetch:
         """The block at ``index`` is placed as ``arrays``: once every block of its
         chunk is, and every array made from them is ready (the devices hold their
         bytes), the chunk's own pages are released and its bytes returned."""
-        chunk = self._chunk_of[_key(index)]
+        chunk = self._chunk_of[block_key(index)]
         chunk.placed.extend(arrays)
         chunk.blocks -= 1
         if chunk.blocks == 0:
@@ -483,7 +483,7 @@ def _cat(found: list[Spans]) -> Spans:
     return np.concatenate([s for s, _ in found]), np.concatenate([e for _, e in found])
 
 
-def _key(index: tuple[slice, ...]) -> tuple[Any, ...]:
+def block_key(index: tuple[slice, ...]) -> tuple[Any, ...]:
     return tuple((s.start, s.stop) for s in index)
 
 

@@ -14,6 +14,7 @@ import jax
 from .. import _patterns
 from .._errors import PlanError, Problem, UnusedTensorWarning
 from .._plan.plan import Plan
+from . import fanout as _fanout
 from . import keys as _keys
 from . import read as _read
 from . import survey as _survey
@@ -30,6 +31,7 @@ def load(
     options: Any,
     budget: int,
     progress: bool | None,
+    fan_out: bool | None = None,
 ) -> dict[str, jax.Array]:
     """The arrays of every path ``files`` fill, read onto ``plan``'s shardings; every
     problem of the survey and of the policy raised at once, as one :class:`PlanError`
@@ -57,7 +59,7 @@ def load(
             UnusedTensorWarning(_unused.warning(what, idle, stranded, found.missing), idle),
             stacklevel=_patterns.outside_stacklevel(),
         )
-    arrays = _read.read(jobs, checked, budget, progress)
+    arrays = _read.read(_fanout.staged(jobs, fan_out), checked, budget, progress)
     keys = {e.path: e for e in plan.entries if _keys.is_key(e.spec.dtype)}
     try:
         for path in keys.keys() & arrays.keys():

@@ -27,6 +27,7 @@ from .._errors import PlanError, Problem
 from .._plan.plan import PlanEntry
 from .._run import progress as _progress
 from . import blocks as _blocks
+from . import fanout as _fanout
 from . import fetch as _fetch
 from . import file as _file
 from .header import READABLE
@@ -39,10 +40,12 @@ from the files (in their stored dtypes), every part of every parameter counted."
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One plan path's read: its parts, resolved against the checked files."""
+    """One plan path's read: its parts, resolved against the checked files, and where
+    other processes hold its blocks too, the staging it is read onto (fan-out)."""
 
     entry: PlanEntry
     node: _blocks.Node
+    stage: _fanout.Stage | None = None
 
 
 def read(
@@ -56,9 +59,13 @@ def read(
     any failure, nothing read stays alive. Of remote objects, at most ``budget``
     bytes of pages are fetched and not yet released at once. Records the bytes read
     (:data:`BYTES_READ`; of remote objects, the bytes fetched) once the load is
-    whole."""
+    whole, and the bytes its shards got from other processes' reads
+    (:data:`~meshinit._load.fanout.BYTES_FROM_PEERS`). A job with a stage is read onto
+    it and resharded onto its plan's sharding (:class:`~meshinit._load.fanout.Resharder`)."""
     out: dict[str, jax.Array] = {}
     total = [0]
+    staged = [(job.entry, job.stage) for job in jobs if job.stage is not None]
+    fan = _fanout.Resharder(staged, budget, "meshinit.safetensors.load")
     try:
         needed = dict.fromkeys(
             leaf.stored.file for job in jobs for leaf in _blocks.leaves(job.node)
@@ -75,7 +82,7 @@ def read(
             with _progress.byte_bar("reading", owned, progress) as update:
                 for job in jobs:
                     pieces = parts(job, checked, total, budget, update)
-                    out[job.entry.path] = array(job.entry, pieces)
+                    out.update(fan.add(job.entry, job.stage, array(job.entry, pieces)))
                     pieces.close()
         else:  # fetched ahead, within the budget, while each parameter is placed
             with _progress.byte_bar("fetching", owned, progress) as update:
@@ -84,10 +91,11 @@ def read(
                 )
                 with _fetch.Pipeline(jobs, make, budget, total, update) as pipeline:
                     for job, pieces in pipeline:
-                        out[job.entry.path] = array(job.entry, pieces)
+                        out.update(fan.add(job.entry, job.stage, array(job.entry, pieces)))
                         pieces.close()
                         del pieces
     except BaseException as e:
+        fan.close()
         for made in out.values():
             made.delete()
         out.clear()
@@ -96,6 +104,7 @@ def read(
         traceback.clear_frames(e.__traceback__)
         raise
     jax.monitoring.record_scalar(BYTES_READ, float(total[0]))
+    jax.monitoring.record_scalar(_fanout.BYTES_FROM_PEERS, float(fan.from_peers))
     return out
 
 
@@ -103,7 +112,7 @@ def _owned(job: Job) -> int:
     """The stored bytes this process's blocks of the job read, of every part each block
     reaches (for the bar; a constant or a pad's padding reads none)."""
     total = 0
-    for index, _ in holders(job.entry).values():
+    for index, _ in holders(job.entry, job.stage).values():
         for leaf, at in _blocks.reached(job.node, index):
             dtype = READABLE.get(leaf.stored.dtype)
             size = math.prod(max(0, s.stop - s.start) for s in at)
@@ -266,7 +275,7 @@ class Parts:
             views = {
                 key: part.view for key, part in self.parts.items() if part.leaf.stored.file.fetched
             }
-            blocks = [index for index, _ in holders(job.entry).values()]
+            blocks = [index for index, _ in holders(job.entry, job.stage).values()]
             self.fetch = _fetch.Fetch(job.node, blocks, views, fetched, budget)
 
     def _mapping(self, path: Source) -> tuple[Any, int]:
@@ -284,10 +293,15 @@ class Parts:
         self._open[path] = (path.mapping(self._checked[path].identity, base, end), base)
         return self._open[path]
 
-    def order(self, keys: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """The order to place the blocks of ``keys`` (:func:`holders`' keys) in: a
-        fetch's (blocks that share pages side by side), else as given."""
-        return keys if self.fetch is None else self.fetch.order
+    def order(self, held: Mapping[tuple[Any, ...], Any]) -> list[tuple[Any, ...]]:
+        """The order to place the blocks of ``held`` (:func:`holders`) in: a fetch's
+        (blocks that share pages side by side), else as given."""
+        if self.fetch is None:
+            return list(held)
+        keys: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+        for key, (index, _) in held.items():  # a staging block's key is not its index
+            keys.setdefault(_fetch.block_key(index), []).append(key)
+        return [k for found in self.fetch.order for k in keys.pop(found, [])]
 
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         if self.fetch is not None:
@@ -403,16 +417,23 @@ def _arithmetic(
     )
 
 
-def holders(entry: PlanEntry) -> dict[tuple[Any, ...], tuple[tuple[slice, ...], list[Any]]]:
+def holders(
+    entry: PlanEntry, stage: _fanout.Stage | None = None
+) -> dict[tuple[Any, ...], tuple[tuple[slice, ...], list[Any]]]:
     """This process's distinct blocks of the entry (bounds resolved), in the order
-    :func:`array` reads them, each with the devices that hold it."""
-    shape = entry.spec.shape
+    :func:`array` reads them, each with the devices that hold it. With a ``stage``, its
+    staging blocks, each keyed by its bounds in the staging array, with the planned
+    array's part of it (:meth:`~meshinit._load.fanout.Stage.real`)."""
+    shape = entry.spec.shape if stage is None else stage.shape
+    sharding = entry.sharding if stage is None else stage.sharding
     out: dict[tuple[Any, ...], tuple[tuple[slice, ...], list[Any]]] = {}
-    for device, index in entry.sharding.addressable_devices_indices_map(shape).items():
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
         assert index is not None  # a NamedSharding gives every addressable device an index
-        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
-        key = tuple(bounds)  # slices hash from 3.12 only
-        out.setdefault(key, (tuple(slice(*b) for b in bounds), []))[1].append(device)
+        index = _fanout.resolved(index, shape)
+        key = tuple((s.start, s.stop) for s in index)  # slices hash from 3.12 only
+        if stage is not None:
+            index = stage.real(index)[0]
+        out.setdefault(key, (index, []))[1].append(device)
     return out
 
 
@@ -420,14 +441,21 @@ def array(entry: PlanEntry, pieces: Parts) -> jax.Array:
     """The entry's array, one block at a time: each distinct block of this process's
     devices is read once onto the first device that holds it, copied from there to the
     others, and dropped, so the host holds at most one block beside the arrays. No
-    array keeps the loader's memory (:func:`put`)."""
-    sharding, shape = entry.sharding, entry.spec.shape
+    array keeps the loader's memory (:func:`put`). With fan-out (the job's stage),
+    the staging array: each staging block's part of the entry, zero-padded."""
+    stage = pieces.job.stage
+    sharding = entry.sharding if stage is None else stage.sharding
+    shape = entry.spec.shape if stage is None else stage.shape
     shards: list[jax.Array] = []
     try:
-        held = holders(entry)
-        for key in pieces.order(list(held)):
+        held = holders(entry, stage)
+        for key in pieces.order(held):
             index, devices = held[key]
             block = pieces.block(index)
+            if stage is not None and (pad := stage.real(tuple(slice(*b) for b in key))[1]):
+                widths = [(0, 0)] * block.ndim
+                widths[stage.axis] = (0, pad)
+                block = np.pad(block, widths)
             first = None
             made = []
             for device in devices:

@@ -32,8 +32,18 @@ import numpy as np
 
 from .._errors import PeerFailure
 
-# The arrays made so far by the outermost collective call in progress, or None.
-_call: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+
+class _Call:
+    """The outermost collective call in progress: the arrays it made so far, and
+    whether an agreement inside it (:func:`checkpoint`) already met a failure, which
+    every process then knows: no agreement follows it."""
+
+    def __init__(self) -> None:
+        self.made: list[Any] = []
+        self.settled = False
+
+
+_call: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
     "meshinit collective call", default=None
 )
 
@@ -57,29 +67,52 @@ def collective(what: str) -> Iterator[None]:
     if _call.get() is not None:
         yield
         return
-    made: list[Any] = []
-    token = _call.set(made)
+    call = _Call()
+    token = _call.set(call)
     try:
         yield
     except BaseException as e:
         _call.reset(token)
-        _delete(made)
-        agree(what, e)
+        _delete(call.made)
+        if not call.settled:
+            agree(what, e)
         raise
     _call.reset(token)
     try:
         agree(what, None)
     except BaseException:
-        _delete(made)
+        _delete(call.made)
         raise
 
 
 def keep(arrays: Iterable[Any]) -> None:
     """Hands arrays made inside a :func:`collective` call to it, to be deleted if the
     call fails, here or on any other process. Outside one it does nothing."""
-    made = _call.get()
-    if made is not None:
-        made.extend(arrays)
+    call = _call.get()
+    if call is not None:
+        call.made.extend(arrays)
+
+
+def checkpoint(what: str, error: BaseException | None = None) -> None:
+    """An agreement inside a collective call, before work that every process must
+    join (a collective program): with ``error`` None, it returns when every process
+    got this far; else (this process failed) it tells the others and returns, and the
+    caller raises its error. A failure anywhere settles the call: the others raise
+    :class:`PeerFailure` here, and the call's own agreement at its end is skipped on
+    every process, since each has now agreed as often as every other.
+
+    Every process must reach the same checkpoints in the same order (or fail before
+    one, and agree with its error there); the one failure a process reports is its
+    last agreement of the call."""
+    call = _call.get()
+    try:
+        agree(what, error)
+    except BaseException:
+        if call is not None:
+            call.settled = True
+        raise
+    if error is not None and call is not None:
+        call.settled = True
 
 
 def _delete(arrays: list[Any]) -> None:
