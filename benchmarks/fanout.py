@@ -224,6 +224,7 @@ def worker(rank: int, port: int, url: str, s3_port: int, folder: str, args) -> l
                 key = f"r{rank}L{layers}m{mode}n{rep}"
                 kwargs = {"fan_out": fan_out} if has_fan_out else {}
                 multihost_utils.sync_global_devices(key[key.index("L") :])
+                print(f"{time.strftime('%X')} load {key}", file=sys.stderr, flush=True)
                 seen.update(compiles=0, bytes_read=None, bytes_from_peers=None)
                 before = peer_bytes(os.getpid(), skip)
                 start = time.perf_counter()
