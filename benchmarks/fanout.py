@@ -12,8 +12,8 @@ throttling forwarder (benchmarks/throttle.py) that caps all clients together at
 ``--bandwidth-mib`` MiB/s. Each process loads with its own access key id per load, so
 the server counts each process's bytes (the ``Credential=`` of its requests).
 
-The workers load each depth with ``fan_out=False`` and ``fan_out=None``, ``--repeats``
-times each, every cache cleared before a mode's first load (its compiles counted with
+Fresh workers for each depth load it with ``fan_out=False`` and ``fan_out=None``,
+``--repeats`` times each, every cache cleared before a mode's first load (its compiles counted with
 a ``jax.monitoring`` listener). Per load they record the time (after a barrier), the
 bytes their TCP sockets to the other workers sent and received (``ss -tinpH`` of their
 own PID before and after, the S3 and coordinator connections left out), jax.monitoring's
@@ -324,7 +324,10 @@ def measure(args, argv: list[str]) -> dict:
             env = {**os.environ, **hello["env"], "JAX_PLATFORMS": "cpu"}
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
             env.pop("AWS_ACCESS_KEY_ID", None)  # each load gives its own
-            loads = spawn(f"s3://{BUCKET}/", hello["port"], d, argv, env, args.timeout)
+            loads = []
+            for n in args.layers:  # fresh workers per depth: each depth's compiles alone
+                each = ["--layers", str(n), *argv]
+                loads += spawn(f"s3://{BUCKET}/", hello["port"], d, each, env, args.timeout)
             server.stdin.write("stats\n")
             server.stdin.flush()
             served = json.loads(server.stdout.readline())  # by each load's access key id
@@ -370,7 +373,9 @@ def summarize(args, loads: list[dict], served: dict, rate: float) -> dict:
                 "busiest": max((p["busiest"] or 0) for p in per_rep),
                 "between": first["peer_sent"] / low if low else None,
                 "time_first": first["seconds"] / at if at else None,
-                "time_best": min(p["seconds"] for p in per_rep[1:] or per_rep) / at if at else None,
+                "time_best": min(p["seconds"] for p in per_rep[1:]) / at
+                if at and len(per_rep) > 1
+                else None,
                 "compiles": first["compiles"],
                 "supported": all(r["fan_out_supported"] for r in mine),
                 "wrong": [w for p in per_rep for w in p["wrong"]],
@@ -452,8 +457,8 @@ def main() -> None:
         # stay under 5% of the bound
         args.d, args.ffn, args.vocab, args.bandwidth_mib, args.repeats = 128, 256, 512, 0, 1
         args.timeout = min(args.timeout, 240)
-    argv = ["--layers", *map(str, args.layers), f"--d={args.d}", f"--ffn={args.ffn}"]
-    argv += [f"--vocab={args.vocab}", f"--repeats={args.repeats}"]
+    argv = [f"--d={args.d}", f"--ffn={args.ffn}", f"--vocab={args.vocab}"]
+    argv += [f"--repeats={args.repeats}"]
     if args.serve:
         serve(args.serve, args.bandwidth_mib * MiB)
         return
