@@ -37,8 +37,8 @@ bytes, every tensor once):
 (values exact, bytes ratios, compiles equal at both depths) and exits non-zero if one
 is missed. A meshinit without ``fan_out`` is measured as it is and said so.
 
-Run: python benchmarks/fanout.py [--quick] [--layers 8 32] [--d 512] [--ffn 1024]
-     [--bandwidth-mib 16] [--repeats 2] [--json OUT]
+Run: python benchmarks/fanout.py [--quick] [--layers 8 32] [--d 256] [--ffn 512]
+     [--bandwidth-mib 16] [--repeats 1] [--timeout S] [--json OUT]
 """
 
 from __future__ import annotations
@@ -442,11 +442,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--d", type=int, default=512)
-    ap.add_argument("--ffn", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--bandwidth-mib", type=float, default=16.0, help="the cap; 0: none")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900, help="seconds for all the loads")
     ap.add_argument("--json")
     ap.add_argument("--serve")
