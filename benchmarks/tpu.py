@@ -20,9 +20,13 @@ tensor=1) of one chip (``--mesh``). Parts (``--parts``, all by default):
   threshold of compile time is kept unless ``--cache-threshold-zero``.
 - ``bits``: at ``--bits-layers`` layers of the same width, in f32 and bf16:
   ``meshinit.nnx.init`` against ``nnx.jit`` and eager nnx, ``meshinit.linen.init``
-  against ``jax.jit(model.init)``: elements that differ, and the largest distance in ulp;
-  then issue 57's cases (``tpu_bits.py``) on the Explicit mesh and its Auto twin, tiled
-  and whole, each against ``nnx.jit`` on the same mesh.
+  against ``jax.jit(model.init)``: elements that differ, and the largest distance in ulp
+  (``--bits-dtypes`` with no dtype leaves this out); then issue 57's cases
+  (``tpu_bits.py``) for each recipe of ``--bits-recipes`` (``meshinit.nnx.init``,
+  ``meshinit.linen.init``, the spec path; all by default, none leaves them out) on the
+  Explicit mesh and its Auto twin, tiled and whole, each against its jitted anchor on
+  the same mesh (``nnx.jit``, linen's ``jax.jit(module.init)``, ``jax.jit`` of
+  ``init(param_key(key, path), ...)``).
 - ``load``: ``--load-mib`` of bf16 safetensors (written once to a temporary folder, page
   cache warm) into device memory: ``meshinit.safetensors.load`` against
   ``jax.device_put`` of each memory-mapped tensor, ``safe_open`` (numpy) then
@@ -45,6 +49,8 @@ Run: python benchmarks/tpu.py [--layers 16] [--parts cold restart bits load dept
      python benchmarks/tpu.py --parts cold --json a.json     # a whole run at 16 layers
      python benchmarks/tpu.py --parts restart bits load depth --json b.json  # is ~12 min:
      python benchmarks/tpu.py --merge a.json b.json          # two device calls, one table
+     python benchmarks/tpu.py --parts bits --bits-dtypes --bits-recipes linen spec
+                                                # some of the cases only (merged with b's)
      python benchmarks/tpu.py --cpu-check   # every part on CPU, tiny model; asserts
 
 It exits 1 if a process failed, a placement was not exact, a re-init or a restart
@@ -110,6 +116,7 @@ def measure(args: argparse.Namespace, env: dict) -> dict:
             then += [("restart", r, "cold", {**cached, "recipe": r}) for r in MESHINIT_ROWS]
         if "bits" in parts:
             bits = {**base, "layers": args.bits_layers, "dtypes": args.bits_dtypes}
+            bits["case_recipes"] = args.bits_recipes
             first.append(("bits", "", "bits", bits))
         if "load" in parts:
             folder = folders.enter_context(tempfile.TemporaryDirectory(prefix="meshinit-load-"))
@@ -188,6 +195,17 @@ def failures(results: dict, cpu_check: bool) -> list[str]:
     return found
 
 
+def merge(results: dict, more: dict) -> dict:
+    """``results`` with ``more``'s parts; two bits parts (of one model, split by
+    ``--bits-recipes`` over two calls) become one, with the cases of both."""
+    bits = {**results.get("bits", {}), **more.get("bits", {})}
+    cases = {**results.get("bits", {}).get("cases", {}), **more.get("bits", {}).get("cases", {})}
+    merged = {**results, **more}
+    if "bits" in results and "bits" in more:
+        merged["bits"] = {**bits, "cases": cases} if cases else bits
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--layers", type=int, default=None, help="depth of the table (16; CPU 1)")
@@ -196,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="warm re-inits and loads (best of)")
     ap.add_argument("--bits-layers", type=int, default=1, help="depth of the bits' model")
     ap.add_argument("--depth-layers", type=int, default=None, help="(4; CPU 2); 0 skips")
-    ap.add_argument("--bits-dtypes", nargs="+", choices=tpu_cases.DTYPES, default=None,
-                    help="(float32 bfloat16; CPU float32)")  # fmt: skip
+    ap.add_argument("--bits-dtypes", nargs="*", choices=tpu_cases.DTYPES, default=None,
+                    help="the stack's (float32 bfloat16; CPU float32); none: no stack")  # fmt: skip
+    ap.add_argument("--bits-recipes", nargs="*", choices=tpu_bits.RECIPES,
+                    default=list(tpu_bits.RECIPES),
+                    help="issue 57's cases for these recipes (all); none: no cases")  # fmt: skip
     ap.add_argument("--load-mib", type=int, default=None, help="checkpoint size (2048; CPU 2)")
     ap.add_argument("--cache-threshold-zero", action="store_true",
                     help="restart: jax_persistent_cache_min_compile_time_secs=0")  # fmt: skip
@@ -217,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         results: dict[str, Any] = {}
         for path in args.merge:
-            results.update(json.loads(Path(path).read_text()))
+            results = merge(results, json.loads(Path(path).read_text()))
         print(tpu_report.report(results))
         for line in failures(results, cpu_check=False):
             print(f"FAILED: {line}")
@@ -226,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args.layers = args.layers or (1 if cpu else 16)
     args.mesh = args.mesh or ([2, 4] if cpu else [1, 1])
     args.depth_layers = (2 if cpu else 4) if args.depth_layers is None else args.depth_layers
-    args.bits_dtypes = args.bits_dtypes or (["float32"] if cpu else list(tpu_cases.DTYPES))
+    if args.bits_dtypes is None:
+        args.bits_dtypes = ["float32"] if cpu else list(tpu_cases.DTYPES)
     args.load_mib = args.load_mib or (2 if cpu else 2048)
     # The parent never starts a TPU itself: the chip serves one process at a time.
     env = tpu_cases.probe(True) if cpu else child("probe", args, cpu_check=False)

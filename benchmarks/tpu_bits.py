@@ -1,8 +1,19 @@
-"""Issue 57's value cases for ``tpu.py``'s bits part: one parameter each, made by
-``meshinit.nnx.init`` and by ``nnx.jit`` of the same constructor, on the mesh jax makes
-by default (Explicit axes) and on its all-Auto twin, tiled (the platform's tiles) and
-whole (``meshinit.options(tile_bytes=0)``): per case, the elements that differ and the
-largest distance in ulp against ``nnx.jit`` on the same mesh (:func:`cases`).
+"""Issue 57's value cases for ``tpu.py``'s bits part: one parameter each, made by each of
+meshinit's three recipes (:data:`RECIPES`) and by that recipe's jitted anchor, on the
+mesh jax makes by default (Explicit axes) and on its all-Auto twin, tiled (the
+platform's tiles) and whole (``meshinit.options(tile_bytes=0)``): per case, the
+elements that differ and the largest distance in ulp against the anchor on the same
+mesh (:func:`cases`).
+
+- ``nnx``: ``meshinit.nnx.init`` of a Module whose ``nnx.Param`` holds the case's value,
+  against ``nnx.jit`` of the same constructor (both under ``jax.set_mesh``);
+- ``linen``: ``meshinit.linen.init`` of a Module whose ``self.param("w",
+  nn.with_partitioning(make, axes, mesh=m), shape, dtype)`` calls the case's ``make``,
+  against ``jax.jit(module.init, out_shardings=nn.get_sharding(...))`` as
+  ``recipes_linen.linen_jit_init`` runs it (no mesh context);
+- ``spec``: ``meshinit.param(shape, make, axes=..., mesh=m, dtype=...)`` planned and
+  materialized with a key, against ``jax.jit(lambda k: make(param_key(k, path), shape,
+  dtype), out_shardings=entry.sharding)`` under ``jax.set_mesh``.
 
 The cases are section 2's table (normal(0.02) in bf16 and in f32 1-D, variance
 scaling, a normal times a constant, a tanh·exp chain, a pow/atan2/rem chain, an iota
@@ -13,9 +24,11 @@ small, on the 8 simulated CPU devices.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+# meshinit's recipes, each against its jitted anchor (the module's docstring)
+RECIPES = ("nnx", "linen", "spec")
 # name: (TPU shape, CPU shape, dtype, make(key, shape, dtype))
 Make = Callable[[Any, tuple[int, ...], Any], Any]
 
@@ -86,6 +99,12 @@ def _axes(shape: tuple[int, ...], mesh: Any) -> tuple[str | None, ...]:
     return tuple(n if shape[i] % mesh.shape[n] == 0 else None for i, n in enumerate(names))
 
 
+def _explicit(mesh: Any) -> bool:
+    from jax.sharding import AxisType
+
+    return all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
 def meshes(mesh: Any) -> dict[str, Any]:
     """``mesh`` as jax makes it (Explicit axes) and its all-Auto twin."""
     from jax.sharding import AxisType, Mesh
@@ -95,16 +114,100 @@ def meshes(mesh: Any) -> dict[str, Any]:
     return {"explicit": explicit, "auto": Mesh(mesh.devices, mesh.axis_names)}
 
 
-def cases(cpu_check: bool, mesh: Any, differences: Callable[[Any, Any], dict]) -> dict:
-    """Per ``"<mesh kind> <tiled|whole> <case>"``: ``differences`` of
-    ``meshinit.nnx.init`` against ``nnx.jit`` on that mesh; every array deleted once
-    compared. With ``cpu_check``, whole only (CPU tiles are larger than its shapes)."""
+def _one(recipe: str, make: Make, shape: tuple[int, ...], dtype: Any, axes: tuple, m: Any):
+    """``(made, want)``: two functions of a tiling's context, meshinit's recipe and its
+    jitted anchor, each returning the one array."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     import meshinit
-    import meshinit.nnx
+
+    dtype = jnp.dtype(dtype)
+    if recipe == "nnx":
+        from flax import nnx
+
+        import meshinit.nnx
+
+        class One(nnx.Module):
+            def __init__(self, rngs: Any) -> None:
+                self.w = nnx.Param(make(rngs.params(), shape, dtype), out_sharding=axes)
+
+        def factory() -> Any:
+            return One(nnx.Rngs(0))
+
+        def made() -> Any:
+            with jax.set_mesh(m):
+                return meshinit.nnx.init(factory).w.get_value()
+
+        def want() -> Any:
+            with jax.set_mesh(m):
+                return nnx.jit(factory)().w.get_value()
+
+        return made, want
+    if recipe == "linen":
+        import flax.linen as nn
+
+        import meshinit.linen
+
+        # A box's own mesh makes linen's unbox a with_sharding_constraint, which jax
+        # refuses on Explicit axes (so does meshinit, with a PlanError that says so): on
+        # the Explicit mesh the box names the axes only, and the mesh is the recipes'.
+        boxed = None if _explicit(m) else m
+
+        class Linen(nn.Module):
+            @nn.compact
+            def __call__(self) -> None:
+                self.param("w", nn.with_partitioning(make, axes, mesh=boxed), shape, dtype)
+
+        module = Linen()
+
+        def made() -> Any:
+            variables = meshinit.linen.init(module, jax.random.key(0), mesh=m)
+            return nn.unbox(variables)["params"]["w"]
+
+        def want() -> Any:
+            # benchmarks/recipes_linen.py's linen_jit_init: no mesh context; the box's
+            # own mesh places the value (nn.get_sharding reads it)
+            key = jax.random.key(0)
+            abstract = jax.eval_shape(module.init, key)
+            out = jax.jit(module.init, out_shardings=nn.get_sharding(abstract, m))(key)
+            return nn.unbox(out)["params"]["w"]
+
+        return made, want
+    # the spec path: one ParamSpec, planned and materialized with a key; the anchor is
+    # init(param_key(key, path), shape, dtype) jitted onto the planned sharding
+    spec = {"w": meshinit.param(shape, make, axes=axes, mesh=m, dtype=dtype)}
+    planned = meshinit.plan(spec)
+    (entry,) = planned.entries
+
+    def made() -> Any:  # in the anchor's context: on Explicit axes it changes the bits
+        with jax.set_mesh(m):
+            return meshinit.materialize(planned, 0)["w"]
+
+    def want() -> Any:
+        with jax.set_mesh(m):
+            fn = jax.jit(
+                lambda k: make(meshinit.param_key(k, entry.path), shape, dtype),
+                out_shardings=entry.sharding,
+            )
+            return fn(jax.random.key(0))
+
+    return made, want
+
+
+def cases(
+    cpu_check: bool,
+    mesh: Any,
+    differences: Callable[[Any, Any], dict],
+    recipes: Sequence[str] = RECIPES,
+) -> dict:
+    """Per ``"<mesh kind> <tiled|whole> <recipe> <case>"``: ``differences`` of
+    meshinit's ``recipe`` (:data:`RECIPES`) against its jitted anchor on that mesh, with
+    the parts of the name as ``kind``, ``tiling``, ``recipe`` and ``case``; every array
+    deleted once compared. With ``cpu_check``, whole only (CPU tiles are larger than
+    its shapes). A case that fails is ``{"error": ...}`` under ``"<mesh kind> <recipe>
+    <case>"`` (with its ``kind``, ``recipe`` and ``case``)."""
+    import meshinit
 
     found: dict[str, Any] = {}
     # on CPU the platform's tiles are larger than these arrays: tiled is whole there
@@ -112,22 +215,14 @@ def cases(cpu_check: bool, mesh: Any, differences: Callable[[Any, Any], dict]) -
     for name, (tpu_shape, cpu_shape, dtype, make) in _cases().items():
         shape = cpu_shape if cpu_check else tpu_shape
         for kind, m in meshes(mesh).items():
-            axes = _axes(shape, m)
-
-            class One(nnx.Module):
-                def __init__(self, rngs, make=make, shape=shape, dtype=dtype, axes=axes):
-                    value = make(rngs.params(), shape, jnp.dtype(dtype))
-                    self.w = nnx.Param(value, out_sharding=axes)
-
-            def factory(One=One):
-                return One(nnx.Rngs(0))
-
-            try:
-                with jax.set_mesh(m):
-                    want = nnx.jit(factory)().w.get_value()
+            for recipe in recipes:
+                parts = {"kind": kind, "recipe": recipe, "case": name}
+                try:
+                    made_fn, want_fn = _one(recipe, make, shape, dtype, _axes(shape, m), m)
+                    want = want_fn()
                     for tiling, tile_bytes in tilings:
                         with meshinit.options(tile_bytes=tile_bytes):
-                            made = meshinit.nnx.init(factory).w.get_value()
+                            made = made_fn()
                         d = differences(made, want)
                         # the same placement; == also compares the spelling (P(None,) and
                         # P() place a 1-D array alike)
@@ -136,38 +231,60 @@ def cases(cpu_check: bool, mesh: Any, differences: Callable[[Any, Any], dict]) -
                         )
                         d["equal_sharding"] = made.sharding == want.sharding
                         d["shardings"] = [str(made.sharding.spec), str(want.sharding.spec)]
-                        found[f"{kind} {tiling} {name}"] = d
+                        found[f"{kind} {tiling} {recipe} {name}"] = {**d, **parts, "tiling": tiling}
                         made.delete()
                     want.delete()
-            except Exception as e:  # noqa: BLE001 - reported per case, the others still run
-                found[f"{kind} {name}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            meshinit.clear_cache()
+                except Exception as e:  # noqa: BLE001 - reported per case, the others still run
+                    error = f"{type(e).__name__}: {e}"[:300]
+                    found[f"{kind} {recipe} {name}"] = {"error": error, **parts}
+                meshinit.clear_cache()
     return found
 
 
-# What differs on purpose, by (platform, mesh kind, case), measured and stated in
+# What differs on purpose, by (platform, mesh kind, recipe, case), measured and stated in
 # docs/concepts.md ("The value contract"): reported, not failures.
-KNOWN: dict[tuple[str, str, str], str] = {
-    ("cpu", "auto", "gamma f32"): (
+KNOWN: dict[tuple[str, str, str, str], str] = {
+    ("cpu", "auto", "nnx", "gamma f32"): (
         "jax 0.10.2: meshinit inlines jax's _gamma call, so its rejection loop's c is "
         "a constant XLA folds with sqrt(2); in jit it is computed at run time "
         "(306 of 3,840 elements, 8 ulp)"
     ),
+    # linen's two recipes run without a mesh context (recipes_linen.linen_jit_init), so
+    # on the Explicit mesh too they compute as on Auto, where nnx's gamma differs
+    ("cpu", "auto", "linen", "gamma f32"): (
+        "jax 0.10.2: as nnx's gamma on Auto, meshinit.linen.init's engine inlines jax's "
+        "_gamma call (280 of 3,840 elements, 7 ulp)"
+    ),
+    ("cpu", "explicit", "linen", "gamma f32"): (
+        "jax 0.10.2: as on Auto (no mesh context in linen's recipes): 280 of 3,840 elements, 7 ulp"
+    ),
 }
 
 
+def parts(name: str, d: dict) -> tuple[str, str, str, str]:
+    """A result's (mesh kind, tiling, recipe, case); results written before the linen and
+    spec recipes (``"<kind> <tiling> <case>"``, nnx only) read as nnx's."""
+    if "case" in d:
+        return d["kind"], d.get("tiling", ""), d["recipe"], d["case"]
+    if "error" in d:
+        kind, case = name.split(" ", 1)
+        return kind, "", "nnx", case
+    kind, tiling, case = name.split(" ", 2)
+    return kind, tiling, "nnx", case
+
+
 def failures(found: dict, platform: str) -> list[str]:
-    """The cases that failed or differ from ``nnx.jit`` (less :data:`KNOWN`), or whose
-    sharding is not ``nnx.jit``'s."""
+    """The cases that failed or differ from their anchor (less :data:`KNOWN`), or whose
+    sharding is not the anchor's."""
     out = []
     for name, d in found.items():
         if "error" in d:
             out.append(f"bits case {name}: {d['error']}")
             continue
-        kind, _, case = name.split(" ", 2)
-        if d["differ"] and (platform, kind, case) not in KNOWN:
+        kind, _, recipe, case = parts(name, d)
+        if d["differ"] and (platform, kind, recipe, case) not in KNOWN:
             off = f"{d['differ']} of {d['elements']} differ, {d['max_ulp']} ulp"
             out.append(f"bits case {name}: {off}")
         if not d["same_sharding"]:
-            out.append(f"bits case {name}: not nnx.jit's sharding")
+            out.append(f"bits case {name}: not the anchor's sharding")
     return out

@@ -10,15 +10,16 @@ stand-in of its stored tensor (:mod:`meshinit._load.hooks`; no data is read) and
 becomes a :class:`~meshinit.safetensors.Tensor`, :class:`~meshinit.safetensors.Stack`,
 :class:`~meshinit.safetensors.Concat`, :class:`~meshinit.safetensors.Pad` or
 :class:`~meshinit.safetensors.Fill`; lists of HF keys stack as MaxText's
-``tensor_handling`` stacks them. MaxText is imported only when the table is built.
+``tensor_handling`` stacks them. A composite key is followed as ``to_maxtext`` runs it:
+a tuple of HF keys on a tuple of stand-ins, a tuple of MaxText keys (gpt-oss's
+``wi_0``/``wi_1``) as part ``[..., i]`` of its hook's result, each parameter read
+alone. MaxText is imported only when the table is built.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib.metadata
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -29,8 +30,11 @@ from ._errors import Problem
 from ._load import hooks as _hooks
 from ._load import parts as _names
 from ._load import trace as _trace
-from ._load.framework import Checkpoint, ConfigView, FrameworkMap, MissingKey
+from ._load.framework import Checkpoint, FrameworkMap, MissingKey
 from ._load.header import READABLE
+from ._load.maxtext_config import hf_config as hf_config
+from ._load.maxtext_config import mismatches as mismatches
+from ._spec.rules import NotedRules
 
 __all__ = ["names", "rules"]
 
@@ -110,15 +114,21 @@ def names(config: Any, *, hook_dtype: str = "stored") -> FrameworkMap:
     return _MaxTextMap(config, hook_dtype)
 
 
-class Rules(tuple):
+NO_ENTRY = "replicated: MaxText's rules have no entry"
+"""The note a plan's reports give a name :func:`rules` added."""
+
+
+class Rules(NotedRules):
     """A rule table (``rules=`` of the plans), with the logical names it replicates
-    because MaxText's own rules have no entry for them (:attr:`replicated`)."""
+    because MaxText's own rules have no entry for them (:attr:`replicated`); a plan's
+    table and summary list each such name its parameters use, as "logical axis
+    'o_groups' replicated: MaxText's rules have no entry (n params)"."""
 
     replicated: tuple[str, ...]
 
-    def __new__(cls, table: Any, replicated: tuple[str, ...]) -> Rules:
-        made = super().__new__(cls, table)
-        made.replicated = replicated
+    def __new__(cls, table: Any, replicated: tuple[str, ...] = ()) -> Rules:
+        made = super().__new__(cls, table, {n: NO_ENTRY for n in replicated})
+        made.replicated = tuple(replicated)
         return made
 
 
@@ -126,7 +136,9 @@ def rules(config: Any, abstract: Any) -> Rules:
     """MaxText's ``logical_axis_rules`` for one of its models, completed as MaxText runs
     it: each logical axis name the model's parameters use that the rules leave out
     gets ``(name, None)`` (replicated, as flax places a name with no rule), and is
-    listed in :attr:`Rules.replicated`.
+    listed in :attr:`Rules.replicated`, and in the table and summary of a plan made
+    with these rules ("logical axis 'o_groups' replicated: MaxText's rules have no
+    entry (4 params)").
 
     meshinit's plans refuse a logical name that has no rule (a typo would otherwise
     replicate a parameter silently). MaxText's own models use names its rules lack
@@ -248,38 +260,33 @@ class _MaxTextMap(FrameworkMap):
             return {}, [Problem(where, f"MaxText's map fails on {checkpoint.where}: {said}")]
         table: dict[str, Any] = {}
         problems = []
+        # a composite key: one hook makes several parameters (MaxText's [..., i] of it)
         composite = {mt: key for key in mapping if isinstance(key, tuple) for mt in key}
+        shapes = {mt_key(p): s for p, (s, _) in checkpoint.planned.items()}
         for path, (shape, dtype) in checkpoint.planned.items():
             key = mt_key(path)
-            if key not in mapping:
-                if key in composite:
-                    group = composite[key]
-                    others = ", ".join(repr(k) for k in group if k != key)
-                    problems.append(
-                        Problem(
-                            path,
-                            f"{where}: hook {_named(hooks.get(group))} of {group!r} makes "
-                            f"it together with {others} from the same stored tensors (a "
-                            f"composite key), which names= cannot express",
-                        )
-                    )
-                elif _made_by_init(path, dtype):
+            group: Any = composite.get(key, key)
+            if group not in mapping:
+                if _made_by_init(path, dtype):
                     table[path] = None  # RNG state, made by the init
                 else:
                     problems.append(Problem(path, f"{where} names no tensor for {key!r}"))
                 continue
+            part = group.index(key) if isinstance(group, tuple) else None
+            members = tuple(shapes.get(k, shape) for k in group) if part is not None else None
+            hook = f"hook {_named(hooks.get(group))} of {group!r}"
             try:
                 table[path] = self._target(
-                    key, mapping[key], hooks.get(key), shape, dtype, checkpoint, tensor_handling
-                )
+                    key, mapping[group], hooks.get(group), shape, dtype, checkpoint,
+                    tensor_handling, part, members,
+                )  # fmt: skip
             except MissingKey as e:
-                missing.setdefault(e.key, []).append(f"hook {_named(hooks.get(key))} of {key!r}")
+                missing.setdefault(e.key, []).append(hook)
             except _trace.Inexpressible as e:
                 problems.append(
                     Problem(
                         path,
-                        f"{where}: hook {_named(hooks.get(key))} of {key!r} needs {e}, "
-                        f"which names= cannot express",
+                        f"{where}: {hook} needs {e}, which names= cannot express",
                     )
                 )
             except _Absent as e:
@@ -300,28 +307,40 @@ class _MaxTextMap(FrameworkMap):
         dtype: np.dtype,
         checkpoint: Checkpoint,
         tensor_handling: Any,
+        part: int | None = None,
+        members: tuple[tuple[int, ...], ...] | None = None,
     ) -> _names.Target:
-        def leaf(name: Any, target_shape: tuple[int, ...]) -> _names.Target:
-            if isinstance(name, tuple):
-                raise _trace.Inexpressible("several HF tensors combined by one hook")
-            if name not in checkpoint.tensors:
-                raise _Absent(repr(name))
-            stored, kind = checkpoint.tensors[name]
-            held = READABLE.get(kind)
+        """The target of ``key`` from ``hf`` (a name, a tuple of them that ``hook``
+        combines, or MaxText's lists of either, stacked); of a composite key's member
+        ``part`` (whose shapes are ``members``), part ``[..., part]`` of the hook's result."""
+
+        def leaf(name: Any, cut: Any) -> _names.Target:
+            names = name if isinstance(name, tuple) else (name,)
+            absent = [n for n in names if n not in checkpoint.tensors]
+            if absent:
+                raise _Absent(", ".join(map(repr, absent)))
+            kinds = {READABLE.get(checkpoint.tensors[n][1]) for n in names}
+            if len(kinds) > 1:
+                raise _trace.Inexpressible("HF tensors of several dtypes combined by one hook")
+            held = kinds.pop()
             compute = self._compute(held, dtype)
-            made = _hooks.followed(hook, _trace.stand_in(name, stored, compute), target_shape)
+            x = tuple(_trace.stand_in(n, checkpoint.tensors[n][0], compute) for n in names)
+            hooked = x if isinstance(name, tuple) else x[0]
+            # a composite key's hook is given every member's shape, as MaxText gives them
+            target_shape = [cut(m) for m in members] if members is not None else cut(shape)
+            made = _hooks.followed(hook, hooked, target_shape, part)
             return _computed(made, compute, np.dtype(dtype), held)
 
         if not isinstance(hf, list):
-            return leaf(hf, shape)
+            return leaf(hf, lambda s: s)
         depth = tensor_handling.nesting_depth(hf)
         if depth == 1:  # tensor_handling's single-axis stacking
             psa = self.config.param_scan_axis
             axis = psa if self.scan and len(shape) > psa else 0
-            inner = shape[:axis] + shape[axis + 1 :]
-            return _names.Stack(tuple(leaf(k, inner) for k in hf), axis)
+            cut = lambda s: s[:axis] + s[axis + 1 :]  # noqa: E731
+            return _names.Stack(tuple(leaf(k, cut) for k in hf), axis)
         axes = tuple(tensor_handling.stacked_axes(key, self.config, depth))
-        inner = tensor_handling.slice_shape(shape, axes)
+        inner = lambda s: tensor_handling.slice_shape(s, axes)  # noqa: E731
 
         def nested(keys: Any, level: int) -> _names.Target:
             if level == depth:
@@ -360,100 +379,6 @@ def _computed(
         parts = tuple(_computed(p, compute, planned, held) for p in target.parts)
         return dataclasses.replace(target, parts=parts)
     return target  # a Fill: its value computed by the hook, in its dtype
-
-
-def hf_config(raw: Mapping[str, Any], where: str) -> tuple[ConfigView, str, list[Problem]]:
-    """The checkpoint's ``config.json`` as MaxText's maps read a Hugging Face config:
-    a transformers config's ``.to_dict()`` (defaults filled: ``head_dim``, ...), built
-    with transformers where it is installed and knows the file's ``model_type``, else
-    the file as it is (a key it lacks is then named: :class:`ConfigView`); and, where
-    it is the file as it is, the fix a missing key's message gives."""
-    try:
-        import transformers
-    except ImportError:
-        fix = "install transformers (MaxText builds the config with it, filling {key!r} and the"
-        return ConfigView(raw), f"{fix} other defaults), or add {{key!r}} to config.json", []
-    model_type = raw.get("model_type")
-    try:
-        made = transformers.AutoConfig.for_model(**copy.deepcopy(dict(raw)))
-    except Exception as e:  # noqa: BLE001 - a type transformers does not know, named
-        said = f"{type(e).__name__}: {str(e)[:120]}"
-        fix = (
-            f"transformers builds no config of model_type {model_type!r} ({said}), which "
-            f"would fill the defaults: add {{key!r}} to config.json"
-        )
-        return ConfigView(raw), fix, []
-    return ConfigView(made.to_dict()), "add {key!r} to config.json", []
-
-
-# MaxText 0.2.5's to_huggingface._validate_or_update_architecture: each Hugging Face
-# config field and the MaxText config attribute it must equal (head_dim too, except
-# with MLA attention). The vocabulary is left out: see names().
-_COMPARED = (
-    ("hidden_size", "emb_dim"),
-    ("intermediate_size", "mlp_dim"),
-    ("kv_lora_rank", "kv_lora_rank"),
-    ("moe_intermediate_size", "moe_mlp_dim"),
-    ("n_routed_experts", "num_experts"),
-    ("n_shared_experts", "shared_experts"),
-    ("num_attention_heads", "num_query_heads"),
-    ("num_experts", "num_experts"),
-    ("num_experts_per_tok", "num_experts_per_tok"),
-    ("num_hidden_layers", "num_decoder_layers"),
-    ("num_key_value_heads", "num_kv_heads"),
-    ("num_local_experts", "num_experts"),
-    ("q_lora_rank", "q_lora_rank"),
-    ("qk_nope_head_dim", "qk_nope_head_dim"),
-    ("qk_rope_head_dim", "qk_rope_head_dim"),
-    ("v_head_dim", "v_head_dim"),
-    ("global_head_dim", "global_head_dim"),
-    ("num_global_key_value_heads", "global_num_kv_heads"),
-    ("hc_mult", "mhc_expansion_rate"),
-    ("num_hash_layers", "first_num_hash_layers"),
-    ("index_n_heads", "indexer_n_heads"),
-    ("index_head_dim", "indexer_head_dim"),
-    ("o_lora_rank", "o_lora_rank"),
-    ("o_groups", "o_groups"),
-)
-
-
-def mismatches(hf: Mapping[str, Any], config: Any, where: str) -> list[Problem]:
-    """Every field of the checkpoint's config (``hf``, a config dict) that differs from
-    MaxText's ``config``, as MaxText's own check compares them (its special cases too),
-    each a problem naming both values."""
-    compared = list(_COMPARED)
-    if getattr(config, "attention_type", None) != "mla":
-        compared.append(("head_dim", "head_dim"))
-    text = hf.get("text_config") or hf
-    model = str(getattr(config, "model_name", ""))
-    problems = []
-    for field, attr in compared:
-        ours = getattr(config, attr, None)
-        theirs = text.get(field) if isinstance(text, Mapping) else None
-        if ours is None or theirs is None:
-            continue
-        if model.startswith("gemma2") and field == "num_hidden_layers" and isinstance(ours, int):
-            ours *= 2  # MaxText's Gemma 2 layer is a local and a global one
-        if "qwen3" in model and getattr(config, "num_experts", 0) > 1:
-            if field == "intermediate_size":  # MaxText's: per expert, times those routed
-                ours *= getattr(config, "num_experts_per_tok", 1)
-        if isinstance(theirs, float) or isinstance(ours, float):
-            try:
-                same = abs(float(theirs) - float(ours)) < 1e-6
-            except (TypeError, ValueError):
-                same = theirs == ours
-        else:
-            same = theirs == ours
-        if not same:
-            problems.append(
-                Problem(
-                    where,
-                    f"config.json says {field}={theirs!r}, MaxText's config {attr}={ours!r}: "
-                    f"the files are of another model than the plan's; load that model's "
-                    f"checkpoint, or configure MaxText with the checkpoint's sizes",
-                )
-            )
-    return problems
 
 
 def _missing(key: Any, users: list[str], where: str, file: str, fix: str) -> Problem:

@@ -163,7 +163,7 @@ def spec_for(
     if mesh is None:
         mesh = _adapters.context_mesh()
     axes = None
-    logical = None
+    logical, notes = None, {}
     if has_sharding(meta):
         if mesh is None:
             problems.append(
@@ -186,6 +186,8 @@ def spec_for(
         pspec = tuple(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(var)))
         if raw and (meta.get("sharding_rules") or flax_spmd.get_logical_axis_rules()):
             logical = tuple(raw) + (None,) * (len(value.shape) - len(raw))
+            in_effect = meta.get("sharding_rules") or flax_spmd.get_logical_axis_rules()
+            notes = _rules.rule_notes(logical, in_effect)  # meshinit.maxtext.rules' notes
         entries = pspec + (None,) * (len(value.shape) - len(pspec))
         problem = _adapters.unconstrained_problem(path, entries, "sharding")
         if problem is None and is_key(value):
@@ -198,6 +200,11 @@ def spec_for(
         mesh = _adapters.default_mesh()
     # RNG state and scalars are replicated on purpose: the plan never suggests sharding them
     meant = tuple(mesh.axis_names) if isinstance(var, nnx.RngState) or not shape else ()
+    # flax's logical names, shown in the plan (the axes are already mesh axes), with the
+    # notes of the rules that resolved them (meshinit.maxtext.rules' replicated names)
+    shown: dict[str, Any] = {} if logical is None else {"logical": logical}
+    if notes:
+        shown["rule_notes"] = notes
     return ParamSpec(
         shape=shape,
         init=from_constructor,
@@ -207,8 +214,7 @@ def spec_for(
         mesh=mesh,
         rules=None,
         dtype=dtype,
-        # flax's logical names, shown in the plan (the axes are already mesh axes)
-        metadata={} if logical is None else {"logical": logical},
+        metadata=shown,
         replicated=meant or replicated_default(),
     )
 

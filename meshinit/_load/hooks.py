@@ -19,7 +19,7 @@ import numpy as np
 
 from . import parts as _names
 from .framework import MissingKey
-from .trace import Inexpressible, Sym, concatenate, filled, stack, target
+from .trace import Inexpressible, Sym, concatenate, filled, picked, stack, target
 
 
 def _same(x: Any, dtype: Any = None, **kwargs: Any) -> Any:
@@ -28,6 +28,24 @@ def _same(x: Any, dtype: Any = None, **kwargs: Any) -> Any:
     if isinstance(x, Sym):
         return x if dtype is None else x.astype(dtype)
     return np.array(x, dtype=dtype, **kwargs)
+
+
+def _split(x: Any, sections: Any, axis: int = 0) -> Any:
+    """``np.split``: a stand-in's slices along ``axis`` (anything else numpy's own)."""
+    if not isinstance(x, Sym):
+        return np.split(x, sections, axis)
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if isinstance(sections, int | np.integer):
+        if sections <= 0 or n % sections:
+            raise ValueError(f"array split does not divide {n} into {sections} equal parts")
+        bounds = [n // sections * i for i in range(1, sections)]
+    else:
+        bounds = [int(b) for b in sections]
+    edges = [0, *bounds, n]
+    before = (slice(None),) * axis
+    pairs = zip(edges[:-1], edges[1:], strict=True)  # numpy's own slices, as numpy cuts
+    return [x[(*before, slice(a, b))] for a, b in pairs]
 
 
 class _Numpy(types.SimpleNamespace):
@@ -39,6 +57,7 @@ class _Numpy(types.SimpleNamespace):
             stack=stack,
             concatenate=concatenate,
             concat=concatenate,
+            split=_split,
             zeros=lambda shape, dtype=None, **_: filled(shape, 0, dtype),
             ones=lambda shape, dtype=None, **_: filled(shape, 1, dtype),
             full=lambda shape, value, dtype=None, **_: filled(shape, value, dtype),
@@ -113,11 +132,12 @@ def _cell(cell: Any, depth: int) -> Any:
     return cell
 
 
-def followed(hooks: Any, x: Any, target_shape: tuple[int, ...]) -> _names.Target:
+def followed(hooks: Any, x: Any, target_shape: Any, part: int | None = None) -> _names.Target:
     """The target that ``hooks`` (a hook, a list applied in order, or None) make of
-    ``x`` (a stand-in, or a tuple of them), as MaxText's ``apply_hook_fns`` runs them."""
+    ``x`` (a stand-in, or a tuple of them), as MaxText's ``apply_hook_fns`` runs them;
+    where ``part`` is given, of its result's ``[..., part]`` (a composite key's member)."""
     if hooks is None:
-        return target(x)
+        return target(x) if part is None else picked(x, part)
     for hook in hooks if isinstance(hooks, list) else [hooks]:
         try:
             x = rebound(hook)(x, target_shape)
@@ -125,4 +145,4 @@ def followed(hooks: Any, x: Any, target_shape: tuple[int, ...]) -> _names.Target
             raise
         except Exception as e:  # noqa: BLE001 - what the hook did instead, named
             raise Inexpressible(f"{type(e).__name__}: {str(e)[:200]}") from e
-    return target(x)
+    return target(x) if part is None else picked(x, part)

@@ -39,6 +39,7 @@ class Sym:
     """A stand-in for an array a hook computes, without its values."""
 
     __array_priority__ = 1000
+    stacked: tuple[tuple[Any, ...], int] | None = None  # what stack() made it of, and where
 
     def __init__(self, node: Any, shape: tuple[int, ...], dtype: Any, wide: Any = None):
         # a _View, a _Pending slice, a finished target (Stack, Concat, Pad, Fill), or
@@ -282,6 +283,16 @@ def target(x: Any) -> _names.Target:
     return node.target() if isinstance(node, _View) else node
 
 
+def picked(x: Any, i: int) -> _names.Target:
+    """``target(x[..., i])``: part ``i`` of a hook's result stacked on its last axis
+    (MaxText's composite keys: one hook makes several parameters, ``[..., i]`` each)."""
+    if not isinstance(x, Sym):
+        raise Inexpressible(f"a result that is not the stored tensor ({type(x).__name__})")
+    if x.stacked is not None and x.stacked[1] == x.ndim - 1:  # its part, as it was
+        return _part(x.stacked[0][i])
+    return target(x[..., i])
+
+
 def _part(x: Any) -> Any:
     """A join's part: a stand-in's target, or a constant array as a fill."""
     if isinstance(x, Sym):
@@ -317,9 +328,12 @@ def stack(xs: Sequence[Any], axis: int = 0, **_: Any) -> Sym:
         split = whole.reshape((*view.shape[:a], k, view.shape[a] // k, *view.shape[a + 1 :]))
         order = [d for d in range(n) if d != a]
         order.insert(axis, a)
-        return split.transpose(order)
-    out = (*shape[:axis], k, *shape[axis:])
-    return Sym(_names.Stack(tuple(_part(x) for x in xs), axis), out, _dtype_of(xs))
+        made = split.transpose(order)
+    else:
+        out = (*shape[:axis], k, *shape[axis:])
+        made = Sym(_names.Stack(tuple(_part(x) for x in xs), axis), out, _dtype_of(xs))
+    made.stacked = (tuple(xs), axis)  # for picked(): a part as it was
+    return made
 
 
 def concatenate(xs: Sequence[Any], axis: int = 0, **_: Any) -> Sym:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from .._format import describe_mesh
-from .._spec.rules import shard_options
+from .._spec.rules import rule_notes, shard_options
 from .entries import MeshGroup, PlanEntry, shardable
 
 
@@ -152,8 +152,9 @@ def record(plan: Planned, source: MeshSource | None = None) -> dict[str, Any]:
     prints it, and what repeated layers must share to collapse into one row),
     ``has_rules`` and ``logical_names`` (the spec's own axes where it has rules, else
     the names a framework's metadata gave before its rules made them mesh axes, else
-    None). Each mesh also has ``bytes_per_device``: the bytes each of its devices holds
-    from every mesh (``Plan.bytes_per_device``), row-major. The totals also have
+    None), and ``rule_notes`` (why its rules place some of its logical names as they
+    do: :func:`rule_notes`). Each mesh also has ``bytes_per_device``: the bytes each of
+    its devices holds from every mesh (``Plan.bytes_per_device``), row-major. The totals also have
     ``max_device_memory_bytes``: the most bytes in device memory on one device.
     """
     data = to_dict(plan, source)
@@ -162,6 +163,9 @@ def record(plan: Planned, source: MeshSource | None = None) -> dict[str, Any]:
         p["sharding"] = e.sharding
         p["has_rules"] = s.rules is not None
         p["logical_names"] = s.axes if s.rules is not None else s.metadata.get("logical")
+        # a framework's names resolved before planning keep their notes in the metadata
+        noted = rule_notes(s.axes, s.rules) if s.rules is not None else None
+        p["rule_notes"] = dict(s.metadata.get("rule_notes", {})) if noted is None else noted
     per_device = plan.bytes_per_device()
     for m, g in zip(data["meshes"], plan.groups, strict=True):
         m["bytes_per_device"] = [per_device[k] for k in _device_keys(g)]

@@ -75,6 +75,7 @@ def group_summary(
         kinds = mesh["device_bytes_per_memory_kind"].items()
         per_kind = ", ".join(f"{human_bytes(b)} in {k}" for k, b in kinds)
         lines.append(f"  per device by memory kind: {per_kind}")
+    lines += _noted(params)
     flagged = _flagged(params)
     if not flagged:
         return lines
@@ -91,6 +92,19 @@ def group_summary(
             named = paths(chosen) if paths else [p["path"] or "<root>" for p in chosen]
             lines.append(_path_list(head, [printable(p) for p in named]))
     return lines
+
+
+def _noted(params: Sequence[Record]) -> list[str]:
+    """A line per logical name whose rule carries a note (``rule_notes``), with how many
+    of the mesh's parameters use it."""
+    counts: dict[tuple[str, str], int] = {}
+    for p in params:
+        for name, note in p.get("rule_notes", {}).items():
+            counts[name, note] = counts.get((name, note), 0) + 1
+    return [
+        f"  logical axis {name!r} {note} ({n} param{'s' if n != 1 else ''})"
+        for (name, note), n in sorted(counts.items())
+    ]
 
 
 def _has_memory_kinds(params: Sequence[Record]) -> bool:

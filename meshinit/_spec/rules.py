@@ -16,7 +16,7 @@ import difflib
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 from .. import _caches
 
@@ -27,12 +27,39 @@ Rules = tuple[Rule, ...]
 _UNASSIGNED = object()
 
 
+class NotedRules(tuple):
+    """A rule table that says why some logical names' rules are what they are:
+    ``notes`` maps a name to the reason (``meshinit.maxtext.rules`` completes MaxText's
+    table with ``(name, None)`` and notes "replicated: MaxText's rules have no
+    entry"). It resolves as the plain table does; the plan's reports list the notes of
+    the names its parameters use."""
+
+    notes: Mapping[str, str]
+
+    def __new__(cls, table: Any, notes: Mapping[str, str] | None = None) -> Self:
+        made = super().__new__(cls, table)
+        made.notes = dict(notes or {})
+        return made
+
+
+def rule_notes(axes: Any, rules: Any) -> dict[str, str]:
+    """The notes of a :class:`NotedRules` table for the logical
+    names in ``axes`` (a name, or a tuple of names, per dimension)."""
+    notes = getattr(rules, "notes", None)
+    if not notes or axes is None:
+        return {}
+    names = [n for a in axes if a is not None for n in ((a,) if isinstance(a, str) else a)]
+    return {n: notes[n] for n in names if n in notes}
+
+
 def normalize_rules(rules: Any) -> Rules:
     """Checks a rule table and returns it as a tuple of pairs (lists become tuples).
 
     Raises:
       TypeError: the table is not a sequence of ``(name, mesh_axes)`` pairs.
     """
+    if isinstance(rules, NotedRules):  # the notes travel with the checked table
+        return NotedRules(_normalize(rules), rules.notes)
     if type(rules) is tuple:  # every spec under one defaults() passes the same table
         try:
             return _normalize_hashable(rules)

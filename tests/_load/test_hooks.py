@@ -364,3 +364,57 @@ def test_a_hook_computed_in_another_dtype_than_the_plans(tmp_path, compute):
 def test_a_compute_dtype_that_is_not_floating_is_a_type_error():
     with pytest.raises(TypeError, match="Tensor compute_dtype must be a floating dtype"):
         st.Tensor("w", compute_dtype=np.int8)
+
+
+# MaxText's composite keys, as its hooks write them (HF -> MaxText): one hook makes
+# several parameters, stacked on a new last axis that to_maxtext takes [..., i] of
+def interleave(x, target_shape):  # gpt-oss: gate_up_proj's even and odd columns
+    return np.stack([x[..., ::2], x[..., 1::2]], axis=-1)
+
+
+def halves(x, target_shape):  # qwen3.5: gate_up_proj's halves, each transposed
+    gate, up = np.split(x, 2, axis=-2)
+    return np.stack([gate.swapaxes(-1, -2), up.swapaxes(-1, -2)], axis=-1)
+
+
+def thirds(x, target_shape):  # np.split at given indices, one part transposed
+    a, b, c = np.split(x, [2, 5], axis=1)
+    return np.stack([a.T, b.T[:2], c.T[1:]], axis=-1)
+
+
+@pytest.mark.parametrize(
+    ("hook", "stored", "dtype"),
+    [
+        (interleave, (4, 6, 10), np.float32),
+        (interleave, (4, 10), BF16),
+        (halves, (4, 12, 6), np.float32),
+        (halves, (2, 8, 4), BF16),
+        (thirds, (4, 8), np.float32),
+    ],
+    ids=["interleave", "interleave-bias", "halves", "halves-bf16", "split-at"],
+)
+def test_each_part_of_a_composite_hooks_result_is_its_own_layout(tmp_path, hook, stored, dtype):
+    """``followed(..., part=i)`` is the hook's result ``[..., i]`` (a strided slice, a
+    half transposed), loaded bit for bit onto a sharded plan; no join is read."""
+    array = np.random.default_rng(0).standard_normal(stored).astype(dtype)
+    save_file({"w": array}, str(tmp_path / "m.safetensors"))
+    whole = np.asarray(hook(array, None))
+    shapes = {f"p{i}": whole.shape[:-1] for i in range(whole.shape[-1])}
+    x = trace.stand_in("w", stored, np.dtype(dtype))
+    table = {p: hooks.followed(hook, x, None, part=i) for i, p in enumerate(shapes)}
+    assert all(isinstance(t, st.Tensor) for t in table.values()), table
+    loaded = st.load(plan_for(shapes, dtype=dtype), tmp_path, names=table)
+    for i, p in enumerate(shapes):
+        assert np.asarray(loaded[p]).tobytes() == np.ascontiguousarray(whole[..., i]).tobytes()
+
+
+def test_a_part_of_a_join_is_the_joined_part_and_an_uneven_split_is_named():
+    e = [trace.stand_in(f"e{i}", shape, np.float32) for i, shape in enumerate([(4, 6), (6, 4)])]
+    both = trace.stack([e[0].T, e[1]], axis=-1)  # two tensors: a Stack
+    assert trace.picked(both, 0) == st.Tensor("e0", permute=(1, 0))
+    assert trace.picked(both, 1) == st.Tensor("e1")
+    # a part of the last axis of what is no stack: the slice of it
+    assert trace.picked(e[0], 2) == st.Tensor("e0", shape=(4,), index=np.s_[0:4, 2:3])
+    with pytest.raises(trace.Inexpressible, match="does not divide 6 into 4 equal parts"):
+        hooks.followed(lambda x, s: np.split(x, 4, axis=1)[0], e[0], None)
+    assert [p.shape for p in hooks.NUMPY.split(np.zeros((4, 6)), 3, axis=1)] == [(4, 2)] * 3

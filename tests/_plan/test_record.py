@@ -79,7 +79,8 @@ def test_the_record_adds_what_the_views_show_and_to_dict_leaves_it_out():
         full["totals"]["max_device_memory_bytes"] == 128
     )  # w: a 4x8 float32 block; b: on the host
     # beside those, the record is the published dict, field for field
-    for extra in ("sharding", "has_rules", "logical_names"):
+    assert w["rule_notes"] == b["rule_notes"] == {}  # a plain table notes nothing
+    for extra in ("sharding", "has_rules", "logical_names", "rule_notes"):
         for p in full["params"]:
             del p[extra]
     del mesh["mesh_from"], mesh["bytes_per_device"], full["totals"]["max_device_memory_bytes"]

@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit._spec.rules import normalize_rules, partition
+from meshinit._spec.rules import NotedRules, normalize_rules, partition
 
 zeros = jax.nn.initializers.zeros
 
@@ -545,3 +545,20 @@ def test_partition_rejects_a_tuple_entry_with_rules():
     assert entries == ()
     assert len(problems) == 1
     assert "is a tuple, but with rules each entry is one logical name" in problems[0]
+
+
+def test_noted_rules_keep_their_notes_through_a_spec_and_resolve_as_the_plain_table():
+    # meshinit.maxtext.rules' table: the notes travel with the checked table onto the
+    # spec (lists become tuples), and placement is the plain table's
+    mesh = AbstractMesh((2, 4), ("fsdp", "tensor"))
+    noted = NotedRules([["embed", ["fsdp"]], ["o_groups", None]], {"o_groups": "replicated: why"})
+    init = jax.nn.initializers.zeros
+    spec = meshinit.param((8, 4), init, axes=("embed", "o_groups"), mesh=mesh, rules=noted)
+    assert spec.rules == (("embed", ("fsdp",)), ("o_groups", None))
+    assert isinstance(spec.rules, NotedRules) and spec.rules.notes == {
+        "o_groups": "replicated: why"
+    }
+    plain = meshinit.param((8, 4), init, axes=("embed", "o_groups"), mesh=mesh, rules=tuple(noted))
+    planned = meshinit.plan({"a": spec, "b": plain})
+    assert planned.entries[0].sharding == planned.entries[1].sharding
+    assert "logical axis 'o_groups' replicated: why (1 param)" in planned.summary()

@@ -111,47 +111,11 @@ def test_an_exception_of_a_hook_is_still_what_it_cannot_express():
         hooks.followed(hook, trace.stand_in("q", (4, 4), np.float32), (4, 4))
 
 
-def test_the_checkpoints_sizes_against_maxtexts_each_mismatch_named():
-    config = types.SimpleNamespace(
-        model_name="llama3.1-8b",
-        attention_type="global",
-        emb_dim=64,
-        mlp_dim=128,
-        num_query_heads=8,
-        num_kv_heads=4,
-        head_dim=8,
-        num_decoder_layers=2,
-        vocab_size=256,
-    )
-    hf = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_hidden_layers": 2,
-        "vocab_size": 262,  # not compared: MaxText's hooks pad and truncate it
-    }
-    found = meshinit.maxtext.mismatches(hf, config, "c.json")
-    assert [p.message.split(":")[0] for p in found] == [
-        "config.json says num_attention_heads=4, MaxText's config num_query_heads=8",
-        "config.json says num_key_value_heads=2, MaxText's config num_kv_heads=4",
-        "config.json says head_dim=16, MaxText's config head_dim=8",
-    ]
-    assert {p.path for p in found} == {"c.json"}
-    # a multimodal config's text model; Gemma 2's layer is two of Hugging Face's
-    same = dict(hf, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
-    assert meshinit.maxtext.mismatches({"text_config": same}, config, "c.json") == []
-    gemma2 = types.SimpleNamespace(**{**vars(config), "model_name": "gemma2-2b"})
-    assert meshinit.maxtext.mismatches(dict(same, num_hidden_layers=4), gemma2, "") == []
-    # with MLA attention there is no head_dim to compare
-    mla = types.SimpleNamespace(**{**vars(config), "attention_type": "mla"})
-    assert meshinit.maxtext.mismatches(dict(same, head_dim=99), mla, "") == []
-
-
 def test_maxtext_rules_replicate_and_list_the_names_its_rules_leave_out():
     import flax.linen as nn
     from flax import nnx
+
+    import meshinit.nnx
 
     config = types.SimpleNamespace(logical_axis_rules=[["embed", ["fsdp"]], ["mlp", "tensor"]])
     linen = {
@@ -169,6 +133,26 @@ def test_maxtext_rules_replicate_and_list_the_names_its_rules_leave_out():
                              rules=rules, mesh=jax.make_mesh((8,), ("fsdp",)))}
     )  # fmt: skip
     assert plan.entries[0].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+    # the plan's table and summary say which names are replicated for want of a rule
+    noted = "logical axis 'o_groups' replicated: MaxText's rules have no entry (1 param)"
+    assert f"  {noted}" in str(plan).splitlines() and noted in plan.summary(), str(plan)
+    assert "'embed'" not in str(plan) and noted in plan.compact()
+
+    # nnx resolves the names before planning: its plan lists them as well
+    class Scanned(nnx.Module):
+        def __init__(self):
+            self.k = nnx.Param(np.zeros((8, 4)), out_sharding=("embed", "scanned_blocks"))
+
+    scanned = meshinit.maxtext.rules(config, {"k": kernel})
+    nnx_plan = meshinit.nnx.plan(Scanned, rules=scanned, mesh=jax.make_mesh((8,), ("fsdp",)))
+    assert nnx_plan.entries[0].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+    assert noted.replace("o_groups", "scanned_blocks") in nnx_plan.summary()
+    # a table written out by hand (a plain tuple) notes nothing
+    plain = meshinit.plan(
+        {"w": meshinit.param((8, 4), jax.nn.initializers.zeros, axes=("embed", "o_groups"),
+                             rules=tuple(rules), mesh=jax.make_mesh((8,), ("fsdp",)))}
+    )  # fmt: skip
+    assert "MaxText" not in str(plain) and plain.entries[0].sharding == plan.entries[0].sharding
 
 
 def test_tunix_sizes_against_the_model_config_each_mismatch_named():

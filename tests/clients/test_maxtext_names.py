@@ -27,9 +27,11 @@ and unrolled, NNX and linen where MaxText and meshinit build them (the other nam
    must have step 4's bytes and MaxText's sharding, and the load reads the bytes the
    process owns.
 
-Families whose hooks ask what a table cannot express (:data:`REFUSED`) are refused by
-name: one :class:`meshinit.PlanError` naming, for each parameter, the hook and the
-operation, before a byte is read.
+Composite keys (gpt-oss's and qwen3.5's: one hook of several stored tensors, or one
+hook making several parameters) load as MaxText's ``to_maxtext`` converts them; a hook
+that asks what a table cannot express is refused by name: one
+:class:`meshinit.PlanError` naming, for each parameter, the hook and the operation,
+before a byte is read.
 The tests of MaxText's actual init (``test_from_maxtexts_own_init``: each family issue
 49 names, its checkpoint written from the init's own values) tie step 1's placement
 to the arrays the init gives.
@@ -72,6 +74,7 @@ from safetensors.numpy import save_file  # noqa: E402
 import meshinit  # noqa: E402
 import meshinit.maxtext  # noqa: E402
 from meshinit.maxtext import mt_key  # noqa: E402
+from meshinit.safetensors import Concat, Tensor  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -174,26 +177,6 @@ for _i, (_alias, _family) in enumerate(ALIASES.items()):
     TINY[_alias] = dataclasses.replace(
         TINY[_family], layouts=(_want,) if _want in _layouts else _layouts[:1]
     )
-COMPOSITE = (  # one hook makes several MaxText parameters from the same stored tensor
-    r"hook {hook} of \(.*\) makes it together with .* from the same stored tensors "
-    r"\(a composite key\), which names= cannot express"
-)
-REFUSED = {  # model name -> {refused parameters (regex): why (regex)}
-    # wi_0 and wi_1 (and their biases) from one stored gate_up_proj (its even and odd
-    # columns)
-    "gpt-oss-20b": {r"GptOssMlp\.wi_[01](_bias)?": COMPOSITE.format(hook="interleave")},
-    "qwen3.5-35b-a3b": {
-        # one parameter from two stored tensors (in_proj_b and in_proj_a; q, k, v and z)
-        r"in_proj_(ba|qkvz)": (
-            r"hook concat_(ba|qkvz)_and_transpose of '.*' needs several HF tensors "
-            r"combined by one hook, which names= cannot express"
-        ),
-        r"routed_experts\.wi_[01]": COMPOSITE.format(hook=r"\w+"),
-    },
-}
-REFUSED |= {alias: REFUSED[family] for alias, family in ALIASES.items() if family in REFUSED}
-
-
 SCANS = {True: "scanned", False: "unrolled"}
 
 
@@ -339,18 +322,51 @@ def write_checkpoint(model: str, config, params: dict[str, np.ndarray], folder) 
 
 def maxtext_conversion(model: str, config, stored: dict, targets: dict) -> dict:
     """MaxText's own HF -> MaxText conversion of ``stored`` for each MaxText key's target
-    shape: its mapping, its hooks, its stacking (``load_dynamic``'s loading functions)."""
+    shape: its mapping, its hooks, its stacking (``load_dynamic``'s loading functions).
+    A composite key (one hook of several HF tensors, or making several MaxText keys),
+    which ``load_dynamic``'s functions do not take, is converted by ``to_maxtext``'s
+    eager path: its loading function, then ``_get_maxtext_weight``'s ``[..., i]``."""
     hf = json.loads(json.dumps(hf_config(model, config)))
     mapping = param_mapping.PARAM_MAPPING[model](hf, config, config.scan_layers)
     hooks = param_mapping.HOOK_FNS[model](hf, config, config.scan_layers, saving_to_hf=False)
-    return {
-        key: np.asarray(
-            tensor_handling.get_hf_loading_function(
-                mapping[key], stored.__getitem__, hooks.get(key), shape, config, key
-            )()
+    out = {}
+    for key, sources in mapping.items():
+        keys = key if isinstance(key, tuple) else (key,)
+        if not any(k in targets for k in keys):
+            continue
+        if isinstance(key, tuple) or composite_source(sources):
+            out |= to_maxtext_composite(key, sources, stored, hooks.get(key), targets, config)
+            continue
+        load = tensor_handling.get_hf_loading_function(
+            sources, stored.__getitem__, hooks.get(key), targets[key], config, key
         )
-        for key, shape in targets.items()
-    }
+        out[key] = np.asarray(load())
+    return out
+
+
+def composite_source(sources) -> bool:
+    """Whether MaxText's HF source (a name, or lists of them) names tuples of HF keys."""
+    while isinstance(sources, list):
+        sources = sources[0]
+    return isinstance(sources, tuple)
+
+
+def to_maxtext_composite(key, sources, stored: dict, hook, targets: dict, config) -> dict:
+    """``to_maxtext``'s eager conversion of one (possibly composite) key: its loading
+    function given the target shape (a list of them for a composite MaxText key), and
+    its ``_get_maxtext_weight`` (which takes a composite result's ``[..., i]``)."""
+    from maxtext.checkpoint_conversion import to_maxtext
+
+    keys = key if isinstance(key, tuple) else (key,)
+    shapes = [tuple(targets[k]) for k in keys]
+    shape = shapes if isinstance(key, tuple) else shapes[0]
+    load = to_maxtext._get_hf_loading_function(
+        sources, stored.__getitem__, hook, shape, config, key
+    )
+    weights: dict = {}
+    index = list(range(len(keys))) if isinstance(key, tuple) else 0
+    to_maxtext._get_maxtext_weight(load, index, shape, key, weights, "bfloat16", False)
+    return {k: np.asarray(weights[i]) for i, k in enumerate(keys)}
 
 
 @pytest.fixture(scope="module")
@@ -411,9 +427,7 @@ def differences(loaded: dict, want: dict, placement: dict) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize(
-    ("model", "scan", "framework"), layouts(m for m in TINY if m not in REFUSED)
-)
+@pytest.mark.parametrize(("model", "scan", "framework"), layouts(TINY))
 def test_load_is_maxtexts_own_conversion_bit_for_bit(checkpoint, model, scan, framework):
     folder, stored = checkpoint(model, scan)
     config = config_of(model, scan)
@@ -539,25 +553,169 @@ def test_a_model_maxtext_maps_not_is_refused_by_name(checkpoint):
     assert reads.values == []
 
 
-@pytest.mark.parametrize(("model", "scan", "framework"), layouts(REFUSED))
-def test_a_family_whose_hooks_no_table_expresses_is_refused_by_name(
-    checkpoint, model, scan, framework
-):
-    folder, _ = checkpoint(model, scan)
+# ------------------------------------------- composite keys: gpt-oss and qwen3.5
+
+
+def test_composite_keys_are_the_layouts_of_their_stored_tensors(checkpoint):
+    """gpt-oss's ``interleave``: wi_0 and wi_1 (and their biases) are gate_up_proj's even
+    and odd columns; qwen3.5's ``process_wi_0_wi_1`` its halves, transposed; its
+    ``concat_qkvz_and_transpose`` the per-key-head concatenation of q, k, v (slices of
+    in_proj_qkv) and z, merged and transposed (``docs/pretrained.md``'s ``Concat``), and
+    ``concat_ba_and_transpose`` that of in_proj_b and in_proj_a."""
+    config = config_of("gpt-oss-20b", False)
+    folder, _ = checkpoint("gpt-oss-20b", False)
+    plan, _ = plan_and_placement(config, "nnx")
+    with Reads() as reads:
+        built = meshinit.safetensors.inventory(plan, folder, names=meshinit.maxtext.names(config))
+    e, d, two = config.num_experts, config.emb_dim, 2 * config.moe_mlp_dim
+    gate_up = "model.layers.1.mlp.experts.gate_up_proj"
+    assert {k: v for k, v in built.table.items() if "layers_1.GptOssMlp.wi_" in k} == {
+        "decoder.layers_1.GptOssMlp.wi_0": Tensor(gate_up, index=np.s_[0:e, 0:d, 0 : two - 1 : 2]),
+        "decoder.layers_1.GptOssMlp.wi_1": Tensor(gate_up, index=np.s_[0:e, 0:d, 1:two:2]),
+        "decoder.layers_1.GptOssMlp.wi_0_bias": Tensor(
+            f"{gate_up}_bias", index=np.s_[0:e, 0 : two - 1 : 2]
+        ),
+        "decoder.layers_1.GptOssMlp.wi_1_bias": Tensor(
+            f"{gate_up}_bias", index=np.s_[0:e, 1:two:2]
+        ),
+    }
+
+    config = config_of("qwen3.5-35b-a3b", False)
+    folder, _ = checkpoint("qwen3.5-35b-a3b", False)
+    plan, _ = plan_and_placement(config, "linen")
+    with Reads() as more:
+        built = meshinit.safetensors.inventory(plan, folder, names=meshinit.maxtext.names(config))
+    assert reads.values == more.values == [], "no data read"
+    e, d, half = config.num_experts, config.emb_dim, config.moe_mlp_dim
+    hk, dk = config.gdn_num_key_heads, config.gdn_key_head_dim
+    vk = config.gdn_num_value_heads // hk * config.gdn_value_head_dim
+    layer = "params.decoder.layers_0"
+    hf = "model.language_model.layers.0"
+    qkv, z = f"{hf}.linear_attn.in_proj_qkv.weight", f"{hf}.linear_attn.in_proj_z.weight"
+    b, a = f"{hf}.linear_attn.in_proj_b.weight", f"{hf}.linear_attn.in_proj_a.weight"
+    v_per_k = config.gdn_num_value_heads // hk
+    expected = {
+        f"{layer}.mlp.routed_experts.wi_0": Tensor(
+            f"{hf}.mlp.experts.gate_up_proj", index=np.s_[0:e, 0:half, 0:d], permute=(0, 2, 1)
+        ),
+        f"{layer}.mlp.routed_experts.wi_1": Tensor(
+            f"{hf}.mlp.experts.gate_up_proj",
+            index=np.s_[0:e, half : 2 * half, 0:d],
+            permute=(0, 2, 1),
+        ),
+        f"{layer}.attention.in_proj_qkvz.kernel": Concat(
+            [
+                Tensor(qkv, shape=(hk, dk, d), index=np.s_[0 : hk * dk, 0:d]),
+                Tensor(qkv, shape=(hk, dk, d), index=np.s_[hk * dk : 2 * hk * dk, 0:d]),
+                Tensor(qkv, shape=(hk, vk, d), index=np.s_[2 * hk * dk : hk * (2 * dk + vk), 0:d]),
+                Tensor(z, shape=(hk, vk, d)),
+            ],
+            axis=1,
+            out_shape=(hk * (2 * dk + 2 * vk), d),
+            permute=(1, 0),
+        ),
+        f"{layer}.attention.in_proj_ba.kernel": Concat(
+            [Tensor(b, shape=(hk, v_per_k, d)), Tensor(a, shape=(hk, v_per_k, d))],
+            axis=1,
+            out_shape=(2 * hk * v_per_k, d),
+            permute=(1, 0),
+        ),
+    }
+    assert {k: built.table[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize(("scan", "framework"), [(False, "nnx"), (True, "linen")])
+def test_gpt_oss_from_bf16_files_is_maxtexts_conversion(tmp_path, scan, framework):
+    """gpt-oss is published with MXFP4 experts; MaxText loads bf16 copies. bf16 files
+    written here (MaxText's save direction of seeded values, in bf16) into MaxText's
+    float32 model: every Param is MaxText's conversion of the bf16 arrays (to_maxtext's
+    for the composite keys), widened, and the load reads the bytes it owns (each
+    process's columns of the interleaved gate_up_proj, strided)."""
+    model = "gpt-oss-20b"
     config = config_of(model, scan)
+    f32 = write_checkpoint(model, config, seeded(config), tmp_path / "f32")
+    stored = {k: v.astype(ml_dtypes.bfloat16) for k, v in f32.items()}
+    (tmp_path / "bf16").mkdir()
+    save_file(stored, str(tmp_path / "bf16" / "model.safetensors"))
+    (tmp_path / "bf16" / "config.json").write_text((tmp_path / "f32" / "config.json").read_text())
     plan, placement = plan_and_placement(config, framework)
+    assert {a.dtype for a in placement.values()} == {np.dtype(np.float32)}
+    targets = {mt_key(p): a.shape for p, a in placement.items()}
+    want = {
+        k: a.astype(np.float32)
+        for k, a in maxtext_conversion(model, config, stored, targets).items()
+    }
+    composite = [p for p in placement if re.search(r"GptOssMlp\.wi_[01]", p)]
+    blocks = config.inhomogeneous_layer_cycle_interval if scan else config.num_decoder_layers
+    assert len(composite) == 4 * blocks  # wi_0, wi_1 and their biases, per (scanned) block
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(
+            plan, tmp_path / "bf16", names=meshinit.maxtext.names(config)
+        )
+    problems = differences(loaded, want, placement)
+    assert not problems, "\n".join(problems)
+    assert reads.values == [owned_bytes(plan, 2, loaded)]  # bf16 bytes read == owned
+    wi = sorted(p for p in composite if not p.endswith("bias"))[:2]
+    assert np.asarray(loaded[wi[0]]).tobytes() != np.asarray(loaded[wi[1]]).tobytes()
+
+
+def mixed(x, target_shape):  # a composite hook no table expresses: one part a product
+    return np.stack([x[..., ::2] * x[..., 1::2], x[..., 1::2]], axis=-1)
+
+
+def test_a_composite_hook_no_table_expresses_is_refused_naming_its_key(checkpoint, monkeypatch):
+    """gpt-oss's (wi_0, wi_1) hook replaced by one that multiplies the columns: both
+    parameters of each such key refused, naming the hook, the key and the operation."""
+    model = "gpt-oss-20b"
+    folder, _ = checkpoint(model, True)
+    config = config_of(model, True)
+    plan, placement = plan_and_placement(config, "nnx")
+    own = param_mapping.HOOK_FNS[model]
+
+    def hooks(*args, **kwargs):  # MaxText's hooks, the gate/up ones replaced
+        made = own(*args, **kwargs)
+        return made | {k: mixed for k in made if isinstance(k, tuple) and k[0].endswith("wi_0")}
+
+    monkeypatch.setitem(param_mapping.HOOK_FNS, model, hooks)
     with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
         meshinit.safetensors.load(plan, folder, names=meshinit.maxtext.names(config))
     assert reads.values == [], "refused before any byte is read"
-    refused = sorted(p.path for p in raised.value.problems)
-    why = REFUSED[model]
-    expected = sorted(p for p in placement if any(re.search(r, p) for r in why))
-    assert refused == expected, "those, and only those"
-    family = f"MaxText 0.2.5's map of {model!r}: "
+    wanted = sorted(p for p in placement if re.search(r"GptOssMlp\.wi_[01]$", p))
+    assert sorted(p.path for p in raised.value.problems) == wanted
     for problem in raised.value.problems:
-        assert problem.message.startswith(family), problem
-        (reason,) = [why[r] for r in why if re.search(r, problem.path)]
-        assert re.fullmatch(reason, problem.message.removeprefix(family)), problem
+        layers = re.search(r"layers_\d+", problem.path)[0]
+        group = tuple(f"params-decoder-layers-{layers}-GptOssMlp-wi_{i}" for i in (0, 1))
+        assert problem.message == (
+            f"MaxText 0.2.5's map of {model!r}: hook mixed of {group!r} needs a scale by "
+            f"another tensor, which names= cannot express"
+        )
+
+
+def test_tensors_of_two_dtypes_one_hook_combines_are_refused_naming_its_key(checkpoint, tmp_path):
+    """qwen3.5's in_proj_z stored in bf16 beside a float32 in_proj_qkv: the hook that
+    concatenates them would promote in numpy, which a table does not say; refused."""
+    model = "qwen3.5-35b-a3b"
+    folder, stored = checkpoint(model, True)
+    config = config_of(model, True)
+    changed = {
+        k: v.astype(ml_dtypes.bfloat16) if k.endswith("in_proj_z.weight") else v
+        for k, v in stored.items()
+    }
+    save_file(changed, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    plan, placement = plan_and_placement(config, "linen")
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == []
+    wanted = sorted(p for p in placement if "in_proj_qkvz" in p)
+    assert wanted and sorted(p.path for p in raised.value.problems) == wanted
+    for problem in raised.value.problems:
+        assert re.fullmatch(
+            rf"MaxText 0\.2\.5's map of '{model}': hook concat_qkvz_and_transpose of "
+            r"'params-decoder-layers-layer_\d-attention-in_proj_qkvz-kernel' needs HF "
+            r"tensors of several dtypes combined by one hook, which names= cannot express",
+            problem.message,
+        ), problem
 
 
 # ------------------------------------------- the checkpoint's config, as MaxText reads it
@@ -821,6 +979,9 @@ def test_deepseek4_plans_with_maxtexts_rules_completed_as_flax_places_them():
         "scanned_blocks",
     )
     plan = meshinit.linen.plan(model, keys, *args, rules=rules, **options)
+    summary = plan.summary()  # each added name listed, with why it is replicated
+    for name in rules.replicated:
+        assert f"logical axis {name!r} replicated: MaxText's rules have no entry (" in summary
     theirs = linen_placement(config, mesh, model, key)
     assert {e.path: e.sharding for e in plan.entries} == {p: a.sharding for p, a in theirs.items()}
     kernel = next(e for e in plan.entries if e.path.endswith("o_a_proj.kernel"))

@@ -154,6 +154,9 @@ def test_tpu_script_code_path_runs_every_part_on_cpu(tmp_path):
     assert bits["float32 meshinit.nnx vs nnx.jit"]["differ"] == 0, bits
     assert bits["float32 meshinit.linen vs linen.jit"]["differ"] == 0, bits
     assert bits["float32 meshinit.nnx vs eager-nnx"]["elements"] > 0, bits
+    # issue 57's cases for each recipe, on both mesh kinds (their differences are in FAILED)
+    made = {(d["recipe"], d["kind"]) for d in bits["cases"].values() if "error" not in d}
+    assert made == {(r, k) for r in ("nnx", "linen", "spec") for k in ("explicit", "auto")}
     load = found["load"]
     assert load["meshinit_vs_device_put"]["differ"] == 0 and load["problems"] == [], load
     assert load["meshinit"]["best_s"] > 0 and load["device_put"]["best_s"] > 0, load
