@@ -201,6 +201,28 @@ def test_remote_load_script_runs_against_its_own_s3_server(tmp_path):
 
 
 @pytest.mark.slow
+def test_fanout_script_quick_mode_meets_the_structural_goals(tmp_path):
+    # 4 processes x 2 CPU devices and the S3 server: --quick exits non-zero when a
+    # value or sharding is off, or fan-out misses a bytes goal or its compiles grow
+    # with depth; fan_out=False is today's reads: every holder fetches its blocks
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    out = tmp_path / "fanout.json"
+    r = run_script("fanout.py", "--quick", "--json", str(out), timeout=300)
+    assert "| measure | goal | fan_out=None | fan_out=False | met? |" in r.stdout, r.stdout
+    found = json.loads(out.read_text())
+    for layers in (8, 32):
+        off, on = found[f"{layers}/False"], found[f"{layers}/None"]
+        assert off["wrong"] == on["wrong"] == []
+        # R = 4: the replicated blocks, most of the plan, are served once per process
+        assert off["store"] > 3.0 and off["busiest"] == 1.0
+        assert on["store"] <= 1.02 and on["busiest"] <= 1.10 and on["between"] <= 1.05
+        assert on["compiles"] > off["compiles"]
+    added = {found[f"{n}/None"]["compiles"] - found[f"{n}/False"]["compiles"] for n in (8, 32)}
+    assert len(added) == 1
+
+
+@pytest.mark.slow
 def test_launches_script_runs_every_case():
     r = run_script("launches.py", "--params", "4", "--outputs", "1", "2", "--repeats", "1")
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "ms |" in line]

@@ -1,0 +1,496 @@
+"""Issue 58's goals: ``meshinit.safetensors.load``'s fan-out against every process
+reading what it holds, on 4 processes x 2 CPU devices (gloo) and a capped S3 server.
+
+A mixed plan on a ``(data=4, tensor=2)`` mesh whose ``data`` axis spans the processes
+(each process's two devices are one row): per layer a sharded ``attn``
+(``P('data', 'tensor')``, held once), ``up`` and ``down`` split over ``tensor`` and
+replicated over ``data`` (``P(None, 'tensor')``, ``P('tensor', None)``: R = 4 processes
+hold each block) and a fully replicated ``norm`` (``P()``), plus a sharded ``embed``.
+Its checkpoint (f32, two files a depth, ``--layers`` deep) is stored in moto's S3
+(tests/storage_servers.S3Server with ``fast_reads``) in a separate process, behind a
+throttling forwarder (benchmarks/throttle.py) that caps all clients together at
+``--bandwidth-mib`` MiB/s. Each process loads with its own access key id per load, so
+the server counts each process's bytes (the ``Credential=`` of its requests).
+
+Fresh workers for each depth load it with ``fan_out=False`` and ``fan_out=None``,
+``--repeats`` times each, every cache cleared before a mode's first load (its compiles counted with
+a ``jax.monitoring`` listener). Per load they record the time (after a barrier), the
+bytes their TCP sockets to the other workers sent and received (``ss -tinpH`` of their
+own PID before and after, the S3 and coordinator connections left out), jax.monitoring's
+``bytes_read`` and ``bytes_from_peers``, and check each shard bit for bit against the
+file and each sharding against the plan. Measures (``unique``: the checkpoint's data
+bytes, every tensor once):
+
+- store: data bytes the server sent / unique; header reads (those from byte 0, whose
+  64 KiB guess runs past a small header into the data) are counted apart;
+- busiest: the bytes of the process that fetched most / the mean;
+- between: bytes the workers' peer sockets sent / the all-gather lower bound, the sum
+  over blocks of (R - 1) x its bytes, R the processes that hold it (each holder must
+  receive the (R - 1)/R of it that it did not fetch; a process's two devices share its
+  host, so the bound counts holding processes). ``bytes_from_peers`` is checked
+  against the sockets' bytes received;
+- time: the slowest process's load at the cap / (unique / cap); the first load of a
+  mode (compiles included) and the best repeat;
+- compiles added by fan-out: a mode's first load's compiles, None minus False.
+
+``--quick``: a small plan, no cap, one load a mode; it asserts the structural goals
+(values exact, bytes ratios, compiles equal at both depths) and exits non-zero if one
+is missed. A meshinit without ``fan_out`` is measured as it is and said so.
+
+Run: python benchmarks/fanout.py [--quick] [--layers 8 32] [--d 256] [--ffn 512]
+     [--bandwidth-mib 16] [--repeats 1] [--timeout S] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "bench"
+MiB = 1 << 20
+PROCESSES, LOCAL = 4, 2
+MODES = {"False": False, "None": None}
+EVENT = "/jax/core/compile/backend_compile_duration"
+SECRET = "testing"
+
+
+def layout(layers: int, d: int, ffn: int, vocab: int) -> dict[str, tuple[tuple, tuple | None]]:
+    """Path -> (shape, mesh axes) of the mixed plan."""
+    out: dict[str, tuple[tuple, tuple | None]] = {"embed": ((vocab, d), ("data", "tensor"))}
+    for i in range(layers):
+        out[f"layers.{i}.attn"] = ((d, d), ("data", "tensor"))
+        out[f"layers.{i}.up"] = ((d, ffn), (None, "tensor"))
+        out[f"layers.{i}.down"] = ((ffn, d), ("tensor", None))
+        out[f"layers.{i}.norm"] = ((d,), None)
+    return out
+
+
+def write(folder: Path, layers: int, d: int, ffn: int, vocab: int) -> None:
+    """The checkpoint of ``layers`` layers in two files, random f32 values."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(layers)
+    items = list(layout(layers, d, ffn, vocab).items())
+    folder.mkdir(parents=True)
+    half = len(items) // 2
+    for k, part in enumerate((items[:half], items[half:])):
+        values = {n: rng.standard_normal(s).astype(np.float32) for n, (s, _) in part}
+        save_file(values, str(folder / f"model-0000{k + 1}-of-00002.safetensors"))
+
+
+# ------------------------------------------------------------------------ the server
+
+
+def serve(folder: str, rate: float) -> None:
+    """The S3 server with every depth's checkpoint, behind the throttle; then ``stats``
+    (access key id -> [data bytes, header bytes] the files' GETs sent it) or ``quit``
+    on stdin."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
+    from storage_servers import S3Server
+    from throttle import Throttle
+
+    server = S3Server(fast_reads=True)
+    server.bucket(BUCKET)
+    data_from = {}
+    for f in sorted(Path(folder).glob("*/*.safetensors")):
+        key = f"{BUCKET}/{f.parent.name}/{f.name}"
+        server.put(key, f.read_bytes())
+        with open(f, "rb") as fh:
+            data_from[key] = 8 + int.from_bytes(fh.read(8), "little")
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    throttle = Throttle(host, int(port), rate)
+    env = {**server.env, "AWS_ENDPOINT_URL": throttle.url}
+    print(json.dumps({"url": throttle.url, "env": env, "port": throttle.port}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "stats":
+            out: dict[str, list[int]] = {}
+            for r in server.counters.log:
+                if r.span is None or r.path not in data_from:
+                    continue  # listings and errors carry no data
+                start, stop = r.span
+                # a read from byte 0 is a header read (its guess may run past the
+                # header); in any other, the bytes before the data are header bytes
+                data = 0 if start == 0 else max(0, stop - max(start, data_from[r.path]))
+                got = out.setdefault(r.client, [0, 0])
+                got[0] += data
+                got[1] += stop - start - data
+            print(json.dumps(out), flush=True)
+        elif line.strip() == "quit":
+            break
+    throttle.stop()
+    server.stop()
+
+
+# ----------------------------------------------------------------------- the workers
+
+
+def peer_bytes(pid: int, skip: set[int]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(local, peer) -> (bytes_sent, bytes_received) of ``pid``'s TCP sockets to other
+    processes: not those with a port in ``skip`` at either end (the S3 and coordinator
+    ones), nor those whose both ends are ``pid``'s own."""
+    ss = shutil.which("ss", path=f"{os.defpath}:/usr/sbin:/sbin")  # PATH may be empty
+    if ss is None:
+        raise RuntimeError("fanout: `ss` (iproute2) not found: it counts the peer bytes")
+    text = subprocess.run([ss, "-tinpH"], capture_output=True, text=True, check=True).stdout
+    found, current = {}, None
+    for line in text.splitlines():
+        if not line[:1].isspace():  # a socket's first line: state, queues, ends, users
+            fields = line.split()
+            mine = f"pid={pid}," in line and len(fields) >= 5
+            current = (fields[3], fields[4]) if mine else None
+        elif current is not None:
+            sent = re.search(r"bytes_sent:(\d+)", line)
+            got = re.search(r"bytes_received:(\d+)", line)
+            found[current] = (int(sent[1]) if sent else 0, int(got[1]) if got else 0)
+    own = {local for local, _ in found}
+    return {
+        (local, peer): v
+        for (local, peer), v in found.items()
+        if peer not in own and not {int(e.rsplit(":", 1)[1]) for e in (local, peer)} & skip
+    }
+
+
+def moved(before: dict, after: dict) -> tuple[int, int]:
+    """Bytes sent and received between two :func:`peer_bytes` snapshots."""
+    sent = got = 0
+    for ends, (s, r) in after.items():
+        s0, r0 = before.get(ends, (0, 0))
+        sent, got = sent + s - s0, got + r - r0
+    return sent, got
+
+
+def worker(rank: int, port: int, url: str, s3_port: int, folder: str, args) -> list[dict]:
+    import faulthandler
+    import inspect
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's, on a hang
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", LOCAL)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=PROCESSES, process_id=rank)
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh
+    from safetensors.numpy import load_file
+
+    import meshinit
+    from meshinit import safetensors as st
+
+    has_fan_out = "fan_out" in inspect.signature(st.load).parameters
+    mesh = Mesh(np.array(jax.devices()).reshape(PROCESSES, LOCAL), ("data", "tensor"))
+    seen = {"compiles": 0, "bytes_read": None, "bytes_from_peers": None}
+
+    def count(event, *args, **kwargs):
+        if event == EVENT:
+            seen["compiles"] += 1
+
+    def scalar(event, value, **kwargs):
+        if event.startswith("/meshinit/safetensors/"):
+            seen[event.rsplit("/", 1)[1]] = value
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    jax.monitoring.register_scalar_listener(scalar)
+    skip = {port, s3_port}
+    options = {"secret_access_key": SECRET, "region": "us-east-1"}
+    results = []
+    for layers in args.layers:
+        shapes = layout(layers, args.d, args.ffn, args.vocab)
+        zeros = jax.nn.initializers.zeros
+        plan = meshinit.plan(
+            {p: meshinit.param(s, zeros, axes=a, mesh=mesh) for p, (s, a) in shapes.items()}
+        )
+        planned = {e.path: e.sharding for e in plan.entries}
+        stored: dict = {}
+        for f in sorted(Path(folder, f"L{layers}").glob("*.safetensors")):
+            stored.update(load_file(str(f)))
+        for mode, fan_out in MODES.items():
+            jax.clear_caches()
+            meshinit.clear_cache()
+            for rep in range(args.repeats):
+                key = f"r{rank}L{layers}m{mode}n{rep}"
+                kwargs = {"fan_out": fan_out} if has_fan_out else {}
+                multihost_utils.sync_global_devices(key[key.index("L") :])
+                print(f"{time.strftime('%X')} load {key}", file=sys.stderr, flush=True)
+                seen.update(compiles=0, bytes_read=None, bytes_from_peers=None)
+                before = peer_bytes(os.getpid(), skip)
+                start = time.perf_counter()
+                arrays = st.load(
+                    plan,
+                    f"{url}L{layers}/",
+                    storage_options={**options, "access_key_id": key},
+                    **kwargs,
+                )
+                jax.block_until_ready(list(arrays.values()))
+                seconds = time.perf_counter() - start
+                sent, received = moved(before, peer_bytes(os.getpid(), skip))
+                wrong = []
+                for path, a in arrays.items():
+                    want = planned[path]
+                    if a.sharding != want:
+                        wrong.append(f"{path}: placed {a.sharding}, planned {want}")
+                    for shard in a.addressable_shards:
+                        got = np.asarray(shard.data)
+                        if got.tobytes() != stored[path][shard.index].tobytes():
+                            wrong.append(f"{path}{shard.index}: values differ from the file")
+                for a in arrays.values():
+                    a.delete()
+                results.append(
+                    dict(layers=layers, mode=mode, rep=rep, key=key, seconds=seconds,
+                         peer_sent=sent, peer_received=received, wrong=wrong[:5],
+                         fan_out_supported=has_fan_out, **seen)
+                )  # fmt: skip
+    multihost_utils.sync_global_devices("done")
+    return results
+
+
+def bound(shapes: dict) -> tuple[int, int]:
+    """(unique bytes, the all-gather lower bound) of the plan on the benchmark's mesh:
+    per distinct block of each entry, (R - 1) x its bytes, R the processes holding it."""
+    import numpy as np
+
+    unique = low = 0
+    for shape, axes in shapes.values():
+        size = int(np.prod(shape)) * 4
+        unique += size
+        # a block is held by a device of every process unless it splits over 'data'
+        holders = 1 if axes and "data" in axes else PROCESSES
+        low += (holders - 1) * size  # (R - 1) x each block, summed over the blocks
+    return unique, low
+
+
+# ------------------------------------------------------------------------ the driver
+
+
+def spawn(
+    url: str, s3_port: int, folder: str, argv: list[str], env: dict, timeout: float
+) -> list[dict]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, __file__, "--worker"]
+    tail = [url, str(s3_port), folder, *argv]
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    procs = [subprocess.Popen([*cmd, str(r), str(port), *tail], **pipes) for r in range(PROCESSES)]
+    results, failed = [], []
+    deadline = time.monotonic() + timeout
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:  # each worker prints its threads' stacks (faulthandler)
+                p.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            for p in procs:
+                p.kill()
+            tails = [p.communicate()[1][-4000:] for p in procs]
+            text = "\n".join(tails)
+            raise RuntimeError(f"fanout: the workers ran past {timeout} s:\n{text}") from None
+        if proc.returncode:
+            failed.append(f"worker {rank} exited {proc.returncode}:\n{err[-3000:]}")
+        else:
+            results += [dict(r, rank=rank) for r in json.loads(out.strip().splitlines()[-1])]
+    if failed:
+        for p in procs:
+            p.kill()
+        raise RuntimeError("\n".join(failed))
+    return results
+
+
+def measure(args, argv: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        for layers in args.layers:
+            write(Path(d, f"L{layers}"), layers, args.d, args.ffn, args.vocab)
+        rate = args.bandwidth_mib * MiB
+        server = subprocess.Popen(
+            [sys.executable, __file__, "--serve", d, f"--bandwidth-mib={args.bandwidth_mib}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            hello = json.loads(server.stdout.readline())
+            env = {**os.environ, **hello["env"], "JAX_PLATFORMS": "cpu"}
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+            env.pop("AWS_ACCESS_KEY_ID", None)  # each load gives its own
+            loads = []
+            for n in args.layers:  # fresh workers per depth: each depth's compiles alone
+                each = ["--layers", str(n), *argv]
+                loads += spawn(f"s3://{BUCKET}/", hello["port"], d, each, env, args.timeout)
+            server.stdin.write("stats\n")
+            server.stdin.flush()
+            served = json.loads(server.stdout.readline())  # by each load's access key id
+        finally:
+            server.stdin.write("quit\n")
+            server.stdin.close()
+            server.wait(timeout=60)
+    return summarize(args, loads, served, rate)
+
+
+def summarize(args, loads: list[dict], served: dict, rate: float) -> dict:
+    out: dict = {"config": vars(args) | {"processes": PROCESSES, "local_devices": LOCAL}}
+    for layers in args.layers:
+        unique, low = bound(layout(layers, args.d, args.ffn, args.vocab))
+        for mode in MODES:
+            mine = [r for r in loads if r["layers"] == layers and r["mode"] == mode]
+            per_rep = []
+            for rep in range(args.repeats):
+                rows = sorted((r for r in mine if r["rep"] == rep), key=lambda r: r["rank"])
+                data = [served.get(r["key"], (0, 0))[0] for r in rows]
+                head = sum(served.get(r["key"], (0, 0))[1] for r in rows)
+                per_rep.append(
+                    {
+                        "seconds": max(r["seconds"] for r in rows),
+                        "store": sum(data) / unique,
+                        "headers": head,
+                        "busiest": max(data) / (sum(data) / len(data)) if sum(data) else None,
+                        "per_process": data,
+                        "peer_sent": sum(r["peer_sent"] for r in rows),
+                        "peer_received": sum(r["peer_received"] for r in rows),
+                        "from_peers": [r["bytes_from_peers"] for r in rows],
+                        "bytes_read": [r["bytes_read"] for r in rows],
+                        "compiles": max(r["compiles"] for r in rows),
+                        "wrong": [w for r in rows for w in r["wrong"]],
+                    }
+                )
+            first, at = per_rep[0], (unique / rate) if rate else None
+            out[f"{layers}/{mode}"] = {
+                "unique": unique,
+                "bound": low,
+                "loads": per_rep,
+                "store": max(p["store"] for p in per_rep),
+                "busiest": max((p["busiest"] or 0) for p in per_rep),
+                "between": first["peer_sent"] / low if low else None,
+                "time_first": first["seconds"] / at if at else None,
+                "time_best": min(p["seconds"] for p in per_rep[1:]) / at
+                if at and len(per_rep) > 1
+                else None,
+                "compiles": first["compiles"],
+                "supported": all(r["fan_out_supported"] for r in mine),
+                "wrong": [w for p in per_rep for w in p["wrong"]],
+            }
+    return out
+
+
+GOALS = (  # (measure, key, goal); the first three are structural: --quick asserts them
+    ("data bytes served by the store / unique", "store", 1.02),
+    ("bytes fetched: busiest process / mean", "busiest", 1.10),
+    ("bytes between processes / all-gather bound", "between", 1.05),
+    ("load time at the cap / (unique / cap), first", "time_first", 1.3),
+    ("load time at the cap / (unique / cap), repeat", "time_best", 1.3),
+)
+
+
+def goals(found: dict, layers: list[int]) -> list[list[str]]:
+    """Rows: measure, goal, fan_out=None, fan_out=False, met? (fan_out=None's)."""
+    rows = []
+    for n in layers:
+        on, off = found[f"{n}/None"], found[f"{n}/False"]
+        for what, key, limit in GOALS:
+            v, cells = on[key], ["n/a" if x is None else f"{x:.3f}" for x in (on[key], off[key])]
+            met = "n/a" if v is None or not on["supported"] else "met" if v <= limit else "NOT met"
+            rows.append([f"{what}, {n} layers", f"<= {limit:.2f}", *cells, met])
+    added = [found[f"{n}/None"]["compiles"] - found[f"{n}/False"]["compiles"] for n in layers]
+    same = "met" if len(set(added)) == 1 else "NOT met"
+    depths = " and ".join(map(str, layers))
+    counts = " and ".join(map(str, added))
+    rows.append([f"compiles added by fan-out, {depths} layers", "equal", counts, "0", same])
+    return rows
+
+
+def check_quick(found: dict, layers: list[int]) -> list[str]:
+    """The structural goals --quick asserts: what is wrong, or nothing."""
+    wrong = [w for k, v in found.items() if k != "config" for w in v["wrong"]]
+    for n in layers:
+        off, on = found[f"{n}/False"], found[f"{n}/None"]
+        if off["loads"][0]["peer_sent"] > 0.05 * off["bound"]:  # the agreement only
+            wrong.append(f"{n} layers, fan_out=False: processes exchanged data")
+        if not on["supported"]:
+            wrong.append("this meshinit's safetensors.load has no fan_out")
+            continue
+        wrong += [
+            f"{n} layers, fan_out=None: {what} {on[key]} > {limit}"
+            for what, key, limit in GOALS[:3]
+            if on[key] is None or on[key] > limit
+        ]
+        first = on["loads"][0]
+        if None in first["from_peers"]:
+            wrong.append(f"{n} layers: bytes_from_peers not recorded")
+        elif abs(sum(first["from_peers"]) - first["peer_received"]) > 0.05 * on["bound"]:
+            wrong.append(
+                f"{n} layers: bytes_from_peers {sum(first['from_peers'])} against the "
+                f"sockets' {first['peer_received']}"
+            )
+    added = {found[f"{n}/None"]["compiles"] - found[f"{n}/False"]["compiles"] for n in layers}
+    if len(added) != 1:
+        wrong.append(f"compiles added by fan-out differ with depth: {sorted(added)}")
+    return wrong
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layers", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--bandwidth-mib", type=float, default=16.0, help="the cap; 0: none")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds for all the loads")
+    ap.add_argument("--json")
+    ap.add_argument("--serve")
+    ap.add_argument("--worker", nargs=5)
+    args = ap.parse_args()
+    if args.quick:
+        # large enough that the collectives' fixed bytes per entry (about 8 KB here)
+        # stay under 5% of the bound
+        args.d, args.ffn, args.vocab, args.bandwidth_mib, args.repeats = 128, 256, 512, 0, 1
+        args.timeout = min(args.timeout, 240)
+    argv = [f"--d={args.d}", f"--ffn={args.ffn}", f"--vocab={args.vocab}"]
+    argv += [f"--repeats={args.repeats}"]
+    if args.serve:
+        serve(args.serve, args.bandwidth_mib * MiB)
+        return
+    if args.worker:
+        rank, port, url, s3_port, folder = args.worker
+        got = worker(int(rank), int(port), url, int(s3_port), folder, args)
+        print(json.dumps(got), flush=True)
+        import jax
+
+        jax.distributed.shutdown()
+        return
+    found = measure(args, argv)
+    n = args.layers
+    unique = {k: found[f"{k}/None"]["unique"] for k in n}
+    print(
+        f"{PROCESSES} processes x {LOCAL} CPU devices (gloo), mesh (data=4, tensor=2); mixed "
+        f"plan d={args.d}, ffn={args.ffn}, vocab={args.vocab}; unique "
+        + ", ".join(f"{unique[k] / MiB:.1f} MiB at {k} layers" for k in n)
+        + (f"; server capped at {args.bandwidth_mib:g} MiB/s" if args.bandwidth_mib else "")
+    )
+    print("| measure | goal | fan_out=None | fan_out=False | met? |")
+    print("|---|---|---|---|---|")
+    for row in goals(found, n):
+        print("| " + " | ".join(row) + " |")
+    if not all(found[f"{k}/None"]["supported"] for k in n):
+        print("fan_out=None: this meshinit's safetensors.load has no fan_out (today's reads)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(found, indent=1))
+    if args.quick and (wrong := check_quick(found, n)):
+        print("quick: NOT met:\n" + "\n".join(wrong))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
