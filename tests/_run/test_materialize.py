@@ -23,8 +23,15 @@ import meshinit
 from meshinit._run import strategies as _strategies
 
 
-@pytest.mark.parametrize("explicit", [False, True])
-@pytest.mark.parametrize("context", [False, True])
+@pytest.mark.parametrize(
+    "context, explicit",  # the fast tier: each mesh kind once, with and without a context
+    [
+        (False, False),
+        pytest.param(False, True, marks=pytest.mark.slow),
+        pytest.param(True, False, marks=pytest.mark.slow),
+        (True, True),
+    ],
+)
 def test_three_meshes_materialize_exactly_with_or_without_context_mesh(explicit, context):
     specs, _ = three_mesh_specs(explicit)
     plan = meshinit.plan(specs)
