@@ -61,9 +61,9 @@ from jax.sharding import PartitionSpec as P
 import meshinit
 from meshinit._engine import trace as _trace
 
-EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", examples(200, 10)))
-"""Drawn constructors in all: 200 (CI's size) with ``MESHINIT_TESTS=all``, 10 in the
-fast tier (4 nnx, 3 linen, 3 equinox constructors: each framework's path runs);
+EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", examples(200, 6)))
+"""Drawn constructors in all: 200 (CI's size) with ``MESHINIT_TESTS=all``, 6 in the
+fast tier (2 each for nnx, linen and equinox: each framework's path runs);
 ``MESHINIT_FUZZ_EXAMPLES`` sets it outright. A run that is one part of several
 (:data:`helpers.FUZZ_PART`) draws its share."""
 
