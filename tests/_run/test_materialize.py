@@ -165,7 +165,10 @@ def largest_array_in(compiled) -> int:
     return max(int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes)
 
 
-@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize(
+    "explicit",
+    [pytest.param(False, marks=pytest.mark.slow), True],  # Auto axes: in "all"
+)
 def test_no_device_ever_holds_a_full_copy(explicit):
     mesh = submesh(range(8), (2, 4), ("fsdp", "tensor"), explicit)
     specs = {
