@@ -91,7 +91,11 @@ class Decoder(nn.Module):
 TOKENS = np.zeros((2, 8), np.int32)
 
 
-@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+@pytest.mark.parametrize(
+    "explicit",  # the fast tier: jax.make_mesh's default, Explicit axes
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["explicit", "auto"],
+)
 def test_a_maxtext_like_model_gets_flax_own_shardings_and_eager_values(explicit, count_compiles):
     if explicit:
         mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))

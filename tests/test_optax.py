@@ -143,7 +143,15 @@ def test_init_places_every_leaf_exactly_with_tx_init_values(name, layout, explic
     assert jax.tree.map(lambda a, b: a.sharding == b.sharding, state, state2)
 
 
-@pytest.mark.parametrize("name", TRANSFORMS)
+@pytest.mark.parametrize(
+    "name",  # the fast tier: one plain, one of two labelled parts, one holding the params
+    [
+        n
+        if n in ("adamw", "multi_transform", "schedule_free")
+        else pytest.param(n, marks=pytest.mark.slow)
+        for n in TRANSFORMS
+    ],
+)
 def test_abstract_matches_init_and_allocates_nothing(name, new_arrays):
     params = wrap(name, make_params("disjoint", explicit=False))
     tx = TRANSFORMS[name](params)

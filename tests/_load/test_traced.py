@@ -10,6 +10,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -97,7 +98,7 @@ def followed(sym, want, ops):
 REFUSALS = ("unevenly", "a slice of an axis that a reshape split or merged")
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500, 100), deadline=None)
 @given(chains())
 def test_a_chain_of_slices_transposes_and_reshapes_reads_the_values_numpy_computes(chain):
     stored, ops = chain
@@ -112,7 +113,7 @@ def test_a_chain_of_slices_transposes_and_reshapes_reads_the_values_numpy_comput
     assert got.shape == want.shape and np.array_equal(got, want), (target, ops)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150, 30), deadline=None)
 @given(chains(slices=False))
 def test_jax_code_traced_gives_the_target_of_the_same_steps_on_a_stand_in(chain):
     stored, ops = chain
@@ -154,7 +155,7 @@ def joins(draw):
     return stored, ops, n, stacked, axis, after
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300, 60), deadline=None)
 @given(joins(), st.booleans())
 def test_joins_of_chains_read_what_numpy_and_jax_join(join, by_jax):
     stored, ops, n, stacked, axis, after = join

@@ -23,8 +23,15 @@ import meshinit
 from meshinit._run import strategies as _strategies
 
 
-@pytest.mark.parametrize("explicit", [False, True])
-@pytest.mark.parametrize("context", [False, True])
+@pytest.mark.parametrize(
+    "context, explicit",  # the fast tier: each mesh kind once, with and without a context
+    [
+        (False, False),
+        pytest.param(False, True, marks=pytest.mark.slow),
+        pytest.param(True, False, marks=pytest.mark.slow),
+        (True, True),
+    ],
+)
 def test_three_meshes_materialize_exactly_with_or_without_context_mesh(explicit, context):
     specs, _ = three_mesh_specs(explicit)
     plan = meshinit.plan(specs)
@@ -158,7 +165,10 @@ def largest_array_in(compiled) -> int:
     return max(int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes)
 
 
-@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize(
+    "explicit",
+    [pytest.param(False, marks=pytest.mark.slow), True],  # Auto axes: in "all"
+)
 def test_no_device_ever_holds_a_full_copy(explicit):
     mesh = submesh(range(8), (2, 4), ("fsdp", "tensor"), explicit)
     specs = {

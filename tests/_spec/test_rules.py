@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
@@ -83,7 +84,7 @@ def tables_and_axes(draw):
 # -- 1. exact parity with flax linen --------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300, 60), deadline=None)
 @given(tables_and_axes(), st.permutations(MESH_POOL))
 def test_matches_linen_when_every_rule_fits_the_mesh(table_and_axes, mesh_names):
     rules, axes = table_and_axes
@@ -96,7 +97,7 @@ def test_matches_linen_when_every_rule_fits_the_mesh(table_and_axes, mesh_names)
     assert meshinit.logical_to_mesh_axes(axes, normalize_rules(rules)) == ours
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300, 60), deadline=None)
 @given(
     tables_and_axes(),
     st.lists(st.sampled_from(MESH_POOL), unique=True, max_size=len(MESH_POOL)).map(tuple),

@@ -61,10 +61,11 @@ from jax.sharding import PartitionSpec as P
 import meshinit
 from meshinit._engine import trace as _trace
 
-EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", examples(200, 20)))
-"""Drawn constructors in all: 200 (CI's size) with ``MESHINIT_TESTS=all``, 20 in the
-fast tier; ``MESHINIT_FUZZ_EXAMPLES`` sets it outright. A run that is one part of
-several (:data:`helpers.FUZZ_PART`) draws its share."""
+EXAMPLES = int(os.environ.get("MESHINIT_FUZZ_EXAMPLES", examples(200, 6)))
+"""Drawn constructors in all: 200 (CI's size) with ``MESHINIT_TESTS=all``, 6 in the
+fast tier (2 each for nnx, linen and equinox: each framework's path runs);
+``MESHINIT_FUZZ_EXAMPLES`` sets it outright. A run that is one part of several
+(:data:`helpers.FUZZ_PART`) draws its share."""
 
 
 RELEASE_EVERY = 50

@@ -298,7 +298,12 @@ def test_constructor_recipes_place_every_array_exactly(recipe, layers):
     assert checks.placement_problems(model, mesh, arrays, recipe=recipe) == []
 
 
-@pytest.mark.parametrize("recipe", ["linen.jit", "eqx.filter_jit"])
+@pytest.mark.parametrize(
+    # linen.jit's recipe takes one branch on both kinds of axes, placed exactly on
+    # Explicit axes in the fast tier (test_constructor_recipes_place_every_array_exactly)
+    "recipe",
+    [pytest.param("linen.jit", marks=pytest.mark.slow), "eqx.filter_jit"],
+)
 def test_framework_anchors_place_exactly_on_auto_axes_too(recipe):
     # The reference mesh's axes are Explicit; on Auto axes the eqx anchor takes its
     # other branch (eqx.filter_shard, a sharding constraint).

@@ -31,6 +31,7 @@ EXAMPLES = re.compile(r"^\s*Examples:\s*$", re.M)
 # ----------------------------------------------------------------------------- build
 
 
+@pytest.mark.slow  # a subprocess build; the pages, nav and names are checked fast below
 def test_mkdocs_build_strict_passes_and_renders_every_public_name(tmp_path):
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed: pip install -e '.[docs]' (CI installs it)")

@@ -197,7 +197,10 @@ def test_a_typed_key_made_outside_the_factory_is_a_host_value(make, fallbacks):
 # ------------------------------------------------------------------ remat is cut
 
 
-@pytest.mark.parametrize("how", ["jax.checkpoint", "jax.remat", "nnx.remat"])
+@pytest.mark.parametrize(
+    "how",  # jax.remat is documented as jax.checkpoint's alias: the fast tier runs one
+    ["jax.checkpoint", pytest.param("jax.remat", marks=pytest.mark.slow), "nnx.remat"],
+)
 def test_remat_and_checkpoint_are_cut_not_fallen_back(how, fallbacks, count_compiles):
     def stack(n):
         class Layer(nnx.Module):

@@ -29,6 +29,11 @@ AXES = ("fsdp", "tensor")
 KINDS = pytest.mark.parametrize(
     "kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"]
 )
+EXPLICIT_FAST = pytest.mark.parametrize(  # Auto axes in MESHINIT_TESTS=all
+    "kind",
+    [pytest.param(AxisType.Auto, marks=pytest.mark.slow), AxisType.Explicit],
+    ids=["auto", "explicit"],
+)
 EMBED_MLP_RULES = (("embed", "fsdp"), ("mlp", "tensor"))
 
 
@@ -110,7 +115,7 @@ def test_nnx_init_abstract_and_plan_equal_flax_named_sharding(kind):
             assert planned[path] == sharding, f"{path}: plan says {planned[path].spec}"
 
 
-@KINDS
+@EXPLICIT_FAST
 def test_nnx_typed_keys_are_spelled_as_flax_own_jitted_init_gives_them(kind):
     mesh = mesh_of(kind)
     with jax.set_mesh(mesh):
@@ -124,7 +129,7 @@ def test_nnx_typed_keys_are_spelled_as_flax_own_jitted_init_gives_them(kind):
     assert got["keys"].sharding.spec == P(None)  # the (2,) key array's rank
 
 
-@KINDS
+@EXPLICIT_FAST
 def test_nnx_stages_spell_each_variable_as_flax_would_on_its_stage(kind):
     stage0, stage1 = mesh_of(kind, range(4), (2, 2)), mesh_of(kind, range(4, 8), (2, 2))
     meshes = [(r"(plain|full)", stage1), (r".*", stage0)]

@@ -202,7 +202,10 @@ def elayers(key, container=list):
     return container(ELayer(32, k) for k in jax.random.split(key, 2))
 
 
-@pytest.mark.parametrize("container", [list, tuple])
+@pytest.mark.parametrize(
+    "container",
+    [list, pytest.param(tuple, marks=pytest.mark.slow)],  # a tuple: in "all"
+)
 def test_eqx_a_model_that_is_a_list_of_layers_takes_its_spec_tree_as_jax_jit_does(container):
     mesh = submesh(range(8), (2, 1, 4), ("fsdp", "sp", "tp"))
 
