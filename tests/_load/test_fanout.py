@@ -141,3 +141,11 @@ def test_a_stack_of_layers_the_shares_do_not_divide_is_split_along_each_layers_r
     # 3 layers in 2 shares would be 2 and 1; each layer's 4 rows split evenly: 2 and 2
     assert fanout.stage(jobs["s"].entry, jobs["s"].node).axis == 1
     assert fanout.stage(jobs["e"].entry, jobs["e"].node).axis == 0  # 2 layers: 1 each
+
+
+def test_a_load_reshards_in_about_sixteen_batches_so_its_fetches_overlap_them():
+    # each entry: 1 MiB replicated on 8 devices of this process, 16 MiB planned and staged
+    plan = plan_of({f"l.{i:02d}": ((1024, 256), None) for i in range(32)})
+    found = fanout.batches(plan.entries, 1 << 30)
+    assert found == [i // 2 for i in range(32)]  # 512 MiB in all: 32 MiB a batch
+    assert fanout.batches(plan.entries, 16 << 20) == list(range(32))  # the budget bounds
