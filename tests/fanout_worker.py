@@ -57,6 +57,7 @@ class Param:
     holders: int
     dtype: str = "float32"
     permute: tuple[int, ...] | None = None
+    layout: str | None = None  # one of LAYOUTS: the other targets of names=
 
     @property
     def stack(self) -> bool:
@@ -64,6 +65,8 @@ class Param:
 
     @property
     def plan_shape(self) -> tuple[int, ...]:
+        if self.layout is not None:
+            return LAYOUTS[self.layout][2](self.shape)
         if self.stack:
             return (len(self.tensors), *self.shape)
         if self.permute is not None:
@@ -72,6 +75,8 @@ class Param:
 
     def expected(self, stored: dict[str, np.ndarray]) -> np.ndarray:
         """The plan's value from the stored tensors, in numpy."""
+        if self.layout is not None:
+            return LAYOUTS[self.layout][1]([stored[t] for t in self.tensors])
         if self.stack:
             return np.stack([stored[t] for t in self.tensors], axis=0)
         value = stored[self.tensors[0]]
@@ -80,9 +85,52 @@ class Param:
     def names(self) -> Any:
         from meshinit import safetensors as st
 
+        if self.layout is not None:
+            return LAYOUTS[self.layout][0](self.tensors)
         if self.stack:
             return st.Stack([st.Tensor(t) for t in self.tensors], axis=0)
         return st.Tensor(self.tensors[0], permute=self.permute)
+
+
+def _sliced(x: np.ndarray) -> np.ndarray:
+    # meshinit's scale then offset, each in float32 (read.scaled, read.offset)
+    return x[4:28] * np.float32(2.0) + np.float32(0.5)
+
+
+def _st() -> Any:
+    from meshinit import safetensors as st
+
+    return st
+
+
+# The other targets of names=, each: (the target of the tensors' names, its value in
+# numpy from the stored tensors, the plan shape from the stored one).
+LAYOUTS: dict[str, tuple[Any, Any, Any]] = {
+    "concat": (
+        lambda ts: _st().Concat([_st().Tensor(t) for t in ts], axis=0),
+        lambda xs: np.concatenate(xs, axis=0),
+        lambda s: (2 * s[0], *s[1:]),
+    ),
+    "sliced": (  # a Tensor's index, scale and offset
+        lambda ts: _st().Tensor(ts[0], index=np.s_[4:28], scale=2.0, offset=0.5),
+        lambda xs: _sliced(xs[0]),
+        lambda s: (24, *s[1:]),
+    ),
+    "merged": (  # out_shape: the stored (4, 8, 16) read as (32, 16)
+        lambda ts: _st().Tensor(ts[0], out_shape=(32, 16)),
+        lambda xs: xs[0].reshape(32, 16),
+        lambda s: (32, 16),
+    ),
+    "padded": (  # 30 stored rows padded to 40: the last share is all padding
+        lambda ts: _st().Pad(_st().Tensor(ts[0]), shape=(40, 16)),
+        lambda xs: np.pad(xs[0], ((0, 10), (0, 0))),
+        lambda s: (40, *s[1:]),
+    ),
+}
+
+
+# the share of its stored tensors' bytes a layout reads (the rest: every byte)
+LAYOUT_READS = {"sliced": 24 / 32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +188,15 @@ CASES: dict[str, Case] = {
     "transposed": Case(
         {"t": Param("explicit", ("tensor", None), ("wt",), (48, 32), 4, permute=(1, 0))}
     ),
+    # the other layouts of names= (Fill reads nothing: never staged, tests/_load)
+    "layouts": Case(
+        {
+            "cat": Param("auto", (None, "tensor"), ("c0", "c1"), (12, 16), 4, layout="concat"),
+            "sl": Param("explicit", (None, "tensor"), ("sl",), (32, 16), 4, layout="sliced"),
+            "mg": Param("auto", (None, "tensor"), ("mg",), (4, 8, 16), 4, layout="merged"),
+        }
+    ),
+    "padded": Case({"pd": Param("auto", (None, "tensor"), ("pd",), (30, 16), 4, layout="padded")}),
     "two_replicas": Case(
         {
             "w2": Param("replicas", (None, "tensor"), ("w2",), (32, 16), holders=2),
