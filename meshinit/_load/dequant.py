@@ -20,7 +20,6 @@ read at the same index, so one origin serves them all.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import mmap
 from typing import Any
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from .. import _caches
 from .._errors import PlanError, Problem, printable
 from . import blocks as _blocks
 from . import read as _read
@@ -293,7 +293,7 @@ def _spread(
     return scale.transpose(order).reshape(shape)
 
 
-@functools.lru_cache(maxsize=256)
+@_caches.memo(256)
 def program(
     sizes: tuple[int, ...],
     stored: Any,

@@ -36,7 +36,7 @@ def loaded(path, plan, names=None, fan_out=None):
     try:
         arrays = st.load(plan, path, names=names, fan_out=fan_out, unused="ignore")
     finally:
-        jax.monitoring.clear_event_listeners()
+        jax.monitoring.unregister_scalar_listener(listen)
     return arrays, scalars
 
 
