@@ -214,7 +214,7 @@ class QuantParts(_read.Parts):
         rects = _per_device([(d, b.rects) for d, b in blocks.items()], n, per_device)
         offsets = [(d, np.array(b.offsets, np.int32)) for d, b in blocks.items()]
         check = any(b.check for b in made)
-        run = program(*signature, check, mesh, spec, names)
+        run = program(signature, check, mesh, spec, names)
         got = run(raw, rects, _per_device(offsets, n, per_device))
         del raw, rects
         self._held.clear()
@@ -295,22 +295,15 @@ def _spread(
 
 @_caches.memo(256)
 def program(
-    sizes: tuple[int, ...],
-    stored: Any,
-    rect_shape: tuple[int, ...],
-    rect_dtype: Any,
-    steps: tuple[Axis, ...],
-    block: tuple[int, int],
-    work: Any,
-    planned: Any,
-    check: bool,
-    mesh: Any,
-    spec: Any,
-    names: tuple[str, ...],
+    signature: tuple[Any, ...], check: bool, mesh: Any, spec: Any, names: tuple[str, ...]
 ) -> Any:
     """The compiled dequantization of one signature over the mesh: each device's
     block, scales and offsets are arguments, so every parameter of the signature
     (every layer) shares it."""
+    sizes: tuple[int, ...]
+    steps: tuple[Axis, ...]
+    block: tuple[int, int]
+    sizes, stored, rect_shape, rect_dtype, steps, block, work, planned = signature
     b0, b1 = block
     P = jax.sharding.PartitionSpec
     # rows and columns each move along one axis at most: gathered as slices
