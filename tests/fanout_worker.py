@@ -24,11 +24,11 @@ import json
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import helpers
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -276,32 +276,10 @@ MAXTEXT_MODEL = "llama3.1-8b"
 @functools.cache
 def maxtext_config() -> Any:
     """MaxText's base.yml with ``MAXTEXT_MODEL`` made tiny, data=4 x tensor=2."""
-    from maxtext.configs import pyconfig
-    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
+    from maxtext_models import tiny_config
 
-    sizes = dict(base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=4, head_dim=16)
-    return pyconfig.initialize(
-        ["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")],
-        model_name=MAXTEXT_MODEL,
-        override_model_config=True,
-        vocab_size=256,
-        base_mlp_dim=128,
-        base_num_decoder_layers=2,
-        max_target_length=16,
-        per_device_batch_size=1,
-        scan_layers=True,
-        ici_data_parallelism=4,
-        ici_fsdp_parallelism=1,
-        ici_tensor_parallelism=2,
-        dcn_data_parallelism=1,
-        hardware="cpu",
-        enable_checkpointing=False,
-        dataset_type="synthetic",
-        skip_jax_distributed_system=True,
-        jax_cache_dir="",  # base.yml's persistent cache would serve compiles from disk
-        log_config=False,
-        **sizes,
-    )
+    mesh = dict(ici_data_parallelism=4, ici_fsdp_parallelism=1)
+    return tiny_config(True, 2, model_name=MAXTEXT_MODEL, **mesh)
 
 
 def maxtext_plan(config: Any) -> meshinit.Plan:
@@ -567,15 +545,7 @@ class Runner:
 
 
 def main(process_id: int, port: int, folder: str, source: str) -> int:
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        f"127.0.0.1:{port}",
-        num_processes=NUM_PROCESSES,
-        process_id=process_id,
-        initialization_timeout=90,
-    )
-    assert jax.process_count() == NUM_PROCESSES, jax.process_count()
+    helpers.join_cpu_job(process_id, port, NUM_PROCESSES, LOCAL_DEVICES)
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
     runner = Runner(process_id, folder, source)
     results: dict[str, Any] = {}
@@ -601,14 +571,6 @@ def main(process_id: int, port: int, folder: str, source: str) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        # Skip jax.distributed's shutdown barrier, which would wait for the peers.
-        os._exit(code)
-    jax.distributed.shutdown()
+    helpers.finish_worker(
+        lambda: main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    )

@@ -430,3 +430,106 @@ def load_refused(plan, files, *needles, **kwargs):
     for needle in needles:
         assert needle in message, f"{needle!r} not in:\n{message}"
     return raised.value
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a jax.distributed coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(script, count, args, logs, env=None, timeout_s=240, grace_s=10):
+    """Runs ``python SCRIPT PROCESS_ID PORT *ARGS`` once per process, ``count`` of them,
+    on one free coordinator port, from the repository root with it first on
+    ``PYTHONPATH`` and ``JAX_PLATFORMS=cpu`` (and ``env`` added); each one's output in
+    ``logs``. All get ``timeout_s``; once one fails, the others ``grace_s`` more (they
+    wait for it in a barrier or a collective). Returns each one's ``returncode``,
+    ``stdout`` and ``stderr``; a worker still running at the end is killed (-9)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    port = free_port()
+    env = {
+        **os.environ,
+        **(env or {}),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        "JAX_PLATFORMS": "cpu",
+    }
+    logs = Path(logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    procs, files = [], []
+    try:
+        for i in range(count):
+            out, err = open(logs / f"{i}.out", "w+"), open(logs / f"{i}.err", "w+")
+            files += [out, err]
+            cmd = [sys.executable, str(script), str(i), str(port), *map(str, args)]
+            procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=err))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + grace_s)
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+    return [
+        {
+            "returncode": p.returncode,
+            "stdout": (logs / f"{i}.out").read_text(),
+            "stderr": (logs / f"{i}.err").read_text(),
+        }
+        for i, p in enumerate(procs)
+    ]
+
+
+def join_cpu_job(process_id, port, processes, local_devices, timeout_s=90):
+    """This worker joins a jax.distributed job of ``processes`` on 127.0.0.1, with
+    ``local_devices`` simulated CPU devices and gloo's collectives."""
+    jax.config.update("jax_num_cpu_devices", local_devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}",
+        num_processes=processes,
+        process_id=process_id,
+        initialization_timeout=timeout_s,
+    )
+    assert jax.process_count() == processes, jax.process_count()
+
+
+def finish_worker(run):
+    """Ends a worker process of :func:`run_workers`: ``run()`` returns its exit code
+    (an exception's traceback is printed, code 1). On failure it leaves at once,
+    skipping jax.distributed's shutdown barrier, which would wait for the peers."""
+    import sys
+    import traceback
+
+    try:
+        code = run()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        os._exit(code)
+    jax.distributed.shutdown()
+
+
+def describe_worker(i, result):
+    """What a :func:`run_workers` worker did, for a failed test's message."""
+    killed = "killed (timed out, or a peer had failed)"
+    status = killed if result["returncode"] == -9 else f"exit {result['returncode']}"
+    return (
+        f"worker {i}: {status}\n--- stderr (tail) ---\n{result['stderr'][-6000:]}"
+        f"\n--- stdout (tail) ---\n{result['stdout'][-1500:]}"
+    )

@@ -24,14 +24,14 @@ from meshinit.safetensors import Stack, Tensor
 @functools.cache
 def tiny_config(scan_layers: bool, layers: int = 2, **overrides):
     """MaxText's base.yml with a tiny model on fsdp=4 x tensor=2, nothing downloaded
-    (``model_name=`` a family's yml, its sizes overridden)."""
+    (``model_name=`` a family's yml, its sizes overridden; ``overrides`` win over every
+    setting here, the mesh's too)."""
     if "model_name" in overrides:
         overrides.setdefault("override_model_config", True)
     sizes = dict(
         base_emb_dim=64, base_num_query_heads=4, base_num_kv_heads=4, head_dim=16, vocab_size=256
     )
-    return pyconfig.initialize(
-        ["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")],
+    fixed = dict(
         base_mlp_dim=128,
         base_num_decoder_layers=layers,
         max_target_length=16,
@@ -48,7 +48,9 @@ def tiny_config(scan_layers: bool, layers: int = 2, **overrides):
         # whole process: compiles would be served from disk and not counted.
         jax_cache_dir="",
         log_config=False,
-        **(sizes | overrides),
+    )
+    return pyconfig.initialize(
+        ["", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml")], **(fixed | sizes | overrides)
     )
 
 

@@ -6,7 +6,9 @@ Each process joins ``jax.distributed`` on 127.0.0.1 with 4 CPU devices, plans an
 materializes the same tree on four meshes (two spanning both processes, one per
 process), and checks every addressable shard against single-process values from
 ``REFERENCE_NPZ``. It prints one ``RESULT {json}`` line, and exits 0 only if every
-check passed.
+check passed. Its loads that count each process's bytes read pass ``fan_out=False``:
+each process reads the blocks its own devices hold (fan-out, where the processes
+share the reading, is tests/guarantees/test_fanout.py's).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import json
 import os
 import sys
 import time
-import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,7 +178,7 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
 
     _read.parts = counting
     try:
-        loaded = st.load(plan, file, names=names)
+        loaded = st.load(plan, file, names=names, fan_out=False)  # each its own blocks
     finally:
         _read.parts = reader
     failures, shards, owned = [], 0, 0
@@ -206,7 +208,7 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
     with open(copy, "wb") as f:
         f.write(blob if me == 0 else blob[:-4])
     try:
-        st.load(plan, copy, names=names)
+        st.load(plan, copy, names=names, fan_out=False)
         corrupt = "returned"
     except (meshinit.PlanError, meshinit.PeerFailure) as e:
         corrupt = type(e).__name__
@@ -225,7 +227,7 @@ def check_remote(plan: meshinit.Plan, reference: Any, url: str) -> tuple[list[st
 
 
 def _check_remote(st: Any, plan: Any, reference: Any, url: str, reported: list[float]) -> Any:
-    loaded = st.load(plan, url, names=names)
+    loaded = st.load(plan, url, names=names, fan_out=False)
     failures, owned, blocks = [], 0, set()
     for path, array in loaded.items():
         want = np.asarray(reference[f"single-0-{path}"])
@@ -239,7 +241,9 @@ def _check_remote(st: Any, plan: Any, reference: Any, url: str, reported: list[f
     # process 1 is given an object that is not there: it fails, and so does process 0
     me = jax.process_index()
     try:
-        st.load(plan, url if me == 0 else url.replace("weights", "absent"), names=names)
+        st.load(
+            plan, url if me == 0 else url.replace("weights", "absent"), names=names, fan_out=False
+        )
         absent = "returned"
     except (meshinit.PlanError, meshinit.PeerFailure) as e:
         absent = type(e).__name__
@@ -288,7 +292,7 @@ def check_remote_layouts(url: str, reference: Any, local: str) -> tuple[list[str
         }
     )
     with bytes_reported() as reported:
-        loaded = st.load(plan, url)
+        loaded = st.load(plan, url, fan_out=False)
     here = st.load(plan, local)
     me = jax.process_index()
     failures, wrong, owned, blocks = [], [], 0, set()
@@ -529,15 +533,7 @@ def check_agreement(process_id: int, plan: Any) -> tuple[list[str], dict]:
 
 
 def main(process_id: int, port: int, reference_path: str) -> int:
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        f"127.0.0.1:{port}",
-        num_processes=NUM_PROCESSES,
-        process_id=process_id,
-        initialization_timeout=60,
-    )
-    assert jax.process_count() == NUM_PROCESSES, jax.process_count()
+    helpers.join_cpu_job(process_id, port, NUM_PROCESSES, LOCAL_DEVICES, timeout_s=60)
     assert len(jax.devices()) == NUM_PROCESSES * LOCAL_DEVICES, jax.devices()
     reference = np.load(reference_path)
     named = meshes()
@@ -591,14 +587,4 @@ def main(process_id: int, port: int, reference_path: str) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        # Skip jax.distributed's shutdown barrier, which would wait for the peer.
-        os._exit(code)
-    jax.distributed.shutdown()
+    helpers.finish_worker(lambda: main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))

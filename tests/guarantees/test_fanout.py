@@ -17,14 +17,11 @@ import contextlib
 import importlib.util
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import fanout_worker as worker
+import helpers
 import numpy as np
 import pytest
 
@@ -35,12 +32,6 @@ TIMEOUT_S = 300
 # Once one worker fails, its peers wait in a barrier or a collective: stop them soon.
 PEER_GRACE_S = 10
 KINDS = ("files", "s3")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_objects(folder: Path, expected: dict[str, np.ndarray]) -> dict[str, int]:
@@ -83,42 +74,10 @@ def maxtext_expected(folder: Path) -> dict[str, np.ndarray]:
 
 
 def run_workers(folder: Path, source: str, env: dict[str, str]) -> list[dict]:
-    port = free_port()
-    env = {
-        **os.environ,
-        **env,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "JAX_PLATFORMS": "cpu",
-    }
-    logs = folder / "logs"
-    logs.mkdir(exist_ok=True)
-    procs, files = [], []
-    try:
-        for i in range(worker.NUM_PROCESSES):
-            out, err = open(logs / f"{i}.out", "w+"), open(logs / f"{i}.err", "w+")
-            files += [out, err]
-            cmd = [sys.executable, worker.__file__, str(i), str(port), str(folder), source]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err))
-        deadline = time.monotonic() + TIMEOUT_S
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in files:
-            f.close()
-    return [
-        {
-            "returncode": p.returncode,
-            "stdout": (logs / f"{i}.out").read_text(),
-            "stderr": (logs / f"{i}.err").read_text(),
-        }
-        for i, p in enumerate(procs)
-    ]
+    args = (folder, source)
+    return helpers.run_workers(
+        worker.__file__, worker.NUM_PROCESSES, args, folder / "logs", env, TIMEOUT_S, PEER_GRACE_S
+    )
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -158,13 +117,7 @@ def run(request, tmp_path_factory) -> dict:
     return out
 
 
-def describe(i: int, r: dict) -> str:
-    killed = "killed (timed out, or a peer had failed)"
-    status = killed if r["returncode"] == -9 else f"exit {r['returncode']}"
-    return (
-        f"worker {i}: {status}\n--- stderr (tail) ---\n{r['stderr'][-6000:]}"
-        f"\n--- stdout (tail) ---\n{r['stdout'][-1500:]}"
-    )
+describe = helpers.describe_worker
 
 
 def results(run: dict) -> list[dict]:

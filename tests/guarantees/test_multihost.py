@@ -10,13 +10,10 @@ one device, so the value contract is checked across process boundaries.
 import contextlib
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import helpers
 import jax
 import multihost_worker as worker
 import numpy as np
@@ -33,12 +30,6 @@ TIMEOUT_S = 240
 # Once one worker fails, its peer waits in a barrier or a collective: stop it soon.
 PEER_GRACE_S = 10
 PARAMS_PER_MESH = len(worker.layout(None))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_reference(path: Path) -> None:
@@ -110,40 +101,9 @@ def aligned(tensors: dict) -> bytes:
 
 
 def run_workers(reference: Path, logs: Path, extra: dict | None = None) -> list[dict]:
-    port = free_port()
-    env = {
-        **os.environ,
-        **(extra or {}),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "JAX_PLATFORMS": "cpu",
-    }
-    procs, files = [], []
-    try:
-        for i in range(worker.NUM_PROCESSES):
-            out, err = open(logs / f"{i}.out", "w+"), open(logs / f"{i}.err", "w+")
-            files += [out, err]
-            cmd = [sys.executable, worker.__file__, str(i), str(port), str(reference)]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err))
-        deadline = time.monotonic() + TIMEOUT_S
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in files:
-            f.close()
-    return [
-        {
-            "returncode": p.returncode,
-            "stdout": (logs / f"{i}.out").read_text(),
-            "stderr": (logs / f"{i}.err").read_text(),
-        }
-        for i, p in enumerate(procs)
-    ]
+    return helpers.run_workers(
+        worker.__file__, worker.NUM_PROCESSES, (reference,), logs, extra, TIMEOUT_S, PEER_GRACE_S
+    )
 
 
 SERVED: dict = {}  # the S3 server's log of the workers' remote loads, where they ran
@@ -183,13 +143,7 @@ def workers(tmp_path_factory):
     return results
 
 
-def describe(i: int, r: dict) -> str:
-    killed = "killed (timed out, or its peer had failed)"
-    status = killed if r["returncode"] == -9 else f"exit {r['returncode']}"
-    return (
-        f"worker {i}: {status}\n--- stderr (tail) ---\n{r['stderr'][-6000:]}"
-        f"\n--- stdout (tail) ---\n{r['stdout'][-1500:]}"
-    )
+describe = helpers.describe_worker
 
 
 def counts(i: int, r: dict) -> dict:
