@@ -14,17 +14,19 @@ moves only data, so the values are the bytes read) fills every replica.
 
 The dimension split is the one along which the stored bytes run contiguously (the
 stored tensor's outer dimension, through the layout's transposes and joins:
-:func:`outer_axis`), so each share is a few long byte runs of the file; where the
+:func:`outer_axes`), so each share is a few long byte runs of the file; where the
 planned block's length along it is not a multiple of the share count, the staging
 array is padded with zeros at the end of each block, and the reshard cuts them off.
 A parameter with no such dimension (a scalar) is read as before, by each holder.
 
 Every choice here is made from what every process knows alike (the plan, the
 files' headers), so the staging shardings and the order of the collectives agree on
-every process. The reshards run in batches of at most ``budget`` bytes per process
-(:func:`batches`); before each batch every process agrees that all read their shares
-(:func:`meshinit._run.agree.checkpoint`), so a failed fetch on one process makes every
-process raise instead of waiting in a collective.
+every process. The reshards run in about 16 batches, each within ``budget`` bytes per
+process (:func:`batches`), as the read places their parameters, so they overlap the
+fetches that follow; before each batch every process agrees that all read their
+shares (:func:`meshinit._run.agree.checkpoint`), so a failed fetch on one process
+makes every process raise instead of waiting in a collective. One reshard runs at a
+time (:func:`reshard`).
 """
 
 from __future__ import annotations
