@@ -205,7 +205,9 @@ BATCHES = 16
 next batch's shares are fetched, so the load ends 1/BATCHES of its reshards after its
 last fetch; each batch costs one agreement of every process (a few milliseconds)."""
 
-SMALLEST = 1 << 20
+SMALLEST = 4 << 20
+"""The smallest batch, in bytes per process: each batch's agreement also moves bytes
+between the processes (at 1 MiB, 5.2% beyond the all-gather's on a 2.8 MiB load)."""
 
 
 def batches(entries: Sequence[PlanEntry], budget: int) -> list[int]:

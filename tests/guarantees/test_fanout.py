@@ -73,7 +73,7 @@ def maxtext_expected(folder: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def run_workers(folder: Path, source: str, env: dict[str, str]) -> list[dict]:
+def spawn(folder: Path, source: str, env: dict[str, str]) -> list[dict]:
     args = (folder, source)
     return helpers.run_workers(
         worker.__file__, worker.NUM_PROCESSES, args, folder / "logs", env, TIMEOUT_S, PEER_GRACE_S
@@ -92,7 +92,7 @@ def run(request, tmp_path_factory) -> dict:
     start = time.monotonic()
     with contextlib.ExitStack() as stack:
         if kind == "files":
-            out["workers"] = run_workers(folder, str(folder), {})
+            out["workers"] = spawn(folder, str(folder), {})
         else:
             pytest.importorskip("obstore")
             from storage_servers import S3Server
@@ -110,7 +110,7 @@ def run(request, tmp_path_factory) -> dict:
                 after=1,  # its header read passes
                 client=f"proc-{worker.FAILING_PROCESS}",
             )
-            out["workers"] = run_workers(folder, f"s3://{bucket}", server.env)
+            out["workers"] = spawn(folder, f"s3://{bucket}", server.env)
             out["counters"] = server.counters
             out["bucket"] = bucket
     print(f"{kind}: 4 workers {time.monotonic() - start:.1f} s")

@@ -100,7 +100,7 @@ def aligned(tensors: dict) -> bytes:
     return data
 
 
-def run_workers(reference: Path, logs: Path, extra: dict | None = None) -> list[dict]:
+def spawn(reference: Path, logs: Path, extra: dict | None = None) -> list[dict]:
     return helpers.run_workers(
         worker.__file__, worker.NUM_PROCESSES, (reference,), logs, extra, TIMEOUT_S, PEER_GRACE_S
     )
@@ -136,7 +136,7 @@ def workers(tmp_path_factory):
             }
             SERVED["header"] = 8 + int.from_bytes(data[:8], "little")
             SERVED["objects"] = {n: f"{bucket}/{n}.safetensors" for n in ("weights", "layouts")}
-        results = run_workers(tmp / "reference.npz", tmp, extra)
+        results = spawn(tmp / "reference.npz", tmp, extra)
         if S3Server is not None:
             SERVED["log"] = list(server.counters.log)
     print(f"reference {middle - start:.1f} s, 2 workers {time.monotonic() - middle:.1f} s")
