@@ -435,7 +435,7 @@ def holders(
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         assert index is not None  # a NamedSharding gives every addressable device an index
         index = _fanout.resolved(index, shape)
-        key = tuple((s.start, s.stop) for s in index)  # slices hash from 3.12 only
+        key = _fetch.block_key(index)  # slices hash from 3.12 only
         if stage is not None:
             index = stage.real(index)[0]
         out.setdefault(key, (index, []))[1].append(device)
