@@ -23,7 +23,9 @@ Run: python benchmarks/mxfp4_load.py [--layers 2] [--divide 1] [--tpu] [--dir DI
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -104,6 +106,7 @@ def main() -> None:
     parser.add_argument("--divide", type=int, default=1, help="experts and rows divided by this")
     parser.add_argument("--tpu", action="store_true", help="the one chip (mesh (1, 1))")
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="cProfile the last mxfp4 load")
     args = parser.parse_args()
     import jax
 
@@ -141,13 +144,20 @@ def main() -> None:
         jax.monitoring.register_scalar_listener(on_scalar)
         times: dict[str, list[float]] = {"mxfp4": [], "bf16": []}
         loaded = {}
-        for _ in range(2):
+        for again in range(2):
             for route, source in (("bf16", directory / "bf16"), ("mxfp4", directory)):
                 read[0] = 0.0
+                last = args.profile and again and route == "mxfp4"
+                profile = cProfile.Profile() if last else None
                 start = time.perf_counter()
+                if profile:
+                    profile.enable()
                 got = meshinit.safetensors.load(plan, source, names=names, progress=False)
                 jax.block_until_ready(list(got.values()))
                 times[route].append(time.perf_counter() - start)
+                if profile:
+                    profile.disable()
+                    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
                 if route == "mxfp4":
                     mx_read = read[0]
                 loaded[route] = got

@@ -33,6 +33,7 @@ exponent that would overflow the planned dtype.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import mmap
 from collections.abc import Callable, Mapping, Sequence
@@ -326,12 +327,12 @@ class MxParts(_read.Parts):
         group, groups = mx.group, self._groups()
         g0 = max(0, min(k0 // group, mx.blocks.shape[2] - groups))
         cut = (slice(e0, e0 + ne * es, es), slice(r0, r0 + nr * rs, rs), slice(g0, g0 + groups))
-        blocks, scales = [], []
-        for part, _ in reached:
+        b = mx.blocks.shape[3]
+        raw = np.empty((len(reached), ne, nr, groups, b), np.uint8)
+        exps = np.empty((len(reached), ne, nr, groups), np.uint8)
+        for k, (part, _) in enumerate(reached):  # copied once, out of the files' pages
             pair: Mx = part.quant
-            blocks.append(np.ascontiguousarray(self._tensor(pair.blocks)[cut]))
-            scales.append(np.ascontiguousarray(self._tensor(pair.scales)[cut]))
-        raw, exps = np.stack(blocks), np.stack(scales)
+            raw[k], exps[k] = self._tensor(pair.blocks)[cut], self._tensor(pair.scales)[cut]
         self._counted[0] += raw.nbytes + exps.nbytes
         self._tally[0] += raw.nbytes + exps.nbytes
         planned = np.dtype(entry.spec.dtype)
@@ -405,33 +406,52 @@ def _top(dtype: np.dtype) -> float:
 
 
 def _checked(raw: np.ndarray, exps: np.ndarray, dtype: np.dtype, path: str, reached: Any) -> None:
-    """Refuses the exponents the device would not apply as the reference does."""
+    """Refuses the exponents the device would not apply as the reference does. Only
+    the exponents are read (a sixteenth of the bytes) unless one is 0, 1 or large:
+    then the values of those groups say."""
+    top, high = _top(dtype), _overflowing(dtype)
+    low, big = int(exps.min(initial=255)), int(exps.max(initial=0))
+    if low > 1 and big < high:
+        return
     problems = []
     name = repr(printable(reached[0][0].quant.scales.name))
     more = " (or a stacked one)" if len(reached) > 1 else ""
-    # each group's largest magnitude code (0: every value +-0)
-    top = np.maximum(raw & 0x07, (raw >> 4) & 0x07).max(axis=-1, initial=0)
-    if (exps == 255).any():
+    if big == 255:
         problems.append(f"{name}{more} holds the exponent byte 255, NaN in e8m0")
-    tiny = (exps <= 1) & (top > 0)
-    if tiny.any():
+    tiny = exps <= 1
+    if low <= 1 and (codes := _codes(raw[tiny])).any():
+        byte = int(exps[tiny][codes > 0].min())
         problems.append(
-            f"{name}{more} holds the exponent byte {int(exps[tiny].min())} under a non-zero "
-            f"value: a float32 subnormal, which the device flushes to zero"
+            f"{name}{more} holds the exponent byte {byte} under a non-zero value: a "
+            f"float32 subnormal, which the device flushes to zero"
         )
-    largest = np.abs(np.array(VALUES[:8]))[top] * np.exp2(exps.astype(np.float64) - 127)
-    over = (exps != 255) & (largest > _top(dtype))
-    if over.any():
-        byte = int(exps[over].min())
-        problems.append(
-            f"{name}{more} holds the exponent byte {byte} under values that overflow "
-            f"{dtype.name} (up to {float(largest[over].max())!r}); plan a wider dtype, or"
-        )
+    large = (exps >= high) & (exps != 255)
+    if big >= high and large.any():
+        values = np.abs(np.array(VALUES[:8]))[_codes(raw[large])]
+        largest = values * np.exp2(exps[large] - 127.0)
+        if (largest > top).any():
+            problems.append(
+                f"{name}{more} holds the exponent byte {int(exps[large][largest > top].min())} "
+                f"under values that overflow {dtype.name} (up to {float(largest.max())!r}); "
+                f"plan a wider dtype, or"
+            )
     if problems:
         raise PlanError(
             [Problem(path, f"{p}; {_HOST}") for p in problems],
             header="meshinit.safetensors.load: MXFP4 exponents cannot be applied on the device:",
         )
+
+
+@functools.cache
+def _overflowing(dtype: np.dtype) -> int:
+    """The least exponent byte under which a value (up to 6) may overflow ``dtype``."""
+    return next(s for s in range(256) if 6.0 * 2.0 ** (s - 127) > _top(dtype))
+
+
+def _codes(groups: np.ndarray) -> np.ndarray:
+    """Each group's (``[..., B]`` bytes) largest magnitude code: 0 where every value
+    is +-0."""
+    return np.maximum(groups & 0x07, (groups >> 4) & 0x07).max(axis=-1, initial=0)
 
 
 @_caches.memo(256)
