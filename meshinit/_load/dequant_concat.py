@@ -37,6 +37,7 @@ from .. import _caches
 from . import blocks as _blocks
 from . import dequant as _dequant
 from .header import READABLE
+from .reshape import unmerge
 
 Step = tuple[int, int]  # stored rows, stored columns
 
@@ -222,41 +223,80 @@ def windows(found: list[Tile]) -> list[tuple[Any, tuple[int, int], tuple[int, in
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Merge:
+    """A merge (``out_shape``) of the whole parameter's axes, then its permute: the
+    tiles are worked out on the node before them, and the program reshapes the
+    block's bytes to that node's box before, and its values back after."""
+
+    groups: tuple[int, ...]
+    shape: tuple[int, ...]  # the unmerged node's result
+    order: tuple[int, ...] | None
+
+    def inner(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
+        """The box of the unmerged node that a block at ``index`` covers."""
+        order = self.order
+        merged = index if order is None else tuple(index[order.index(a)] for a in range(len(index)))
+        found = unmerge(merged, self.groups, self.shape)
+        assert found is not None  # a block that cuts a merged row is refused at plan time
+        return found
+
+
+def unmerged(node: _blocks.Node) -> tuple[_blocks.Node, Merge | None]:
+    """``node`` before its own merge (``out_shape``) and the permute after it, and
+    that :class:`Merge` (None: it merges nothing)."""
+    if isinstance(node, _blocks.Leaf) and node.groups is not None:
+        return dataclasses.replace(node, groups=None), Merge(node.groups, node.view, None)
+    if isinstance(node, _blocks.Joined) and node.groups is not None:
+        inner = dataclasses.replace(node, out_shape=None, groups=None, order=None)
+        return inner, Merge(node.groups, node.shape, node.order)
+    return node, None
+
+
 class TileParts(_dequant.QuantParts):
     """:class:`~meshinit._load.dequant.QuantParts` of a parameter whose blocks reach
     weights through a Concat, a Pad, a Fill, a permute or unequal Stack parts."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         job = args[0] if args else kwargs["job"]
-        entry, node = job.entry, job.node
+        entry = job.entry
+        node, self._merge = unmerged(job.node)
+        self._node = node
         self._steps = steps(node)
         assert not isinstance(self._steps, str)  # refused at plan time
         # the tables' sizes: the largest any block of the parameter needs, on any process
         shape = entry.spec.shape
         sizes = [0, 0, 0]  # tiles, scale rows, scale columns
-        cells = [0] * len(shape)
+        cells = [0] * len(node.result)
         constants = False
         seen = set()
+        boxes = set()
         for index in entry.sharding.devices_indices_map(shape).values():
             index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
             key = tuple((s.start, s.stop) for s in index)
             if key in seen or not math.prod(_sizes(index)):
                 continue
             seen.add(key)
-            found = tiles(node, index)
-            _, grid_ = grid(found, _sizes(index))
+            inner = self._inner(index)
+            boxes.add(_sizes(inner))
+            found = tiles(node, inner)
+            _, grid_ = grid(found, _sizes(inner))
             cells = [max(a, b) for a, b in zip(cells, grid_.shape, strict=True)]
             sizes[0] = max(sizes[0], len(found))
             constants = constants or any(t.leaf is None for t in found)
             for _, (r0, r1), (c0, c1) in windows(found):
                 sizes[1], sizes[2] = max(sizes[1], r1 - r0 + 1), max(sizes[2], c1 - c0 + 1)
+        assert len(boxes) <= 1  # even blocks: unmerged alike
         self._static = (sizes[0], max(1, sizes[1]), max(1, sizes[2]), tuple(cells), constants)
         super().__init__(*args, **kwargs)
+
+    def _inner(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
+        return index if self._merge is None else self._merge.inner(index)
 
     def windows(self, index: tuple[slice, ...]) -> list[_dequant.Window]:
         if not math.prod(_sizes(index)):
             return []
-        return windows(tiles(self.job.node, index))
+        return windows(tiles(self._node, self._inner(index)))
 
     def _block(self, index: tuple[slice, ...]) -> _dequant.Raw:
         node, entry = self.job.node, self.job.entry
@@ -266,9 +306,11 @@ class TileParts(_dequant.QuantParts):
         if not math.prod(sizes):  # an empty block (of an empty parameter): placed as planned
             raw = np.zeros(sizes, planned)
             return _dequant.Raw(key, raw, (np.zeros((0, 1, 1), np.float32),), (), False, "")
-        found = tiles(node, index)
+        inner = self._inner(index)
+        found = tiles(self._node, inner)
         leaves = [t.leaf for t in found if t.leaf is not None]
-        stored = READABLE[leaves[0].stored.dtype]
+        first = _blocks.leaves(self._node)[0]  # all alike (plan time): a block of constants too
+        stored = READABLE[first.stored.dtype]
         raw = _blocks.block(node, index, self._raw, stored)
         count, nr, nc, cells_shape, constants = self._static
         rects = np.zeros((count, nr, nc), np.float32)
@@ -290,15 +332,16 @@ class TileParts(_dequant.QuantParts):
             r0 = row - sum(w.start * s[0] for w, s in zip(t.where, self._steps, strict=True))
             c0 = col - sum(w.start * s[1] for w, s in zip(t.where, self._steps, strict=True))
             table[k] = (r0, c0, rb, cb)
-        runs, cells = grid(found, sizes)
+        runs, cells = grid(found, _sizes(inner))
         padded = np.zeros(cells_shape, np.int32)
         padded[tuple(slice(0, n) for n in cells.shape)] = cells
-        names = _dequant.named([leaf.stored.name for leaf in leaves])
+        names = _dequant.named([leaf.stored.name for leaf in leaves or [first]])
         _dequant.tiny(rects, stored, entry.path, names)
-        work = np.dtype(leaves[0].tensor.compute_dtype or entry.spec.dtype)
+        work = np.dtype(first.tensor.compute_dtype or entry.spec.dtype)
         check = _dequant.overflows(rects, stored, work, planned)
-        block = leaves[0].quant.block
-        signature = (raw.shape, stored, self._static, self._steps, block, work, planned)
+        block = first.quant.block
+        merge = None if self._merge is None else (_sizes(inner), self._merge.order)
+        signature = (raw.shape, merge, stored, self._static, self._steps, block, work, planned)
         args = (rects, table, values, flags, np.concatenate(runs), padded)
         return _dequant.Raw(key, raw, args, signature, check, names)
 
@@ -307,13 +350,20 @@ class TileParts(_dequant.QuantParts):
         return program(signature, check, mesh, spec, tuple(mesh.axis_names))
 
 
+def _merged(shape: tuple[int, ...], order: tuple[int, ...] | None) -> tuple[int, ...]:
+    """A block's shape before its permute."""
+    return shape if order is None else tuple(shape[order.index(a)] for a in range(len(shape)))
+
+
 @_caches.memo(256)
 def program(
     signature: tuple[Any, ...], check: bool, mesh: Any, spec: Any, names: tuple[str, ...]
 ) -> Any:
     """The compiled dequantization of one signature over the mesh; each device's
     block and tables are arguments."""
-    sizes, stored, static, moves, block, work, planned = signature
+    shape, merge, stored, static, moves, block, work, planned = signature
+    sizes = shape if merge is None else merge[0]  # the tiles' box
+    order = None if merge is None else merge[1]
     constants = static[4]
     b0, b1 = block
     P = jax.sharding.PartitionSpec
@@ -324,11 +374,15 @@ def program(
         rects, table, values, flags, runs, cells = (
             x[0] for x in (rects, table, values, flags, runs, cells)
         )
+        if merge is not None:  # the bytes as the unmerged node's box
+            if order is not None:
+                raw = raw.transpose(np.argsort(order))
+            raw = raw.reshape(sizes)
         index, k = [], 0
         for a, n in enumerate(sizes):
-            shape = [1] * len(sizes)
-            shape[a] = n
-            index.append(runs[k : k + n].reshape(shape))
+            along = [1] * len(sizes)
+            along[a] = n
+            index.append(runs[k : k + n].reshape(along))
             k += n
         tile = cells[tuple(index)]  # each element's tile
         at = table[tile]
@@ -344,6 +398,9 @@ def program(
         out = wide.astype(work).astype(planned)  # then to the planned dtype
         if constants:
             out = jnp.where(flags[tile], values[tile], out)
+        if merge is not None:  # the values as the parameter's block
+            out = out.reshape(_merged(shape, order))
+            out = out if order is None else out.transpose(order)
         if not check:
             return out
         fits = jnp.isfinite(wide.astype(work)) | ~jnp.isfinite(raw)

@@ -164,11 +164,11 @@ def _fitting(shape: tuple[int, ...], scale: tuple[int, ...]) -> tuple[int, int] 
 
 def _attached(node: _blocks.Node, quants: Mapping[str, Quant]) -> _blocks.Node:
     """``node`` with each leaf's :class:`Quant`; :class:`~.blocks.Refused` where it is
-    not dequantized through it: an out_shape (merged axes), a scale= or offset=, a view
-    that mixes rows and columns, parts whose views step differently or whose stored
-    dtypes differ. A weight, or a Stack of equal ones, is read by
-    :class:`~.dequant.QuantParts`; a Concat, a Pad, a Fill, a permute or unequal Stack
-    parts by :class:`~.dequant_concat.TileParts`."""
+    not dequantized through it: an out_shape (merged axes) inside a join or pad, a
+    scale= or offset=, a view that mixes rows and columns, parts whose views step
+    differently or whose stored dtypes differ. A weight, or a Stack of equal ones, is read by
+    :class:`~.dequant.QuantParts`; a Concat, a Pad, a Fill, a permute, a merge or
+    unequal Stack parts by :class:`~.dequant_concat.TileParts`."""
     made = _each(node, quants)
     if _uniform(made):
         return made
@@ -176,7 +176,7 @@ def _attached(node: _blocks.Node, quants: Mapping[str, Quant]) -> _blocks.Node:
     what = f"{made.label}{_kind(made)} of float8 weights read dequantized"
     dtypes = sorted({leaf.stored.dtype for leaf in leaves})
     works = {leaf.tensor.compute_dtype for leaf in leaves}
-    why = _dequant_concat.steps(made)
+    why = _dequant_concat.steps(_dequant_concat.unmerged(made)[0])
     if len(dtypes) > 1:
         why = f"its weights are stored as {' and '.join(dtypes)}"
     elif len(works) > 1:
@@ -197,15 +197,16 @@ def _kind(node: _blocks.Node) -> str:
     return "a Pad" if isinstance(node, _blocks.Padded) else "a part"
 
 
-def _each(node: _blocks.Node, quants: Mapping[str, Quant]) -> _blocks.Node:
-    """``node`` with each leaf's :class:`Quant`, or why a part refuses it."""
+def _each(node: _blocks.Node, quants: Mapping[str, Quant], root: bool = True) -> _blocks.Node:
+    """``node`` with each leaf's :class:`Quant`, or why a part refuses it: a merge
+    (``out_shape``) is dequantized where it merges the whole parameter's axes only."""
     if isinstance(node, _blocks.Leaf):
         held, tensor = node.stored, node.tensor
         what = f"{node.label}tensor {printable(held.name)!r} (float8, dequantized)"
         found = _dequant.geometry(node)
         why = None
-        if node.groups is not None:
-            why = f"out_shape={tensor.out_shape}"
+        if node.groups is not None and not root:
+            why = f"out_shape={tensor.out_shape} inside a Stack, Concat or Pad"
         elif tensor.scale is not None or tensor.offset is not None:
             why = "a scale= or offset="
         elif isinstance(found, str):
@@ -216,20 +217,22 @@ def _each(node: _blocks.Node, quants: Mapping[str, Quant]) -> _blocks.Node:
     if isinstance(node, _blocks.Const):
         return node
     if isinstance(node, _blocks.Padded):
-        return dataclasses.replace(node, part=_each(node.part, quants))
-    if node.groups is not None:
+        return dataclasses.replace(node, part=_each(node.part, quants, False))
+    if node.groups is not None and not root:
         raise _blocks.Refused(
-            f"{node.label}{node.kind} with out_shape= over float8 weights read dequantized "
-            f"is not supported yet; {_FIX}"
+            f"{node.label}{node.kind} with out_shape= inside a Stack, Concat or Pad over "
+            f"float8 weights read dequantized is not supported yet; {_FIX}"
         )
-    return dataclasses.replace(node, parts=tuple(_each(p, quants) for p in node.parts))
+    return dataclasses.replace(node, parts=tuple(_each(p, quants, False) for p in node.parts))
 
 
 def _uniform(node: _blocks.Node) -> bool:
     """Whether ``node`` is a weight, or a Stack of equal ones (:mod:`.dequant`'s)."""
     if isinstance(node, _blocks.Leaf):
-        return True
+        return node.groups is None
     if not isinstance(node, _blocks.Joined) or not node.stacked or node.order is not None:
+        return False
+    if node.groups is not None:
         return False
     return all(_uniform(p) for p in node.parts) and len({_key(p) for p in node.parts}) == 1
 

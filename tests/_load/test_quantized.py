@@ -277,29 +277,17 @@ def test_a_pad_a_permuted_stack_and_unequal_stack_parts_dequantize(tmp_path, exp
     folder, want = fused(tmp_path, {"a": (256, 200), "b": (256, 264)})
     mesh = mesh_of((2, 4), explicit)
     a, b = want["a"], want["b"]
+    shapes = {
+        "pad": ((320, 264), ("x", "y")),
+        "perm": ((200, 2, 256), ("y", None, "x")),
+        "experts": ((4, 256, 200), ("x", None, "y")),
+        "slices": ((2, 256, 136), (None, "x", "y")),
+    }
+    zeros = jax.nn.initializers.zeros
     plan = meshinit.plan(
         {
-            "pad": meshinit.param(
-                (320, 264),
-                jax.nn.initializers.zeros,
-                dtype=jnp.bfloat16,
-                mesh=mesh,
-                axes=("x", "y"),
-            ),
-            "perm": meshinit.param(
-                (200, 2, 256),
-                jax.nn.initializers.zeros,
-                dtype=jnp.bfloat16,
-                mesh=mesh,
-                axes=("y", None, "x"),
-            ),
-            "slices": meshinit.param(
-                (2, 256, 136),
-                jax.nn.initializers.zeros,
-                dtype=jnp.bfloat16,
-                mesh=mesh,
-                axes=(None, "x", "y"),
-            ),
+            n: meshinit.param(shape, zeros, dtype=jnp.bfloat16, mesh=mesh, axes=axes)
+            for n, (shape, axes) in shapes.items()
         }
     )
     names = {
@@ -307,6 +295,16 @@ def test_a_pad_a_permuted_stack_and_unequal_stack_parts_dequantize(tmp_path, exp
         "pad": st.Pad("a", shape=(320, 264), value=0.5),
         # [in, 2, out]: a and b's first columns stacked, then permuted
         "perm": st.Stack(["a", st.Tensor("b", index=np.s_[:, :200])], axis=0, permute=(2, 0, 1)),
+        # a padded layer's empty experts, and a bias row of a Fill concatenated
+        "experts": st.Stack(
+            [
+                "a",
+                st.Concat([st.Tensor("b", index=np.s_[:255, :200]), st.Fill(-1.5, (1, 200))], 0),
+                st.Fill(0.0, (256, 200)),
+                st.Fill(0.0, (256, 200)),
+            ],
+            axis=0,
+        ),
         # two slices of b, from other columns: parts that differ
         "slices": st.Stack(
             [st.Tensor("b", index=np.s_[:, :136]), st.Tensor("b", index=np.s_[:, 100:236])],
@@ -318,7 +316,38 @@ def test_a_pad_a_permuted_stack_and_unequal_stack_parts_dequantize(tmp_path, exp
     padded[:256, :200] = a
     assert (bits(got["pad"]) == bits(padded)).all()
     assert (bits(got["perm"]) == bits(np.stack([a, b[:, :200]]).transpose(2, 0, 1))).all()
+    experts = np.zeros((4, 256, 200), BF16)
+    experts[0], experts[1, :255], experts[1, 255] = a, b[:255, :200], -1.5
+    assert (bits(got["experts"]) == bits(experts)).all()
     assert (bits(got["slices"]) == bits(np.stack([b[:, :136], b[:, 100:236]]))).all()
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_merge_of_the_whole_parameter_and_its_permute_dequantize(tmp_path, explicit):
+    folder, want = fused(tmp_path, {"a": (256, 200), "b": (256, 200)}, seed=3)
+    a, b = want["a"], want["b"]
+    mesh = mesh_of((2, 4), explicit)
+    shapes = {
+        "flat": ((256 * 200,), ("x",)),  # blocks of 128 whole rows
+        "layers": ((512, 200), ("x", "y")),  # a layer's rows per block
+        "kernel": ((400, 256), ("y", "x")),  # 100 of a layer's 200 columns per block
+    }
+    zeros = jax.nn.initializers.zeros
+    plan = meshinit.plan(
+        {
+            n: meshinit.param(shape, zeros, dtype=jnp.bfloat16, mesh=mesh, axes=axes)
+            for n, (shape, axes) in shapes.items()
+        }
+    )
+    names = {
+        "flat": st.Tensor("a", out_shape=(256 * 200,)),
+        "layers": st.Stack(["a", "b"], axis=0, out_shape=(512, 200)),
+        "kernel": st.Stack(["a", "b"], axis=1, out_shape=(256, 400), permute=(1, 0)),
+    }
+    got = st.load(plan, folder, names=names)
+    assert (bits(got["flat"]) == bits(a.reshape(-1))).all()
+    assert (bits(got["layers"]) == bits(np.stack([a, b]).reshape(512, 200))).all()
+    assert (bits(got["kernel"]) == bits(np.stack([a, b], axis=1).reshape(256, 400).T)).all()
 
 
 def test_keep_quantized_float8_and_its_scale_load_as_stored(tmp_path):
@@ -463,7 +492,7 @@ def test_other_scales_ranks_and_joins_are_refused_by_name(tmp_path):
     # a Concat and a Pad read dequantized (test_a_concat_..., test_a_pad_...); still refused:
     plan = plan_for(
         {
-            "flat": (256 * 256,),
+            "flat": (2, 256 * 256),
             "merged": (512 * 256,),
             "crossed": (256, 512),
             "mixed": (512, 256),
@@ -472,8 +501,8 @@ def test_other_scales_ranks_and_joins_are_refused_by_name(tmp_path):
         jnp.bfloat16,
     )
     names = {
-        "flat": st.Tensor("a", out_shape=(256 * 256,)),
-        "merged": st.Stack(["a", "a"], axis=0, out_shape=(512 * 256,)),
+        "flat": st.Stack([st.Tensor("a", out_shape=(256 * 256,))] * 2, axis=0),
+        "merged": st.Concat([st.Stack(["a", "a"], axis=0, out_shape=(512 * 256,))], axis=0),
         "crossed": st.Concat(["a", st.Tensor("a", permute=(1, 0))], axis=1),
         "mixed": st.Concat(["a", "e"], axis=0),
         "bias": st.Concat(["a", "bias"], axis=0),
@@ -483,10 +512,11 @@ def test_other_scales_ranks_and_joins_are_refused_by_name(tmp_path):
         folder,
         names,
         [
-            "flat: tensor 'a' (float8, dequantized) is not read dequantized through "
-            "out_shape=(65536,) yet; plan the parameter as float8",
-            "merged: Stack with out_shape= over float8 weights read dequantized is not "
-            "supported yet",
+            "flat: Stack part [0] tensor 'a' (float8, dequantized) is not read dequantized "
+            "through out_shape=(65536,) inside a Stack, Concat or Pad yet; plan the parameter "
+            "as float8",
+            "merged: Concat part [0] Stack with out_shape= inside a Stack, Concat or Pad over "
+            "float8 weights read dequantized is not supported yet",
             "crossed: Concat of float8 weights read dequantized: along axis 0, tensor 'a''s "
             "view steps (1, 0) (stored rows, columns) and 'a''s (0, 1): its parts' views step "
             "through their stored tensors differently; plan the parameter as float8",
