@@ -624,4 +624,5 @@ def test_two_processes_each_dequantize_the_blocks_their_devices_hold(tmp_path):
     for p, (out, err) in zip(procs, done, strict=True):
         assert p.returncode == 0, err[-3000:]
         got = json.loads(out.strip().splitlines()[-1])
-        assert got == {k: [True] * 4 for k in ("split", "replicated", "transposed")}, got
+        layouts = ("split", "replicated", "transposed", "fused")
+        assert got == {k: [True] * 4 for k in layouts}, got
