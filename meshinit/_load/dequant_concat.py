@@ -25,7 +25,6 @@ device runs the same program, and layers of equal shapes share it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -36,221 +35,28 @@ import numpy as np
 from .. import _caches
 from . import blocks as _blocks
 from . import dequant as _dequant
+from . import dequant_tiles as _tiles
 from .header import READABLE
-from .reshape import unmerge
-
-Step = tuple[int, int]  # stored rows, stored columns
 
 
-@dataclasses.dataclass(frozen=True)
-class Tile:
-    """A box of a block that one weight (or one constant) fills."""
-
-    leaf: _blocks.Leaf | None  # None: a constant
-    value: bool | int | float
-    at: tuple[slice, ...]  # the index of the leaf's transposed view it reads
-    where: tuple[slice, ...]  # its box in the block
-    axes: tuple[int, ...]  # the block's axis of each axis of the leaf's view
-
-
-def _sizes(index: tuple[slice, ...]) -> tuple[int, ...]:
-    return tuple(max(0, s.stop - s.start) for s in index)
-
-
-def _whole(sizes: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(0, n) for n in sizes)
-
-
-def tiles(node: _blocks.Node, index: tuple[slice, ...]) -> list[Tile]:
-    """The tiles of the block at ``index``, a later one over an earlier where they
-    overlap (a pad's part over its padding). The dry run of :func:`~.blocks.block`:
-    nothing is read."""
-    sizes = _sizes(index)
-    if isinstance(node, _blocks.Leaf):
-        return [Tile(node, 0, index, _whole(sizes), tuple(range(len(index))))]
-    if isinstance(node, _blocks.Const):
-        return [Tile(None, node.value, (), _whole(sizes), ())]
-    if isinstance(node, _blocks.Padded):
-        out = [Tile(None, node.value, (), _whole(sizes), ())]
-        inner = []
-        for s, n in zip(index, node.part.result, strict=True):
-            if min(s.stop, n) <= s.start:
-                return out  # wholly in the padding
-            inner.append(slice(s.start, min(s.stop, n)))
-        return out + tiles(node.part, tuple(inner))  # the part sits at the origin
-    assert node.groups is None  # refused at plan time (refusal)
-    joined = (
-        index
-        if node.order is None
-        else tuple(index[node.order.index(a)] for a in range(len(index)))
-    )
-    axis, along = node.axis, joined[node.axis]
-    found: list[Tile] = []
-    if along.stop > along.start:
-        rest = joined[:axis] + joined[axis + 1 :]
-        for k, part in enumerate(node.parts):
-            if node.stacked:
-                if not along.start <= k < along.stop:
-                    continue
-                at = k - along.start
-                for t in tiles(part, rest):
-                    where = (*t.where[:axis], slice(at, at + 1), *t.where[axis:])
-                    axes = tuple(a + (a >= axis) for a in t.axes)
-                    found.append(dataclasses.replace(t, where=where, axes=axes))
-                continue
-            start = node.starts[k]
-            lo, hi = max(along.start, start), min(along.stop, start + part.result[axis])
-            if lo >= hi:
-                continue
-            sub = joined[:axis] + (slice(lo - start, hi - start),) + joined[axis + 1 :]
-            for t in tiles(part, sub):
-                moved = t.where[axis]
-                shift = lo - along.start
-                where = (
-                    *t.where[:axis],
-                    slice(moved.start + shift, moved.stop + shift),
-                    *t.where[axis + 1 :],
-                )
-                found.append(dataclasses.replace(t, where=where))
-    if node.order is None:
-        return found
-    order = node.order
-    return [
-        dataclasses.replace(
-            t,
-            where=tuple(t.where[order[i]] for i in range(len(order))),
-            axes=tuple(order.index(a) for a in t.axes),
-        )
-        for t in found
-    ]
-
-
-def _placed(node: _blocks.Node) -> list[tuple[_blocks.Leaf, tuple[int, ...]]]:
-    """Each leaf of ``node`` with the result axis of each axis of its view."""
-    if isinstance(node, _blocks.Leaf):
-        return [(node, tuple(range(len(node.view))))]
-    if isinstance(node, _blocks.Const):
-        return []
-    if isinstance(node, _blocks.Padded):
-        return _placed(node.part)
-    out = []
-    for part in node.parts:
-        for leaf, axes in _placed(part):
-            if node.stacked:
-                axes = tuple(a + (a >= node.axis) for a in axes)
-            if node.order is not None:
-                axes = tuple(node.order.index(a) for a in axes)
-            out.append((leaf, axes))
-    return out
-
-
-def steps(node: _blocks.Node) -> tuple[Step, ...] | str:
-    """The stored rows and columns one step along each axis of ``node``'s result moves
-    in every weight whose view has that axis (an axis of size 1, or a stacked one, in
-    some: any step), or why they step differently (the first such axis)."""
-    found: list[tuple[Step, str] | None] = [None] * len(node.result)
-    for leaf, axes in _placed(node):
-        got = _dequant.geometry(leaf)
-        assert not isinstance(got, str)  # refused before
-        for n, step, a in zip(leaf.view, got[1], axes, strict=True):
-            if n == 1:
-                continue
-            if found[a] is None:
-                found[a] = (step, leaf.stored.name)
-            elif found[a][0] != step:  # type: ignore[index]
-                other = found[a][1]  # type: ignore[index]
-                return (
-                    f"along axis {a}, tensor {other!r}'s view steps {found[a][0]} (stored "  # type: ignore[index]
-                    f"rows, columns) and {leaf.stored.name!r}'s {step}: its parts' views "
-                    f"step through their stored tensors differently"
-                )
-    return tuple((0, 0) if f is None else f[0] for f in found)
-
-
-def _interval(edges: np.ndarray, s: slice) -> slice:
-    return slice(int(np.searchsorted(edges, s.start)), int(np.searchsorted(edges, s.stop)))
-
-
-def grid(found: list[Tile], sizes: tuple[int, ...]) -> tuple[list[np.ndarray], np.ndarray]:
-    """Each axis's interval of each position, and the tile of each cell of the grid of
-    intervals (the later tile where tiles overlap)."""
-    edges = []
-    for a, n in enumerate(sizes):
-        cuts = {0, n} | {t.where[a].start for t in found} | {t.where[a].stop for t in found}
-        edges.append(np.array(sorted(c for c in cuts if 0 <= c <= n), np.int64))
-    runs = [
-        (np.searchsorted(e, np.arange(n), side="right") - 1).astype(np.int32)
-        for e, n in zip(edges, sizes, strict=True)
-    ]
-    cells = np.full(tuple(len(e) - 1 for e in edges), -1, np.int32)
-    for k, t in enumerate(found):
-        cells[tuple(_interval(e, s) for e, s in zip(edges, t.where, strict=True))] = k
-    assert (cells >= 0).all()  # the tiles cover the block
-    return runs, cells
-
-
-def _first(
-    leaf: _blocks.Leaf, at: tuple[slice, ...]
-) -> tuple[tuple[int, int], tuple[int, int, int, int]]:
-    """The stored (row, column) of the tile's first element, and the first and last
-    stored row and column the tile reaches."""
-    got = _dequant.geometry(leaf)
-    assert not isinstance(got, str)
-    (r, c), moves = got
-    row = r + sum(s.start * dr for s, (dr, _) in zip(at, moves, strict=True))
-    col = c + sum(s.start * dc for s, (_, dc) in zip(at, moves, strict=True))
-    sizes = _sizes(at)
-    bounds = []
-    for start, k in ((row, 0), (col, 1)):
-        bounds.append(
-            start + sum(min(0, (n - 1) * m[k]) for n, m in zip(sizes, moves, strict=True))
-        )
-        bounds.append(
-            start + sum(max(0, (n - 1) * m[k]) for n, m in zip(sizes, moves, strict=True))
-        )
-    return (row, col), (bounds[0], bounds[1], bounds[2], bounds[3])
-
-
-def windows(found: list[Tile]) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
-    """Each weight tile's scale, and the scale rows and columns it reads."""
-    out = []
-    for t in found:
-        if t.leaf is None or not math.prod(_sizes(t.at)):
-            continue
-        b0, b1 = t.leaf.quant.block
-        _, (lo_r, hi_r, lo_c, hi_c) = _first(t.leaf, t.at)
-        out.append((t.leaf.quant.scale, (lo_r // b0, hi_r // b0), (lo_c // b1, hi_c // b1)))
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Merge:
-    """A merge (``out_shape``) of the whole parameter's axes, then its permute: the
-    tiles are worked out on the node before them, and the program reshapes the
-    block's bytes to that node's box before, and its values back after."""
-
-    groups: tuple[int, ...]
-    shape: tuple[int, ...]  # the unmerged node's result
-    order: tuple[int, ...] | None
-
-    def inner(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
-        """The box of the unmerged node that a block at ``index`` covers."""
-        order = self.order
-        merged = index if order is None else tuple(index[order.index(a)] for a in range(len(index)))
-        found = unmerge(merged, self.groups, self.shape)
-        assert found is not None  # a block that cuts a merged row is refused at plan time
-        return found
-
-
-def unmerged(node: _blocks.Node) -> tuple[_blocks.Node, Merge | None]:
-    """``node`` before its own merge (``out_shape``) and the permute after it, and
-    that :class:`Merge` (None: it merges nothing)."""
-    if isinstance(node, _blocks.Leaf) and node.groups is not None:
-        return dataclasses.replace(node, groups=None), Merge(node.groups, node.view, None)
-    if isinstance(node, _blocks.Joined) and node.groups is not None:
-        inner = dataclasses.replace(node, out_shape=None, groups=None, order=None)
-        return inner, Merge(node.groups, node.shape, node.order)
-    return node, None
+def fast(moves: tuple[_tiles.Step, ...], cells: tuple[int, ...], alike: tuple[bool, bool]) -> Any:
+    """How the program gathers the scales as slices (see :func:`program`): rows first
+    where every weight tile of every block takes the same scale columns (``alike[1]``:
+    q, k and v concatenated along their rows), columns first where the rows are alike;
+    None (each element's scale gathered on its own) where rows or columns move along
+    more than one axis, or the tiles vary along the axis of the second gather."""
+    rows = [a for a, m in enumerate(moves) if m[0]]
+    cols = [a for a, m in enumerate(moves) if m[1]]
+    if len(rows) > 1 or len(cols) > 1:
+        return None
+    ar = rows[0] if rows else None
+    ac = cols[0] if cols else None
+    varies: set[int | None] = {a for a, n in enumerate(cells) if n > 1}
+    if alike[1] and (ac is None or ac not in varies | {ar}):
+        return ("rows", ar, ac)
+    if alike[0] and (ar is None or ar not in varies | {ac}):
+        return ("columns", ac, ar)
+    return None
 
 
 class TileParts(_dequant.QuantParts):
@@ -260,79 +66,89 @@ class TileParts(_dequant.QuantParts):
     def __init__(self, *args: Any, **kwargs: Any):
         job = args[0] if args else kwargs["job"]
         entry = job.entry
-        node, self._merge = unmerged(job.node)
+        node, self._merge = _tiles.unmerged(job.node)
         self._node = node
-        self._steps = steps(node)
-        assert not isinstance(self._steps, str)  # refused at plan time
+        moves = _tiles.steps(node)
+        assert not isinstance(moves, str)  # refused at plan time
+        self._steps = moves
         # the tables' sizes: the largest any block of the parameter needs, on any process
         shape = entry.spec.shape
         sizes = [0, 0, 0]  # tiles, scale rows, scale columns
         cells = [0] * len(node.result)
         constants = False
+        alike = [True, True]  # whether each block's weight tiles share scale rows, columns
         seen = set()
         boxes = set()
         for index in entry.sharding.devices_indices_map(shape).values():
             index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
             key = tuple((s.start, s.stop) for s in index)
-            if key in seen or not math.prod(_sizes(index)):
+            if key in seen or not math.prod(_tiles.extents(index)):
                 continue
             seen.add(key)
             inner = self._inner(index)
-            boxes.add(_sizes(inner))
-            found = tiles(node, inner)
-            _, grid_ = grid(found, _sizes(inner))
+            boxes.add(_tiles.extents(inner))
+            found = _tiles.tiles(node, inner)
+            _, grid_ = _tiles.grid(found, _tiles.extents(inner))
             cells = [max(a, b) for a, b in zip(cells, grid_.shape, strict=True)]
             sizes[0] = max(sizes[0], len(found))
             constants = constants or any(t.leaf is None for t in found)
-            for _, (r0, r1), (c0, c1) in windows(found):
+            for _, (r0, r1), (c0, c1) in _tiles.windows(found):
                 sizes[1], sizes[2] = max(sizes[1], r1 - r0 + 1), max(sizes[2], c1 - c0 + 1)
+            starts = [_tiles.origin(t, self._steps) for t in found if t.leaf is not None]
+            for k in (0, 1):
+                alike[k] = alike[k] and len({(o[k], o[k + 2]) for o in starts}) <= 1
         assert len(boxes) <= 1  # even blocks: unmerged alike
-        self._static = (sizes[0], max(1, sizes[1]), max(1, sizes[2]), tuple(cells), constants)
+        how = fast(self._steps, tuple(cells), (alike[0], alike[1]))
+        self._static = (
+            sizes[0], max(1, sizes[1]), max(1, sizes[2]), tuple(cells), constants, how
+        )  # fmt: skip
         super().__init__(*args, **kwargs)
 
     def _inner(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
         return index if self._merge is None else self._merge.inner(index)
 
     def windows(self, index: tuple[slice, ...]) -> list[_dequant.Window]:
-        if not math.prod(_sizes(index)):
+        if not math.prod(_tiles.extents(index)):
             return []
-        return windows(tiles(self._node, self._inner(index)))
+        return _tiles.windows(_tiles.tiles(self._node, self._inner(index)))
 
     def _block(self, index: tuple[slice, ...]) -> _dequant.Raw:
         node, entry = self.job.node, self.job.entry
-        sizes = _sizes(index)
+        sizes = _tiles.extents(index)
         key = tuple((s.start, s.stop) for s in index)
         planned = np.dtype(entry.spec.dtype)
         if not math.prod(sizes):  # an empty block (of an empty parameter): placed as planned
             raw = np.zeros(sizes, planned)
             return _dequant.Raw(key, raw, (np.zeros((0, 1, 1), np.float32),), (), False, "")
         inner = self._inner(index)
-        found = tiles(self._node, inner)
+        found = _tiles.tiles(self._node, inner)
         leaves = [t.leaf for t in found if t.leaf is not None]
         first = _blocks.leaves(self._node)[0]  # all alike (plan time): a block of constants too
         stored = READABLE[first.stored.dtype]
         raw = _blocks.block(node, index, self._raw, stored)
-        count, nr, nc, cells_shape, constants = self._static
+        count, nr, nc, cells_shape, constants, _ = self._static
         rects = np.zeros((count, nr, nc), np.float32)
-        table = np.zeros((count, 4), np.int32)  # origin row, column; first scale row, column
+        # per tile: origin row, column; first scale row, column; last: the first weight's
+        table = np.zeros((count + 1, 4), np.int32)
         values = np.zeros(count, planned)
         flags = np.zeros(count, np.bool_)
         for k, t in enumerate(found):
             if t.leaf is None:
                 values[k], flags[k] = _blocks.constant(t.value, planned)[0], True
                 continue
-            if not math.prod(_sizes(t.at)):
+            if not math.prod(_tiles.extents(t.at)):
                 continue
-            (row, col), (lo_r, hi_r, lo_c, hi_c) = _first(t.leaf, t.at)
+            _, (lo_r, hi_r, lo_c, hi_c) = _tiles.bounds(t.leaf, t.at)
             b0, b1 = t.leaf.quant.block
-            rb, cb = lo_r // b0, lo_c // b1
-            scale = self._scale(t.leaf.quant)[rb : hi_r // b0 + 1, cb : hi_c // b1 + 1]
+            scale = self._scale(t.leaf.quant)[
+                lo_r // b0 : hi_r // b0 + 1, lo_c // b1 : hi_c // b1 + 1
+            ]
             rects[k, : scale.shape[0], : scale.shape[1]] = scale
-            # the origin: the stored row and column the block's first element would have
-            r0 = row - sum(w.start * s[0] for w, s in zip(t.where, self._steps, strict=True))
-            c0 = col - sum(w.start * s[1] for w, s in zip(t.where, self._steps, strict=True))
-            table[k] = (r0, c0, rb, cb)
-        runs, cells = grid(found, _sizes(inner))
+            table[k] = _tiles.origin(t, self._steps)
+        weights = [k for k, t in enumerate(found) if t.leaf is not None]
+        if weights:
+            table[count] = table[weights[0]]
+        runs, cells = _tiles.grid(found, _tiles.extents(inner))
         padded = np.zeros(cells_shape, np.int32)
         padded[tuple(slice(0, n) for n in cells.shape)] = cells
         names = _dequant.named([leaf.stored.name for leaf in leaves or [first]])
@@ -340,7 +156,7 @@ class TileParts(_dequant.QuantParts):
         work = np.dtype(first.tensor.compute_dtype or entry.spec.dtype)
         check = _dequant.overflows(rects, stored, work, planned)
         block = first.quant.block
-        merge = None if self._merge is None else (_sizes(inner), self._merge.order)
+        merge = None if self._merge is None else (_tiles.extents(inner), self._merge.order)
         signature = (raw.shape, merge, stored, self._static, self._steps, block, work, planned)
         args = (rects, table, values, flags, np.concatenate(runs), padded)
         return _dequant.Raw(key, raw, args, signature, check, names)
@@ -355,16 +171,46 @@ def _merged(shape: tuple[int, ...], order: tuple[int, ...] | None) -> tuple[int,
     return shape if order is None else tuple(shape[order.index(a)] for a in range(len(shape)))
 
 
+def _sliced(
+    rects: Any, table: Any, tile: Any, sizes: tuple[int, ...], moves: Any, block: Any, how: Any
+) -> Any:
+    """Each element's scale gathered as slices (``how`` from :func:`fast`): per tile
+    and position along the first coordinate's axis, whole rows (or columns) of the
+    rectangles; then, the second coordinate alike in every tile, whole columns (rows)
+    of those, placed on that axis. ``tile`` varies only along the axes it must."""
+    mode, first, second = how
+    p = 0 if mode == "rows" else 1  # the coordinate gathered first
+    q = 1 - p
+    held = rects if p == 0 else rects.transpose(0, 2, 1)  # (tiles, p's blocks, q's)
+    coord = table[tile, p]
+    if first is not None:
+        shape = [1] * len(sizes)
+        shape[first] = sizes[first]
+        coord = coord + jax.lax.broadcasted_iota(jnp.int32, shape, first) * moves[first][p]
+    sp = jnp.clip(coord // block[p] - table[tile, p + 2], 0, held.shape[1] - 1)
+    got = held.reshape(-1, held.shape[2])[tile * held.shape[1] + sp]  # (..., q's blocks)
+    alike = table[-1]  # every weight tile's second coordinate: the first weight's
+    if second is None:
+        sq = jnp.clip(alike[q] // block[q] - alike[q + 2], 0, held.shape[2] - 1)
+        return got[..., sq]
+    cq = alike[q] + jnp.arange(sizes[second], dtype=jnp.int32) * moves[second][q]
+    sq = jnp.clip(cq // block[q] - alike[q + 2], 0, held.shape[2] - 1)
+    got = jnp.take(jnp.squeeze(got, second), sq, axis=-1)  # the tile varies not along it
+    return jnp.moveaxis(got, -1, second)
+
+
 @_caches.memo(256)
 def program(
     signature: tuple[Any, ...], check: bool, mesh: Any, spec: Any, names: tuple[str, ...]
 ) -> Any:
     """The compiled dequantization of one signature over the mesh; each device's
-    block and tables are arguments."""
+    block and tables are arguments. Each element's tile is looked up in the grid of
+    intervals (over the axes where tiles vary; others broadcast); its scale is
+    gathered as slices where :func:`fast` allows, else element by element."""
     shape, merge, stored, static, moves, block, work, planned = signature
     sizes = shape if merge is None else merge[0]  # the tiles' box
     order = None if merge is None else merge[1]
-    constants = static[4]
+    cells_shape, constants, how = static[3], static[4], static[5]
     b0, b1 = block
     P = jax.sharding.PartitionSpec
 
@@ -381,19 +227,25 @@ def program(
         index, k = [], 0
         for a, n in enumerate(sizes):
             along = [1] * len(sizes)
-            along[a] = n
-            index.append(runs[k : k + n].reshape(along))
+            if cells_shape[a] > 1 or how is None:  # tiles vary along it
+                along[a] = n
+                index.append(runs[k : k + n].reshape(along))
+            else:
+                index.append(jnp.zeros(along, jnp.int32))
             k += n
-        tile = cells[tuple(index)]  # each element's tile
-        at = table[tile]
-        row, col = at[..., 0], at[..., 1]
-        for a, (dr, dc) in enumerate(moves):
-            if dr or dc:
-                step = jax.lax.broadcasted_iota(jnp.int32, sizes, a)
-                row, col = row + step * dr, col + step * dc
-        srow = jnp.clip(row // b0 - at[..., 2], 0, rects.shape[1] - 1)
-        scol = jnp.clip(col // b1 - at[..., 3], 0, rects.shape[2] - 1)
-        scale = rects[tile, srow, scol]
+        tile = cells[tuple(index)]  # each element's tile (size 1 where tiles vary not)
+        if how is not None:
+            scale = _sliced(rects, table, tile, sizes, moves, block, how)
+        else:
+            at = table[tile]
+            row, col = at[..., 0], at[..., 1]
+            for a, (dr, dc) in enumerate(moves):
+                if dr or dc:
+                    step = jax.lax.broadcasted_iota(jnp.int32, sizes, a)
+                    row, col = row + step * dr, col + step * dc
+            srow = jnp.clip(row // b0 - at[..., 2], 0, rects.shape[1] - 1)
+            scol = jnp.clip(col // b1 - at[..., 3], 0, rects.shape[2] - 1)
+            scale = rects[tile, srow, scol]
         wide = raw.astype(jnp.float32) * scale  # rounded once to float32, as the reference
         out = wide.astype(work).astype(planned)  # then to the planned dtype
         if constants:

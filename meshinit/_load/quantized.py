@@ -29,6 +29,7 @@ from .._format import index_ranges, some
 from . import blocks as _blocks
 from . import dequant as _dequant
 from . import dequant_concat as _dequant_concat
+from . import dequant_tiles as _dequant_tiles
 from .header import READABLE
 from .source import Stored
 
@@ -176,7 +177,7 @@ def _attached(node: _blocks.Node, quants: Mapping[str, Quant]) -> _blocks.Node:
     what = f"{made.label}{_kind(made)} of float8 weights read dequantized"
     dtypes = sorted({leaf.stored.dtype for leaf in leaves})
     works = {leaf.tensor.compute_dtype for leaf in leaves}
-    why = _dequant_concat.steps(_dequant_concat.unmerged(made)[0])
+    why = _dequant_tiles.steps(_dequant_tiles.unmerged(made)[0])
     if len(dtypes) > 1:
         why = f"its weights are stored as {' and '.join(dtypes)}"
     elif len(works) > 1:

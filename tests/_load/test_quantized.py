@@ -208,9 +208,16 @@ def fused(tmp_path, shapes, seed=0, block=(128, 128)):
     return write(tmp_path, tensors), want
 
 
+@pytest.mark.parametrize("gathered", ["slices", "elements"])
 @pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("explicit", [False, True])
-def test_a_concat_of_float8_weights_takes_each_parts_own_scale(tmp_path, axis, explicit):
+def test_a_concat_of_float8_weights_takes_each_parts_own_scale(
+    tmp_path, axis, explicit, gathered, monkeypatch
+):
+    from meshinit._load import dequant_concat
+
+    if gathered == "elements":  # each element's scale gathered on its own, not as slices
+        monkeypatch.setattr(dequant_concat, "fast", lambda *args: None)
     # q, k, v fused: shards of 318 rows (2) and 159 columns (4) cut through the parts'
     # boundaries (300, 500) and through scale blocks; the last blocks are ragged
     sizes = {"q": 300, "k": 200, "v": 136}
