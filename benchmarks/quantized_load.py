@@ -26,8 +26,11 @@ the page cache is warm for every route.
 With ``--check``, the fp8 load's arrays are compared bit for bit with the bf16 copy's
 (after the timing), and a difference exits 1.
 
+``--tpu``: on the one chip of a TPU machine (mesh (1, 1), the arrays in its memory, so
+peak RSS is host memory alone); each route's process opens the chip in turn.
+
 Run: python benchmarks/quantized_load.py [--layers 4] [--experts 8] [--divide 1] [--dir DIR]
-[--check]
+[--check] [--tpu]
 """
 
 from __future__ import annotations
@@ -125,11 +128,13 @@ def table(layers: int, experts: int, divide: int) -> dict:
     return out
 
 
-def child(route: str, directory: Path, layers: int, experts: int, divide: int, check: bool) -> None:
+def child(route: str, directory: Path, layers: int, experts: int, divide: int, check: bool,
+          tpu: bool = False) -> None:  # fmt: skip
     """One route in this process; prints its JSON."""
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 8)
+    if not tpu:
+        jax.config.update("jax_num_cpu_devices", 8)
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
@@ -147,7 +152,8 @@ def child(route: str, directory: Path, layers: int, experts: int, divide: int, c
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     jax.monitoring.register_scalar_listener(on_scalar)
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    grid = (1, 1) if tpu else (2, 4)
+    mesh = Mesh(np.array(jax.devices()[: grid[0] * grid[1]]).reshape(grid), ("x", "y"))
     rows = table(layers, experts, divide)
     zeros = jax.nn.initializers.zeros
     made = {
@@ -214,8 +220,9 @@ def two_step(directory: Path) -> None:
 def run(route: str, args, layers: int | None = None) -> dict:
     command = [sys.executable, __file__, "--child", route, "--dir", str(args.dir)]
     command += ["--layers", str(layers or args.layers), "--experts", str(args.experts)]
-    command += ["--divide", str(args.divide)] + ["--check"] * args.check
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    command += ["--divide", str(args.divide)] + ["--check"] * args.check + ["--tpu"] * args.tpu
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path} | ({} if args.tpu else {"JAX_PLATFORMS": "cpu"})
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
         raise SystemExit(f"{route} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
@@ -230,9 +237,10 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--child", default=None)
     parser.add_argument("--check", action="store_true", help="compare the fp8 load's bits")
+    parser.add_argument("--tpu", action="store_true", help="the one chip (mesh (1, 1))")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.dir, args.layers, args.experts, args.divide, args.check)
+        child(args.child, args.dir, args.layers, args.experts, args.divide, args.check, args.tpu)
         return
     with tempfile.TemporaryDirectory() as scratch:
         args.dir = args.dir or Path(scratch)

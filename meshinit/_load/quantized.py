@@ -123,6 +123,16 @@ def scales(jobs: Sequence[Any], stored: Mapping[str, Stored]) -> set[str]:
     return out
 
 
+def paired_scales(tensors: Mapping[str, tuple[Any, str]]) -> set[str]:
+    """The names of ``tensors`` (name -> (shape, dtype)) that are a stored float8
+    weight's block scale: the loader's, read with the weight, not a map's to place."""
+    return {
+        name + SCALES[0]
+        for name, (_, dtype) in tensors.items()
+        if dtype in _FLOAT8 and name + SCALES[0] in tensors
+    }
+
+
 def _pair(
     weight: Stored,
     stored: Mapping[str, Stored],

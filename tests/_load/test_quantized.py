@@ -606,6 +606,16 @@ def test_two_processes_each_dequantize_the_blocks_their_devices_hold(tmp_path):
     write(tmp_path, {"w": w, "w_scale_inv": s})
     np.save(tmp_path / "w.npy", w.view(np.uint8))
     np.save(tmp_path / "s.npy", s)
+    # an MXFP4 pair (gpt-oss's layout): K = 192 (6 groups), shards of 96 cut no group
+    blocks = rng.integers(0, 256, (4, 24, 6, 16), dtype=np.uint8)
+    scales = rng.integers(112, 132, (4, 24, 6), dtype=np.uint8)
+    lut = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    lut = np.concatenate([lut, -lut])
+    values = np.stack([lut[blocks & 15], lut[blocks >> 4]], -1).reshape(4, 24, 6, 32)
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127).reshape(4, 24, 192)
+    mx = {"gate_up_proj_blocks": blocks, "gate_up_proj_scales": scales}
+    write(tmp_path / "mx", mx, {"quant_method": "mxfp4"})
+    np.save(tmp_path / "mx" / "want.npy", values.swapaxes(1, 2).astype(BF16).view(np.uint16))
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -631,5 +641,5 @@ def test_two_processes_each_dequantize_the_blocks_their_devices_hold(tmp_path):
     for p, (out, err) in zip(procs, done, strict=True):
         assert p.returncode == 0, err[-3000:]
         got = json.loads(out.strip().splitlines()[-1])
-        layouts = ("split", "replicated", "transposed", "fused")
+        layouts = ("split", "replicated", "transposed", "fused", "mxfp4 split", "mxfp4 replicated")
         assert got == {k: [True] * 4 for k in layouts}, got
