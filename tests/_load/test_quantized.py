@@ -389,7 +389,7 @@ def test_scales_are_used_and_the_inventory_says_what_is_dequantized(tmp_path):
         "up": "F8_E4M3 x 'model.layers.0.mlp.experts.0.up_proj.weight_scale_inv' and 7 more "
         "(F32, 128x128 blocks) -> bfloat16"
     }
-    assert "dequantized (float8 x block scales): 1 up <- F8_E4M3 x" in str(found)
+    assert "dequantized (float8 x block scales; MXFP4): 1 up <- F8_E4M3 x" in str(found)
     st.load(plan, folder, names={"up": stack}, unused="error")  # no scale unused
 
 
