@@ -48,7 +48,7 @@ from .. import _caches
 from .._errors import PlanError, Problem, printable
 from . import blocks as _blocks
 from . import read as _read
-from .dequant import _per_device as per_device
+from .dequant import per_device
 from .source import Stored
 
 DTYPE = "MXFP4"
