@@ -120,6 +120,16 @@ def _sharding_names(meta: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(next((meta[k] for k in keys if meta.get(k)), ()))
 
 
+def spelled_length(var: nnx.Variable) -> int:
+    """How many entries flax spells a Variable's sharding with: ``nnx.get_named_sharding``'s
+    (None only for a Variable without a shape), or under a table that resolves as linen
+    (MaxText's NNX init) as many as its names."""
+    meta = var.get_metadata()
+    if _nnx_rules.as_linen(meta):
+        return len(_sharding_names(meta))
+    return len(cast(PartitionSpec, nnx.spmd.get_var_pspec(var)))
+
+
 def spec_for(
     var: nnx.Variable,
     value: Any,

@@ -146,8 +146,7 @@ def shared(sharding: Sequence[Any], pspec: Sequence[Any], path: str) -> list[Pro
         return []
     names = (*sharding, *(None,) * (len(pspec) - len(sharding)))
     where = "; ".join(
-        f"mesh axis {a!r} on dimensions "
-        + " and ".join(f"{d} ({names[d]!r})" for d in ds)
+        f"mesh axis {a!r} on dimensions " + " and ".join(f"{d} ({names[d]!r})" for d in ds)
         for a, ds in twice.items()
     )
     return [
