@@ -122,12 +122,14 @@ class Rules(NotedRules):
     """A rule table (``rules=`` of the plans), with the logical names it replicates
     because MaxText's own rules have no entry for them (:attr:`replicated`); a plan's
     table and summary list each such name its parameters use, as "logical axis
-    'o_groups' replicated: MaxText's rules have no entry (n params)"."""
+    'o_groups' replicated: MaxText's rules have no entry (n params)". nnx Variables'
+    names resolve as MaxText's own NNX init resolves them: by flax linen's algorithm
+    (``as_linen``)."""
 
     replicated: tuple[str, ...]
 
     def __new__(cls, table: Any, replicated: tuple[str, ...] = ()) -> Rules:
-        made = super().__new__(cls, table, {n: NO_ENTRY for n in replicated})
+        made = super().__new__(cls, table, {n: NO_ENTRY for n in replicated}, as_linen=True)
         made.replicated = tuple(replicated)
         return made
 
@@ -145,6 +147,16 @@ def rules(config: Any, abstract: Any) -> Rules:
     (deepseek4's ``o_groups``, ``indexer_weights``, ``o_lora_up_proj``, nnx's scan axis
     ``scanned_blocks``), and MaxText runs them replicated; with these rules they plan
     unchanged, each such name in the plan's logical axes, its dimension replicated.
+
+    Under :func:`meshinit.nnx.plan` the table resolves each Variable's names as
+    MaxText's own NNX init does (``sharding.get_nnx_var_named_sharding_with_scan_axis``:
+    flax linen's ``logical_to_mesh_axes``, where the first rule that fits wins and a rule
+    whose mesh axes an earlier dimension took is skipped), not as flax nnx's
+    ``get_var_pspec`` does (each name's last rule). The two differ where a name has
+    several rules, or where two names of one Variable map to one mesh axis: the gated
+    delta net of qwen3-next and qwen3.5 has ``embed_attn`` and ``gdn_head`` both on
+    ``fsdp_transpose``, which nnx's resolution puts on two dimensions (jax refuses it)
+    and MaxText's leaves to the first.
 
     Args:
       config: MaxText's config object (its ``logical_axis_rules``).

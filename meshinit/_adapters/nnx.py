@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import jax
 from flax import nnx
@@ -171,10 +171,10 @@ def prepare_here(
     # flax's spelling (nnx.get_named_sharding of the abstract state), so == holds: as
     # many entries as the annotation has, and P() for a Variable without one. Typed
     # keys are planned as their data, and shown as jax spells the key (typed_key_plan).
-    lengths = {  # flax's pspec is None only for a Variable without a shape
+    lengths = {
         dotted(p): placed[p]
         if p in placed  # as many as the placement gives: flax's spelling of the metadata
-        else len(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(by_path[p])))
+        else _nnx_meta.spelled_length(by_path[p])
         for p in specs
         if p not in keys
     }

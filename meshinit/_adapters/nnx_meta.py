@@ -120,6 +120,16 @@ def _sharding_names(meta: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(next((meta[k] for k in keys if meta.get(k)), ()))
 
 
+def spelled_length(var: nnx.Variable) -> int:
+    """How many entries flax spells a Variable's sharding with: ``nnx.get_named_sharding``'s
+    (None only for a Variable without a shape), or under a table that resolves as linen
+    (MaxText's NNX init) as many as its names."""
+    meta = var.get_metadata()
+    if _nnx_rules.as_linen(meta):
+        return len(_sharding_names(meta))
+    return len(cast(PartitionSpec, nnx.spmd.get_var_pspec(var)))
+
+
 def spec_for(
     var: nnx.Variable,
     value: Any,
@@ -175,16 +185,19 @@ def spec_for(
             )
             return None
         raw = _sharding_names(meta)
-        # in the core's words, naming the rule (_nnx_rules.settle words each miss)
-        unruled = _nnx_rules.unruled(meta, raw, mesh)
-        missed = _nnx_rules.misses(meta, raw, path, mesh)
-        if unruled or missed:
-            problems += [Problem(path, m) for m in unruled]
-            problems += missed
+        ruled = bool(meta.get("sharding_rules") or flax_spmd.get_logical_axis_rules())
+        if ruled and _nnx_rules.as_linen(meta):  # MaxText's NNX init: linen's algorithm
+            pspec, found = _nnx_rules.linen_resolved(meta, raw, len(value.shape), path, mesh)
+        else:  # in the core's words, naming the rule (_nnx_rules.settle words each miss)
+            found = [Problem(path, m) for m in _nnx_rules.unruled(meta, raw, mesh)]
+            found += _nnx_rules.misses(meta, raw, path, mesh)
+            # flax returns None only for a Variable without a shape; this one has a value
+            pspec = tuple(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(var)))
+            found += _nnx_rules.shared(raw, pspec, path) if ruled and not found else []
+        if found:
+            problems += found
             return None
-        # flax returns None only for a Variable without a shape; this one has a value
-        pspec = tuple(cast(jax.sharding.PartitionSpec, nnx.spmd.get_var_pspec(var)))
-        if raw and (meta.get("sharding_rules") or flax_spmd.get_logical_axis_rules()):
+        if raw and ruled:
             logical = tuple(raw) + (None,) * (len(value.shape) - len(raw))
             in_effect = meta.get("sharding_rules") or flax_spmd.get_logical_axis_rules()
             notes = _rules.rule_notes(logical, in_effect)  # meshinit.maxtext.rules' notes

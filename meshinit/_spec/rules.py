@@ -32,14 +32,31 @@ class NotedRules(tuple):
     ``notes`` maps a name to the reason (``meshinit.maxtext.rules`` completes MaxText's
     table with ``(name, None)`` and notes "replicated: MaxText's rules have no
     entry"). It resolves as the plain table does; the plan's reports list the notes of
-    the names its parameters use."""
+    the names its parameters use.
+
+    ``as_linen``: flax nnx Variables' names resolve as flax linen's
+    ``logical_to_mesh_axes`` resolves them (:func:`logical_to_mesh_axes`: the first
+    rule that fits wins, and a rule whose mesh axes an earlier one took is skipped), as
+    MaxText's own NNX init does (its ``sharding.get_nnx_var_named_sharding_with_scan_axis``).
+    Without it nnx's names resolve as flax nnx's ``get_var_pspec`` does (the last rule of
+    a name wins, nothing skipped). Specs and linen resolve as linen either way."""
 
     notes: Mapping[str, str]
+    as_linen: bool
 
-    def __new__(cls, table: Any, notes: Mapping[str, str] | None = None) -> Self:
+    def __new__(
+        cls, table: Any, notes: Mapping[str, str] | None = None, as_linen: bool = False
+    ) -> Self:
         made = super().__new__(cls, table)
         made.notes = dict(notes or {})
+        made.as_linen = as_linen
         return made
+
+
+def resolves_as_linen(rules: Any) -> bool:
+    """Whether ``rules`` is a :class:`NotedRules` table whose nnx names resolve as
+    flax linen resolves them."""
+    return bool(getattr(rules, "as_linen", False))
 
 
 def rule_notes(axes: Any, rules: Any) -> dict[str, str]:
@@ -59,7 +76,7 @@ def normalize_rules(rules: Any) -> Rules:
       TypeError: the table is not a sequence of ``(name, mesh_axes)`` pairs.
     """
     if isinstance(rules, NotedRules):  # the notes travel with the checked table
-        return NotedRules(_normalize(rules), rules.notes)
+        return NotedRules(_normalize(rules), rules.notes, rules.as_linen)
     if type(rules) is tuple:  # every spec under one defaults() passes the same table
         try:
             return _normalize_hashable(rules)

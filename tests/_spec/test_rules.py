@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit._spec.rules import NotedRules, normalize_rules, partition
+from meshinit._spec.rules import NotedRules, normalize_rules, partition, resolves_as_linen
 
 zeros = jax.nn.initializers.zeros
 
@@ -563,3 +563,22 @@ def test_noted_rules_keep_their_notes_through_a_spec_and_resolve_as_the_plain_ta
     planned = meshinit.plan({"a": spec, "b": plain})
     assert planned.entries[0].sharding == planned.entries[1].sharding
     assert "logical axis 'o_groups' replicated: why (1 param)" in planned.summary()
+
+
+def test_a_table_marked_as_linen_keeps_the_mark_through_a_spec_and_resolves_as_linen():
+    # meshinit.maxtext.rules' mark: nnx Variables' names resolve as flax linen resolves
+    # them (MaxText's NNX init); the core resolves every table so already
+    mesh = AbstractMesh((2, 4), ("fsdp", "tensor"))
+    table = [["mlp", "tensor"], ["embed", ["fsdp", "tensor"]], ["embed", "fsdp"]]
+    marked = NotedRules(table, {}, as_linen=True)
+    assert resolves_as_linen(normalize_rules(marked))
+    assert not resolves_as_linen(normalize_rules(NotedRules(table)))
+    assert not resolves_as_linen(normalize_rules(tuple(marked)))
+    spec = meshinit.param((8, 4), jax.nn.initializers.zeros, axes=("mlp", "embed"), mesh=mesh,
+                          rules=marked)  # fmt: skip
+    assert resolves_as_linen(spec.rules)
+    planned = meshinit.plan({"w": spec})
+    # 'mlp' is ruled first and takes tensor: embed's first rule is skipped, its second fits
+    want = P(*_linen(("mlp", "embed"), tuple(map(tuple, table))))
+    assert want == P("tensor", "fsdp")
+    assert planned.entries[0].sharding.spec == want

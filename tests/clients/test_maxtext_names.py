@@ -87,7 +87,6 @@ GDN = dict(gdn_key_head_dim=16, gdn_value_head_dim=16, gdn_num_key_heads=2, gdn_
 GEMMA4 = dict(global_head_dim=32, global_num_kv_heads=2)
 VL = dict(use_multimodal=False, deepstack_visual_indexes_for_vit=(), mrope_section=(3, 3, 2))
 ALL = ((True, "nnx"), (True, "linen"), (False, "nnx"), (False, "linen"))
-LINEN = ((True, "linen"), (False, "linen"))
 SCANNED = ((True, "nnx"), (True, "linen"))
 UNROLLED = ((False, "nnx"), (False, "linen"))
 
@@ -135,12 +134,13 @@ TINY = {
     # unrolled, MaxText's map names fused experts (experts.down_proj) that its HF_SHAPE has
     # not: its own save direction fails
     "qwen3-vl-30b-a3b": Tiny(VL | MOE, layouts=SCANNED),
-    # a nested block scan (3 linear-attention layers, then a full one); meshinit.nnx.plan
-    # refuses MaxText's NNX rules for its gated delta net ('fsdp_transpose' on two axes)
-    "qwen3-next-80b-a3b": Tiny(MOE | GDN, layers=4, layouts=LINEN),
+    # a nested block scan (3 linear-attention layers, then a full one); its gated delta
+    # net's embed_attn and gdn_head share 'fsdp_transpose': NNX plans with MaxText's
+    # resolution (meshinit.maxtext.rules), as flax nnx's own puts it on two dimensions
+    "qwen3-next-80b-a3b": Tiny(MOE | GDN, layers=4),
     "gpt-oss-20b": Tiny(MOE),
     # in_proj_ba from in_proj_b and in_proj_a; NNX as qwen3-next
-    "qwen3.5-35b-a3b": Tiny(MOE | GDN | dict(mrope_section=(1, 1, 0)), layers=4, layouts=LINEN),
+    "qwen3.5-35b-a3b": Tiny(MOE | GDN | dict(mrope_section=(1, 1, 0)), layers=4),
 }
 # The other names of PARAM_MAPPING that build: the same map and hooks as a family above,
 # another configs/models/*.yml (tied embeddings, rope, sizes); each checked in one layout
@@ -244,10 +244,12 @@ def hf_config(model: str, config) -> dict:
     return out
 
 
-def nnx_placement(config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+def nnx_placement(config, mesh, abstract=None) -> dict[str, jax.ShapeDtypeStruct]:
     """MaxText's own NNX placement: plan path -> shape, dtype and the sharding its init
-    is jitted onto (``create_nnx_sharded_model``'s ``out_shardings``)."""
-    _, abstract = model_creation_utils.create_nnx_abstract_model(config, mesh)
+    is jitted onto (``create_nnx_sharded_model``'s ``out_shardings``), of ``abstract``
+    (else of the abstract model made here)."""
+    if abstract is None:
+        _, abstract = model_creation_utils.create_nnx_abstract_model(config, mesh)
     flat = nnx.to_flat_state(nnx.state(abstract, nnx.Param))
     return {".".join(map(str, p)): v.get_value() for p, v in flat}
 
@@ -398,9 +400,12 @@ def plan_and_placement(config, framework: str):
     rules = config.logical_axis_rules
     if framework == "nnx":
         factory = model_creation_utils.get_nnx_create_model_fn(config, mesh)
+        _, abstract = model_creation_utils.create_nnx_abstract_model(config, mesh)
+        # names resolved as MaxText's NNX init resolves them (flax linen's algorithm)
+        rules = meshinit.maxtext.rules(config, abstract)
         with jax.set_mesh(mesh):
             plan = meshinit.nnx.plan(factory, rules=rules)
-        return plan, nnx_placement(config, mesh)
+        return plan, nnx_placement(config, mesh, abstract)
     model, args, kwargs = mm.linen_model_and_inputs(config, mesh)
     key, keys = mm.linen_keys(config)
     # default="replicated": a param MaxText leaves unannotated (deepseek3.2's indexer
