@@ -100,7 +100,7 @@ def inventory(
       skipped (names= gives None): 0
       missing (no file holds them): 1 layers.1.up <- 'layers.1.up'
       unused (no plan path claims them): 0
-      dequantized (float8 x block scales): 0
+      dequantized (float8 x block scales; MXFP4): 0
     """
     what = "meshinit.safetensors.inventory"
     with _aio.session(_timeout(timeout)):
