@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import _caches
 from .._errors import PlanError, Problem, printable
+from . import ahead as _ahead
 from . import blocks as _blocks
 from . import dequant_remote as _scales
 from . import read as _read
@@ -249,7 +250,7 @@ class QuantParts(_read.Parts):
         mesh, spec = sharding.mesh, sharding.spec
         return program(signature, check, mesh, spec, tuple(mesh.axis_names))
 
-    def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> jax.Array:
+    def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> _read.Made:
         """The parameter, dequantized: one program over the array of stored bytes,
         each device with the scales and offsets of its own block."""
         entry, stage = self.job.entry, self.job.stage
@@ -272,24 +273,27 @@ class QuantParts(_read.Parts):
             for k in range(len(made[0].args))
         ]
         check = any(b.check for b in made)
-        got = self.program(signature, check, sharding)(raw, *args)
-        del raw, args
+        run = self.program(signature, check, sharding)
         self._held.clear()
-        if check:
+        names, path = made[0].names, entry.path
+
+        def finish() -> jax.Array:  # on a worker thread (.ahead): compiles while reading
+            with _ahead.alone(run):
+                got = run(raw, *args)
+            if not check:
+                return got
             got, fits = got
             if not all(bool(np.asarray(s.data).all()) for s in fits.addressable_shards):
+                got.delete()
                 work = np.dtype(signature[-2]).name
                 raise PlanError(
-                    [
-                        Problem(
-                            entry.path,
-                            f"tensor {made[0].names} times its block scales overflows "
-                            f"{work}; plan a wider dtype",
-                        )
-                    ],
+                    [Problem(path, f"tensor {names} times its block scales overflows {work}; "
+                                   f"plan a wider dtype")],
                     header="meshinit.safetensors.load: a dequantized value does not fit:",
-                )
-        return got
+                )  # fmt: skip
+            return got
+
+        return finish
 
 
 def overflows(rects: np.ndarray, stored: Any, work: np.dtype, planned: np.dtype) -> bool:

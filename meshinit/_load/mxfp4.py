@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from .._errors import PlanError, Problem, printable
+from . import ahead as _ahead
 from . import blocks as _blocks
 from . import read as _read
 from .dequant import per_device
@@ -277,7 +278,7 @@ class MxParts(_read.Parts):
         sizes = tuple(max(0, s.stop - s.start) for s in index)
         if not math.prod(sizes):
             return np.zeros(sizes, self.job.entry.spec.dtype)
-        found = self._read(index)
+        found = self._of(index)
         self._held[found.key] = found
         return found.blocks[None]
 
@@ -310,7 +311,7 @@ class MxParts(_read.Parts):
             self._count = max(counts)
         return self._count
 
-    def _read(self, index: tuple[slice, ...]) -> Raw:
+    def _of(self, index: tuple[slice, ...]) -> Raw:
         node, entry = self.job.node, self.job.entry
         key = tuple((s.start, s.stop) for s in index)
         sizes = tuple(s.stop - s.start for s in index)
@@ -337,7 +338,7 @@ class MxParts(_read.Parts):
         signature = (raw.shape, nk, leaf.order, tuple(across), shapes, work, planned)
         return Raw(key, raw, exps, k0 - g0 * group, signature)
 
-    def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> jax.Array:
+    def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> _read.Made:
         """The parameter: one program over every device's bytes, exponents and offset."""
         entry, stage = self.job.entry, self.job.stage
         planned = np.dtype(entry.spec.dtype)
@@ -363,10 +364,15 @@ class MxParts(_read.Parts):
         offsets = per_device(
             [(d, np.array([b.offset], np.int32)) for d, b in blocks.items()], n, rows
         )
-        got = program(signature, mesh, spec, names)(raw, exps, offsets)
-        del raw, exps
+        run = program(signature, mesh, spec, names)
         self._held.clear()
-        return planned_as(got, shape, sharding)
+
+        def finish() -> jax.Array:  # on a worker thread (.ahead): compiles while reading
+            with _ahead.alone(run):
+                got = run(raw, exps, offsets)
+            return planned_as(got, shape, sharding)
+
+        return finish
 
     def close(self) -> None:
         super().close()

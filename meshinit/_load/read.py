@@ -25,6 +25,7 @@ import numpy as np
 from .._errors import PlanError, Problem
 from .._plan.plan import PlanEntry
 from .._run import progress as _progress
+from . import ahead as _ahead
 from . import blocks as _blocks
 from . import fanout as _fanout
 from . import fetch as _fetch
@@ -67,6 +68,7 @@ def read(
     total = [0]
     staged = [(job.entry, job.stage) for job in jobs if job.stage is not None]
     fan = _fanout.Resharder(staged, budget, "meshinit.safetensors.load")
+    ahead = _ahead.Ahead()
     try:
         needed = dict.fromkeys(
             leaf.stored.file for job in jobs for leaf in _blocks.leaves(job.node)
@@ -83,7 +85,7 @@ def read(
             with _progress.byte_bar("reading", owned, progress) as update:
                 for job in jobs:
                     pieces = parts(job, checked, total, budget, update)
-                    out.update(fan.add(job.entry, job.stage, array(job.entry, pieces)))
+                    out.update(ahead.add(job, array(job.entry, pieces), fan))
                     pieces.close()
         else:  # fetched ahead, within the budget, while each parameter is placed
             with _progress.byte_bar("fetching", owned, progress) as update:
@@ -92,12 +94,14 @@ def read(
                 )
                 with _fetch.Pipeline(jobs, make, budget, total, update) as pipeline:
                     for job, pieces in pipeline:
-                        out.update(fan.add(job.entry, job.stage, array(job.entry, pieces)))
+                        out.update(ahead.add(job, array(job.entry, pieces), fan))
                         pieces.close()
                         del pieces
+        out.update(ahead.settle(0))
+        out = {job.entry.path: out[job.entry.path] for job in jobs}  # the jobs' order
     except BaseException as e:
         fan.close()
-        for made in out.values():
+        for made in [*out.values(), *ahead.drop()]:
             made.delete()
         out.clear()
         # A held exception (a notebook's sys.last_traceback) keeps the frames below
@@ -130,6 +134,9 @@ def _made(
 ) -> Any:
     return parts(job, checked, total, budget, update)  # looked up when called: tests wrap it
 
+
+Made = jax.Array | Callable[[], jax.Array]
+"""A parameter's array, or a callable that finishes it (:meth:`Parts.whole`)."""
 
 RELEASE_BYTES = 64 << 20
 
@@ -314,7 +321,9 @@ class Parts:
             self.job.entry.spec.dtype,
         )
 
-    def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> jax.Array:
+    def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> Made:
+        """The parameter's array from its placed blocks; or, where a program must run
+        over them (a dequantized parameter's), a callable that runs it (.ahead)."""
         dtype = self.job.entry.spec.dtype
         return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=dtype)
 
@@ -368,7 +377,7 @@ def holders(
     return out
 
 
-def array(entry: PlanEntry, pieces: Parts) -> jax.Array:
+def array(entry: PlanEntry, pieces: Parts) -> Made:
     """The entry's array, one block at a time: each distinct block of this process's
     devices is read once onto the first device that holds it, copied from there to the
     others, and dropped, so the host holds at most one block beside the arrays. No
