@@ -1040,3 +1040,152 @@ def test_deepseek3_fp8_files_load_as_maxtexts_conversion_of_their_dequantized_co
     assert sorted(loaded) == sorted(placement)
     problems = differences(loaded, want, placement)
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------- qwen3.5 FP8: kept quantized, as MaxText holds it
+
+QWEN35_FP8 = "qwen3.5-35b-a3b-fp8"
+# Qwen3.5-35B-A3B-FP8's float8 weights as published: full and linear attention's
+# projections (not in_proj_b/a), the shared expert's and each routed expert's own
+# gate/up/down; not the embedding, the head, the router, the norms or the conv
+FP8_PUBLISHED = re.compile(
+    r"\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|"
+    r"mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj)\.weight$"
+)
+
+
+def fp8_config(scan: bool, block: int = 16, **more):
+    """MaxText's qwen3.5-35b-a3b-fp8 at qwen3.5-35b-a3b's tiny size (``weight_dtype:
+    float8_e4m3fn``, ``kernel_scale`` params of float32); at block 16 every dimension
+    its scales split is a multiple of the block, so MaxText's scale shapes (``d // b``,
+    dims under ``b`` kept whole) are the files' (``ceil(d / b)``)."""
+    tiny = TINY["qwen3.5-35b-a3b"]
+    return mm.tiny_config(
+        scan, tiny.layers, model_name=QWEN35_FP8, weight_block_size=block,
+        **(tiny.overrides | more),
+    )  # fmt: skip
+
+
+def write_fp8_checkpoint(config, folder, scale_dtype, block: int = 16) -> dict:
+    """A Qwen3.5-FP8 checkpoint as published, at ``config``'s sizes: every tensor of
+    MaxText's ``HF_SHAPE`` in bf16, the routed experts per expert (``experts.{e}.
+    gate_proj.weight``, ...), each weight ``FP8_PUBLISHED`` names float8 with a
+    ``weight_scale_inv`` of ``(ceil(R / block), ceil(C / block))`` in ``scale_dtype``,
+    and config.json's ``quantization_config``; returns the tensors written."""
+    hf = hf_config(QWEN35_FP8, config)
+    text = hf["text_config"]
+    shapes = {k: v for k, v in hf_shape.HF_SHAPE[QWEN35_FP8](hf).items() if isinstance(k, str)}
+    for name in [k for k in shapes if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        experts, out, inner = shapes.pop(name)
+        layer = name.rsplit(".experts.", 1)[0]
+        for e in range(text["num_experts"]):
+            if name.endswith("gate_up_proj"):
+                shapes[f"{layer}.experts.{e}.gate_proj.weight"] = [out // 2, inner]
+                shapes[f"{layer}.experts.{e}.up_proj.weight"] = [out // 2, inner]
+            else:
+                shapes[f"{layer}.experts.{e}.down_proj.weight"] = [out, inner]
+    rng = np.random.default_rng(3)
+    stored = {}
+    for name, shape in sorted(shapes.items()):
+        if not FP8_PUBLISHED.search(name):
+            stored[name] = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+            continue
+        assert len(shape) == 2, name
+        w = rng.standard_normal(shape) * 50
+        stored[name] = w.astype(ml_dtypes.float8_e4m3fn)
+        blocks = (-(-shape[0] // block), -(-shape[1] // block))
+        stored[name + "_scale_inv"] = rng.uniform(1e-3, 1e-2, blocks).astype(scale_dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(folder / "model.safetensors"))
+    quantization = {
+        "quant_method": "fp8", "weight_block_size": [block, block], "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(hf | {"quantization_config": quantization}))
+    return stored
+
+
+def to_maxtext_fp8(config, stored: dict, targets: dict) -> dict:
+    """``to_maxtext --save_dtype=float8_e4m3fn`` (eager): each tensor as its loader
+    keeps it (float8 as float8, a scale in its stored dtype), MaxText's loading
+    function (hooks, stacking) and ``_get_maxtext_weight`` (a composite's ``[..., i]``);
+    then the restore into the model's dtype (a bf16 scale widened to float32)."""
+    from maxtext.checkpoint_conversion import to_maxtext
+
+    hf = json.loads(json.dumps(hf_config(QWEN35_FP8, config)))
+    mapping = param_mapping.PARAM_MAPPING[QWEN35_FP8](hf, config, config.scan_layers)
+    hooks = param_mapping.HOOK_FNS[QWEN35_FP8](hf, config, config.scan_layers, saving_to_hf=False)
+
+    def getter(key):
+        held = stored[to_maxtext.resolve_scale_key(key, stored)]
+        return to_maxtext._convert_tensor_to_numpy(held, "float8_e4m3fn")
+
+    out = {}
+    for key, sources in mapping.items():
+        keys = key if isinstance(key, tuple) else (key,)
+        if not any(k in targets for k in keys):
+            continue
+        shapes = [tuple(targets[k].shape) for k in keys]
+        shape = shapes if isinstance(key, tuple) else shapes[0]
+        load = to_maxtext._get_hf_loading_function(
+            sources, getter, hooks.get(key), shape, config, key
+        )
+        weights: dict = {}
+        index = list(range(len(keys))) if isinstance(key, tuple) else 0
+        to_maxtext._get_maxtext_weight(load, index, shape, key, weights, "float8_e4m3fn", False)
+        out |= {k: np.asarray(weights[i]).astype(targets[k].dtype) for i, k in enumerate(keys)}
+    return out
+
+
+def fp8_layouts():
+    """qwen3.5's tiny layouts (TINY), each with bfloat16 scales (as Qwen3.5-35B-A3B-FP8
+    stores them) and float32 ones (as the other FP8 releases do)."""
+    return [
+        pytest.param(scan, framework, dtype, id=f"{SCANS[scan]}-{framework}-{np.dtype(dtype).name}")
+        for scan, framework in TINY["qwen3.5-35b-a3b"].layouts
+        for dtype in (ml_dtypes.bfloat16, np.float32)
+    ]
+
+
+@pytest.mark.parametrize(("scan", "framework", "scale_dtype"), fp8_layouts())
+def test_qwen35_fp8_kept_quantized_is_maxtexts_conversion(tmp_path, scan, framework, scale_dtype):
+    """MaxText's qwen3.5-FP8 model holds float8 kernels and float32 ``kernel_scale``s
+    (the routed experts' ``wi_0_scale``...): the files' float8 weights load as stored,
+    each ``weight_scale_inv`` (bf16 or f32) widened exactly to float32, the linear
+    attention's qkvz scale through ``concat_qkvz_scales_and_transpose`` (a Concat), the
+    experts from MaxText's nested per-expert lists: every Param has the bits of
+    ``to_maxtext --save_dtype=float8_e4m3fn``, on MaxText's sharding, nothing
+    dequantized, nothing unused, and the load reads the bytes the process owns."""
+    config = fp8_config(scan)
+    stored = write_fp8_checkpoint(config, tmp_path, scale_dtype)
+    plan, placement = plan_and_placement(config, framework)
+    fp8 = {p for p, a in placement.items() if a.dtype == ml_dtypes.float8_e4m3fn}
+    scales = {
+        p for p in placement if re.search(r"(kernel_scale|wi_0_scale|wi_1_scale|wo_scale)$", p)
+    }
+    assert {placement[p].dtype for p in scales} == {np.dtype(np.float32)}
+    # 3 linear-attention layers (qkvz, out_proj, 3 shared-expert, 3 routed-expert
+    # kernels) and a full-attention one (q, k, v, out and the 6 MLP kernels)
+    assert len(fp8) == len(scales) == 3 * 8 + 10, "every float8 kernel has its scale"
+    targets = {mt_key(p): jax.ShapeDtypeStruct(a.shape, a.dtype) for p, a in placement.items()}
+    want = to_maxtext_fp8(config, stored, targets)
+    names = meshinit.maxtext.names(config)
+    found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    assert found.unused == () and found.dequantized == {}, "kept quantized, every tensor read"
+    qkvz = [p for p in scales if "in_proj_qkvz" in p]
+    assert qkvz and all(
+        isinstance(found.table[p], Concat) or "Concat(" in repr(found.table[p]) for p in qkvz
+    )
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names, unused="error")
+    assert sorted(loaded) == sorted(placement)
+    problems = differences(loaded, want, placement)
+    assert not problems, "\n".join(problems)
+    others = set(placement) - fp8 - scales
+    assert {placement[p].dtype for p in others} == {np.dtype(ml_dtypes.bfloat16)}
+    owned = (
+        owned_bytes(plan, 1, fp8)
+        + owned_bytes(plan, np.dtype(scale_dtype).itemsize, scales)
+        + owned_bytes(plan, 2, others)
+    )
+    assert reads.values == [owned], "bytes read == bytes owned, at the stored sizes"
