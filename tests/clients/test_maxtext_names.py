@@ -1189,3 +1189,93 @@ def test_qwen35_fp8_kept_quantized_is_maxtexts_conversion(tmp_path, scan, framew
         + owned_bytes(plan, 2, others)
     )
     assert reads.values == [owned], "bytes read == bytes owned, at the stored sizes"
+
+
+def test_qwen35_fp8_scales_maxtext_sizes_otherwise_are_refused_by_name(tmp_path):
+    """A hidden size of 72 in blocks of 16: MaxText sizes each kernel_scale by floor
+    (72 // 16 = 4), the files by ceil (5). MaxText's own to_maxtext fails on them; every
+    scale is refused before a byte is read, naming both shapes, why and the fix."""
+    config = fp8_config(True, base_emb_dim=72)
+    stored = write_fp8_checkpoint(config, tmp_path, ml_dtypes.bfloat16)
+    plan, placement = plan_and_placement(config, "linen")
+    targets = {mt_key(p): jax.ShapeDtypeStruct(a.shape, a.dtype) for p, a in placement.items()}
+    with pytest.raises(ValueError):  # MaxText's own conversion refuses them too
+        to_maxtext_fp8(config, stored, targets)
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == [], "refused before any byte is read"
+    scales = sorted(p for p in placement if re.search(r"(_scale|kernel_scale)$", p))
+    assert sorted(p.path for p in raised.value.problems) == scales and len(scales) == 34
+    said = {p.path: p.message for p in raised.value.problems}
+    hf = "model.language_model.layers"
+    fix = (
+        "The two sizes disagree where a dimension is not a multiple of the block "
+        "(MaxText's own to_maxtext refuses these files too); load these files into a "
+        "model whose quantized dimensions are multiples of 16, or with a "
+        "weight_block_size that divides them"
+    )
+    assert said["params.decoder.layers.layer_0.mlp.shared_expert.wi_0.kernel_scale"] == (
+        f"MaxText 0.2.5's map of '{QWEN35_FP8}': MaxText holds this scale as (4, 8) of "
+        f"each layer: its kernel (72, 128) in blocks of 16, each dimension divided by 16 "
+        f"and rounded down, one under 16 kept whole; the files' "
+        f"'{hf}.0.mlp.shared_expert.gate_proj.weight_scale_inv' has one scale per 16x16 "
+        f"block of its weight, rounded up ((8, 5)), and MaxText's hook transpose makes "
+        f"(5, 8) of it. {fix}"
+    )
+    assert said["params.decoder.layers.layer_3.attention.attention.query.kernel_scale"] == (
+        f"MaxText 0.2.5's map of '{QWEN35_FP8}': MaxText holds this scale as (4, 4, 2) "
+        f"of each layer: its kernel (72, 4, 32) in blocks of 16, each dimension divided by "
+        f"16 and rounded down, one under 16 kept whole; the files' "
+        f"'{hf}.3.self_attn.q_proj.weight_scale_inv' has one scale per 16x16 block of its "
+        f"weight, rounded up ((8, 5)), and MaxText's hook reshape_kernel cannot make it "
+        f"(ValueError: cannot reshape array of size 40 into shape (4,4,2)). {fix}"
+    )
+    experts = said["params.decoder.layers.layer_1.mlp.routed_experts.wo_scale"]
+    assert "(8, 4) of each expert and layer: its kernel (128, 72)" in experts
+    assert "'model.language_model.layers.1.mlp.experts.0.down_proj.weight_scale_inv'" in experts
+    qkvz = said["params.decoder.layers.layer_2.attention.in_proj_qkvz.kernel_scale"]
+    assert "concat_qkvz_scales_and_transpose makes (5, 12) of it" in qkvz
+
+
+def test_qwen35_fp8_scale_that_fits_by_size_only_is_refused(tmp_path, monkeypatch):
+    """A scale hook that reshapes where MaxText's transposes (the shapes fit, the blocks
+    do not): every kernel element would be given another block's scale; refused naming
+    the first such element and both blocks, not loaded."""
+    config = fp8_config(False)
+    write_fp8_checkpoint(config, tmp_path, np.float32)
+    plan, _ = plan_and_placement(config, "linen")
+    own = param_mapping.HOOK_FNS[QWEN35_FP8]
+    key = "params-decoder-layers_0-mlp-shared_expert-wo-kernel_scale"
+
+    def hooks(*args, **kwargs):  # MaxText's hooks, one scale's replaced
+        return own(*args, **kwargs) | {key: lambda x, target_shape: x.reshape(target_shape)}
+
+    monkeypatch.setitem(param_mapping.HOOK_FNS, QWEN35_FP8, hooks)
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == []
+    (problem,) = raised.value.problems
+    assert problem.path == "params.decoder.layers_0.mlp.shared_expert.wo.kernel_scale"
+    name = "model.language_model.layers.0.mlp.shared_expert.down_proj.weight_scale_inv"
+    assert problem.message == (
+        f"MaxText 0.2.5's map of '{QWEN35_FP8}': MaxText's dequantization would give "
+        f"kernel element (0, 16) the scale of block (0, 1) of '{name}', but its weight "
+        f"lies in block (1, 0) of '{name}' (7680 of 8192 elements): the scale (8, 4) and "
+        f"the files' blocks of 16x16 fit by size only. Load these files into a model "
+        f"whose quantized dimensions are multiples of 16"
+    )
+
+
+def test_qwen35_fp8_files_of_another_block_size_are_refused(tmp_path):
+    config = fp8_config(True)
+    write_fp8_checkpoint(config, tmp_path, ml_dtypes.bfloat16, block=32)
+    plan, _ = plan_and_placement(config, "linen")
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    (problem,) = raised.value.problems
+    assert problem.path == str(tmp_path / "config.json")
+    assert problem.message == (
+        "config.json's quantization_config says weight_block_size=[32, 32], MaxText's "
+        "config weight_block_size=16: MaxText would size and split these files' scales "
+        "for blocks of 16; configure MaxText with weight_block_size: 32"
+    )
