@@ -96,9 +96,12 @@ def _checked(
     stacked) cannot hold the files' ``names``, or None; the element-wise comparison
     is kept in ``memo`` for the next layer or expert of the same shapes."""
     b0, b1 = block
+    shapes = [tuple(tensors[n][0]) for n in names]
+    # block numbers as small as they fit: the kernel's copy of them is the largest array
+    kind = np.int16 if sum(math.prod(s) for s in shapes) < 2**15 else np.int32
     ids, start = [], 0
-    for name, weight in zip(names, weights, strict=True):
-        shape, w = tuple(tensors[name][0]), tuple(tensors[weight][0])
+    for name, weight, shape in zip(names, weights, shapes, strict=True):
+        w = tuple(tensors[weight][0])
         covering = (-(-w[0] // b0), -(-w[1] // b1)) if len(w) == 2 else None
         if shape != covering:
             return (
@@ -106,7 +109,7 @@ def _checked(
                 f"its weight {w}{'' if covering is None else f' ({covering})'}: it is "
                 f"another quantization than config.json's; load it with its own block size"
             )
-        ids.append(np.arange(start, start + math.prod(shape), dtype=np.int32).reshape(shape))
+        ids.append(np.arange(start, start + math.prod(shape), dtype=kind).reshape(shape))
         start += math.prod(shape)
     shown = names[0] if len(names) == 1 else names
     made, failed = _hooked(scale_hook, ids, scale_slice)
@@ -169,14 +172,15 @@ def _compared(
         return None  # the kernel's own path says what is wrong with it
     if any(k % s for k, s in zip(kernel_slice, made.shape, strict=True)):
         return "indivisible"
-    given = made
-    for axis, (k, s) in enumerate(zip(kernel_slice, made.shape, strict=True)):
-        given = np.repeat(given, k // s, axis=axis)
-    wrong = np.argwhere(given != wanted)
-    if not len(wrong):
+    # each kernel axis as (scale cell, position in it), against the cell's scale
+    cells = tuple(d for k, s in zip(kernel_slice, made.shape, strict=True) for d in (s, k // s))
+    wrong = wanted.reshape(cells) != made.reshape(tuple(d for s in made.shape for d in (s, 1)))
+    count = int(np.count_nonzero(wrong))
+    if not count:
         return None
-    x = tuple(int(i) for i in wrong[0])
-    return x, int(given[x]), int(wanted[x]), len(wrong)
+    at = np.unravel_index(int(np.argmax(wrong)), cells)  # the first, in (cell, position)s
+    x = tuple(int(at[2 * a] * cells[2 * a + 1] + at[2 * a + 1]) for a in range(len(kernel_slice)))
+    return x, int(made[tuple(int(c) for c in at[::2])]), int(wanted[x]), count
 
 
 def _hooked(hook: Any, ids: list[np.ndarray], shape: tuple[int, ...]) -> tuple[Any, str]:

@@ -43,6 +43,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import math
 import re
 import textwrap
 import types
@@ -1066,13 +1067,9 @@ def fp8_config(scan: bool, block: int = 16, **more):
     )  # fmt: skip
 
 
-def write_fp8_checkpoint(config, folder, scale_dtype, block: int = 16) -> dict:
-    """A Qwen3.5-FP8 checkpoint as published, at ``config``'s sizes: every tensor of
-    MaxText's ``HF_SHAPE`` in bf16, the routed experts per expert (``experts.{e}.
-    gate_proj.weight``, ...), each weight ``FP8_PUBLISHED`` names float8 with a
-    ``weight_scale_inv`` of ``(ceil(R / block), ceil(C / block))`` in ``scale_dtype``,
-    and config.json's ``quantization_config``; returns the tensors written."""
-    hf = hf_config(QWEN35_FP8, config)
+def fp8_shapes(hf: dict) -> dict[str, list[int]]:
+    """Every tensor of a Qwen3.5-FP8 checkpoint of the HF config ``hf``: MaxText's
+    ``HF_SHAPE``, the routed experts per expert (``experts.{e}.gate_proj.weight``...)."""
     text = hf["text_config"]
     shapes = {k: v for k, v in hf_shape.HF_SHAPE[QWEN35_FP8](hf).items() if isinstance(k, str)}
     for name in [k for k in shapes if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
@@ -1084,6 +1081,17 @@ def write_fp8_checkpoint(config, folder, scale_dtype, block: int = 16) -> dict:
                 shapes[f"{layer}.experts.{e}.up_proj.weight"] = [out // 2, inner]
             else:
                 shapes[f"{layer}.experts.{e}.down_proj.weight"] = [out, inner]
+    return shapes
+
+
+def write_fp8_checkpoint(config, folder, scale_dtype, block: int = 16) -> dict:
+    """A Qwen3.5-FP8 checkpoint as published, at ``config``'s sizes: every tensor of
+    MaxText's ``HF_SHAPE`` in bf16, the routed experts per expert (``experts.{e}.
+    gate_proj.weight``, ...), each weight ``FP8_PUBLISHED`` names float8 with a
+    ``weight_scale_inv`` of ``(ceil(R / block), ceil(C / block))`` in ``scale_dtype``,
+    and config.json's ``quantization_config``; returns the tensors written."""
+    hf = hf_config(QWEN35_FP8, config)
+    shapes = fp8_shapes(hf)
     rng = np.random.default_rng(3)
     stored = {}
     for name, shape in sorted(shapes.items()):
@@ -1279,3 +1287,50 @@ def test_qwen35_fp8_files_of_another_block_size_are_refused(tmp_path):
         "config weight_block_size=16: MaxText would size and split these files' scales "
         "for blocks of 16; configure MaxText with weight_block_size: 32"
     )
+
+
+# Qwen3.5-35B-A3B-FP8's own sizes (its config.json), at 4 layers, 4 experts and a
+# small vocabulary: heads under the block (16 of 256, 2 KV heads) kept whole
+QWEN35_FP8_SIZES = dict(
+    base_emb_dim=2048, base_num_query_heads=16, base_num_kv_heads=2, head_dim=256,
+    gdn_key_head_dim=128, gdn_value_head_dim=128, gdn_num_key_heads=16,
+    gdn_num_value_heads=32, base_moe_mlp_dim=512, base_mlp_dim=512, num_experts=4,
+    num_experts_per_tok=2, sparse_matmul=False, vocab_size=256, mrope_section=(11, 11, 10),
+)  # fmt: skip
+
+
+def test_qwen35_fp8_at_its_published_sizes_is_not_refused(tmp_path):
+    """At the release's own sizes and block (128), every scale MaxText sizes by floor
+    (dims under 128 kept whole: 16 heads, 2 KV heads) gives each kernel element its
+    block's scale: nothing refused, every scale read from its weight_scale_inv. The
+    file holds headers and a sparse data section (no data is read here)."""
+    config = mm.tiny_config(True, 4, model_name=QWEN35_FP8, **QWEN35_FP8_SIZES)
+    assert config.weight_block_size == 128
+    hf = hf_config(QWEN35_FP8, config)
+    header, end = {}, 0
+    for name, shape in sorted(fp8_shapes(hf).items()):
+        tensors = [(name, "F8_E4M3" if FP8_PUBLISHED.search(name) else "BF16", shape)]
+        if FP8_PUBLISHED.search(name):
+            tensors.append((f"{name}_scale_inv", "BF16", [-(-d // 128) for d in shape]))
+        for n, dtype, s in tensors:
+            size = math.prod(s) * (1 if dtype == "F8_E4M3" else 2)
+            header[n] = {"dtype": dtype, "shape": list(s), "data_offsets": [end, end + size]}
+            end += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + end)
+    quantization = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(hf | {"quantization_config": quantization}))
+    plan, placement = plan_and_placement(config, "linen")
+    query = "params.decoder.layers.layer_3.attention.attention.query.kernel_scale"
+    assert placement[query].shape == (16, 1, 16, 4), "16 heads kept whole, 512 // 128"
+    with Reads() as reads:
+        found = meshinit.safetensors.inventory(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == []
+    assert found.unused == () and found.dequantized == {}
+    scales = [p for p in placement if re.search(r"(_scale|kernel_scale)$", p)]
+    assert len(scales) == 34
+    for path in scales:
+        assert "weight_scale_inv" in repr(found.table[path]), path
