@@ -44,7 +44,13 @@ def problems(
     quantization = files.get("quantization_config") or (files.get("text_config") or {}).get(
         "quantization_config"
     )
-    theirs = _block((quantization or {}).get("weight_block_size")) or ours
+    given = _block((quantization or {}).get("weight_block_size"))
+    theirs = given or ours
+    declared = (
+        f"config.json's weight_block_size {list(theirs)}"
+        if given
+        else f"MaxText's weight_block_size {ours[0]} (config.json declares none)"
+    )
     if theirs != ours:
         return {}, (
             f"config.json's quantization_config says weight_block_size={list(theirs)}, "
@@ -73,7 +79,7 @@ def problems(
         per = " of each expert and layer" if depth > 1 else per
         why = _checked(
             names, weights, hooks.get(key), hooks.get(kernel), scale_slice, kernel_slice,
-            tensors, theirs, per, memo,
+            tensors, theirs, per, memo, declared,
         )  # fmt: skip
         if why is not None:
             out[key] = why
@@ -91,6 +97,7 @@ def _checked(
     block: tuple[int, int],
     per: str,
     memo: dict[Any, Any],
+    declared: str,
 ) -> str | None:
     """Why MaxText's scale of shape ``scale_slice`` (``per`` layer or expert, where
     stacked) cannot hold the files' ``names``, or None; the element-wise comparison
@@ -105,9 +112,10 @@ def _checked(
         covering = (-(-w[0] // b0), -(-w[1] // b1)) if len(w) == 2 else None
         if shape != covering:
             return (
-                f"the files' {name!r} is {shape}, not one scale per {b0}x{b1} block of "
-                f"its weight {w}{'' if covering is None else f' ({covering})'}: it is "
-                f"another quantization than config.json's; load it with its own block size"
+                f"the files' {name!r} is {shape}, but one scale per {b0}x{b1} block of its "
+                f"weight {w} is {covering}: the files are quantized in other blocks than "
+                f"{declared}; give config.json's quantization_config the files' "
+                f"weight_block_size, and MaxText's config the same"
             )
         ids.append(np.arange(start, start + math.prod(shape), dtype=kind).reshape(shape))
         start += math.prod(shape)

@@ -1334,3 +1334,28 @@ def test_qwen35_fp8_at_its_published_sizes_is_not_refused(tmp_path):
     assert len(scales) == 34
     for path in scales:
         assert "weight_scale_inv" in repr(found.table[path]), path
+
+
+def test_qwen35_fp8_scales_of_another_block_than_maxtexts_are_refused(tmp_path):
+    """Files quantized in blocks of 32, config.json without a quantization_config, into
+    MaxText at weight_block_size 16: each scale names its shape against the one blocks
+    of 16 would give; nothing read."""
+    config = fp8_config(True)
+    write_fp8_checkpoint(config, tmp_path, np.float32, block=32)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    del hf["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    plan, placement = plan_and_placement(config, "linen")
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == []
+    said = {p.path: p.message for p in raised.value.problems}
+    assert len(said) == 34
+    name = "model.language_model.layers.0.mlp.shared_expert.gate_proj.weight_scale_inv"
+    assert said["params.decoder.layers.layer_0.mlp.shared_expert.wi_0.kernel_scale"] == (
+        f"MaxText 0.2.5's map of '{QWEN35_FP8}': the files' '{name}' is (4, 2), but one "
+        f"scale per 16x16 block of its weight (128, 64) is (8, 4): the files are quantized "
+        f"in other blocks than MaxText's weight_block_size 16 (config.json declares none); "
+        f"give config.json's quantization_config the files' weight_block_size, and "
+        f"MaxText's config the same"
+    )
