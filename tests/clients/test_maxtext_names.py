@@ -1055,23 +1055,23 @@ FP8_PUBLISHED = re.compile(
 )
 
 
-def fp8_config(scan: bool, block: int = 16, **more):
+def fp8_config(scan: bool, block: int = 16, model: str = QWEN35_FP8, **more):
     """MaxText's qwen3.5-35b-a3b-fp8 at qwen3.5-35b-a3b's tiny size (``weight_dtype:
     float8_e4m3fn``, ``kernel_scale`` params of float32); at block 16 every dimension
     its scales split is a multiple of the block, so MaxText's scale shapes (``d // b``,
     dims under ``b`` kept whole) are the files' (``ceil(d / b)``)."""
     tiny = TINY["qwen3.5-35b-a3b"]
     return mm.tiny_config(
-        scan, tiny.layers, model_name=QWEN35_FP8, weight_block_size=block,
+        scan, tiny.layers, model_name=model, weight_block_size=block,
         **(tiny.overrides | more),
     )  # fmt: skip
 
 
-def fp8_shapes(hf: dict) -> dict[str, list[int]]:
+def fp8_shapes(hf: dict, model: str = QWEN35_FP8) -> dict[str, list[int]]:
     """Every tensor of a Qwen3.5-FP8 checkpoint of the HF config ``hf``: MaxText's
     ``HF_SHAPE``, the routed experts per expert (``experts.{e}.gate_proj.weight``...)."""
     text = hf["text_config"]
-    shapes = {k: v for k, v in hf_shape.HF_SHAPE[QWEN35_FP8](hf).items() if isinstance(k, str)}
+    shapes = {k: v for k, v in hf_shape.HF_SHAPE[model](hf).items() if isinstance(k, str)}
     for name in [k for k in shapes if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
         experts, out, inner = shapes.pop(name)
         layer = name.rsplit(".experts.", 1)[0]
@@ -1090,8 +1090,8 @@ def write_fp8_checkpoint(config, folder, scale_dtype, block: int = 16) -> dict:
     gate_proj.weight``, ...), each weight ``FP8_PUBLISHED`` names float8 with a
     ``weight_scale_inv`` of ``(ceil(R / block), ceil(C / block))`` in ``scale_dtype``,
     and config.json's ``quantization_config``; returns the tensors written."""
-    hf = hf_config(QWEN35_FP8, config)
-    shapes = fp8_shapes(hf)
+    hf = hf_config(config.model_name, config)
+    shapes = fp8_shapes(hf, config.model_name)
     rng = np.random.default_rng(3)
     stored = {}
     for name, shape in sorted(shapes.items()):
@@ -1120,9 +1120,10 @@ def to_maxtext_fp8(config, stored: dict, targets: dict) -> dict:
     then the restore into the model's dtype (a bf16 scale widened to float32)."""
     from maxtext.checkpoint_conversion import to_maxtext
 
-    hf = json.loads(json.dumps(hf_config(QWEN35_FP8, config)))
-    mapping = param_mapping.PARAM_MAPPING[QWEN35_FP8](hf, config, config.scan_layers)
-    hooks = param_mapping.HOOK_FNS[QWEN35_FP8](hf, config, config.scan_layers, saving_to_hf=False)
+    model = config.model_name
+    hf = json.loads(json.dumps(hf_config(model, config)))
+    mapping = param_mapping.PARAM_MAPPING[model](hf, config, config.scan_layers)
+    hooks = param_mapping.HOOK_FNS[model](hf, config, config.scan_layers, saving_to_hf=False)
 
     def getter(key):
         held = stored[to_maxtext.resolve_scale_key(key, stored)]
@@ -1147,16 +1148,26 @@ def to_maxtext_fp8(config, stored: dict, targets: dict) -> dict:
 
 def fp8_layouts():
     """qwen3.5's tiny layouts (TINY), each with bfloat16 scales (as Qwen3.5-35B-A3B-FP8
-    stores them) and float32 ones (as the other FP8 releases do)."""
-    return [
-        pytest.param(scan, framework, dtype, id=f"{SCANS[scan]}-{framework}-{np.dtype(dtype).name}")
+    stores them) and float32 ones (as the other FP8 releases do); MaxText's other FP8
+    name with a config (the same map and hooks, its own HF config) in the first."""
+    found = [
+        pytest.param(
+            QWEN35_FP8, scan, framework, dtype,
+            id=f"{QWEN35_FP8}-{SCANS[scan]}-{framework}-{np.dtype(dtype).name}",
+        )
         for scan, framework in TINY["qwen3.5-35b-a3b"].layouts
         for dtype in (ml_dtypes.bfloat16, np.float32)
-    ]
+    ]  # fmt: skip
+    scan, framework = TINY["qwen3.5-35b-a3b"].layouts[0]
+    other = "qwen3.5-397b-a17b-fp8"
+    named = f"{other}-{SCANS[scan]}-{framework}-bfloat16"
+    return [*found, pytest.param(other, scan, framework, ml_dtypes.bfloat16, id=named)]
 
 
-@pytest.mark.parametrize(("scan", "framework", "scale_dtype"), fp8_layouts())
-def test_qwen35_fp8_kept_quantized_is_maxtexts_conversion(tmp_path, scan, framework, scale_dtype):
+@pytest.mark.parametrize(("model", "scan", "framework", "scale_dtype"), fp8_layouts())
+def test_qwen35_fp8_kept_quantized_is_maxtexts_conversion(
+    tmp_path, model, scan, framework, scale_dtype
+):
     """MaxText's qwen3.5-FP8 model holds float8 kernels and float32 ``kernel_scale``s
     (the routed experts' ``wi_0_scale``...): the files' float8 weights load as stored,
     each ``weight_scale_inv`` (bf16 or f32) widened exactly to float32, the linear
@@ -1164,7 +1175,7 @@ def test_qwen35_fp8_kept_quantized_is_maxtexts_conversion(tmp_path, scan, framew
     experts from MaxText's nested per-expert lists: every Param has the bits of
     ``to_maxtext --save_dtype=float8_e4m3fn``, on MaxText's sharding, nothing
     dequantized, nothing unused, and the load reads the bytes the process owns."""
-    config = fp8_config(scan)
+    config = fp8_config(scan, model=model)
     stored = write_fp8_checkpoint(config, tmp_path, scale_dtype)
     plan, placement = plan_and_placement(config, framework)
     fp8 = {p for p, a in placement.items() if a.dtype == ml_dtypes.float8_e4m3fn}
@@ -1289,26 +1300,33 @@ def test_qwen35_fp8_files_of_another_block_size_are_refused(tmp_path):
     )
 
 
-# Qwen3.5-35B-A3B-FP8's own sizes (its config.json), at 4 layers, 4 experts and a
-# small vocabulary: heads under the block (16 of 256, 2 KV heads) kept whole
-QWEN35_FP8_SIZES = dict(
-    base_emb_dim=2048, base_num_query_heads=16, base_num_kv_heads=2, head_dim=256,
-    gdn_key_head_dim=128, gdn_value_head_dim=128, gdn_num_key_heads=16,
-    gdn_num_value_heads=32, base_moe_mlp_dim=512, base_mlp_dim=512, num_experts=4,
-    num_experts_per_tok=2, sparse_matmul=False, vocab_size=256, mrope_section=(11, 11, 10),
-)  # fmt: skip
+# The FP8 releases' own sizes (their config.json), at 4 layers, 4 experts and a small
+# vocabulary: heads under the block (16 or 32 of 256, 2 KV heads) kept whole
+PUBLISHED = dict(base_num_kv_heads=2, head_dim=256, gdn_key_head_dim=128)
+PUBLISHED |= dict(gdn_value_head_dim=128, gdn_num_key_heads=16, num_experts=4)
+PUBLISHED |= dict(num_experts_per_tok=2, sparse_matmul=False, vocab_size=256)
+PUBLISHED |= dict(mrope_section=(11, 11, 10))
+QWEN35_FP8_SIZES = {
+    QWEN35_FP8: PUBLISHED
+    | dict(base_emb_dim=2048, base_num_query_heads=16, gdn_num_value_heads=32)
+    | dict(base_moe_mlp_dim=512, base_mlp_dim=512),
+    "qwen3.5-397b-a17b-fp8": PUBLISHED
+    | dict(base_emb_dim=4096, base_num_query_heads=32, gdn_num_value_heads=64)
+    | dict(base_moe_mlp_dim=1024, base_mlp_dim=1024),
+}
 
 
-def test_qwen35_fp8_at_its_published_sizes_is_not_refused(tmp_path):
+@pytest.mark.parametrize("model", sorted(QWEN35_FP8_SIZES))
+def test_qwen35_fp8_at_its_published_sizes_is_not_refused(tmp_path, model):
     """At the release's own sizes and block (128), every scale MaxText sizes by floor
     (dims under 128 kept whole: 16 heads, 2 KV heads) gives each kernel element its
     block's scale: nothing refused, every scale read from its weight_scale_inv. The
     file holds headers and a sparse data section (no data is read here)."""
-    config = mm.tiny_config(True, 4, model_name=QWEN35_FP8, **QWEN35_FP8_SIZES)
+    config = mm.tiny_config(True, 4, model_name=model, **QWEN35_FP8_SIZES[model])
     assert config.weight_block_size == 128
-    hf = hf_config(QWEN35_FP8, config)
+    hf = hf_config(model, config)
     header, end = {}, 0
-    for name, shape in sorted(fp8_shapes(hf).items()):
+    for name, shape in sorted(fp8_shapes(hf, model).items()):
         tensors = [(name, "F8_E4M3" if FP8_PUBLISHED.search(name) else "BF16", shape)]
         if FP8_PUBLISHED.search(name):
             tensors.append((f"{name}_scale_inv", "BF16", [-(-d // 128) for d in shape]))
@@ -1325,7 +1343,8 @@ def test_qwen35_fp8_at_its_published_sizes_is_not_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf | {"quantization_config": quantization}))
     plan, placement = plan_and_placement(config, "linen")
     query = "params.decoder.layers.layer_3.attention.attention.query.kernel_scale"
-    assert placement[query].shape == (16, 1, 16, 4), "16 heads kept whole, 512 // 128"
+    heads = config.num_query_heads
+    assert placement[query].shape == (config.emb_dim // 128, 1, heads, 4), "heads kept whole"
     with Reads() as reads:
         found = meshinit.safetensors.inventory(plan, tmp_path, names=meshinit.maxtext.names(config))
     assert reads.values == []
