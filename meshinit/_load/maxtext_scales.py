@@ -39,7 +39,14 @@ def problems(
     that (the whole map is then refused). ``planned`` is MaxText key -> planned shape,
     ``tensors`` the stored ones, ``files`` the checkpoint's config (a dict)."""
     ours = _block(getattr(config, "weight_block_size", None))
-    if ours is None:  # per-tensor scales (no blocks): nothing to size
+    scaled = [
+        (key, sources, names)
+        for key, sources in mapping.items()
+        if not isinstance(key, tuple) and key in planned
+        for names in [_names(_first(sources))]
+        if names and all(isinstance(n, str) and n.endswith(SCALE_INV) for n in names)
+    ]
+    if ours is None or not scaled:  # per-tensor scales (no blocks), or no scale read
         return {}, None
     quantization = files.get("quantization_config") or (files.get("text_config") or {}).get(
         "quantization_config"
@@ -60,12 +67,7 @@ def problems(
         )
     out: dict[str, str] = {}
     memo: dict[Any, Any] = {}  # layers and experts of one shape: compared once
-    for key, sources in mapping.items():
-        names = _names(_first(sources))
-        if isinstance(key, tuple) or key not in planned or not names:
-            continue
-        if not all(isinstance(n, str) and n.endswith(SCALE_INV) for n in names):
-            continue
+    for key, sources, names in scaled:
         kernel = _kernel_key(key)
         weights = tuple(n[: -len(SCALE_INV)] for n in names)
         if kernel not in planned or any(n not in tensors for n in names + weights):

@@ -95,3 +95,15 @@ def test_per_tensor_scales_have_no_blocks_to_check():
     planned = {"k-kernel": (200, 256), "k-kernel_scale": ()}
     tensors = {"w.weight": (256, 200), "w.weight_scale_inv": ()}
     assert check(planned, tensors, {}, block=None) == ({}, None)
+
+
+def test_a_map_that_reads_no_scale_is_not_checked_whatever_the_block_sizes():
+    """DeepSeek's FP8 files read dequantized (MaxText's map names no weight_scale_inv):
+    a weight_block_size in MaxText's config that is not the files' is not a problem."""
+    mapping = {"k-kernel": "w.weight"}
+    tensors = {"w.weight": ((256, 256), "F8_E4M3"), "w.weight_scale_inv": ((4, 4), "F32")}
+    files = {"quantization_config": {"weight_block_size": [64, 64]}}
+    found = maxtext_scales.problems(
+        mapping, {}, {"k-kernel": (256, 256)}, tensors, files, config(128), tensor_handling=None
+    )
+    assert found == ({}, None)
