@@ -221,10 +221,11 @@ def load(
         both), a scale that is not F32 or BF16 or whose shape is not ``(ceil(R / b0),
         ceil(C / b1))`` for the block (``quantization_config.weight_block_size``, else
         128x128; the config and the shapes disagreeing), a weight that is not 2-D, or
-        one read through a ``Concat``, ``Pad``, ``out_shape``, a Stack's ``permute``,
-        ``scale=``/``offset=`` or a remote object (not supported yet; plan it as
-        float8 to read the stored values as they are); a malformed ``names``; a plan
-        on abstract meshes.
+        one read through an ``out_shape`` inside a ``Stack``, ``Concat`` or ``Pad``,
+        through ``scale=``/``offset=``, or joined with parts whose views step through
+        their stored tensors differently (not supported yet; plan it as float8 to read
+        the stored values as they are); a malformed ``names``; a plan on abstract
+        meshes.
         While reading: a value that does not fit the planned dtype (an int out of
         range, a float that overflows, a dequantized product that overflows; a block
         scale so small that its products would be float32 subnormals), or a file

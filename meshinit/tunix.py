@@ -32,6 +32,7 @@ import numpy as np
 
 from ._errors import Problem
 from ._load import parts as _parts
+from ._load import quantized as _quantized
 from ._load import trace as _trace
 from ._load import traced as _traced
 from ._load.framework import Checkpoint, FrameworkMap
@@ -292,7 +293,10 @@ def _mapped(
     tunix's own regex match (``match``: tunix's ``torch_key_to_jax_key``), transposed,
     then reshaped. A tensor sent to one of tunix's ``unused.`` names is left unread,
     however many go to the same name (Gemma's map sends every ``.*\\.bias`` to
-    ``unused.bias``; tunix's loader overwrites one with the next and uses none)."""
+    ``unused.bias``; tunix's loader overwrites one with the next and uses none). A
+    float8 weight's block scale is the loader's, read with its weight (dequantized),
+    never tunix's: its map, whose patterns match a name's start, would send it to a
+    path beside the weight's."""
     if match is None:
         from tunix.utils.torch_utils import torch_key_to_jax_key
 
@@ -301,7 +305,10 @@ def _mapped(
     syms: dict[str, _trace.Sym] = {}
     dtypes: dict[str, Any] = {}
     problems = []
+    scales = _quantized.paired_scales(checkpoint.tensors)
     for name, (shape, dtype) in sorted(checkpoint.tensors.items()):
+        if name in scales:
+            continue
         try:
             key, transform = match(key_map, name)
         except ValueError:  # no regex, or several: tunix skips it, and so is it here

@@ -32,6 +32,7 @@ import numpy as np
 from .. import _caches
 from .._errors import PlanError, Problem, printable
 from . import blocks as _blocks
+from . import dequant_remote as _scales
 from . import read as _read
 from .header import READABLE
 
@@ -94,37 +95,70 @@ def axes(node: _blocks.Node, sizes: tuple[int, ...]) -> tuple[_blocks.Leaf, list
 
 @dataclasses.dataclass
 class Raw:
-    """A block as the device program takes it: the stored bytes, the scale rectangles
-    (one per leaf reached), the offsets and the program's signature."""
+    """A block as the device program takes it: the stored bytes, the per-device
+    arguments beside them (the scale rectangles first) and the program's signature."""
 
     key: tuple[tuple[int, int], ...]  # the block's bounds
     raw: np.ndarray
-    rects: np.ndarray
-    offsets: tuple[int, int, int, int]  # first row, first column, first scale row, column
+    args: tuple[np.ndarray, ...]  # the scale rectangles, then what places them
     signature: tuple[Any, ...]
     check: bool  # whether a product may overflow the planned dtype
     names: str  # the tensors, for a message
+
+
+Window = tuple[Any, tuple[int, int], tuple[int, int]]
+"""A scale tensor (:class:`~.source.Stored`) and the first and last scale row, and
+column, that a block reads of it."""
 
 
 class QuantParts(_read.Parts):
     """:class:`~meshinit._load.read.Parts` of a dequantized parameter: a block is its
     stored bytes (a :class:`Raw` kept aside), placed on the devices that hold it as
     any block is, and :meth:`whole` runs one program over the whole sharded array of
-    bytes (each device dequantizing its own block with its own scales and offsets)."""
+    bytes (each device dequantizing its own block with its own scales and offsets).
+
+    A scale in a local file is read whole (each is 1/16384 of its weight's elements
+    at 128x128); of a remote one (a fetched source), only the rows and columns that
+    cover this process's blocks are fetched, ahead, as the weights' bytes are."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._counted = args[2] if len(args) > 2 else kwargs["total"]
         self._scales: dict[str, np.ndarray] = {}
         self._held: dict[tuple[tuple[int, int], ...], Raw] = {}
+        self._remote: _scales.Fetched | None = None
+        quants = [leaf.quant for leaf in _blocks.leaves(self.job.node)]
+        if any(q.scale.file.fetched for q in quants):
+            wanted = [
+                w
+                for index, _ in _read.holders(self.job.entry, self.job.stage).values()
+                for w in self.windows(index)
+                if w[0].file.fetched
+            ]
+            self._remote = _scales.Fetched(wanted, self._checked)
+
+    def windows(self, index: tuple[slice, ...]) -> list[Window]:
+        """The scale rows and columns the block at ``index`` reads, of each scale."""
+        if not math.prod(max(0, s.stop - s.start) for s in index):
+            return []
+        (r, c), (lo_r, hi_r, lo_c, hi_c), _ = self._span(index)
+        out = []
+        for leaf, _ in _blocks.reached(self.job.node, index):
+            b0, b1 = leaf.quant.block
+            out.append((leaf.quant.scale, (lo_r // b0, hi_r // b0), (lo_c // b1, hi_c // b1)))
+        return out
 
     def _scale(self, quant: Any) -> np.ndarray:
-        """A scale tensor, read whole once per parameter (each is 1/16384 of its
-        weight's elements at 128x128), its bytes counted as read."""
+        """A scale tensor, read once per parameter, its bytes counted as read: a local
+        one whole, a remote one where the blocks read it (zeros elsewhere)."""
         held = quant.scale
         if held.name not in self._scales:
             dtype, count = READABLE[held.dtype], math.prod(held.shape)
-            if held.nbytes == 0:
+            if held.file.fetched:
+                assert self._remote is not None
+                got, fetched = self._remote.result(held, self.job.entry.path)
+                self._counted[0] += fetched
+            elif held.nbytes == 0:
                 got = np.zeros(held.shape, dtype)
             else:
                 base = held.start - held.start % mmap.ALLOCATIONGRANULARITY
@@ -134,7 +168,8 @@ class QuantParts(_read.Parts):
                 flat = np.frombuffer(mapped, dtype, count, held.start - base)
                 got = flat.reshape(held.shape).copy()
                 del flat
-            self._counted[0] += held.nbytes
+            if not held.file.fetched:
+                self._counted[0] += held.nbytes
             self._scales[held.name] = got
         return self._scales[held.name]
 
@@ -149,48 +184,70 @@ class QuantParts(_read.Parts):
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         """The block's stored bytes (placed as they are by :func:`~.read.put`); its
         scales, offsets and signature are kept for :meth:`whole`."""
+        if self.fetch is not None:
+            self.fetch.ready(index)
         found = self._block(index)
         self._held[found.key] = found
         return found.raw
 
-    def _block(self, index: tuple[slice, ...]) -> Raw:
-        node, entry = self.job.node, self.job.entry
+    def close(self) -> None:
+        super().close()
+        if self._remote is not None:
+            self._remote.cancel()
+
+    def _span(
+        self, index: tuple[slice, ...]
+    ) -> tuple[tuple[int, int], tuple[int, int, int, int], list[Axis]]:
+        """The stored (row, column) of the block's first element, the first and last
+        stored row and column it reaches, and its axes' steps."""
         sizes = tuple(max(0, s.stop - s.start) for s in index)
-        key = tuple((s.start, s.stop) for s in index)
-        reached = _blocks.reached(node, index)
-        planned = np.dtype(entry.spec.dtype)
-        if not math.prod(sizes):  # an empty block (of an empty parameter): placed as planned
-            raw = np.zeros(sizes, planned)
-            return Raw(key, raw, np.zeros((0, 1, 1), np.float32), (0, 0, 0, 0), (), False, "")
-        first, at = reached[0]
-        stored = READABLE[first.stored.dtype]
-        raw = _blocks.block(node, index, self._raw, stored)
-        # fan-out stages no dequantized parameter (fanout.staged): no padding here
-        leaf, steps = axes(node, sizes)
+        _, at = _blocks.reached(self.job.node, index)[0]
+        leaf, steps = axes(self.job.node, sizes)
         found = geometry(leaf)
         assert not isinstance(found, str)
         (r, c), moves = found
         r0 = r + sum(s.start * dr for s, (dr, _) in zip(at, moves, strict=True))
         c0 = c + sum(s.start * dc for s, (_, dc) in zip(at, moves, strict=True))
+        bounds = []
+        for start, k in ((r0, 1), (c0, 2)):
+            lo = start + sum(min(0, (n - 1) * a[k]) for n, a in zip(sizes, steps, strict=True))
+            hi = start + sum(max(0, (n - 1) * a[k]) for n, a in zip(sizes, steps, strict=True))
+            bounds += [lo, hi]
+        return (r0, c0), (bounds[0], bounds[1], bounds[2], bounds[3]), steps
+
+    def _block(self, index: tuple[slice, ...]) -> Raw:
+        node, entry = self.job.node, self.job.entry
+        sizes = tuple(max(0, s.stop - s.start) for s in index)
+        key = tuple((s.start, s.stop) for s in index)
+        planned = np.dtype(entry.spec.dtype)
+        if not math.prod(sizes):  # an empty block (of an empty parameter): placed as planned
+            raw = np.zeros(sizes, planned)
+            return Raw(key, raw, (np.zeros((0, 1, 1), np.float32),), (), False, "")
+        reached = _blocks.reached(node, index)
+        first, _ = reached[0]
+        stored = READABLE[first.stored.dtype]
+        raw = _blocks.block(node, index, self._raw, stored)
+        # fan-out stages no dequantized parameter (fanout.staged): no padding here
+        (r0, c0), (lo_r, hi_r, lo_c, hi_c), steps = self._span(index)
         quant = first.quant
         (b0, b1), (s0, s1) = quant.block, quant.scale.shape
         spans = []
-        for start, k, count in ((r0, 1, s0), (c0, 2, s1)):
-            lo = start + sum(min(0, (n - 1) * a[k]) for n, a in zip(sizes, steps, strict=True))
-            span = 1 + sum((n - 1) * abs(a[k]) for n, a in zip(sizes, steps, strict=True))
-            b = b0 if k == 1 else b1
-            held = min(count, (span - 1) // b + 2)
+        for lo, hi, b, count in ((lo_r, hi_r, b0, s0), (lo_c, hi_c, b1, s1)):
+            held = min(count, (hi - lo) // b + 2)
             spans.append((max(0, min(lo // b, count - held)), held))
         (rb, nr), (cb, nc) = spans
         rects = np.stack([self._scale(p.quant)[rb : rb + nr, cb : cb + nc] for p, _ in reached])
-        names = _named([p.stored.name for p, _ in reached])
-        _tiny(rects, stored, entry.path, names)
+        names = named([p.stored.name for p, _ in reached])
+        tiny(rects, stored, entry.path, names)
         work = np.dtype(first.tensor.compute_dtype or entry.spec.dtype)
-        top = float(np.abs(rects.astype(np.float32)).max(initial=0))
-        bound = top * float(ml_dtypes.finfo(stored).max)
-        check = not bound < min(float(ml_dtypes.finfo(t).max) for t in (work, planned))
+        check = overflows(rects, stored, work, planned)
         shapes = (raw.shape, stored, rects.shape, rects.dtype, tuple(steps), (b0, b1))
-        return Raw(key, raw, rects, (r0, c0, rb, cb), (*shapes, work, planned), check, names)
+        offsets = np.array((r0, c0, rb, cb), np.int32)
+        return Raw(key, raw, (rects, offsets), (*shapes, work, planned), check, names)
+
+    def program(self, signature: tuple[Any, ...], check: bool, sharding: Any) -> Any:
+        mesh, spec = sharding.mesh, sharding.spec
+        return program(signature, check, mesh, spec, tuple(mesh.axis_names))
 
     def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> jax.Array:
         """The parameter, dequantized: one program over the array of stored bytes,
@@ -207,21 +264,21 @@ class QuantParts(_read.Parts):
         signature = made[0].signature
         assert all(b.signature == signature for b in made)  # one signature: even shards
         raw = jax.make_array_from_single_device_arrays(shape, sharding, shards)
-        mesh, spec = sharding.mesh, sharding.spec
-        names = tuple(mesh.axis_names)
+        mesh = sharding.mesh
         n = math.prod(mesh.devices.shape)
-        per_device = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(names))
-        rects = _per_device([(d, b.rects) for d, b in blocks.items()], n, per_device)
-        offsets = [(d, np.array(b.offsets, np.int32)) for d, b in blocks.items()]
+        per = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
+        args = [
+            per_device([(d, b.args[k]) for d, b in blocks.items()], n, per)
+            for k in range(len(made[0].args))
+        ]
         check = any(b.check for b in made)
-        run = program(signature, check, mesh, spec, names)
-        got = run(raw, rects, _per_device(offsets, n, per_device))
-        del raw, rects
+        got = self.program(signature, check, sharding)(raw, *args)
+        del raw, args
         self._held.clear()
         if check:
             got, fits = got
             if not all(bool(np.asarray(s.data).all()) for s in fits.addressable_shards):
-                work = np.dtype(signature[6]).name
+                work = np.dtype(signature[-2]).name
                 raise PlanError(
                     [
                         Problem(
@@ -235,7 +292,15 @@ class QuantParts(_read.Parts):
         return got
 
 
-def _per_device(values: list[tuple[Any, np.ndarray]], n: int, sharding: Any) -> jax.Array:
+def overflows(rects: np.ndarray, stored: Any, work: np.dtype, planned: np.dtype) -> bool:
+    """Whether a stored value times one of ``rects`` may overflow ``work`` or
+    ``planned`` (the program then checks every product)."""
+    top = float(np.abs(rects.astype(np.float32)).max(initial=0))
+    bound = top * float(ml_dtypes.finfo(stored).max)
+    return not bound < min(float(ml_dtypes.finfo(t).max) for t in (work, planned))
+
+
+def per_device(values: list[tuple[Any, np.ndarray]], n: int, sharding: Any) -> jax.Array:
     """A global array of ``n`` rows, one per device of the mesh, from each addressable
     device's own row."""
     shape = (n, *values[0][1].shape)
@@ -243,12 +308,12 @@ def _per_device(values: list[tuple[Any, np.ndarray]], n: int, sharding: Any) -> 
     return jax.make_array_from_single_device_arrays(shape, sharding, rows)
 
 
-def _named(names: list[str]) -> str:
+def named(names: list[str]) -> str:
     more = f" (and {len(names) - 1} more stacked)" if len(names) > 1 else ""
     return f"{printable(names[0])!r}{more}"
 
 
-def _tiny(rects: np.ndarray, stored: Any, path: str, names: str) -> None:
+def tiny(rects: np.ndarray, stored: Any, path: str, names: str) -> None:
     """Refuses scales so small that a product of a stored value would be subnormal
     in float32: XLA flushes those to zero, where the reference keeps them."""
     smallest = 2.0**-126 / float(ml_dtypes.finfo(stored).smallest_subnormal)

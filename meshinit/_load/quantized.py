@@ -28,6 +28,8 @@ from .._errors import Problem, printable
 from .._format import index_ranges, some
 from . import blocks as _blocks
 from . import dequant as _dequant
+from . import dequant_concat as _dequant_concat
+from . import dequant_tiles as _dequant_tiles
 from .header import READABLE
 from .source import Stored
 
@@ -102,7 +104,7 @@ def paired(
             problems.append(Problem(job.entry.path, refused.message))
             out.append(job)
             continue
-        out.append(dataclasses.replace(job, node=node, parts=_dequant.QuantParts))
+        out.append(dataclasses.replace(job, node=node, parts=parts_of(node)))
         dequantized[job.entry.path] = _described(held, quants, planned)
     return out, _refusals(rows, read) + problems, dequantized
 
@@ -119,6 +121,16 @@ def scales(jobs: Sequence[Any], stored: Mapping[str, Stored]) -> set[str]:
             if leaf.stored.dtype in _FLOAT8 and leaf.stored.name + SCALES[0] in stored:
                 out.add(leaf.stored.name + SCALES[0])
     return out
+
+
+def paired_scales(tensors: Mapping[str, tuple[Any, str]]) -> set[str]:
+    """The names of ``tensors`` (name -> (shape, dtype)) that are a stored float8
+    weight's block scale: the loader's, read with the weight, not a map's to place."""
+    return {
+        name + SCALES[0]
+        for name, (_, dtype) in tensors.items()
+        if dtype in _FLOAT8 and name + SCALES[0] in tensors
+    }
 
 
 def _pair(
@@ -162,48 +174,78 @@ def _fitting(shape: tuple[int, ...], scale: tuple[int, ...]) -> tuple[int, int] 
 
 
 def _attached(node: _blocks.Node, quants: Mapping[str, Quant]) -> _blocks.Node:
-    """``node`` with each leaf's :class:`Quant`; :class:`~.blocks.Refused` where v1
-    does not dequantize through it: a Concat, a Pad, an out_shape, a Stack permute or
-    out_shape, a Stack of parts whose views differ, a scale or offset, a view that
-    mixes rows and columns, a remote file."""
+    """``node`` with each leaf's :class:`Quant`; :class:`~.blocks.Refused` where it is
+    not dequantized through it: an out_shape (merged axes) inside a join or pad, a
+    scale= or offset=, a view that mixes rows and columns, parts whose views step
+    differently or whose stored dtypes differ. A weight, or a Stack of equal ones, is read by
+    :class:`~.dequant.QuantParts`; a Concat, a Pad, a Fill, a permute, a merge or
+    unequal Stack parts by :class:`~.dequant_concat.TileParts`."""
+    made = _each(node, quants)
+    if _uniform(made):
+        return made
+    leaves = _blocks.leaves(made)
+    what = f"{made.label}{_kind(made)} of float8 weights read dequantized"
+    dtypes = sorted({leaf.stored.dtype for leaf in leaves})
+    works = {leaf.tensor.compute_dtype for leaf in leaves}
+    why = _dequant_tiles.steps(_dequant_tiles.unmerged(made)[0])
+    if len(dtypes) > 1:
+        why = f"its weights are stored as {' and '.join(dtypes)}"
+    elif len(works) > 1:
+        why = "its parts set different compute dtypes"
+    if isinstance(why, str):
+        raise _blocks.Refused(f"{what}: {why}; {_FIX}")
+    return made
+
+
+def parts_of(node: _blocks.Node) -> type:
+    """The :class:`~.read.Parts` that read a dequantized ``node`` (:func:`_attached`'s)."""
+    return _dequant.QuantParts if _uniform(node) else _dequant_concat.TileParts
+
+
+def _kind(node: _blocks.Node) -> str:
+    if isinstance(node, _blocks.Joined):
+        return node.kind
+    return "a Pad" if isinstance(node, _blocks.Padded) else "a part"
+
+
+def _each(node: _blocks.Node, quants: Mapping[str, Quant], root: bool = True) -> _blocks.Node:
+    """``node`` with each leaf's :class:`Quant`, or why a part refuses it: a merge
+    (``out_shape``) is dequantized where it merges the whole parameter's axes only."""
     if isinstance(node, _blocks.Leaf):
         held, tensor = node.stored, node.tensor
         what = f"{node.label}tensor {printable(held.name)!r} (float8, dequantized)"
         found = _dequant.geometry(node)
         why = None
-        if node.groups is not None:
-            why = f"out_shape={tensor.out_shape}"
+        if node.groups is not None and not root:
+            why = f"out_shape={tensor.out_shape} inside a Stack, Concat or Pad"
         elif tensor.scale is not None or tensor.offset is not None:
             why = "a scale= or offset="
         elif isinstance(found, str):
             why = f"this view: {found}"
-        elif held.file.fetched or quants[held.name].scale.file.fetched:
-            why = "a remote object (download the files first)"
         if why is not None:
             raise _blocks.Refused(f"{what} is not read dequantized through {why} yet; {_FIX}")
         return dataclasses.replace(node, quant=quants[held.name])
-    if (
-        isinstance(node, _blocks.Joined)
-        and node.stacked
-        and node.groups is None
-        and node.order is None
-    ):
-        parts = [_attached(p, quants) for p in node.parts]
-        keys = {_key(p) for p in parts}
-        if len(keys) > 1:
-            raise _blocks.Refused(
-                f"{node.label}Stack of float8 weights read dequantized: its parts differ in "
-                f"their stored shape, slice, transforms or scales; v1 stacks equal parts "
-                f"only; {_FIX}"
-            )
-        return dataclasses.replace(node, parts=tuple(parts))
-    if isinstance(node, _blocks.Joined):
-        how = node.kind if not node.stacked else "a Stack with out_shape= or permute="
-    else:
-        how = "a Pad" if isinstance(node, _blocks.Padded) else "a Fill"
-    raise _blocks.Refused(
-        f"{node.label}{how} over float8 weights read dequantized is not supported yet; {_FIX}"
-    )
+    if isinstance(node, _blocks.Const):
+        return node
+    if isinstance(node, _blocks.Padded):
+        return dataclasses.replace(node, part=_each(node.part, quants, False))
+    if node.groups is not None and not root:
+        raise _blocks.Refused(
+            f"{node.label}{node.kind} with out_shape= inside a Stack, Concat or Pad over "
+            f"float8 weights read dequantized is not supported yet; {_FIX}"
+        )
+    return dataclasses.replace(node, parts=tuple(_each(p, quants, False) for p in node.parts))
+
+
+def _uniform(node: _blocks.Node) -> bool:
+    """Whether ``node`` is a weight, or a Stack of equal ones (:mod:`.dequant`'s)."""
+    if isinstance(node, _blocks.Leaf):
+        return node.groups is None
+    if not isinstance(node, _blocks.Joined) or not node.stacked or node.order is not None:
+        return False
+    if node.groups is not None:
+        return False
+    return all(_uniform(p) for p in node.parts) and len({_key(p) for p in node.parts}) == 1
 
 
 _FIX = (

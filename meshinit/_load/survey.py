@@ -23,6 +23,7 @@ from . import file as _file
 from . import framework as _framework
 from . import keys as _keys
 from . import layout as _layout
+from . import mxfp4 as _mxfp4
 from . import names as _names
 from . import quantized as _quantized
 from . import read as _read
@@ -92,7 +93,7 @@ class Inventory:
                     "unused (no plan path claims them)", [repr(printable(t)) for t in self.unused]
                 ),
                 line(
-                    "dequantized (float8 x block scales)",
+                    "dequantized (float8 x block scales; MXFP4)",
                     [f"{printable(p)} <- {d}" for p, d in self.dequantized.items()],
                 ),
                 *([] if self.table is None else ["table (built by the framework's map):"]),
@@ -110,6 +111,8 @@ def _kind(dtype: Any) -> str:
 
 def _why_not(stored: Stored, planned: np.dtype) -> str | None:
     """Why the stored dtype cannot be read into ``planned``, or None."""
+    if stored.dtype == _mxfp4.DTYPE:
+        return _mxfp4.why_not(planned)
     if stored.dtype not in READABLE:
         return f"has dtype {stored.dtype}, which meshinit does not read; convert the file"
     have = _kind(READABLE[stored.dtype])
@@ -167,12 +170,16 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
                 )
             else:
                 index[name] = held
+    # gpt-oss's X_blocks and X_scales as the tensor X transformers makes of them
+    virtual, pairs = _mxfp4.virtual(index)
+    tensors = {**index, **virtual}
     table: dict[str, _names.Target | None] | None = None
     if isinstance(names, _framework.FrameworkMap):  # the framework's map, built for these files
         config, where, found = _file.read_config(listed)
         problems += found
         if not found:
-            stored = {n: (h.shape, h.dtype) for n, h in index.items()}
+            # an MXFP4 tensor's values are exact in bfloat16 (as transformers makes them)
+            stored = {n: (h.shape, "BF16" if n in virtual else h.dtype) for n, h in tensors.items()}
             wanted = {e.path: (e.spec.shape, e.spec.dtype) for e in plan.entries}
             table, found = _framework.built(names, config, where, stored, wanted)
             problems += found
@@ -200,7 +207,7 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
                 why_not = functools.partial(_keys.why_not, entry=entry)
             else:
                 why_not = functools.partial(_why_not, planned=entry.spec.dtype)
-            node = _layout.resolve(target, index, why_not, read_as.spec.shape, read_as.spec.dtype)
+            node = _layout.resolve(target, tensors, why_not, read_as.spec.shape, read_as.spec.dtype)
             if node.result != read_as.spec.shape:
                 planned = _keys.described(entry) if key else str(entry.spec.shape)
                 raise _layout.Refused(
@@ -226,8 +233,12 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
     reader = functools.partial(_file.read_config, listed)
     jobs, found, dequantized = _quantized.paired(jobs, index, reader)
     problems += found
+    jobs, found, unpacked = _mxfp4.paired(jobs, pairs, reader)
+    problems += found
+    dequantized = {**dequantized, **unpacked}
     # what a load reads none of: no path claims it, or only missing paths would
-    unused, stranded = _unused.find(targets, missing, index, _quantized.scales(jobs, index))
+    scales = _quantized.scales(jobs, index)
+    unused, stranded = _unused.find(targets, missing, index, scales, _mxfp4.claimed(pairs))
     inventory = Inventory(
         files=tuple(source.shown for source in sources),
         loaded=loaded,

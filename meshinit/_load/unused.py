@@ -22,24 +22,28 @@ def find(
     missing: Mapping[str, str],
     held: Mapping[str, object],
     scales: Collection[str] = (),
+    parts: Mapping[str, tuple[str, ...]] | None = None,
 ) -> tuple[tuple[str, ...], dict[str, list[str]]]:
     """The stored tensors (``held``'s names) that no load reads, sorted, and of them
     those that only ``missing`` paths would read (tensor -> those paths, "stranded").
-    ``scales`` are read with the float8 weights they dequantize: claimed.
+    ``scales`` are read with the float8 weights they dequantize: claimed. ``parts``
+    names the stored tensors a virtual one is read from (an MXFP4 tensor's).
 
     A path refused for another reason (a shape that does not fit) fails the load
     anyway: its tensors count as claimed, and are not named twice."""
+    parts = parts or {}
     claimed = {
-        t.name
+        name
         for path, target in targets.items()
         if target is not None and path not in missing
         for t in leaves(target)
+        for name in parts.get(t.name, (t.name,))
     } | set(scales)
     stranded: dict[str, list[str]] = {}
     for path in missing:
         target = targets[path]
         assert target is not None  # a path that names= maps to None is skipped, not missing
-        for name in dict.fromkeys(t.name for t in leaves(target)):
+        for name in dict.fromkeys(n for t in leaves(target) for n in parts.get(t.name, (t.name,))):
             if name in held and name not in claimed:
                 stranded.setdefault(name, []).append(path)
     return tuple(sorted(set(held) - claimed)), stranded

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import Reads, plan_for, stored
 from jax.sharding import Mesh
+from storage_servers import s3_server_fixture  # noqa: F401
 
 import meshinit
 from meshinit import safetensors as st
@@ -194,6 +195,168 @@ def test_a_stack_of_experts_and_layers_compiles_independent_of_depth(
     assert counts[0] == counts[1] and counts[0][1] >= 1
 
 
+def fused(tmp_path, shapes, seed=0, block=(128, 128)):
+    """Float8 weights of ``shapes`` with their scales, written; each dequantized by
+    the reference, by name."""
+    rng = np.random.default_rng(seed)
+    tensors, want = {}, {}
+    for name, shape in shapes.items():
+        w, s = fp8_pair(rng, shape, block)
+        tensors[name], tensors[name + "_scale_inv"] = w, s
+        want[name] = weight_dequant(w, s, block)
+        want[name, np.float32] = weight_dequant(w, s, block, np.float32)
+    return write(tmp_path, tensors), want
+
+
+@pytest.mark.parametrize("gathered", ["slices", "elements"])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_concat_of_float8_weights_takes_each_parts_own_scale(
+    tmp_path, axis, explicit, gathered, monkeypatch
+):
+    from meshinit._load import dequant_concat
+
+    if gathered == "elements":  # each element's scale gathered on its own, not as slices
+        monkeypatch.setattr(dequant_concat, "fast", lambda *args: None)
+    # q, k, v fused: shards of 318 rows (2) and 159 columns (4) cut through the parts'
+    # boundaries (300, 500) and through scale blocks; the last blocks are ragged
+    sizes = {"q": 300, "k": 200, "v": 136}
+    shapes = {n: (m, 264) if axis == 0 else (264, m) for n, m in sizes.items()}
+    folder, want = fused(tmp_path, shapes, seed=axis)
+    whole = np.concatenate([want[n] for n in sizes], axis=axis)
+    mesh = mesh_of((2, 4), explicit)
+    plan = plan_on(mesh, {"qkv": whole.shape}, jnp.bfloat16)
+    names = {"qkv": st.Concat([st.Tensor(n) for n in sizes], axis=axis)}
+    with Reads() as reads:
+        got = st.load(plan, folder, names=names, unused="error")["qkv"]  # no scale unused
+    assert got.sharding == plan.entries[0].sharding
+    assert (bits(got) == bits(whole)).all()
+    for shard in got.addressable_shards:
+        assert (bits(shard.data) == bits(whole[shard.index])).all()
+    scales = sum(-(-a // 128) * -(-b // 128) * 4 for a, b in shapes.values())
+    assert reads.values == [whole.size + scales]  # each fp8 byte once, each scale whole
+    # transposed parts (a kernel of fused q, k, v), into float32
+    plan = plan_on(mesh, {"qkv": whole.T.shape}, jnp.float32)
+    parts = [st.Tensor(n, permute=(1, 0)) for n in sizes]
+    got = st.load(plan, folder, names={"qkv": st.Concat(parts, axis=1 - axis)})["qkv"]
+    wide = np.concatenate([want[n, np.float32] for n in sizes], axis)
+    assert (bits(got) == bits(wide.T)).all()
+
+
+def layered(tmp_path, layers, concat_of_stacks=False):
+    sizes = {"q": 192, "k": 72, "v": 72}
+    shapes = {f"l{i}.{n}": (m, 200) for i in range(layers) for n, m in sizes.items()}
+    folder, want = fused(tmp_path, shapes, seed=layers)
+    if concat_of_stacks:  # [layers, q | k | v, in]: each part a Stack of layers
+        parts = [st.Stack([f"l{i}.{n}" for i in range(layers)], axis=0) for n in sizes]
+        node = st.Concat(parts, axis=1)
+    else:  # a Stack of layers, each q | k | v fused
+        node = st.Stack(
+            [st.Concat([f"l{i}.{n}" for n in sizes], axis=0) for i in range(layers)], axis=0
+        )
+    whole = np.stack([np.concatenate([want[f"l{i}.{n}"] for n in sizes]) for i in range(layers)])
+    return folder, node, whole
+
+
+@pytest.mark.parametrize("concat_of_stacks", [False, True])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_stack_of_concats_compiles_independent_of_depth(
+    tmp_path, count_compiles, explicit, concat_of_stacks
+):
+    from meshinit._load import dequant_concat
+
+    mesh = mesh_of((2, 4), explicit)
+    counts = []
+    for layers in (2, 4):
+        folder, node, want = layered(tmp_path / str(layers), layers, concat_of_stacks)
+        # 84-row shards cut the parts' boundaries (192, 264) and scale blocks; 50 columns
+        plan = plan_on(mesh, {"qkv": want.shape}, jnp.bfloat16, (None, "x", "y"))
+        dequant_concat.program.cache_clear()
+        with count_compiles() as compiled:
+            got = st.load(plan, folder, names={"qkv": node})["qkv"]
+        assert (bits(got) == bits(want)).all()
+        counts.append((compiled.count, dequant_concat.program.cache_info().misses))
+    assert counts[0] == counts[1] and counts[0][1] >= 1
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_pad_a_permuted_stack_and_unequal_stack_parts_dequantize(tmp_path, explicit):
+    folder, want = fused(tmp_path, {"a": (256, 200), "b": (256, 264)})
+    mesh = mesh_of((2, 4), explicit)
+    a, b = want["a"], want["b"]
+    shapes = {
+        "pad": ((320, 264), ("x", "y")),
+        "perm": ((200, 2, 256), ("y", None, "x")),
+        "experts": ((4, 256, 200), ("x", None, "y")),
+        "slices": ((2, 256, 136), (None, "x", "y")),
+    }
+    zeros = jax.nn.initializers.zeros
+    plan = meshinit.plan(
+        {
+            n: meshinit.param(shape, zeros, dtype=jnp.bfloat16, mesh=mesh, axes=axes)
+            for n, (shape, axes) in shapes.items()
+        }
+    )
+    names = {
+        # padding read from no file: 0.5 where no weight is
+        "pad": st.Pad("a", shape=(320, 264), value=0.5),
+        # [in, 2, out]: a and b's first columns stacked, then permuted
+        "perm": st.Stack(["a", st.Tensor("b", index=np.s_[:, :200])], axis=0, permute=(2, 0, 1)),
+        # a padded layer's empty experts, and a bias row of a Fill concatenated
+        "experts": st.Stack(
+            [
+                "a",
+                st.Concat([st.Tensor("b", index=np.s_[:255, :200]), st.Fill(-1.5, (1, 200))], 0),
+                st.Fill(0.0, (256, 200)),
+                st.Fill(0.0, (256, 200)),
+            ],
+            axis=0,
+        ),
+        # two slices of b, from other columns: parts that differ
+        "slices": st.Stack(
+            [st.Tensor("b", index=np.s_[:, :136]), st.Tensor("b", index=np.s_[:, 100:236])],
+            axis=0,
+        ),
+    }
+    got = st.load(plan, folder, names=names)
+    padded = np.full((320, 264), 0.5, BF16)
+    padded[:256, :200] = a
+    assert (bits(got["pad"]) == bits(padded)).all()
+    assert (bits(got["perm"]) == bits(np.stack([a, b[:, :200]]).transpose(2, 0, 1))).all()
+    experts = np.zeros((4, 256, 200), BF16)
+    experts[0], experts[1, :255], experts[1, 255] = a, b[:255, :200], -1.5
+    assert (bits(got["experts"]) == bits(experts)).all()
+    assert (bits(got["slices"]) == bits(np.stack([b[:, :136], b[:, 100:236]]))).all()
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_merge_of_the_whole_parameter_and_its_permute_dequantize(tmp_path, explicit):
+    folder, want = fused(tmp_path, {"a": (256, 200), "b": (256, 200)}, seed=3)
+    a, b = want["a"], want["b"]
+    mesh = mesh_of((2, 4), explicit)
+    shapes = {
+        "flat": ((256 * 200,), ("x",)),  # blocks of 128 whole rows
+        "layers": ((512, 200), ("x", "y")),  # a layer's rows per block
+        "kernel": ((400, 256), ("y", "x")),  # 100 of a layer's 200 columns per block
+    }
+    zeros = jax.nn.initializers.zeros
+    plan = meshinit.plan(
+        {
+            n: meshinit.param(shape, zeros, dtype=jnp.bfloat16, mesh=mesh, axes=axes)
+            for n, (shape, axes) in shapes.items()
+        }
+    )
+    names = {
+        "flat": st.Tensor("a", out_shape=(256 * 200,)),
+        "layers": st.Stack(["a", "b"], axis=0, out_shape=(512, 200)),
+        "kernel": st.Stack(["a", "b"], axis=1, out_shape=(256, 400), permute=(1, 0)),
+    }
+    got = st.load(plan, folder, names=names)
+    assert (bits(got["flat"]) == bits(a.reshape(-1))).all()
+    assert (bits(got["layers"]) == bits(np.stack([a, b]).reshape(512, 200))).all()
+    assert (bits(got["kernel"]) == bits(np.stack([a, b], axis=1).reshape(256, 400).T)).all()
+
+
 def test_keep_quantized_float8_and_its_scale_load_as_stored(tmp_path):
     rng = np.random.default_rng(5)
     w, s = fp8_pair(rng, (256, 384))
@@ -226,7 +389,7 @@ def test_scales_are_used_and_the_inventory_says_what_is_dequantized(tmp_path):
         "up": "F8_E4M3 x 'model.layers.0.mlp.experts.0.up_proj.weight_scale_inv' and 7 more "
         "(F32, 128x128 blocks) -> bfloat16"
     }
-    assert "dequantized (float8 x block scales): 1 up <- F8_E4M3 x" in str(found)
+    assert "dequantized (float8 x block scales; MXFP4): 1 up <- F8_E4M3 x" in str(found)
     st.load(plan, folder, names={"up": stack}, unused="error")  # no scale unused
 
 
@@ -314,6 +477,9 @@ def test_other_scales_ranks_and_joins_are_refused_by_name(tmp_path):
             "c_scale": s,
             "t": w.reshape(2, 128, 256),
             "t_scale_inv": s,
+            "e": w.astype(np.float32).astype(ml_dtypes.float8_e5m2),
+            "e_scale_inv": s,
+            "bias": np.ones((1, 256), BF16),
         },
     )
     plan = plan_for({"h": (256, 256), "c": (256, 256), "t": (2, 128, 256)}, dtype=jnp.bfloat16)
@@ -330,21 +496,40 @@ def test_other_scales_ranks_and_joins_are_refused_by_name(tmp_path):
             "they are 2-D",
         ],
     )
-    plan = plan_for({"cat": (512, 256), "pad": (300, 256), "flat": (256 * 256,)}, jnp.bfloat16)
+    # a Concat and a Pad read dequantized (test_a_concat_..., test_a_pad_...); still refused:
+    plan = plan_for(
+        {
+            "flat": (2, 256 * 256),
+            "merged": (512 * 256,),
+            "crossed": (256, 512),
+            "mixed": (512, 256),
+            "bias": (257, 256),
+        },
+        jnp.bfloat16,
+    )
     names = {
-        "cat": st.Concat(["a", "a"], axis=0),
-        "pad": st.Pad("a", shape=(300, 256)),
-        "flat": st.Tensor("a", out_shape=(256 * 256,)),
+        "flat": st.Stack([st.Tensor("a", out_shape=(256 * 256,))] * 2, axis=0),
+        "merged": st.Concat([st.Stack(["a", "a"], axis=0, out_shape=(512 * 256,))], axis=0),
+        "crossed": st.Concat(["a", st.Tensor("a", permute=(1, 0))], axis=1),
+        "mixed": st.Concat(["a", "e"], axis=0),
+        "bias": st.Concat(["a", "bias"], axis=0),
     }
     refused(
         plan,
         folder,
         names,
         [
-            "cat: Concat over float8 weights read dequantized is not supported yet",
-            "pad: a Pad over float8 weights read dequantized is not supported yet",
-            "flat: tensor 'a' (float8, dequantized) is not read dequantized through "
-            "out_shape=(65536,) yet",
+            "flat: Stack part [0] tensor 'a' (float8, dequantized) is not read dequantized "
+            "through out_shape=(65536,) inside a Stack, Concat or Pad yet; plan the parameter "
+            "as float8",
+            "merged: Concat part [0] Stack with out_shape= inside a Stack, Concat or Pad over "
+            "float8 weights read dequantized is not supported yet",
+            "crossed: Concat of float8 weights read dequantized: along axis 0, tensor 'a''s "
+            "view steps (1, 0) (stored rows, columns) and 'a''s (0, 1): its parts' views step "
+            "through their stored tensors differently; plan the parameter as float8",
+            "mixed: Concat of float8 weights read dequantized: its weights are stored as "
+            "F8_E4M3 and F8_E5M2; plan",
+            "bias: it reads float8 weights with scales and other tensors ('bias') together",
         ],
     )
 
@@ -368,28 +553,44 @@ def test_a_product_overflowing_float16_is_refused(tmp_path):
         st.load(plan, folder)
 
 
-def test_a_remote_float8_weight_is_refused_by_name_not_read_unscaled(tmp_path, monkeypatch):
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_remote_float8_weight_fetches_its_owned_bytes_and_covering_scales(s3_server, explicit):
     pytest.importorskip("obstore")
+    pytest.importorskip("moto")
     from safetensors.numpy import save
-    from storage_servers import FileServer
 
     rng = np.random.default_rng(8)
-    w, s = fp8_pair(rng, (256, 256))
-    root = tmp_path / "served"
-    root.mkdir()
-    with FileServer(root) as server:
-        server.put("files/m.safetensors", save({"w": w, "w_scale_inv": s}))
-        plan = plan_for({"w": (256, 256)}, dtype=jnp.bfloat16)
-        options = {"client_options": {"allow_http": True}}
-        with Reads() as reads, pytest.raises(meshinit.PlanError, match="nothing was read") as e:
-            st.load(plan, server.url_for("files/m.safetensors"), storage_options=options)
-    assert reads.values == []
-    assert str(e.value.problems[0]) == (
-        "w: tensor 'w' (float8, dequantized) is not read dequantized through a remote object "
-        "(download the files first) yet; plan the parameter as float8 to load the stored "
-        "values (and its scale as a parameter of its own), or convert the checkpoint to the "
-        "planned dtype first"
+    w, s = fp8_pair(rng, (640, 264))  # scale (5, 3)
+    k, sk = fp8_pair(rng, (136, 264))  # scale (2, 3)
+    data = save({"w": w, "w_scale_inv": s, "k": k, "k_scale_inv": sk})
+    header = 8 + int.from_bytes(data[:8], "little")
+    bucket = s3_server.bucket()
+    s3_server.put(f"{bucket}/m.safetensors", data)
+    devices = np.array(jax.devices())
+    mesh = jax.make_mesh((8,), ("d",)) if explicit else Mesh(devices, ("d",))
+    zeros = jax.nn.initializers.zeros
+    plan = meshinit.plan(
+        {  # whole rows per device: each block's fp8 bytes one run
+            n: meshinit.param(shape, zeros, dtype=jnp.bfloat16, mesh=mesh, axes=("d", None))
+            for n, shape in {"w": (320, 264), "wk": (216, 264)}.items()
+        }
     )
+    names = {  # rows 200:520 of w (scale rows 1-4), and rows 520:600 (row 4) with k (0-1)
+        "w": st.Tensor("w", index=np.s_[200:520]),
+        "wk": st.Concat([st.Tensor("w", index=np.s_[520:600]), "k"], axis=0),
+    }
+    s3_server.reset()
+    with Reads() as reads:
+        got = st.load(plan, f"s3://{bucket}/m.safetensors", names=names)
+    full = weight_dequant(w, s)
+    assert (bits(got["w"]) == bits(full[200:520])).all()
+    assert (bits(got["wk"]) == bits(np.concatenate([full[520:600], weight_dequant(k, sk)]))).all()
+    served = [r for r in s3_server.counters.log if r.method == "GET" and r.range]
+    sent = sum(r.sent for r in served if r.range[0] >= header)
+    fp8 = (320 + 80 + 136) * 264
+    scales = (4 + 1 + 2) * 3 * 4  # the covering scale rows, whole rows here
+    assert sent == fp8 + scales
+    assert reads.values == [sent]
 
 
 @pytest.mark.slow
@@ -405,6 +606,16 @@ def test_two_processes_each_dequantize_the_blocks_their_devices_hold(tmp_path):
     write(tmp_path, {"w": w, "w_scale_inv": s})
     np.save(tmp_path / "w.npy", w.view(np.uint8))
     np.save(tmp_path / "s.npy", s)
+    # an MXFP4 pair (gpt-oss's layout): K = 192 (6 groups), shards of 96 cut no group
+    blocks = rng.integers(0, 256, (4, 24, 6, 16), dtype=np.uint8)
+    scales = rng.integers(112, 132, (4, 24, 6), dtype=np.uint8)
+    lut = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    lut = np.concatenate([lut, -lut])
+    values = np.stack([lut[blocks & 15], lut[blocks >> 4]], -1).reshape(4, 24, 6, 32)
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127).reshape(4, 24, 192)
+    mx = {"gate_up_proj_blocks": blocks, "gate_up_proj_scales": scales}
+    write(tmp_path / "mx", mx, {"quant_method": "mxfp4"})
+    np.save(tmp_path / "mx" / "want.npy", values.swapaxes(1, 2).astype(BF16).view(np.uint16))
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -430,4 +641,5 @@ def test_two_processes_each_dequantize_the_blocks_their_devices_hold(tmp_path):
     for p, (out, err) in zip(procs, done, strict=True):
         assert p.returncode == 0, err[-3000:]
         got = json.loads(out.strip().splitlines()[-1])
-        assert got == {k: [True] * 4 for k in ("split", "replicated", "transposed")}, got
+        layouts = ("split", "replicated", "transposed", "fused", "mxfp4 split", "mxfp4 replicated")
+        assert got == {k: [True] * 4 for k in layouts}, got

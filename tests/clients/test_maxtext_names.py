@@ -1043,6 +1043,55 @@ def test_deepseek3_fp8_files_load_as_maxtexts_conversion_of_their_dequantized_co
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize(("scan", "framework"), [(True, "nnx"), (False, "linen")])
+def test_gpt_oss_mxfp4_files_load_as_maxtexts_conversion_of_their_dequantized_copy(
+    tmp_path, scan, framework
+):
+    """gpt-oss's MXFP4 files (each expert weight as ``_blocks`` and ``_scales``,
+    config.json's ``quant_method: mxfp4``) through ``maxtext.names``: every Param has
+    the bits MaxText's own conversion gives from the copy transformers'
+    ``convert_moe_packed_tensors`` makes (a numpy port, ``tests/_load/test_mxfp4.py``'s),
+    including the interleaved wi_0/wi_1 columns of gate_up_proj."""
+    model = "gpt-oss-20b"
+    config = config_of(model, scan)
+    wide = write_checkpoint(model, config, seeded(config), tmp_path / "wide")
+    hf = json.loads((tmp_path / "wide" / "config.json").read_text())
+    rng = np.random.default_rng(2)
+    packed, dequantized = {}, {}
+    for name, x in wide.items():
+        if not re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name):
+            packed[name] = dequantized[name] = x
+            continue
+        e, k, r = x.shape  # transformers' [experts, in, out]
+        assert k % 32 == 0, (name, x.shape)
+        blocks = rng.integers(0, 256, (e, r, k // 32, 16), dtype=np.uint8)
+        scales = rng.integers(118, 128, (e, r, k // 32), dtype=np.uint8)
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        values = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        values = np.concatenate([values, -values])
+        out = np.empty((e, r, k // 32, 32))
+        out[..., 0::2], out[..., 1::2] = values[blocks & 15], values[blocks >> 4]
+        out = np.ldexp(out, scales.astype(np.int32)[..., None] - 127)
+        dequantized[name] = out.reshape(e, r, k).swapaxes(1, 2).astype(x.dtype)
+    assert len(packed) > len(wide)  # some experts are packed
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    save_file(packed, str(folder / "model.safetensors"))
+    quantization = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (folder / "config.json").write_text(json.dumps(hf | {"quantization_config": quantization}))
+    plan, placement = plan_and_placement(config, framework)
+    want = maxtext_conversion(
+        model, config, dequantized, {mt_key(p): a.shape for p, a in placement.items()}
+    )
+    names = meshinit.maxtext.names(config)
+    found = meshinit.safetensors.inventory(plan, folder, names=names)
+    assert found.unused == () and len(found.dequantized) >= 3
+    loaded = meshinit.safetensors.load(plan, folder, names=names, unused="error")
+    assert sorted(loaded) == sorted(placement)
+    problems = differences(loaded, want, placement)
+    assert not problems, "\n".join(problems)
+
+
 # ------------------------------------------- qwen3.5 FP8: kept quantized, as MaxText holds it
 
 QWEN35_FP8 = "qwen3.5-35b-a3b-fp8"

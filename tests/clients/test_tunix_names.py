@@ -18,6 +18,7 @@ installed (it is not a dependency); ``.ci/run`` runs it in ``.venv-tunix``, or::
 """
 
 import json
+import re
 
 import pytest
 
@@ -476,3 +477,56 @@ def test_rng_state_of_the_plan_is_left_to_the_init():
         "rngs.default.key": None,
         "rngs.default.count": None,
     }
+
+
+# Qwen3's FP8 releases (Qwen3-8B-FP8, ...): every attention and MLP projection float8
+# with a float32 scale per 128x128 block; not the embedding, the head or the norms
+FP8_WEIGHTS = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?\w+_proj)\.weight$")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["qwen3", "qwen3-moe"])
+def test_qwen3_fp8_files_load_as_tunix_loads_their_dequantized_copy(tmp_path, case):
+    """Qwen3's FP8 files through ``meshinit.tunix.names``: dequantized on the devices,
+    every parameter has the bits tunix's own loader reads from the copy DeepSeek's
+    ``weight_dequant`` makes (in tunix's float32), on tunix's shardings."""
+    factory, config, loader = tm.LOADERS[case]
+    (tmp_path / "wide").mkdir()
+    wide = write_checkpoint(case, tmp_path / "wide")
+    rng = np.random.default_rng(3)
+    fp8, dequantized = {}, {}
+    for name, x in wide.items():
+        if not FP8_WEIGHTS.search(name):
+            fp8[name] = dequantized[name] = x
+            continue
+        s = rng.uniform(1e-3, 1e-2, (-(-x.shape[0] // 128), -(-x.shape[1] // 128)))
+        s = s.astype(np.float32)
+        every = np.repeat(np.repeat(s, 128, 0), 128, 1)[: x.shape[0], : x.shape[1]]
+        w = (x / every).astype(ml_dtypes.float8_e4m3fn)
+        fp8[name], fp8[name + "_scale_inv"] = w, s
+        dequantized[name] = w.astype(np.float32) * every  # weight_dequant, in float32
+    assert len(fp8) > len(wide)
+    quantization = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    for folder, tensors, extra in (("fp8", fp8, {"quantization_config": quantization}),
+                                   ("copy", dequantized, {})):  # fmt: skip
+        (tmp_path / folder).mkdir()
+        save_file(tensors, str(tmp_path / folder / "model.safetensors"))
+        (tmp_path / folder / "config.json").write_text(json.dumps({"model_type": case} | extra))
+    mesh = tm.mesh()
+    theirs = tm.arrays(
+        loader.create_model_from_safe_tensors(
+            str(tmp_path / "copy"), config, mesh=mesh, mode="optimized"
+        )
+    )
+    plan = meshinit.nnx.plan(factory, meshes=[(r".*", mesh)])
+    names = meshinit.tunix.names(config)
+    found = meshinit.safetensors.inventory(plan, tmp_path / "fp8", names=names)
+    assert found.unused == () and len(found.dequantized) >= 7, found
+    loaded = meshinit.safetensors.load(plan, tmp_path / "fp8", names=names, unused="error")
+    differ = [
+        p
+        for p in sorted(loaded)
+        if np.asarray(loaded[p]).tobytes() != np.asarray(theirs[p]).tobytes()
+        or loaded[p].sharding != theirs[p].sharding
+    ]
+    assert not differ, f"{case}: values or shardings differ from tunix's loader at {differ}"
