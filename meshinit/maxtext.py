@@ -28,6 +28,7 @@ import numpy as np
 
 from ._errors import Problem
 from ._load import hooks as _hooks
+from ._load import maxtext_scales as _scales
 from ._load import parts as _names
 from ._load import trace as _trace
 from ._load.framework import Checkpoint, FrameworkMap, MissingKey
@@ -270,11 +271,22 @@ class _MaxTextMap(FrameworkMap):
         except Exception as e:  # noqa: BLE001 - MaxText's own error, named
             said = f"{type(e).__name__}: {str(e)[:300]}"
             return {}, [Problem(where, f"MaxText's map fails on {checkpoint.where}: {said}")]
+        shapes = {mt_key(p): s for p, (s, _) in checkpoint.planned.items()}
+        scales, block = _scales.problems(
+            mapping,
+            hooks,
+            shapes,
+            checkpoint.tensors,
+            checkpoint.config or {},
+            self.config,
+            tensor_handling,
+        )
+        if block is not None:  # the files' scales are of another block size than MaxText's
+            return {}, [Problem(checkpoint.where, block)]
         table: dict[str, Any] = {}
         problems = []
         # a composite key: one hook makes several parameters (MaxText's [..., i] of it)
         composite = {mt: key for key in mapping if isinstance(key, tuple) for mt in key}
-        shapes = {mt_key(p): s for p, (s, _) in checkpoint.planned.items()}
         for path, (shape, dtype) in checkpoint.planned.items():
             key = mt_key(path)
             group: Any = composite.get(key, key)
@@ -283,6 +295,9 @@ class _MaxTextMap(FrameworkMap):
                     table[path] = None  # RNG state, made by the init
                 else:
                     problems.append(Problem(path, f"{where} names no tensor for {key!r}"))
+                continue
+            if key in scales:  # a float8 kernel's scale MaxText sizes otherwise than the files
+                problems.append(Problem(path, f"{where}: {scales[key]}"))
                 continue
             part = group.index(key) if isinstance(group, tuple) else None
             members = tuple(shapes.get(k, shape) for k in group) if part is not None else None

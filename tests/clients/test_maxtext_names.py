@@ -43,6 +43,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import math
 import re
 import textwrap
 import types
@@ -1094,3 +1095,340 @@ def test_gpt_oss_mxfp4_files_load_as_maxtexts_conversion_of_their_dequantized_co
     assert sorted(loaded) == sorted(placement)
     problems = differences(loaded, want, placement)
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------- qwen3.5 FP8: kept quantized, as MaxText holds it
+
+QWEN35_FP8 = "qwen3.5-35b-a3b-fp8"
+# Qwen3.5-35B-A3B-FP8's float8 weights as published: full and linear attention's
+# projections (not in_proj_b/a), the shared expert's and each routed expert's own
+# gate/up/down; not the embedding, the head, the router, the norms or the conv
+FP8_PUBLISHED = re.compile(
+    r"\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|"
+    r"mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj)\.weight$"
+)
+
+
+def fp8_config(scan: bool, block: int = 16, model: str = QWEN35_FP8, **more):
+    """MaxText's qwen3.5-35b-a3b-fp8 at qwen3.5-35b-a3b's tiny size (``weight_dtype:
+    float8_e4m3fn``, ``kernel_scale`` params of float32); at block 16 every dimension
+    its scales split is a multiple of the block, so MaxText's scale shapes (``d // b``,
+    dims under ``b`` kept whole) are the files' (``ceil(d / b)``)."""
+    tiny = TINY["qwen3.5-35b-a3b"]
+    return mm.tiny_config(
+        scan, tiny.layers, model_name=model, weight_block_size=block,
+        **(tiny.overrides | more),
+    )  # fmt: skip
+
+
+def fp8_shapes(hf: dict, model: str = QWEN35_FP8) -> dict[str, list[int]]:
+    """Every tensor of a Qwen3.5-FP8 checkpoint of the HF config ``hf``: MaxText's
+    ``HF_SHAPE``, the routed experts per expert (``experts.{e}.gate_proj.weight``...)."""
+    text = hf["text_config"]
+    shapes = {k: v for k, v in hf_shape.HF_SHAPE[model](hf).items() if isinstance(k, str)}
+    for name in [k for k in shapes if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        experts, out, inner = shapes.pop(name)
+        layer = name.rsplit(".experts.", 1)[0]
+        for e in range(text["num_experts"]):
+            if name.endswith("gate_up_proj"):
+                shapes[f"{layer}.experts.{e}.gate_proj.weight"] = [out // 2, inner]
+                shapes[f"{layer}.experts.{e}.up_proj.weight"] = [out // 2, inner]
+            else:
+                shapes[f"{layer}.experts.{e}.down_proj.weight"] = [out, inner]
+    return shapes
+
+
+def write_fp8_checkpoint(config, folder, scale_dtype, block: int = 16) -> dict:
+    """A Qwen3.5-FP8 checkpoint as published, at ``config``'s sizes: every tensor of
+    MaxText's ``HF_SHAPE`` in bf16, the routed experts per expert (``experts.{e}.
+    gate_proj.weight``, ...), each weight ``FP8_PUBLISHED`` names float8 with a
+    ``weight_scale_inv`` of ``(ceil(R / block), ceil(C / block))`` in ``scale_dtype``,
+    and config.json's ``quantization_config``; returns the tensors written."""
+    hf = hf_config(config.model_name, config)
+    shapes = fp8_shapes(hf, config.model_name)
+    rng = np.random.default_rng(3)
+    stored = {}
+    for name, shape in sorted(shapes.items()):
+        if not FP8_PUBLISHED.search(name):
+            stored[name] = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+            continue
+        assert len(shape) == 2, name
+        w = rng.standard_normal(shape) * 50
+        stored[name] = w.astype(ml_dtypes.float8_e4m3fn)
+        blocks = (-(-shape[0] // block), -(-shape[1] // block))
+        stored[name + "_scale_inv"] = rng.uniform(1e-3, 1e-2, blocks).astype(scale_dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(folder / "model.safetensors"))
+    quantization = {
+        "quant_method": "fp8", "weight_block_size": [block, block], "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(hf | {"quantization_config": quantization}))
+    return stored
+
+
+def to_maxtext_fp8(config, stored: dict, targets: dict) -> dict:
+    """``to_maxtext --save_dtype=float8_e4m3fn`` (eager): each tensor as its loader
+    keeps it (float8 as float8, a scale in its stored dtype), MaxText's loading
+    function (hooks, stacking) and ``_get_maxtext_weight`` (a composite's ``[..., i]``);
+    then the restore into the model's dtype (a bf16 scale widened to float32)."""
+    from maxtext.checkpoint_conversion import to_maxtext
+
+    model = config.model_name
+    hf = json.loads(json.dumps(hf_config(model, config)))
+    mapping = param_mapping.PARAM_MAPPING[model](hf, config, config.scan_layers)
+    hooks = param_mapping.HOOK_FNS[model](hf, config, config.scan_layers, saving_to_hf=False)
+
+    def getter(key):
+        held = stored[to_maxtext.resolve_scale_key(key, stored)]
+        return to_maxtext._convert_tensor_to_numpy(held, "float8_e4m3fn")
+
+    out = {}
+    for key, sources in mapping.items():
+        keys = key if isinstance(key, tuple) else (key,)
+        if not any(k in targets for k in keys):
+            continue
+        shapes = [tuple(targets[k].shape) for k in keys]
+        shape = shapes if isinstance(key, tuple) else shapes[0]
+        load = to_maxtext._get_hf_loading_function(
+            sources, getter, hooks.get(key), shape, config, key
+        )
+        weights: dict = {}
+        index = list(range(len(keys))) if isinstance(key, tuple) else 0
+        to_maxtext._get_maxtext_weight(load, index, shape, key, weights, "float8_e4m3fn", False)
+        out |= {k: np.asarray(weights[i]).astype(targets[k].dtype) for i, k in enumerate(keys)}
+    return out
+
+
+def fp8_layouts():
+    """qwen3.5's tiny layouts (TINY), each with bfloat16 scales (as Qwen3.5-35B-A3B-FP8
+    stores them) and float32 ones (as the other FP8 releases do); MaxText's other FP8
+    name with a config (the same map and hooks, its own HF config) in the first."""
+    found = [
+        pytest.param(
+            QWEN35_FP8, scan, framework, dtype,
+            id=f"{QWEN35_FP8}-{SCANS[scan]}-{framework}-{np.dtype(dtype).name}",
+        )
+        for scan, framework in TINY["qwen3.5-35b-a3b"].layouts
+        for dtype in (ml_dtypes.bfloat16, np.float32)
+    ]  # fmt: skip
+    scan, framework = TINY["qwen3.5-35b-a3b"].layouts[0]
+    other = "qwen3.5-397b-a17b-fp8"
+    named = f"{other}-{SCANS[scan]}-{framework}-bfloat16"
+    return [*found, pytest.param(other, scan, framework, ml_dtypes.bfloat16, id=named)]
+
+
+@pytest.mark.parametrize(("model", "scan", "framework", "scale_dtype"), fp8_layouts())
+def test_qwen35_fp8_kept_quantized_is_maxtexts_conversion(
+    tmp_path, model, scan, framework, scale_dtype
+):
+    """MaxText's qwen3.5-FP8 model holds float8 kernels and float32 ``kernel_scale``s
+    (the routed experts' ``wi_0_scale``...): the files' float8 weights load as stored,
+    each ``weight_scale_inv`` (bf16 or f32) widened exactly to float32, the linear
+    attention's qkvz scale through ``concat_qkvz_scales_and_transpose`` (a Concat), the
+    experts from MaxText's nested per-expert lists: every Param has the bits of
+    ``to_maxtext --save_dtype=float8_e4m3fn``, on MaxText's sharding, nothing
+    dequantized, nothing unused, and the load reads the bytes the process owns."""
+    config = fp8_config(scan, model=model)
+    stored = write_fp8_checkpoint(config, tmp_path, scale_dtype)
+    plan, placement = plan_and_placement(config, framework)
+    fp8 = {p for p, a in placement.items() if a.dtype == ml_dtypes.float8_e4m3fn}
+    scales = {
+        p for p in placement if re.search(r"(kernel_scale|wi_0_scale|wi_1_scale|wo_scale)$", p)
+    }
+    assert {placement[p].dtype for p in scales} == {np.dtype(np.float32)}
+    # 3 linear-attention layers (qkvz, out_proj, 3 shared-expert, 3 routed-expert
+    # kernels) and a full-attention one (q, k, v, out and the 6 MLP kernels)
+    assert len(fp8) == len(scales) == 3 * 8 + 10, "every float8 kernel has its scale"
+    targets = {mt_key(p): jax.ShapeDtypeStruct(a.shape, a.dtype) for p, a in placement.items()}
+    want = to_maxtext_fp8(config, stored, targets)
+    names = meshinit.maxtext.names(config)
+    found = meshinit.safetensors.inventory(plan, tmp_path, names=names)
+    assert found.unused == () and found.dequantized == {}, "kept quantized, every tensor read"
+    qkvz = [p for p in scales if "in_proj_qkvz" in p]
+    assert qkvz and all(
+        isinstance(found.table[p], Concat) or "Concat(" in repr(found.table[p]) for p in qkvz
+    )
+    with Reads() as reads:
+        loaded = meshinit.safetensors.load(plan, tmp_path, names=names, unused="error")
+    assert sorted(loaded) == sorted(placement)
+    problems = differences(loaded, want, placement)
+    assert not problems, "\n".join(problems)
+    others = set(placement) - fp8 - scales
+    assert {placement[p].dtype for p in others} == {np.dtype(ml_dtypes.bfloat16)}
+    owned = (
+        owned_bytes(plan, 1, fp8)
+        + owned_bytes(plan, np.dtype(scale_dtype).itemsize, scales)
+        + owned_bytes(plan, 2, others)
+    )
+    assert reads.values == [owned], "bytes read == bytes owned, at the stored sizes"
+
+
+def test_qwen35_fp8_scales_maxtext_sizes_otherwise_are_refused_by_name(tmp_path):
+    """A hidden size of 72 in blocks of 16: MaxText sizes each kernel_scale by floor
+    (72 // 16 = 4), the files by ceil (5). MaxText's own to_maxtext fails on them; every
+    scale is refused before a byte is read, naming both shapes, why and the fix."""
+    config = fp8_config(True, base_emb_dim=72)
+    stored = write_fp8_checkpoint(config, tmp_path, ml_dtypes.bfloat16)
+    plan, placement = plan_and_placement(config, "linen")
+    targets = {mt_key(p): jax.ShapeDtypeStruct(a.shape, a.dtype) for p, a in placement.items()}
+    with pytest.raises(ValueError):  # MaxText's own conversion refuses them too
+        to_maxtext_fp8(config, stored, targets)
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == [], "refused before any byte is read"
+    scales = sorted(p for p in placement if re.search(r"(_scale|kernel_scale)$", p))
+    assert sorted(p.path for p in raised.value.problems) == scales and len(scales) == 34
+    said = {p.path: p.message for p in raised.value.problems}
+    hf = "model.language_model.layers"
+    fix = (
+        "The two sizes disagree where a dimension is not a multiple of the block "
+        "(MaxText's own to_maxtext refuses these files too); load these files into a "
+        "model whose quantized dimensions are multiples of 16, or with a "
+        "weight_block_size that divides them"
+    )
+    assert said["params.decoder.layers.layer_0.mlp.shared_expert.wi_0.kernel_scale"] == (
+        f"MaxText 0.2.5's map of '{QWEN35_FP8}': MaxText holds this scale as (4, 8) of "
+        f"each layer: its kernel (72, 128) in blocks of 16, each dimension divided by 16 "
+        f"and rounded down, one under 16 kept whole; the files' "
+        f"'{hf}.0.mlp.shared_expert.gate_proj.weight_scale_inv' has one scale per 16x16 "
+        f"block of its weight, rounded up ((8, 5)), and MaxText's hook transpose makes "
+        f"(5, 8) of it. {fix}"
+    )
+    assert said["params.decoder.layers.layer_3.attention.attention.query.kernel_scale"] == (
+        f"MaxText 0.2.5's map of '{QWEN35_FP8}': MaxText holds this scale as (4, 4, 2) "
+        f"of each layer: its kernel (72, 4, 32) in blocks of 16, each dimension divided by "
+        f"16 and rounded down, one under 16 kept whole; the files' "
+        f"'{hf}.3.self_attn.q_proj.weight_scale_inv' has one scale per 16x16 block of its "
+        f"weight, rounded up ((8, 5)), and MaxText's hook reshape_kernel cannot make it "
+        f"(ValueError: cannot reshape array of size 40 into shape (4,4,2)). {fix}"
+    )
+    experts = said["params.decoder.layers.layer_1.mlp.routed_experts.wo_scale"]
+    assert "(8, 4) of each expert and layer: its kernel (128, 72)" in experts
+    assert "'model.language_model.layers.1.mlp.experts.0.down_proj.weight_scale_inv'" in experts
+    qkvz = said["params.decoder.layers.layer_2.attention.in_proj_qkvz.kernel_scale"]
+    assert "concat_qkvz_scales_and_transpose makes (5, 12) of it" in qkvz
+
+
+def test_qwen35_fp8_scale_that_fits_by_size_only_is_refused(tmp_path, monkeypatch):
+    """A scale hook that reshapes where MaxText's transposes (the shapes fit, the blocks
+    do not): every kernel element would be given another block's scale; refused naming
+    the first such element and both blocks, not loaded."""
+    config = fp8_config(False)
+    write_fp8_checkpoint(config, tmp_path, np.float32)
+    plan, _ = plan_and_placement(config, "linen")
+    own = param_mapping.HOOK_FNS[QWEN35_FP8]
+    key = "params-decoder-layers_0-mlp-shared_expert-wo-kernel_scale"
+
+    def hooks(*args, **kwargs):  # MaxText's hooks, one scale's replaced
+        return own(*args, **kwargs) | {key: lambda x, target_shape: x.reshape(target_shape)}
+
+    monkeypatch.setitem(param_mapping.HOOK_FNS, QWEN35_FP8, hooks)
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == []
+    (problem,) = raised.value.problems
+    assert problem.path == "params.decoder.layers_0.mlp.shared_expert.wo.kernel_scale"
+    name = "model.language_model.layers.0.mlp.shared_expert.down_proj.weight_scale_inv"
+    assert problem.message == (
+        f"MaxText 0.2.5's map of '{QWEN35_FP8}': MaxText's dequantization would give "
+        f"kernel element (0, 16) the scale of block (0, 1) of '{name}', but its weight "
+        f"lies in block (1, 0) of '{name}' (7680 of 8192 elements): the scale (8, 4) and "
+        f"the files' blocks of 16x16 fit by size only. Load these files into a model "
+        f"whose quantized dimensions are multiples of 16"
+    )
+
+
+def test_qwen35_fp8_files_of_another_block_size_are_refused(tmp_path):
+    config = fp8_config(True)
+    write_fp8_checkpoint(config, tmp_path, ml_dtypes.bfloat16, block=32)
+    plan, _ = plan_and_placement(config, "linen")
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    (problem,) = raised.value.problems
+    assert problem.path == str(tmp_path / "config.json")
+    assert problem.message == (
+        "config.json's quantization_config says weight_block_size=[32, 32], MaxText's "
+        "config weight_block_size=16: MaxText would size and split these files' scales "
+        "for blocks of 16; configure MaxText with weight_block_size: 32"
+    )
+
+
+# The FP8 releases' own sizes (their config.json), at 4 layers, 4 experts and a small
+# vocabulary: heads under the block (16 or 32 of 256, 2 KV heads) kept whole
+PUBLISHED = dict(base_num_kv_heads=2, head_dim=256, gdn_key_head_dim=128)
+PUBLISHED |= dict(gdn_value_head_dim=128, gdn_num_key_heads=16, num_experts=4)
+PUBLISHED |= dict(num_experts_per_tok=2, sparse_matmul=False, vocab_size=256)
+PUBLISHED |= dict(mrope_section=(11, 11, 10))
+QWEN35_FP8_SIZES = {
+    QWEN35_FP8: PUBLISHED
+    | dict(base_emb_dim=2048, base_num_query_heads=16, gdn_num_value_heads=32)
+    | dict(base_moe_mlp_dim=512, base_mlp_dim=512),
+    "qwen3.5-397b-a17b-fp8": PUBLISHED
+    | dict(base_emb_dim=4096, base_num_query_heads=32, gdn_num_value_heads=64)
+    | dict(base_moe_mlp_dim=1024, base_mlp_dim=1024),
+}
+
+
+@pytest.mark.parametrize("model", sorted(QWEN35_FP8_SIZES))
+def test_qwen35_fp8_at_its_published_sizes_is_not_refused(tmp_path, model):
+    """At the release's own sizes and block (128), every scale MaxText sizes by floor
+    (dims under 128 kept whole: 16 heads, 2 KV heads) gives each kernel element its
+    block's scale: nothing refused, every scale read from its weight_scale_inv. The
+    file holds headers and a sparse data section (no data is read here)."""
+    config = mm.tiny_config(True, 4, model_name=model, **QWEN35_FP8_SIZES[model])
+    assert config.weight_block_size == 128
+    hf = hf_config(model, config)
+    header, end = {}, 0
+    for name, shape in sorted(fp8_shapes(hf, model).items()):
+        tensors = [(name, "F8_E4M3" if FP8_PUBLISHED.search(name) else "BF16", shape)]
+        if FP8_PUBLISHED.search(name):
+            tensors.append((f"{name}_scale_inv", "BF16", [-(-d // 128) for d in shape]))
+        for n, dtype, s in tensors:
+            size = math.prod(s) * (1 if dtype == "F8_E4M3" else 2)
+            header[n] = {"dtype": dtype, "shape": list(s), "data_offsets": [end, end + size]}
+            end += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + end)
+    quantization = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(hf | {"quantization_config": quantization}))
+    plan, placement = plan_and_placement(config, "linen")
+    query = "params.decoder.layers.layer_3.attention.attention.query.kernel_scale"
+    heads = config.num_query_heads
+    assert placement[query].shape == (config.emb_dim // 128, 1, heads, 4), "heads kept whole"
+    with Reads() as reads:
+        found = meshinit.safetensors.inventory(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == []
+    assert found.unused == () and found.dequantized == {}
+    scales = [p for p in placement if re.search(r"(_scale|kernel_scale)$", p)]
+    assert len(scales) == 34
+    for path in scales:
+        assert "weight_scale_inv" in repr(found.table[path]), path
+
+
+def test_qwen35_fp8_scales_of_another_block_than_maxtexts_are_refused(tmp_path):
+    """Files quantized in blocks of 32, config.json without a quantization_config, into
+    MaxText at weight_block_size 16: each scale names its shape against the one blocks
+    of 16 would give; nothing read."""
+    config = fp8_config(True)
+    write_fp8_checkpoint(config, tmp_path, np.float32, block=32)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    del hf["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    plan, placement = plan_and_placement(config, "linen")
+    with Reads() as reads, pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.load(plan, tmp_path, names=meshinit.maxtext.names(config))
+    assert reads.values == []
+    said = {p.path: p.message for p in raised.value.problems}
+    assert len(said) == 34
+    name = "model.language_model.layers.0.mlp.shared_expert.gate_proj.weight_scale_inv"
+    assert said["params.decoder.layers.layer_0.mlp.shared_expert.wi_0.kernel_scale"] == (
+        f"MaxText 0.2.5's map of '{QWEN35_FP8}': the files' '{name}' is (4, 2), but one "
+        f"scale per 16x16 block of its weight (128, 64) is (8, 4): the files are quantized "
+        f"in other blocks than MaxText's weight_block_size 16 (config.json declares none); "
+        f"give config.json's quantization_config the files' weight_block_size, and "
+        f"MaxText's config the same"
+    )
