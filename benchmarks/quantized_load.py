@@ -271,9 +271,8 @@ def main() -> None:
         ("bytes read / (fp8 + scale bytes)", f"{fp8['read'] / owned:.4f}", "<= 1.02"),
         ("time: fp8 load / bf16 load", f"{t / bf16['seconds']:.2f} ({t:.2f} s / "
          f"{bf16['seconds']:.2f} s)", "<= 0.8"),
-        ("  the same, less the fp8 load's compile time",
-         f"{(t - fp8['compile_seconds']) / bf16['seconds']:.2f} "
-         f"({fp8['compile_seconds']:.2f} s compiling)", ""),
+        ("  its compiles: seconds, summed over the threads compiling at once",
+         f"{fp8['compile_seconds']:.2f} s", ""),
         ("time: fp8 load / two-step", f"{t / step['seconds']:.2f} ({step['seconds']:.2f} s)",
          "<= 0.25"),
         ("peak RSS: fp8 load / two-step", f"{fp8['rss'] / max(step['rss'], 1):.2f} "
