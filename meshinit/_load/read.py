@@ -119,9 +119,12 @@ def _owned(job: Job) -> int:
     total = 0
     for index, _ in holders(job.entry, job.stage).values():
         for leaf, at in _blocks.reached(job.node, index):
-            dtype = READABLE.get(leaf.stored.dtype)
+            held, dtype = leaf.stored, READABLE.get(leaf.stored.dtype)
             size = math.prod(max(0, s.stop - s.start) for s in at)
-            total += size * (1 if dtype is None else dtype.itemsize)
+            if dtype is None:  # a virtual tensor (MXFP4): its stored bytes an element
+                total += size * held.nbytes // max(1, math.prod(held.shape))
+            else:
+                total += size * dtype.itemsize
     return total
 
 
