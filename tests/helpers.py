@@ -116,6 +116,36 @@ def stored(tmp_path, tensors, name="model.safetensors"):
     return tmp_path / name
 
 
+def quantized_folder(tmp_path, tensors, config):
+    """``tensors`` saved in ``tmp_path`` as one shard, with a config.json stating
+    ``config`` as its ``quantization_config`` (none where ``config`` is None)."""
+    import json
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    stored(tmp_path, tensors, "model-00001-of-00001.safetensors")
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": config}))
+    return tmp_path
+
+
+def xy_mesh(shape, explicit):
+    """The 8 devices as a mesh ``("x", "y")`` of ``shape``: Explicit (jax.make_mesh) or
+    Auto."""
+    if explicit:
+        return jax.make_mesh(shape, ("x", "y"))
+    return Mesh(np.array(jax.devices()).reshape(shape), ("x", "y"))
+
+
+def plan_on(mesh, shapes, dtype, spec=("x", "y")):
+    """A plan of one zeros parameter per name of ``shapes``, on ``mesh`` by ``spec``."""
+    return meshinit.plan(
+        {
+            n: meshinit.param(s, jax.nn.initializers.zeros, dtype=dtype, mesh=mesh, axes=spec)
+            for n, s in shapes.items()
+        }
+    )
+
+
 def submesh(ids, shape, names, explicit=False):
     devices = [jax.devices()[i] for i in ids]
     if explicit:

@@ -257,10 +257,7 @@ class QuantParts(_read.Parts):
         planned = np.dtype(entry.spec.dtype)
         if not shards or not math.prod(shape):
             return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=planned)
-        blocks = {}
-        for index, devices in _read.holders(entry, stage).values():
-            for device in devices:
-                blocks[device] = self._held[tuple((s.start, s.stop) for s in index)]
+        blocks = by_device(self._held, entry, stage)
         made = list(blocks.values())
         signature = made[0].signature
         assert all(b.signature == signature for b in made)  # one signature: even shards
@@ -302,6 +299,16 @@ def overflows(rects: np.ndarray, stored: Any, work: np.dtype, planned: np.dtype)
     top = float(np.abs(rects.astype(np.float32)).max(initial=0))
     bound = top * float(ml_dtypes.finfo(stored).max)
     return not bound < min(float(ml_dtypes.finfo(t).max) for t in (work, planned))
+
+
+def by_device(held: dict[Any, Any], entry: Any, stage: Any) -> dict[Any, Any]:
+    """Each of this process's devices of the entry with what was kept for its block
+    (``held``, by the block's bounds): the rows of a per-device argument."""
+    blocks = {}
+    for index, devices in _read.holders(entry, stage).values():
+        for device in devices:
+            blocks[device] = held[tuple((s.start, s.stop) for s in index)]
+    return blocks
 
 
 def per_device(values: list[tuple[Any, np.ndarray]], n: int, sharding: Any) -> jax.Array:

@@ -45,7 +45,7 @@ from .._errors import PlanError, Problem, printable
 from . import ahead as _ahead
 from . import blocks as _blocks
 from . import read as _read
-from .dequant import per_device
+from .dequant import by_device, per_device
 from .mxfp4_program import checked, program
 from .source import Stored
 
@@ -344,10 +344,7 @@ class MxParts(_read.Parts):
         planned = np.dtype(entry.spec.dtype)
         if not shards or not math.prod(shape):
             return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=planned)
-        blocks = {}
-        for index, devices in _read.holders(entry, stage).values():
-            for device in devices:
-                blocks[device] = self._held[tuple((s.start, s.stop) for s in index)]
+        blocks = by_device(self._held, entry, stage)
         made = list(blocks.values())
         signature = made[0].signature
         if any(b.signature != signature for b in made):

@@ -3,15 +3,11 @@ the tensor ``X`` transformers' ``convert_moe_packed_tensors`` makes of it, dequa
 the device shard by shard, with its bits; what cannot be read so is refused, naming
 the path, the tensors and the fix."""
 
-import json
-
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import Reads, stored
-from jax.sharding import Mesh
+from helpers import Reads, plan_on, quantized_folder, xy_mesh
 
 import meshinit
 from meshinit import safetensors as st
@@ -80,26 +76,7 @@ def mx_pair(rng, shape, low=112, high=132):
 
 
 def write(tmp_path, tensors, config=MXFP4):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    stored(tmp_path, tensors, "model-00001-of-00001.safetensors")
-    if config is not None:
-        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": config}))
-    return tmp_path
-
-
-def mesh_of(shape, explicit):
-    if explicit:
-        return jax.make_mesh(shape, ("x", "y"))
-    return Mesh(np.array(jax.devices()).reshape(shape), ("x", "y"))
-
-
-def plan_on(mesh, shapes, dtype, spec):
-    return meshinit.plan(
-        {
-            n: meshinit.param(s, jax.nn.initializers.zeros, dtype=dtype, mesh=mesh, axes=spec)
-            for n, s in shapes.items()
-        }
-    )
+    return quantized_folder(tmp_path, tensors, config)
 
 
 # [E, K, R] as planned; the mesh; the spec: K cut mid-group (48 of 32), E and R split
@@ -120,7 +97,7 @@ def test_mxfp4_loads_with_transformers_bits(tmp_path, dtype, case, explicit):
     blocks, scales = mx_pair(rng, (e, r, k // 32, 16), low, high)
     name = "model.layers.0.mlp.experts.gate_up_proj"
     folder = write(tmp_path, {f"{name}_blocks": blocks, f"{name}_scales": scales})
-    plan = plan_on(mesh_of(grid, explicit), {name: (e, k, r)}, dtype, spec)
+    plan = plan_on(xy_mesh(grid, explicit), {name: (e, k, r)}, dtype, spec)
     with Reads() as reads:
         got = st.load(plan, folder)[name]  # no names=: the name transformers gives it
     want = convert_moe_packed_tensors(blocks, scales, np.dtype(dtype))
@@ -143,7 +120,7 @@ def test_an_odd_start_inside_a_group_and_gpt_oss_interleaved_columns(tmp_path):
     blocks, scales = mx_pair(rng, (4, 48, 3, 16))
     name = "gate_up_proj"
     folder = write(tmp_path, {f"{name}_blocks": blocks, f"{name}_scales": scales})
-    mesh = mesh_of((2, 4), True)
+    mesh = xy_mesh((2, 4), True)
     want = convert_moe_packed_tensors(blocks, scales)
     plan = plan_on(mesh, {"wi_0": (4, 94, 24), "wi_1": (4, 96, 24)}, jnp.bfloat16, ("y", "x", None))
     names = {
@@ -177,7 +154,7 @@ def layers_of(tmp_path, layers):
 def test_a_stack_of_layers_compiles_independent_of_depth(tmp_path, count_compiles, explicit):
     from meshinit._load import mxfp4
 
-    mesh = mesh_of((2, 4), explicit)
+    mesh = xy_mesh((2, 4), explicit)
     counts = []
     for layers in (2, 4):
         folder, stack, want = layers_of(tmp_path / str(layers), layers)
@@ -192,7 +169,7 @@ def test_a_stack_of_layers_compiles_independent_of_depth(tmp_path, count_compile
 
 def test_the_inventory_says_what_is_dequantized_and_claims_the_pair(tmp_path):
     folder, stack, want = layers_of(tmp_path, 2)
-    plan = plan_on(mesh_of((2, 4), False), {"wo": want.shape}, jnp.bfloat16, (None,) * 4)
+    plan = plan_on(xy_mesh((2, 4), False), {"wo": want.shape}, jnp.bfloat16, (None,) * 4)
     found = st.inventory(plan, folder, names={"wo": stack})
     assert found.unused == ()
     assert found.dequantized == {
@@ -205,7 +182,7 @@ def test_the_inventory_says_what_is_dequantized_and_claims_the_pair(tmp_path):
     rng = np.random.default_rng(2)
     blocks, scales = mx_pair(rng, (2, 8, 2, 16))
     folder = write(tmp_path / "kept", {"w_blocks": blocks, "w_scales": scales})
-    mesh = mesh_of((2, 4), False)
+    mesh = xy_mesh((2, 4), False)
     plan = plan_on(mesh, {"w_blocks": blocks.shape, "w_scales": scales.shape}, jnp.uint8, None)
     got = st.load(plan, folder, unused="error")
     assert (np.asarray(got["w_blocks"]) == blocks).all()
@@ -227,7 +204,7 @@ def test_what_is_not_read_dequantized_is_refused_by_name(tmp_path):
     rng = np.random.default_rng(4)
     blocks, scales = mx_pair(rng, (2, 8, 2, 16))
     tensors = {"w_blocks": blocks, "w_scales": scales, "b": np.zeros((2, 64), np.float32)}
-    mesh = mesh_of((2, 4), False)
+    mesh = xy_mesh((2, 4), False)
     plan = plan_on(mesh, {"w": (2, 64, 8)}, jnp.bfloat16, None)
     refused(
         plan, write(tmp_path / "none", tensors, None), match=("w: it reads", "declares no quant")
@@ -263,7 +240,7 @@ def test_exponents_the_device_cannot_apply_are_refused_as_they_are_read(
     blocks[1, 3, 1, :] = 0x77  # every value 6.0 in that group
     scales[1, 3, 1] = byte
     folder = write(tmp_path, {"w_blocks": blocks, "w_scales": scales})
-    plan = plan_on(mesh_of((2, 4), False), {"w": (2, 64, 8)}, dtype, ("x", None, "y"))
+    plan = plan_on(xy_mesh((2, 4), False), {"w": (2, 64, 8)}, dtype, ("x", None, "y"))
     refused(plan, folder, match=("w: 'w_scales' holds the", match, "on the host first"), read=True)
 
 
@@ -275,6 +252,6 @@ def test_zero_values_under_exponents_zero_and_one_load(tmp_path):
     blocks[1, 5, 1, :] = 0x80
     scales[0, 2, 0], scales[1, 5, 1] = 0, 1
     folder = write(tmp_path, {"w_blocks": blocks, "w_scales": scales})
-    plan = plan_on(mesh_of((2, 4), False), {"w": (2, 64, 8)}, jnp.bfloat16, ("x", None, "y"))
+    plan = plan_on(xy_mesh((2, 4), False), {"w": (2, 64, 8)}, jnp.bfloat16, ("x", None, "y"))
     got = st.load(plan, folder)["w"]
     assert (bits(got) == bits(convert_moe_packed_tensors(blocks, scales))).all()

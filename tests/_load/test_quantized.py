@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import Reads, plan_for, stored
+from helpers import Reads, plan_for, plan_on, quantized_folder, stored, xy_mesh
 from jax.sharding import Mesh
 from storage_servers import s3_server_fixture  # noqa: F401
 
@@ -51,26 +51,7 @@ def fp8_pair(rng, shape, block=(128, 128), scale_dtype=np.float32, low=1e-4, hig
 
 
 def write(tmp_path, tensors, config=QUANTIZATION):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    stored(tmp_path, tensors, "model-00001-of-00001.safetensors")
-    if config is not None:
-        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": config}))
-    return tmp_path
-
-
-def mesh_of(shape, explicit):
-    if explicit:
-        return jax.make_mesh(shape, ("x", "y"))
-    return Mesh(np.array(jax.devices()).reshape(shape), ("x", "y"))
-
-
-def plan_on(mesh, shapes, dtype, spec=("x", "y")):
-    return meshinit.plan(
-        {
-            n: meshinit.param(s, jax.nn.initializers.zeros, dtype=dtype, mesh=mesh, axes=spec)
-            for n, s in shapes.items()
-        }
-    )
+    return quantized_folder(tmp_path, tensors, config)
 
 
 CASES = {
@@ -88,7 +69,7 @@ def test_fp8_loads_with_weight_dequants_bits(tmp_path, dtype, case, explicit):
     rng = np.random.default_rng(hash(case) % 1000)
     w, s = fp8_pair(rng, shape)
     folder = write(tmp_path, {"w": w, "w_scale_inv": s})
-    mesh = mesh_of(grid, explicit)
+    mesh = xy_mesh(grid, explicit)
     plan = plan_on(mesh, {"w": shape}, dtype)
     with Reads() as reads:
         got = st.load(plan, folder)["w"]  # no names=: the stored name
@@ -114,7 +95,7 @@ def test_a_million_elements_keep_the_float32_rounding_before_the_planned_one(tmp
         s[k, k] = TIE_SCALE * np.float32(2.0 ** -(k + 3))
         w[k * 128 + 5 + k, k * 128 + 3 : k * 128 + 6] = np.array([1.25, -2.5, 5.0]) * 2.0 ** (k % 3)
     folder = write(tmp_path, {"w": w, "w_scale_inv": s})
-    plan = plan_on(mesh_of((2, 4), False), {"w": w.shape}, jnp.bfloat16)
+    plan = plan_on(xy_mesh((2, 4), False), {"w": w.shape}, jnp.bfloat16)
     got = st.load(plan, folder)["w"]
     want = weight_dequant(w, s)
     exact = w.astype(np.float64) * np.repeat(np.repeat(s.astype(np.float64), 128, 0), 128, 1)
@@ -131,7 +112,7 @@ def test_bfloat16_scales_a_transposed_view_and_a_split_reshape(tmp_path):
     rng = np.random.default_rng(3)
     w, s = fp8_pair(rng, (384, 256), scale_dtype=BF16)
     folder = write(tmp_path, {"q.weight": w, "q.weight_scale_inv": s})
-    mesh = mesh_of((2, 4), True)
+    mesh = xy_mesh((2, 4), True)
     want = weight_dequant(w, s, dtype=np.float32)
     plan = plan_on(mesh, {"kernel": (256, 384)}, jnp.float32)
     names = {"kernel": st.Tensor("q.weight", permute=(1, 0))}
@@ -179,7 +160,7 @@ def test_a_stack_of_experts_and_layers_compiles_independent_of_depth(
 ):
     from meshinit._load import dequant
 
-    mesh = mesh_of((2, 4), explicit)
+    mesh = xy_mesh((2, 4), explicit)
     counts = []
     for layers in (2, 4):
         folder, stack, want = experts(tmp_path / str(layers), layers)
@@ -224,7 +205,7 @@ def test_a_concat_of_float8_weights_takes_each_parts_own_scale(
     shapes = {n: (m, 264) if axis == 0 else (264, m) for n, m in sizes.items()}
     folder, want = fused(tmp_path, shapes, seed=axis)
     whole = np.concatenate([want[n] for n in sizes], axis=axis)
-    mesh = mesh_of((2, 4), explicit)
+    mesh = xy_mesh((2, 4), explicit)
     plan = plan_on(mesh, {"qkv": whole.shape}, jnp.bfloat16)
     names = {"qkv": st.Concat([st.Tensor(n) for n in sizes], axis=axis)}
     with Reads() as reads:
@@ -265,7 +246,7 @@ def test_a_stack_of_concats_compiles_independent_of_depth(
 ):
     from meshinit._load import dequant_concat
 
-    mesh = mesh_of((2, 4), explicit)
+    mesh = xy_mesh((2, 4), explicit)
     counts = []
     for layers in (2, 4):
         folder, node, want = layered(tmp_path / str(layers), layers, concat_of_stacks)
@@ -282,7 +263,7 @@ def test_a_stack_of_concats_compiles_independent_of_depth(
 @pytest.mark.parametrize("explicit", [False, True])
 def test_a_pad_a_permuted_stack_and_unequal_stack_parts_dequantize(tmp_path, explicit):
     folder, want = fused(tmp_path, {"a": (256, 200), "b": (256, 264)})
-    mesh = mesh_of((2, 4), explicit)
+    mesh = xy_mesh((2, 4), explicit)
     a, b = want["a"], want["b"]
     shapes = {
         "pad": ((320, 264), ("x", "y")),
@@ -333,7 +314,7 @@ def test_a_pad_a_permuted_stack_and_unequal_stack_parts_dequantize(tmp_path, exp
 def test_a_merge_of_the_whole_parameter_and_its_permute_dequantize(tmp_path, explicit):
     folder, want = fused(tmp_path, {"a": (256, 200), "b": (256, 200)}, seed=3)
     a, b = want["a"], want["b"]
-    mesh = mesh_of((2, 4), explicit)
+    mesh = xy_mesh((2, 4), explicit)
     shapes = {
         "flat": ((256 * 200,), ("x",)),  # blocks of 128 whole rows
         "layers": ((512, 200), ("x", "y")),  # a layer's rows per block
@@ -362,7 +343,7 @@ def test_keep_quantized_float8_and_its_scale_load_as_stored(tmp_path):
     w, s = fp8_pair(rng, (256, 384))
     w2, s2 = fp8_pair(rng, (256, 384), scale_dtype=BF16)
     folder = write(tmp_path, {"a": w, "a_scale_inv": s, "b": w2, "b_scale_inv": s2})
-    mesh = mesh_of((2, 4), False)
+    mesh = xy_mesh((2, 4), False)
     plan = meshinit.plan(
         {
             "kernel": meshinit.param((256, 384), jax.nn.initializers.zeros, dtype=F8, mesh=mesh),
@@ -382,7 +363,7 @@ def test_keep_quantized_float8_and_its_scale_load_as_stored(tmp_path):
 
 def test_scales_are_used_and_the_inventory_says_what_is_dequantized(tmp_path):
     folder, stack, want = experts(tmp_path, 2)
-    plan = plan_on(mesh_of((2, 4), False), {"up": want.shape}, jnp.bfloat16, (None,) * 4)
+    plan = plan_on(xy_mesh((2, 4), False), {"up": want.shape}, jnp.bfloat16, (None,) * 4)
     found = st.inventory(plan, folder, names={"up": stack})
     assert found.unused == ()
     assert found.dequantized == {

@@ -1030,18 +1030,29 @@ def test_deepseek3_fp8_files_load_as_maxtexts_conversion_of_their_dequantized_co
         w = (x.astype(np.float32) / every).astype(ml_dtypes.float8_e4m3fn)
         fp8[name], fp8[name + "_scale_inv"] = w, s
         dequantized[name] = (w.astype(np.float32) * every).astype(x.dtype)  # weight_dequant
-    folder = tmp_path / "fp8"
-    folder.mkdir()
-    save_file(fp8, str(folder / "model.safetensors"))
     quantization = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
-    (folder / "config.json").write_text(json.dumps(hf | {"quantization_config": quantization}))
+    folder = quantized_checkpoint(tmp_path / "fp8", fp8, hf | {"quantization_config": quantization})
+    loads_as_conversion_of(model, config, framework, folder, dequantized, at_least=5)
+
+
+def quantized_checkpoint(folder, tensors, config: dict):
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def loads_as_conversion_of(model, config, framework, folder, dequantized, at_least):
+    """The quantized files in ``folder`` through ``maxtext.names``: at least
+    ``at_least`` paths dequantized, nothing unused, and every Param the bits MaxText's
+    own conversion gives from ``dequantized`` (the reference's copy), on its sharding."""
     plan, placement = plan_and_placement(config, framework)
     want = maxtext_conversion(
         model, config, dequantized, {mt_key(p): a.shape for p, a in placement.items()}
     )
     names = meshinit.maxtext.names(config)
     found = meshinit.safetensors.inventory(plan, folder, names=names)
-    assert found.unused == () and len(found.dequantized) >= 5
+    assert found.unused == () and len(found.dequantized) >= at_least
     loaded = meshinit.safetensors.load(plan, folder, names=names, unused="error")
     assert sorted(loaded) == sorted(placement)
     problems = differences(loaded, want, placement)
@@ -1079,22 +1090,10 @@ def test_gpt_oss_mxfp4_files_load_as_maxtexts_conversion_of_their_dequantized_co
         out = np.ldexp(out, scales.astype(np.int32)[..., None] - 127)
         dequantized[name] = out.reshape(e, r, k).swapaxes(1, 2).astype(x.dtype)
     assert len(packed) > len(wide)  # some experts are packed
-    folder = tmp_path / "mxfp4"
-    folder.mkdir()
-    save_file(packed, str(folder / "model.safetensors"))
     quantization = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
-    (folder / "config.json").write_text(json.dumps(hf | {"quantization_config": quantization}))
-    plan, placement = plan_and_placement(config, framework)
-    want = maxtext_conversion(
-        model, config, dequantized, {mt_key(p): a.shape for p, a in placement.items()}
-    )
-    names = meshinit.maxtext.names(config)
-    found = meshinit.safetensors.inventory(plan, folder, names=names)
-    assert found.unused == () and len(found.dequantized) >= 3
-    loaded = meshinit.safetensors.load(plan, folder, names=names, unused="error")
-    assert sorted(loaded) == sorted(placement)
-    problems = differences(loaded, want, placement)
-    assert not problems, "\n".join(problems)
+    config_json = hf | {"quantization_config": quantization}
+    folder = quantized_checkpoint(tmp_path / "mxfp4", packed, config_json)
+    loads_as_conversion_of(model, config, framework, folder, dequantized, at_least=3)
 
 
 # ------------------------------------------- qwen3.5 FP8: kept quantized, as MaxText holds it
