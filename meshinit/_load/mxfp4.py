@@ -44,6 +44,7 @@ import numpy as np
 from .._errors import PlanError, Problem, printable
 from . import ahead as _ahead
 from . import blocks as _blocks
+from . import quantized as _quantized
 from . import read as _read
 from .dequant import by_device, per_device
 from .mxfp4_program import checked, program
@@ -110,6 +111,7 @@ def paired(
     it is dequantized with (the inventory's)."""
     out, problems, dequantized = [], [], {}
     declared: list[Any] = []
+    undeclared = []  # (path, tensor, key, file): one problem for every layer alike
     for job in jobs:
         held = list(dict.fromkeys(leaf.stored for leaf in _blocks.leaves(job.node)))
         if not any(h.dtype == DTYPE for h in held):
@@ -118,16 +120,12 @@ def paired(
         if not declared:
             settings, where, _ = config()
             declared[:] = [_method(settings), where]
-        method, where = declared
+        if declared[0] != "mxfp4":
+            first = pairs[next(h.name for h in held if h.dtype == DTYPE)].blocks
+            undeclared.append((job.entry.path, first.name, (), str(first.file.name)))
+            out.append(job)
+            continue
         try:
-            if method != "mxfp4":
-                said = f"says quant_method {method!r}" if method else "declares no quantization"
-                raise _blocks.Refused(
-                    f"it reads MXFP4 tensors ({_names(held)}), and {where} {said}: meshinit "
-                    f"reads _blocks/_scales pairs dequantized where the config declares "
-                    f'quantization_config.quant_method "mxfp4"; add it, or plan the _blocks '
-                    f"and _scales as uint8 parameters"
-                )
             if len(held) != sum(h.dtype == DTYPE for h in held):
                 raise _blocks.Refused(
                     f"it reads MXFP4 tensors ({_names(held)}) with other tensors: a "
@@ -144,6 +142,18 @@ def paired(
         dequantized[job.entry.path] = (
             f"MXFP4 {printable(mx.blocks.name)!r} x {printable(mx.scales.name)!r}{more} "
             f"(e2m1 x e8m0, groups of {mx.group}) -> {np.dtype(job.entry.spec.dtype).name}"
+        )
+    for path, tensor, _, file in _quantized.collapsed(undeclared):
+        method, where = declared
+        said = f"says quant_method {method!r}" if method else "declares no quantization"
+        problems.append(
+            Problem(
+                path,
+                f"it reads the MXFP4 tensor {printable(tensor)!r} in {file}, and {where} "
+                f"{said}: meshinit reads _blocks/_scales pairs dequantized where the config "
+                f'declares quantization_config.quant_method "mxfp4"; add it, or plan the '
+                f"_blocks and _scales as uint8 parameters",
+            )
         )
     return out, problems, dequantized
 

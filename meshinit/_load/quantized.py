@@ -282,7 +282,7 @@ def _refusals(rows: list[tuple[str, str, Any, str]], read: list[Any]) -> list[Pr
     _, where, declared, configured = read
     said = "" if declared is None else f"; {where} says quantization_config {declared}"
     out = []
-    for path, tensor, key, files in _collapsed(rows):
+    for path, tensor, key, files in collapsed(rows):
         kind, planned = key[0], key[-1]
         name = f"tensor {printable(tensor)!r} in {files}"
         if kind == "missing":
@@ -382,7 +382,7 @@ def _declared(settings: dict[str, Any] | None) -> str | None:
 _INT = re.compile(r"(?<![^.])(0|[1-9][0-9]*)(?![^.])")  # a dot-separated integer component
 
 
-def _collapsed(
+def collapsed(
     rows: list[tuple[str, str, Any, str]],
 ) -> list[tuple[str, str, Any, str]]:
     """``(path, tensor, key, file)`` rows, those that differ only in the integer

@@ -207,7 +207,9 @@ def test_what_is_not_read_dequantized_is_refused_by_name(tmp_path):
     mesh = xy_mesh((2, 4), False)
     plan = plan_on(mesh, {"w": (2, 64, 8)}, jnp.bfloat16, None)
     refused(
-        plan, write(tmp_path / "none", tensors, None), match=("w: it reads", "declares no quant")
+        plan,
+        write(tmp_path / "none", tensors, None),
+        match=("w: it reads the MXFP4 tensor 'w_blocks'", "no quant"),
     )
     fp8 = {"quant_method": "fp8"}
     refused(plan, write(tmp_path / "fp8", tensors, fp8), match="says quant_method 'fp8'")
@@ -221,6 +223,21 @@ def test_what_is_not_read_dequantized_is_refused_by_name(tmp_path):
     mixed = plan_on(mesh, {"w": (2, 64, 9)}, jnp.bfloat16, None)
     names = {"w": st.Concat([st.Tensor("w"), st.Tensor("b", shape=(2, 64, 1))], axis=2)}
     refused(mixed, folder, names, "with other tensors")
+
+
+def test_a_config_without_mxfp4_is_one_problem_for_every_layer_alike(tmp_path):
+    rng = np.random.default_rng(8)
+    tensors = {}
+    for i in range(3):
+        tensors[f"layers.{i}.w_blocks"], tensors[f"layers.{i}.w_scales"] = mx_pair(
+            rng, (2, 8, 2, 16)
+        )
+    folder = write(tmp_path, tensors, None)
+    mesh = xy_mesh((2, 4), False)
+    plan = plan_on(mesh, {f"layers.{i}.w": (2, 64, 8) for i in range(3)}, jnp.bfloat16, None)
+    message = refused(plan, folder, match="layers.{0..2}.w: it reads the MXFP4 tensor "
+                                          "'layers.{0..2}.w_blocks'")  # fmt: skip
+    assert message.count("declares no quantization") == 1
 
 
 @pytest.mark.parametrize(
