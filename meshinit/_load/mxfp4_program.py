@@ -11,7 +11,6 @@ the reference does (:func:`checked`) are refused before it runs.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -73,7 +72,6 @@ def checked(
         )
 
 
-@functools.cache
 def _overflowing(dtype: np.dtype) -> int:
     """The least exponent byte under which a value (up to 6) may overflow ``dtype``."""
     return next(s for s in range(256) if 6.0 * 2.0 ** (s - 127) > _top(dtype))
