@@ -244,22 +244,26 @@ def load(
       (The load needs a downloaded Hugging Face checkpoint in ``ckpt/``: not run in the tests.)
     """
     what = "meshinit.safetensors.load"
-    if missing not in ("error", "skip"):
-        raise TypeError(f'missing must be "error" or "skip", got {missing!r}')
-    if unused not in ("warn", "error", "ignore"):
-        raise TypeError(f'unused must be "warn", "error" or "ignore", got {unused!r}')
-    if not (isinstance(max_inflight_bytes, int) and max_inflight_bytes > 0):
-        raise TypeError(f"max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}")
-    if fan_out not in (None, True, False) or not isinstance(fan_out, bool | None):
-        raise TypeError(f"fan_out must be None, True or False, got {fan_out!r}")
-    # Collective: under jax.distributed a process whose copy of a file fails its checks
-    # fails every process, and none returns arrays that lack its shards.
-    with _aio.session(_timeout(timeout)), _agree.collective(what):
-        options, budget = storage_options, max_inflight_bytes
-        arrays = _loader.load(
-            plan, files, names, missing, unused, what, options, budget, progress, fan_out
-        )
-        _agree.keep(arrays.values())
+    # Collective: under jax.distributed a process whose copy of a file fails its checks,
+    # or whose arguments are bad, fails every process (through the agreement, before
+    # any collective), and none returns arrays that lack its shards.
+    with _agree.collective(what):
+        if missing not in ("error", "skip"):
+            raise TypeError(f'missing must be "error" or "skip", got {missing!r}')
+        if unused not in ("warn", "error", "ignore"):
+            raise TypeError(f'unused must be "warn", "error" or "ignore", got {unused!r}')
+        if not (isinstance(max_inflight_bytes, int) and max_inflight_bytes > 0):
+            raise TypeError(
+                f"max_inflight_bytes must be a positive int, got {max_inflight_bytes!r}"
+            )
+        if fan_out not in (None, True, False) or not isinstance(fan_out, bool | None):
+            raise TypeError(f"fan_out must be None, True or False, got {fan_out!r}")
+        with _aio.session(_timeout(timeout)):
+            options, budget = storage_options, max_inflight_bytes
+            arrays = _loader.load(
+                plan, files, names, missing, unused, what, options, budget, progress, fan_out
+            )
+            _agree.keep(arrays.values())
     return arrays
 
 

@@ -22,6 +22,9 @@ compatibility across releases. No other module of meshinit names a jax internal:
   meshinit's own compiles only, through jax's thread-local config states.
 - **The tracer-origin hook** (:func:`quiet_origin_messages`), the one patch of a
   private jax attribute, with its reason.
+- **The coordination service's client** (:func:`distributed_client`): its key-value
+  store carries the processes' agreements (:mod:`meshinit._run.agree`), out of band of
+  the collectives that move data.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 from jax._src import config as _config
+from jax._src import distributed as _distributed
 from jax.extend import core
 from jax.extend.core import primitives as _exported
 from jax.extend.random import threefry2x32_p, threefry_prng_impl
@@ -462,3 +466,14 @@ def quiet_origin_messages() -> Iterator[None]:
         yield
     finally:
         _TRACING.reset(token)
+
+
+# ------------------------------------------------------------- the coordination service
+
+
+def distributed_client() -> Any:
+    """The ``jax.distributed`` client of this process (``key_value_set``,
+    ``key_value_dir_get``, ``key_value_delete``), or None where ``jax.distributed`` is
+    not initialized. jax exports no public name for it; orbax reads it from the same
+    place."""
+    return getattr(getattr(_distributed, "global_state", None), "client", None)

@@ -32,6 +32,7 @@ time (:func:`reshard`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _caches
 from .._plan.entries import PlanEntry
+from .._run import agree as _agree
 from .._run import compile as _compile
 from . import blocks as _blocks
 
@@ -238,34 +240,45 @@ def _busiest(entry: PlanEntry) -> int:
 _reshards = _caches.lru("fan-out reshards", 256)
 
 
-def reshard(staged: jax.Array, entry: PlanEntry, stage: Stage) -> jax.Array:
-    """``staged`` (on ``stage.sharding``) as the entry's array, on its planned
-    sharding: one compiled program per signature, the padding cut off. A process
-    that holds none of it takes no part."""
+def program(entry: PlanEntry, stage: Stage, staged: jax.Array) -> Any:
+    """The compiled reshard of ``staged`` (on ``stage.sharding``) to the entry's planned
+    sharding, the padding cut off: one program per signature, compiled here, before
+    its batch's agreement, so that what can fail on one process alone fails before
+    any process enters the batch's collectives. None where this process holds none of
+    the entry (it takes no part)."""
     sharding, shape = entry.sharding, entry.spec.shape
     if not any(_process(d) == jax.process_index() for d in sharding.device_set):
-        staged.delete()
-        return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=entry.spec.dtype)
+        return None
     twin = NamedSharding(stage.sharding.mesh, sharding.spec, memory_kind=sharding.memory_kind)
     key = (stage, twin, shape, str(staged.dtype))
-    program = _reshards.get(key)
-    if program is None:
-        program = jax.jit(_cut(stage, shape), out_shardings=twin)
-        _reshards.put(key, program)
-    with jax.set_mesh(stage.sharding.mesh):  # type: ignore[arg-type]  # over a user's context
-        made = program(staged)
-    # One collective program in flight at a time. With reshards dispatched one after
-    # another and left running, every process of a 4 x 2 CPU job once waited for ever
-    # in the same reshard's call (1 load in 2 to 4 at 170 MiB; each process's earlier
-    # all-gathers still in flight); waiting for each before the next, 6 loads of 6 ran.
-    # A reshard moves a block over the interconnect: the wait costs little beside it.
-    made.block_until_ready()
-    staged.delete()
-    if twin == sharding:
+    compiled = _reshards.get(key)
+    if compiled is None:
+        with jax.set_mesh(stage.sharding.mesh):  # type: ignore[arg-type]  # over a user's
+            jitted = jax.jit(_cut(stage, shape), out_shardings=twin)
+            compiled = jitted.lower(staged).compile()
+        _reshards.put(key, compiled)
+    return compiled
+
+
+def enter(compiled: Any, staged: jax.Array) -> jax.Array:
+    """Starts a reshard: from here its collective runs (on every process that holds
+    the entry), and its output is not ready until every one of them has joined."""
+    return compiled(staged)
+
+
+def finish(made: jax.Array, entry: PlanEntry) -> jax.Array:
+    """A finished reshard's output as the entry's array, on its planned sharding: the
+    same devices, indices and bytes, on the planned (Explicit) mesh: no copy."""
+    if made.sharding == entry.sharding:
         return made
-    # the same devices, indices and bytes, on the planned (Explicit) mesh: no copy
     shards = [s.data for s in made.addressable_shards]
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    return jax.make_array_from_single_device_arrays(entry.spec.shape, entry.sharding, shards)
+
+
+def absent(entry: PlanEntry) -> jax.Array:
+    """The entry's array on a process that holds none of it: no shard."""
+    shape, dtype = entry.spec.shape, entry.spec.dtype
+    return jax.make_array_from_single_device_arrays(shape, entry.sharding, [], dtype=dtype)
 
 
 def _cut(stage: Stage, shape: tuple[int, ...]) -> Any:
@@ -307,9 +320,39 @@ def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> 
     return math.prod(max(0, min(x[1], y[1]) - max(x[0], y[0])) for x, y in zip(a, b, strict=True))
 
 
+def digest(items: Sequence[Any]) -> str:
+    """A short fingerprint of ``items`` (their reprs, which name meshes by device ids),
+    with their count: what processes compare where the values themselves are long."""
+    text = "\n".join(map(repr, items))
+    return f"{len(items)} items, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def facts(jobs: Sequence[Any], fan_out: bool | None, budget: int) -> dict[str, str]:
+    """What shapes a load's collectives, as every process must have it alike: compared
+    before the first collective (:func:`meshinit._run.agree.checkpoint`)."""
+    staged = [(job.entry, job.stage) for job in jobs if job.stage is not None]
+    return {
+        "fan_out": repr(fan_out is not False),  # None does what True does
+        "max_inflight_bytes": str(budget),
+        "the paths read": digest([job.entry.path for job in jobs]),
+        "the staging decisions": digest([(entry.path, stage) for entry, stage in staged]),
+        "the batches of reshards": digest(batches([entry for entry, _ in staged], budget)),
+    }
+
+
 class Resharder:
     """The staged arrays of a load, resharded batch by batch (:func:`batches`) as the
-    read places them, each batch after a :func:`~meshinit._run.agree.checkpoint`."""
+    read places them.
+
+    A batch is fenced: its programs are compiled first, then every process agrees
+    (:func:`~meshinit._run.agree.checkpoint`, naming the batch and its signatures), and
+    from there each runs the batch whole. A failure after a collective started (an
+    error or Ctrl-C while its output is finished) is raised once the batch's last
+    collective has run, so no peer is left waiting in one that this process never
+    enters; the peers meet it at the next agreement. A process that cannot start a
+    collective that its peers are in, or whose collective fails, says so at once
+    (:func:`~meshinit._run.agree.left_collectives`), and the job's collectives are
+    not used again."""
 
     def __init__(self, staged: Sequence[tuple[PlanEntry, Stage]], budget: int, what: str):
         found = batches([entry for entry, _ in staged], budget)
@@ -321,6 +364,7 @@ class Resharder:
         }
         self._pending: list[tuple[PlanEntry, Stage, jax.Array]] = []
         self._what = what
+        self._batch = 0
         self.from_peers = 0
 
     def add(self, entry: PlanEntry, stage: Stage | None, made: jax.Array) -> dict[str, jax.Array]:
@@ -332,16 +376,38 @@ class Resharder:
         return self._flush() if entry.path in self._ends else {}
 
     def _flush(self) -> dict[str, jax.Array]:
-        from .._run import agree as _agree
-
-        _agree.checkpoint(self._what)
+        programs = [program(entry, stage, staged) for entry, stage, staged in self._pending]
+        signatures = [(e.path, s, str(x.dtype)) for e, s, x in self._pending]
+        at = f"batch {self._batch} ({digest(signatures)})"
+        self._batch += 1
+        _agree.checkpoint(self._what, at)
         out: dict[str, jax.Array] = {}
+        failed: BaseException | None = None
         try:
-            while self._pending:
-                entry, stage, staged = self._pending[0]
-                out[entry.path] = reshard(staged, entry, stage)
-                self._pending.pop(0)
-                self.from_peers += from_peers(entry, stage)
+            with _agree.uninterrupted():
+                for compiled in programs:
+                    entry, stage, staged = self._pending.pop(0)
+                    if compiled is None:
+                        staged.delete()
+                        out[entry.path] = absent(entry)
+                        continue
+                    try:
+                        made = enter(compiled, staged)
+                    except BaseException as e:  # its peers are in it: they must stop
+                        _agree.left_collectives(e)
+                        staged.delete()
+                        raise
+                    _agree.settle(made, f"{at}, {entry.path}")  # raises if it broke
+                    try:
+                        staged.delete()
+                        out[entry.path] = finish(made, entry)
+                        self.from_peers += from_peers(entry, stage)
+                    except BaseException as e:  # after its collective: run the rest
+                        failed = failed or e
+                        if not made.is_deleted():
+                            made.delete()
+            if failed is not None:
+                raise failed
         except BaseException:
             for made in out.values():
                 made.delete()

@@ -14,6 +14,7 @@ import jax
 from .. import _patterns
 from .._errors import PlanError, Problem, UnusedTensorWarning
 from .._plan.plan import Plan
+from .._run import agree as _agree
 from . import fanout as _fanout
 from . import keys as _keys
 from . import read as _read
@@ -59,7 +60,11 @@ def load(
             UnusedTensorWarning(_unused.warning(what, idle, stranded, found.missing), idle),
             stacklevel=_patterns.outside_stacklevel(),
         )
-    arrays = _read.read(_fanout.staged(jobs, fan_out), checked, budget, progress)
+    jobs = _fanout.staged(jobs, fan_out)
+    # before the first collective: every process reads the same paths, with the same
+    # staging, in the same batches (else a reshard would pair with another's)
+    _agree.checkpoint(what, "inputs", _fanout.facts(jobs, fan_out, budget))
+    arrays = _read.read(jobs, checked, budget, progress)
     keys = {e.path: e for e in plan.entries if _keys.is_key(e.spec.dtype)}
     try:
         for path in keys.keys() & arrays.keys():

@@ -1,10 +1,18 @@
 """Agreement between processes, on one process: a collective call keeps what it made,
-deletes it when the call fails, and nests into the outer call."""
+deletes it when the call fails, and nests into the outer call; and the protocol over
+the coordination service's key-value store, with the other processes' posts written
+into an in-memory store by the test (the 4-process runs are in
+``tests/guarantees/test_fanout.py`` and ``test_processes.py``)."""
 
+import json
+import os
+import signal
+
+import jax
 import jax.numpy as jnp
 import pytest
 
-from meshinit._errors import PeerFailure
+from meshinit._errors import PeerFailure, PlanError
 from meshinit._run import agree
 
 
@@ -40,43 +48,147 @@ def test_keep_outside_a_call_does_nothing():
     assert not a.is_deleted()
 
 
-def outcomes(monkeypatch, failing_at=None):
-    """Stand-in for the gather: records each agreement's error; the one numbered
-    ``failing_at`` learns that another process failed."""
-    seen = []
+class Store:
+    """The coordination service's key-value store, as jax's client speaks to it."""
 
-    def gathered(what, error):
-        seen.append(error)
-        if len(seen) == failing_at and error is None:
-            raise PeerFailure("process 1 failed: OSError: 503")
+    def __init__(self):
+        self.data: dict[str, str] = {}
+        self.deleted: list[str] = []
 
-    monkeypatch.setattr(agree, "agree", gathered)
-    return seen
+    def key_value_set(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.data, key
+        self.data[key] = value
 
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.data.items() if k.startswith(prefix)]
 
-def test_a_checkpoint_that_meets_a_failure_settles_the_call(monkeypatch):
-    seen = outcomes(monkeypatch, failing_at=2)
-    a = jnp.ones(3)
-    with pytest.raises(PeerFailure, match="process 1 failed"), agree.collective("load"):
-        agree.keep([a])
-        agree.checkpoint("load")
-        agree.checkpoint("load")  # another process failed before this one
-    # every process has agreed twice: the call's own agreement at its end would wait
-    # for a process that already agreed its last
-    assert seen == [None, None] and a.is_deleted()
+    def key_value_delete(self, key):
+        self.deleted.append(key)
+        self.data.pop(key, None)
 
 
-def test_a_call_with_checkpoints_agrees_at_its_end_too(monkeypatch):
-    seen = outcomes(monkeypatch)
+@pytest.fixture
+def store(monkeypatch):
+    """This process as process 0 of 2, with a fresh store and no broken collectives."""
+    found = Store()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(agree._compat, "distributed_client", lambda: found)
+    monkeypatch.setattr(agree, "_broken", [])
+    monkeypatch.setattr(agree, "_stale", [])
+    return found
+
+
+def peer(store, call, k, at, facts=None, process=1):
+    """Process ``process``'s post at agreement ``k`` of the call numbered ``call``."""
+    post = json.dumps({"at": at, "facts": facts or {}})
+    store.data[f"{agree.PREFIX}/{call}/{k}/{process}"] = post
+
+
+def peer_failed(store, call, error, left=False, process=1):
+    post = json.dumps({"error": error, "peer": False, "left": left})
+    store.data[f"{agree.PREFIX}/{call}/failed/{process}"] = post
+
+
+def number():
+    """The number the next collective call gets (every process counts alike)."""
+    n = next(agree._numbers)
+    agree._numbers = iter(range(n + 1, 1 << 62))  # type: ignore[assignment]
+    return n + 1
+
+
+def test_an_agreement_waits_for_the_same_point_on_every_process(store):
+    n = number()
+    peer(store, n, 0, "load: inputs", {"fan_out": "True"})
+    peer(store, n, 1, "load: end")
     with agree.collective("load"):
-        agree.checkpoint("load")
-    assert seen == [None, None]
+        agree.checkpoint("load", "inputs", {"fan_out": "True"})
+    mine = json.loads(store.data[f"{agree.PREFIX}/{n}/0/0"])
+    assert mine == {"at": "load: inputs", "facts": {"fan_out": "True"}}
+    # the next call's first agreement lets this process's keys of this one go
+    peer(store, n + 1, 0, "load: end")
+    with agree.collective("load"):
+        pass
+    assert f"{agree.PREFIX}/{n}/0/0" in store.deleted and f"{agree.PREFIX}/{n}/1/0" in store.deleted
 
 
-def test_a_failure_between_checkpoints_is_agreed_once_at_the_end(monkeypatch):
-    # the others meet it at their next checkpoint, which settles their call
-    seen = outcomes(monkeypatch)
+def test_a_fact_that_differs_is_a_plan_error_naming_every_process_value(store):
+    n = number()
+    peer(store, n, 0, "load: inputs", {"fan_out": "False", "max_inflight_bytes": "1048576"})
+    a = jnp.ones(3)
+    with pytest.raises(PlanError, match="disagree") as info, agree.collective("load"):
+        agree.keep([a])
+        agree.checkpoint(
+            "load", "inputs", {"fan_out": "True", "max_inflight_bytes": "1073741824"}
+        )
+    text = str(info.value)
+    assert "fan_out: differs between the processes: process 0: True, process 1: False" in text
+    assert "process 0: 1073741824, process 1: 1048576" in text
+    assert a.is_deleted()
+    # and this process posted its failure: a peer still waiting somewhere learns of it
+    failed = json.loads(store.data[f"{agree.PREFIX}/{n}/failed/0"])
+    assert failed["error"].startswith("PlanError") and failed["left"] is False
+
+
+def test_processes_at_different_agreements_are_refused(store):
+    n = number()
+    peer(store, n, 0, "load: batch 3 (2 items, sha256 ab)")
+    with pytest.raises(PlanError, match="process 1 at 'load: batch 3"), agree.collective("load"):
+        agree.checkpoint("load", "inputs")
+
+
+def test_a_peer_failure_is_raised_at_the_next_agreement_naming_the_process(store):
+    n = number()
+    peer_failed(store, n, "TypeError: fan_out must be None, True or False, got 'yes'")
+    a = jnp.ones(3)
+    with pytest.raises(PeerFailure, match="process 1 failed: TypeError: fan_out") as info:
+        with agree.collective("load"):
+            agree.keep([a])
+            agree.checkpoint("load", "inputs")
+    assert "process 0" in str(info.value) and a.is_deleted()
+
+
+def test_a_failure_is_posted_at_once_and_the_call_agrees_no_further(store):
+    n = number()
     with pytest.raises(OSError, match="503"), agree.collective("load"):
-        agree.checkpoint("load")
-        raise OSError("503")
-    assert seen[0] is None and isinstance(seen[1], OSError) and len(seen) == 2
+        raise OSError("503 Service Unavailable")
+    assert set(store.data) == {f"{agree.PREFIX}/{n}/failed/0"}
+    post = json.loads(store.data[f"{agree.PREFIX}/{n}/failed/0"])
+    assert post == {"error": "OSError: 503 Service Unavailable", "peer": False, "left": False}
+
+
+def test_a_collective_whose_peer_left_it_raises_and_breaks_every_later_call(store):
+    n = number()
+
+    class Pending:  # a collective's output that a peer never joins
+        def is_ready(self):
+            return False
+
+    peer_failed(store, n, "RuntimeError: could not start the reshard", left=True)
+    with pytest.raises(PeerFailure, match="lost a peer inside a collective at batch 0"):
+        with agree.collective("load"):
+            agree.settle(Pending(), "batch 0")  # type: ignore[arg-type]
+    assert "RuntimeError: could not start the reshard" in agree.broken()
+    assert f"{agree.PREFIX}/broken/0" in store.data
+    # every later call, on this process and (through the store) on the others, raises
+    with pytest.raises(PeerFailure, match="restart the job"), agree.collective("init"):
+        pass
+
+
+def test_a_broken_mark_of_another_process_stops_the_next_call(store):
+    n = number()
+    store.data[f"{agree.PREFIX}/broken/1"] = "RuntimeError: gone"
+    peer(store, n, 0, "init: end")
+    with pytest.raises(PeerFailure, match="process 1: RuntimeError: gone"):
+        with agree.collective("init"):
+            pass
+
+
+def test_ctrl_c_inside_a_batch_is_delivered_when_it_ends():
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        with agree.uninterrupted():
+            os.kill(os.getpid(), signal.SIGINT)
+            ran.append("after the signal")  # the batch runs on, whole
+    assert ran == ["after the signal"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
