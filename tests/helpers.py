@@ -477,7 +477,8 @@ def run_workers(script, count, args, logs, env=None, timeout_s=240, grace_s=10):
     ``PYTHONPATH`` and ``JAX_PLATFORMS=cpu`` (and ``env`` added); each one's output in
     ``logs``. All get ``timeout_s``; once one fails, the others ``grace_s`` more (they
     wait for it in a barrier or a collective). Returns each one's ``returncode``,
-    ``stdout`` and ``stderr``; a worker still running at the end is killed (-9)."""
+    ``stdout``, ``stderr`` and ``ended`` (the ``time.time()`` at which it was seen to
+    end, to 0.2 s); a worker still running at the end is killed (-9)."""
     import subprocess
     import sys
     import time
@@ -493,7 +494,7 @@ def run_workers(script, count, args, logs, env=None, timeout_s=240, grace_s=10):
     }
     logs = Path(logs)
     logs.mkdir(parents=True, exist_ok=True)
-    procs, files = [], []
+    procs, files, ended = [], [], {}
     try:
         for i in range(count):
             out, err = open(logs / f"{i}.out", "w+"), open(logs / f"{i}.err", "w+")
@@ -502,14 +503,18 @@ def run_workers(script, count, args, logs, env=None, timeout_s=240, grace_s=10):
             procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=err))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            for i, p in enumerate(procs):
+                if p.poll() is not None:
+                    ended.setdefault(i, time.time())
             if any(p.poll() not in (None, 0) for p in procs):
                 deadline = min(deadline, time.monotonic() + grace_s)
             time.sleep(0.2)
     finally:
-        for p in procs:
+        for i, p in enumerate(procs):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+            ended.setdefault(i, time.time())
         for f in files:
             f.close()
     return [
@@ -517,14 +522,16 @@ def run_workers(script, count, args, logs, env=None, timeout_s=240, grace_s=10):
             "returncode": p.returncode,
             "stdout": (logs / f"{i}.out").read_text(),
             "stderr": (logs / f"{i}.err").read_text(),
+            "ended": ended[i],
         }
         for i, p in enumerate(procs)
     ]
 
 
-def join_cpu_job(process_id, port, processes, local_devices, timeout_s=90):
+def join_cpu_job(process_id, port, processes, local_devices, timeout_s=90, heartbeat_s=100):
     """This worker joins a jax.distributed job of ``processes`` on 127.0.0.1, with
-    ``local_devices`` simulated CPU devices and gloo's collectives."""
+    ``local_devices`` simulated CPU devices and gloo's collectives; a process that
+    stops sending heartbeats for ``heartbeat_s`` makes jax abort every process."""
     jax.config.update("jax_num_cpu_devices", local_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -532,6 +539,7 @@ def join_cpu_job(process_id, port, processes, local_devices, timeout_s=90):
         num_processes=processes,
         process_id=process_id,
         initialization_timeout=timeout_s,
+        heartbeat_timeout_seconds=heartbeat_s,
     )
     assert jax.process_count() == processes, jax.process_count()
 

@@ -234,7 +234,8 @@ def settle(made: jax.Array, at: str) -> None:
         made.block_until_ready()
         return
     delay, checked = 0.0005, time.monotonic()
-    while not made.is_ready():
+    pending: Any = made  # jax.Array.is_ready: in jax's arrays, not in its type stubs
+    while not pending.is_ready():
         time.sleep(delay)
         delay = min(2 * delay, 0.01)
         if time.monotonic() - checked > 0.05:
@@ -248,7 +249,7 @@ def settle(made: jax.Array, at: str) -> None:
         made.block_until_ready()
     except Exception as e:
         left_collectives(e)
-        _post_failure(client, call, e)
+        _post_failure(client, call, e, secondary=True)  # the cause is another process
         failed = _others_for(client, call, time.monotonic() + PEERS_S)
         raise PeerFailure(_stranded(call, at, failed, e)) from e
 
@@ -301,6 +302,9 @@ def _meet(client: Any, call: _Call, at: str, facts: dict[str, str]) -> None:
     delay = 0.0005
     while True:
         found = _read(client, call)
+        posts.update(found.get(k, {}))
+        if len(posts) == count:  # a failure posted after this point is met at the next
+            break
         failed = {p: f for p, f in found["failed"].items() if p != me}
         if failed:
             raise PeerFailure(
@@ -308,9 +312,6 @@ def _meet(client: Any, call: _Call, at: str, facts: dict[str, str]) -> None:
                 f"too (process {me}) and returns nothing, its arrays deleted: "
                 f"{_summary(failed)}"
             )
-        posts.update(found.get(k, {}))
-        if len(posts) == count:
-            break
         if time.monotonic() - noticed > WAIT_NOTICE_S:
             noticed = time.monotonic()
             waiting = sorted(set(range(count)) - set(posts))
@@ -396,13 +397,16 @@ def _others_for(client: Any, call: _Call, deadline: float) -> dict[int, dict[str
         time.sleep(0.02)
 
 
-def _post_failure(client: Any, call: _Call, error: BaseException) -> None:
+def _post_failure(client: Any, call: _Call, error: BaseException, secondary: bool = False) -> None:
+    """Posts this process's failure of ``call`` (once): ``peer`` where it followed
+    another process's (named first in messages), ``left`` where this process left a
+    collective unfinished."""
     if call.posted:
         return
     call.posted = True
     post = {
         "error": _outcome(error),
-        "peer": isinstance(error, PeerFailure),
+        "peer": secondary or isinstance(error, PeerFailure),
         "left": call.left,
     }
     key = _key(call, "failed", jax.process_index())

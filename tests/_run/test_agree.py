@@ -118,9 +118,7 @@ def test_a_fact_that_differs_is_a_plan_error_naming_every_process_value(store):
     a = jnp.ones(3)
     with pytest.raises(PlanError, match="disagree") as info, agree.collective("load"):
         agree.keep([a])
-        agree.checkpoint(
-            "load", "inputs", {"fan_out": "True", "max_inflight_bytes": "1073741824"}
-        )
+        agree.checkpoint("load", "inputs", {"fan_out": "True", "max_inflight_bytes": "1073741824"})
     text = str(info.value)
     assert "fan_out: differs between the processes: process 0: True, process 1: False" in text
     assert "process 0: 1073741824, process 1: 1048576" in text
