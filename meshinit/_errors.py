@@ -178,11 +178,13 @@ class PeerFailure(RuntimeError):
     """Raised on every process whose part of a collective call succeeded when another
     process's part failed.
 
-    Under ``jax.distributed``, ``materialize`` and the adapters' ``init`` are collective:
-    they return only when every process succeeded (see the Reliability page). This
-    process's arrays are deleted before this is raised; the failed process raises its
-    own error. The message names each failed process and its error, or says that the
-    agreement itself failed (a process that died never reaches it).
+    Under ``jax.distributed``, ``materialize``, ``meshinit.safetensors.load`` and the
+    adapters' ``init`` are collective: they return only when every process succeeded
+    (see the Reliability page, "Processes"). This process's arrays are deleted before
+    this is raised; the failed process raises its own error. The message names each
+    failed process and its error; where a collective lost a peer, the processes that
+    posted no outcome (killed, or hung); where an earlier call left a collective
+    unfinished, that the job must restart (every later collective call raises it).
 
     Examples:
       >>> try:

@@ -192,7 +192,10 @@ def load(
         ``False``: each process fetches every block its devices hold. With one
         process it changes nothing. Each process records the bytes its shards got
         from other processes' reads as the ``jax.monitoring`` scalar
-        ``/meshinit/safetensors/bytes_from_peers``.
+        ``/meshinit/safetensors/bytes_from_peers``. Every process must pass the same
+        ``fan_out`` (None and True alike) and ``max_inflight_bytes``: the processes
+        compare them, the paths read, the staging and the batches before the first
+        collective, and a difference is a PlanError on every process.
       progress: a bar (tqdm, on stderr) of the bytes read (of URLs: fetched) and bytes
         per second: ``True``, ``False``, or ``None`` (default: where stderr is a
         terminal, shown at once for a load of at least 1 GiB, else once it has run a
@@ -231,6 +234,8 @@ def load(
         scale so small that its products would be float32 subnormals), or a file
         changed since it was checked.
       TypeError: ``files``, ``names``, ``missing`` or ``unused`` are of the wrong kind.
+      PeerFailure: under ``jax.distributed``, another process's load failed (this
+        process's arrays deleted); see the Reliability page, "Processes".
 
     Examples:
       >>> names = [  # nnx path -> Hugging Face name; (out, in) -> (in, out)
