@@ -525,6 +525,15 @@ def check_agreement(process_id: int, plan: Any) -> tuple[list[str], dict]:
             "seconds": time.monotonic() - start,
             "leaked": len(jax.live_arrays()) - before,
         }
+    # another seed on process 1: its replicas of a parameter would differ from process
+    # 0's; both refuse before anything runs, naming the key
+    before = len(jax.live_arrays())
+    try:
+        meshinit.materialize(plan, 7 + process_id)
+        outcome = "returned"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    outcomes["seed"] = {"outcome": outcome[:600], "leaked": len(jax.live_arrays()) - before}
     tree = meshinit.materialize(plan, 7)  # both processes agree again
     outcomes["after"] = len(jax.tree_util.tree_leaves(tree))
     for a in jax.tree_util.tree_leaves(tree):

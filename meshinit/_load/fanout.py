@@ -32,7 +32,6 @@ time (:func:`reshard`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -320,13 +319,6 @@ def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> 
     return math.prod(max(0, min(x[1], y[1]) - max(x[0], y[0])) for x, y in zip(a, b, strict=True))
 
 
-def digest(items: Sequence[Any]) -> str:
-    """A short fingerprint of ``items`` (their reprs, which name meshes by device ids),
-    with their count: what processes compare where the values themselves are long."""
-    text = "\n".join(map(repr, items))
-    return f"{len(items)} items, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
-
-
 def facts(jobs: Sequence[Any], fan_out: bool | None, budget: int) -> dict[str, str]:
     """What shapes a load's collectives, as every process must have it alike: compared
     before the first collective (:func:`meshinit._run.agree.checkpoint`)."""
@@ -334,9 +326,9 @@ def facts(jobs: Sequence[Any], fan_out: bool | None, budget: int) -> dict[str, s
     return {
         "fan_out": repr(fan_out is not False),  # None does what True does
         "max_inflight_bytes": str(budget),
-        "the paths read": digest([job.entry.path for job in jobs]),
-        "the staging decisions": digest([(entry.path, stage) for entry, stage in staged]),
-        "the batches of reshards": digest(batches([entry for entry, _ in staged], budget)),
+        "the paths read": _agree.digest([job.entry.path for job in jobs]),
+        "the staging decisions": _agree.digest([(entry.path, stage) for entry, stage in staged]),
+        "the batches of reshards": _agree.digest(batches([entry for entry, _ in staged], budget)),
     }
 
 
@@ -378,7 +370,7 @@ class Resharder:
     def _flush(self) -> dict[str, jax.Array]:
         programs = [program(entry, stage, staged) for entry, stage, staged in self._pending]
         signatures = [(e.path, s, str(x.dtype)) for e, s, x in self._pending]
-        at = f"batch {self._batch} ({digest(signatures)})"
+        at = f"batch {self._batch} ({_agree.digest(signatures)})"
         self._batch += 1
         _agree.checkpoint(self._what, at)
         out: dict[str, jax.Array] = {}

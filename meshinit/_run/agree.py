@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import itertools
 import json
 import logging
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -173,6 +174,13 @@ def checkpoint(what: str, at: str = "", facts: Mapping[str, str] | None = None) 
     if call is None or client is None:
         return
     _meet(client, call, at or what, dict(facts or {}))
+
+
+def digest(items: Sequence[Any]) -> str:
+    """A short fingerprint of ``items`` (their reprs, which name meshes by device ids),
+    with their count: a fact that processes compare where the values are long."""
+    text = "\n".join(map(repr, items))
+    return f"{len(items)} items, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def agree(what: str, error: BaseException | None) -> None:

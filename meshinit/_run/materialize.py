@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from .. import _paths
 from .._errors import PlanError
 from .._plan.plan import Plan
@@ -118,6 +120,17 @@ def _materialize(
         todo = [e for e in plan.entries if id(e) not in given]
         problems += abstract_problems(plan) + bound_problems(todo, max_bytes_per_call)
         raise PlanError(problems, header="cannot materialize this plan:")
+    # every process makes its own shards: with another key, another plan or other
+    # existing arrays, a replicated parameter would differ between processes
+    facts = {
+        "key": f"{impl} {np.asarray(key_data).tolist()}"[:200],
+        "max_bytes_per_call": str(max_bytes_per_call),
+        "the plan": _agree.digest(
+            [(e.path, e.spec.shape, str(e.spec.dtype), e.sharding) for e in plan.entries]
+        ),
+        "existing": _agree.digest(sorted(e.path for e in plan.entries if id(e) in given)),
+    }
+    _agree.checkpoint("materialize", "inputs", facts)
     return run_plan(
         plan,
         Specs(strategy, key_data, impl),

@@ -281,6 +281,17 @@ def test_a_failure_on_one_process_fails_every_process_and_keeps_no_array(workers
         assert outcomes["after"] == len(worker.MESH_NAMES) * PARAMS_PER_MESH  # agreed again
 
 
+def test_processes_given_other_seeds_refuse_before_anything_runs(workers):
+    # each process makes its own shards: with their own seeds, the replicas of one
+    # parameter would differ between processes, silently
+    for i, r in enumerate(workers):
+        seed = counts(i, r)["agreement"]["seed"]
+        assert seed["outcome"].startswith("PlanError"), seed
+        needle = "key: differs between the processes: process 0: threefry2x32 [0, 7], "
+        assert needle + "process 1: threefry2x32 [0, 8]" in seed["outcome"], seed
+        assert seed["leaked"] == 0, seed
+
+
 @pytest.mark.parametrize("adapter", ["nnx", "eqx", "linen", "optax"])
 def test_a_factory_failing_on_one_process_before_anything_is_made_fails_every_process(
     workers, adapter
