@@ -133,6 +133,14 @@ class Tensor:
     In a rule table of ``names=``, ``name`` may use the groups of the rule's regex
     (``\\1``, ``\\g<layer>``), as :meth:`re.Match.expand` does.
 
+    A float8 tensor (``F8_E4M3``, ``F8_E5M2``) planned as a wider float is read
+    dequantized, with the ``<name>_scale_inv`` beside it (DeepSeek-V3's block scales),
+    and refused where there is none, whatever config.json says: cast alone, a
+    quantized weight's values are off by their block's scale. ``dequantize=False``
+    says the float8 values are the weights themselves: they are cast to the planned
+    dtype as stored, and a ``<name>_scale_inv`` beside them is not applied (nor read:
+    it is then reported unused like any tensor no plan path claims, unless one does).
+
     Attributes:
       name: the tensor's name in the files (``model.layers.0.mlp.up_proj.weight``).
       shape: the shape to reshape the stored tensor (or its slice) to, or None.
@@ -143,10 +151,14 @@ class Tensor:
         that the transpose left side by side, or None.
       offset: a Python float added to the values (after ``scale``), or None.
       compute_dtype: the floating dtype of the scale and offset, or None (planned).
+      dequantize: whether a float8 tensor planned as a wider float is read with its
+        block scales (True, the default; refused without them), or cast as stored
+        (False). Other tensors ignore it, except an MXFP4 pair (gpt-oss's ``_blocks``
+        and ``_scales``), which has no plain cast: False is refused there.
 
     Raises:
       TypeError: a field of the wrong kind: ``index`` not basic slices with positive
-        steps, ``scale`` or ``offset`` not a number.
+        steps, ``scale`` or ``offset`` not a number, ``dequantize`` not a bool.
       ValueError: a shape with a negative size (or two ``-1``), a scale or offset that
         is not finite.
 
@@ -164,6 +176,9 @@ class Tensor:
       (Ellipsis, slice(1, None, 2))
       >>> Tensor("model.norm.weight", offset=1.0).offset  # Gemma's norm: stored as scale - 1
       1.0
+      >>> Tensor("lm_head.weight", dequantize=False)  # float8 values, cast as stored
+      Tensor(name='lm_head.weight', shape=None, permute=None, index=None, scale=None,
+             out_shape=None, offset=None, dequantize=False)
     """
 
     name: str
@@ -174,15 +189,22 @@ class Tensor:
     out_shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
     offset: float | None = dataclasses.field(default=None, kw_only=True)
     compute_dtype: Any = dataclasses.field(default=None, kw_only=True, repr=False)
+    dequantize: bool = dataclasses.field(default=True, kw_only=True, repr=False)
 
-    def __repr__(self) -> str:  # compute_dtype only where given: most tables' form
+    def __repr__(self) -> str:  # compute_dtype and dequantize only where given: most tables'
         shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr]
         given = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype.name!r}"
+        given += "" if self.dequantize else ", dequantize=False"
         return f"Tensor({', '.join(shown)}{given})"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise TypeError(f"Tensor name must be a str, got {self.name!r}")
+        if not isinstance(self.dequantize, bool):
+            raise TypeError(
+                f"Tensor dequantize must be a bool (False: cast float8 values as stored, "
+                f"without scales), got {self.dequantize!r}"
+            )
         if self.compute_dtype is not None:
             dtype = np.dtype(self.compute_dtype)  # TypeError for what is no dtype
             if "float" not in dtype.name:
