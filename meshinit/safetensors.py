@@ -86,7 +86,9 @@ def inventory(
     Raises:
       PlanError: a file fails the format's checks, ``names`` is malformed or maps a
         path that is not planned, or a tensor's shape or dtype does not fit its path;
-        all of them at once.
+        a float8 weight planned wider that :func:`load` would refuse, or a
+        ``config.json`` it would consult and cannot read (as :func:`load` says); all
+        of them at once.
       TypeError: ``files`` or ``names`` are of the wrong kind.
 
     Examples:
@@ -207,7 +209,9 @@ def load(
       float8 weight with its ``<name>_scale_inv`` beside it (DeepSeek-V3, Kimi K2,
       Qwen3-FP8 as published), planned as bfloat16, float16 or float32, is
       dequantized on the device with the bits of DeepSeek's ``weight_dequant``:
-      ``planned(float32(w) * float32(scale[i // b0, j // b1]))``. A
+      ``planned(float32(w) * float32(scale[i // b0, j // b1]))``; read through
+      ``Tensor(name, dequantize=False)``, it is cast as stored and a scale beside it
+      is not applied (it is then unused, unless a plan path claims it). A
       typed PRNG key (an nnx ``Rngs`` stream's ``key<fry>``) is read from its stored
       key data (``jax.random.key_data``: uint32, the key's shape plus the
       implementation's trailing dimensions) and given back as a key array of the
@@ -218,17 +222,23 @@ def load(
         (naming the file, the tensor and what is wrong), each missing tensor (with
         ``missing="error"``), unused tensor (with ``unused="error"``), tensor whose
         shape after the transforms is not the planned one or whose dtype cannot be
-        cast to the planned one; a float8 weight of a quantized checkpoint
+        cast to the planned one; a float8 weight (``F8_E4M3``, ``F8_E5M2``)
         planned as a wider float that cannot be read dequantized: no
-        ``<name>_scale_inv`` where config.json states a ``quantization_config`` (naming
-        both), a scale that is not F32 or BF16 or whose shape is not ``(ceil(R / b0),
+        ``<name>_scale_inv`` beside it, whatever config.json says (a plain cast
+        only where asked for by name: ``Tensor(name, dequantize=False)``), a scale
+        that is not F32 or BF16 or whose shape is not ``(ceil(R / b0),
         ceil(C / b1))`` for the block (``quantization_config.weight_block_size``, else
         128x128; the config and the shapes disagreeing), a weight that is not 2-D, or
         one read through an ``out_shape`` inside a ``Stack``, ``Concat`` or ``Pad``,
         through ``scale=``/``offset=``, or joined with parts whose views step through
         their stored tensors differently (not supported yet; plan it as float8 to read
-        the stored values as they are); a malformed ``names``; a plan on abstract
-        meshes.
+        the stored values as they are); a ``config.json`` that the load consults (for
+        a float8 or MXFP4 weight planned wider, or a framework's map) and cannot
+        read: unreadable, over 16 MiB, not JSON (a truncated download; naming the
+        parse error), not an object, or whose ``quantization_config`` (top level or
+        ``text_config.``) is not an object, or holds a ``quant_method`` that is not a
+        string or a ``weight_block_size`` that is not a positive int or a list of one
+        or two; a malformed ``names``; a plan on abstract meshes.
         While reading: a value that does not fit the planned dtype (an int out of
         range, a float that overflows, a dequantized product that overflows; a block
         scale so small that its products would be float32 subnormals), or a file

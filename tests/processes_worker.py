@@ -47,7 +47,7 @@ NTH = 3  # the fault fires at this call of the function it is injected into
 SMALL = 8192  # max_inflight_bytes: two parameters a batch, 16 batches
 
 
-def stored(seed: int = 64) -> dict[str, np.ndarray]:
+def stored_values(seed: int = 64) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {f"p{i}": rng.standard_normal(SHAPE).astype(np.float32) for i in range(COUNT)}
 
@@ -209,7 +209,7 @@ def main(process_id: int, port: int, folder: str, scenario: str) -> int:
     from meshinit import safetensors as st
 
     the_plan = plan()
-    want = stored()
+    want = stored_values()
     path = os.path.join(folder, "model.safetensors")
     me_failing = process_id == injected(scenario)
     for label, mine, fault, theirs in SCENARIOS[scenario]:

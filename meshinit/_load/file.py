@@ -161,7 +161,10 @@ hundred KiB (vision towers included)."""
 
 def read_config(listed: Listing) -> tuple[dict[str, Any] | None, str, list[Problem]]:
     """The checkpoint's ``config.json`` beside its files (None where there is none),
-    where it was looked for, and its problems: too large, not a JSON object."""
+    where it was looked for, and its problems: unreadable, too large, not JSON (a
+    truncated download), not a JSON object. Whoever consults the config reports them,
+    and never reads a config with problems as none: it is what says a checkpoint is
+    quantized, and how."""
     if listed.config is None:
         return None, "", []
     near = listed.config_near
@@ -180,9 +183,14 @@ def read_config(listed: Listing) -> tuple[dict[str, Any] | None, str, list[Probl
     try:
         parsed = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:
-        return None, where, [Problem(where, f"is not JSON ({str(e)[:200]})")]
+        why = f"is not JSON ({str(e)[:200]}): a truncated or damaged copy? Download it again"
+        return None, where, [Problem(where, why)]
     if not isinstance(parsed, dict):
-        return None, where, [Problem(where, f"holds a JSON {type(parsed).__name__}, not an object")]
+        why = (
+            f"holds a JSON {type(parsed).__name__}, not an object: not a model's "
+            f"config.json; put the model's own beside its files"
+        )
+        return None, where, [Problem(where, why)]
     return parsed, where, []
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from . import quant_config as _quant_config
+
 SCALE_INV = "_scale_inv"
 
 
@@ -36,8 +38,9 @@ def problems(
     """MaxText key -> why its scale cannot be read kept quantized, for every key of
     ``mapping`` that reads ``weight_scale_inv`` tensors; and, where config.json's
     ``quantization_config`` gives another block than MaxText's ``weight_block_size``,
-    that (the whole map is then refused). ``planned`` is MaxText key -> planned shape,
-    ``tensors`` the stored ones, ``files`` the checkpoint's config (a dict)."""
+    that, or what is wrong with its kind (the whole map is then refused). ``planned``
+    is MaxText key -> planned shape, ``tensors`` the stored ones, ``files`` the
+    checkpoint's config (a dict)."""
     ours = _block(getattr(config, "weight_block_size", None))
     scaled = [
         (key, sources, names)
@@ -48,10 +51,10 @@ def problems(
     ]
     if ours is None or not scaled:  # per-tensor scales (no blocks), or no scale read
         return {}, None
-    quantization = files.get("quantization_config") or (files.get("text_config") or {}).get(
-        "quantization_config"
-    )
-    given = _block((quantization or {}).get("weight_block_size"))
+    said, wrong = _quant_config.declared(files, "config.json")
+    if wrong:  # a quantization_config of the wrong kind: its block size is not guessed
+        return {}, "; ".join(p.message for p in wrong)
+    given = said.block
     theirs = given or ours
     declared = (
         f"config.json's weight_block_size {list(theirs)}"

@@ -22,7 +22,8 @@ Each value is a table value times a power of two: exact in float32 and in bfloat
 rounded once to a narrower planned dtype, as transformers' table and ``ldexp`` in
 that dtype round it.
 
-Refused before a byte is read: a config that does not declare ``mxfp4``, a planned
+Refused before a byte is read: a config that does not declare ``mxfp4`` (or that
+cannot be read, or whose ``quantization_config`` is of the wrong kind), a planned
 dtype that is not a float of two bytes or more, a view that reshapes the tensor or
 steps along its groups, a join other than a ``Stack`` of equal views, a remote file.
 Refused as the exponents are read: byte 255 (NaN in the format), bytes 0 and 1 under
@@ -44,6 +45,7 @@ import numpy as np
 from .._errors import PlanError, Problem, printable
 from . import ahead as _ahead
 from . import blocks as _blocks
+from . import quant_config as _quant_config
 from . import quantized as _quantized
 from . import read as _read
 from .dequant import by_device, per_device
@@ -108,9 +110,10 @@ def paired(
 ) -> tuple[list[Any], list[Problem], dict[str, str]]:
     """``jobs`` with every one that reads a virtual tensor read dequantized
     (:class:`MxParts`), the problems of those that cannot be, and plan path -> what
-    it is dequantized with (the inventory's)."""
+    it is dequantized with (the inventory's). The config is read at the first such
+    job; where it cannot be read (:mod:`.quant_config`), its problems stand for them."""
     out, problems, dequantized = [], [], {}
-    declared: list[Any] = []
+    declared: list[Any] = []  # [Declared, the config's problems], once read
     undeclared = []  # (path, tensor, key, file): one problem for every layer alike
     for job in jobs:
         held = list(dict.fromkeys(leaf.stored for leaf in _blocks.leaves(job.node)))
@@ -118,9 +121,13 @@ def paired(
             out.append(job)
             continue
         if not declared:
-            settings, where, _ = config()
-            declared[:] = [_method(settings), where]
-        if declared[0] != "mxfp4":
+            settings, where, found = config()
+            stated, wrong = _quant_config.declared(settings, where)
+            declared[:] = [stated, found + wrong]
+        if declared[1]:  # a config that cannot be read: its problems say what to fix first
+            out.append(job)
+            continue
+        if declared[0].method != "mxfp4":
             first = pairs[next(h.name for h in held if h.dtype == DTYPE)].blocks
             undeclared.append((job.entry.path, first.name, (), str(first.file.name)))
             out.append(job)
@@ -144,7 +151,7 @@ def paired(
             f"(e2m1 x e8m0, groups of {mx.group}) -> {np.dtype(job.entry.spec.dtype).name}"
         )
     for path, tensor, _, file in _quantized.collapsed(undeclared):
-        method, where = declared
+        method, where = declared[0].method, declared[0].where
         said = f"says quant_method {method!r}" if method else "declares no quantization"
         problems.append(
             Problem(
@@ -155,7 +162,7 @@ def paired(
                 f"_blocks and _scales as uint8 parameters",
             )
         )
-    return out, problems, dequantized
+    return out, (declared[1] if declared else []) + problems, dequantized
 
 
 def claimed(pairs: Mapping[str, Mx]) -> dict[str, tuple[str, ...]]:
@@ -168,17 +175,6 @@ def _names(held: list[Stored]) -> str:
     return ", ".join(shown) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
 
 
-def _method(settings: dict[str, Any] | None) -> str | None:
-    """The config's (or a nested config's) ``quantization_config.quant_method``."""
-    if not isinstance(settings, dict):
-        return None
-    for part in [settings, *[v for v in settings.values() if isinstance(v, dict)]]:
-        found = part.get("quantization_config")
-        if isinstance(found, dict) and found.get("quant_method") is not None:
-            return str(found["quant_method"])
-    return None
-
-
 def _attached(node: _blocks.Node, pairs: Mapping[str, Mx]) -> _blocks.Node:
     """``node`` with each leaf's :class:`Mx`; :class:`~.blocks.Refused` where it is
     not read dequantized (v1): a reshape, a step along the groups' axis, a scale or
@@ -187,6 +183,13 @@ def _attached(node: _blocks.Node, pairs: Mapping[str, Mx]) -> _blocks.Node:
         held, tensor = node.stored, node.tensor
         mx = pairs[held.name]
         what = f"{node.label}tensor {printable(held.name)!r} (MXFP4, dequantized)"
+        if not tensor.dequantize:
+            raise _blocks.Refused(
+                f"{node.label}tensor {printable(held.name)!r} is MXFP4 (its _blocks and "
+                f"_scales), read with dequantize=False: MXFP4 has no plain cast; drop "
+                f"dequantize=False to read it dequantized, or plan its _blocks and _scales "
+                f"as uint8 parameters to load them as stored"
+            )
         index = _index(node)
         indexed = tuple(len(range(*s.indices(n))) for s, n in zip(index, held.shape, strict=True))
         why = None

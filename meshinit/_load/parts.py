@@ -11,80 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-import types
 from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes  # noqa: F401 - np.dtype('bfloat16') by name
 import numpy as np
 
-
-def _ints(value: Any, what: str, kind: str = "Tensor") -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    try:
-        out = tuple(operator.index(v) for v in value)
-    except TypeError:
-        raise TypeError(f"{kind} {what} must be a sequence of ints, got {value!r}") from None
-    if any(isinstance(v, bool) for v in value):
-        raise TypeError(f"{kind} {what} must be a sequence of ints, got {value!r}")
-    return out
-
-
-def _sizes(value: Any, what: str, kind: str) -> tuple[int, ...] | None:
-    """``value`` as a shape: a sequence of non-negative ints, or None."""
-    out = _ints(value, what, kind)
-    if out is not None and any(d < 0 for d in out):
-        raise ValueError(f"{kind} {what} {out}: sizes are non-negative")
-    return out
-
-
-Index = tuple["slice | types.EllipsisType", ...]
-"""A :class:`Tensor`'s ``index``: slices, and at most one Ellipsis."""
-
-
-def _slices(index: Any) -> Index | None:
-    """``index`` (a slice or a tuple of them, as ``np.s_`` gives, with at most one
-    Ellipsis) as a tuple; TypeError for anything else: an int, an array, a step that is
-    not positive. A step of 1 is kept as None, as ``np.s_[a:b]`` spells it."""
-    if index is None:
-        return None
-    parts = index if isinstance(index, tuple) else (index,)
-    for s in parts:
-        bounds = (s.start, s.stop, s.step) if isinstance(s, slice) else ()
-        if not (s is Ellipsis or isinstance(s, slice)) or any(
-            b is not None and (isinstance(b, bool) or not _is_int(b)) for b in bounds
-        ):
-            raise TypeError(
-                f"Tensor index must be basic slices with a positive step, one per leading "
-                f"axis, and at most one Ellipsis (np.s_[:4096], np.s_[:, 512:1024], "
-                f"np.s_[..., ::2]); got {index!r}"
-            )
-        if isinstance(s, slice) and s.step is not None and operator.index(s.step) < 1:
-            raise TypeError(
-                f"Tensor index {index!r}: a step must be positive (numpy's negative steps "
-                f"reverse an axis, which no view of the file in its order reads)"
-            )
-    if sum(s is Ellipsis for s in parts) > 1:
-        raise TypeError(f"Tensor index {index!r}: at most one Ellipsis")
-
-    def bound(b: Any) -> int | None:
-        return None if b is None else operator.index(b)
-
-    def step(b: Any) -> int | None:
-        return None if bound(b) in (None, 1) else bound(b)
-
-    return tuple(
-        s if s is Ellipsis else slice(bound(s.start), bound(s.stop), step(s.step)) for s in parts
-    )
-
-
-def _is_int(value: Any) -> bool:
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
+from .part_fields import Index, ints, is_int, number, sizes, slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +66,14 @@ class Tensor:
     In a rule table of ``names=``, ``name`` may use the groups of the rule's regex
     (``\\1``, ``\\g<layer>``), as :meth:`re.Match.expand` does.
 
+    A float8 tensor (``F8_E4M3``, ``F8_E5M2``) planned as a wider float is read
+    dequantized, with the ``<name>_scale_inv`` beside it (DeepSeek-V3's block scales),
+    and refused where there is none, whatever config.json says: cast alone, a
+    quantized weight's values are off by their block's scale. ``dequantize=False``
+    says the float8 values are the weights themselves: they are cast to the planned
+    dtype as stored, and a ``<name>_scale_inv`` beside them is not applied (nor read:
+    it is then reported unused like any tensor no plan path claims, unless one does).
+
     Attributes:
       name: the tensor's name in the files (``model.layers.0.mlp.up_proj.weight``).
       shape: the shape to reshape the stored tensor (or its slice) to, or None.
@@ -143,10 +84,14 @@ class Tensor:
         that the transpose left side by side, or None.
       offset: a Python float added to the values (after ``scale``), or None.
       compute_dtype: the floating dtype of the scale and offset, or None (planned).
+      dequantize: whether a float8 tensor planned as a wider float is read with its
+        block scales (True, the default; refused without them), or cast as stored
+        (False). Other tensors ignore it, except an MXFP4 pair (gpt-oss's ``_blocks``
+        and ``_scales``), which has no plain cast: False is refused there.
 
     Raises:
       TypeError: a field of the wrong kind: ``index`` not basic slices with positive
-        steps, ``scale`` or ``offset`` not a number.
+        steps, ``scale`` or ``offset`` not a number, ``dequantize`` not a bool.
       ValueError: a shape with a negative size (or two ``-1``), a scale or offset that
         is not finite.
 
@@ -164,6 +109,9 @@ class Tensor:
       (Ellipsis, slice(1, None, 2))
       >>> Tensor("model.norm.weight", offset=1.0).offset  # Gemma's norm: stored as scale - 1
       1.0
+      >>> Tensor("lm_head.weight", dequantize=False)  # float8 values, cast as stored
+      Tensor(name='lm_head.weight', shape=None, permute=None, index=None, scale=None,
+             out_shape=None, offset=None, dequantize=False)
     """
 
     name: str
@@ -174,22 +122,29 @@ class Tensor:
     out_shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
     offset: float | None = dataclasses.field(default=None, kw_only=True)
     compute_dtype: Any = dataclasses.field(default=None, kw_only=True, repr=False)
+    dequantize: bool = dataclasses.field(default=True, kw_only=True, repr=False)
 
-    def __repr__(self) -> str:  # compute_dtype only where given: most tables' form
+    def __repr__(self) -> str:  # compute_dtype and dequantize only where given: most tables'
         shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr]
         given = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype.name!r}"
+        given += "" if self.dequantize else ", dequantize=False"
         return f"Tensor({', '.join(shown)}{given})"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise TypeError(f"Tensor name must be a str, got {self.name!r}")
+        if not isinstance(self.dequantize, bool):
+            raise TypeError(
+                f"Tensor dequantize must be a bool (False: cast float8 values as stored, "
+                f"without scales), got {self.dequantize!r}"
+            )
         if self.compute_dtype is not None:
             dtype = np.dtype(self.compute_dtype)  # TypeError for what is no dtype
             if "float" not in dtype.name:
                 raise TypeError(f"Tensor compute_dtype must be a floating dtype, got {dtype}")
             object.__setattr__(self, "compute_dtype", dtype)
-        shape, permute = _ints(self.shape, "shape"), _ints(self.permute, "permute")
-        object.__setattr__(self, "index", _slices(self.index))
+        shape, permute = ints(self.shape, "shape"), ints(self.permute, "permute")
+        object.__setattr__(self, "index", slices(self.index))
         for what in ("scale", "offset"):
             value = getattr(self, what)
             if value is None:
@@ -207,7 +162,7 @@ class Tensor:
                 )
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "permute", permute)
-        object.__setattr__(self, "out_shape", _sizes(self.out_shape, "out_shape", "Tensor"))
+        object.__setattr__(self, "out_shape", sizes(self.out_shape, "out_shape", "Tensor"))
 
     def sliced(self, stored: tuple[int, ...]) -> tuple[slice, ...]:
         """``index`` over every axis of a stored tensor of shape ``stored`` (its
@@ -258,19 +213,6 @@ def length(s: slice) -> int:
     return len(range(s.start, s.stop, s.step or 1))
 
 
-def _number(value: Any, kind: str) -> bool | int | float:
-    """A fill value as a Python bool, int or float (a numpy scalar's ``.item()``);
-    TypeError for anything else."""
-    if isinstance(value, bool | int | float):
-        return value
-    item = getattr(value, "item", None)
-    if getattr(value, "shape", None) == () and callable(item):
-        got = item()
-        if isinstance(got, bool | int | float):
-            return got
-    raise TypeError(f"{kind} value must be a Python float, int or bool, got {value!r}")
-
-
 def _part(part: Any, kind: str, i: int | None = None) -> Target:
     """A part of a Stack, a Concat (``parts[i]``) or a Pad (``part``), names read as
     Tensors. A Fill or a Pad without a shape takes the planned shape, which only a whole
@@ -297,12 +239,12 @@ def _joined(self: Joined) -> None:
     parts = self.parts
     if isinstance(parts, str | bytes) or not isinstance(parts, Sequence) or not parts:
         raise TypeError(f"{kind} parts must be a non-empty sequence of parts, got {parts!r}")
-    if isinstance(self.axis, bool) or not _is_int(self.axis):
+    if isinstance(self.axis, bool) or not is_int(self.axis):
         raise TypeError(f"{kind} axis must be an int, got {self.axis!r}")
     object.__setattr__(self, "parts", tuple(_part(p, kind, i) for i, p in enumerate(parts)))
     object.__setattr__(self, "axis", operator.index(self.axis))
-    object.__setattr__(self, "out_shape", _sizes(self.out_shape, "out_shape", kind))
-    object.__setattr__(self, "permute", _ints(self.permute, "permute", kind))
+    object.__setattr__(self, "out_shape", sizes(self.out_shape, "out_shape", kind))
+    object.__setattr__(self, "permute", ints(self.permute, "permute", kind))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,8 +374,8 @@ class Fill:
     shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "value", _number(self.value, "Fill"))
-        object.__setattr__(self, "shape", _sizes(self.shape, "shape", "Fill"))
+        object.__setattr__(self, "value", number(self.value, "Fill"))
+        object.__setattr__(self, "shape", sizes(self.shape, "shape", "Fill"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,8 +420,8 @@ class Pad:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "part", _part(self.part, "Pad"))
-        object.__setattr__(self, "shape", _sizes(self.shape, "shape", "Pad"))
-        object.__setattr__(self, "value", _number(self.value, "Pad"))
+        object.__setattr__(self, "shape", sizes(self.shape, "shape", "Pad"))
+        object.__setattr__(self, "value", number(self.value, "Pad"))
 
 
 Target = Tensor | Stack | Concat | Fill | Pad

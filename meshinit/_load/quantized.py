@@ -8,15 +8,19 @@ a ``<name>_scale_inv`` (float32, or bfloat16) per block beside each, and say so 
 (:mod:`.dequant`): :func:`paired` pairs it with its scale and checks the pair, the
 block size (the config's ``weight_block_size``, else 128x128) and the scale's shape
 ``(ceil(R / b0), ceil(C / b1))``. Cast without its scale, every value would be off by
-the scale's factor (about 1000x): a float8 tensor planned wider with no scale, where
-the config declares a quantization, is refused; planned as float8 (kept quantized),
-it is read as stored.
+the scale's factor (about 1000x): a float8 tensor planned wider with no scale is
+refused, whatever the config says (a config is no proof: a truncated one, or one a
+conversion left behind), unless its :class:`~.parts.Tensor` asks for a plain cast
+(``dequantize=False``, which leaves a scale beside it unread); planned as float8
+(kept quantized), it is read as stored. The config is read (:mod:`.quant_config`) only
+where a float8 tensor is planned wider, and one that cannot be read, or whose
+``quantization_config`` is of the wrong kind, is a problem: its block size is never
+guessed past it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -30,6 +34,7 @@ from . import blocks as _blocks
 from . import dequant as _dequant
 from . import dequant_concat as _dequant_concat
 from . import dequant_tiles as _dequant_tiles
+from . import quant_config as _quant_config
 from .header import READABLE
 from .source import Stored
 
@@ -61,33 +66,41 @@ def paired(
     """``jobs`` (``.entry``, ``.node``) with every float8 weight that a job plans as a
     wider float paired with its scale (read dequantized), the problems of those that
     cannot be, and plan path -> what it is dequantized with (the inventory's). The
-    checkpoint's ``config()`` is read only if some float8 tensor is planned wider.
+    checkpoint's ``config()`` is read only if some float8 tensor is planned wider and
+    read dequantized: its problems (unreadable, not JSON, a ``quantization_config`` of
+    the wrong kind) are then the first problems, and no weight is paired past them (the
+    block size would be a guess); a weight without a scale is refused all the same.
+    A float8 tensor read through ``Tensor(name, dequantize=False)`` is a plain cast.
     Repeated layers are one problem."""
     rows = []  # (path, tensor, why (a key), file), collapsed over layers
     problems: list[Problem] = []
     out, dequantized = [], {}
-    read: list[Any] = []
+    read: list[Any] = []  # [Declared, the config's problems], once read
     for job in jobs:
         planned = np.dtype(job.entry.spec.dtype)
-        held = list(dict.fromkeys(leaf.stored for leaf in _blocks.leaves(job.node)))
-        float8 = [h for h in held if h.dtype in _FLOAT8]
+        leaves = _blocks.leaves(job.node)
+        held = list(dict.fromkeys(leaf.stored for leaf in leaves))
+        asked = {leaf.stored.name for leaf in leaves if leaf.tensor.dequantize}
+        float8 = [h for h in held if h.dtype in _FLOAT8 and h.name in asked]
         if not _float(planned) or _is_float8(planned) or not float8:
-            out.append(job)
+            out.append(job)  # a plain cast (dequantize=False), or nothing float8
             continue
         if not read:
-            settings, where, _ = config()  # an unreadable config.json: the scales decide
-            read[:] = [settings, where, _declared(settings), _block(settings)]
-        settings, where, declared, configured = read
+            settings, where, found = config()
+            declared, wrong = _quant_config.declared(settings, where)
+            read[:] = [declared, found + wrong]
+        declared, unreadable = read
         quants, bad = {}, False
         for weight in float8:
-            why, quant = _pair(weight, stored, declared, configured, where)
-            if why is not None:
+            why, quant = _pair(weight, stored, declared.block)
+            if why is not None and not (unreadable and why[0] == "shape"):
                 rows.append(
                     (job.entry.path, weight.name, (*why, planned.name), str(weight.file.name))
                 )
-                bad = True
-            elif quant is not None:
+            elif quant is not None and not unreadable:
                 quants[weight.name] = quant
+            # else: a block size the config would give: its problems say what to fix first
+            bad = bad or quant is None or bool(unreadable)
         if bad or not quants:
             out.append(job)
             continue
@@ -106,20 +119,25 @@ def paired(
             continue
         out.append(dataclasses.replace(job, node=node, parts=parts_of(node)))
         dequantized[job.entry.path] = _described(held, quants, planned)
-    return out, _refusals(rows, read) + problems, dequantized
+    if not read:
+        return out, problems, dequantized
+    return out, read[1] + _refusals(rows, read[0]) + problems, dequantized
 
 
 def scales(jobs: Sequence[Any], stored: Mapping[str, Stored]) -> set[str]:
-    """The scale tensors beside the float8 weights that ``jobs`` plan as a wider float:
-    read with them, or named by their refusal; never reported unused as well."""
+    """The scale tensors beside the float8 weights that ``jobs`` plan as a wider float
+    and read dequantized: read with them, or named by their refusal; never reported
+    unused as well. A scale beside a weight read as a plain cast (``dequantize=False``)
+    is not read: it is unused unless a plan path claims it."""
     out = set()
     for job in jobs:
         planned = np.dtype(job.entry.spec.dtype)
         if not _float(planned) or _is_float8(planned):
             continue
         for leaf in _blocks.leaves(job.node):
-            if leaf.stored.dtype in _FLOAT8 and leaf.stored.name + SCALES[0] in stored:
-                out.add(leaf.stored.name + SCALES[0])
+            scale = leaf.stored.name + SCALES[0]
+            if leaf.stored.dtype in _FLOAT8 and leaf.tensor.dequantize and scale in stored:
+                out.add(scale)
     return out
 
 
@@ -136,19 +154,14 @@ def paired_scales(tensors: Mapping[str, tuple[Any, str]]) -> set[str]:
 def _pair(
     weight: Stored,
     stored: Mapping[str, Stored],
-    declared: str | None,
     configured: tuple[int, int] | None,
-    where: str,
 ) -> tuple[tuple[Any, ...] | None, Quant | None]:
-    """The weight's :class:`Quant`, or why not (a hashable key of the refusal): with
-    neither a scale nor a declared quantization, (None, None): a plain float8 tensor."""
+    """The weight's :class:`Quant`, or why not (a hashable key of the refusal)."""
     scale = stored.get(weight.name + SCALES[0])
     if scale is None:
         if weight.name + SCALES[1] in stored:
             return ("other", SCALES[1]), None
-        if declared is not None:
-            return ("missing",), None
-        return None, None
+        return ("missing",), None
     if scale.dtype not in _SCALE_DTYPES:
         return ("dtype", scale.dtype), None
     if len(weight.shape) != 2:
@@ -213,6 +226,12 @@ def _each(node: _blocks.Node, quants: Mapping[str, Quant], root: bool = True) ->
     (``out_shape``) is dequantized where it merges the whole parameter's axes only."""
     if isinstance(node, _blocks.Leaf):
         held, tensor = node.stored, node.tensor
+        if not tensor.dequantize:  # the same stored tensor read dequantized elsewhere
+            raise _blocks.Refused(
+                f"{node.label}tensor {printable(held.name)!r} is read as a plain cast "
+                f"(dequantize=False) where other parts read it dequantized: one parameter "
+                f"reads its float8 weights one way; give every part the same dequantize="
+            )
         what = f"{node.label}tensor {printable(held.name)!r} (float8, dequantized)"
         found = _dequant.geometry(node)
         why = None
@@ -276,11 +295,9 @@ def _described(held: list[Stored], quants: Mapping[str, Quant], planned: np.dtyp
     )
 
 
-def _refusals(rows: list[tuple[str, str, Any, str]], read: list[Any]) -> list[Problem]:
-    if not rows:
-        return []
-    _, where, declared, configured = read
-    said = "" if declared is None else f"; {where} says quantization_config {declared}"
+def _refusals(rows: list[tuple[str, str, Any, str]], declared: Any) -> list[Problem]:
+    where, shown = declared.where, declared.shown
+    said = "" if shown is None else f"; {where} says {declared.field} {shown}"
     out = []
     for path, tensor, key, files in collapsed(rows):
         kind, planned = key[0], key[-1]
@@ -289,9 +306,12 @@ def _refusals(rows: list[tuple[str, str, Any, str]], read: list[Any]) -> list[Pr
             why = (
                 f"{name} is float8, planned {planned}, with no scale beside it "
                 f"({printable(tensor + SCALES[0])!r} is in no file){said}: cast without "
-                f"its scale every value would be off by the scale's factor; add the "
-                f"scale's file, plan the parameter as float8 to load the stored values, or "
-                f"convert the checkpoint to {planned} first"
+                f"its scale, a quantized weight has every value off by its block's scale, "
+                f"and no config proves a weight unquantized; put the scale's file beside "
+                f"it, plan the parameter as float8 to load the stored values, or convert "
+                f"the checkpoint to {planned} first; where the float8 values are the "
+                f"weights themselves, ask for a plain cast: "
+                f"Tensor({printable(tensor)!r}, dequantize=False)"
             )
         elif kind == "other":
             why = (
@@ -339,44 +359,12 @@ def _refusals(rows: list[tuple[str, str, Any, str]], read: list[Any]) -> list[Pr
     return out
 
 
-def _block(settings: dict[str, Any] | None) -> tuple[int, int] | None:
-    """The config's ``quantization_config.weight_block_size`` (or a nested config's),
-    or None where it states none."""
-    for part in _configs(settings):
-        found = (part.get("quantization_config") or {}).get("weight_block_size")
-        if (
-            isinstance(found, list | tuple)
-            and len(found) == 2
-            and all(isinstance(b, int) and b > 0 for b in found)
-        ):
-            return (found[0], found[1])
-        if isinstance(found, int) and found > 0:
-            return (found, found)
-    return None
-
-
-def _configs(settings: dict[str, Any] | None) -> list[dict[str, Any]]:
-    if not isinstance(settings, dict):
-        return []
-    return [settings, *[v for v in settings.values() if isinstance(v, dict)]]
-
-
 def _float(dtype: np.dtype) -> bool:
     return bool(jax.dtypes.issubdtype(dtype, np.floating))
 
 
 def _is_float8(dtype: np.dtype) -> bool:
     return _float(dtype) and dtype.itemsize == 1
-
-
-def _declared(settings: dict[str, Any] | None) -> str | None:
-    """The config's ``quantization_config`` (or a nested config's, as a multimodal
-    model's ``text_config`` holds it) as JSON, or None where it states none."""
-    for part in _configs(settings):
-        quantization = part.get("quantization_config")
-        if quantization:
-            return json.dumps(quantization, sort_keys=True, default=str)[:300]
-    return None
 
 
 _INT = re.compile(r"(?<![^.])(0|[1-9][0-9]*)(?![^.])")  # a dot-separated integer component

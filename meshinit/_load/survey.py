@@ -174,8 +174,11 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
     virtual, pairs = _mxfp4.virtual(index)
     tensors = {**index, **virtual}
     table: dict[str, _names.Target | None] | None = None
+    # config.json, read once where something consults it (a framework's map, a float8 or
+    # MXFP4 tensor planned wider): one that cannot be read is a problem of each, named once
+    reader = functools.cache(functools.partial(_file.read_config, listed))
     if isinstance(names, _framework.FrameworkMap):  # the framework's map, built for these files
-        config, where, found = _file.read_config(listed)
+        config, where, found = reader()
         problems += found
         if not found:
             # an MXFP4 tensor's values are exact in bfloat16 (as transformers makes them)
@@ -230,11 +233,10 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
         reads[entry.path] = tuple(dict.fromkeys(leaf.stored.name for leaf in _layout.leaves(node)))
         jobs.append(_read.Job(read_as, node))
     # a float8 weight planned wider: read with its scale (dequantized), never without
-    reader = functools.partial(_file.read_config, listed)
     jobs, found, dequantized = _quantized.paired(jobs, index, reader)
-    problems += found
-    jobs, found, unpacked = _mxfp4.paired(jobs, pairs, reader)
-    problems += found
+    jobs, more, unpacked = _mxfp4.paired(jobs, pairs, reader)
+    seen = set(problems)
+    problems += [p for p in dict.fromkeys(found + more) if p not in seen]  # the config's once
     dequantized = {**dequantized, **unpacked}
     # what a load reads none of: no path claims it, or only missing paths would
     scales = _quantized.scales(jobs, index)

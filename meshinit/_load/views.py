@@ -79,7 +79,7 @@ class View:
             permute=None if order == sorted(order) else tuple(order),
             out_shape=self.shape if merged else None,
             scale=self.scale,
-            **({} if self.offset is None else {"offset": self.offset}),
+            offset=self.offset,
         )
 
 

@@ -272,6 +272,41 @@ def test_an_unreadable_folder_is_named_not_reported_empty(tmp_path, monkeypatch)
         refused(call, str(tmp_path), "cannot be listed (Permission denied)", "read access")
 
 
+# ------------------------------------------------- a config.json that cannot be read
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        (b'{"model_type": "deepseek_v3", "quantiz', "is not JSON (Unterminated string "),
+        (b'{"a": 1}\n{"b": 2}', "is not JSON (Extra data: line 2 column 1 (char 9))"),
+        (b"\x80{}", "is not JSON ("),
+        (b'"fp8"', "holds a JSON str, not an object: not a model's config.json; put the model's"),
+        (None, "is a directory, not a regular file"),
+        (b"{}" + b" " * 64, "is over 64 bytes: not a config.json"),
+    ],
+)
+def test_a_config_json_that_cannot_be_read_is_a_problem_naming_it(
+    tmp_path, text, said, monkeypatch
+):
+    from meshinit._load import file
+
+    monkeypatch.setattr(file, "MAX_CONFIG", 64)
+    save_file({"a": np.ones(8, np.float32)}, str(tmp_path / "a.safetensors"))
+    if text is None:
+        (tmp_path / "config.json").mkdir()
+    else:
+        (tmp_path / "config.json").write_bytes(text)
+    for files in (tmp_path, tmp_path / "a.safetensors", [tmp_path / "a.safetensors"]):
+        config, where, problems = file.read_config(file.listing(files))
+        assert config is None and where == str(tmp_path / "config.json")
+        assert [p.path for p in problems] == [where] and said in problems[0].message, problems
+    if text is not None and text.startswith(b"{") and not text.endswith(b" "):
+        assert "a truncated or damaged copy? Download it again" in problems[0].message
+    # a load that consults no config reads none: a float32 tensor, planned float32
+    assert st.load(plan_for({"a": (8,)}), tmp_path)["a"].shape == (8,)
+
+
 # ------------------------------------------------- a header of 200,000 entries
 
 

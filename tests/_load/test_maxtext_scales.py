@@ -107,3 +107,28 @@ def test_a_map_that_reads_no_scale_is_not_checked_whatever_the_block_sizes():
         mapping, {}, {"k-kernel": (256, 256)}, tensors, files, config(128), tensor_handling=None
     )
     assert found == ({}, None)
+
+
+def test_a_quantization_config_of_the_wrong_kind_refuses_the_map_naming_the_field():
+    """Where MaxText's map reads scales, config.json's block size is compared with
+    MaxText's: a quantization_config that is no object is named, never read as none
+    (it crashed with AttributeError: 'str' object has no attribute 'get')."""
+    planned = {"k-kernel": (256, 256), "k-kernel_scale": (2, 2)}
+    tensors = {"w.weight": (256, 256), "w.weight_scale_inv": (2, 2)}
+    hooks = {"k-kernel": transpose, "k-kernel_scale": transpose}
+    for files, said in [
+        ({"quantization_config": "fp8"}, 'quantization_config holds the JSON string "fp8"'),
+        (
+            {"text_config": {"quantization_config": ["fp8"]}},
+            'text_config.quantization_config holds the JSON array ["fp8"], not an object',
+        ),
+        (
+            {"quantization_config": {"weight_block_size": "128"}},
+            'quantization_config.weight_block_size holds the JSON string "128", not a block',
+        ),
+    ]:
+        refused, whole = check(planned, tensors, hooks, files)
+        assert refused == {} and whole is not None and whole.startswith(said), whole
+    # a list of one is MaxText's square block, as config.json's
+    files = {"text_config": {"quantization_config": {"weight_block_size": [128]}}}
+    assert check(planned, tensors, hooks, files) == ({}, None)

@@ -226,6 +226,10 @@ def test_what_is_not_read_dequantized_is_refused_by_name(tmp_path):
     refused(flat, folder, {"w": st.Tensor("w", shape=(2, -1))}, "a reshape to (2, 512)")
     steps = plan_on(mesh, {"w": (2, 32, 8)}, jnp.bfloat16, None)
     refused(steps, folder, {"w": st.Tensor("w", index=np.s_[:, ::2])}, "steps along its groups")
+    plain = plan_on(mesh, {"w": (2, 64, 8)}, jnp.bfloat16, None)
+    names = {"w": st.Tensor("w", dequantize=False)}
+    refused(plain, folder, names, "tensor 'w' is MXFP4 (its _blocks and _scales), read with "
+            "dequantize=False: MXFP4 has no plain cast")  # fmt: skip
     mixed = plan_on(mesh, {"w": (2, 64, 9)}, jnp.bfloat16, None)
     names = {"w": st.Concat([st.Tensor("w"), st.Tensor("b", shape=(2, 64, 1))], axis=2)}
     refused(mixed, folder, names, "with other tensors")
@@ -244,6 +248,44 @@ def test_a_config_without_mxfp4_is_one_problem_for_every_layer_alike(tmp_path):
     message = refused(plan, folder, match="layers.{0..2}.w: it reads the MXFP4 tensor "
                                           "'layers.{0..2}.w_blocks'")  # fmt: skip
     assert message.count("declares no quantization") == 1
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        (b'{"quantization_config": {"quant_method": "mxf', "is not JSON ("),
+        (b'{"quantization_config": "mxfp4"}', 'quantization_config holds the JSON string "mxfp4"'),
+        (
+            b'{"text_config": {"quantization_config": ["mxfp4"]}}',
+            'text_config.quantization_config holds the JSON array ["mxfp4"], not an object',
+        ),
+        (
+            b'{"quantization_config": {"quant_method": ["mxfp4"]}}',
+            'quantization_config.quant_method holds the JSON array ["mxfp4"], not a string',
+        ),
+    ],
+)
+def test_a_config_that_cannot_be_read_is_refused_naming_it_not_as_no_quantization(
+    tmp_path, text, said, new_arrays
+):
+    rng = np.random.default_rng(9)
+    tensors = {}
+    for i in range(2):
+        tensors[f"layers.{i}.w_blocks"], tensors[f"layers.{i}.w_scales"] = mx_pair(
+            rng, (2, 8, 2, 16)
+        )
+    folder = write(tmp_path, tensors, None)
+    (folder / "config.json").write_bytes(text)
+    plan = plan_on(xy_mesh((2, 4), True), {f"layers.{i}.w": (2, 64, 8) for i in range(2)},
+                   jnp.bfloat16, None)  # fmt: skip
+    config = str(folder / "config.json")
+    with new_arrays() as made:
+        refused(plan, folder, match=f"{config}: {said}")
+    assert not made, made
+    with pytest.raises(meshinit.PlanError, match="meshinit.safetensors.inventory") as e:
+        st.inventory(plan, folder)
+    assert [p.path for p in e.value.problems] == [config]  # once, and no guess past it
+    assert said in e.value.problems[0].message
 
 
 @pytest.mark.parametrize(

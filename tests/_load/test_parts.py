@@ -467,6 +467,14 @@ def test_a_join_whose_merge_blocks_cannot_read_is_refused_naming_the_target(tmp_
         ),
         (lambda: Tensor("a", offset="1"), TypeError, "Tensor offset must be a Python float"),
         (lambda: Tensor("a", offset=float("nan")), ValueError, "Tensor offset must be finite"),
+        (lambda: Tensor("a", dequantize=0), TypeError, r"Tensor dequantize must be a bool \("),
+        (lambda: Tensor("a", dequantize="no"), TypeError, "cast float8 values as stored, with"),
+        (
+            lambda: Tensor("a", dequantize=np.False_),
+            TypeError,
+            r"must be a bool .*got (np\.)?False",
+        ),
+        (lambda: Tensor("a", dequantize=None), TypeError, "must be a bool .*got None"),
     ],
 )
 def test_malformed_transforms_are_refused_as_they_are_made(make, kind, error):
@@ -487,6 +495,11 @@ def test_the_types_read_as_they_were_written():
         "scale=None, out_shape=None, offset=1.0)"
     )
     assert Tensor("w", index=np.s_[::1]).index == (slice(None, None, None),)  # a step of 1
+    assert repr(Tensor("w", dequantize=False, compute_dtype="float32")) == (
+        "Tensor(name='w', shape=None, permute=None, index=None, scale=None, out_shape=None, "
+        "offset=None, compute_dtype='float32', dequantize=False)"
+    )
+    assert Tensor("w") == Tensor("w", dequantize=True) != Tensor("w", dequantize=False)
     assert repr(Concat(["a"], 0, out_shape=[4, 2], permute=[1, 0])).endswith(
         "axis=0, out_shape=(4, 2), permute=(1, 0))"
     )

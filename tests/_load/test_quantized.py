@@ -400,14 +400,165 @@ def test_a_missing_scale_with_an_fp8_config_is_refused_naming_both(tmp_path):
             "('model.layers.{0..2}.up.weight_scale_inv' is in no file)",
             f"config.json says quantization_config {json.dumps(QUANTIZATION, sort_keys=True)}",
             "plan the parameter as float8 to load the stored values",
+            "ask for a plain cast: Tensor('model.layers.{0..2}.up.weight', dequantize=False)",
         ],
     )
-    # with no config and no scale: plain float8 values, cast
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    w = tensors["model.layers.0.up.weight"]
-    got = st.load(plan_for({"w": (256, 256)}, dtype=jnp.bfloat16), stored(plain, {"w": w}))["w"]
-    assert bits(got).tobytes() == bits(w.astype(BF16)).tobytes()
+
+
+def refused_by_both(plan, folder, new_arrays, names=None, needles=()):
+    """The problems of the load's PlanError and the inventory's, each naming every one
+    of ``needles``; the load read nothing and left no array alive."""
+    with (
+        Reads() as reads,
+        new_arrays() as made,
+        pytest.raises(meshinit.PlanError, match="nothing was read") as loading,
+    ):
+        st.load(plan, folder, names=names, unused="ignore")
+    assert reads.values == [] and not made, (reads.values, made)
+    with pytest.raises(meshinit.PlanError, match=r"meshinit\.safetensors\.inventory:") as found:
+        st.inventory(plan, folder, names=names)
+    assert found.value.problems == loading.value.problems
+    message = str(loading.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message}"
+    return loading.value.problems
+
+
+UNREADABLE = {  # config.json as written -> what the problem says of it
+    "truncated": (b'{"quantization_config": {"quant_method": "fp8", "weight_bl', "is not JSON ("),
+    "not utf-8": (b"\xff\xfe{}", "is not JSON ("),
+    "a list": (b"[1, 2]", "holds a JSON list, not an object"),
+    "a directory": (None, "is a directory, not a regular file"),
+    "too large": (b'{"model_type": "llama", "hidden_size": 4096}', "is over 16 bytes"),
+}
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("case", list(UNREADABLE))
+def test_a_config_json_that_cannot_be_read_is_refused_naming_it_before_any_read(
+    tmp_path, case, scaled, new_arrays, monkeypatch
+):
+    from meshinit._load import file
+
+    text, said = UNREADABLE[case]
+    rng = np.random.default_rng(11)
+    w, s = fp8_pair(rng, (256, 384))
+    folder = write(tmp_path, {"w": w, "w_scale_inv": s} if scaled else {"w": w}, None)
+    if text is None:
+        (folder / "config.json").mkdir()
+    else:
+        (folder / "config.json").write_bytes(text)
+    if case == "too large":  # as one over 16 MiB is
+        monkeypatch.setattr(file, "MAX_CONFIG", 16)
+    plan = plan_on(xy_mesh((2, 4), True), {"w": (256, 384)}, jnp.bfloat16)
+    config = str(folder / "config.json")
+    problems = refused_by_both(plan, folder, new_arrays, needles=[f"{config}: {said}"])
+    assert problems[0].path == config  # first: what to fix first
+    if scaled:  # never dequantized with a guessed block size: the config's problem alone
+        assert len(problems) == 1, problems
+    else:  # and the weight without its scale, refused whatever the config would say
+        assert [p.path for p in problems] == [config, "w"]
+        assert "Tensor('w', dequantize=False)" in problems[1].message
+    # a load that consults no config (the weight kept float8) never reads it
+    kept = plan_on(xy_mesh((2, 4), True), {"w": (256, 384)}, F8)
+    assert bits(st.load(kept, folder, unused="ignore")["w"]).tobytes() == bits(w).tobytes()
+
+
+NO_QUANTIZATION = {
+    "none": None,
+    "no quantization_config": {},
+    "null": {"quantization_config": None},
+}
+
+
+@pytest.mark.parametrize("stored_as", [F8, ml_dtypes.float8_e5m2])
+@pytest.mark.parametrize("config", list(NO_QUANTIZATION))
+def test_a_float8_weight_without_its_scale_is_refused_whatever_the_config_says(
+    tmp_path, config, stored_as, new_arrays
+):
+    rng = np.random.default_rng(12)
+    w = (rng.standard_normal((256, 384)) * 40).astype(stored_as)
+    stored(tmp_path, {"model.up.weight": w, "model.norm": np.ones(384, BF16)})
+    if NO_QUANTIZATION[config] is not None:
+        settings = {"model_type": "llama", **NO_QUANTIZATION[config]}
+        (tmp_path / "config.json").write_text(json.dumps(settings))
+    plan = plan_on(xy_mesh((2, 4), False), {"up": (256, 384), "norm": (384,)}, jnp.float32, None)
+    names = {"up": "model.up.weight", "norm": "model.norm"}
+    problems = refused_by_both(
+        plan,
+        tmp_path,
+        new_arrays,
+        names,
+        [
+            "up: tensor 'model.up.weight' in model.safetensors is float8, planned float32, "
+            "with no scale beside it ('model.up.weight_scale_inv' is in no file): cast "
+            "without its scale, a quantized weight has every value off by its block's scale",
+            "put the scale's file beside it",
+            "plan the parameter as float8 to load the stored values",
+            "ask for a plain cast: Tensor('model.up.weight', dequantize=False)",
+        ],
+    )
+    assert [p.path for p in problems] == ["up"]  # the bf16 norm is no problem
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+@pytest.mark.parametrize("scale", ["no scale", "a scale beside it"])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_dequantize_false_reads_the_plain_cast_bit_for_bit(tmp_path, dtype, scale, explicit):
+    rng = np.random.default_rng(13)
+    w, s = fp8_pair(rng, (256, 384))
+    e5 = (rng.standard_normal((256, 384)) * 1000).astype(ml_dtypes.float8_e5m2)
+    tensors = {"w": w, "e5": e5}
+    if scale == "a scale beside it":
+        tensors.update(w_scale_inv=s, e5_scale_inv=s)
+    folder = write(tmp_path, tensors)  # config.json declares fp8: asked by name, cast all the same
+    mesh = xy_mesh((2, 4), explicit)
+    plan = plan_on(mesh, {"w": (256, 384), "kernel": (384, 256)}, dtype)
+    names = {
+        "w": st.Tensor("w", dequantize=False),
+        "kernel": st.Tensor("e5", permute=(1, 0), dequantize=False),
+    }
+    got = st.load(plan, folder, names=names, unused="ignore")
+    want = {"w": w.astype(np.dtype(dtype)), "kernel": e5.T.astype(np.dtype(dtype))}
+    entries = {e.path: e for e in plan.entries}
+    for path in want:
+        assert got[path].sharding == entries[path].sharding and got[path].dtype == dtype
+        assert bits(got[path]).tobytes() == bits(want[path]).tobytes(), path
+        for shard in got[path].addressable_shards:
+            assert (bits(shard.data) == bits(want[path][shard.index])).all()
+    found = st.inventory(plan, folder, names=names)
+    assert found.dequantized == {} and found.reads == {"w": ("w",), "kernel": ("e5",)}
+    if scale == "a scale beside it":  # not applied, so not read: unused like any tensor
+        assert found.unused == ("e5_scale_inv", "w_scale_inv")
+        with pytest.warns(meshinit.UnusedTensorWarning, match="'e5_scale_inv', 'w_scale_inv'"):
+            st.load(plan, folder, names=names)
+        with pytest.raises(meshinit.PlanError, match="e5_scale_inv"):
+            st.load(plan, folder, names=names, unused="error")
+    else:
+        assert found.unused == ()
+
+
+def test_a_weight_read_both_ways_in_one_parameter_is_refused(tmp_path, new_arrays):
+    rng = np.random.default_rng(14)
+    w, s = fp8_pair(rng, (256, 256))
+    folder = write(tmp_path, {"a": w, "a_scale_inv": s, "b": w})
+    plan = plan_for({"same": (512, 256), "apart": (512, 256)}, jnp.bfloat16)
+    names = {
+        "same": st.Concat(["a", st.Tensor("a", dequantize=False)], axis=0),
+        "apart": st.Concat(["a", st.Tensor("b", dequantize=False)], axis=0),
+    }
+    refused_by_both(
+        plan,
+        folder,
+        new_arrays,
+        names,
+        [
+            "same: Concat part [1] tensor 'a' is read as a plain cast (dequantize=False) where "
+            "other parts read it dequantized: one parameter reads its float8 weights one "
+            "way; give every part the same dequantize=",
+            "apart: it reads float8 weights with scales and other tensors ('b') together",
+        ],
+    )
 
 
 def test_a_scale_of_the_wrong_shape_or_a_disagreeing_block_is_refused(tmp_path):
@@ -442,6 +593,85 @@ def test_a_scale_of_the_wrong_shape_or_a_disagreeing_block_is_refused(tmp_path):
     folder = write(tmp_path / "d", {"w": w, "w_scale_inv": s}, cfg)
     got = st.load(plan, folder)["w"]
     assert (bits(got) == bits(weight_dequant(w, s, (64, 64)))).all()
+
+
+WRONG_KINDS = {  # config.json -> what its problem says, after the file's name
+    "a string": (
+        {"quantization_config": "fp8"},
+        'quantization_config holds the JSON string "fp8", not an object: meshinit reads a '
+        "checkpoint's quantization from its quant_method and weight_block_size; write it as "
+        'an object ({"quant_method": "fp8", "weight_block_size": [128, 128]}), or remove it '
+        "where the checkpoint is not quantized",
+    ),
+    "a list": (
+        {"quantization_config": ["fp8", 128]},
+        'quantization_config holds the JSON array ["fp8", 128], not an object',
+    ),
+    "a string in text_config": (
+        {"text_config": {"quantization_config": "fp8"}},
+        'text_config.quantization_config holds the JSON string "fp8", not an object',
+    ),
+    "a list in text_config": (
+        {"text_config": {"hidden_size": 8, "quantization_config": [{"quant_method": "fp8"}]}},
+        'text_config.quantization_config holds the JSON array [{"quant_method": "fp8"}], not',
+    ),
+    "a block size as a string": (
+        {"quantization_config": {**QUANTIZATION, "weight_block_size": "128"}},
+        'quantization_config.weight_block_size holds the JSON string "128", not a block '
+        "size: write it as a list of two positive integers, the rows and columns each "
+        "scale covers ([128, 128]), or remove it for the default 128x128",
+    ),
+    "a block size of a string": (
+        {"quantization_config": {**QUANTIZATION, "weight_block_size": [128, "128"]}},
+        'quantization_config.weight_block_size holds the JSON array [128, "128"], not a',
+    ),
+    "a block size of zero": (
+        {"text_config": {"quantization_config": {"weight_block_size": 0}}},
+        "text_config.quantization_config.weight_block_size holds the JSON number 0, not a",
+    ),
+    "a block size of three": (
+        {"quantization_config": {**QUANTIZATION, "weight_block_size": [128, 128, 128]}},
+        "quantization_config.weight_block_size holds the JSON array [128, 128, 128], not a",
+    ),
+    "a block size of true": (
+        {"quantization_config": {**QUANTIZATION, "weight_block_size": True}},
+        "quantization_config.weight_block_size holds the JSON boolean true, not a",
+    ),
+    "a method as a number": (
+        {"quantization_config": {**QUANTIZATION, "quant_method": 8}},
+        "quantization_config.quant_method holds the JSON number 8, not a string: write it as "
+        'the method\'s name ("fp8", "mxfp4")',
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_KINDS))
+def test_a_quantization_config_of_the_wrong_kind_is_refused_naming_the_field(
+    tmp_path, case, new_arrays
+):
+    settings, said = WRONG_KINDS[case]
+    rng = np.random.default_rng(15)
+    w, s = fp8_pair(rng, (256, 384))
+    folder = write(tmp_path, {"w": w, "w_scale_inv": s, "v": w}, None)
+    (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", **settings}))
+    plan = plan_on(xy_mesh((2, 4), True), {"w": (256, 384), "v": (256, 384)}, jnp.bfloat16)
+    config = str(folder / "config.json")
+    problems = refused_by_both(plan, folder, new_arrays, needles=[f"{config}: {said}"])
+    # the config's problem first, once; the weight without a scale refused all the same
+    assert [p.path for p in problems] == [config, "v"], problems
+
+
+@pytest.mark.parametrize("size", [64, [64], [64, 64]])
+def test_a_block_size_of_one_number_is_square(tmp_path, size):
+    rng = np.random.default_rng(16)
+    w, s = fp8_pair(rng, (256, 384), block=(64, 64))
+    folder = write(
+        tmp_path, {"w": w, "w_scale_inv": s}, {**QUANTIZATION, "weight_block_size": size}
+    )
+    plan = plan_on(xy_mesh((2, 4), False), {"w": (256, 384)}, jnp.bfloat16)
+    got = st.load(plan, folder)["w"]
+    assert (bits(got) == bits(weight_dequant(w, s, (64, 64)))).all()
+    assert "64x64 blocks" in st.inventory(plan, folder).dequantized["w"]
 
 
 def test_other_scales_ranks_and_joins_are_refused_by_name(tmp_path):

@@ -32,7 +32,7 @@ ABORT = -signal.SIGABRT  # jax's LOG(FATAL) when its coordination service stops 
 def spawn(tmp_path: Path, scenario: str) -> list[dict]:
     from safetensors.numpy import save_file
 
-    save_file(worker.stored(), str(tmp_path / "model.safetensors"))
+    save_file(worker.stored_values(), str(tmp_path / "model.safetensors"))
     # once the injected process is gone, the others wait up to jax's heartbeat (or,
     # where they raised, print and leave): give them that long
     grace = worker.HEARTBEAT_S.get(scenario, 30) + 30
@@ -259,5 +259,5 @@ def test_a_killed_coordinator_makes_jax_abort_every_process_at_once(tmp_path):
 
 def test_the_stored_values_are_not_all_alike():
     # a shard compared with the wrong tensor would differ: the check can fail
-    values = list(worker.stored().values())
+    values = list(worker.stored_values().values())
     assert not any(np.array_equal(values[0], v) for v in values[1:])
