@@ -1,14 +1,15 @@
 """One process of ``tests/guarantees/test_processes.py`` (issue 64); not collected by
 pytest.
 
-Run: python tests/processes_worker.py PROCESS_ID PORT FOLDER SCENARIO
+Run: python tests/processes_worker.py PROCESS_ID PORT FOLDER SCENARIO [SOURCE]
 
 Each process joins ``jax.distributed`` on 127.0.0.1 with 2 CPU devices (4 processes,
 gloo), then runs the loads of :data:`SCENARIOS` ``[SCENARIO]`` in turn from
-``FOLDER/model.safetensors``: 32 parameters of 2 KiB, each replicated across the
-processes (so fan-out stages every one, and its reshard messages are a few hundred
-bytes, an agreement's size under the old protocol), half on an Auto mesh, half on an
-Explicit one (``jax.make_mesh``). One process (:data:`FAILING`, or 0 where the
+``FOLDER/model.safetensors`` (or ``SOURCE/model.safetensors``, an ``s3://`` prefix
+where each process signs with its own access key id ``proc-<id>``): 32 parameters
+of 2 KiB, each replicated across the processes (so fan-out stages every one, and its
+reshard messages are a few hundred bytes, an agreement's size under the old
+protocol), half on an Auto mesh, half on an Explicit one (``jax.make_mesh``). One process (:data:`FAILING`, or 0 where the
 scenario kills the coordinator) has a fault injected into one load; the others do
 not. After each load every process checks every shard it holds against the stored
 tensors, bit for bit, and prints a line ``STEP {json}`` at once (a process that jax
@@ -203,17 +204,22 @@ def check(arrays: dict[str, jax.Array], want: dict[str, np.ndarray]) -> list[str
     return wrong
 
 
-def main(process_id: int, port: int, folder: str, scenario: str) -> int:
+def main(process_id: int, port: int, folder: str, scenario: str, source: str) -> int:
     heartbeat = HEARTBEAT_S.get(scenario, 100)
     helpers.join_cpu_job(process_id, port, NUM_PROCESSES, LOCAL_DEVICES, heartbeat_s=heartbeat)
     from meshinit import safetensors as st
 
     the_plan = plan()
     want = stored_values()
-    path = os.path.join(folder, "model.safetensors")
+    path = os.path.join(source or folder, "model.safetensors")
+    options = None
+    if source.startswith("s3://"):
+        path = f"{source}/model.safetensors"
+        secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+        options = {"access_key_id": f"proc-{process_id}", "secret_access_key": secret}
     me_failing = process_id == injected(scenario)
     for label, mine, fault, theirs in SCENARIOS[scenario]:
-        kwargs = mine if me_failing else theirs
+        kwargs = {**(mine if me_failing else theirs), "storage_options": options}
         before = len(jax.live_arrays())
         step: dict[str, Any] = {"label": label, "started": time.time(), "wrong": []}
         try:
@@ -255,7 +261,8 @@ def main(process_id: int, port: int, folder: str, scenario: str) -> int:
 if __name__ == "__main__":
     code = 1
     try:
-        code = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        source = sys.argv[5] if len(sys.argv) > 5 else ""
+        code = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], source)
     except BaseException:
         import traceback
 

@@ -309,11 +309,10 @@ def _meet(client: Any, call: _Call, at: str, facts: dict[str, str]) -> None:
     started = noticed = time.monotonic()
     delay = 0.0005
     while True:
-        found = _read(client, call)
-        posts.update(found.get(k, {}))
+        posts.update(_read(client, call, k))
         if len(posts) == count:  # a failure posted after this point is met at the next
             break
-        failed = {p: f for p, f in found["failed"].items() if p != me}
+        failed = _failures(client, call)
         if failed:
             raise PeerFailure(
                 f"meshinit: {call.what} failed on another process, so it fails on this one "
@@ -332,10 +331,16 @@ def _meet(client: Any, call: _Call, at: str, facts: dict[str, str]) -> None:
                 label,
             )
         time.sleep(delay)
-        delay = min(2 * delay, 0.02)
+        delay = min(2 * delay, _poll_s(count))
     if k == 0:
         _first_agreement(client, call)
     _compare(call, label, posts)
+
+
+def _poll_s(count: int) -> float:
+    """The longest pause between two reads of the store while waiting: 20 ms, longer in
+    a large job, where every process reads it (about 800 reads a second in all)."""
+    return 0.02 * max(1.0, count / 16)
 
 
 def _first_agreement(client: Any, call: _Call) -> None:
@@ -376,16 +381,13 @@ def _compare(call: _Call, label: str, posts: dict[int, dict[str, Any]]) -> None:
         )
 
 
-def _read(client: Any, call: _Call) -> dict[Any, dict[int, Any]]:
-    """The call's posts in the store: ``{k: {process: post}}`` and ``"failed"``."""
-    out: dict[Any, dict[int, Any]] = {"failed": {}}
-    head = len(_key(call)) + 1
-    for key, value in client.key_value_dir_get(_key(call) + "/"):
-        where, _, process = key[head:].rpartition("/")
+def _read(client: Any, call: _Call, where: object) -> dict[int, dict[str, Any]]:
+    """The posts of agreement ``where`` of the call (or its failures: ``"failed"``), by
+    process: one directory of the store, as many keys as processes at most."""
+    out: dict[int, dict[str, Any]] = {}
+    for key, value in client.key_value_dir_get(_key(call, where) + "/"):
         try:
-            out.setdefault(where if where == "failed" else int(where), {})[int(process)] = (
-                json.loads(value)
-            )
+            out[int(key.rsplit("/", 1)[1])] = json.loads(value)
         except ValueError:
             continue  # not meshinit's: never a key it reads
     return out
@@ -393,7 +395,7 @@ def _read(client: Any, call: _Call) -> dict[Any, dict[int, Any]]:
 
 def _failures(client: Any, call: _Call) -> dict[int, dict[str, Any]]:
     me = jax.process_index()
-    return {p: f for p, f in _read(client, call)["failed"].items() if p != me}
+    return {p: f for p, f in _read(client, call, "failed").items() if p != me}
 
 
 def _others_for(client: Any, call: _Call, deadline: float) -> dict[int, dict[str, Any]]:

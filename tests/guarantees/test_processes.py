@@ -13,6 +13,7 @@ section of docs/reliability.md, which quotes the times these tests measure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 from pathlib import Path
@@ -29,17 +30,30 @@ RAISE_S = 5.0  # a peer that raises: every process raises within this
 ABORT = -signal.SIGABRT  # jax's LOG(FATAL) when its coordination service stops the job
 
 
-def spawn(tmp_path: Path, scenario: str) -> list[dict]:
+def spawn(tmp_path: Path, scenario: str, s3: bool = False) -> list[dict]:
+    """The four workers of ``scenario``, loading from local files, or with ``s3`` from
+    a local S3 server (moto)."""
     from safetensors.numpy import save_file
 
     save_file(worker.stored_values(), str(tmp_path / "model.safetensors"))
     # once the injected process is gone, the others wait up to jax's heartbeat (or,
     # where they raised, print and leave): give them that long
     grace = worker.HEARTBEAT_S.get(scenario, 30) + 30
-    args = (tmp_path, scenario)
-    return helpers.run_workers(
-        worker.__file__, worker.NUM_PROCESSES, args, tmp_path / "logs", None, TIMEOUT_S, grace
-    )
+    args: tuple = (tmp_path, scenario)
+    with contextlib.ExitStack() as stack:
+        env = None
+        if s3:
+            pytest.importorskip("obstore")
+            from storage_servers import S3Server
+
+            server = stack.enter_context(S3Server())
+            bucket = server.bucket()
+            data = (tmp_path / "model.safetensors").read_bytes()
+            server.put(f"{bucket}/model.safetensors", data)
+            args, env = (*args, f"s3://{bucket}"), server.env
+        return helpers.run_workers(
+            worker.__file__, worker.NUM_PROCESSES, args, tmp_path / "logs", env, TIMEOUT_S, grace
+        )
 
 
 def steps(result: dict) -> list[dict]:
@@ -223,10 +237,11 @@ SCENARIO_LABELS = {
 }
 
 
-def test_a_peer_killed_while_reading_ends_the_job_through_jax_heartbeat(tmp_path):
+@pytest.mark.parametrize("s3", [False, True], ids=["files", "s3"])
+def test_a_peer_killed_while_fetching_ends_the_job_through_jax_heartbeat(tmp_path, s3):
     # the others wait for it at their next agreement; jax's coordination service
     # stops every process once its heartbeat is missed (heartbeat_timeout_seconds: 10)
-    results = spawn(tmp_path, "kill fetching")
+    results = spawn(tmp_path, "kill fetching", s3)
     since = injected_at(results[worker.FAILING])
     heartbeat = worker.HEARTBEAT_S["kill fetching"]
     for i, r in enumerate(results):
