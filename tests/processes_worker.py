@@ -5,19 +5,19 @@ Run: python tests/processes_worker.py PROCESS_ID PORT FOLDER SCENARIO [SOURCE]
 
 Each process joins ``jax.distributed`` on 127.0.0.1 with 2 CPU devices (4 processes,
 gloo), then runs the loads of :data:`SCENARIOS` ``[SCENARIO]`` in turn from
-``FOLDER/model.safetensors`` (or ``SOURCE/model.safetensors``, an ``s3://`` prefix
-where each process signs with its own access key id ``proc-<id>``): 32 parameters
-of 2 KiB, each replicated across the processes (so fan-out stages every one, and its
-reshard messages are a few hundred bytes, an agreement's size under the old
-protocol), half on an Auto mesh, half on an Explicit one (``jax.make_mesh``). One process (:data:`FAILING`, or 0 where the
-scenario kills the coordinator) has a fault injected into one load; the others do
-not. After each load every process checks every shard it holds against the stored
-tensors, bit for bit, and prints a line ``STEP {json}`` at once (a process that jax
-aborts later keeps what it printed): the load's outcome (``ok``, or the exception's
-type and message), the shards that differ, the arrays it left alive, and when it
-started and ended (``time.time()``). The injected process prints ``INJECTED {time}``
-when its fault fires. At the end: ``DONE``, and the process leaves without jax's
-shutdown barrier.
+``FOLDER/model.safetensors`` (or ``SOURCE/model.safetensors``, an ``s3://`` prefix where
+each process signs with its own access key id ``proc-<id>``): 32 parameters of 2 KiB,
+each replicated across the processes (so fan-out stages every one, and its reshard
+messages are a few hundred bytes, an agreement's size under the old protocol), half on
+an Auto mesh, half on an Explicit one (``jax.make_mesh``). One process (:data:`FAILING`,
+or 0 where the scenario kills the coordinator) has a fault injected into one load; the
+others do not. After each load every process checks every shard it holds against the
+stored tensors, bit for bit, and prints a line ``STEP {json}`` at once (a process that
+jax aborts later keeps what it printed): the load's outcome (``ok``, or the exception's
+type and message), the shards that differ, the arrays it left alive, and when it started
+and ended (``time.time()``). The injected process prints ``INJECTED {time}`` when its
+fault fires. At the end: ``DONE``, and the process leaves without jax's shutdown
+barrier.
 """
 
 from __future__ import annotations
