@@ -235,14 +235,18 @@ def test_what_is_not_read_dequantized_is_refused_by_name(tmp_path):
     refused(mixed, folder, names, "with other tensors")
 
 
-def test_a_config_without_mxfp4_is_one_problem_for_every_layer_alike(tmp_path):
-    rng = np.random.default_rng(8)
+def layered_pairs(rng, layers):
+    """``layers.{i}.w_blocks`` and ``_scales`` of ``layers`` layers, (2, 8, 2, 16)."""
     tensors = {}
-    for i in range(3):
+    for i in range(layers):
         tensors[f"layers.{i}.w_blocks"], tensors[f"layers.{i}.w_scales"] = mx_pair(
             rng, (2, 8, 2, 16)
         )
-    folder = write(tmp_path, tensors, None)
+    return tensors
+
+
+def test_a_config_without_mxfp4_is_one_problem_for_every_layer_alike(tmp_path):
+    folder = write(tmp_path, layered_pairs(np.random.default_rng(8), 3), None)
     mesh = xy_mesh((2, 4), False)
     plan = plan_on(mesh, {f"layers.{i}.w": (2, 64, 8) for i in range(3)}, jnp.bfloat16, None)
     message = refused(plan, folder, match="layers.{0..2}.w: it reads the MXFP4 tensor "
@@ -268,13 +272,7 @@ def test_a_config_without_mxfp4_is_one_problem_for_every_layer_alike(tmp_path):
 def test_a_config_that_cannot_be_read_is_refused_naming_it_not_as_no_quantization(
     tmp_path, text, said, new_arrays
 ):
-    rng = np.random.default_rng(9)
-    tensors = {}
-    for i in range(2):
-        tensors[f"layers.{i}.w_blocks"], tensors[f"layers.{i}.w_scales"] = mx_pair(
-            rng, (2, 8, 2, 16)
-        )
-    folder = write(tmp_path, tensors, None)
+    folder = write(tmp_path, layered_pairs(np.random.default_rng(9), 2), None)
     (folder / "config.json").write_bytes(text)
     plan = plan_on(xy_mesh((2, 4), True), {f"layers.{i}.w": (2, 64, 8) for i in range(2)},
                    jnp.bfloat16, None)  # fmt: skip

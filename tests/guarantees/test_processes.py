@@ -150,28 +150,18 @@ def test_after_mismatched_arguments_the_next_load_is_exact(soft):
     correct(soft, "ok")  # the last "ok" step: after the mismatches and the bad argument
 
 
-def test_ctrl_c_entering_a_reshard_raises_everywhere_and_the_retry_is_exact(soft):
-    since = injected_at_step(soft[worker.FAILING], "Ctrl-C entering a reshard")
-    every_process_raises(
-        soft,
-        "Ctrl-C entering a reshard",
-        ["KeyboardInterrupt"],
-        ["PeerFailure", "process 2 failed: KeyboardInterrupt"],
-        since=since,
-    )
-    correct_after(soft, "Ctrl-C entering a reshard")
-
-
-def test_a_raise_after_a_reshard_raises_everywhere_and_the_retry_is_exact(soft):
-    since = injected_at_step(soft[worker.FAILING], "a raise after a reshard")
-    every_process_raises(
-        soft,
-        "a raise after a reshard",
-        ["RuntimeError: injected failure"],
-        ["PeerFailure", "process 2 failed: RuntimeError: injected failure"],
-        since=since,
-    )
-    correct_after(soft, "a raise after a reshard")
+@pytest.mark.parametrize(
+    ("label", "raised"),
+    [
+        ("Ctrl-C entering a reshard", "KeyboardInterrupt"),  # held back to the batch's end
+        ("a raise after a reshard", "RuntimeError: injected failure"),  # the batch runs on
+    ],
+)
+def test_a_failure_inside_a_batch_raises_everywhere_and_the_retry_is_exact(soft, label, raised):
+    since = injected_at_step(soft[worker.FAILING], label)
+    others = ["PeerFailure", f"process 2 failed: {raised}"]
+    every_process_raises(soft, label, [raised], others, since=since)
+    correct_after(soft, label)
 
 
 def test_a_reshard_that_cannot_start_raises_everywhere_and_nothing_runs_after(soft):
