@@ -44,7 +44,7 @@ def main() -> None:
 
     import meshinit
     from meshinit import safetensors as st
-    from meshinit._load import remote as _remote
+    from meshinit._checkpoint.store import remote as _remote
 
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))

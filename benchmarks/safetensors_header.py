@@ -6,7 +6,8 @@ written once; then, in turns, ``--rounds`` times each, in this process:
 
 - ``safe_open``: ``safetensors.safe_open(path, framework="numpy")`` and its ``keys()``,
   the package's own parse and validation;
-- ``meshinit``: ``meshinit._load.file.check(LocalFile(path))``, every check a load makes before a
+- ``meshinit``: ``meshinit._checkpoint.store.listing.check(LocalFile(path))``, every check a load
+makes before a
   byte of data is read (the header's length and JSON, every entry, the tiling of the
   data section, the package's verdict and names).
 
@@ -55,8 +56,8 @@ def main() -> None:
 
     from safetensors import safe_open
 
-    from meshinit._load import file as _file
-    from meshinit._load.local import LocalFile
+    from meshinit._checkpoint.store import listing as _file
+    from meshinit._checkpoint.store.local import LocalFile
 
     def package(path: pathlib.Path) -> int:
         f = safe_open(str(path), framework="numpy")

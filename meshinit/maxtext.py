@@ -6,7 +6,7 @@ own linen or NNX model, from MaxText's own ``PARAM_MAPPING`` (MaxText key -> HF 
 lists of them for scanned layers and experts) and ``HOOK_FNS`` (numpy functions
 ``hook(x, target_shape)``), at load time, against the checkpoint's ``config.json``
 and tensor headers. meshinit keeps no table of its own: each hook is followed on a
-stand-in of its stored tensor (:mod:`meshinit._load.hooks`; no data is read) and
+stand-in of its stored tensor (:mod:`meshinit._checkpoint.maps.hooks`; no data is read) and
 becomes a :class:`~meshinit.safetensors.Tensor`, :class:`~meshinit.safetensors.Stack`,
 :class:`~meshinit.safetensors.Concat`, :class:`~meshinit.safetensors.Pad` or
 :class:`~meshinit.safetensors.Fill`; lists of HF keys stack as MaxText's
@@ -26,15 +26,15 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from ._checkpoint.layout import parts as _names
+from ._checkpoint.maps import hooks as _hooks
+from ._checkpoint.maps import maxtext_scales as _scales
+from ._checkpoint.maps import trace as _trace
+from ._checkpoint.maps.framework import Checkpoint, FrameworkMap, MissingKey
+from ._checkpoint.maps.maxtext_config import hf_config as hf_config
+from ._checkpoint.maps.maxtext_config import mismatches as mismatches
+from ._checkpoint.store.header import READABLE
 from ._errors import Problem
-from ._load import hooks as _hooks
-from ._load import maxtext_scales as _scales
-from ._load import parts as _names
-from ._load import trace as _trace
-from ._load.framework import Checkpoint, FrameworkMap, MissingKey
-from ._load.header import READABLE
-from ._load.maxtext_config import hf_config as hf_config
-from ._load.maxtext_config import mismatches as mismatches
 from ._spec.rules import NotedRules
 
 __all__ = ["names", "rules"]

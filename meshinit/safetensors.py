@@ -14,7 +14,8 @@ result feeds ``existing=`` of :func:`meshinit.nnx.init` (or ``linen``/``eqx``, o
 
 Files are untrusted: every one is checked as the format requires, and by the
 ``safetensors`` package itself, before a byte of data is read or allocated
-(:mod:`meshinit._load.file`, :mod:`meshinit._load.source`). Every stored tensor is accounted for:
+(:mod:`meshinit._checkpoint.store.listing`, :mod:`meshinit._checkpoint.store.source`). Every stored
+tensor is accounted for:
 one that no plan path claims is named (:class:`~meshinit.UnusedTensorWarning`), and
 :func:`inventory` shows what a load would read, skip and leave, reading nothing.
 """
@@ -25,18 +26,18 @@ from typing import Any
 
 import jax
 
+from ._checkpoint.layout.parts import Concat as Concat
+from ._checkpoint.layout.parts import Fill as Fill
+from ._checkpoint.layout.parts import Pad as Pad
+from ._checkpoint.layout.parts import Stack as Stack
+from ._checkpoint.layout.parts import Tensor as Tensor
+from ._checkpoint.maps.framework import Checkpoint as Checkpoint
+from ._checkpoint.maps.framework import FrameworkMap as FrameworkMap
+from ._checkpoint.read import load as _loader
+from ._checkpoint.read import survey as _survey
+from ._checkpoint.read.survey import Inventory as Inventory
+from ._checkpoint.store import aio as _aio
 from ._errors import PlanError
-from ._load import aio as _aio
-from ._load import load as _loader
-from ._load import survey as _survey
-from ._load.framework import Checkpoint as Checkpoint
-from ._load.framework import FrameworkMap as FrameworkMap
-from ._load.parts import Concat as Concat
-from ._load.parts import Fill as Fill
-from ._load.parts import Pad as Pad
-from ._load.parts import Stack as Stack
-from ._load.parts import Tensor as Tensor
-from ._load.survey import Inventory as Inventory
 from ._plan.plan import Plan
 from ._run import agree as _agree
 

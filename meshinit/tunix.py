@@ -13,7 +13,8 @@ at load time, from the installed tunix, for the checkpoint's own tensors::
 Each stored tensor goes through tunix's own regex match (``torch_key_to_jax_key``)
 and transform; the preprocess step is run by jax on abstract values (no data) and
 followed operation by operation on stand-ins of the stored tensors
-(:mod:`meshinit._load.trace`, through :mod:`meshinit._load.traced`). What tunix asks that a
+(:mod:`meshinit._checkpoint.maps.trace`, through :mod:`meshinit._checkpoint.maps.traced`). What
+tunix asks that a
 target cannot express is a problem naming the parameter, and any problem refuses the
 whole map before a byte is read. tunix is imported only when a table is built.
 """
@@ -30,14 +31,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._checkpoint.encodings.fp8 import pairing as _quantized
+from ._checkpoint.layout import parts as _parts
+from ._checkpoint.maps import trace as _trace
+from ._checkpoint.maps import traced as _traced
+from ._checkpoint.maps.framework import Checkpoint, FrameworkMap
+from ._checkpoint.maps.names import Target
+from ._checkpoint.store.header import READABLE
 from ._errors import Problem
-from ._load import parts as _parts
-from ._load import quantized as _quantized
-from ._load import trace as _trace
-from ._load import traced as _traced
-from ._load.framework import Checkpoint, FrameworkMap
-from ._load.header import READABLE
-from ._load.names import Target
 
 __all__ = ["names"]
 

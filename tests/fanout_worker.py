@@ -188,7 +188,7 @@ CASES: dict[str, Case] = {
     "transposed": Case(
         {"t": Param("explicit", ("tensor", None), ("wt",), (48, 32), 4, permute=(1, 0))}
     ),
-    # the other layouts of names= (Fill reads nothing: never staged, tests/_load)
+    # the other layouts of names= (Fill reads nothing: never staged, tests/_checkpoint)
     "layouts": Case(
         {
             "cat": Param("auto", (None, "tensor"), ("c0", "c1"), (12, 16), 4, layout="concat"),

@@ -159,7 +159,7 @@ def check_safetensors(plan: meshinit.Plan, reference: Any, file: str) -> tuple[l
     """``meshinit.safetensors.load`` under jax.distributed: every addressable shard
     against the single-process values, and the elements read against those owned."""
     from meshinit import safetensors as st
-    from meshinit._load import read as _read
+    from meshinit._checkpoint.layout import host as _read
 
     read: list[int] = []
     reader = _read.parts
@@ -253,7 +253,7 @@ def _check_remote(st: Any, plan: Any, reference: Any, url: str, reported: list[f
 @contextlib.contextmanager
 def bytes_reported() -> Iterator[list[float]]:
     """The bytes each load inside reports it read (``BYTES_READ``), in order."""
-    from meshinit._load import read as _read
+    from meshinit._checkpoint.read import loop as _read
 
     reported: list[float] = []
 

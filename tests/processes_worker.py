@@ -36,8 +36,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 import meshinit
+from meshinit._checkpoint.layout import host
+from meshinit._checkpoint.read import fanout
 from meshinit._jax import compat
-from meshinit._load import fanout, read
 
 NUM_PROCESSES = 4
 LOCAL_DEVICES = 2
@@ -156,7 +157,7 @@ SCENARIOS: dict[str, list[Step]] = {
     ],
     "kill fetching": [
         OK,
-        ("killed reading", {"max_inflight_bytes": SMALL}, (read.Part, "block", kill, "before"), {}),
+        ("killed reading", {"max_inflight_bytes": SMALL}, (host.Part, "block", kill, "before"), {}),
     ],
     "kill entering": [
         OK,

@@ -140,7 +140,7 @@ def test_load_reads_each_local_block_once_and_holds_one_at_a_time(tmp_path, monk
     import gc
     import weakref
 
-    from meshinit._load import read as _read
+    from meshinit._checkpoint.layout import host as _read
 
     value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
     save_file({"w": value}, str(tmp_path / "w.safetensors"))

@@ -4,4 +4,4 @@ which :func:`.prepared.init` runs for every public ``init``; what the adapters s
 (:mod:`.common`); ``placements=`` in every form (:mod:`.placement`); how each reads its
 framework's sharding metadata (:mod:`.nnx_meta`, :mod:`.linen_meta`); and the nnx
 optimizer (:mod:`.nnx_optimizer`). The pretrained-weights loader is a stage of its own,
-:mod:`meshinit._load`."""
+:mod:`meshinit._checkpoint`."""

@@ -14,8 +14,8 @@ import pytest
 import meshinit
 import meshinit.maxtext
 from meshinit import tunix as tunix_map
-from meshinit._load import hooks, trace
-from meshinit._load.framework import Checkpoint, MissingKey
+from meshinit._checkpoint.maps import hooks, trace
+from meshinit._checkpoint.maps.framework import Checkpoint, MissingKey
 from meshinit.safetensors import Tensor
 
 

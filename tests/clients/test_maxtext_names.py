@@ -1066,7 +1066,8 @@ def test_gpt_oss_mxfp4_files_load_as_maxtexts_conversion_of_their_dequantized_co
     """gpt-oss's MXFP4 files (each expert weight as ``_blocks`` and ``_scales``,
     config.json's ``quant_method: mxfp4``) through ``maxtext.names``: every Param has
     the bits MaxText's own conversion gives from the copy transformers'
-    ``convert_moe_packed_tensors`` makes (a numpy port, ``tests/_load/test_mxfp4.py``'s),
+    ``convert_moe_packed_tensors`` makes (a numpy port,
+    ``tests/_checkpoint/encodings/mxfp4/test_pairing.py``'s),
     including the interleaved wi_0/wi_1 columns of gate_up_proj."""
     model = "gpt-oss-20b"
     config = config_of(model, scan)

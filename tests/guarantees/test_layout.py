@@ -129,7 +129,7 @@ STAGES = {
     "plan": (("_plan.*",), ("shared", "base", "declare", "report")),
     "run": (("_run.*",), ("shared", "base", "declare", "plan")),
     "engine": (("_engine.*",), ("shared", "base", "declare", "plan", "run")),
-    "load": (("_load.*",), ("shared", "base", "declare", "plan", "run")),
+    "load": (("_checkpoint.*",), ("shared", "base", "declare", "plan", "run")),
     "adapt": (
         ("optax", "safetensors", "maxtext", "tunix", "_adapters.*", "nnx", "linen", "eqx"),
         ("shared", "base", "declare", "plan", "run", "engine", "load"),
@@ -193,7 +193,7 @@ NOT_A_MODULE_TEST = {
 
 
 def _test_file(module: pathlib.Path) -> str:
-    """``tests/_load/test_fetch.py`` for ``meshinit/_load/fetch.py``;
+    """``tests/_checkpoint/store/test_fetch.py`` for ``meshinit/_checkpoint/store/fetch.py``;
     ``tests/test_caches.py`` for ``meshinit/_caches.py``."""
     rel = module.relative_to(PACKAGE)
     return (pathlib.Path("tests", *rel.parts[:-1]) / f"test_{rel.stem.lstrip('_')}.py").as_posix()

@@ -1,0 +1,124 @@
+"""Reading checked safetensors files into a plan's shardings, block by block.
+
+Only :mod:`meshinit.safetensors` calls this, after every file passed
+:func:`meshinit._checkpoint.store.listing.check` and every path was resolved to its parts
+(:mod:`.layout`): each process reads, from memory-mapped files, only the distinct
+blocks its own devices hold, each once, and of each block only the bytes of the parts
+it reaches, as views of the file (no copy where one part fills the block and no cast
+or scale is needed).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from ..._errors import PlanError, Problem
+from ..._run import progress as _progress
+from ..layout import blocks as _blocks
+from ..layout import host as _host
+from ..layout.host import Job
+from ..store import fetch as _fetch
+from ..store import listing as _file
+from ..store.header import READABLE
+from ..store.source import Source
+from . import ahead as _ahead
+from . import fanout as _fanout
+
+BYTES_READ = "/meshinit/safetensors/bytes_read"
+"""The ``jax.monitoring`` scalar each process records once per load: the bytes it read
+from the files (in their stored dtypes), every part of every parameter counted."""
+
+
+def read(
+    jobs: list[Job],
+    checked: Mapping[Source, _file.Checked],
+    budget: int = 1 << 30,
+    progress: bool | None = None,
+) -> dict[str, jax.Array]:
+    """The arrays of ``jobs``: every file known to be the one checked before anything
+    is read, and again as it is opened (an object: by its ETag, on every read); on
+    any failure, nothing read stays alive. Of remote objects, at most ``budget``
+    bytes of pages are fetched and not yet released at once. Records the bytes read
+    (:data:`BYTES_READ`; of remote objects, the bytes fetched) once the load is
+    whole, and the bytes its shards got from other processes' reads
+    (:data:`~meshinit._checkpoint.read.fanout.BYTES_FROM_PEERS`). A job with a stage is read onto
+    it and resharded onto its plan's sharding
+    (:class:`~meshinit._checkpoint.read.fanout.Resharder`)."""
+    out: dict[str, jax.Array] = {}
+    total = [0]
+    staged = [(job.entry, job.stage) for job in jobs if job.stage is not None]
+    fan = _fanout.Resharder(staged, budget, "meshinit.safetensors.load")
+    ahead = _ahead.Ahead()
+    try:
+        needed = dict.fromkeys(
+            leaf.stored.file for job in jobs for leaf in _blocks.leaves(job.node)
+        )
+        changed = [
+            Problem(str(file), why)
+            for file in needed
+            if (why := file.changed(checked[file].identity)) is not None
+        ]
+        if changed:
+            raise PlanError(changed, header="meshinit.safetensors.load: nothing was read:")
+        owned = functools.partial(sum, map(_owned, jobs))
+        if not any(file.fetched for file in needed):
+            with _progress.byte_bar("reading", owned, progress) as update:
+                for job in jobs:
+                    pieces = _host.parts(job, checked, total, budget, update)
+                    out.update(ahead.add(job, _host.array(job.entry, pieces), fan))
+                    pieces.close()
+        else:  # fetched ahead, within the budget, while each parameter is placed
+            with _progress.byte_bar("fetching", owned, progress) as update:
+                make = functools.partial(
+                    _made, checked=checked, total=total, budget=budget, update=update
+                )
+                with _fetch.Pipeline(jobs, make, budget, total, update) as pipeline:
+                    for job, pieces in pipeline:
+                        out.update(ahead.add(job, _host.array(job.entry, pieces), fan))
+                        pieces.close()
+                        del pieces
+        out.update(ahead.settle(0))
+        out = {job.entry.path: out[job.entry.path] for job in jobs}  # the jobs' order
+    except BaseException as e:
+        fan.close()
+        for made in [*out.values(), *ahead.drop()]:
+            made.delete()
+        out.clear()
+        # A held exception (a notebook's sys.last_traceback) keeps the frames below
+        # alive, and with them the block being read: drop their locals.
+        traceback.clear_frames(e.__traceback__)
+        raise
+    jax.monitoring.record_scalar(BYTES_READ, float(total[0]))
+    jax.monitoring.record_scalar(_fanout.BYTES_FROM_PEERS, float(fan.from_peers))
+    return out
+
+
+def _owned(job: Job) -> int:
+    """The stored bytes this process's blocks of the job read, of every part each block
+    reaches (for the bar; a constant or a pad's padding reads none)."""
+    total = 0
+    for index, _ in _host.holders(job.entry, job.stage).values():
+        for leaf, at in _blocks.reached(job.node, index):
+            held, dtype = leaf.stored, READABLE.get(leaf.stored.dtype)
+            size = math.prod(max(0, s.stop - s.start) for s in at)
+            if dtype is None:  # a virtual tensor (MXFP4): its stored bytes an element
+                total += size * held.nbytes // max(1, math.prod(held.shape))
+            else:
+                total += size * dtype.itemsize
+    return total
+
+
+def _made(
+    job: Job,
+    checked: Mapping[Source, _file.Checked],
+    total: list[int],
+    budget: int,
+    update: Callable[[int], None],
+) -> Any:
+    return _host.parts(job, checked, total, budget, update)  # looked up when called: tests wrap it
