@@ -188,8 +188,18 @@ class Parts:
             views = {
                 key: part.view for key, part in self.parts.items() if part.leaf.stored.file.fetched
             }
-            blocks = [index for index, _ in holders(job.entry, job.stage).values()]
-            self.fetch = _fetch.Fetch(job.node, blocks, views, fetched, budget)
+            reads = []
+            for index, _ in holders(job.entry, job.stage).values():
+                reached = [
+                    (leaf.stored.file, _blocks.at(views[id(leaf)], at))
+                    for leaf, at in _blocks.reached(job.node, index)
+                    if leaf.stored.file.fetched
+                ]
+                reads.append((index, [(obj, view) for obj, view in reached if view.size]))
+            names: dict[Source, set[str]] = {}
+            for leaf in leaves:
+                names.setdefault(leaf.stored.file, set()).add(leaf.stored.name)
+            self.fetch = _fetch.Fetch(reads, names, fetched, budget)
 
     def _mapping(self, path: Source) -> tuple[Any, int]:
         if path in self._fetched:

@@ -51,7 +51,6 @@ import jax
 import numpy as np
 
 from ..._errors import PlanError, Problem
-from ..layout import blocks as _blocks
 from . import aio as _aio
 from . import remote as _remote
 from .source import Source
@@ -185,12 +184,15 @@ class Fetch:
 
     def __init__(
         self,
-        node: _blocks.Node,
-        blocks: Sequence[tuple[slice, ...]],
-        views: Mapping[int, np.ndarray],
+        reads: Sequence[tuple[tuple[slice, ...], Sequence[tuple[Source, np.ndarray]]]],
+        names: Mapping[Source, set[str]],
         maps: Mapping[Source, tuple[mmap.mmap, int]],
         budget: int,
     ):
+        """``reads``: each block's index and the views of fetched sources it reads
+        (:meth:`meshinit._checkpoint.layout.host.Parts` finds them from the parameter's
+        layout); ``names``: each source's tensors, for messages; ``maps``: each
+        source's anonymous mapping and the offset in the source it starts at."""
         self.maps, self.budget = maps, budget
         origin = {obj: np.frombuffer(m, np.uint8).ctypes.data for obj, (m, _) in maps.items()}
         npages = {obj: -(-len(m) // PAGE) for obj, (m, _) in maps.items()}
@@ -198,15 +200,9 @@ class Fetch:
         self._chunk_of: dict[tuple[Any, ...], Chunk] = {}
         rank = {obj: k for k, obj in enumerate(maps)}
         found_of: list[tuple[tuple[int, int], tuple[Any, ...], dict[Source, list[Spans]]]] = []
-        for index in blocks:
+        for index, views in reads:
             spans: dict[Source, list[Spans]] = {}
-            for leaf, at in _blocks.reached(node, index):
-                obj = leaf.stored.file
-                if not obj.fetched:
-                    continue
-                view = _blocks.at(views[id(leaf)], at)
-                if view.size == 0:
-                    continue
+            for obj, view in views:
                 starts, length = runs(view, view.ctypes.data - origin[obj])
                 spans.setdefault(obj, []).append((starts, starts + length))
             first = min(
@@ -254,7 +250,7 @@ class Fetch:
         self.release: Callable[[Chunk], None] = lambda chunk: None  # set by the pipeline
         self.labels = {
             obj: f" (tensors {', '.join(sorted(repr(n) for n in names))[:200]})"
-            for obj, names in _names(node).items()
+            for obj, names in names.items()
         }
 
     def _close(
@@ -487,10 +483,3 @@ def _cat(found: list[Spans]) -> Spans:
 
 def block_key(index: tuple[slice, ...]) -> tuple[Any, ...]:
     return tuple((s.start, s.stop) for s in index)
-
-
-def _names(node: _blocks.Node) -> dict[Any, set[str]]:
-    out: dict[Any, set[str]] = {}
-    for leaf in _blocks.leaves(node):
-        out.setdefault(leaf.stored.file, set()).add(leaf.stored.name)
-    return out
