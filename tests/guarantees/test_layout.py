@@ -6,6 +6,8 @@ import ast
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "meshinit"
 TESTS = ROOT / "tests"
@@ -286,3 +288,57 @@ def test_the_architecture_page_names_every_module_and_only_modules_that_exist():
         assert shown == {name or "meshinit" for name in names}, (stage, shown)
         imports = {s.strip() for s in row.group(2).split(", ")} - {"jax", "numpy"}
         assert imports == set(below), (stage, imports, below)
+
+
+# ---- the checkpoint stage: folders
+# meshinit/_checkpoint is cut by concern (issue 65), each folder importing only the
+# folders before it: where bytes live, how a path maps to stored tensors, how bytes
+# encode values, framework names, then the load flow. The framework maps never reach
+# the store: they see a checkpoint through its config and its tensors' headers.
+CHECKPOINT_FOLDERS = ("store", "layout", "encodings", "maps", "read")
+CHECKPOINT_NEVER = {("maps", "store")}
+
+
+def _checkpoint_folder(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["meshinit", "_checkpoint"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in CHECKPOINT_FOLDERS else None
+
+
+def checkpoint_arrows(imports: dict[str, list[str]]) -> list[str]:
+    """Each import (module -> the modules it imports) that runs back up the checkpoint
+    stage's folders, or that the stage rules out."""
+    wrong = []
+    for module, targets in imports.items():
+        mine = _checkpoint_folder(module)
+        for target in targets:
+            theirs = _checkpoint_folder(target)
+            if mine is None or theirs is None or theirs == mine:
+                continue
+            up = CHECKPOINT_FOLDERS.index(theirs) > CHECKPOINT_FOLDERS.index(mine)
+            if up or (mine, theirs) in CHECKPOINT_NEVER:
+                wrong.append(f"{module} ({mine}) imports {target} ({theirs})")
+    return wrong
+
+
+def test_the_checkpoint_stage_s_folders_import_only_the_folders_before_them():
+    assert {p.name for p in (PACKAGE / "_checkpoint").iterdir() if p.is_dir()} - {
+        "__pycache__"
+    } == set(CHECKPOINT_FOLDERS)
+    imports = {m: [t for t, _ in _imports(p, typing_too=True)] for m, p in MODULES.items()}
+    assert checkpoint_arrows(imports) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "target"),
+    [
+        ("meshinit._checkpoint.store.fetch", "meshinit._checkpoint.layout.blocks"),  # as it was
+        ("meshinit._checkpoint.encodings.fp8.decode", "meshinit._checkpoint.read.loop"),  # was
+        ("meshinit._checkpoint.maps.unused", "meshinit._checkpoint.store.source"),  # was
+    ],
+)
+def test_a_planted_arrow_back_up_the_checkpoint_stage_is_found(module, target):
+    assert checkpoint_arrows({module: [target]}) == [
+        f"{module} ({module.split('.')[2]}) imports {target} ({target.split('.')[2]})"
+    ]

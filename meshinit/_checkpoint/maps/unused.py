@@ -14,7 +14,6 @@ from collections.abc import Collection, Mapping
 from ..._errors import Problem, printable
 from ..._format import some
 from ..layout.parts import Target, leaves
-from ..store.source import Stored
 
 
 def find(
@@ -53,12 +52,11 @@ def problems(
     names: tuple[str, ...],
     stranded: Mapping[str, list[str]],
     missing: Mapping[str, str],
-    stored: Mapping[str, Stored],
+    files: Mapping[str, str],
 ) -> list[Problem]:
-    """``unused="error"``'s problem for each of ``names``, naming its file."""
-    return [
-        Problem(str(stored[n].file), f"tensor {n!r}: {_why(n, stranded, missing)}") for n in names
-    ]
+    """``unused="error"``'s problem for each of ``names``, naming its file (``files``:
+    each stored tensor's file, as messages name it)."""
+    return [Problem(files[n], f"tensor {n!r}: {_why(n, stranded, missing)}") for n in names]
 
 
 def warning(

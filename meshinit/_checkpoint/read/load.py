@@ -51,8 +51,8 @@ def load(
     if missing == "error":
         problems += survey.absent
     if unused == "error":
-        stored = {n: s for c in checked.values() for n, s in c.tensors.items()}
-        problems += _unused.problems(idle, stranded, found.missing, stored)
+        files = {n: str(s.file) for c in checked.values() for n, s in c.tensors.items()}
+        problems += _unused.problems(idle, stranded, found.missing, files)
     if problems:
         raise PlanError(problems, header=f"{what}: nothing was read:")
     if unused == "warn" and idle:

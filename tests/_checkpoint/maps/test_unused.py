@@ -4,7 +4,6 @@ import pathlib
 
 from meshinit._checkpoint.maps import unused
 from meshinit._checkpoint.store.local import LocalFile
-from meshinit._checkpoint.store.source import Stored
 from meshinit.safetensors import Stack, Tensor
 
 
@@ -21,13 +20,12 @@ def test_tensors_no_path_claims_are_unused_and_those_of_missing_paths_stranded()
 
 
 def test_the_warning_and_the_problems_name_every_tensor_and_its_file():
-    file = LocalFile(pathlib.Path("/ckpt/m.safetensors"))
-    stored = {"extra": Stored(file, "extra", "F32", (2,), 8, 8)}
+    files = {"extra": str(LocalFile(pathlib.Path("/ckpt/m.safetensors")))}
     message = unused.warning("meshinit.safetensors.load", ("extra",), {}, {})
     assert message.startswith(
         "meshinit.safetensors.load: 1 tensor of the checkpoint went unused (no plan path "
         "claims them): 'extra'."
     )
     assert 'unused="ignore"' in message
-    (problem,) = unused.problems(("extra",), {}, {}, stored)
+    (problem,) = unused.problems(("extra",), {}, {}, files)
     assert problem.path == "/ckpt/m.safetensors" and "'extra'" in problem.message
