@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 import meshinit
 from meshinit._checkpoint.layout import host
-from meshinit._checkpoint.read import fanout
+from meshinit._checkpoint.read import reshard
 from meshinit._jax import compat
 
 NUM_PROCESSES = 4
@@ -136,21 +136,21 @@ SCENARIOS: dict[str, list[Step]] = {
         (
             "Ctrl-C entering a reshard",
             {"max_inflight_bytes": SMALL},
-            (fanout, "enter", interrupt, "before"),
+            (reshard, "enter", interrupt, "before"),
             {"max_inflight_bytes": SMALL},
         ),
         OK,
         (
             "a raise after a reshard",
             {"max_inflight_bytes": SMALL},
-            (fanout, "finish", fail, "before"),
+            (reshard, "finish", fail, "before"),
             {"max_inflight_bytes": SMALL},
         ),
         OK,
         (
             "a reshard that cannot start",
             {"max_inflight_bytes": SMALL},
-            (fanout, "enter", fail, "before"),
+            (reshard, "enter", fail, "before"),
             {"max_inflight_bytes": SMALL},
         ),
         ("after the collectives broke", {}, None, {}),
@@ -164,7 +164,7 @@ SCENARIOS: dict[str, list[Step]] = {
         (
             "killed entering a reshard",
             {"max_inflight_bytes": SMALL},
-            (fanout, "enter", kill, "before"),
+            (reshard, "enter", kill, "before"),
             {},
         ),
     ],
@@ -173,13 +173,18 @@ SCENARIOS: dict[str, list[Step]] = {
         (
             "killed inside a reshard",
             {"max_inflight_bytes": SMALL},
-            (fanout, "enter", kill, "after"),
+            (reshard, "enter", kill, "after"),
             {},
         ),
     ],
     "kill coordinator": [
         OK,
-        ("coordinator killed", {"max_inflight_bytes": SMALL}, (fanout, "enter", kill, "after"), {}),
+        (
+            "coordinator killed",
+            {"max_inflight_bytes": SMALL},
+            (reshard, "enter", kill, "after"),
+            {},
+        ),
     ],
 }
 for _steps in SCENARIOS.values():  # the others pass the failing one's budget

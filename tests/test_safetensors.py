@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import mesh8
+from helpers import mesh8, plan_of
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -235,6 +235,13 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         meshinit.safetensors.load(
             plan, tmp_path, names=lambda p: Tensor("x", shape=(3,)), missing="skip"
         )
+
+
+@pytest.mark.parametrize("bad", [1, "yes", 0.5])
+def test_fan_out_is_none_true_or_false(tmp_path, bad):
+    save_file({"a": np.zeros(4, np.float32)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(TypeError, match="fan_out must be None, True or False"):
+        meshinit.safetensors.load(plan_of({"a": ((4,), None)}), tmp_path, fan_out=bad)
 
 
 def _aligned_file(path, shape=(1024, 64)):

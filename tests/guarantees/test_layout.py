@@ -342,3 +342,45 @@ def test_a_planted_arrow_back_up_the_checkpoint_stage_is_found(module, target):
     assert checkpoint_arrows({module: [target]}) == [
         f"{module} ({module.split('.')[2]}) imports {target} ({target.split('.')[2]})"
     ]
+
+
+# ---- the checkpoint stage: the read flow
+
+
+def _read_flow_violations(imports: dict[str, list[str]]) -> list[str]:
+    """``module imports target`` for each import that runs against the read flow: a module
+    of meshinit._checkpoint outside read/ importing read/ (nothing below the flow
+    imports it; the adapters above the stage may), and read/'s finish step (ahead)
+    importing its reshard step (the loop hands one to the next)."""
+    flow = "meshinit._checkpoint.read"
+    return sorted(
+        f"{m} imports {t}"
+        for m, targets in imports.items()
+        for t in targets
+        if (t.startswith(f"{flow}.") or t == flow)
+        and (
+            (m.startswith("meshinit._checkpoint") and not m.startswith(f"{flow}.") and m != flow)
+            or (m == f"{flow}.ahead" and t == f"{flow}.reshard")
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        None,
+        ("meshinit._checkpoint.layout.host", "meshinit._checkpoint.read.staging"),
+        ("meshinit._checkpoint.encodings.fp8.decode", "meshinit._checkpoint.read.loop"),
+        ("meshinit._checkpoint.read.ahead", "meshinit._checkpoint.read.reshard"),
+    ],
+)
+def test_nothing_below_the_read_flow_imports_it_and_it_hands_forward(planted):
+    # typing-only imports count: a type named from the flow is a dependency on it
+    imports = {m: [t for t, _ in _imports(p, typing_too=True)] for m, p in MODULES.items()}
+    # the adapters above the stage import the flow: no violation
+    assert "meshinit._checkpoint.read.load" in imports["meshinit.safetensors"]
+    if planted is None:
+        assert _read_flow_violations(imports) == []
+    else:  # the same check, over the package's imports with one violation planted
+        imports[planted[0]] = [*imports[planted[0]], planted[1]]
+        assert _read_flow_violations(imports) == [f"{planted[0]} imports {planted[1]}"]

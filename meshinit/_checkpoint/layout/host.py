@@ -36,7 +36,7 @@ class Job:
 
     entry: PlanEntry
     node: _blocks.Node
-    stage: Any = None  # fan-out's Stage (meshinit._checkpoint.read.fanout), or None
+    stage: Any = None  # fan-out's Stage (meshinit._checkpoint.read.staging), or None
     parts: Any = None  # the Parts class that reads it (None: Parts; dequantized: .dequant)
 
 
@@ -278,7 +278,7 @@ def holders(
     """This process's distinct blocks of the entry (bounds resolved), in the order
     :func:`array` reads them, each with the devices that hold it. With a ``stage``, its
     staging blocks, each keyed by its bounds in the staging array, with the planned
-    array's part of it (:meth:`~meshinit._checkpoint.read.fanout.Stage.real`)."""
+    array's part of it (:meth:`~meshinit._checkpoint.read.staging.Stage.real`)."""
     shape = entry.spec.shape if stage is None else stage.shape
     sharding = entry.sharding if stage is None else stage.sharding
     out: dict[tuple[Any, ...], tuple[tuple[slice, ...], list[Any]]] = {}

@@ -6,6 +6,9 @@ thread, XLA compiles that program (about a second on a TPU) while the host reads
 the next parameter's blocks, and several programs compile at once.
 :func:`meshinit._checkpoint.encodings.base.alone`
 keeps two threads from compiling one program twice.
+
+The finish step of the read flow: what it gives back, :mod:`.loop` hands on to the
+reshard step (a dequantized parameter is never staged: the reshard passes it through).
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ import concurrent.futures
 from typing import Any
 
 import jax
-
-from . import fanout as _fanout
 
 AHEAD = 4
 """Parameters whose programs (a dequantized parameter's) compile and run on worker
@@ -32,28 +33,28 @@ class Ahead:
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: collections.deque[tuple[str, Any]] = collections.deque()
+        self._pending: collections.deque[tuple[Any, Any]] = collections.deque()
 
-    def add(self, job: Any, made: Any, fan: _fanout.Resharder) -> dict[str, jax.Array]:
-        """The arrays ready now: ``made``, or the oldest finished ones while more than
-        :data:`AHEAD` are on their way."""
+    def add(self, job: Any, made: Any) -> list[tuple[Any, jax.Array]]:
+        """The jobs finished now, each with its array: ``made`` itself, or the oldest
+        finished ones while more than :data:`AHEAD` are on their way."""
         if not callable(made):
-            return fan.add(job.entry, job.stage, made)
+            return [(job, made)]
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(AHEAD, "meshinit-finish")
-        self._pending.append((job.entry.path, self._pool.submit(made)))
+        self._pending.append((job, self._pool.submit(made)))
         return self.settle(AHEAD)
 
-    def settle(self, most: int) -> dict[str, jax.Array]:
-        """Waits until at most ``most`` are on their way: the arrays of the others."""
-        out = {}
+    def settle(self, most: int) -> list[tuple[Any, jax.Array]]:
+        """Waits until at most ``most`` are on their way: the others' jobs and arrays."""
+        out = []
         try:
             while len(self._pending) > most:
-                path, future = self._pending[0]
-                out[path] = future.result()
+                job, future = self._pending[0]
+                out.append((job, future.result()))
                 self._pending.popleft()
         except BaseException:
-            for made in out.values():
+            for _, made in out:
                 made.delete()
             raise
         finally:

@@ -17,8 +17,8 @@ from ..._plan.plan import Plan
 from ..._run import agree as _agree
 from ..encodings import keys as _keys
 from ..maps import unused as _unused
-from . import fanout as _fanout
 from . import loop as _read
+from . import staging as _staging
 from . import survey as _survey
 
 
@@ -60,11 +60,12 @@ def load(
             UnusedTensorWarning(_unused.warning(what, idle, stranded, found.missing), idle),
             stacklevel=_patterns.outside_stacklevel(),
         )
-    jobs = _fanout.staged(jobs, fan_out)
+    jobs = _staging.staged(jobs, fan_out)  # the reads planned: which are staged,
+    ends = _staging.ends(jobs, budget)  # and in which batches their reshards run
     # before the first collective: every process reads the same paths, with the same
     # staging, in the same batches (else a reshard would pair with another's)
-    _agree.checkpoint(what, "inputs", _fanout.facts(jobs, fan_out, budget))
-    arrays = _read.read(jobs, checked, budget, progress)
+    _agree.checkpoint(what, "inputs", _staging.facts(jobs, fan_out, budget))
+    arrays = _read.read(jobs, checked, budget, progress, ends=ends)
     keys = {e.path: e for e in plan.entries if _keys.is_key(e.spec.dtype)}
     try:
         for path in keys.keys() & arrays.keys():

@@ -6,14 +6,20 @@ Only :mod:`meshinit.safetensors` calls this, after every file passed
 blocks its own devices hold, each once, and of each block only the bytes of the parts
 it reaches, as views of the file (no copy where one part fills the block and no cast
 or scale is needed).
+
+The loop composes the read flow's steps, one parameter at a time, each handing to the
+next: fetch (:class:`~meshinit._checkpoint.store.fetch.Pipeline`, or the local
+mappings), place (:func:`~meshinit._checkpoint.layout.host.array`), finish
+(:class:`~.ahead.Ahead`), reshard (:class:`~.reshard.Resharder`), out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -28,7 +34,7 @@ from ..store import listing as _file
 from ..store.header import READABLE
 from ..store.source import Source
 from . import ahead as _ahead
-from . import fanout as _fanout
+from . import reshard as _reshard
 
 BYTES_READ = "/meshinit/safetensors/bytes_read"
 """The ``jax.monitoring`` scalar each process records once per load: the bytes it read
@@ -40,6 +46,8 @@ def read(
     checked: Mapping[Source, _file.Checked],
     budget: int = 1 << 30,
     progress: bool | None = None,
+    *,
+    ends: Collection[str],
 ) -> dict[str, jax.Array]:
     """The arrays of ``jobs``: every file known to be the one checked before anything
     is read, and again as it is opened (an object: by its ETag, on every read); on
@@ -47,13 +55,13 @@ def read(
     bytes of pages are fetched and not yet released at once. Records the bytes read
     (:data:`BYTES_READ`; of remote objects, the bytes fetched) once the load is
     whole, and the bytes its shards got from other processes' reads
-    (:data:`~meshinit._checkpoint.read.fanout.BYTES_FROM_PEERS`). A job with a stage is read onto
-    it and resharded onto its plan's sharding
-    (:class:`~meshinit._checkpoint.read.fanout.Resharder`)."""
+    (:data:`~meshinit._checkpoint.read.reshard.BYTES_FROM_PEERS`). A job with a stage is read
+    onto it and resharded onto its plan's sharding
+    (:class:`~meshinit._checkpoint.read.reshard.Resharder`), in batches each closed by
+    one of ``ends`` (:func:`~meshinit._checkpoint.read.staging.ends`)."""
     out: dict[str, jax.Array] = {}
     total = [0]
-    staged = [(job.entry, job.stage) for job in jobs if job.stage is not None]
-    fan = _fanout.Resharder(staged, budget, "meshinit.safetensors.load")
+    fan = _reshard.Resharder(ends, "meshinit.safetensors.load")
     ahead = _ahead.Ahead()
     try:
         needed = dict.fromkeys(
@@ -67,23 +75,30 @@ def read(
         if changed:
             raise PlanError(changed, header="meshinit.safetensors.load: nothing was read:")
         owned = functools.partial(sum, map(_owned, jobs))
-        if not any(file.fetched for file in needed):
-            with _progress.byte_bar("reading", owned, progress) as update:
-                for job in jobs:
-                    pieces = _host.parts(job, checked, total, budget, update)
-                    out.update(ahead.add(job, _host.array(job.entry, pieces), fan))
-                    pieces.close()
-        else:  # fetched ahead, within the budget, while each parameter is placed
-            with _progress.byte_bar("fetching", owned, progress) as update:
+        fetched = any(file.fetched for file in needed)
+        bar = "fetching" if fetched else "reading"
+        with _progress.byte_bar(bar, owned, progress) as update, contextlib.ExitStack() as stack:
+            fetch: Iterable[tuple[Job, Any]]
+            if fetched:  # fetched ahead, within the budget, while each parameter is placed
                 make = functools.partial(
                     _made, checked=checked, total=total, budget=budget, update=update
                 )
-                with _fetch.Pipeline(jobs, make, budget, total, update) as pipeline:
-                    for job, pieces in pipeline:
-                        out.update(ahead.add(job, _host.array(job.entry, pieces), fan))
-                        pieces.close()
-                        del pieces
-        out.update(ahead.settle(0))
+                fetch = stack.enter_context(_fetch.Pipeline(jobs, make, budget, total, update))
+            else:  # local files: mapped as each parameter is placed
+                fetch = ((job, _host.parts(job, checked, total, budget, update)) for job in jobs)
+            for job, pieces in fetch:
+                made = _host.array(job.entry, pieces)
+                try:
+                    pieces.close()  # placed: its mappings go before it is handed on
+                except BaseException:
+                    if not callable(made):
+                        made.delete()
+                    raise
+                del pieces
+                for done, finished in ahead.add(job, made):  # a staged one waits for
+                    out.update(fan.add(done.entry, done.stage, finished))  # its batch
+        for done, finished in ahead.settle(0):
+            out.update(fan.add(done.entry, done.stage, finished))
         out = {job.entry.path: out[job.entry.path] for job in jobs}  # the jobs' order
     except BaseException as e:
         fan.close()
@@ -95,7 +110,7 @@ def read(
         traceback.clear_frames(e.__traceback__)
         raise
     jax.monitoring.record_scalar(BYTES_READ, float(total[0]))
-    jax.monitoring.record_scalar(_fanout.BYTES_FROM_PEERS, float(fan.from_peers))
+    jax.monitoring.record_scalar(_reshard.BYTES_FROM_PEERS, float(fan.from_peers))
     return out
 
 

@@ -60,18 +60,15 @@ def test_a_failure_on_a_worker_leaves_no_array_alive(tmp_path, new_arrays):
 
 
 def test_a_plain_array_passes_through_and_callables_settle_in_order():
-    class Fan:
-        def add(self, entry, stage, made):
-            return {entry.path: made}
-
     job = lambda path: type("Job", (), {"entry": type("E", (), {"path": path}), "stage": None})  # noqa: E731
     queue = ahead.Ahead()
-    plain = jax.numpy.zeros(2)
-    assert queue.add(job("a"), plain, Fan()) == {"a": plain}
+    plain, a = jax.numpy.zeros(2), job("a")
+    assert queue.add(a, plain) == [(a, plain)]  # handed on as it came
     made = {f"b{i}": jax.numpy.full(2, i) for i in range(ahead.AHEAD + 2)}
-    ready = {}
+    jobs = {path: job(path) for path in made}
+    ready = []
     for path, array in made.items():
-        ready |= queue.add(job(path), lambda array=array: array, Fan())
-    assert list(ready) == ["b0", "b1"]  # the oldest, once more than AHEAD are on their way
-    ready |= queue.settle(0)
-    assert list(ready) == list(made) and all(ready[p] is made[p] for p in made)
+        ready += queue.add(jobs[path], lambda array=array: array)
+    assert [j.entry.path for j, _ in ready] == ["b0", "b1"]  # the oldest, once more than
+    ready += queue.settle(0)  # AHEAD are on their way; each with its own job
+    assert [(j.entry.path, m) for j, m in ready] == [(p, made[p]) for p in made]

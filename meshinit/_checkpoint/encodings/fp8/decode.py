@@ -229,7 +229,7 @@ class QuantParts(_host.Parts):
         first, _ = reached[0]
         stored = READABLE[first.stored.dtype]
         raw = _blocks.block(node, index, self._raw, stored)
-        # fan-out stages no dequantized parameter (fanout.staged): no padding here
+        # fan-out stages no dequantized parameter (staging.staged): no padding here
         (r0, c0), (lo_r, hi_r, lo_c, hi_c), steps = self._span(index)
         quant = first.quant
         (b0, b1), (s0, s1) = quant.block, quant.scale.shape

@@ -1,16 +1,16 @@
-"""Fan-out: a stored block that devices of several processes hold is fetched once for the
-whole job, split among those processes, and filled on every holder by a compiled
-collective.
+"""The reads planned (fan-out's half that decides): which parameters are read onto a
+staging sharding, each process fetching a share of a block that devices of several
+processes hold, and in which batches their reshards run.
 
 Under ``jax.distributed`` each process reads the blocks its own devices hold
-(:mod:`.read`). Where a parameter's sharding repeats across processes (data-parallel
+(:mod:`.loop`). Where a parameter's sharding repeats across processes (data-parallel
 replicas, a replicated norm, tensor parallelism within a host replicated across
-hosts), each of them would fetch the same bytes. Here such a parameter is read
-instead onto a *staging* sharding: its own ``PartitionSpec`` with the mesh axes that
+hosts), each of them would fetch the same bytes. Here such a parameter is planned to be
+read instead onto a *staging* sharding: its own ``PartitionSpec`` with the mesh axes that
 replicate it across processes added to one dimension (:class:`Stage`). Each process
 then reads only its staging blocks, a 1/R share of each block it holds, and one
-jitted reshard from the staging sharding to the planned one (an all-gather; XLA
-moves only data, so the values are the bytes read) fills every replica.
+jitted reshard from the staging sharding to the planned one (:mod:`.reshard`: an
+all-gather; XLA moves only data, so the values are the bytes read) fills every replica.
 
 The dimension split is the one along which the stored bytes run contiguously (the
 stored tensor's outer dimension, through the layout's transposes and joins:
@@ -21,12 +21,10 @@ A parameter with no such dimension (a scalar) is read as before, by each holder.
 
 Every choice here is made from what every process knows alike (the plan, the
 files' headers), so the staging shardings and the order of the collectives agree on
-every process. The reshards run in about 16 batches, each within ``budget`` bytes per
-process (:func:`batches`), as the read places their parameters, so they overlap the
-fetches that follow; before each batch every process agrees that all read their
-shares (:func:`meshinit._run.agree.checkpoint`), so a failed fetch on one process
-makes every process raise instead of waiting in a collective. One reshard runs at a
-time (:func:`reshard`).
+every process; the reshards run in about 16 batches, each within ``budget`` bytes per
+process (:func:`batches`). What shapes the collectives (:func:`facts`: ``fan_out``,
+the budget, the staging and the batches) is compared by every process before the
+first one (:func:`meshinit._run.agree.checkpoint`, in :mod:`.load`).
 """
 
 from __future__ import annotations
@@ -47,10 +45,6 @@ from ..._run import agree as _agree
 from ..._run import compile as _compile
 from ..layout import blocks as _blocks
 from ..layout.host import resolved
-
-BYTES_FROM_PEERS = "/meshinit/safetensors/bytes_from_peers"
-"""The ``jax.monitoring`` scalar each process records once per load: the bytes of its
-devices' shards that the fan-out's collectives brought from other processes' reads."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +74,8 @@ class Stage:
         return real, (s.stop - s.start) - (stop - start)
 
 
-def _process(device: Any) -> int:
+def process_of(device: Any) -> int:
+    """The process a device belongs to."""
     return int(device.process_index)
 
 
@@ -93,7 +88,7 @@ def _axes(spec: Any) -> tuple[str, ...]:
 @_caches.memo(64)
 def spanning(mesh: Mesh) -> tuple[str, ...]:
     """The mesh's axes along which a step can change the process (in mesh order)."""
-    procs = np.vectorize(lambda d: _process(d), otypes=[int])(mesh.devices)
+    procs = np.vectorize(process_of, otypes=[int])(mesh.devices)
     return tuple(
         name
         for i, name in enumerate(mesh.axis_names)
@@ -107,8 +102,9 @@ def processes() -> int:
 
 
 def staged(jobs: list[Any], fan_out: bool | None) -> list[Any]:
-    """``jobs`` (:class:`~meshinit._checkpoint.read.loop.Job`), each with the stage it is read onto
-    where fan-out applies: unless ``fan_out`` is False, under more than one process."""
+    """``jobs`` (:class:`~meshinit._checkpoint.layout.host.Job`), each with the stage it
+    is read onto where fan-out applies: unless ``fan_out`` is False, under more than one
+    process."""
     if fan_out is False or processes() == 1:
         return jobs
     # a dequantized parameter (its own Parts: .dequant) is read by each holder
@@ -122,7 +118,7 @@ def shared(entry: PlanEntry) -> bool:
     for device, index in entry.sharding.devices_indices_map(shape).items():
         key = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
         found = owners.setdefault(key, set())
-        found.add(_process(device))
+        found.add(process_of(device))
         if len(found) > 1:
             return True
     return False
@@ -228,91 +224,25 @@ def batches(entries: Sequence[PlanEntry], budget: int) -> list[int]:
     return out
 
 
+def ends(jobs: Sequence[Any], budget: int) -> frozenset[str]:
+    """The paths of the staged jobs that close a batch (:func:`batches`): at each, the
+    reshard step has the batch's reads and runs it."""
+    staged = [job.entry for job in jobs if job.stage is not None]
+    found = batches(staged, budget)
+    return frozenset(
+        entry.path
+        for k, entry in enumerate(staged)
+        if k + 1 == len(staged) or found[k] != found[k + 1]
+    )
+
+
 def _busiest(entry: PlanEntry) -> int:
     per: dict[int, int] = {}
     shape = entry.spec.shape
     block = np.dtype(entry.spec.dtype).itemsize * math.prod(entry.sharding.shard_shape(shape))
     for device in entry.sharding.device_set:
-        per[_process(device)] = per.get(_process(device), 0) + block
+        per[process_of(device)] = per.get(process_of(device), 0) + block
     return max(per.values(), default=0)
-
-
-_reshards = _caches.lru("fan-out reshards", 256)
-
-
-def program(entry: PlanEntry, stage: Stage, staged: jax.Array) -> Any:
-    """The compiled reshard of ``staged`` (on ``stage.sharding``) to the entry's planned
-    sharding, the padding cut off: one program per signature, compiled here, before
-    its batch's agreement, so that what can fail on one process alone fails before
-    any process enters the batch's collectives. None where this process holds none of
-    the entry (it takes no part)."""
-    sharding, shape = entry.sharding, entry.spec.shape
-    if not any(_process(d) == jax.process_index() for d in sharding.device_set):
-        return None
-    twin = NamedSharding(stage.sharding.mesh, sharding.spec, memory_kind=sharding.memory_kind)
-    key = (stage, twin, shape, str(staged.dtype))
-    compiled = _reshards.get(key)
-    if compiled is None:
-        with jax.set_mesh(stage.sharding.mesh):  # type: ignore[arg-type]  # over a user's
-            jitted = jax.jit(_cut(stage, shape), out_shardings=twin)
-            compiled = jitted.lower(staged).compile()
-        _reshards.put(key, compiled)
-    return compiled
-
-
-def enter(compiled: Any, staged: jax.Array) -> jax.Array:
-    """Starts a reshard: from here its collective runs (on every process that holds
-    the entry), and its output is not ready until every one of them has joined."""
-    return compiled(staged)
-
-
-def finish(made: jax.Array, entry: PlanEntry) -> jax.Array:
-    """A finished reshard's output as the entry's array, on its planned sharding: the
-    same devices, indices and bytes, on the planned (Explicit) mesh: no copy."""
-    if made.sharding == entry.sharding:
-        return made
-    shards = [s.data for s in made.addressable_shards]
-    return jax.make_array_from_single_device_arrays(entry.spec.shape, entry.sharding, shards)
-
-
-def absent(entry: PlanEntry) -> jax.Array:
-    """The entry's array on a process that holds none of it: no shard."""
-    shape, dtype = entry.spec.shape, entry.spec.dtype
-    return jax.make_array_from_single_device_arrays(shape, entry.sharding, [], dtype=dtype)
-
-
-def _cut(stage: Stage, shape: tuple[int, ...]) -> Any:
-    d, s, rows, padded = stage.axis, stage.shards, stage.rows, stage.padded
-
-    def cut(x: jax.Array) -> jax.Array:
-        if padded == rows:
-            return x
-        y = x.reshape(shape[:d] + (s, padded) + shape[d + 1 :])
-        return jax.lax.slice_in_dim(y, 0, rows, axis=d + 1).reshape(shape)
-
-    return cut
-
-
-def from_peers(entry: PlanEntry, stage: Stage) -> int:
-    """The bytes of this process's planned shards of ``entry`` that no device of this
-    process read: what the reshard brings from other processes."""
-    me = jax.process_index()
-    itemsize = np.dtype(entry.spec.dtype).itemsize
-    mine = set()  # the planned array's parts that this process's staging blocks hold
-    for device, index in stage.sharding.devices_indices_map(stage.shape).items():
-        if _process(device) == me:
-            real, _ = stage.real(resolved(index, stage.shape))
-            mine.add(tuple((s.start, s.stop) for s in real))
-    total = 0
-    for held in entry.sharding.addressable_devices_indices_map(entry.spec.shape).values():
-        want = tuple((s.start, s.stop) for s in resolved(held, entry.spec.shape))
-        have = sum(_overlap(want, m) for m in mine)
-        total += (math.prod(b - a for a, b in want) - have) * itemsize
-    return total
-
-
-def _overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> int:
-    return math.prod(max(0, min(x[1], y[1]) - max(x[0], y[0])) for x, y in zip(a, b, strict=True))
 
 
 def facts(jobs: Sequence[Any], fan_out: bool | None, budget: int) -> dict[str, str]:
@@ -326,85 +256,3 @@ def facts(jobs: Sequence[Any], fan_out: bool | None, budget: int) -> dict[str, s
         "the staging decisions": _agree.digest([(entry.path, stage) for entry, stage in staged]),
         "the batches of reshards": _agree.digest(batches([entry for entry, _ in staged], budget)),
     }
-
-
-class Resharder:
-    """The staged arrays of a load, resharded batch by batch (:func:`batches`) as the
-    read places them.
-
-    A batch is fenced: its programs are compiled first, then every process agrees
-    (:func:`~meshinit._run.agree.checkpoint`, naming the batch and its signatures), and
-    from there each runs the batch whole. A failure after a collective started (an
-    error or Ctrl-C while its output is finished) is raised once the batch's last
-    collective has run, so no peer is left waiting in one that this process never
-    enters; the peers meet it at the next agreement. A process that cannot start a
-    collective that its peers are in, or whose collective fails, says so at once
-    (:func:`~meshinit._run.agree.left_collectives`), and the job's collectives are
-    not used again."""
-
-    def __init__(self, staged: Sequence[tuple[PlanEntry, Stage]], budget: int, what: str):
-        found = batches([entry for entry, _ in staged], budget)
-        # the last entry of each batch: its reshard waits for the batch's reads
-        self._ends = {
-            entry.path
-            for k, (entry, _) in enumerate(staged)
-            if k + 1 == len(staged) or found[k] != found[k + 1]
-        }
-        self._pending: list[tuple[PlanEntry, Stage, jax.Array]] = []
-        self._what = what
-        self._batch = 0
-        self.from_peers = 0
-
-    def add(self, entry: PlanEntry, stage: Stage | None, made: jax.Array) -> dict[str, jax.Array]:
-        """The arrays ready once ``made`` (the entry's array, or its staging array) is:
-        none until its batch is whole."""
-        if stage is None:
-            return {entry.path: made}
-        self._pending.append((entry, stage, made))
-        return self._flush() if entry.path in self._ends else {}
-
-    def _flush(self) -> dict[str, jax.Array]:
-        programs = [program(entry, stage, staged) for entry, stage, staged in self._pending]
-        signatures = [(e.path, s, str(x.dtype)) for e, s, x in self._pending]
-        at = f"batch {self._batch} ({_agree.digest(signatures)})"
-        self._batch += 1
-        _agree.checkpoint(self._what, at)
-        out: dict[str, jax.Array] = {}
-        failed: BaseException | None = None
-        try:
-            with _agree.uninterrupted():
-                for compiled in programs:
-                    entry, stage, staged = self._pending.pop(0)
-                    if compiled is None:
-                        staged.delete()
-                        out[entry.path] = absent(entry)
-                        continue
-                    try:
-                        made = enter(compiled, staged)
-                    except BaseException as e:  # its peers are in it: they must stop
-                        _agree.left_collectives(e)
-                        staged.delete()
-                        raise
-                    _agree.settle(made, f"{at}, {entry.path}")  # raises if it broke
-                    try:
-                        staged.delete()
-                        out[entry.path] = finish(made, entry)
-                        self.from_peers += from_peers(entry, stage)
-                    except BaseException as e:  # after its collective: run the rest
-                        failed = failed or e
-                        if not made.is_deleted():
-                            made.delete()
-            if failed is not None:
-                raise failed
-        except BaseException:
-            for made in out.values():
-                made.delete()
-            raise
-        return out
-
-    def close(self) -> None:
-        """Deletes the staging arrays not yet resharded (the load failed)."""
-        for _, _, staged in self._pending:
-            if not staged.is_deleted():
-                staged.delete()
-        self._pending.clear()

@@ -1,0 +1,60 @@
+"""Fan-out's reshard step in one process: a staged load's values, placement and
+compiles against the plain load's. The fsdp axis is made to count as one that spans
+processes (``fsdp_spans_processes``, this folder's conftest.py), so the whole path runs
+here; the multi-process tests (tests/guarantees/test_fanout.py,
+tests/guarantees/test_processes.py) run it under jax.distributed."""
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import mesh8, plan_of, same_bits
+
+import meshinit
+from meshinit import safetensors as st
+from meshinit._checkpoint.read import reshard
+
+save_file = pytest.importorskip("safetensors.numpy").save_file
+
+
+def loaded(path, plan, names=None, fan_out=None):
+    scalars = {}
+
+    def listen(name, value, **_):
+        scalars[name] = value
+
+    jax.monitoring.register_scalar_listener(listen)
+    try:
+        arrays = st.load(plan, path, names=names, fan_out=fan_out, unused="ignore")
+    finally:
+        jax.monitoring.unregister_scalar_listener(listen)
+    return arrays, scalars
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_staged_load_has_the_plain_loads_bits_placement_and_one_compile_per_signature(
+    tmp_path, fsdp_spans_processes, count_compiles, explicit
+):
+    rng = np.random.default_rng(58)
+    tensors = {f"l.{i}": rng.standard_normal((7, 8)).astype(np.float32) for i in range(4)}
+    tensors["n"] = rng.standard_normal((5,)).astype(ml_dtypes.bfloat16)
+    tensors["t"] = rng.standard_normal((8, 6)).astype(np.float32)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    mesh = mesh8(explicit=explicit)
+    shapes = {f"l.{i}": ((7, 8), (None, "tensor")) for i in range(4)}
+    shapes |= {"t": ((6, 8), (None, "tensor"))}
+    plan = plan_of(shapes, mesh=mesh)
+    names = {"t": st.Tensor("t", permute=(1, 0))}
+    meshinit.clear_cache()
+    with count_compiles() as c:
+        staged, scalars = loaded(tmp_path / "m.safetensors", plan, names)
+    # the four layers share one program, the transposed one has another (XLA's cache
+    # may serve the second variant's from the first's, the same program)
+    assert len(reshard._reshards) == 2 and c.count <= 2
+    assert scalars[reshard.BYTES_FROM_PEERS] == 0  # one process: every byte read here
+    plain, _ = loaded(tmp_path / "m.safetensors", plan, names, fan_out=False)
+    for e in plan.entries:
+        assert staged[e.path].sharding == e.sharding == plain[e.path].sharding
+        same_bits(staged[e.path], plain[e.path], e.path)
+        want = tensors["t"].T if e.path == "t" else tensors[e.path]
+        same_bits(staged[e.path], want, e.path)
