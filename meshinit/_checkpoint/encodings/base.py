@@ -1,20 +1,110 @@
-"""What every encoding shares, so that none imports another: how a decoding program is
-compiled once when several threads reach it (:func:`alone`), the per-device arguments
-of a program that decodes each device's own block (:func:`by_device`,
+"""What every encoding shares, so that none imports another: the one protocol each
+implements (:class:`Encoding`, found through :mod:`.registry`), how a decoding program
+is compiled once when several threads reach it (:func:`alone`), the per-device
+arguments of a program that decodes each device's own block (:func:`by_device`,
 :func:`per_device`), and a refusal of repeated layers as one (:func:`collapsed`).
+
+An encoding is how stored bytes encode a parameter's values (float8 with block scales,
+MXFP4). The read flow never names one: it asks each in the registry's order, at plan
+time, to offer virtual stored tensors (:class:`Virtual`), to pair the jobs it reads
+(:attr:`Encoding.pair`, which gives a paired job the ``Parts`` that decodes it on the
+devices), and to claim the stored tensors read beside them (:attr:`Encoding.claimed`).
+The protocol decodes only: nothing writes a checkpoint yet, so it has no ``encode``
+(the export, issue 66, adds it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from ..._errors import Problem
 from ..._format import index_ranges, some
 from ..layout import host as _host
+from ..store.source import Stored
+
+Config = Callable[[], tuple[dict[str, Any] | None, str, list[Problem]]]
+"""The checkpoint's ``config.json``, read once where something first calls it: its
+settings (None where there are none), where it is, and the problems of reading it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Offered:
+    """What an encoding offers of a checkpoint's stored tensors before any plan path is
+    resolved against them.
+
+    Attributes:
+      tensors: virtual tensor name -> its :class:`Stored` (what a ``names=`` target
+        names, as it names a stored one).
+      behind: virtual tensor name -> the stored tensors it is read from: claimed where
+        it is, never reported unused.
+      pairs: virtual tensor name -> the encoding's own record of it, handed back to its
+        :attr:`Encoding.pair`.
+    """
+
+    tensors: Mapping[str, Stored] = dataclasses.field(default_factory=dict)
+    behind: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    pairs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Virtual:
+    """An encoding's tensors that no file stores as such (MXFP4's ``X`` of
+    ``X_blocks`` and ``X_scales``).
+
+    Attributes:
+      dtype: the dtype its virtual tensors carry (a name no file's header uses).
+      seen_as: the stored dtype a framework's map is shown for one (its values' exact
+        dtype).
+      offer: the virtual tensors of a checkpoint's stored tensors.
+      why_not: why one cannot be read into a planned dtype, or None.
+    """
+
+    dtype: str
+    seen_as: str
+    offer: Callable[[Mapping[str, Stored]], Offered]
+    why_not: Callable[[np.dtype], str | None]
+
+
+Paired = tuple[list[_host.Job], list[Problem], dict[str, str]]
+"""The jobs, each the encoding reads now carrying its ``Parts`` (``job.parts``), the
+problems of those it cannot read, and plan path -> what it is decoded from (the
+inventory's ``dequantized``)."""
+
+
+def _nothing_claimed(jobs: Sequence[_host.Job], stored: Mapping[str, Stored]) -> set[str]:
+    return set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """One encoding of stored bytes, as the read flow asks it at plan time.
+
+    Attributes:
+      name: how it is known (``"fp8"``).
+      pair: ``pair(jobs, stored, offered, config)``: every job that reads this
+        encoding's tensors paired (its ``Parts`` set), given the stored tensors, what
+        :attr:`virtual` offered and the checkpoint's config (:data:`Config`).
+      claimed: ``claimed(jobs, stored)``: the stored tensors the paired jobs read
+        beside their own (float8 block scales), never reported unused.
+      virtual: the tensors it offers that no file stores as such, or None.
+    """
+
+    name: str
+    pair: Callable[[list[_host.Job], Mapping[str, Stored], Offered, Config], Paired]
+    claimed: Callable[[Sequence[_host.Job], Mapping[str, Stored]], set[str]] = _nothing_claimed
+    virtual: Virtual | None = None
+
+    def offer(self, stored: Mapping[str, Stored]) -> Offered:
+        """What :attr:`virtual` offers of ``stored``: nothing where there is none."""
+        return Offered() if self.virtual is None else self.virtual.offer(stored)
+
 
 _ALONE: dict[int, threading.Lock] = {}
 _ALONE_GUARD = threading.Lock()

@@ -30,6 +30,7 @@ import numpy as np
 from ...._errors import Problem, printable
 from ...._format import some
 from ...layout import blocks as _blocks
+from ...layout import host as _host
 from ...store.header import READABLE
 from ...store.source import Stored
 from .. import base as _base
@@ -365,3 +366,16 @@ def _float(dtype: np.dtype) -> bool:
 
 def _is_float8(dtype: np.dtype) -> bool:
     return _float(dtype) and dtype.itemsize == 1
+
+
+def _paired_jobs(
+    jobs: list[_host.Job],
+    stored: Mapping[str, Stored],
+    offered: _base.Offered,
+    config: _base.Config,
+) -> _base.Paired:
+    return paired(jobs, stored, config)  # a float8 weight is a stored tensor: none virtual
+
+
+ENCODING = _base.Encoding(name="fp8", pair=_paired_jobs, claimed=scales)
+"""float8 weights with block scales, as the registry lists them."""

@@ -407,3 +407,27 @@ _EVEN = "plan a sharding that splits its axes evenly, or convert the checkpoint 
 
 def _shapes(made: list[Raw]) -> str:
     return ", ".join(sorted({str(b.blocks.shape[1:]) for b in made}))
+
+
+def _offered(stored: Mapping[str, Stored]) -> _base.Offered:
+    tensors, pairs = virtual(stored)
+    return _base.Offered(tensors, claimed(pairs), pairs)
+
+
+def _paired_jobs(
+    jobs: list[_host.Job],
+    stored: Mapping[str, Stored],
+    offered: _base.Offered,
+    config: _base.Config,
+) -> _base.Paired:
+    return paired(jobs, offered.pairs, config)
+
+
+ENCODING = _base.Encoding(
+    name="mxfp4",
+    pair=_paired_jobs,
+    # its values are exact in bfloat16, as transformers makes them
+    virtual=_base.Virtual(dtype=DTYPE, seen_as="BF16", offer=_offered, why_not=why_not),
+)
+"""MXFP4, as the registry lists it: its virtual tensors offered, paired, their stored
+pairs claimed."""
