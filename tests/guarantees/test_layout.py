@@ -384,3 +384,53 @@ def test_nothing_below_the_read_flow_imports_it_and_it_hands_forward(planted):
     else:  # the same check, over the package's imports with one violation planted
         imports[planted[0]] = [*imports[planted[0]], planted[1]]
         assert _read_flow_violations(imports) == [f"{planted[0]} imports {planted[1]}"]
+
+
+# ---- the checkpoint stage: encodings
+
+# Each encoding is a sibling: a module of encodings/<a>/ (or encodings/<a>.py) imports no
+# module of another encoding <b>. What they share is not an encoding: base (the protocol
+# and the shared machinery), registry (which names them all, for the flow), config (the
+# quantization_config reader) and the folder's __init__.
+ENCODINGS = "meshinit._checkpoint.encodings"
+ENCODINGS_SHARED = {"base", "registry", "config"}
+
+
+def _encoding(module: str) -> str | None:
+    """``fp8`` for ``meshinit._checkpoint.encodings.fp8.decode``, ``keys`` for
+    ``...encodings.keys``; None for a shared module or one outside the folder."""
+    if not module.startswith(ENCODINGS + "."):
+        return None
+    first = module.removeprefix(ENCODINGS + ".").split(".")[0]
+    return None if first in ENCODINGS_SHARED else first
+
+
+def _encodings_crossed(edges: list[tuple[str, str]]) -> list[str]:
+    """Each import (module, imported) from one encoding's module into another's."""
+    return sorted(
+        f"{m} ({a}) imports {t} ({b})"
+        for m, t in edges
+        if (a := _encoding(m)) and (b := _encoding(t)) and a != b
+    )
+
+
+def _edges() -> list[tuple[str, str]]:
+    # typing-only imports count: an encoding that names another's types leans on it
+    return [(m, t) for m, p in MODULES.items() for t, _ in _imports(p, typing_too=True)]
+
+
+def test_no_encoding_imports_another_encoding():
+    edges = _edges()
+    assert {_encoding(m) for m in MODULES} >= {"fp8", "mxfp4", "keys"}  # the check sees them
+    assert _encodings_crossed(edges) == []
+    # planted: what mxfp4 did before base held what it shares. The same check over the
+    # real imports plus that one names it; the registry importing fp8 stays allowed.
+    planted = (
+        "meshinit._checkpoint.encodings.mxfp4.pairing",
+        "meshinit._checkpoint.encodings.fp8.pairing",
+    )
+    assert ("meshinit._checkpoint.encodings.registry", planted[1]) in edges
+    assert _encodings_crossed([*edges, planted]) == [
+        "meshinit._checkpoint.encodings.mxfp4.pairing (mxfp4) imports "
+        "meshinit._checkpoint.encodings.fp8.pairing (fp8)"
+    ]

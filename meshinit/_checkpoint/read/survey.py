@@ -20,8 +20,7 @@ from ..._errors import Problem, printable
 from ..._format import some
 from ..._plan.plan import Plan
 from ..encodings import keys as _keys
-from ..encodings.fp8 import pairing as _quantized
-from ..encodings.mxfp4 import pairing as _mxfp4
+from ..encodings import registry as _registry
 from ..layout import host as _host
 from ..layout import resolve as _layout
 from ..layout.parts import Concat, Fill, Pad, Stack, Tensor
@@ -111,8 +110,9 @@ def _kind(dtype: Any) -> str:
 
 def _why_not(stored: Stored, planned: np.dtype) -> str | None:
     """Why the stored dtype cannot be read into ``planned``, or None."""
-    if stored.dtype == _mxfp4.DTYPE:
-        return _mxfp4.why_not(planned)
+    for encoding in _registry.ENCODINGS:  # a virtual tensor (MXFP4's): its encoding says
+        if encoding.virtual is not None and stored.dtype == encoding.virtual.dtype:
+            return encoding.virtual.why_not(planned)
     if stored.dtype not in READABLE:
         return f"has dtype {stored.dtype}, which meshinit does not read; convert the file"
     have = _kind(READABLE[stored.dtype])
@@ -170,8 +170,10 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
                 )
             else:
                 index[name] = held
-    # gpt-oss's X_blocks and X_scales as the tensor X transformers makes of them
-    virtual, pairs = _mxfp4.virtual(index)
+    # the tensors encodings offer that no file stores as such (gpt-oss's X_blocks and
+    # X_scales as the tensor X transformers makes of them)
+    offers = [encoding.offer(index) for encoding in _registry.ENCODINGS]
+    virtual = {name: held for offered in offers for name, held in offered.tensors.items()}
     tensors = {**index, **virtual}
     table: dict[str, _names.Target | None] | None = None
     # config.json, read once where something consults it (a framework's map, a float8 or
@@ -181,8 +183,12 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
         config, where, found = reader()
         problems += found
         if not found:
-            # an MXFP4 tensor's values are exact in bfloat16 (as transformers makes them)
-            stored = {n: (h.shape, "BF16" if n in virtual else h.dtype) for n, h in tensors.items()}
+            # a virtual tensor as its encoding says its values are (MXFP4's: bfloat16)
+            shown = {e.virtual.dtype: e.virtual.seen_as for e in _registry.ENCODINGS if e.virtual}
+            stored = {
+                n: (h.shape, shown[h.dtype] if n in virtual else h.dtype)
+                for n, h in tensors.items()
+            }
             wanted = {e.path: (e.spec.shape, e.spec.dtype) for e in plan.entries}
             table, found = _framework.built(names, config, where, stored, wanted)
             problems += found
@@ -232,15 +238,19 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
         loaded[entry.path] = target
         reads[entry.path] = tuple(dict.fromkeys(leaf.stored.name for leaf in _layout.leaves(node)))
         jobs.append(_host.Job(read_as, node))
-    # a float8 weight planned wider: read with its scale (dequantized), never without
-    jobs, found, dequantized = _quantized.paired(jobs, index, reader)
-    jobs, more, unpacked = _mxfp4.paired(jobs, pairs, reader)
+    # each encoding pairs what it reads (a float8 weight planned wider: with its scale,
+    # dequantized, never without), in the registry's order
+    found, dequantized = [], {}
+    for encoding, offered in zip(_registry.ENCODINGS, offers, strict=True):
+        jobs, more, described = encoding.pair(jobs, index, offered, reader)
+        found += more
+        dequantized.update(described)
     seen = set(problems)
-    problems += [p for p in dict.fromkeys(found + more) if p not in seen]  # the config's once
-    dequantized = {**dequantized, **unpacked}
+    problems += [p for p in dict.fromkeys(found) if p not in seen]  # the config's once
     # what a load reads none of: no path claims it, or only missing paths would
-    scales = _quantized.scales(jobs, index)
-    unused, stranded = _unused.find(targets, missing, index, scales, _mxfp4.claimed(pairs))
+    scales = {name for encoding in _registry.ENCODINGS for name in encoding.claimed(jobs, index)}
+    behind = {name: held for offered in offers for name, held in offered.behind.items()}
+    unused, stranded = _unused.find(targets, missing, index, scales, behind)
     inventory = Inventory(
         files=tuple(source.shown for source in sources),
         loaded=loaded,

@@ -258,7 +258,7 @@ class QuantParts(_host.Parts):
         planned = np.dtype(entry.spec.dtype)
         if not shards or not math.prod(shape):
             return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=planned)
-        blocks = by_device(self._held, entry, stage)
+        blocks = _base.by_device(self._held, entry, stage)
         made = list(blocks.values())
         signature = made[0].signature
         assert all(b.signature == signature for b in made)  # one signature: even shards
@@ -267,7 +267,7 @@ class QuantParts(_host.Parts):
         n = math.prod(mesh.devices.shape)
         per = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
         args = [
-            per_device([(d, b.args[k]) for d, b in blocks.items()], n, per)
+            _base.per_device([(d, b.args[k]) for d, b in blocks.items()], n, per)
             for k in range(len(made[0].args))
         ]
         check = any(b.check for b in made)
@@ -300,24 +300,6 @@ def overflows(rects: np.ndarray, stored: Any, work: np.dtype, planned: np.dtype)
     top = float(np.abs(rects.astype(np.float32)).max(initial=0))
     bound = top * float(ml_dtypes.finfo(stored).max)
     return not bound < min(float(ml_dtypes.finfo(t).max) for t in (work, planned))
-
-
-def by_device(held: dict[Any, Any], entry: Any, stage: Any) -> dict[Any, Any]:
-    """Each of this process's devices of the entry with what was kept for its block
-    (``held``, by the block's bounds): the rows of a per-device argument."""
-    blocks = {}
-    for index, devices in _host.holders(entry, stage).values():
-        for device in devices:
-            blocks[device] = held[tuple((s.start, s.stop) for s in index)]
-    return blocks
-
-
-def per_device(values: list[tuple[Any, np.ndarray]], n: int, sharding: Any) -> jax.Array:
-    """A global array of ``n`` rows, one per device of the mesh, from each addressable
-    device's own row."""
-    shape = (n, *values[0][1].shape)
-    rows = [jax.device_put(v[None], d) for d, v in values]
-    return jax.make_array_from_single_device_arrays(shape, sharding, rows)
 
 
 def named(names: list[str]) -> str:

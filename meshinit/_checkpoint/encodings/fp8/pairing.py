@@ -21,7 +21,6 @@ guessed past it.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,10 +28,12 @@ import jax
 import numpy as np
 
 from ...._errors import Problem, printable
-from ...._format import index_ranges, some
+from ...._format import some
 from ...layout import blocks as _blocks
+from ...layout import host as _host
 from ...store.header import READABLE
 from ...store.source import Stored
+from .. import base as _base
 from .. import config as _quant_config
 from . import decode as _dequant
 from . import joins as _dequant_concat
@@ -299,7 +300,7 @@ def _refusals(rows: list[tuple[str, str, Any, str]], declared: Any) -> list[Prob
     where, shown = declared.where, declared.shown
     said = "" if shown is None else f"; {where} says {declared.field} {shown}"
     out = []
-    for path, tensor, key, files in collapsed(rows):
+    for path, tensor, key, files in _base.collapsed(rows):
         kind, planned = key[0], key[-1]
         name = f"tensor {printable(tensor)!r} in {files}"
         if kind == "missing":
@@ -367,46 +368,14 @@ def _is_float8(dtype: np.dtype) -> bool:
     return _float(dtype) and dtype.itemsize == 1
 
 
-_INT = re.compile(r"(?<![^.])(0|[1-9][0-9]*)(?![^.])")  # a dot-separated integer component
+def _paired_jobs(
+    jobs: list[_host.Job],
+    stored: Mapping[str, Stored],
+    offered: _base.Offered,
+    config: _base.Config,
+) -> _base.Paired:
+    return paired(jobs, stored, config)  # a float8 weight is a stored tensor: none virtual
 
 
-def collapsed(
-    rows: list[tuple[str, str, Any, str]],
-) -> list[tuple[str, str, Any, str]]:
-    """``(path, tensor, key, file)`` rows, those that differ only in the integer
-    components of the path and the tensor's name (and the file) as one row each,
-    ``layers.{0..60}.mlp.up``, where exactly the product of the integers shown is
-    there; else each row as it is. Components that vary alike (the layer number of a
-    path and of its tensor) vary together."""
-    groups: dict[Any, list[tuple[str, str, Any, str]]] = {}
-    for row in rows:
-        path, tensor, key, _ = row
-        groups.setdefault((_INT.sub("#", path), _INT.sub("#", tensor), key), []).append(row)
-    out = []
-    for (_, _, key), members in groups.items():
-        points = [
-            tuple(int(x) for x in (*_INT.findall(path), *_INT.findall(tensor)))
-            for path, tensor, _, _ in members
-        ]
-        columns = list(zip(*points, strict=True)) if points[0] else []
-        distinct = list(dict.fromkeys(columns))
-        product = 1
-        for column in distinct:
-            product *= len(set(column))
-        files = list(dict.fromkeys(f for *_, f in members))
-        if len(members) == 1 or product != len(set(points)) or len(set(points)) != len(points):
-            out += [(p, t, k, f) for p, t, k, f in members]
-            continue
-        shown = [index_ranges(set(column)) for column in columns]
-        path, tensor = _filled(members[0][0], shown), _filled(members[0][1], shown)
-        where = files[0] if len(files) == 1 else f"{len(files)} files ({some(files, 2)})"
-        out.append((path, tensor, key, where))
-    return out
-
-
-def _filled(name: str, shown: list[str]) -> str:
-    """``name`` with its integer components replaced by the next of ``shown`` (taken)."""
-    parts = _INT.split(name)
-    for k in range(1, len(parts), 2):
-        parts[k] = shown.pop(0)
-    return "".join(parts)
+ENCODING = _base.Encoding(name="fp8", pair=_paired_jobs, claimed=scales)
+"""float8 weights with block scales, as the registry lists them."""

@@ -48,8 +48,6 @@ from ...layout import host as _host
 from ...store.source import Stored
 from .. import base as _base
 from .. import config as _quant_config
-from ..fp8 import pairing as _quantized
-from ..fp8.decode import by_device, per_device
 from .program import checked, program
 
 DTYPE = "MXFP4"
@@ -150,7 +148,7 @@ def paired(
             f"MXFP4 {printable(mx.blocks.name)!r} x {printable(mx.scales.name)!r}{more} "
             f"(e2m1 x e8m0, groups of {mx.group}) -> {np.dtype(job.entry.spec.dtype).name}"
         )
-    for path, tensor, _, file in _quantized.collapsed(undeclared):
+    for path, tensor, _, file in _base.collapsed(undeclared):
         method, where = declared[0].method, declared[0].where
         said = f"says quant_method {method!r}" if method else "declares no quantization"
         problems.append(
@@ -357,7 +355,7 @@ class MxParts(_host.Parts):
         planned = np.dtype(entry.spec.dtype)
         if not shards or not math.prod(shape):
             return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=planned)
-        blocks = by_device(self._held, entry, stage)
+        blocks = _base.by_device(self._held, entry, stage)
         made = list(blocks.values())
         signature = made[0].signature
         if any(b.signature != signature for b in made):
@@ -370,8 +368,8 @@ class MxParts(_host.Parts):
         n = math.prod(mesh.devices.shape)
         rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(names))
         raw = jax.make_array_from_single_device_arrays((n, *made[0].blocks.shape), rows, shards)
-        exps = per_device([(d, b.scales) for d, b in blocks.items()], n, rows)
-        offsets = per_device(
+        exps = _base.per_device([(d, b.scales) for d, b in blocks.items()], n, rows)
+        offsets = _base.per_device(
             [(d, np.array([b.offset], np.int32)) for d, b in blocks.items()], n, rows
         )
         run = program(signature, mesh, spec, names)
@@ -409,3 +407,27 @@ _EVEN = "plan a sharding that splits its axes evenly, or convert the checkpoint 
 
 def _shapes(made: list[Raw]) -> str:
     return ", ".join(sorted({str(b.blocks.shape[1:]) for b in made}))
+
+
+def _offered(stored: Mapping[str, Stored]) -> _base.Offered:
+    tensors, pairs = virtual(stored)
+    return _base.Offered(tensors, claimed(pairs), pairs)
+
+
+def _paired_jobs(
+    jobs: list[_host.Job],
+    stored: Mapping[str, Stored],
+    offered: _base.Offered,
+    config: _base.Config,
+) -> _base.Paired:
+    return paired(jobs, offered.pairs, config)
+
+
+ENCODING = _base.Encoding(
+    name="mxfp4",
+    pair=_paired_jobs,
+    # its values are exact in bfloat16, as transformers makes them
+    virtual=_base.Virtual(dtype=DTYPE, seen_as="BF16", offer=_offered, why_not=why_not),
+)
+"""MXFP4, as the registry lists it: its virtual tensors offered, paired, their stored
+pairs claimed."""
