@@ -4,8 +4,8 @@ believed.
 A quantized checkpoint says so in ``quantization_config``, at the top level or, for a
 multimodal model, in a nested config (``text_config.quantization_config``):
 ``{quant_method: "fp8", weight_block_size: [128, 128]}`` (DeepSeek-V3, Qwen3-FP8),
-``{quant_method: "mxfp4"}`` (gpt-oss). :mod:`.quantized` reads its block size,
-:mod:`.mxfp4` its method, and MaxText's scale check (:mod:`.maxtext_scales`) both.
+``{quant_method: "mxfp4"}`` (gpt-oss). :mod:`.fp8.pairing` reads its block size,
+:mod:`.mxfp4.pairing` its method, and MaxText's scale check (:mod:`...maps.maxtext_scales`) both.
 :func:`declared` is the one reading of it for all three: a ``quantization_config``
 that is not an object, a ``quant_method`` that is not a string, a
 ``weight_block_size`` that is not a positive int or a list of one or two of them, is a

@@ -1,7 +1,7 @@
 """Float8 block-scaled weights dequantized on the device, block by block.
 
 A parameter whose stored tensors are float8 weights paired with their block scales
-(:mod:`.quantized`) is read by :class:`QuantParts`: each block of it that a device
+(:mod:`.pairing`) is read by :class:`QuantParts`: each block of it that a device
 holds is read from the files as stored (one byte an element), with the rectangle of
 each weight's scale that covers the block, and both go to the device, where one
 compiled program per signature (the block's shape and geometry, the block size, the

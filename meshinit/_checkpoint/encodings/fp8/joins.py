@@ -1,6 +1,6 @@
 """Float8 weights dequantized through a Concat, a Pad, a Fill, a permute, a merge
 (``out_shape``) of the whole parameter, or a Stack of parts that differ
-(:mod:`.dequant` reads a weight, and a Stack of equal ones).
+(:mod:`.decode` reads a weight, and a Stack of equal ones).
 
 Such a block reaches several stored weights, each over a box of it (a *tile*: its
 place in the block, and the index of the weight's view it reads there), and
@@ -19,7 +19,7 @@ device as its stored bytes and small tables:
 
 and one program per signature dequantizes it: ``planned(float32(w) * float32(s))``
 with ``s`` the element's tile's scale at (row // b0, column // b1), as
-:mod:`.dequant`'s. The sizes of the tables are the largest any block of the
+:mod:`.decode`'s. The sizes of the tables are the largest any block of the
 parameter needs (every process works them out alike, from the plan), so every
 device runs the same program, and layers of equal shapes share it.
 
@@ -27,7 +27,7 @@ Where every weight tile of every block reads the same scale columns (q, k and v
 concatenated along their rows, a Stack of such layers; or the same rows, joined along
 the columns) and rows and columns each move along one axis, the scales are gathered
 as whole slices (:func:`fast`): rows of the rectangles per tile and position, then
-columns of those, as :mod:`.dequant` gathers a Stack's. Elsewhere (a pad's corner:
+columns of those, as :mod:`.decode` gathers a Stack's. Elsewhere (a pad's corner:
 tiles that vary along both axes) each element's scale is gathered on its own, about
 6x slower on CPU. A merge is undone first: the tiles are those of the node before
 it, and the program reshapes the bytes to that node's box and the values back.

@@ -5,14 +5,14 @@ DeepSeek-V3/R1, Kimi K2 and the Qwen3 FP8 releases store their weights as float8
 a ``<name>_scale_inv`` (float32, or bfloat16) per block beside each, and say so in
 ``config.json`` (``quantization_config: {quant_method: "fp8", weight_block_size:
 [128, 128]}``). Such a weight planned as a wider float is read dequantized
-(:mod:`.dequant`): :func:`paired` pairs it with its scale and checks the pair, the
+(:mod:`.decode`): :func:`paired` pairs it with its scale and checks the pair, the
 block size (the config's ``weight_block_size``, else 128x128) and the scale's shape
 ``(ceil(R / b0), ceil(C / b1))``. Cast without its scale, every value would be off by
 the scale's factor (about 1000x): a float8 tensor planned wider with no scale is
 refused, whatever the config says (a config is no proof: a truncated one, or one a
 conversion left behind), unless its :class:`~.parts.Tensor` asks for a plain cast
 (``dequantize=False``, which leaves a scale beside it unread); planned as float8
-(kept quantized), it is read as stored. The config is read (:mod:`.quant_config`) only
+(kept quantized), it is read as stored. The config is read (:mod:`..config`) only
 where a float8 tensor is planned wider, and one that cannot be read, or whose
 ``quantization_config`` is of the wrong kind, is a problem: its block size is never
 guessed past it.
@@ -193,7 +193,7 @@ def _attached(node: _blocks.Node, quants: Mapping[str, Quant]) -> _blocks.Node:
     scale= or offset=, a view that mixes rows and columns, parts whose views step
     differently or whose stored dtypes differ. A weight, or a Stack of equal ones, is read by
     :class:`~.dequant.QuantParts`; a Concat, a Pad, a Fill, a permute, a merge or
-    unequal Stack parts by :class:`~.dequant_concat.TileParts`."""
+    unequal Stack parts by :class:`~.joins.TileParts`."""
     made = _each(node, quants)
     if _uniform(made):
         return made
@@ -258,7 +258,7 @@ def _each(node: _blocks.Node, quants: Mapping[str, Quant], root: bool = True) ->
 
 
 def _uniform(node: _blocks.Node) -> bool:
-    """Whether ``node`` is a weight, or a Stack of equal ones (:mod:`.dequant`'s)."""
+    """Whether ``node`` is a weight, or a Stack of equal ones (:mod:`.decode`'s)."""
     if isinstance(node, _blocks.Leaf):
         return node.groups is None
     if not isinstance(node, _blocks.Joined) or not node.stacked or node.order is not None:

@@ -1,6 +1,6 @@
 """The block scales of remote float8 weights, fetched where the blocks read them.
 
-A dequantized parameter's scale in a local file is read whole (:mod:`.dequant`). Of
+A dequantized parameter's scale in a local file is read whole (:mod:`.decode`). Of
 a remote object (a fetched source, :mod:`.fetch`), only the scale rows and columns
 that cover this process's blocks are fetched: each row of a window is one run of
 bytes, the runs are merged as a weight's are (:func:`~meshinit._checkpoint.store.fetch.merge`),

@@ -1,5 +1,5 @@
 """The tiles of a block that reaches float8 weights through a Concat, a Pad, a Fill,
-a permute or unequal Stack parts (:mod:`.dequant_concat` dequantizes it): the box of
+a permute or unequal Stack parts (:mod:`.joins` dequantizes it): the box of
 the block each weight (or constant) fills and the index of the weight's view it reads
 there (:func:`tiles`), the grid of intervals each element's tile is looked up in
 (:func:`grid`), the stored rows and columns a step along each axis moves in every

@@ -109,7 +109,7 @@ def paired(
     """``jobs`` with every one that reads a virtual tensor read dequantized
     (:class:`MxParts`), the problems of those that cannot be, and plan path -> what
     it is dequantized with (the inventory's). The config is read at the first such
-    job; where it cannot be read (:mod:`.quant_config`), its problems stand for them."""
+    job; where it cannot be read (:mod:`..config`), its problems stand for them."""
     out, problems, dequantized = [], [], {}
     declared: list[Any] = []  # [Declared, the config's problems], once read
     undeclared = []  # (path, tensor, key, file): one problem for every layer alike

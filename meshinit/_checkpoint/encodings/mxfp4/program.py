@@ -1,4 +1,4 @@
-"""What runs on the device for an MXFP4 block (:mod:`.mxfp4`), and the check of its
+"""What runs on the device for an MXFP4 block (:mod:`.pairing`), and the check of its
 exponents on the host before it goes there.
 
 The program unpacks each byte's two fp4 (e2m1) codes, the low nibble first, and

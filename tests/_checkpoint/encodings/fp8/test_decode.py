@@ -1,6 +1,6 @@
 """The device route's geometry: which stored row and column each element of a view
 of a float8 weight comes from (so which block scale it takes), worked out without
-memory; the bits of the route are tested end to end in test_quantized.py."""
+memory; the bits of the route are tested end to end in test_pairing.py."""
 
 import numpy as np
 

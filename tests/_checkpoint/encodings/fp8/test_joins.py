@@ -1,6 +1,6 @@
 """How the device program of a dequantized Concat, Pad or permute gathers each
 element's scale: as whole slices of the scale rectangles where the tiles allow it,
-element by element elsewhere (both give weight_dequant's bits: test_quantized.py runs
+element by element elsewhere (both give weight_dequant's bits: test_pairing.py runs
 its Concat cases each way)."""
 
 from meshinit._checkpoint.encodings.fp8 import joins as dequant_concat

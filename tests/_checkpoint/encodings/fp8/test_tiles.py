@@ -2,7 +2,7 @@
 a permute: which weight fills which box of the block, at which index of its view, the
 grid of intervals the device program looks each element's tile up in, and the steps
 every part's view must share; worked out without memory (the bits are tested end to
-end in test_quantized.py)."""
+end in test_pairing.py)."""
 
 import numpy as np
 
