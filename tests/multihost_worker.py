@@ -481,6 +481,22 @@ def check_prepare_failures(named: Mapping[str, Mesh]) -> tuple[list[str], dict]:
             "seconds": time.monotonic() - start,
             "leaked": len(jax.live_arrays()) - before,
         }
+    # each process seeds its own constructor: every replica would differ; both refuse
+    me = jax.process_index()
+    seeded = {
+        "nnx seed": lambda: meshinit.nnx.init(lambda: model(nnx.Rngs(3 + me)), meshes=meshes),
+        "eqx seed": lambda: meshinit.eqx.init(
+            lambda k: eqx.nn.Linear(16, 32, key=k), me, [(r".*", None)], mesh=everywhere
+        ),
+    }
+    for name, call in seeded.items():
+        before = len(jax.live_arrays())
+        try:
+            jax.tree_util.tree_map(lambda a: a.delete(), jax.tree_util.tree_leaves(call()))
+            outcome = "returned"
+        except Exception as e:
+            outcome = f"{type(e).__name__}: {e}"
+        outcomes[name] = {"outcome": outcome[:800], "leaked": len(jax.live_arrays()) - before}
     for a in jax.tree_util.tree_leaves(params):
         a.delete()
     return [], outcomes

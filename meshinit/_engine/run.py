@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -47,6 +48,7 @@ from .._jax import threefry as _threefry
 from .._jax import tiles as _tiles
 from .._jax.jaxpr import Lit
 from .._plan.plan import MeshGroup, Plan, PlanEntry
+from .._run import agree as _agree
 from .._run import checks as _checks
 from .._run import compile as _compile
 from .._run import progress as _progress
@@ -209,6 +211,7 @@ def make_arrays(
     traced = _trace.evaluate_host_part(traced, [prog.outputs[index[id(e)]] for e in todo.entries])
     memo: dict[Any, Any] = {}
     works: dict[tuple[int, ...], _Work] = {}  # by the ids of a group's entries
+    made_on_host = hashlib.sha256()  # what the host part hands the programs, in order
     fallen: list[tuple[str, _trace.Fallback]] = []
     for group in todo.groups:
         host, consts, sliced, positions, slices, fallback = [], [], [], [], [], []
@@ -219,6 +222,8 @@ def make_arrays(
                 value = out.value if isinstance(out, Lit) else traced.host[out].data
                 # in the variable's own dtype: a Python int literal is not an int64
                 value = np.asarray(value, dtype=entry.spec.dtype)
+                made_on_host.update(f"{entry.path}:{value.dtype}{value.shape}".encode())
+                made_on_host.update(value.tobytes())
                 host.append((pos, np.broadcast_to(value, entry.spec.shape)))
                 continue
             if out in prog.consts:
@@ -249,8 +254,29 @@ def make_arrays(
             tuple(fallback),
         )
     _progress.fell_back(what, fallen)
+    if jax.process_count() > 1:  # every process makes its own shards: from the same values
+        _agree.checkpoint(what, "inputs", _facts(plan, given, traced, made_on_host))
     maker = _Constructor(traced, works, LRUCache(max(1, len(plan.groups))))
     return run_plan(plan, maker, given=given, what=what, progress=progress)
+
+
+def _facts(plan: Plan, given: Mapping[int, Any], traced: Traced, hosted: Any) -> dict[str, str]:
+    """What every process must have alike, as each makes its own shards: another seed
+    (``nnx.Rngs``), plan or ``existing=`` on one process would make replicas differ.
+    Keys and host-made values count by their bytes; example inputs do not (a process's
+    own batch may differ; an init that reads its values is not compared), nor the
+    programs (their digests hold objects that differ between processes)."""
+    keys = hashlib.sha256()
+    for n in sorted(k for k, v in traced.host.items() if isinstance(v, _host.HostKey)):
+        keys.update(np.ascontiguousarray(traced.host[n].data).tobytes())
+    return {
+        "the variables": _agree.digest(
+            [(e.path, e.spec.shape, str(e.spec.dtype), e.sharding) for e in plan.entries]
+        ),
+        "existing": _agree.digest(sorted(e.path for e in plan.entries if id(e) in given)),
+        "the constructor's keys": f"sha256 {keys.hexdigest()[:16]}",
+        "the values its host part made": f"sha256 {hosted.hexdigest()[:16]}",
+    }
 
 
 class _Constructor:

@@ -292,6 +292,19 @@ def test_processes_given_other_seeds_refuse_before_anything_runs(workers):
         assert seed["leaked"] == 0, seed
 
 
+@pytest.mark.parametrize("name", ["nnx seed", "eqx seed"])
+def test_a_constructor_seeded_otherwise_on_each_process_is_refused_before_anything_runs(
+    workers, name
+):
+    # nnx.Rngs(3 + process) or eqx's key from the process: the constructor's keys differ,
+    # so every replica of a variable would; the engine compares them first
+    for i, r in enumerate(workers):
+        seeded = counts(i, r)["prepare"][name]
+        assert seeded["outcome"].startswith("PlanError"), seeded
+        assert "the constructor's keys: differs between the processes" in seeded["outcome"]
+        assert seeded["leaked"] == 0, seeded
+
+
 @pytest.mark.parametrize("adapter", ["nnx", "eqx", "linen", "optax"])
 def test_a_factory_failing_on_one_process_before_anything_is_made_fails_every_process(
     workers, adapter
