@@ -1,0 +1,592 @@
+"""An export from start to end (:func:`save`): the recipes of every stored tensor
+(``names=`` in reverse, or a framework's saving side), the files, one agreement, then
+batch by batch one compiled program per recipe signature that makes each stored tensor
+on the devices, gathered onto every process of its parameters; each process copies to
+its host only the tensors of its own files and writes them, front to back, on a
+thread beside the next batch's programs; then the commit.
+
+Memory: a batch's programs hold at most half of ``max_inflight_bytes`` of gathered
+tensors on each process's devices, and the tensors waiting for this process's writer
+at most the other half (where one tensor is larger, it is the bound). On CPU the
+devices' memory is the host's.
+
+Failure: any error, on any process, fails every process (the collective call's
+agreement, as ``load``); each process then aborts its uploads and removes what it
+wrote, and every process removes every file name of the export (a process that died
+cannot remove its own), so nothing under ``dest`` is left that a loader would take for
+a checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ... import _caches
+from ..._errors import PlanError, Problem
+from ..._run import agree as _agree
+from ..._run import progress as _progress
+from ..encodings.fp8 import encode as _fp8
+from ..layout.recipe import Recipe
+from ..maps import framework as _framework
+from ..maps import names as _names
+from ..store.sink import Sink, Upload
+from . import files as _files
+from . import inputs as _inputs
+from . import reverse as _reverse
+
+BYTES_WRITTEN = "/meshinit/safetensors/bytes_written"
+"""The ``jax.monitoring`` scalar each process records once per export: the bytes of
+the files it wrote (headers included)."""
+
+PARTIAL = ".model.safetensors.partial"
+"""A lone file's name until the commit renames it (hidden: no loader takes it)."""
+
+DEFAULT_INFLIGHT = 1 << 30
+
+_programs = _caches.lru("export programs", 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Export:
+    """What :func:`meshinit.safetensors.save` wrote.
+
+    Attributes:
+      dest: where (as given).
+      files: the files written, the index and ``config.json`` included, in order.
+      total_size: the bytes of the stored tensors (the index's ``total_size``).
+      bytes_by_process: the bytes of the files each process wrote (headers included;
+        the index and ``config.json`` not), by process index.
+      bytes_written: this process's entry of ``bytes_by_process``.
+      seconds: the time the export took on this process.
+    """
+
+    dest: str
+    files: tuple[str, ...]
+    total_size: int
+    bytes_by_process: tuple[int, ...]
+    bytes_written: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Out:
+    """A stored tensor made by a recipe's program: which output, and its file."""
+
+    stored: _files.Stored
+    output: int  # 0: the tensor; 1: an FP8 weight's scale_inv
+
+
+@dataclasses.dataclass
+class _Work:
+    recipe: Recipe
+    sources: tuple[jax.Array, ...]
+    devices: tuple[Any, ...]  # the device order of its parameters
+    outs: list[_Out]
+    cast: str | None
+    fp8: bool
+
+
+def save(
+    given: Any,
+    dest: Any,
+    names: Any,
+    dtype: Any,
+    quantize: str | None,
+    modules_to_not_convert: Sequence[str] | None,
+    max_shard_size: Any,
+    config: Any,
+    storage_options: Any,
+    max_inflight_bytes: int | None,
+    overwrite: bool,
+    progress: bool | None,
+    what: str,
+) -> Export:
+    """The export; every problem raised at once, before a byte is written."""
+    started = time.monotonic()
+    cast = _dtype(dtype)
+    if quantize not in (None, "fp8"):
+        raise TypeError(f'quantize must be None or "fp8", got {quantize!r}')
+    if modules_to_not_convert is not None and (
+        isinstance(modules_to_not_convert, str)
+        or not all(isinstance(m, str) for m in modules_to_not_convert)
+    ):
+        raise TypeError(
+            f"modules_to_not_convert must be a list of module names, got {modules_to_not_convert!r}"
+        )
+    if modules_to_not_convert is not None and quantize is None:
+        raise TypeError('modules_to_not_convert is for quantize="fp8"')
+    shard = None if max_shard_size is None else _files.shard_size(max_shard_size)
+    cfg = _config(config)
+    budget = DEFAULT_INFLIGHT if max_inflight_bytes is None else max_inflight_bytes
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise TypeError(f"max_inflight_bytes must be a positive int or None, got {max_inflight_bytes!r}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
+    _progress.check_progress(progress)
+    sink = Sink(dest, storage_options)
+
+    flat, problems = _inputs.arrays_of(given)
+    arrays = {p: a for p, a in flat.items() if isinstance(a, jax.Array)}
+    planned = {p: (tuple(a.shape), np.dtype(a.dtype)) for p, a in arrays.items()}
+    recipes, found = _recipes(names, planned, cfg, what)
+    problems += found
+    if cfg is not None and _tied(cfg):
+        recipes = [r for r in recipes if r.name != "lm_head.weight"]
+    works, stored, found = _works(recipes, arrays, cast, quantize, modules_to_not_convert)
+    problems += found
+    if not stored and not problems:
+        problems.append(Problem(str(dest), "nothing to write: no parameter maps to a stored tensor"))
+    existing = [] if problems else sink.checkpoint_files()
+    if cfg is not None and not problems and sink.exists("config.json"):
+        existing.append("config.json")
+    if existing and not overwrite:
+        problems.append(
+            Problem(
+                str(sink),
+                f"already holds a checkpoint ({', '.join(sorted(existing)[:4])}"
+                f"{', ...' if len(existing) > 4 else ''}): choose an empty destination, or "
+                f"pass overwrite=True to replace it",
+            )
+        )
+    if problems:
+        raise PlanError(problems, header=f"{what}: nothing was written:")
+
+    me, count = jax.process_index(), jax.process_count()
+    plan = _files.plan(stored, shard, count)
+    quantized = [w.recipe.name for w in works if w.fp8]
+    if quantize == "fp8":
+        every = [s.name for s in stored]
+        shapes = {s.name: s.shape for s in stored}
+        modules = _fp8.not_converted(every, shapes, modules_to_not_convert)
+        cfg = {**(cfg or {}), "quantization_config": _fp8.quantization_config(modules)}
+    facts = {
+        "dest": str(sink),
+        "files": _agree.digest([(f.name, f.writer, f.header) for f in plan.files]),
+        "programs": _agree.digest([(w.recipe.paths, w.recipe.build, w.devices) for w in works]),
+        "config": _agree.digest([json.dumps(cfg, sort_keys=True, default=str)]),
+        "max_inflight_bytes": str(budget),
+        "existing": ", ".join(sorted(existing)),
+    }
+    _agree.checkpoint(what, "inputs", facts)
+    names_all = [f.name for f in plan.files] + [PARTIAL]
+    committed: list[str] = []
+    writer = _Writer(sink, plan, me, budget // 2, progress)
+    try:
+        if existing:
+            if me == 0:
+                _raise_undeleted(sink, existing)
+            _agree.checkpoint(what, "cleared")
+        writer.start()
+        _run(works, plan, writer, budget, what)
+        writer.finish()
+        _agree.checkpoint(what, "written")
+        if me == 0:
+            committed = _commit(sink, plan, cfg)
+        _agree.checkpoint(what, "committed")
+    except BaseException:
+        writer.abort()
+        undone = sink.delete([*names_all, *committed, *writer.opened])
+        del undone  # best effort: the error that failed the export is the one raised
+        raise
+    total = sum(s.nbytes for s in stored)
+    written = plan.bytes_by_process(count)
+    jax.monitoring.record_scalar(BYTES_WRITTEN, float(written[me]))
+    listed = [f.name if f.name != PARTIAL else _files.LONE for f in plan.files]
+    if plan.index is not None:
+        listed.append(_files.INDEX)
+    if cfg is not None:
+        listed.append("config.json")
+    del quantized
+    return Export(str(dest), tuple(listed), total, tuple(written), written[me],
+                  time.monotonic() - started)
+
+
+# ------------------------------------------------------------------- arguments
+
+
+def _dtype(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    try:
+        d = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"dtype must be a floating dtype (jnp.bfloat16, 'float32'), got {dtype!r}") from e
+    if not jnp.issubdtype(d, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype (jnp.bfloat16, 'float32'), got {d}")
+    return d.name
+
+
+def _config(config: Any) -> dict[str, Any] | None:
+    if config is None:
+        return None
+    if hasattr(config, "to_dict") and not isinstance(config, Mapping):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"config must be a dict or have to_dict() (a transformers config), got "
+            f"{type(config).__name__}"
+        )
+    try:
+        json.dumps(config)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"config must be JSON: {e}") from e
+    return dict(config)
+
+
+def _tied(cfg: Mapping[str, Any]) -> bool:
+    text = cfg.get("text_config")
+    inner = text.get("tie_word_embeddings") if isinstance(text, Mapping) else None
+    return bool(cfg.get("tie_word_embeddings", inner))
+
+
+def _recipes(
+    names: Any, planned: Mapping[str, tuple[tuple[int, ...], np.dtype]], cfg: Any, what: str
+) -> tuple[list[Recipe], list[Problem]]:
+    if isinstance(names, _framework.FrameworkMap):
+        made = names.saving(planned, cfg)
+        if made is not None:
+            return made
+        table, problems = _framework.built(names, cfg, "config=" if cfg else "", {}, planned)
+        if problems:
+            return [], problems
+    else:
+        table, problems, _ = _names.targets(list(planned), names, what)
+    recipes, found = _reverse.recipes(table, planned)
+    return recipes, problems + found
+
+
+# ------------------------------------------------------------- programs
+
+
+def _works(
+    recipes: Sequence[Recipe],
+    arrays: Mapping[str, jax.Array],
+    cast: str | None,
+    quantize: str | None,
+    modules: Sequence[str] | None,
+) -> tuple[list[_Work], list[_files.Stored], list[Problem]]:
+    works, stored, problems = [], [], []
+    seen: dict[str, str] = {}
+    for r in recipes:
+        sources = tuple(arrays[p] for p in r.paths)
+        orders = {tuple(_order(a)) for a in sources}
+        if len(orders) > 1:
+            problems.append(
+                Problem(r.name, f"is made of parameters on different devices or device orders "
+                                f"({', '.join(r.paths)}): place them on one mesh")
+            )
+            continue
+        (devices,) = orders
+        writers = tuple(sorted({d.process_index for d in devices}))
+        fp8 = quantize == "fp8" and _fp8.converted(r.name, r.shape, modules or _fp8.MODULES_TO_NOT_CONVERT)
+        if fp8 and not jnp.issubdtype(r.dtype, jnp.floating):
+            fp8 = False
+        if fp8:
+            w_dtype = np.dtype(jnp.float8_e4m3fn)
+            rows, cols = r.shape[-2:]
+            b0, b1 = _fp8.BLOCK
+            scale_shape = (*r.shape[:-2], -(-rows // b0), -(-cols // b1))
+            outs = [
+                _Out(_files.Stored(r.name, w_dtype, r.shape, writers), 0),
+                _Out(_files.Stored(f"{r.name}_scale_inv", np.dtype(np.float32), scale_shape, writers), 1),
+            ]
+        else:
+            out_dtype = np.dtype(cast) if cast and jnp.issubdtype(r.dtype, jnp.floating) else r.dtype
+            outs = [_Out(_files.Stored(r.name, out_dtype, r.shape, writers), 0)]
+        for o in outs:
+            if o.stored.name in seen:
+                problems.append(
+                    Problem(o.stored.name, f"is written twice: by {seen[o.stored.name]} and {r.origin}")
+                )
+            seen[o.stored.name] = r.origin
+        works.append(_Work(r, sources, devices, outs, cast, fp8))
+        stored += [o.stored for o in outs]
+    return works, stored, problems
+
+
+def _order(x: jax.Array) -> tuple[Any, ...]:
+    return tuple(x.sharding._device_assignment)  # the order jit compiles for
+
+
+def _auto(x: jax.Array) -> jax.Array:
+    """``x`` on a twin of its mesh whose axes are all Auto (same devices, indices and
+    buffers: no copy), so that the recipes' reshapes and transposes compile as on an
+    Auto mesh whatever the parameter's mesh says."""
+    s = x.sharding
+    if not isinstance(s, NamedSharding) or not isinstance(s.mesh, Mesh):
+        return x
+    if all(t == AxisType.Auto for t in s.mesh.axis_types):
+        return x
+    mesh = Mesh(s.mesh.devices, s.mesh.axis_names, axis_types=(AxisType.Auto,) * len(s.mesh.axis_names))
+    twin = NamedSharding(mesh, s.spec, memory_kind=s.memory_kind)
+    return jax.make_array_from_single_device_arrays(
+        x.shape, twin, [shard.data for shard in x.addressable_shards]
+    )
+
+
+def _gathered(devices: tuple[Any, ...], shape: tuple[int, ...]) -> NamedSharding:
+    """Where a stored tensor is made: whole on every process of its parameters, split by
+    rows over each process's devices where they divide it (each shard then a run of
+    whole rows, written as it is), else whole on each device."""
+    procs = [d.process_index for d in devices]
+    groups = [procs[i] for i in range(len(procs)) if i == 0 or procs[i] != procs[i - 1]]
+    n = len(groups)
+    k = len(devices) // n
+    auto = (AxisType.Auto, AxisType.Auto)
+    if len(set(groups)) == n and len(devices) == n * k and all(
+        procs[i * k : (i + 1) * k] == [groups[i]] * k for i in range(n)
+    ):
+        mesh = Mesh(np.array(devices, dtype=object).reshape(n, k), ("p", "d"), axis_types=auto)
+        split = bool(shape) and shape[0] % k == 0
+        return NamedSharding(mesh, PartitionSpec("d") if split else PartitionSpec())
+    mesh = Mesh(np.array(devices, dtype=object).reshape(1, -1), ("p", "d"), axis_types=auto)
+    return NamedSharding(mesh, PartitionSpec())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Make:
+    """A program's function: the recipe's build, then the cast or the FP8 encoding."""
+
+    build: Any
+    cast: str | None
+    fp8: bool
+
+    def __call__(self, arrays: tuple[jax.Array, ...], at: tuple[Any, ...]) -> tuple[jax.Array, ...]:
+        x = self.build(arrays, at)
+        if self.fp8:
+            return tuple(_fp8.quantize(x))
+        if self.cast is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(self.cast)
+        return (x,)
+
+
+def _program(work: _Work, inputs: tuple[jax.Array, ...]) -> Any:
+    make = _Make(work.recipe.build, work.cast if not work.fp8 else None, work.fp8)
+    outs = tuple(_gathered(work.devices, o.stored.shape) for o in work.outs)
+    at = tuple(jax.ShapeDtypeStruct((), jnp.int32) for _ in work.recipe.at)
+    key = (make, tuple((a.shape, str(a.dtype), a.sharding) for a in inputs), outs, len(at))
+    compiled = _programs.get(key)
+    if compiled is None:
+        compiled = jax.jit(make, out_shardings=outs).lower(inputs, at).compile()
+        _programs.put(key, compiled)
+    return compiled
+
+
+def _batches(works: Sequence[_Work], plan: _files.Files, budget: int) -> list[list[_Work]]:
+    """The works in the order the writers need them (every writer's stream front to
+    back at once), cut into batches of at most ``budget`` gathered bytes."""
+    place: dict[str, int] = {}
+    for writer in {f.writer for f in plan.files}:
+        at = 0
+        for f in plan.files:
+            if f.writer != writer:
+                continue
+            for t, offset in zip(f.tensors, f.offsets, strict=True):
+                place[t.name] = at + offset
+            at += f.size
+    order = sorted(works, key=lambda w: min(place[o.stored.name] for o in w.outs))
+    batches: list[list[_Work]] = []
+    size = 0
+    for w in order:
+        n = sum(o.stored.nbytes for o in w.outs)
+        if not batches or size + n > budget:
+            batches.append([])
+            size = 0
+        batches[-1].append(w)
+        size += n
+    return batches
+
+
+def _run(works: Sequence[_Work], plan: _files.Files, writer: _Writer, budget: int, what: str) -> None:
+    me = jax.process_index()
+    mine = {t.name for f in plan.written_by(me) for t in f.tensors}
+    for number, whole in enumerate(_batches(works, plan, budget // 2)):
+        writer.check()
+        at = f"batch {number} ({_agree.digest([w.recipe.name for w in whole])})"
+        # a process that holds none of a recipe's parameters takes no part in its program
+        batch = [w for w in whole if any(d.process_index == me for d in w.devices)]
+        inputs = [tuple(_auto(a) for a in w.sources) for w in batch]
+        programs = [_program(w, x) for w, x in zip(batch, inputs, strict=True)]
+        writer.wait_room(sum(o.stored.nbytes for w in batch for o in w.outs if o.stored.name in mine))
+        _agree.checkpoint(what, at)
+        failed: BaseException | None = None
+        with _agree.uninterrupted():
+            for w, x, compiled in zip(batch, inputs, programs, strict=True):
+                indices = tuple(np.int32(i) for i in w.recipe.at)
+                try:
+                    made = compiled(x, indices)
+                except BaseException as e:  # its peers are in it: they must stop
+                    _agree.left_collectives(e)
+                    raise
+                _agree.settle(made[0], f"{at}, {w.recipe.name}")
+                for o in w.outs:
+                    out = made[o.output]
+                    if o.stored.name in mine and failed is None:
+                        try:
+                            writer.hand(o.stored.name, out)
+                        except BaseException as e:  # after its collective: run the rest
+                            failed = e
+                    else:
+                        out.delete()
+        if failed is not None:
+            raise failed
+
+
+# ------------------------------------------------------------------- writing
+
+
+class _Writer:
+    """This process's files, written front to back on one thread as their tensors are
+    handed over (:meth:`hand`), each tensor's device-to-host copy started when it is
+    handed, so that copies overlap the writes."""
+
+    def __init__(self, sink: Sink, plan: _files.Files, me: int, room: int, progress: bool | None):
+        self._sink = sink
+        self._files = plan.written_by(me)
+        self._room = room
+        self._progress = progress
+        self._ready: dict[str, jax.Array] = {}
+        self._held = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._upload: Upload | None = None
+        self._wanted: str | None = None
+        self.opened: list[str] = []
+        self._total = sum(f.size for f in self._files)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="meshinit-export", daemon=True)
+        self._thread.start()
+
+    def hand(self, name: str, array: jax.Array) -> None:
+        for shard in _shards(array):
+            shard.data.copy_to_host_async()
+        with self._cond:
+            self._ready[name] = array
+            self._held += array.nbytes
+            self._cond.notify_all()
+
+    def wait_room(self, nbytes: int) -> None:
+        """Waits until ``nbytes`` more may be held for the writer (or nothing is)."""
+        with self._cond:  # (never while the writer waits for a tensor not yet handed)
+            while (
+                self._held
+                and self._held + nbytes > self._room
+                and self._error is None
+                and self._wanted in self._ready
+            ):
+                self._cond.wait(0.05)
+        self.check()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def finish(self) -> None:
+        assert self._thread is not None
+        self._thread.join()
+        self.check()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if self._upload is not None:
+            self._upload.abort()
+        for array in self._ready.values():
+            if not array.is_deleted():
+                array.delete()
+
+    def _take(self, name: str) -> jax.Array | None:
+        with self._cond:
+            self._wanted = name
+            self._cond.notify_all()
+            while name not in self._ready and not self._stop:
+                self._cond.wait(0.05)
+            return None if self._stop else self._ready.pop(name)
+
+    def _loop(self) -> None:
+        try:
+            with _progress.byte_bar("writing", self._total, self._progress) as update:
+                for f in self._files:
+                    self._write(f, update)
+        except BaseException as e:  # raised on the main thread at its next step
+            self._error = e
+            with self._cond:
+                self._cond.notify_all()
+
+    def _write(self, f: _files.File, update: Callable[[int], None]) -> None:
+        name = PARTIAL if f.name == _files.LONE else f.name
+        self.opened.append(name)
+        upload = self._upload = self._sink.open(name)
+        upload.write(f.header)
+        update(len(f.header))
+        for t in f.tensors:
+            array = self._take(t.name)
+            if array is None:
+                return
+            try:
+                for shard in _shards(array):
+                    data = np.asarray(shard.data)
+                    upload.write(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+                    update(data.nbytes)
+            finally:
+                array.delete()
+                with self._cond:
+                    self._held -= t.nbytes
+                    self._cond.notify_all()
+        written = upload.close()
+        self._upload = None
+        if written != f.size:
+            raise PlanError([Problem(f"{self._sink}/{f.name}", f"wrote {written} bytes of {f.size}")])
+
+
+def _shards(array: jax.Array) -> list[Any]:
+    """This process's shards of a gathered tensor in row order, one per row range."""
+    seen: dict[Any, Any] = collections.OrderedDict()
+    for shard in array.addressable_shards:
+        index = shard.index[0] if shard.index else slice(None)
+        key = (index.start or 0) if isinstance(index, slice) else index
+        seen.setdefault(key, shard)
+    return [seen[k] for k in sorted(seen)]
+
+
+# -------------------------------------------------------------------- commit
+
+
+def _commit(sink: Sink, plan: _files.Files, cfg: Mapping[str, Any] | None) -> list[str]:
+    """The last writes, by one process once every process's files are written:
+    ``config.json``, then the index or the lone file's rename. The names written."""
+    done = []
+    if cfg is not None:
+        done.append("config.json")
+        sink.put("config.json", (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode())
+    if plan.index is None:
+        sink.rename(PARTIAL, _files.LONE)
+        done.append(_files.LONE)
+    else:
+        done.append(_files.INDEX)
+        sink.put(_files.INDEX, plan.index)
+    return done
+
+
+def _raise_undeleted(sink: Sink, existing: Sequence[str]) -> None:
+    left = sink.delete(existing)
+    if left:
+        raise PlanError([Problem(str(sink), f"could not remove the old checkpoint: {'; '.join(left)}")])
+
