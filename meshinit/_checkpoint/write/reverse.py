@@ -12,6 +12,11 @@ step on the devices:
   its slice of the joined axis; a :class:`Pad` its part, the padding dropped; a
   :class:`Fill` nothing.
 
+A join's parts and a pad's part must say their shapes where the parameter does not:
+each of a :class:`Concat`'s parts but one its length along the joined axis, a
+:class:`Pad`'s part its shape (a ``-1`` in it an axis the pad does not pad), each as a
+:class:`Tensor` with ``shape=``; an ``out_shape`` the axes it merged.
+
 What the parameters do not say is not guessed:
 
 - **The stored shape of a reshape.** The loader reshapes the stored tensor (or its
@@ -108,7 +113,9 @@ def _walk(
         return [_tensor(target, path, shape, ops, at, origin)]
     if isinstance(target, Pad):
         inner = _own_shape(target.part, None)
-        if inner is None or None in inner or len(inner) != len(shape):
+        if inner is not None and len(inner) == len(shape):  # a -1: an axis it does not pad
+            inner = tuple(shape[a] if n is None else n for a, n in enumerate(inner))
+        if inner is None or len(inner) != len(shape):
             raise _Refused(
                 f"its Pad's part {_said(target.part)} has no shape the export can know "
                 f"(give it a Tensor with shape=, or a Stack or Concat of such parts)"

@@ -1,0 +1,308 @@
+"""``meshinit.safetensors.save``: a load followed by a save with the same ``names=``
+gives back the files' tensors byte for byte, for every layout the export can undo; what
+it cannot undo is refused by name before a byte is written; the files follow Hugging
+Face's conventions."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+from helpers import xy_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshinit
+from meshinit.safetensors import Concat, Fill, Pad, Stack, Tensor
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+save_file, load_file = safetensors_numpy.save_file, safetensors_numpy.load_file
+
+MESHES = pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+
+
+def _random(shape, dtype, seed):
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return x.astype(dtype)
+
+
+def _bits(x):
+    x = np.ascontiguousarray(x)
+    return x.view(f"u{x.dtype.itemsize}") if x.dtype.itemsize in (1, 2, 4, 8) else x
+
+
+def _same_files(got_dir, want):
+    got = {}
+    for f in sorted(os.listdir(got_dir)):
+        if f.endswith(".safetensors"):
+            got.update(load_file(os.path.join(got_dir, f)))
+    assert sorted(got) == sorted(want)
+    for name, x in want.items():
+        assert got[name].dtype == x.dtype and got[name].shape == x.shape, name
+        np.testing.assert_array_equal(_bits(got[name]), _bits(x), err_msg=name)
+
+
+def _round_trip(tmp_path, stored, planned, names, mesh, specs, **kw):
+    """``stored`` written as a checkpoint, loaded onto ``planned`` through ``names``,
+    then saved through the same ``names``: the export's tensors are the stored ones."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    save_file(stored, str(src / "model.safetensors"))
+    plan = meshinit.plan(
+        {
+            p: meshinit.param(s, jax.nn.initializers.zeros, dtype=d, mesh=mesh, axes=specs.get(p))
+            for p, (s, d) in planned.items()
+        }
+    )
+    loaded = meshinit.safetensors.load(plan, src, names=names)
+    report = meshinit.safetensors.save(loaded, out, names=names, **kw)
+    _same_files(out, stored)
+    return loaded, report
+
+
+@MESHES
+def test_renames_transposes_and_a_reshaped_split_round_trip(explicit, tmp_path):
+    mesh = xy_mesh((2, 4), explicit)
+    stored = {
+        "model.embed_tokens.weight": _random((64, 16), np.float32, 0),
+        "model.layers.0.self_attn.q_proj.weight": _random((4 * 8, 16), ml_dtypes.bfloat16, 1),
+        "model.layers.0.mlp.up_proj.weight": _random((32, 16), np.float32, 2),
+        "model.norm.weight": _random((16,), np.float32, 3),
+    }
+    planned = {
+        "embed": ((64, 16), jnp.float32),
+        "q": ((16, 4, 8), jnp.bfloat16),
+        "up": ((16, 32), jnp.float32),
+        "norm": ((16,), jnp.float32),
+    }
+    names = {
+        "embed": "model.embed_tokens.weight",
+        "q": Tensor("model.layers.0.self_attn.q_proj.weight", shape=(4, 8, -1), permute=(2, 0, 1)),
+        "up": Tensor("model.layers.0.mlp.up_proj.weight", permute=(1, 0)),
+        "norm": "model.norm.weight",
+    }
+    specs = {"embed": ("x", "y"), "q": ("x", "y", None), "up": ("y", "x"), "norm": ("x",)}
+    loaded, report = _round_trip(tmp_path, stored, planned, names, mesh, specs)
+    assert report.files == ("model.safetensors",)
+    assert report.bytes_by_process == (os.path.getsize(tmp_path / "out" / "model.safetensors"),)
+    with open(tmp_path / "out" / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert header["__metadata__"] == {"format": "pt"}
+
+
+@MESHES
+def test_a_stack_writes_one_tensor_per_layer_with_one_program(explicit, tmp_path):
+    from meshinit._checkpoint.write import save as _save
+
+    mesh = xy_mesh((2, 4), explicit)
+    layers = 6
+    stored = {f"model.layers.{i}.mlp.up_proj.weight": _random((32, 8), np.float32, i) for i in range(layers)}
+    names = {
+        "up": Stack(
+            [Tensor(f"model.layers.{i}.mlp.up_proj.weight", permute=(1, 0)) for i in range(layers)],
+            axis=0,
+        )
+    }
+    before = len(_save._programs)
+    _save._programs.clear()
+    _round_trip(tmp_path, stored, {"up": ((layers, 8, 32), jnp.float32)}, names, mesh,
+                {"up": (None, "x", "y")})
+    assert len(_save._programs) == 1  # every layer shares the program: depth changes nothing
+    del before
+
+
+@MESHES
+def test_one_fused_tensor_split_into_parameters_and_a_concat_round_trip(explicit, tmp_path):
+    mesh = xy_mesh((2, 4), explicit)
+    stored = {
+        "qkv.weight": _random((8 + 4 + 4, 16), np.float32, 0),  # q, k, v rows
+        "gate.weight": _random((24, 16), np.float32, 1),
+        "up.weight": _random((24, 16), np.float32, 2),
+    }
+    names = {
+        "q": Tensor("qkv.weight", index=np.s_[:8], permute=(1, 0)),
+        "k": Tensor("qkv.weight", index=np.s_[8:12], permute=(1, 0)),
+        "v": Tensor("qkv.weight", index=np.s_[12:], permute=(1, 0)),
+        "gate_up": Concat(
+            [Tensor("gate.weight", shape=(24, -1), permute=(1, 0)), Tensor("up.weight", permute=(1, 0))],
+            axis=1,
+        ),
+    }
+    planned = {
+        "q": ((16, 8), jnp.float32),
+        "k": ((16, 4), jnp.float32),
+        "v": ((16, 4), jnp.float32),
+        "gate_up": ((16, 48), jnp.float32),
+    }
+    specs = {"q": ("x", "y"), "k": ("x", "y"), "v": (None, "y"), "gate_up": ("x", "y")}
+    _round_trip(tmp_path, stored, planned, names, mesh, specs)
+
+
+@MESHES
+def test_a_pad_drops_its_padding_and_out_shape_is_undone(explicit, tmp_path):
+    mesh = xy_mesh((2, 4), explicit)
+    heads, half, d = 4, 2, 8
+    stored = {
+        "embed.weight": _random((60, 8), ml_dtypes.bfloat16, 0),
+        "q.weight": _random((heads * 2 * half, d), np.float32, 1),
+    }
+    names = {  # a vocabulary padded to 64; MaxText's interleaved rotary layout
+        "embed": Pad(Tensor("embed.weight", shape=(60, -1)), shape=(64, 8)),
+        "q": Tensor("q.weight", shape=(heads, 2, half, -1), permute=(3, 0, 2, 1), out_shape=(d, heads, 2 * half)),
+        "bias": Fill(0.0),
+    }
+    planned = {
+        "embed": ((64, 8), jnp.bfloat16),
+        "q": ((d, heads, 2 * half), jnp.float32),
+        "bias": ((8,), jnp.float32),
+    }
+    specs = {"embed": ("x", "y"), "q": ("x", "y", None), "bias": ("y",)}
+    _round_trip(tmp_path, stored, planned, names, mesh, specs)
+
+
+def test_each_refusal_names_the_tensor_and_writes_nothing(tmp_path):
+    mesh = xy_mesh((2, 4), False)
+    s = NamedSharding(mesh, P("x", "y"))
+    arrays = {
+        "a": jax.device_put(jnp.ones((8, 8)), s),
+        "b": jax.device_put(jnp.ones((8, 8)), s),
+        "c": jax.device_put(jnp.ones((8, 8)), s),
+        "d": jax.device_put(jnp.ones((8, 8)), s),
+        "e": jax.device_put(jnp.ones((8, 4)), s),
+        "none": None,
+    }
+    names = {
+        "a": Tensor("twice", index=np.s_[:8]),
+        "b": Tensor("twice", index=np.s_[4:12]),  # overlaps a's rows
+        "c": Tensor("part", index=np.s_[2:10]),  # rows 0-1 written by none
+        "d": Tensor("scaled", scale=0.5),
+        "e": "same",
+        "none": "same",
+    }
+    out = tmp_path / "out"
+    with pytest.raises(meshinit.PlanError) as raised:
+        meshinit.safetensors.save(arrays, out, names=names)
+    text = str(raised.value)
+    assert "nothing was written" in text
+    assert "twice: is written twice" in text
+    assert "part: is covered only in part" in text
+    assert "scale=0.5, which has no saving hook" in text
+    assert "none: has no array to write" in text
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_two_parameters_that_write_one_name_are_refused(tmp_path):
+    mesh = xy_mesh((2, 4), False)
+    s = NamedSharding(mesh, P())
+    arrays = {"a": jax.device_put(jnp.ones((4,)), s), "b": jax.device_put(jnp.ones((4,)), s)}
+    with pytest.raises(meshinit.PlanError, match=r"one: is written twice, by a and b"):
+        meshinit.safetensors.save(arrays, tmp_path / "out", names={"a": "one", "b": "one"})
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_dtype_casts_on_the_devices_rounding_to_nearest_even(tmp_path):
+    mesh = xy_mesh((2, 4), True)
+    x = _random((16, 8), np.float32, 0)
+    x[0, 0] = np.float32(1.0 + 2**-8)  # halfway between two bf16: to even (1.0)
+    x[0, 1] = np.float32(1.0 + 3 * 2**-8)  # halfway: to even (1.0 + 2**-6)
+    arrays = {"w": jax.device_put(x, NamedSharding(mesh, P("x", "y"))),
+              "i": jax.device_put(np.arange(8, dtype=np.int32), NamedSharding(mesh, P("y")))}
+    meshinit.safetensors.save(arrays, tmp_path / "out", dtype=jnp.bfloat16)
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert got["w"].dtype == ml_dtypes.bfloat16 and got["i"].dtype == np.int32
+    np.testing.assert_array_equal(_bits(got["w"]), _bits(x.astype(ml_dtypes.bfloat16)))
+    assert float(got["w"][0, 0]) == 1.0 and float(got["w"][0, 1]) == 1.0 + 2**-6
+
+
+def test_sharded_files_have_an_index_and_stay_within_max_shard_size(tmp_path):
+    mesh = xy_mesh((2, 4), False)
+    s = NamedSharding(mesh, P("x"))
+    arrays = {f"w{i}": jax.device_put(_random((8, 16), np.float32, i), s) for i in range(5)}
+    arrays["big"] = jax.device_put(_random((32, 16), np.float32, 9), s)  # larger than a file
+    report = meshinit.safetensors.save(arrays, tmp_path / "out", max_shard_size="1KB")
+    out = tmp_path / "out"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    n = len(files)
+    assert n > 1 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert set(index["weight_map"]) == set(arrays) and set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in arrays.values())
+    assert index["metadata"]["total_parameters"] == sum(a.size for a in arrays.values())
+    for f in files:
+        tensors = load_file(str(out / f))
+        assert sum(t.nbytes for t in tensors.values()) <= 1000 or len(tensors) == 1
+    assert report.files[-1] == "model.safetensors.index.json"
+    _same_files(out, {k: np.asarray(v) for k, v in arrays.items()})
+
+
+def test_an_nnx_module_and_linen_variables_are_written_under_their_paths(tmp_path):
+    mesh = xy_mesh((2, 4), True)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(8, 16, rngs=rngs)
+            self.norm = nnx.RMSNorm(16, rngs=rngs)
+
+    with jax.set_mesh(mesh):
+        model = Model(nnx.Rngs(0))
+    meshinit.safetensors.save(model, tmp_path / "nnx")
+    got = load_file(str(tmp_path / "nnx" / "model.safetensors"))
+    assert sorted(got) == ["norm.scale", "up.bias", "up.kernel"]
+    np.testing.assert_array_equal(got["up.kernel"], np.asarray(model.up.kernel[...]))
+
+    variables = nn.Dense(4).init(jax.random.key(0), jnp.ones((1, 8)))
+    meshinit.safetensors.save(variables, tmp_path / "linen")
+    got = load_file(str(tmp_path / "linen" / "model.safetensors"))
+    assert sorted(got) == ["params.bias", "params.kernel"]
+
+
+def test_config_is_written_and_a_tied_head_is_dropped(tmp_path):
+    s = NamedSharding(xy_mesh((2, 4), False), P())
+    arrays = {"model.embed_tokens.weight": jax.device_put(jnp.ones((8, 4)), s),
+              "lm_head.weight": jax.device_put(jnp.ones((8, 4)), s)}
+
+    class Config:
+        def to_dict(self):
+            return {"model_type": "llama", "tie_word_embeddings": True}
+
+    report = meshinit.safetensors.save(arrays, tmp_path / "out", config=Config())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
+    assert list(load_file(str(tmp_path / "out" / "model.safetensors"))) == ["model.embed_tokens.weight"]
+    assert report.files == ("model.safetensors", "config.json")
+
+
+def test_a_destination_with_a_checkpoint_is_refused_unless_overwrite(tmp_path):
+    s = NamedSharding(xy_mesh((2, 4), False), P())
+    arrays = {"w": jax.device_put(jnp.ones((4,)), s)}
+    out = tmp_path / "out"
+    out.mkdir()
+    save_file({"old": np.zeros(2, np.float32)}, str(out / "model-00001-of-00002.safetensors"))
+    with pytest.raises(meshinit.PlanError, match="already holds a checkpoint .*overwrite=True"):
+        meshinit.safetensors.save(arrays, out)
+    meshinit.safetensors.save(arrays, out, overwrite=True)
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+
+
+def test_a_failed_write_leaves_nothing_a_loader_would_take(tmp_path, monkeypatch):
+    from meshinit._checkpoint.write import save as _save
+
+    s = NamedSharding(xy_mesh((2, 4), False), P("x"))
+    arrays = {f"w{i}": jax.device_put(jnp.ones((8, 4)), s) for i in range(4)}
+    real = _save._Writer._write
+    calls = []
+
+    def failing(self, f, update):
+        calls.append(f.name)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(self, f, update)
+
+    monkeypatch.setattr(_save._Writer, "_write", failing)
+    with pytest.raises(OSError, match="disk full"):
+        meshinit.safetensors.save(arrays, tmp_path / "out", max_shard_size=100, config={"a": 1})
+    assert [f for f in os.listdir(tmp_path / "out") if not f.startswith(".")] == []
