@@ -148,8 +148,6 @@ def save(
     if not stored and not problems:
         problems.append(Problem(str(dest), "nothing to write: no parameter maps to a stored tensor"))
     existing = [] if problems else sink.checkpoint_files()
-    if cfg is not None and not problems and sink.exists("config.json"):
-        existing.append("config.json")
     if existing and not overwrite:
         problems.append(
             Problem(
@@ -168,7 +166,11 @@ def save(
     if quantize == "fp8":
         every = [s.name for s in stored]
         shapes = {s.name: s.shape for s in stored}
-        modules = _fp8.not_converted(every, shapes, modules_to_not_convert)
+        try:
+            modules = _fp8.not_converted(every, shapes, modules_to_not_convert)
+        except ValueError as e:
+            raise PlanError([Problem("modules_to_not_convert", str(e))],
+                            header=f"{what}: nothing was written:") from None
         cfg = {**(cfg or {}), "quantization_config": _fp8.quantization_config(modules)}
     facts = {
         "dest": str(sink),
@@ -289,7 +291,7 @@ def _works(
             continue
         (devices,) = orders
         writers = tuple(sorted({d.process_index for d in devices}))
-        fp8 = quantize == "fp8" and _fp8.converted(r.name, r.shape, modules or _fp8.MODULES_TO_NOT_CONVERT)
+        fp8 = quantize == "fp8" and _fp8.converted(r.name, r.shape, modules or ())
         if fp8 and not jnp.issubdtype(r.dtype, jnp.floating):
             fp8 = False
         if fp8:
@@ -533,7 +535,7 @@ class _Writer:
     def _write(self, f: _files.File, update: Callable[[int], None]) -> None:
         name = PARTIAL if f.name == _files.LONE else f.name
         self.opened.append(name)
-        upload = self._upload = self._sink.open(name)
+        upload = self._upload = self._sink.open(name, size=f.size)
         upload.write(f.header)
         update(len(f.header))
         for t in f.tensors:

@@ -36,11 +36,35 @@ def _bits(x):
     return x.view(f"u{x.dtype.itemsize}") if x.dtype.itemsize in (1, 2, 4, 8) else x
 
 
+_RAW = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16, "F32": "<f4", "I32": "<i4"}
+
+
+def _read(path):
+    """A file's tensors, its header first checked by the safetensors package (whose
+    numpy reader knows no float8): the bytes as stored."""
+    import safetensors
+
+    with safetensors.safe_open(path, "np") as f:
+        names = set(f.keys())
+    data = open(path, "rb").read()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = info["data_offsets"]
+        raw = data[8 + n + a : 8 + n + b]
+        out[name] = np.frombuffer(raw, _RAW[info["dtype"]]).reshape(info["shape"])
+    assert set(out) == names
+    return out
+
+
 def _same_files(got_dir, want):
     got = {}
     for f in sorted(os.listdir(got_dir)):
         if f.endswith(".safetensors"):
-            got.update(load_file(os.path.join(got_dir, f)))
+            got.update(_read(os.path.join(got_dir, f)))
     assert sorted(got) == sorted(want)
     for name, x in want.items():
         assert got[name].dtype == x.dtype and got[name].shape == x.shape, name
@@ -306,3 +330,59 @@ def test_a_failed_write_leaves_nothing_a_loader_would_take(tmp_path, monkeypatch
     with pytest.raises(OSError, match="disk full"):
         meshinit.safetensors.save(arrays, tmp_path / "out", max_shard_size=100, config={"a": 1})
     assert [f for f in os.listdir(tmp_path / "out") if not f.startswith(".")] == []
+
+
+@MESHES
+def test_fp8_export_has_deepgemms_bits_and_loads_back_as_weight_dequant(explicit, tmp_path):
+    from _checkpoint.encodings.fp8.test_encode import cast_stacked, per_block_cast_to_fp8
+    from _checkpoint.encodings.fp8.test_encode import weight_dequant
+
+    mesh = xy_mesh((2, 4), explicit)
+    rng = np.random.default_rng(8)
+    w = (rng.standard_normal((200, 300)) * 0.05).astype(ml_dtypes.bfloat16)  # ragged blocks
+    experts = rng.standard_normal((4, 130, 260)).astype(np.float32)
+    norm = rng.standard_normal((300,)).astype(np.float32)
+    embed = rng.standard_normal((50, 300)).astype(np.float32)
+    place = {  # 200 rows over 2 and 300 columns over 4: shards cut 128 x 128 blocks
+        "w": P("x", "y"), "experts": P(None, "x", "y"), "norm": P("y"), "embed": P(None, "y")
+    }
+    given = {"w": w, "experts": experts, "norm": norm, "embed": embed}
+    arrays = {k: jax.device_put(v, NamedSharding(mesh, place[k])) for k, v in given.items()}
+    names = {
+        "w": "model.layers.0.mlp.down_proj.weight",
+        "experts": "model.layers.0.mlp.experts.gate_up_proj.weight",
+        "norm": "model.norm.weight",
+        "embed": "model.embed_tokens.weight",
+    }
+    out = tmp_path / "fp8"
+    meshinit.safetensors.save(arrays, out, names=names, quantize="fp8", config={"model_type": "x"})
+    got = _read(str(out / "model.safetensors"))
+    w8, ws = per_block_cast_to_fp8(w)
+    e8, es = cast_stacked(experts)
+    want = {
+        "model.layers.0.mlp.down_proj.weight": w8,
+        "model.layers.0.mlp.down_proj.weight_scale_inv": ws,
+        "model.layers.0.mlp.experts.gate_up_proj.weight": e8,
+        "model.layers.0.mlp.experts.gate_up_proj.weight_scale_inv": es,
+        "model.norm.weight": norm,
+        "model.embed_tokens.weight": embed,
+    }
+    _same_files(out, want)
+    assert got["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (2, 3)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "x"
+    assert config["quantization_config"] == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128], "modules_to_not_convert": ["model.embed_tokens"],
+    }
+    # meshinit's own FP8 load of the export: weight_dequant of the written bytes
+    plan = meshinit.plan({
+        "w": meshinit.param((200, 300), jax.nn.initializers.zeros, dtype=jnp.bfloat16,
+                            mesh=mesh, axes=("x", "y")),
+    })
+    loaded = meshinit.safetensors.load(
+        plan, out, names={"w": "model.layers.0.mlp.down_proj.weight"}, unused="ignore"
+    )
+    np.testing.assert_array_equal(
+        _bits(np.asarray(loaded["w"])), _bits(weight_dequant(w8, ws, dtype=ml_dtypes.bfloat16))
+    )
