@@ -386,8 +386,19 @@ def save(
     with _agree.collective(what):
         with _aio.session(_aio.TIMEOUT):
             return _saver.save(
-                arrays, dest, names, dtype, quantize, modules_to_not_convert, max_shard_size,
-                config, storage_options, max_inflight_bytes, overwrite, progress, what,
+                arrays,
+                dest,
+                names,
+                dtype,
+                quantize,
+                modules_to_not_convert,
+                max_shard_size,
+                config,
+                storage_options,
+                max_inflight_bytes,
+                overwrite,
+                progress,
+                what,
             )
 
 

@@ -63,7 +63,9 @@ def arrays() -> dict[str, jax.Array]:
     out = {}
     for name, x in values().items():
         mesh, spec = specs[name]
-        out[name] = jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i, x=x: x[i])
+        out[name] = jax.make_array_from_callback(
+            x.shape, NamedSharding(mesh, spec), lambda i, x=x: x[i]
+        )
     return out
 
 
@@ -71,16 +73,17 @@ NAMES = {
     "embed": "model.embed_tokens.weight",
     "up": meshinit.safetensors.Tensor("model.mlp.up_proj.weight", permute=(1, 0)),
     "norm": "model.norm.weight",
-    "layers": meshinit.safetensors.Stack(
-        [f"model.layers.{i}.w" for i in range(LAYERS)], axis=0
-    ),
+    "layers": meshinit.safetensors.Stack([f"model.layers.{i}.w" for i in range(LAYERS)], axis=0),
 }
 
 
 def expected() -> dict[str, np.ndarray]:
     v = values()
-    out = {"model.embed_tokens.weight": v["embed"], "model.mlp.up_proj.weight": v["up"].T.copy(),
-           "model.norm.weight": v["norm"]}
+    out = {
+        "model.embed_tokens.weight": v["embed"],
+        "model.mlp.up_proj.weight": v["up"].T.copy(),
+        "model.norm.weight": v["norm"],
+    }
     out.update({f"model.layers.{i}.w": v["layers"][i] for i in range(LAYERS)})
     return out
 
@@ -95,6 +98,7 @@ def main(process_id: int, port: int, dest: str, scenario: str) -> int:
         secret = os.environ["AWS_SECRET_ACCESS_KEY"]
         options = {"access_key_id": f"proc-{process_id}", "secret_access_key": secret}
     if scenario == "fail" and process_id == FAILING and not dest.startswith("s3://"):
+
         def broken(self: Any, data: Any) -> None:
             raise OSError(28, "No space left on device (injected)")
 
@@ -105,7 +109,11 @@ def main(process_id: int, port: int, dest: str, scenario: str) -> int:
     step: dict[str, Any] = {"label": scenario, "started": time.time()}
     try:
         report = meshinit.safetensors.save(
-            given, dest, names=NAMES, storage_options=options, max_inflight_bytes=16384,
+            given,
+            dest,
+            names=NAMES,
+            storage_options=options,
+            max_inflight_bytes=16384,
             config={"model_type": "test"},
         )
         step["outcome"] = "ok"
@@ -122,7 +130,9 @@ def main(process_id: int, port: int, dest: str, scenario: str) -> int:
     if process_id == 0:  # the coordinator leaves last
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            done = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get("export_worker/done/")}
+            done = {
+                int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get("export_worker/done/")
+            }
             if done >= set(range(NUM_PROCESSES)):
                 break
             time.sleep(0.05)

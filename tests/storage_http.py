@@ -306,8 +306,17 @@ class Handler(BaseHTTPRequestHandler):
         ranged = span if status == 206 else None
         auth = self.headers.get("Authorization")
         at = self.owner.counters.record(
-            Served(method, path, status, keep, ranged, self.path, auth, client_of(auth),
-                   getattr(self, "received", 0))
+            Served(
+                method,
+                path,
+                status,
+                keep,
+                ranged,
+                self.path,
+                auth,
+                client_of(auth),
+                getattr(self, "received", 0),
+            )
         )
         self.received = 0
         sent = 0

@@ -33,15 +33,22 @@ def spawn(tmp_path: Path, scenario: str, s3: bool, fault=None):
             if fault is not None:
                 fault(server)
         results = helpers.run_workers(
-            worker.__file__, worker.NUM_PROCESSES, (dest, scenario), tmp_path / "logs", env,
-            TIMEOUT_S, 30,
+            worker.__file__,
+            worker.NUM_PROCESSES,
+            (dest, scenario),
+            tmp_path / "logs",
+            env,
+            TIMEOUT_S,
+            30,
         )
         files = _listing(server, dest) if s3 else _local(dest)
         served = server.counters.log if s3 else []
     for i, r in enumerate(results):
         assert r["returncode"] == 0 and "DONE" in r["stdout"], helpers.describe_worker(i, r)
-    steps = [json.loads(next(x for x in r["stdout"].splitlines() if x.startswith("STEP "))[5:])
-             for r in results]
+    steps = [
+        json.loads(next(x for x in r["stdout"].splitlines() if x.startswith("STEP "))[5:])
+        for r in results
+    ]
     return steps, files, served
 
 
@@ -81,7 +88,9 @@ def _exact(files, folder):
     assert sorted(got) == sorted(want)
     for name, x in want.items():
         assert got[name].dtype == x.dtype and got[name].shape == x.shape, name
-        np.testing.assert_array_equal(got[name].view(np.uint8), np.ascontiguousarray(x).view(np.uint8))
+        np.testing.assert_array_equal(
+            got[name].view(np.uint8), np.ascontiguousarray(x).view(np.uint8)
+        )
     index = json.loads(files["model.safetensors.index.json"])
     assert set(index["weight_map"]) == set(want)
     assert json.loads(files["config.json"]) == {"model_type": "test"}

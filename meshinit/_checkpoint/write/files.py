@@ -53,7 +53,9 @@ def shard_size(size: Any) -> int:
             raise ValueError(f"max_shard_size must be positive, got {size}")
         return size
     if not isinstance(size, str):
-        raise TypeError(f'max_shard_size must be bytes as an int, or a string like "5GB", got {size!r}')
+        raise TypeError(
+            f'max_shard_size must be bytes as an int, or a string like "5GB", got {size!r}'
+        )
     m = re.fullmatch(r"\s*(\d+)\s*([KMGT]i?[Bb])\s*", size, re.IGNORECASE)
     if m is None:
         raise ValueError(f'max_shard_size {size!r}: give bytes as "5GB", "500MB", "2GiB" or an int')

@@ -31,8 +31,11 @@ def arrays_of(given: Any) -> tuple[dict[str, Any], list[Problem]]:
             )
         elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             problems.append(
-                Problem(path, "is a PRNG key array: a checkpoint holds no keys (leave it out, "
-                              "or give jax.random.key_data(key))")
+                Problem(
+                    path,
+                    "is a PRNG key array: a checkpoint holds no keys (leave it out, "
+                    "or give jax.random.key_data(key))",
+                )
             )
     return flat, problems
 
@@ -45,7 +48,9 @@ def _flat(given: Any) -> dict[str, Any]:
         given = nnx.state(given, nnx.Param) if hasattr(given, "filter") else given
         flat = {}
         for keys, var in _state_items(nnx, given):
-            flat[".".join(map(str, keys))] = var.get_value() if hasattr(var, "get_value") else var.value
+            flat[".".join(map(str, keys))] = (
+                var.get_value() if hasattr(var, "get_value") else var.value
+            )
         return flat
     if isinstance(given, Mapping) and all(
         isinstance(k, str) and not isinstance(v, Mapping) for k, v in given.items()

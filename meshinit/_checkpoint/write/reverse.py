@@ -102,7 +102,11 @@ def recipes(
 
 
 def _walk(
-    target: Target, path: str, shape: tuple[int, ...], ops: tuple[Op, ...], at: tuple[int, ...],
+    target: Target,
+    path: str,
+    shape: tuple[int, ...],
+    ops: tuple[Op, ...],
+    at: tuple[int, ...],
     origin: str,
 ) -> list[_Leaf]:
     """The leaves of ``target``, a part of shape ``shape`` reached from the parameter
@@ -156,8 +160,10 @@ def _unjoin(target: Stack | Concat, shape: tuple[int, ...]) -> tuple[Op, ...]:
         shape = tuple(shape[a] for a in np.argsort(order))
     if target.out_shape is not None:
         if tuple(target.out_shape) != shape:
-            raise _Refused(f"its {type(target).__name__}'s out_shape {target.out_shape} is not the "
-                           f"parameter's shape {shape}")
+            raise _Refused(
+                f"its {type(target).__name__}'s out_shape {target.out_shape} is not the "
+                f"parameter's shape {shape}"
+            )
         pre = _joined_shape(target, math.prod(shape))
         if pre is None:
             raise _Refused(
@@ -252,7 +258,11 @@ def _concat_sizes(target: Concat, pre: tuple[int, ...], axis: int) -> list[int]:
 
 
 def _tensor(
-    t: Tensor, path: str, shape: tuple[int, ...], ops: tuple[Op, ...], at: tuple[int, ...],
+    t: Tensor,
+    path: str,
+    shape: tuple[int, ...],
+    ops: tuple[Op, ...],
+    at: tuple[int, ...],
     origin: str,
 ) -> _Leaf:
     """The leaf of one :class:`Tensor` part of shape ``shape``: its steps undone."""
@@ -267,7 +277,9 @@ def _tensor(
     view = shape  # the loader's transposed view, before out_shape
     if t.out_shape is not None:
         if tuple(t.out_shape) != shape:
-            raise _Refused(f"Tensor {t.name!r}: out_shape {t.out_shape} is not the part's shape {shape}")
+            raise _Refused(
+                f"Tensor {t.name!r}: out_shape {t.out_shape} is not the part's shape {shape}"
+            )
         if t.shape is None:
             raise _Refused(
                 f"Tensor {t.name!r} has out_shape= without shape=: the axes it merged are not "
@@ -285,7 +297,9 @@ def _tensor(
         if t.out_shape is not None:
             steps.append(("R", view))
         elif view != shape:
-            raise _Refused(f"Tensor {t.name!r}: shape={t.shape} permuted is {view}, the part {shape}")
+            raise _Refused(
+                f"Tensor {t.name!r}: shape={t.shape} permuted is {view}, the part {shape}"
+            )
         if order is not None:
             steps.append(("T", tuple(int(a) for a in np.argsort(order))))
         region = _runs(t.shape, resolved)
@@ -359,8 +373,11 @@ def _recipe(
     dtypes = {np.dtype(planned[w.path][1]) for w in writers}
     if len(dtypes) > 1:
         problems.append(
-            Problem(name, f"is written from parameters of dtypes {sorted(map(str, dtypes))} "
-                          f"({who}): cast them to one (dtype=)")
+            Problem(
+                name,
+                f"is written from parameters of dtypes {sorted(map(str, dtypes))} "
+                f"({who}): cast them to one (dtype=)",
+            )
         )
         return None
     stored = _extent(writers)
@@ -376,8 +393,11 @@ def _recipe(
             return None
         if tuple(length(s) for s in box) != w.region:
             problems.append(
-                Problem(name, f"its shape is not known: {w.origin}'s index={w.tensor.index} "
-                              f"of {stored} is not its {w.region}")
+                Problem(
+                    name,
+                    f"its shape is not known: {w.origin}'s index={w.tensor.index} "
+                    f"of {stored} is not its {w.region}",
+                )
             )
             return None
         boxes.append(tuple((s.start, s.stop, s.step or 1) for s in box))
@@ -411,7 +431,9 @@ def _extent(writers: list[_Leaf]) -> tuple[int, ...] | str:
                 continue
             start = 0 if s.start is None else s.start
             if start < 0 or (s.stop is not None and s.stop < 0):
-                return f"axis {a}'s index {s} counts from the end of a size the export does not know"
+                return (
+                    f"axis {a}'s index {s} counts from the end of a size the export does not know"
+                )
             step = s.step or 1
             reach = max(reach, start + (n - 1) * step + 1 if n else start)
         shape.append(reach)
@@ -431,8 +453,9 @@ def _axis_slice(index: tuple[Any, ...], axis: int, rank: int) -> slice | None:
     return index[axis] if axis < len(index) else None
 
 
-def _tiling(stored: tuple[int, ...], boxes: list[tuple[tuple[int, int, int], ...]],
-            origins: list[str]) -> str:
+def _tiling(
+    stored: tuple[int, ...], boxes: list[tuple[tuple[int, int, int], ...]], origins: list[str]
+) -> str:
     """Why ``boxes`` do not cover ``stored`` exactly once, or ``""``."""
     for i in range(len(boxes)):
         for j in range(i + 1, len(boxes)):

@@ -130,7 +130,9 @@ def save(
     cfg = _config(config)
     budget = DEFAULT_INFLIGHT if max_inflight_bytes is None else max_inflight_bytes
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise TypeError(f"max_inflight_bytes must be a positive int or None, got {max_inflight_bytes!r}")
+        raise TypeError(
+            f"max_inflight_bytes must be a positive int or None, got {max_inflight_bytes!r}"
+        )
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     _progress.check_progress(progress)
@@ -146,7 +148,9 @@ def save(
     works, stored, found = _works(recipes, arrays, cast, quantize, modules_to_not_convert)
     problems += found
     if not stored and not problems:
-        problems.append(Problem(str(dest), "nothing to write: no parameter maps to a stored tensor"))
+        problems.append(
+            Problem(str(dest), "nothing to write: no parameter maps to a stored tensor")
+        )
     existing = [] if problems else sink.checkpoint_files()
     if existing and not overwrite:
         problems.append(
@@ -169,8 +173,9 @@ def save(
         try:
             modules = _fp8.not_converted(every, shapes, modules_to_not_convert)
         except ValueError as e:
-            raise PlanError([Problem("modules_to_not_convert", str(e))],
-                            header=f"{what}: nothing was written:") from None
+            raise PlanError(
+                [Problem("modules_to_not_convert", str(e))], header=f"{what}: nothing was written:"
+            ) from None
         cfg = {**(cfg or {}), "quantization_config": _fp8.quantization_config(modules)}
     facts = {
         "dest": str(sink),
@@ -210,8 +215,9 @@ def save(
     if cfg is not None:
         listed.append("config.json")
     del quantized
-    return Export(str(dest), tuple(listed), total, tuple(written), written[me],
-                  time.monotonic() - started)
+    return Export(
+        str(dest), tuple(listed), total, tuple(written), written[me], time.monotonic() - started
+    )
 
 
 # ------------------------------------------------------------------- arguments
@@ -223,7 +229,9 @@ def _dtype(dtype: Any) -> str | None:
     try:
         d = np.dtype(dtype)
     except TypeError as e:
-        raise TypeError(f"dtype must be a floating dtype (jnp.bfloat16, 'float32'), got {dtype!r}") from e
+        raise TypeError(
+            f"dtype must be a floating dtype (jnp.bfloat16, 'float32'), got {dtype!r}"
+        ) from e
     if not jnp.issubdtype(d, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype (jnp.bfloat16, 'float32'), got {d}")
     return d.name
@@ -285,8 +293,11 @@ def _works(
         orders = {tuple(_order(a)) for a in sources}
         if len(orders) > 1:
             problems.append(
-                Problem(r.name, f"is made of parameters on different devices or device orders "
-                                f"({', '.join(r.paths)}): place them on one mesh")
+                Problem(
+                    r.name,
+                    f"is made of parameters on different devices or device orders "
+                    f"({', '.join(r.paths)}): place them on one mesh",
+                )
             )
             continue
         (devices,) = orders
@@ -301,15 +312,24 @@ def _works(
             scale_shape = (*r.shape[:-2], -(-rows // b0), -(-cols // b1))
             outs = [
                 _Out(_files.Stored(r.name, w_dtype, r.shape, writers), 0),
-                _Out(_files.Stored(f"{r.name}_scale_inv", np.dtype(np.float32), scale_shape, writers), 1),
+                _Out(
+                    _files.Stored(
+                        f"{r.name}_scale_inv", np.dtype(np.float32), scale_shape, writers
+                    ),
+                    1,
+                ),
             ]
         else:
-            out_dtype = np.dtype(cast) if cast and jnp.issubdtype(r.dtype, jnp.floating) else r.dtype
+            out_dtype = (
+                np.dtype(cast) if cast and jnp.issubdtype(r.dtype, jnp.floating) else r.dtype
+            )
             outs = [_Out(_files.Stored(r.name, out_dtype, r.shape, writers), 0)]
         for o in outs:
             if o.stored.name in seen:
                 problems.append(
-                    Problem(o.stored.name, f"is written twice: by {seen[o.stored.name]} and {r.origin}")
+                    Problem(
+                        o.stored.name, f"is written twice: by {seen[o.stored.name]} and {r.origin}"
+                    )
                 )
             seen[o.stored.name] = r.origin
         works.append(_Work(r, sources, devices, outs, cast, fp8))
@@ -330,7 +350,9 @@ def _auto(x: jax.Array) -> jax.Array:
         return x
     if all(t == AxisType.Auto for t in s.mesh.axis_types):
         return x
-    mesh = Mesh(s.mesh.devices, s.mesh.axis_names, axis_types=(AxisType.Auto,) * len(s.mesh.axis_names))
+    mesh = Mesh(
+        s.mesh.devices, s.mesh.axis_names, axis_types=(AxisType.Auto,) * len(s.mesh.axis_names)
+    )
     twin = NamedSharding(mesh, s.spec, memory_kind=s.memory_kind)
     return jax.make_array_from_single_device_arrays(
         x.shape, twin, [shard.data for shard in x.addressable_shards]
@@ -346,8 +368,10 @@ def _gathered(devices: tuple[Any, ...], shape: tuple[int, ...]) -> NamedSharding
     n = len(groups)
     k = len(devices) // n
     auto = (AxisType.Auto, AxisType.Auto)
-    if len(set(groups)) == n and len(devices) == n * k and all(
-        procs[i * k : (i + 1) * k] == [groups[i]] * k for i in range(n)
+    if (
+        len(set(groups)) == n
+        and len(devices) == n * k
+        and all(procs[i * k : (i + 1) * k] == [groups[i]] * k for i in range(n))
     ):
         mesh = Mesh(np.array(devices, dtype=object).reshape(n, k), ("p", "d"), axis_types=auto)
         split = bool(shape) and shape[0] % k == 0
@@ -410,7 +434,9 @@ def _batches(works: Sequence[_Work], plan: _files.Files, budget: int) -> list[li
     return batches
 
 
-def _run(works: Sequence[_Work], plan: _files.Files, writer: _Writer, budget: int, what: str) -> None:
+def _run(
+    works: Sequence[_Work], plan: _files.Files, writer: _Writer, budget: int, what: str
+) -> None:
     me = jax.process_index()
     mine = {t.name for f in plan.written_by(me) for t in f.tensors}
     for number, whole in enumerate(_batches(works, plan, budget // 2)):
@@ -420,7 +446,9 @@ def _run(works: Sequence[_Work], plan: _files.Files, writer: _Writer, budget: in
         batch = [w for w in whole if any(d.process_index == me for d in w.devices)]
         inputs = [tuple(_auto(a) for a in w.sources) for w in batch]
         programs = [_program(w, x) for w, x in zip(batch, inputs, strict=True)]
-        writer.wait_room(sum(o.stored.nbytes for w in batch for o in w.outs if o.stored.name in mine))
+        writer.wait_room(
+            sum(o.stored.nbytes for w in batch for o in w.outs if o.stored.name in mine)
+        )
         _agree.checkpoint(what, at)
         failed: BaseException | None = None
         with _agree.uninterrupted():
@@ -555,7 +583,9 @@ class _Writer:
         written = upload.close()
         self._upload = None
         if written != f.size:
-            raise PlanError([Problem(f"{self._sink}/{f.name}", f"wrote {written} bytes of {f.size}")])
+            raise PlanError(
+                [Problem(f"{self._sink}/{f.name}", f"wrote {written} bytes of {f.size}")]
+            )
 
 
 def _shards(array: jax.Array) -> list[Any]:
@@ -590,5 +620,6 @@ def _commit(sink: Sink, plan: _files.Files, cfg: Mapping[str, Any] | None) -> li
 def _raise_undeleted(sink: Sink, existing: Sequence[str]) -> None:
     left = sink.delete(existing)
     if left:
-        raise PlanError([Problem(str(sink), f"could not remove the old checkpoint: {'; '.join(left)}")])
-
+        raise PlanError(
+            [Problem(str(sink), f"could not remove the old checkpoint: {'; '.join(left)}")]
+        )

@@ -125,7 +125,10 @@ def test_a_stack_writes_one_tensor_per_layer_with_one_program(explicit, tmp_path
 
     mesh = xy_mesh((2, 4), explicit)
     layers = 6
-    stored = {f"model.layers.{i}.mlp.up_proj.weight": _random((32, 8), np.float32, i) for i in range(layers)}
+    stored = {
+        f"model.layers.{i}.mlp.up_proj.weight": _random((32, 8), np.float32, i)
+        for i in range(layers)
+    }
     names = {
         "up": Stack(
             [Tensor(f"model.layers.{i}.mlp.up_proj.weight", permute=(1, 0)) for i in range(layers)],
@@ -134,8 +137,14 @@ def test_a_stack_writes_one_tensor_per_layer_with_one_program(explicit, tmp_path
     }
     before = len(_save._programs)
     _save._programs.clear()
-    _round_trip(tmp_path, stored, {"up": ((layers, 8, 32), jnp.float32)}, names, mesh,
-                {"up": (None, "x", "y")})
+    _round_trip(
+        tmp_path,
+        stored,
+        {"up": ((layers, 8, 32), jnp.float32)},
+        names,
+        mesh,
+        {"up": (None, "x", "y")},
+    )
     assert len(_save._programs) == 1  # every layer shares the program: depth changes nothing
     del before
 
@@ -153,7 +162,10 @@ def test_one_fused_tensor_split_into_parameters_and_a_concat_round_trip(explicit
         "k": Tensor("qkv.weight", index=np.s_[8:12], permute=(1, 0)),
         "v": Tensor("qkv.weight", index=np.s_[12:], permute=(1, 0)),
         "gate_up": Concat(
-            [Tensor("gate.weight", shape=(24, -1), permute=(1, 0)), Tensor("up.weight", permute=(1, 0))],
+            [
+                Tensor("gate.weight", shape=(24, -1), permute=(1, 0)),
+                Tensor("up.weight", permute=(1, 0)),
+            ],
             axis=1,
         ),
     }
@@ -177,7 +189,12 @@ def test_a_pad_drops_its_padding_and_out_shape_is_undone(explicit, tmp_path):
     }
     names = {  # a vocabulary padded to 64; MaxText's interleaved rotary layout
         "embed": Pad(Tensor("embed.weight", shape=(60, -1)), shape=(64, 8)),
-        "q": Tensor("q.weight", shape=(heads, 2, half, -1), permute=(3, 0, 2, 1), out_shape=(d, heads, 2 * half)),
+        "q": Tensor(
+            "q.weight",
+            shape=(heads, 2, half, -1),
+            permute=(3, 0, 2, 1),
+            out_shape=(d, heads, 2 * half),
+        ),
         "bias": Fill(0.0),
     }
     planned = {
@@ -234,8 +251,10 @@ def test_dtype_casts_on_the_devices_rounding_to_nearest_even(tmp_path):
     x = _random((16, 8), np.float32, 0)
     x[0, 0] = np.float32(1.0 + 2**-8)  # halfway between two bf16: to even (1.0)
     x[0, 1] = np.float32(1.0 + 3 * 2**-8)  # halfway: to even (1.0 + 2**-6)
-    arrays = {"w": jax.device_put(x, NamedSharding(mesh, P("x", "y"))),
-              "i": jax.device_put(np.arange(8, dtype=np.int32), NamedSharding(mesh, P("y")))}
+    arrays = {
+        "w": jax.device_put(x, NamedSharding(mesh, P("x", "y"))),
+        "i": jax.device_put(np.arange(8, dtype=np.int32), NamedSharding(mesh, P("y"))),
+    }
     meshinit.safetensors.save(arrays, tmp_path / "out", dtype=jnp.bfloat16)
     got = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert got["w"].dtype == ml_dtypes.bfloat16 and got["i"].dtype == np.int32
@@ -254,7 +273,9 @@ def test_sharded_files_have_an_index_and_stay_within_max_shard_size(tmp_path):
     files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
     n = len(files)
     assert n > 1 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    assert set(index["weight_map"]) == set(arrays) and set(index["weight_map"].values()) == set(files)
+    assert set(index["weight_map"]) == set(arrays) and set(index["weight_map"].values()) == set(
+        files
+    )
     assert index["metadata"]["total_size"] == sum(a.nbytes for a in arrays.values())
     assert index["metadata"]["total_parameters"] == sum(a.size for a in arrays.values())
     for f in files:
@@ -287,8 +308,10 @@ def test_an_nnx_module_and_linen_variables_are_written_under_their_paths(tmp_pat
 
 def test_config_is_written_and_a_tied_head_is_dropped(tmp_path):
     s = NamedSharding(xy_mesh((2, 4), False), P())
-    arrays = {"model.embed_tokens.weight": jax.device_put(jnp.ones((8, 4)), s),
-              "lm_head.weight": jax.device_put(jnp.ones((8, 4)), s)}
+    arrays = {
+        "model.embed_tokens.weight": jax.device_put(jnp.ones((8, 4)), s),
+        "lm_head.weight": jax.device_put(jnp.ones((8, 4)), s),
+    }
 
     class Config:
         def to_dict(self):
@@ -296,7 +319,9 @@ def test_config_is_written_and_a_tied_head_is_dropped(tmp_path):
 
     report = meshinit.safetensors.save(arrays, tmp_path / "out", config=Config())
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
-    assert list(load_file(str(tmp_path / "out" / "model.safetensors"))) == ["model.embed_tokens.weight"]
+    assert list(load_file(str(tmp_path / "out" / "model.safetensors"))) == [
+        "model.embed_tokens.weight"
+    ]
     assert report.files == ("model.safetensors", "config.json")
 
 
@@ -334,8 +359,11 @@ def test_a_failed_write_leaves_nothing_a_loader_would_take(tmp_path, monkeypatch
 
 @MESHES
 def test_fp8_export_has_deepgemms_bits_and_loads_back_as_weight_dequant(explicit, tmp_path):
-    from _checkpoint.encodings.fp8.test_encode import cast_stacked, per_block_cast_to_fp8
-    from _checkpoint.encodings.fp8.test_encode import weight_dequant
+    from _checkpoint.encodings.fp8.test_encode import (
+        cast_stacked,
+        per_block_cast_to_fp8,
+        weight_dequant,
+    )
 
     mesh = xy_mesh((2, 4), explicit)
     rng = np.random.default_rng(8)
@@ -344,7 +372,10 @@ def test_fp8_export_has_deepgemms_bits_and_loads_back_as_weight_dequant(explicit
     norm = rng.standard_normal((300,)).astype(np.float32)
     embed = rng.standard_normal((50, 300)).astype(np.float32)
     place = {  # 200 rows over 2 and 300 columns over 4: shards cut 128 x 128 blocks
-        "w": P("x", "y"), "experts": P(None, "x", "y"), "norm": P("y"), "embed": P(None, "y")
+        "w": P("x", "y"),
+        "experts": P(None, "x", "y"),
+        "norm": P("y"),
+        "embed": P(None, "y"),
     }
     given = {"w": w, "experts": experts, "norm": norm, "embed": embed}
     arrays = {k: jax.device_put(v, NamedSharding(mesh, place[k])) for k, v in given.items()}
@@ -372,14 +403,24 @@ def test_fp8_export_has_deepgemms_bits_and_loads_back_as_weight_dequant(explicit
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "x"
     assert config["quantization_config"] == {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128], "modules_to_not_convert": ["model.embed_tokens"],
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["model.embed_tokens"],
     }
     # meshinit's own FP8 load of the export: weight_dequant of the written bytes
-    plan = meshinit.plan({
-        "w": meshinit.param((200, 300), jax.nn.initializers.zeros, dtype=jnp.bfloat16,
-                            mesh=mesh, axes=("x", "y")),
-    })
+    plan = meshinit.plan(
+        {
+            "w": meshinit.param(
+                (200, 300),
+                jax.nn.initializers.zeros,
+                dtype=jnp.bfloat16,
+                mesh=mesh,
+                axes=("x", "y"),
+            ),
+        }
+    )
     loaded = meshinit.safetensors.load(
         plan, out, names={"w": "model.layers.0.mlp.down_proj.weight"}, unused="ignore"
     )

@@ -35,7 +35,8 @@ def ceil_div(a, b):
 def per_block_cast_to_fp8(x, block=(128, 128)):
     """DeepGEMM's ``per_block_cast_to_fp8``, line by line in numpy and ml_dtypes, from
     deepseek-ai/DeepGEMM's ``test_core.py`` (in its tests folder) as first published
-    (commit a6d97a1, 2025-02-25); ``block`` generalizes its fixed 128. Each torch operation keeps the
+    (commit a6d97a1, 2025-02-25); ``block`` generalizes its fixed 128. Each torch
+    operation keeps the
     arithmetic torch gives it on the GPU, where DeepGEMM runs:
 
     - ``x_padded`` is zeros of ``x``'s dtype; ``abs().float()`` is exact;
