@@ -19,18 +19,15 @@ a checkpoint.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ... import _caches
 from ..._errors import PlanError, Problem
@@ -40,21 +37,21 @@ from ..encodings.fp8 import encode as _fp8
 from ..layout.recipe import Recipe
 from ..maps import framework as _framework
 from ..maps import names as _names
-from ..store.sink import Sink, Upload
+from ..store.sink import Sink
 from . import files as _files
 from . import inputs as _inputs
+from . import programs as _programs
 from . import reverse as _reverse
+from . import writer as _writer
 
 BYTES_WRITTEN = "/meshinit/safetensors/bytes_written"
 """The ``jax.monitoring`` scalar each process records once per export: the bytes of
 the files it wrote (headers included)."""
 
-PARTIAL = ".model.safetensors.partial"
-"""A lone file's name until the commit renames it (hidden: no loader takes it)."""
 
 DEFAULT_INFLIGHT = 1 << 30
 
-_programs = _caches.lru("export programs", 256)
+programs = _caches.lru("export programs", 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,24 +74,6 @@ class Export:
     bytes_by_process: tuple[int, ...]
     bytes_written: int
     seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class _Out:
-    """A stored tensor made by a recipe's program: which output, and its file."""
-
-    stored: _files.Stored
-    output: int  # 0: the tensor; 1: an FP8 weight's scale_inv
-
-
-@dataclasses.dataclass
-class _Work:
-    recipe: Recipe
-    sources: tuple[jax.Array, ...]
-    devices: tuple[Any, ...]  # the device order of its parameters
-    outs: list[_Out]
-    cast: str | None
-    fp8: bool
 
 
 def save(
@@ -186,9 +165,9 @@ def save(
         "existing": ", ".join(sorted(existing)),
     }
     _agree.checkpoint(what, "inputs", facts)
-    names_all = [f.name for f in plan.files] + [PARTIAL]
+    names_all = [f.name for f in plan.files] + [_writer.PARTIAL]
     committed: list[str] = []
-    writer = _Writer(sink, plan, me, budget // 2, progress)
+    writer = _writer.Writer(sink, plan, me, budget // 2, progress)
     try:
         if existing:
             if me == 0:
@@ -209,7 +188,7 @@ def save(
     total = sum(s.nbytes for s in stored)
     written = plan.bytes_by_process(count)
     jax.monitoring.record_scalar(BYTES_WRITTEN, float(written[me]))
-    listed = [f.name if f.name != PARTIAL else _files.LONE for f in plan.files]
+    listed = [f.name if f.name != _writer.PARTIAL else _files.LONE for f in plan.files]
     if plan.index is not None:
         listed.append(_files.INDEX)
     if cfg is not None:
@@ -285,12 +264,12 @@ def _works(
     cast: str | None,
     quantize: str | None,
     modules: Sequence[str] | None,
-) -> tuple[list[_Work], list[_files.Stored], list[Problem]]:
+) -> tuple[list[_programs.Work], list[_files.Stored], list[Problem]]:
     works, stored, problems = [], [], []
     seen: dict[str, str] = {}
     for r in recipes:
         sources = tuple(arrays[p] for p in r.paths)
-        orders = {tuple(_order(a)) for a in sources}
+        orders = {tuple(_programs.order(a)) for a in sources}
         if len(orders) > 1:
             problems.append(
                 Problem(
@@ -311,8 +290,8 @@ def _works(
             b0, b1 = _fp8.BLOCK
             scale_shape = (*r.shape[:-2], -(-rows // b0), -(-cols // b1))
             outs = [
-                _Out(_files.Stored(r.name, w_dtype, r.shape, writers), 0),
-                _Out(
+                _programs.Out(_files.Stored(r.name, w_dtype, r.shape, writers), 0),
+                _programs.Out(
                     _files.Stored(
                         f"{r.name}_scale_inv", np.dtype(np.float32), scale_shape, writers
                     ),
@@ -323,7 +302,7 @@ def _works(
             out_dtype = (
                 np.dtype(cast) if cast and jnp.issubdtype(r.dtype, jnp.floating) else r.dtype
             )
-            outs = [_Out(_files.Stored(r.name, out_dtype, r.shape, writers), 0)]
+            outs = [_programs.Out(_files.Stored(r.name, out_dtype, r.shape, writers), 0)]
         for o in outs:
             if o.stored.name in seen:
                 problems.append(
@@ -332,120 +311,27 @@ def _works(
                     )
                 )
             seen[o.stored.name] = r.origin
-        works.append(_Work(r, sources, devices, outs, cast, fp8))
+        works.append(_programs.Work(r, sources, devices, outs, cast, fp8))
         stored += [o.stored for o in outs]
     return works, stored, problems
 
 
-def _order(x: jax.Array) -> tuple[Any, ...]:
-    return tuple(x.sharding._device_assignment)  # the order jit compiles for
-
-
-def _auto(x: jax.Array) -> jax.Array:
-    """``x`` on a twin of its mesh whose axes are all Auto (same devices, indices and
-    buffers: no copy), so that the recipes' reshapes and transposes compile as on an
-    Auto mesh whatever the parameter's mesh says."""
-    s = x.sharding
-    if not isinstance(s, NamedSharding) or not isinstance(s.mesh, Mesh):
-        return x
-    if all(t == AxisType.Auto for t in s.mesh.axis_types):
-        return x
-    mesh = Mesh(
-        s.mesh.devices, s.mesh.axis_names, axis_types=(AxisType.Auto,) * len(s.mesh.axis_names)
-    )
-    twin = NamedSharding(mesh, s.spec, memory_kind=s.memory_kind)
-    return jax.make_array_from_single_device_arrays(
-        x.shape, twin, [shard.data for shard in x.addressable_shards]
-    )
-
-
-def _gathered(devices: tuple[Any, ...], shape: tuple[int, ...]) -> NamedSharding:
-    """Where a stored tensor is made: whole on every process of its parameters, split by
-    rows over each process's devices where they divide it (each shard then a run of
-    whole rows, written as it is), else whole on each device."""
-    procs = [d.process_index for d in devices]
-    groups = [procs[i] for i in range(len(procs)) if i == 0 or procs[i] != procs[i - 1]]
-    n = len(groups)
-    k = len(devices) // n
-    auto = (AxisType.Auto, AxisType.Auto)
-    if (
-        len(set(groups)) == n
-        and len(devices) == n * k
-        and all(procs[i * k : (i + 1) * k] == [groups[i]] * k for i in range(n))
-    ):
-        mesh = Mesh(np.array(devices, dtype=object).reshape(n, k), ("p", "d"), axis_types=auto)
-        split = bool(shape) and shape[0] % k == 0
-        return NamedSharding(mesh, PartitionSpec("d") if split else PartitionSpec())
-    mesh = Mesh(np.array(devices, dtype=object).reshape(1, -1), ("p", "d"), axis_types=auto)
-    return NamedSharding(mesh, PartitionSpec())
-
-
-@dataclasses.dataclass(frozen=True)
-class _Make:
-    """A program's function: the recipe's build, then the cast or the FP8 encoding."""
-
-    build: Any
-    cast: str | None
-    fp8: bool
-
-    def __call__(self, arrays: tuple[jax.Array, ...], at: tuple[Any, ...]) -> tuple[jax.Array, ...]:
-        x = self.build(arrays, at)
-        if self.fp8:
-            return tuple(_fp8.quantize(x))
-        if self.cast is not None and jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(self.cast)
-        return (x,)
-
-
-def _program(work: _Work, inputs: tuple[jax.Array, ...]) -> Any:
-    make = _Make(work.recipe.build, work.cast if not work.fp8 else None, work.fp8)
-    outs = tuple(_gathered(work.devices, o.stored.shape) for o in work.outs)
-    at = tuple(jax.ShapeDtypeStruct((), jnp.int32) for _ in work.recipe.at)
-    key = (make, tuple((a.shape, str(a.dtype), a.sharding) for a in inputs), outs, len(at))
-    compiled = _programs.get(key)
-    if compiled is None:
-        compiled = jax.jit(make, out_shardings=outs).lower(inputs, at).compile()
-        _programs.put(key, compiled)
-    return compiled
-
-
-def _batches(works: Sequence[_Work], plan: _files.Files, budget: int) -> list[list[_Work]]:
-    """The works in the order the writers need them (every writer's stream front to
-    back at once), cut into batches of at most ``budget`` gathered bytes."""
-    place: dict[str, int] = {}
-    for writer in {f.writer for f in plan.files}:
-        at = 0
-        for f in plan.files:
-            if f.writer != writer:
-                continue
-            for t, offset in zip(f.tensors, f.offsets, strict=True):
-                place[t.name] = at + offset
-            at += f.size
-    order = sorted(works, key=lambda w: min(place[o.stored.name] for o in w.outs))
-    batches: list[list[_Work]] = []
-    size = 0
-    for w in order:
-        n = sum(o.stored.nbytes for o in w.outs)
-        if not batches or size + n > budget:
-            batches.append([])
-            size = 0
-        batches[-1].append(w)
-        size += n
-    return batches
-
-
 def _run(
-    works: Sequence[_Work], plan: _files.Files, writer: _Writer, budget: int, what: str
+    works: Sequence[_programs.Work],
+    plan: _files.Files,
+    writer: _writer.Writer,
+    budget: int,
+    what: str,
 ) -> None:
     me = jax.process_index()
     mine = {t.name for f in plan.written_by(me) for t in f.tensors}
-    for number, whole in enumerate(_batches(works, plan, budget // 2)):
+    for number, whole in enumerate(_programs.batches(works, plan, budget // 2)):
         writer.check()
         at = f"batch {number} ({_agree.digest([w.recipe.name for w in whole])})"
         # a process that holds none of a recipe's parameters takes no part in its program
         batch = [w for w in whole if any(d.process_index == me for d in w.devices)]
-        inputs = [tuple(_auto(a) for a in w.sources) for w in batch]
-        programs = [_program(w, x) for w, x in zip(batch, inputs, strict=True)]
+        inputs = [tuple(_programs.auto(a) for a in w.sources) for w in batch]
+        programs = [_programs.program(w, x) for w, x in zip(batch, inputs, strict=True)]
         writer.wait_room(
             sum(o.stored.nbytes for w in batch for o in w.outs if o.stored.name in mine)
         )
@@ -476,128 +362,6 @@ def _run(
 # ------------------------------------------------------------------- writing
 
 
-class _Writer:
-    """This process's files, written front to back on one thread as their tensors are
-    handed over (:meth:`hand`), each tensor's device-to-host copy started when it is
-    handed, so that copies overlap the writes."""
-
-    def __init__(self, sink: Sink, plan: _files.Files, me: int, room: int, progress: bool | None):
-        self._sink = sink
-        self._files = plan.written_by(me)
-        self._room = room
-        self._progress = progress
-        self._ready: dict[str, jax.Array] = {}
-        self._held = 0
-        self._cond = threading.Condition()
-        self._error: BaseException | None = None
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self._upload: Upload | None = None
-        self._wanted: str | None = None
-        self.opened: list[str] = []
-        self._total = sum(f.size for f in self._files)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="meshinit-export", daemon=True)
-        self._thread.start()
-
-    def hand(self, name: str, array: jax.Array) -> None:
-        for shard in _shards(array):
-            shard.data.copy_to_host_async()
-        with self._cond:
-            self._ready[name] = array
-            self._held += array.nbytes
-            self._cond.notify_all()
-
-    def wait_room(self, nbytes: int) -> None:
-        """Waits until ``nbytes`` more may be held for the writer (or nothing is)."""
-        with self._cond:  # (never while the writer waits for a tensor not yet handed)
-            while (
-                self._held
-                and self._held + nbytes > self._room
-                and self._error is None
-                and self._wanted in self._ready
-            ):
-                self._cond.wait(0.05)
-        self.check()
-
-    def check(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def finish(self) -> None:
-        assert self._thread is not None
-        self._thread.join()
-        self.check()
-
-    def abort(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-        if self._upload is not None:
-            self._upload.abort()
-        for array in self._ready.values():
-            if not array.is_deleted():
-                array.delete()
-
-    def _take(self, name: str) -> jax.Array | None:
-        with self._cond:
-            self._wanted = name
-            self._cond.notify_all()
-            while name not in self._ready and not self._stop:
-                self._cond.wait(0.05)
-            return None if self._stop else self._ready.pop(name)
-
-    def _loop(self) -> None:
-        try:
-            with _progress.byte_bar("writing", self._total, self._progress) as update:
-                for f in self._files:
-                    self._write(f, update)
-        except BaseException as e:  # raised on the main thread at its next step
-            self._error = e
-            with self._cond:
-                self._cond.notify_all()
-
-    def _write(self, f: _files.File, update: Callable[[int], None]) -> None:
-        name = PARTIAL if f.name == _files.LONE else f.name
-        self.opened.append(name)
-        upload = self._upload = self._sink.open(name, size=f.size)
-        upload.write(f.header)
-        update(len(f.header))
-        for t in f.tensors:
-            array = self._take(t.name)
-            if array is None:
-                return
-            try:
-                for shard in _shards(array):
-                    data = np.asarray(shard.data)
-                    upload.write(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
-                    update(data.nbytes)
-            finally:
-                array.delete()
-                with self._cond:
-                    self._held -= t.nbytes
-                    self._cond.notify_all()
-        written = upload.close()
-        self._upload = None
-        if written != f.size:
-            raise PlanError(
-                [Problem(f"{self._sink}/{f.name}", f"wrote {written} bytes of {f.size}")]
-            )
-
-
-def _shards(array: jax.Array) -> list[Any]:
-    """This process's shards of a gathered tensor in row order, one per row range."""
-    seen: dict[Any, Any] = collections.OrderedDict()
-    for shard in array.addressable_shards:
-        index = shard.index[0] if shard.index else slice(None)
-        key = (index.start or 0) if isinstance(index, slice) else index
-        seen.setdefault(key, shard)
-    return [seen[k] for k in sorted(seen)]
-
-
 # -------------------------------------------------------------------- commit
 
 
@@ -609,7 +373,7 @@ def _commit(sink: Sink, plan: _files.Files, cfg: Mapping[str, Any] | None) -> li
         done.append("config.json")
         sink.put("config.json", (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode())
     if plan.index is None:
-        sink.rename(PARTIAL, _files.LONE)
+        sink.rename(_writer.PARTIAL, _files.LONE)
         done.append(_files.LONE)
     else:
         done.append(_files.INDEX)

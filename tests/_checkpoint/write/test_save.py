@@ -11,14 +11,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import linen as nn
-from flax import nnx
 from helpers import xy_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit.safetensors import Concat, Fill, Pad, Stack, Tensor
+from meshinit.safetensors import Concat, Fill, Pad, Tensor
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 save_file, load_file = safetensors_numpy.save_file, safetensors_numpy.load_file
@@ -117,36 +115,6 @@ def test_renames_transposes_and_a_reshaped_split_round_trip(explicit, tmp_path):
     with open(tmp_path / "out" / "model.safetensors", "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     assert header["__metadata__"] == {"format": "pt"}
-
-
-@MESHES
-def test_a_stack_writes_one_tensor_per_layer_with_one_program(explicit, tmp_path):
-    from meshinit._checkpoint.write import save as _save
-
-    mesh = xy_mesh((2, 4), explicit)
-    layers = 6
-    stored = {
-        f"model.layers.{i}.mlp.up_proj.weight": _random((32, 8), np.float32, i)
-        for i in range(layers)
-    }
-    names = {
-        "up": Stack(
-            [Tensor(f"model.layers.{i}.mlp.up_proj.weight", permute=(1, 0)) for i in range(layers)],
-            axis=0,
-        )
-    }
-    before = len(_save._programs)
-    _save._programs.clear()
-    _round_trip(
-        tmp_path,
-        stored,
-        {"up": ((layers, 8, 32), jnp.float32)},
-        names,
-        mesh,
-        {"up": (None, "x", "y")},
-    )
-    assert len(_save._programs) == 1  # every layer shares the program: depth changes nothing
-    del before
 
 
 @MESHES
@@ -285,27 +253,6 @@ def test_sharded_files_have_an_index_and_stay_within_max_shard_size(tmp_path):
     _same_files(out, {k: np.asarray(v) for k, v in arrays.items()})
 
 
-def test_an_nnx_module_and_linen_variables_are_written_under_their_paths(tmp_path):
-    mesh = xy_mesh((2, 4), True)
-
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.up = nnx.Linear(8, 16, rngs=rngs)
-            self.norm = nnx.RMSNorm(16, rngs=rngs)
-
-    with jax.set_mesh(mesh):
-        model = Model(nnx.Rngs(0))
-    meshinit.safetensors.save(model, tmp_path / "nnx")
-    got = load_file(str(tmp_path / "nnx" / "model.safetensors"))
-    assert sorted(got) == ["norm.scale", "up.bias", "up.kernel"]
-    np.testing.assert_array_equal(got["up.kernel"], np.asarray(model.up.kernel[...]))
-
-    variables = nn.Dense(4).init(jax.random.key(0), jnp.ones((1, 8)))
-    meshinit.safetensors.save(variables, tmp_path / "linen")
-    got = load_file(str(tmp_path / "linen" / "model.safetensors"))
-    assert sorted(got) == ["params.bias", "params.kernel"]
-
-
 def test_config_is_written_and_a_tied_head_is_dropped(tmp_path):
     s = NamedSharding(xy_mesh((2, 4), False), P())
     arrays = {
@@ -335,26 +282,6 @@ def test_a_destination_with_a_checkpoint_is_refused_unless_overwrite(tmp_path):
         meshinit.safetensors.save(arrays, out)
     meshinit.safetensors.save(arrays, out, overwrite=True)
     assert sorted(os.listdir(out)) == ["model.safetensors"]
-
-
-def test_a_failed_write_leaves_nothing_a_loader_would_take(tmp_path, monkeypatch):
-    from meshinit._checkpoint.write import save as _save
-
-    s = NamedSharding(xy_mesh((2, 4), False), P("x"))
-    arrays = {f"w{i}": jax.device_put(jnp.ones((8, 4)), s) for i in range(4)}
-    real = _save._Writer._write
-    calls = []
-
-    def failing(self, f, update):
-        calls.append(f.name)
-        if len(calls) == 2:
-            raise OSError("disk full")
-        return real(self, f, update)
-
-    monkeypatch.setattr(_save._Writer, "_write", failing)
-    with pytest.raises(OSError, match="disk full"):
-        meshinit.safetensors.save(arrays, tmp_path / "out", max_shard_size=100, config={"a": 1})
-    assert [f for f in os.listdir(tmp_path / "out") if not f.startswith(".")] == []
 
 
 @MESHES
