@@ -211,7 +211,10 @@ def test_a_refused_completion_is_aborted_by_the_client(s3_server, monkeypatch):
     assert f"s3://{bucket}/m.safetensors: cannot be written" in str(e.value)
     with pytest.raises(ValueError, match="is aborted"):  # the block's exit aborted it
         upload.close()
-    assert uploads(s3_server, bucket) == [] and object_bytes(s3_server, bucket, "m.safetensors") is None
+    assert (
+        uploads(s3_server, bucket) == []
+        and object_bytes(s3_server, bucket, "m.safetensors") is None
+    )
 
 
 @remote
