@@ -300,7 +300,7 @@ def save(
     storage_options: Any = None,
     max_inflight_bytes: int | None = None,
     overwrite: bool = False,
-    progress: bool | None = None,
+    progress: bool | None = False,
 ) -> Export:
     r"""Writes sharded arrays as a Hugging Face safetensors checkpoint, every process
     writing its own files at once, no host ever holding the model.
@@ -360,7 +360,8 @@ def save(
         larger, it is the bound).
       overwrite: replace a checkpoint already under ``dest`` (its files are removed
         first). False (default): such a ``dest`` is refused.
-      progress: a bar of the bytes this process writes, as for :func:`load`.
+      progress: a bar (tqdm, on stderr) of the bytes this process writes: ``True``,
+        ``False`` (default), or ``None`` (as :func:`load` decides).
 
     Returns:
       An :class:`Export`: the files, the total size, the bytes each process wrote. Each
