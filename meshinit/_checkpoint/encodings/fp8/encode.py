@@ -51,7 +51,9 @@ def quantize(x: jax.Array, block: tuple[int, int] = BLOCK) -> tuple[jax.Array, j
     PyTorch promotes ``bfloat16 * float32``; float64 stays float64); ``scale_inv =
     amax / 448``. The two divisions are taken as PyTorch takes them on the GPU:
     ``448.0 / amax`` as ``(1 / amax) * 448`` (``Tensor.__rtruediv__`` is
-    ``reciprocal() * other``) and ``amax / 448.0`` as ``amax * float32(1 / 448)``.
+    ``reciprocal() * other``) and ``amax / 448.0`` as ``amax * float32(1 / 448)``;
+    ``1 / amax`` rounded as IEEE division rounds it on every backend
+    (:func:`reciprocal`).
 
     Traceable under ``jax.jit``, on a global array sharded in any way: a block's amax
     is taken over the whole block wherever the shards cut it. On an Explicit mesh the
@@ -59,8 +61,9 @@ def quantize(x: jax.Array, block: tuple[int, int] = BLOCK) -> tuple[jax.Array, j
     gathered for the computation where one does not (``w`` is then placed back as ``x``
     was); on an Auto mesh the partitioner decides.
 
-    A block whose amax exceeds ``2**126`` takes a float32 subnormal reciprocal, which
-    the CPU and TPU flush to zero (its weights become zeros); no trained weight is near.
+    A block whose amax reaches ``2**126`` takes a float32 subnormal reciprocal, which
+    XLA flushes to zero (its weights become zeros, where the GPU keeps them); no
+    trained weight is near.
 
     Args:
       x: float array of shape ``(..., R, C)``: a 2-D weight, or per-expert weights
@@ -104,13 +107,39 @@ def quantize(x: jax.Array, block: tuple[int, int] = BLOCK) -> tuple[jax.Array, j
     tiles = _reshaped(x, (*lead, nr, b0, nc, b1), place, grid)
     amax = jnp.max(jnp.abs(tiles).astype(jnp.float32), axis=(-3, -1), keepdims=True)
     amax = jnp.maximum(amax, jnp.float32(AMAX_FLOOR))
-    factor = (jnp.float32(1) / amax) * jnp.float32(FP8_MAX)
+    factor = reciprocal(amax) * jnp.float32(FP8_MAX)
     w = (tiles * factor.astype(wide)).astype(jnp.float8_e4m3fn)
     w = _reshaped(w, (*lead, nr * b0, nc * b1), place, kept)[..., :rows, :cols]
     scale = _reshaped(amax * _INV_MAX, (*lead, nr, nc), place, kept)
     if kept != spec:
         w = jax.sharding.reshard(w, place(spec))
     return w, scale
+
+
+def reciprocal(a: jax.Array) -> jax.Array:
+    """``1 / a`` for float32 ``a``, rounded to nearest as IEEE division rounds it (as
+    CPUs and CUDA's ``1.0f / a`` do), on any backend: a TPU's division is off by an ulp
+    in about a fifth of cases, which moves float8 roundings. The significands are
+    divided in int32 (25 quotient bits, the last one rounds: a reciprocal is never a
+    tie) and the exponent put back exactly; an ``a`` whose reciprocal is not a normal
+    float32 (``|a| >= 2**126``), a subnormal ``a``, an infinity or a NaN takes the
+    backend's division."""
+    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+    exponent = (bits >> 23) & 0xFF
+    divisor = (bits & 0x7FFFFF) | 0x800000  # the significand, in [2**23, 2**24)
+    # floor(2**48 / divisor), bit by bit: 2**24 // divisor is 2 for a power of two, else 1
+    quotient = jnp.where(divisor == 0x800000, 2, 1).astype(jnp.int32)
+    rest = (1 << 24) - quotient * divisor
+    for _ in range(24):
+        rest = rest * 2
+        bit = (rest >= divisor).astype(jnp.int32)
+        rest = rest - bit * divisor
+        quotient = quotient * 2 + bit
+    significand = ((quotient + 1) >> 1).astype(jnp.float32)  # 2**47 / divisor, rounded
+    power = jax.lax.bitcast_convert_type((254 - exponent) << 23, jnp.float32)  # 2**(127-e)
+    exact = significand * jnp.float32(2.0**-24) * power
+    normal = (exponent >= 1) & (exponent <= 252)
+    return jnp.where(normal, jnp.copysign(exact, a), jnp.float32(1) / a)
 
 
 def _layout(x: jax.Array, axes: tuple[tuple[int, int], tuple[int, int]]) -> tuple[Any, Any, Any]:
@@ -151,12 +180,13 @@ def _reshaped(x: jax.Array, shape: tuple[int, ...], place: Any, spec: Any) -> ja
 # What is never quantized, as transformers matches modules_to_not_convert
 # (quantizers_utils.should_convert_module: an entry matches a module whose name it
 # matches as a regex from the start, or that ends with it). Generic, for any depth and
-# family: Qwen's FP8 releases list the same modules by name, per layer
-# (Qwen3-30B-A3B-FP8 and Qwen3-Coder-480B-A35B-Instruct-FP8: "lm_head", then
-# "model.layers.N.input_layernorm", "model.layers.N.mlp.gate",
-# "model.layers.N.post_attention_layernorm"; Qwen3-Next-80B-A3B-Instruct-FP8 adds
-# "mlp.shared_expert_gate", "self_attn.q_norm"/"k_norm" and its linear_attn parameters);
-# :func:`not_converted` computes those names for a model.
+# family, where Qwen's FP8 releases list modules by name, per layer: the config.json of
+# Qwen3-30B-A3B-Thinking-2507-FP8 and of Qwen3-Coder-480B-A35B-Instruct-FP8 lists
+# "lm_head", then for each N "model.layers.N.input_layernorm", "model.layers.N.mlp.gate"
+# and "model.layers.N.post_attention_layernorm"; Qwen3-Next-80B-A3B-Instruct-FP8's adds
+# "mlp.shared_expert_gate", "self_attn.q_norm"/"k_norm" and its linear_attn parameters
+# (none lists model.embed_tokens, stored unquantized all the same, nor model.norm).
+# :func:`not_converted` computes such names for a model.
 MODULES_TO_NOT_CONVERT: tuple[str, ...] = (
     "lm_head",  # the output head
     r".*embed",  # embed_tokens, embed, word_embeddings, patch_embed
