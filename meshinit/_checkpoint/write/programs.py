@@ -94,8 +94,9 @@ class Make:
 
     def __call__(self, arrays: tuple[jax.Array, ...], at: tuple[Any, ...]) -> tuple[jax.Array, ...]:
         x = self.build(arrays, at)
-        if self.fp8:
-            return tuple(_fp8.quantize(x))
+        if self.fp8:  # and whether every value is finite: a NaN or an inf would spread
+            w, scale = _fp8.quantize(x)  # over its block through the block's amax
+            return w, scale, jnp.isfinite(x).all()
         if self.cast is not None and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(self.cast)
         return (x,)
@@ -104,6 +105,8 @@ class Make:
 def program(work: Work, inputs: tuple[jax.Array, ...]) -> Any:
     make = Make(work.recipe.build, work.cast if not work.fp8 else None, work.fp8)
     outs = tuple(gathered(work.devices, o.stored.shape) for o in work.outs)
+    if work.fp8:
+        outs = (*outs, gathered(work.devices, ()))
     at = tuple(jax.ShapeDtypeStruct((), jnp.int32) for _ in work.recipe.at)
     key = (make, tuple((a.shape, str(a.dtype), a.sharding) for a in inputs), outs, len(at))
     compiled = programs.get(key)

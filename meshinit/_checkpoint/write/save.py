@@ -346,6 +346,8 @@ def _run(
                     _agree.left_collectives(e)
                     raise
                 _agree.settle(made[0], f"{at}, {w.recipe.name}")
+                if w.fp8 and failed is None and not bool(made[-1]):  # the same on every
+                    failed = _not_finite(w, what)  # process: each raises it
                 for o in w.outs:
                     out = made[o.output]
                     if o.stored.name in mine and failed is None:
@@ -360,6 +362,16 @@ def _run(
 
 
 # ------------------------------------------------------------------- writing
+
+
+def _not_finite(work: _programs.Work, what: str) -> PlanError:
+    problem = Problem(
+        work.recipe.name,
+        f"holds NaN or inf (from {work.recipe.origin}): its FP8 block scale would spread it "
+        f"over its whole 128 x 128 block; fix the values, or leave the tensor unquantized "
+        f"(modules_to_not_convert)",
+    )
+    return PlanError([problem], header=f"{what}: nothing is left written:")
 
 
 # -------------------------------------------------------------------- commit

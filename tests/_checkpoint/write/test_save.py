@@ -354,3 +354,66 @@ def test_fp8_export_has_deepgemms_bits_and_loads_back_as_weight_dequant(explicit
     np.testing.assert_array_equal(
         _bits(np.asarray(loaded["w"])), _bits(weight_dequant(w8, ws, dtype=ml_dtypes.bfloat16))
     )
+
+
+def test_fp8_of_a_tensor_holding_nan_or_inf_is_refused_naming_it_and_leaves_nothing(tmp_path):
+    mesh = xy_mesh((2, 4), True)
+    x = np.ones((256, 256), np.float32)
+    x[3, 200] = np.inf
+    arrays = {
+        "ok": jax.device_put(np.ones((128, 128), np.float32), NamedSharding(mesh, P("x"))),
+        "bad": jax.device_put(x, NamedSharding(mesh, P("x", "y"))),
+    }
+    names = {"ok": "a.weight", "bad": "b.weight"}
+    with pytest.raises(meshinit.PlanError, match=r"b\.weight: holds NaN or inf \(from bad\)"):
+        meshinit.safetensors.save(arrays, tmp_path / "out", names=names, quantize="fp8")
+    assert [f for f in os.listdir(tmp_path / "out") if not f.startswith(".")] == []
+    meshinit.safetensors.save(arrays, tmp_path / "plain", names=names)  # unquantized: as is
+
+
+def test_parameters_on_two_disjoint_stage_meshes_are_written_from_their_own_devices(tmp_path):
+    from helpers import submesh
+
+    first, second = submesh(range(4), (2, 2), ("x", "y")), submesh(range(4, 8), (2, 2), ("x", "y"))
+    a, b = _random((8, 6), np.float32, 0), _random((4, 10), np.float32, 1)
+    arrays = {
+        "stage0.w": jax.device_put(a, NamedSharding(first, P("x", "y"))),
+        "stage1.w": jax.device_put(b, NamedSharding(second, P("y", "x"))),
+    }
+    meshinit.safetensors.save(arrays, tmp_path / "out", max_shard_size=64)
+    _same_files(tmp_path / "out", {"stage0.w": a, "stage1.w": b})
+
+
+def test_the_writer_holds_at_most_half_the_budget_and_records_its_bytes(tmp_path, monkeypatch):
+    from meshinit._checkpoint.write import writer as _writer
+
+    mesh = xy_mesh((2, 4), False)
+    arrays = {
+        f"w{i}": jax.device_put(_random((16, 16), np.float32, i), NamedSharding(mesh, P("x")))
+        for i in range(12)
+    }  # 1 KiB each
+    held, recorded = [], []
+    real = _writer.Writer.hand
+
+    def hand(self, name, array):
+        real(self, name, array)
+        held.append(self._held)
+
+    monkeypatch.setattr(_writer.Writer, "hand", hand)
+    monkeypatch.setattr(
+        jax.monitoring, "record_scalar", lambda key, value, **kw: recorded.append((key, value))
+    )
+    report = meshinit.safetensors.save(arrays, tmp_path / "out", max_inflight_bytes=4096)
+    assert max(held) <= 2048  # half of max_inflight_bytes waits for the writer
+    assert ("/meshinit/safetensors/bytes_written", float(report.bytes_written)) in recorded
+    assert report.bytes_written == os.path.getsize(tmp_path / "out" / "model.safetensors")
+
+
+def test_progress_shows_a_bar_of_the_bytes_written(tmp_path, capsys):
+    s = NamedSharding(xy_mesh((2, 4), False), P())
+    meshinit.safetensors.save(
+        {"w": jax.device_put(jnp.ones((64,)), s)}, tmp_path / "a", progress=True
+    )
+    assert "meshinit: writing" in capsys.readouterr().err
+    meshinit.safetensors.save({"w": jax.device_put(jnp.ones((64,)), s)}, tmp_path / "b")
+    assert "meshinit: writing" not in capsys.readouterr().err  # progress=False by default
