@@ -104,6 +104,13 @@ class Sink:
         """
         return sorted(self._to.names())
 
+    @property
+    def renames_atomically(self) -> bool:
+        """Whether :meth:`rename` is atomic and copies nothing (a folder: ``os.replace``);
+        in a bucket it is a server-side copy, then a delete, and an object appears only
+        once its upload is closed, so a file meant to appear last is closed last."""
+        return isinstance(self._to, Folder)
+
     def open(self, name: str, *, size: int | None = None) -> Upload:
         """The file ``name``, to be written front to back (replacing any file of that
         name once closed; at once, on a disk).

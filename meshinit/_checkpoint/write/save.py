@@ -177,8 +177,8 @@ def save(
         _run(works, plan, writer, budget, what)
         writer.finish()
         _agree.checkpoint(what, "written")
-        if me == 0:
-            committed = _commit(sink, plan, cfg)
+        if me == (plan.files[0].writer if plan.index is None else 0):
+            committed = _commit(sink, plan, cfg, writer)
         _agree.checkpoint(what, "committed")
     except BaseException:
         writer.abort()
@@ -377,16 +377,27 @@ def _not_finite(work: _programs.Work, what: str) -> PlanError:
 # -------------------------------------------------------------------- commit
 
 
-def _commit(sink: Sink, plan: _files.Files, cfg: Mapping[str, Any] | None) -> list[str]:
-    """The last writes, by one process once every process's files are written:
-    ``config.json``, then the index or the lone file's rename. The names written."""
+def _commit(
+    sink: Sink, plan: _files.Files, cfg: Mapping[str, Any] | None, writer: _writer.Writer
+) -> list[str]:
+    """The last writes, by one process once every process's files are written (process
+    0, or a lone file's writer): ``config.json``, then the index, or the lone file
+    (renamed from its hidden name on a disk; in a bucket its upload closed). The names
+    written."""
     done = []
     if cfg is not None:
         done.append("config.json")
         sink.put("config.json", (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode())
     if plan.index is None:
-        sink.rename(_writer.PARTIAL, _files.LONE)
         done.append(_files.LONE)
+        if writer.lone is None:
+            sink.rename(_writer.PARTIAL, _files.LONE)
+        else:
+            written = writer.lone.close()
+            writer.lone = None
+            if written != plan.files[0].size:
+                where = f"{sink}/{_files.LONE}"
+                raise PlanError([Problem(where, f"wrote {written} of {plan.files[0].size} bytes")])
     else:
         done.append(_files.INDEX)
         sink.put(_files.INDEX, plan.index)

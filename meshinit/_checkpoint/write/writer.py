@@ -38,6 +38,7 @@ class Writer:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._upload: Upload | None = None
+        self.lone: Upload | None = None
         self._wanted: str | None = None
         self.opened: list[str] = []
         self._total = sum(f.size for f in self._files)
@@ -106,7 +107,10 @@ class Writer:
                 self._cond.notify_all()
 
     def _write(self, f: _files.File, update: Callable[[int], None]) -> None:
-        name = PARTIAL if f.name == _files.LONE else f.name
+        # A lone file appears last: on a disk written under a hidden name and renamed at
+        # the commit; in a bucket left open, its parts sent, until the commit closes it
+        lone = f.name == _files.LONE
+        name = PARTIAL if lone and self._sink.renames_atomically else f.name
         self.opened.append(name)
         upload = self._upload = self._sink.open(name, size=f.size)
         upload.write(f.header)
@@ -125,6 +129,9 @@ class Writer:
                 with self._cond:
                     self._held -= t.nbytes
                     self._cond.notify_all()
+        if lone and not self._sink.renames_atomically:
+            self.lone = upload  # closed by the commit (self._upload: aborted on failure)
+            return
         written = upload.close()
         self._upload = None
         if written != f.size:

@@ -14,6 +14,7 @@ import pytest
 from helpers import xy_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from storage_servers import s3_server_fixture  # noqa: F401
 
 import meshinit
 from meshinit.safetensors import Concat, Fill, Pad, Tensor
@@ -417,3 +418,29 @@ def test_progress_shows_a_bar_of_the_bytes_written(tmp_path, capsys):
     assert "meshinit: writing" in capsys.readouterr().err
     meshinit.safetensors.save({"w": jax.device_put(jnp.ones((64,)), s)}, tmp_path / "b")
     assert "meshinit: writing" not in capsys.readouterr().err  # progress=False by default
+
+
+def test_to_s3_the_lone_file_appears_only_at_the_commit(s3_server, monkeypatch, tmp_path):
+    pytest.importorskip("obstore")
+    from meshinit._checkpoint.write import save as _save
+
+    bucket = s3_server.bucket()
+    s = NamedSharding(xy_mesh((2, 4), False), P("x"))
+    arrays = {"w": jax.device_put(_random((8, 4), np.float32, 0), s)}
+    seen = []
+    real = _save._commit
+
+    def commit(sink, plan, cfg, writer):
+        listed = s3_server.client.list_objects_v2(Bucket=bucket).get("Contents", [])
+        seen.append(sorted(o["Key"] for o in listed))
+        return real(sink, plan, cfg, writer)
+
+    monkeypatch.setattr(_save, "_commit", commit)
+    report = meshinit.safetensors.save(arrays, f"s3://{bucket}/m", config={"a": 1})
+    assert seen == [[]]  # every part sent, no object yet
+    listed = s3_server.client.list_objects_v2(Bucket=bucket)["Contents"]
+    assert sorted(o["Key"] for o in listed) == ["m/config.json", "m/model.safetensors"]
+    assert report.files == ("model.safetensors", "config.json")
+    data = s3_server.client.get_object(Bucket=bucket, Key="m/model.safetensors")["Body"].read()
+    (tmp_path / "model.safetensors").write_bytes(data)
+    _same_files(tmp_path, {"w": np.asarray(arrays["w"])})
