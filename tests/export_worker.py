@@ -29,7 +29,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshinit
-from meshinit._jax import compat
 
 NUM_PROCESSES = 4
 LOCAL_DEVICES = 2
@@ -125,28 +124,9 @@ def main(process_id: int, port: int, dest: str, scenario: str) -> int:
     step["leaked"] = len(jax.live_arrays()) - before
     print("STEP " + json.dumps(step), flush=True)
     print("DONE", flush=True)
-    client = compat.distributed_client()
-    client.key_value_set(f"export_worker/done/{process_id}", "1")
-    if process_id == 0:  # the coordinator leaves last
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            done = {
-                int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get("export_worker/done/")
-            }
-            if done >= set(range(NUM_PROCESSES)):
-                break
-            time.sleep(0.05)
+    helpers.leave_last("export_worker", process_id, range(NUM_PROCESSES))
     return 0
 
 
 if __name__ == "__main__":
-    code = 1
-    try:
-        code = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    helpers.worker_exit(main, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -7,26 +7,13 @@ import os
 
 import numpy as np
 import pytest
+from helpers import upload_chunks
 
 import meshinit
 from meshinit._checkpoint.store import aio, sink_bucket
 from meshinit._checkpoint.store.sink import Sink
 
 INDEX = "model.safetensors.index.json"
-
-
-def pieces():
-    """Chunks of every kind write takes, and the bytes they make together."""
-    floats = np.arange(300, dtype=np.float32).reshape(20, 15)
-    chunks = [
-        b"header" * 50,
-        memoryview(bytes(range(256)) * 9),
-        floats,
-        np.arange(700, dtype=np.uint16)[::1],
-        floats[3],  # a C-contiguous row
-    ]
-    whole = b"".join(c.tobytes() if isinstance(c, np.ndarray) else bytes(c) for c in chunks)
-    return chunks, whole
 
 
 # ------------------------------------------------- a local folder
@@ -82,7 +69,7 @@ def object_bytes(server, bucket, key):
 @remote
 def test_a_multipart_upload_sends_every_byte_once_in_parts(store, small_parts):
     server, bucket, scheme = store
-    chunks, whole = pieces()
+    chunks, whole = upload_chunks()
     out = Sink(f"{scheme}://{bucket}/llama/", None)
     server.reset()
     with out.open("model.safetensors") as upload:

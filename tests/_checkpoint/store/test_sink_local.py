@@ -6,6 +6,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from helpers import upload_chunks
 
 import meshinit
 from meshinit._checkpoint.store.sink import Sink
@@ -13,26 +14,12 @@ from meshinit._checkpoint.store.sink import Sink
 INDEX = "model.safetensors.index.json"
 
 
-def pieces():
-    """Chunks of every kind write takes, and the bytes they make together."""
-    floats = np.arange(300, dtype=np.float32).reshape(20, 15)
-    chunks = [
-        b"header" * 50,
-        memoryview(bytes(range(256)) * 9),
-        floats,
-        np.arange(700, dtype=np.uint16)[::1],
-        floats[3],  # a C-contiguous row
-    ]
-    whole = b"".join(c.tobytes() if isinstance(c, np.ndarray) else bytes(c) for c in chunks)
-    return chunks, whole
-
-
 # ------------------------------------------------- a local folder
 
 
 def test_a_local_file_is_written_in_order_from_every_kind_of_chunk(tmp_path):
     out = Sink(tmp_path / "new" / "folder", None)  # made where absent
-    chunks, whole = pieces()
+    chunks, whole = upload_chunks()
     upload = out.open("model.safetensors")
     for chunk in chunks:
         upload.write(chunk)
