@@ -19,7 +19,7 @@ process of a jax.distributed job (with a shared or ``gs://`` folder) to export f
 pod.
 
 Run: python examples/export_from_orbax.py [DIR]
-     (DIR: a new or empty directory; without it, a fresh temporary directory that is removed at exit)
+     (DIR: a new or empty directory; without it, a temporary one, removed at exit)
 """
 
 import jax
