@@ -14,9 +14,10 @@ model (the export of marin issue 6752, as a step of its own):
    bf16), and the ``safetensors`` package opens every file.
 
 The training job's checkpoint is written first, from ``meshinit.nnx.init`` on a
-(fsdp=2, tensor=4) mesh, so the script checks itself. Run it as it is in every
-process of a jax.distributed job (with a shared or ``gs://`` folder) to export from a
-pod.
+(fsdp=2, tensor=4) mesh, so the script checks itself. The export step (``export``)
+runs unchanged in every process of a jax.distributed job, after
+``jax.distributed.initialize``, with a folder every process reaches or a ``gs://`` URL:
+each process restores and writes only its own part.
 
 Run: python examples/export_from_orbax.py [DIR]
      (DIR: a new or empty directory; without it, a temporary one, removed at exit)
