@@ -358,8 +358,9 @@ def save(
       max_inflight_bytes: the most bytes of gathered tensors a process holds at once,
         on its devices and its host together (default 1 GiB; where one tensor is
         larger, it is the bound).
-      overwrite: replace a checkpoint already under ``dest`` (its files are removed
-        first). False (default): such a ``dest`` is refused.
+      overwrite: replace a checkpoint already under ``dest`` (its files, its index and
+        its ``config.json`` are removed first). False (default): such a ``dest`` is
+        refused.
       progress: a bar (tqdm, on stderr) of the bytes this process writes: ``True``,
         ``False`` (default), or ``None`` (as :func:`load` decides).
 

@@ -169,9 +169,9 @@ def save(
     committed: list[str] = []
     writer = _writer.Writer(sink, plan, me, budget // 2, progress)
     try:
-        if existing:
-            if me == 0:
-                _raise_undeleted(sink, existing)
+        if existing:  # the old checkpoint's config.json too: it may describe other
+            if me == 0:  # weights (a quantization_config over bf16 ones)
+                _raise_undeleted(sink, [*existing, "config.json"])
             _agree.checkpoint(what, "cleared")
         writer.start()
         _run(works, plan, writer, budget, what)

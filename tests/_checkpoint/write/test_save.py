@@ -281,8 +281,9 @@ def test_a_destination_with_a_checkpoint_is_refused_unless_overwrite(tmp_path):
     save_file({"old": np.zeros(2, np.float32)}, str(out / "model-00001-of-00002.safetensors"))
     with pytest.raises(meshinit.PlanError, match="already holds a checkpoint .*overwrite=True"):
         meshinit.safetensors.save(arrays, out)
+    (out / "config.json").write_text('{"quantization_config": {"quant_method": "fp8"}}')
     meshinit.safetensors.save(arrays, out, overwrite=True)
-    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    assert sorted(os.listdir(out)) == ["model.safetensors"]  # the old config.json too
 
 
 @MESHES
