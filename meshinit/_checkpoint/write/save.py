@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import _caches
 from ..._errors import PlanError, Problem
 from ..._run import agree as _agree
 from ..._run import progress as _progress
@@ -50,8 +49,7 @@ the files it wrote (headers included)."""
 
 
 DEFAULT_INFLIGHT = 1 << 30
-
-programs = _caches.lru("export programs", 256)
+"""``max_inflight_bytes``'s default, as ``load``'s."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +143,6 @@ def save(
 
     me, count = jax.process_index(), jax.process_count()
     plan = _files.plan(stored, shard, count)
-    quantized = [w.recipe.name for w in works if w.fp8]
     if quantize == "fp8":
         every = [s.name for s in stored]
         shapes = {s.name: s.shape for s in stored}
@@ -193,7 +190,6 @@ def save(
         listed.append(_files.INDEX)
     if cfg is not None:
         listed.append("config.json")
-    del quantized
     return Export(
         str(dest), tuple(listed), total, tuple(written), written[me], time.monotonic() - started
     )
@@ -246,7 +242,10 @@ def _recipes(
         made = names.saving(planned, cfg)
         if made is not None:
             return made
-        table, problems = _framework.built(names, cfg, "config=" if cfg else "", {}, planned)
+        if names.needs_config and cfg is None:
+            fix = "pass config= (the model's config.json, which the export also writes)"
+            return [], [Problem("config=", f"{names.family} needs the checkpoint's config: {fix}")]
+        table, problems = _framework.built(names, cfg, "config=", {}, planned)
         if problems:
             return [], problems
     else:
