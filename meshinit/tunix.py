@@ -33,11 +33,15 @@ import numpy as np
 
 from ._checkpoint.encodings.fp8 import pairing as _quantized
 from ._checkpoint.layout import parts as _parts
+from ._checkpoint.layout.recipe import Recipe
+from ._checkpoint.maps import framework as _framework
+from ._checkpoint.maps import inverse as _inverse
 from ._checkpoint.maps import trace as _trace
 from ._checkpoint.maps import traced as _traced
 from ._checkpoint.maps.framework import Checkpoint, FrameworkMap
 from ._checkpoint.maps.names import Target
 from ._checkpoint.store.header import READABLE
+from ._checkpoint.write import reverse as _reverse
 from ._errors import Problem
 
 __all__ = ["names"]
@@ -131,17 +135,22 @@ class _TunixMap(FrameworkMap):
     def family(self) -> str:
         return f"{_version()}'s {self.described} map"
 
+    def _unread(self, doing: str) -> list[Problem]:
+        """The problem of a config whose family meshinit does not read (none if it does)."""
+        if self.kind in _LOADERS:
+            return []
+        why = (
+            f"{type(self.model_config).__qualname__} from {self.described} is not a "
+            f"tunix ModelConfig"
+            if self.kind is None
+            else f"meshinit reads tunix's map of {', '.join(sorted(_LOADERS))}, not of {self.kind}"
+        )
+        return [Problem("", f"{self.family}: {why}; {doing} with a table of your own")]
+
     def table(self, checkpoint: Checkpoint) -> tuple[Mapping[str, Target | None], list[Problem]]:
         family = self.family
         if self.kind not in _LOADERS:
-            why = (
-                f"{type(self.model_config).__qualname__} from {self.described} is not a "
-                f"tunix ModelConfig"
-                if self.kind is None
-                else f"meshinit reads tunix's map of {', '.join(sorted(_LOADERS))}, "
-                f"not of {self.kind}"
-            )
-            return {}, [Problem("", f"{family}: {why}; load with a table of your own")]
+            return {}, self._unread("load")
         problems = mismatches(checkpoint.config, self.model_config, checkpoint.where)
         if problems:  # another model's files: nothing of its map is worth reading
             return {}, problems
@@ -162,6 +171,114 @@ class _TunixMap(FrameworkMap):
         if problems:
             return {}, problems
         return _assembled(syms, checkpoint, family)
+
+    def saving(
+        self,
+        planned: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+        config: Mapping[str, Any] | None,
+    ) -> tuple[list[Recipe], list[Problem]]:
+        """tunix's map read from the parameters' side (:mod:`._checkpoint.maps.inverse`):
+        the stored tensors it would read into ``planned``, their names written from its
+        regexes and their shapes by its transforms undone; then the table the load
+        would build from those tensors, read in reverse. Every parameter the map does
+        not write, or writes through a step that is not a layout, is a problem naming
+        it."""
+        family, kind, cfg = self.family, self.kind, self.model_config
+        if kind not in _LOADERS:
+            return [], self._unread("export")
+        problems = mismatches(config, cfg, "config=")
+        try:
+            key_map, preprocess, found = _loader(kind, cfg, family)
+            from tunix.utils.torch_utils import torch_key_to_jax_key
+        except ImportError as e:
+            fix = f"pip install google-tunix=={TESTED} (Python 3.12)"
+            return [], [Problem("", f"meshinit.tunix.names needs google-tunix: {e}; {fix}")]
+        if problems or found:
+            return [], problems + found
+        params = {p: v for p, v in planned.items() if not _rng_state(*v)}
+
+        def fresh() -> Any:  # a preprocess step of its own for each run (Gemma's keeps state)
+            return _loader(kind, cfg, family)[1]
+
+        counts = {"layers": cfg.num_layers, "experts": getattr(cfg, "num_experts", None) or 0}
+        made, problems = _inverse.stored(
+            key_map,
+            params,
+            width=cfg.embed_dim,
+            counts=counts,
+            preprocess=fresh,
+            match=torch_key_to_jax_key,
+            dropped=_UNUSED,
+            family=family,
+        )
+        if problems:
+            return [], problems
+        tensors = _fed(made, params, key_map, None if preprocess is None else fresh, family)
+        table, problems = _framework.built(self, config, "config=", tensors, planned)
+        if problems:
+            return [], problems
+        shapes = {n: shape for n, (shape, _) in tensors.items()}
+        spelled: dict[str, Target | None] = {}
+        for path, target in table.items():
+            try:
+                spelled[path] = None if target is None else _inverse.respelled(target, shapes)
+            except _inverse.Unwritten as e:
+                problems.append(Problem(path, f"{family}: {e}"))
+        if problems:
+            return [], problems
+        recipes, problems = _reverse.recipes(spelled, planned)
+        for r in recipes:
+            if r.name in shapes and tuple(r.shape) != tuple(shapes[r.name]):
+                problems.append(
+                    Problem(
+                        r.origin,
+                        f"{family}: the export would write {r.name} {tuple(r.shape)}, which "
+                        f"tunix's map reads as {tuple(shapes[r.name])}",
+                    )
+                )
+        return ([] if problems else recipes), problems
+
+
+_STORED = {dtype: name for name, dtype in READABLE.items()}
+
+
+def _fed(
+    made: list[_inverse.Candidate],
+    planned: Mapping[str, tuple[tuple[int, ...], Any]],
+    key_map: Mapping[str, Any],
+    preprocess: Callable[[], Any] | None,
+    family: str,
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The stored tensors of ``made`` as a checkpoint's headers, each in the dtype of
+    the parameter it feeds; the preprocess step's inputs that it passes on under a key
+    the plan does not have (a dense model's MoE router, of an entry no path matched)
+    are left out. The step is followed on stand-ins, as the load follows it."""
+    dtypes = {c.name: np.dtype(c.dtype) for c in made if c.dtype is not None}
+    shapes = {c.name: c.shape for c in made if c.shape is not None}
+    unfed: set[str] = set()
+    if preprocess is not None and len(dtypes) < len(shapes):
+        headers = {n: (s, "F32") for n, s in shapes.items()}
+        syms, types, _ = _mapped(key_map, Checkpoint(None, "", headers, {}), family)
+        try:
+            syms = _traced.trace(preprocess(), syms, types)
+        except Exception:  # noqa: BLE001 - the table built next names it
+            syms = {}
+        fed: set[str] = set()
+        for key, sym in syms.items():
+            path = key.removesuffix(".value") if key.removesuffix(".value") in planned else key
+            read = _read(sym)
+            if path in planned:
+                fed.update(read)
+                for name in read:
+                    dtypes.setdefault(name, np.dtype(planned[path][1]))
+            else:
+                unfed.update(read)
+        unfed -= fed
+    return {
+        n: (s, _STORED.get(dtypes.get(n, np.dtype(np.float32)), "F32"))
+        for n, s in shapes.items()
+        if n not in unfed
+    }
 
 
 # a tunix ModelConfig's sizes and the Hugging Face config fields that say them (an MoE
