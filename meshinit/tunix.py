@@ -186,7 +186,7 @@ class _TunixMap(FrameworkMap):
         family, kind, cfg = self.family, self.kind, self.model_config
         if kind not in _LOADERS:
             return [], self._unread("export")
-        problems = mismatches(config, cfg, "config=")
+        problems = mismatches(config, cfg, "config=", saving=True)
         try:
             key_map, preprocess, found = _loader(kind, cfg, family)
             from tunix.utils.torch_utils import torch_key_to_jax_key
@@ -213,7 +213,14 @@ class _TunixMap(FrameworkMap):
         )
         if problems:
             return [], problems
-        tensors = _fed(made, params, key_map, None if preprocess is None else fresh, family)
+
+        def follow(shapes: Mapping[str, tuple[int, ...]]) -> Mapping[str, _trace.Sym]:
+            headers = {n: (shape, "F32") for n, shape in shapes.items()}
+            syms, types, _ = _mapped(key_map, Checkpoint(None, "", headers, {}), family)
+            return syms if preprocess is None else _traced.trace(fresh(), syms, types)
+
+        fed = _inverse.fed(made, params, follow)
+        tensors = {n: (shape, _STORED.get(dtype, "F32")) for n, (shape, dtype) in fed.items()}
         table, problems = _framework.built(self, config, "config=", tensors, planned)
         if problems:
             return [], problems
@@ -242,45 +249,6 @@ class _TunixMap(FrameworkMap):
 _STORED = {dtype: name for name, dtype in READABLE.items()}
 
 
-def _fed(
-    made: list[_inverse.Candidate],
-    planned: Mapping[str, tuple[tuple[int, ...], Any]],
-    key_map: Mapping[str, Any],
-    preprocess: Callable[[], Any] | None,
-    family: str,
-) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The stored tensors of ``made`` as a checkpoint's headers, each in the dtype of
-    the parameter it feeds; the preprocess step's inputs that it passes on under a key
-    the plan does not have (a dense model's MoE router, of an entry no path matched)
-    are left out. The step is followed on stand-ins, as the load follows it."""
-    dtypes = {c.name: np.dtype(c.dtype) for c in made if c.dtype is not None}
-    shapes = {c.name: c.shape for c in made if c.shape is not None}
-    unfed: set[str] = set()
-    if preprocess is not None and len(dtypes) < len(shapes):
-        headers = {n: (s, "F32") for n, s in shapes.items()}
-        syms, types, _ = _mapped(key_map, Checkpoint(None, "", headers, {}), family)
-        try:
-            syms = _traced.trace(preprocess(), syms, types)
-        except Exception:  # noqa: BLE001 - the table built next names it
-            syms = {}
-        fed: set[str] = set()
-        for key, sym in syms.items():
-            path = key.removesuffix(".value") if key.removesuffix(".value") in planned else key
-            read = _read(sym)
-            if path in planned:
-                fed.update(read)
-                for name in read:
-                    dtypes.setdefault(name, np.dtype(planned[path][1]))
-            else:
-                unfed.update(read)
-        unfed -= fed
-    return {
-        n: (s, _STORED.get(dtypes.get(n, np.dtype(np.float32)), "F32"))
-        for n, s in shapes.items()
-        if n not in unfed
-    }
-
-
 # a tunix ModelConfig's sizes and the Hugging Face config fields that say them (an MoE
 # model's expert width is its moe_intermediate_size); the vocabulary is left out:
 # Gemma's loader takes it from the files, and the others' shapes check it
@@ -296,11 +264,21 @@ _COMPARED = (
 )
 
 
-def mismatches(hf: Mapping[str, Any] | None, model_config: Any, where: str) -> list[Problem]:
+_LOADING = (
+    "the files are of another model than the plan's; load that model's checkpoint, or "
+    "build the ModelConfig with its sizes"
+)
+_SAVING = "it is another model's config; pass the config of the model the parameters are of"
+
+
+def mismatches(
+    hf: Mapping[str, Any] | None, model_config: Any, where: str, saving: bool = False
+) -> list[Problem]:
     """Every size of the checkpoint's ``config.json`` (where it has one, and the
     field) that differs from the tunix ``model_config`` the plan's model is built from:
     files of other heads fit the same shapes (4 heads of 32 as 8 of 16) and would load
-    scrambled. Each is a problem naming both values."""
+    scrambled. Each is a problem naming both values; ``saving``: of an export's
+    ``config=``, which would describe files of another model."""
     if not isinstance(hf, Mapping):
         return []
     text = hf.get("text_config") or hf
@@ -316,9 +294,8 @@ def mismatches(hf: Mapping[str, Any] | None, model_config: Any, where: str) -> l
             problems.append(
                 Problem(
                     where,
-                    f"config.json says {field}={theirs!r}, the tunix ModelConfig "
-                    f"{attr}={ours!r}: the files are of another model than the plan's; "
-                    f"load that model's checkpoint, or build the ModelConfig with its sizes",
+                    f"{'' if saving else 'config.json says '}{field}={theirs!r}, "
+                    f"the tunix ModelConfig {attr}={ours!r}: " + (_SAVING if saving else _LOADING),
                 )
             )
     return problems

@@ -39,8 +39,10 @@ import jax
 import numpy as np
 
 from ..._errors import Problem
+from ..layout import parts as _parts
 from ..layout.parts import Concat, Pad, Stack, Target, Tensor
 from . import regex_names as _regex
+from . import trace as _trace
 from .regex_names import Entry, Unwritten
 
 Shapes = Mapping[str, tuple[tuple[int, ...], Any]]
@@ -386,3 +388,44 @@ def _unreached(path: str, family: str, why: Mapping[str, str]) -> Problem:
         f"preprocess step makes it from none of the entries written)"
         + (f"; entries not written: {notes}" if notes else ""),
     )
+
+
+def fed(
+    made: Sequence[Candidate],
+    planned: Shapes,
+    follow: Callable[[Mapping[str, tuple[int, ...]]], Mapping[str, _trace.Sym]],
+) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The tensors of ``made`` that feed a parameter, each with its stored shape and
+    the dtype of the parameter it feeds. ``follow`` keys stored shapes as the load
+    does (the transform, then the preprocess step, on stand-ins); an input of the
+    step that it passes on under a key the plan lacks (a dense model's MoE router,
+    enumerated from an entry no path matched) is left out. Inputs read by no key at
+    all (a parameter the step computes, refused when its table is built) stay."""
+    dtypes = {c.name: np.dtype(c.dtype) for c in made if c.dtype is not None}
+    shapes = {c.name: c.shape for c in made if c.shape is not None}
+    unfed: set[str] = set()
+    if len(dtypes) < len(shapes):
+        try:
+            keyed = follow(shapes)
+        except Exception:  # noqa: BLE001 - the framework's own code: its table names it
+            keyed = {}
+        feeding: set[str] = set()
+        for key, sym in keyed.items():
+            path = key.removesuffix(".value") if key.removesuffix(".value") in planned else key
+            read = _read(sym)
+            if path in planned:
+                feeding.update(read)
+                for name in read:
+                    dtypes.setdefault(name, np.dtype(planned[path][1]))
+            else:
+                unfed.update(read)
+        unfed -= feeding
+    float32 = np.dtype(np.float32)
+    return {n: (s, dtypes.get(n, float32)) for n, s in shapes.items() if n not in unfed}
+
+
+def _read(sym: _trace.Sym) -> list[str]:
+    try:
+        return [t.name for t in _parts.leaves(_trace.target(sym))]
+    except _trace.Inexpressible:
+        return []
