@@ -17,6 +17,12 @@ followed operation by operation on stand-ins of the stored tensors
 tunix asks that a
 target cannot express is a problem naming the parameter, and any problem refuses the
 whole map before a byte is read. tunix is imported only when a table is built.
+
+On export (:func:`meshinit.safetensors.save` with the same ``names=``), the map is read
+from the parameters' side (:mod:`meshinit._checkpoint.maps.inverse`): the stored names
+written from tunix's regexes, their shapes by its transforms undone and its
+preprocess step followed, then the table the load would build for those tensors read
+in reverse; what does not invert is refused naming the parameter.
 """
 
 from __future__ import annotations
@@ -93,6 +99,17 @@ def names(model_config: Any) -> FrameworkMap:
     does not match, or sends to its ``unused.`` names, are left unread (and named by
     ``unused=``). Plan paths of nnx RNG state (typed keys, uint32 counts) map to
     None: made by the init.
+
+    As ``names=`` of :func:`meshinit.safetensors.save`, it writes the tensors it would
+    read: each name from tunix's regex with the parameter's groups (an optional group
+    left out, an unused alternation its first spelling), checked by tunix's own
+    matcher; each shape by tunix's transform undone (a reshape's stored axes are its
+    runs beside the model's width, as Hugging Face stores a projection); the inputs of
+    its preprocess step enumerated over ``num_layers`` and ``num_experts`` and their
+    shapes read off its outputs. Refused by name: a parameter no entry writes (LoRA
+    factors), a reshape whose stored axes are not known (a head_dim equal to the
+    width), a regex that is not one name, a step that is not a layout, and a
+    ``config=`` of other sizes than ``model_config``.
 
     Args:
       model_config: a tunix ``ModelConfig`` (``tunix.models.<family>.model``), the
@@ -225,12 +242,7 @@ class _TunixMap(FrameworkMap):
         if problems:
             return [], problems
         shapes = {n: shape for n, (shape, _) in tensors.items()}
-        spelled: dict[str, Target | None] = {}
-        for path, target in table.items():
-            try:
-                spelled[path] = None if target is None else _inverse.respelled(target, shapes)
-            except _inverse.Unwritten as e:
-                problems.append(Problem(path, f"{family}: {e}"))
+        spelled, problems = _inverse.spelled(table, shapes, family)
         if problems:
             return [], problems
         recipes, problems = _reverse.recipes(spelled, planned)

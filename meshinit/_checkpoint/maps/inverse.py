@@ -64,8 +64,9 @@ def stored_shape(shape: Sequence[int], transform: Any, width: int) -> tuple[int,
     viewed = shape
     if reshape:
         given = tuple(int(d) for d in reshape)
-        if -1 not in given and given != shape or math.prod(shape) != abs(math.prod(given)):
-            raise Unwritten(f"tunix reshapes it to {given}, the parameter is {shape}")
+        known = math.prod(d for d in given if d != -1) or 1
+        if tuple(math.prod(shape) // known if d == -1 else d for d in given) != shape:
+            raise Unwritten(f"its map reshapes it to {given}, the parameter is {shape}")
         viewed = _merged(shape, width)
         if permute and len(viewed) != len(permute):
             raise Unwritten(
@@ -117,9 +118,23 @@ def respelled(target: Target, shapes: Mapping[str, tuple[int, ...]]) -> Target:
     return target
 
 
+def spelled(
+    table: Mapping[str, Target | None], shapes: Mapping[str, tuple[int, ...]], family: str
+) -> tuple[dict[str, Target | None], list[Problem]]:
+    """Each target of ``table`` :func:`respelled`, or the problem naming its path."""
+    out: dict[str, Target | None] = {}
+    problems = []
+    for path, target in table.items():
+        try:
+            out[path] = None if target is None else respelled(target, shapes)
+        except Unwritten as e:
+            problems.append(Problem(path, f"{family}: {e}"))
+    return out, problems
+
+
 def _spelled(given: tuple[int, ...], stored: tuple[int, ...]) -> tuple[int, ...]:
     size = math.prod(stored)
-    known = math.prod(d for d in given if d != -1)
+    known = math.prod(d for d in given if d != -1) or 1
     resolved = tuple(size // known if d == -1 else d for d in given)
     runs: list[list[int]] = []  # positions of ``resolved`` making each stored axis
     at = 0
@@ -231,7 +246,7 @@ def stored(
         return made, problems
     step = preprocess()
     if step is None:
-        return made, problems + [_unreached(p, family, unwritable) for p in left]
+        return made, problems + [_unreached(p, family, unwritable, False) for p in left]
     inputs, skipped = _inputs(found, matched, key_map, match, width, counts)
     why = {**unwritable, **skipped}
     solved, found_problems = _solve(step, made, inputs, planned, left, width, family, why)
@@ -349,7 +364,7 @@ def _solve(
     for path in left:
         key = next((k for k in (path, f"{path}.value") if k in outputs), None)
         if key is None or not hasattr(outputs[key], "shape"):
-            problems.append(_unreached(path, family, why))
+            problems.append(_unreached(path, family, why, True))
             continue
         made, want = tuple(outputs[key].shape), tuple(planned[path][0])
         wrong = len(made) != len(want)
@@ -359,7 +374,7 @@ def _solve(
             else:
                 wrong |= got != size and got < base
         if wrong or any(got >= base and got not in named for got in made):
-            said = tuple("?" if d >= base else d for d in made)
+            said = "(" + ", ".join("?" if d >= base else str(d) for d in made) + ")"
             problems.append(
                 Problem(
                     path,
@@ -380,12 +395,13 @@ def _solve(
     return out, problems
 
 
-def _unreached(path: str, family: str, why: Mapping[str, str]) -> Problem:
+def _unreached(path: str, family: str, why: Mapping[str, str], step: bool) -> Problem:
     notes = "; ".join(f"{r!r}: {w}" for r, w in sorted(why.items()))
+    how = ", nor its preprocess step from the entries written" if step else ""
     return Problem(
         path,
-        f"{family}: no entry of its map writes it (no template makes this path, and its "
-        f"preprocess step makes it from none of the entries written)"
+        f"{family}: no entry of its map writes it (no template makes this path{how}); "
+        f"export it with a table of your own, or leave it out of the arrays"
         + (f"; entries not written: {notes}" if notes else ""),
     )
 

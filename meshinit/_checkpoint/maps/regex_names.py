@@ -71,9 +71,10 @@ def entries(key_map: Mapping[str, Any], dropped: str) -> tuple[list[Entry], dict
     return out, unwritable
 
 
-def _pieces(regex: str) -> tuple[str | Group, ...]:
-    """``regex`` as literal text and capturing groups; an optional non-capturing group
-    is left out (the name written without it). Anything else that is not one name
+def _pieces(regex: str, before: int = 0) -> tuple[str | Group, ...]:
+    """``regex`` as literal text and capturing groups (``before``: the groups opened
+    before it, where it is the inside of a group); an optional non-capturing group is
+    left out (the name written without it). Anything else that is not one name
     (``.*``, a class, an alternation outside a group) raises :class:`Unwritten`."""
     out: list[str | Group] = []
     i = 0
@@ -93,11 +94,12 @@ def _pieces(regex: str) -> tuple[str | Group, ...]:
                 i = j + 2  # optional: the name without it
                 continue
             if inner.startswith("?:") and after not in ("*", "+", "{"):
-                out.extend(_pieces(inner[2:]))
+                out.extend(_pieces(inner[2:], before + _captures(regex[:i])))
             elif inner.startswith("?") or after in ("?", "*", "+", "{"):
-                raise Unwritten(f"its regex {regex!r} has ({inner}){after}, not a name")
+                quantified = after if after in ("?", "*", "+", "{") else ""
+                raise Unwritten(f"its regex {regex!r} has ({inner}){quantified}, not a name")
             else:
-                out.append(Group(_captures(regex[:i]) + 1, inner))
+                out.append(Group(before + _captures(regex[:i]) + 1, inner))
             i = j + 1
         elif c in ".*+?[]{}|^$)":
             raise Unwritten(f"its regex {regex!r} has {c!r} outside a group, not a name")
