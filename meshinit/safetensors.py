@@ -335,7 +335,9 @@ def save(
         so ``shape=(heads, head_dim, -1)`` writes a ``(heads * head_dim, d)`` tensor);
         a :class:`Stack` writes one tensor per index of its axis, a :class:`Concat` its
         parts, a :class:`Pad` its part without the padding, a :class:`Fill` nothing.
-        ``meshinit.maxtext.names(config)`` writes with MaxText's own saving hooks.
+        ``meshinit.maxtext.names(config)`` writes with MaxText's own saving hooks;
+        ``meshinit.tunix.names(model_config)`` with tunix's map read from the
+        parameters' side, refusing by name what does not invert.
         None: every array under its own path.
       dtype: a floating dtype every floating tensor is cast to on the devices (round to
         nearest even), or None: as the arrays are.
