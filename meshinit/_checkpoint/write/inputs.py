@@ -42,10 +42,8 @@ def arrays_of(given: Any) -> tuple[dict[str, Any], list[Problem]]:
 
 def _flat(given: Any) -> dict[str, Any]:
     nnx = _nnx()
-    if nnx is not None and isinstance(given, nnx.Module):
-        given = nnx.state(given, nnx.Param)
-    if nnx is not None and isinstance(given, nnx.State):
-        given = nnx.state(given, nnx.Param) if hasattr(given, "filter") else given
+    if nnx is not None and isinstance(given, nnx.Module | nnx.State):
+        given = nnx.state(given, nnx.Param)  # (a State's too: its RNG keys are no weights)
         flat = {}
         for keys, var in _state_items(nnx, given):
             flat[".".join(map(str, keys))] = (
