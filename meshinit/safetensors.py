@@ -351,8 +351,10 @@ def save(
         as Qwen's FP8 releases list them).
       max_shard_size: the most bytes of tensors in one file (an int, or a string as
         transformers takes it: ``"5GB"``, ``"2GiB"``), unless one tensor is larger.
-        None: 5 GB, and under ``jax.distributed`` small enough that every process
-        writes about four files.
+        None: 5 GB, transformers' default. Under ``jax.distributed`` the tensors are
+        shared out among the processes first (the largest first, each to the least
+        loaded process that holds it), then each process's are cut into files of its
+        own, so every process writes its share at any file size.
       config: a dict, or anything with ``to_dict()`` (a transformers config), written
         as ``config.json``. With ``tie_word_embeddings`` in it, ``lm_head.weight`` is
         not written, as transformers drops the tied copy.

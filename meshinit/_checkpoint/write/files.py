@@ -6,10 +6,11 @@ Every process computes the same plan from the same recipes, so no process needs
 another's: a file's writer writes its header and its tensors front to back, and the
 index lists every file before any is written.
 
-A file's tensors are all held by its writer's devices once gathered, so a file only
-holds tensors whose writers may be the same process (their parameters share a set of
-processes); files are given to writers by the largest first, each to the least loaded
-process that may write it (balance within the writers' shares).
+The tensors are shared out first, the largest first, each to the least loaded of the
+processes that hold its parameters (its writers), so that every process writes its
+share whatever the file size; then each process's tensors are cut into files of its
+own. The index maps each name to its file, so a file's tensors need not be neighbours
+in the model.
 """
 
 from __future__ import annotations
@@ -32,9 +33,6 @@ LONE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD = 5 * 10**9
 """transformers' default ``max_shard_size`` ("5GB")."""
-SHARES = 4
-"""With several processes, the default file size leaves each writer about this many
-files (at most 5 GB each), so that the files can be shared out evenly."""
 
 _NAMES = {np.dtype(v): k for k, v in reversed(list(READABLE.items()))}
 
@@ -115,44 +113,43 @@ class Files:
 
 
 def plan(stored: Sequence[Stored], max_shard_size: int | None, processes: int) -> Files:
-    """The files of an export of ``stored`` (in order): each file within
-    ``max_shard_size`` bytes of tensors unless one tensor is larger (None: 5 GB, and
-    with several processes small enough that each has about :data:`SHARES` files), a
-    lone ``model.safetensors`` where one file holds them all, else
-    ``model-0000i-of-0000N.safetensors`` and the index."""
-    total = sum(t.nbytes for t in stored)
+    """The files of an export of ``stored``: the tensors shared out among the processes
+    for balance (the largest first, each to the least loaded process among its own
+    writers), then each process's tensors, in their order, cut into files of its own,
+    each within ``max_shard_size`` bytes of tensors (None: 5 GB, transformers' default)
+    unless one tensor is larger. A lone ``model.safetensors`` where one file holds them
+    all, else ``model-0000i-of-0000N.safetensors`` (process 0's files first) and the
+    index."""
     if max_shard_size is None:
         max_shard_size = DEFAULT_SHARD
-        if processes > 1:
-            max_shard_size = min(max_shard_size, max(1, -(-total // (SHARES * processes))))
-    groups: dict[tuple[int, ...], list[Stored]] = {}
-    for t in stored:  # a file's tensors share their writers
-        groups.setdefault(t.writers, []).append(t)
-    cut: list[tuple[tuple[int, ...], list[Stored]]] = []
-    for writers, tensors in groups.items():
+    load = [0] * processes
+    writer_of: dict[str, int] = {}
+    for t in sorted(stored, key=lambda t: -t.nbytes):  # (a stable sort: ties in order)
+        chosen = min(t.writers, key=lambda p: (load[p], p))
+        writer_of[t.name] = chosen
+        load[chosen] += t.nbytes
+    cut: list[tuple[int, list[Stored]]] = []
+    for writer in range(processes):
         current: list[Stored] = []
         size = 0
-        for t in tensors:
+        for t in stored:
+            if writer_of[t.name] != writer:
+                continue
             if current and size + t.nbytes > max_shard_size:
-                cut.append((writers, current))
+                cut.append((writer, current))
                 current, size = [], 0
             current.append(t)
             size += t.nbytes
-        if current or not cut:
-            cut.append((writers, current))
+        if current:
+            cut.append((writer, current))
+    if not cut:
+        cut.append((0, []))
     n = len(cut)
     names = [LONE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    load = [0] * processes
-    writer_of = [0] * n
-    for i in sorted(range(n), key=lambda i: -sum(t.nbytes for t in cut[i][1])):
-        writers, tensors = cut[i]
-        chosen = min(writers, key=lambda p: (load[p], p))
-        writer_of[i] = chosen
-        load[chosen] += sum(t.nbytes for t in tensors)
     files = []
-    for i, (_, tensors) in enumerate(cut):
+    for name, (writer, tensors) in zip(names, cut, strict=True):
         header, offsets = _header(tensors)
-        files.append(File(names[i], writer_of[i], tuple(tensors), offsets, header))
+        files.append(File(name, writer, tuple(tensors), offsets, header))
     index = None if n == 1 else _index(files)
     return Files(tuple(files), index)
 

@@ -5,6 +5,7 @@ paths, as ``meshinit.nnx.plan`` names them)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +42,7 @@ def arrays_of(given: Any) -> tuple[dict[str, Any], list[Problem]]:
 
 
 def _flat(given: Any) -> dict[str, Any]:
-    nnx = _nnx()
+    nnx = _nnx(given)
     if nnx is not None and isinstance(given, nnx.Module | nnx.State):
         given = nnx.state(given, nnx.Param)  # (a State's too: its RNG keys are no weights)
         flat = {}
@@ -63,9 +64,9 @@ def _state_items(nnx: Any, state: Any) -> list[tuple[tuple[Any, ...], Any]]:
     return [(tuple(k), v) for k, v in flat]
 
 
-def _nnx() -> Any:
-    try:
-        from flax import nnx
-    except ImportError:  # flax is an extra
-        return None
-    return nnx
+def _nnx(given: Any) -> Any:
+    """flax's nnx where it is imported already, else None: an nnx object is made only
+    once it is (and importing flax takes a second, which a dict of arrays need not
+    pay)."""
+    del given
+    return sys.modules.get("flax.nnx")

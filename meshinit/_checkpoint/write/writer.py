@@ -23,8 +23,11 @@ PARTIAL = ".model.safetensors.partial"
 
 class Writer:
     """This process's files, written front to back on one thread as their tensors are
-    handed over (:meth:`hand`), each tensor's device-to-host copy started when it is
-    handed, so that copies overlap the writes."""
+    handed over (:meth:`hand`). The device-to-host copy of the tensor after the one
+    being written is started as soon as both are known, so that each copy overlaps a
+    write and the host holds at most two tensors' copies (copies started all at once
+    share the link and all arrive late). The tensors handed and not yet written stay
+    within ``room`` bytes (:meth:`wait_room`)."""
 
     def __init__(self, sink: Sink, plan: _files.Files, me: int, room: int, progress: bool | None):
         self._sink = sink
@@ -40,6 +43,9 @@ class Writer:
         self._upload: Upload | None = None
         self.lone: Upload | None = None
         self._wanted: str | None = None
+        self._waiting = False  # the writer waits for a tensor not yet handed
+        self._order = [t.name for f in self._files for t in f.tensors]
+        self._next: dict[str, str] = dict(zip(self._order, self._order[1:], strict=False))
         self.opened: list[str] = []
         self._total = sum(f.size for f in self._files)
 
@@ -48,21 +54,23 @@ class Writer:
         self._thread.start()
 
     def hand(self, name: str, array: jax.Array) -> None:
-        for shard in shards(array):
-            shard.data.copy_to_host_async()
         with self._cond:
             self._ready[name] = array
             self._held += array.nbytes
+            if name == self._wanted or name == self._next.get(self._wanted or ""):
+                _copy(array)  # the tensor being waited for, or the one after it
             self._cond.notify_all()
 
     def wait_room(self, nbytes: int) -> None:
-        """Waits until ``nbytes`` more may be held for the writer (or nothing is)."""
-        with self._cond:  # (never while the writer waits for a tensor not yet handed)
+        """Waits until ``nbytes`` more may be held for the writer: while what it holds
+        would pass ``room``, unless nothing is held, or the writer itself waits for a
+        tensor not yet handed (it could never free room)."""
+        with self._cond:
             while (
                 self._held
                 and self._held + nbytes > self._room
                 and self._error is None
-                and self._wanted in self._ready
+                and not self._waiting
             ):
                 self._cond.wait(0.05)
         self.check()
@@ -89,12 +97,24 @@ class Writer:
                 array.delete()
 
     def _take(self, name: str) -> jax.Array | None:
+        """The tensor ``name`` once handed (None: the export stopped), the copy of the
+        one after it started if it is here."""
         with self._cond:
             self._wanted = name
+            if name in self._ready:
+                _copy(self._ready[name])  # (started already where it was handed next)
+            self._waiting = name not in self._ready
             self._cond.notify_all()
             while name not in self._ready and not self._stop:
                 self._cond.wait(0.05)
-            return None if self._stop else self._ready.pop(name)
+            self._waiting = False
+            if self._stop:
+                return None
+            array = self._ready.pop(name)
+            after = self._next.get(name)
+            if after in self._ready:
+                _copy(self._ready[after])
+            return array
 
     def _loop(self) -> None:
         try:
@@ -121,9 +141,11 @@ class Writer:
                 return
             try:
                 for shard in shards(array):
-                    data = np.asarray(shard.data)
-                    upload.write(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+                    data = np.ascontiguousarray(np.asarray(shard.data))
+                    upload.write(data.view(np.uint8).reshape(-1))
                     update(data.nbytes)
+                    del data  # the host copy: freed once written (the upload keeps none
+                    # on a disk; a bucket's parts hold it until sent)
             finally:
                 array.delete()
                 with self._cond:
@@ -138,6 +160,13 @@ class Writer:
             raise PlanError(
                 [Problem(f"{self._sink}/{f.name}", f"wrote {written} bytes of {f.size}")]
             )
+
+
+def _copy(array: jax.Array) -> None:
+    """Starts the device-to-host copy of this process's shards of ``array`` (again
+    changes nothing)."""
+    for shard in shards(array):
+        shard.data.copy_to_host_async()
 
 
 def shards(array: jax.Array) -> list[Any]:

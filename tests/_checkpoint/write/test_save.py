@@ -5,6 +5,7 @@ Face's conventions."""
 
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -405,6 +406,15 @@ def test_the_writer_holds_at_most_half_the_budget_and_records_its_bytes(tmp_path
     monkeypatch.setattr(
         jax.monitoring, "record_scalar", lambda key, value, **kw: recorded.append((key, value))
     )
+    from meshinit._checkpoint.store import sink_local
+
+    send = sink_local.FileUpload._send  # a slow disk: the programs would run ahead
+
+    def slow(self, view):
+        time.sleep(0.01)
+        send(self, view)
+
+    monkeypatch.setattr(sink_local.FileUpload, "_send", slow)
     report = meshinit.safetensors.save(arrays, tmp_path / "out", max_inflight_bytes=4096)
     assert max(held) <= 2048  # half of max_inflight_bytes waits for the writer
     assert ("/meshinit/safetensors/bytes_written", float(report.bytes_written)) in recorded
