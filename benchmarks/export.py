@@ -614,13 +614,11 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--worker", nargs=5)
     ap.add_argument("--tpu", action="store_true")
-    a, rest = ap.parse_known_args()
-    if a.tpu:
+    if "--tpu" in sys.argv[1:]:  # its own flags (--repeats, --json, ... too)
         import export_tpu
 
-        sys.exit(export_tpu.main(rest))
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        sys.exit(export_tpu.main([x for x in sys.argv[1:] if x != "--tpu"]))
+    a = ap.parse_args()
     if a.quick:
         a.layers, a.d, a.ffn, a.vocab, a.bandwidth_mib = [2, 4], 256, 512, 1024, 0
         a.inflight_mib = 4

@@ -119,6 +119,8 @@ def child(route: str, out: str, mib: int, arrays: int, base: str) -> None:
             from safetensors.numpy import save_file
 
             save_file(host, file, metadata={"format": "pt"})
+        elif route == "timeline":
+            result["timeline"] = timeline(given, base)
         result["seconds"] = time.perf_counter() - start
         result["rss"] = peak.stop()
         result["compiles"] = dict(compiles)
@@ -140,6 +142,80 @@ def child(route: str, out: str, mib: int, arrays: int, base: str) -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     Path(out).write_text(json.dumps(result))
+
+
+def timeline(given: dict, base: str) -> dict:
+    """Where meshinit's time and host memory go: its writer's steps (a tensor handed
+    over, the writer waiting for one, each write, the fsync) and VmRSS every 10 ms,
+    timed from the call, after a first export that compiled; at the default budget,
+    256 MiB and 4 GiB. First, whether this kernel gives freed memory back to VmRSS
+    (2 GiB of numpy made, touched and dropped)."""
+    import threading
+
+    import numpy as np
+
+    import meshinit
+    from meshinit._checkpoint.store import sink_local
+    from meshinit._checkpoint.write import writer
+
+    out: dict = {}
+    before = export.rss("VmRSS")
+    x = np.ones(2 << 30, np.uint8)
+    held = export.rss("VmRSS")
+    del x
+    out["control"] = {"before": before, "held": held, "after": export.rss("VmRSS")}
+    events: list = []
+    clock = {"t0": 0.0}
+
+    def now() -> float:
+        return time.perf_counter() - clock["t0"]
+
+    def logged(kind, fn, label=lambda *a: ""):
+        def wrapped(*args, **kwargs):
+            at = now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                events.append([kind, label(*args), round(at, 4), round(now(), 4)])
+
+        return wrapped
+
+    writer.Writer.hand = logged("hand", writer.Writer.hand, lambda s, n, a: n[-22:])
+    writer.Writer._take = logged("take", writer.Writer._take, lambda s, n: n[-22:])
+    writer.Writer.wait_room = logged("wait_room", writer.Writer.wait_room)
+    sink_local.FileUpload._send = logged(
+        "write", sink_local.FileUpload._send, lambda s, v: v.nbytes
+    )
+    sink_local.FileUpload._finish = logged("fsync", sink_local.FileUpload._finish)
+    warm = tempfile.mkdtemp(dir=base)
+    meshinit.safetensors.save(given, warm)
+    shutil.rmtree(warm)
+    for budget in (None, 256 * MiB, 4096 * MiB):
+        events.clear()
+        samples: list = []
+        stop = threading.Event()
+
+        def sample(samples=samples, stop=stop):
+            while not stop.wait(0.01):
+                samples.append([round(now(), 3), export.rss("VmRSS")])
+
+        folder = tempfile.mkdtemp(dir=base)
+        base_rss = export.rss("VmRSS")
+        thread = threading.Thread(target=sample, daemon=True)
+        clock["t0"] = time.perf_counter()
+        thread.start()
+        meshinit.safetensors.save(given, folder, max_inflight_bytes=budget)
+        total = now()
+        stop.set()
+        thread.join()
+        shutil.rmtree(folder)
+        out[str(budget)] = {
+            "seconds": total,
+            "base_rss": base_rss,
+            "events": list(events),
+            "rss": samples[:: max(1, len(samples) // 300)],
+        }
+    return out
 
 
 def check(given: dict, folder: str) -> list[str]:
@@ -185,6 +261,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--folder", default=tempfile.gettempdir())
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--cpu-check", action="store_true")
+    ap.add_argument("--timeline", action="store_true", help="and meshinit's steps, timed")
     ap.add_argument("--json")
     ap.add_argument("--child", nargs=2)
     a = ap.parse_args(argv)
@@ -205,6 +282,8 @@ def main(argv: list[str]) -> int:
     for _ in range(a.repeats):
         results += [run("meshinit", a, env), run("anchor", a, env)]
     results += [run("device_get", a, env), run("write", a, env)]
+    if a.timeline:
+        results.append(run("timeline", a, env))
     failed = [r for r in results if "failed" in r]
     wrong = [w for r in results for w in r.get("wrong", [])]
     print(report(a, results, found))
@@ -220,6 +299,7 @@ def main(argv: list[str]) -> int:
 def report(a, results: list[dict], device: str) -> str:
     ok = [r for r in results if "failed" not in r]
     by = {route: [r for r in ok if r["route"] == route] for route in ROUTES}
+    lines_after = timeline_lines(next((r for r in ok if r["route"] == "timeline"), None))
     median = {k: statistics.median(r["seconds"] for r in v) for k, v in by.items() if v}
     any_ok = ok[0] if ok else {}
     lines = [
@@ -264,4 +344,35 @@ def report(a, results: list[dict], device: str) -> str:
             lines.append(
                 f"the anchor's device_get within it: {', '.join(f'{x:.2f}' for x in parts)} s"
             )
-    return "\n".join(lines)
+    return "\n".join(lines + lines_after)
+
+
+def timeline_lines(found: dict | None) -> list[str]:
+    """The timeline's summary: per budget, the time, the writer's waits, the writes'
+    time, the fsync, and VmRSS's peak over the call's start."""
+    if not found:
+        return []
+    t = found["timeline"]
+    c = t["control"]
+    lines = [
+        "",
+        f"VmRSS control: {c['before'] / MiB:.0f} MiB, {c['held'] / MiB:.0f} with 2 GiB "
+        f"touched, {c['after'] / MiB:.0f} after it is dropped",
+    ]
+    for budget, v in t.items():
+        if budget == "control":
+            continue
+        ev = v["events"]
+
+        def spent(kind, ev=ev):
+            return sum(e[3] - e[2] for e in ev if e[0] == kind)
+
+        peak = max((r for _, r in v["rss"]), default=v["base_rss"]) - v["base_rss"]
+        first = min((e[2] for e in ev if e[0] == "write"), default=0.0)
+        lines.append(
+            f"max_inflight_bytes {budget}: {v['seconds']:.2f} s; writer waiting for tensors "
+            f"{spent('take'):.2f} s, writing {spent('write'):.2f} s (first write at "
+            f"{first:.2f} s), fsync {spent('fsync'):.2f} s; main thread waiting for room "
+            f"{spent('wait_room'):.2f} s; VmRSS peak +{peak / MiB:.0f} MiB"
+        )
+    return lines
