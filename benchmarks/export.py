@@ -43,7 +43,9 @@ local export is checked against the arrays (first and last layer of ``q``, ``emb
 ``head``, read back with ``safe_open``) outside the timing.
 
 Run: python benchmarks/export.py [--layers 8 32] [--bandwidth-mib 32] [--inflight-mib 128]
-         [--cases meshinit/local meshinit/s3 gather/local gather/s3] [--json OUT]
+         [--cases meshinit/local meshinit/s3 gather/local gather/s3] [--repeats 2]
+         [--json OUT]
+     python benchmarks/export.py --from-json OUT   # the tables again, nothing measured
      python benchmarks/export.py --quick    # 2 and 4 layers at d=256, no cap; ~2 min
      python benchmarks/export.py --tpu [--mib 2048] [--repeats 3]   # see export_tpu.py
 """
@@ -525,12 +527,19 @@ def goals(a, s: dict) -> list[list[str]]:
     rows = []
 
     def row(what, goal, value, ok):
-        rows.append([what, goal, value, "n/a" if ok is None else "met" if ok else "NOT met"])
+        oks = ok if isinstance(ok, list) else [ok]
+        if None in oks:
+            said = "n/a"
+        elif all(oks) or not any(oks):
+            said = "met" if oks[0] else "NOT met"
+        else:
+            said = ", ".join(("met" if k else "NOT met") + f" ({i})" for i, k in enumerate(oks))
+        rows.append([what, goal, value, said])
 
     rate = a.bandwidth_mib * MiB
     budget = a.inflight_mib * MiB
     for n in a.layers:
-        m, g = s.get(f"{n}/meshinit/s3"), s.get(f"{n}/gather/s3")
+        m = s.get(f"{n}/meshinit/s3")
         if m:
             r = m["reps"][0]
             ratio = sum(r["received"]) / r["held"]
@@ -544,17 +553,22 @@ def goals(a, s: dict) -> list[list[str]]:
                 f"{top / mean:.3f} ({less / mean:.3f} without the index); "
                 + ", ".join(f"{x / MiB:.1f}" for x in r["received"]) + " MiB",
                 less / mean <= 1.10)  # fmt: skip
-            if rate:
+            if rate:  # each repeat: (0) the first export, compiles included
                 at = r["held"] / rate
+                got = [x["seconds"] / at for x in m["reps"]]
                 row(f"{n} layers: time at the cap / (file bytes / cap)", "<= 1.3",
-                    f"{r['seconds'] / at:.2f} ({r['seconds']:.2f} s / {at:.2f} s)",
-                    r["seconds"] / at <= 1.3)  # fmt: skip
+                    " / ".join(f"{g:.2f} ({x['seconds']:.2f} s)" for g, x in
+                               zip(got, m["reps"], strict=True)) + f"; file bytes / cap {at:.2f} s",
+                    [g <= 1.3 for g in got])  # fmt: skip
         for store in ("local", "s3"):
             m, g = s.get(f"{n}/meshinit/{store}"), s.get(f"{n}/gather/{store}")
             if m and g:
-                x, y = m["reps"][0]["seconds"], g["reps"][0]["seconds"]
+                pairs = [
+                    (x["seconds"], y["seconds"]) for x, y in zip(m["reps"], g["reps"], strict=True)
+                ]
                 row(f"{n} layers, {store}: time, meshinit / gather to process 0", "<= 0.35",
-                    f"{x / y:.2f} ({x:.2f} s / {y:.2f} s)", x / y <= 0.35)  # fmt: skip
+                    " / ".join(f"{x / y:.2f} ({x:.2f} s / {y:.2f} s)" for x, y in pairs),
+                    [x / y <= 0.35 for x, y in pairs])  # fmt: skip
         for case in ("meshinit/local", "meshinit/s3"):
             if m := s.get(f"{n}/{case}"):
                 peak = max(m["reps"][0]["rss"])
@@ -611,6 +625,7 @@ def main() -> None:
     ap.add_argument("--scratch", default=None, help="where the local folders go")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--from-json", help="print the tables of an earlier --json; measure nothing")
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--worker", nargs=5)
     ap.add_argument("--tpu", action="store_true")
@@ -635,7 +650,13 @@ def main() -> None:
         jax.distributed.shutdown()
         return
     started = time.time()
-    found = measure(a)
+    if a.from_json:
+        found = json.loads(Path(a.from_json).read_text())["raw"]
+        keep = ("layers", "repeats", "cases", "d", "ffn", "vocab", "heads", "kv_heads",
+                "head_dim", "inflight_mib", "bandwidth_mib")  # fmt: skip
+        vars(a).update({k: found["config"][k] for k in keep})
+    else:
+        found = measure(a)
     s = summarize(a, found)
     sizes = ", ".join(
         f"{model_bytes(argparse.Namespace(**{**vars(a), 'layers': n})) / MiB:.0f} MiB at {n} layers"
@@ -646,7 +667,8 @@ def main() -> None:
         f"bf16 Llama-like stack d={a.d}, ffn={a.ffn}, vocab={a.vocab}: {sizes}; "
         f"max_inflight_bytes {a.inflight_mib:g} MiB; "
         + (f"S3 capped at {a.bandwidth_mib:g} MiB/s" if a.bandwidth_mib else "S3 uncapped")
-        + f"; {time.time() - started:.0f} s\n"
+        + ("" if a.from_json else f"; {time.time() - started:.0f} s")
+        + "\n"
     )
     print(table(["measure", "goal", "value", "met?"], goals(a, s)))
     print()
@@ -657,7 +679,7 @@ def main() -> None:
     wrong = [w for v in s.values() for r in v["reps"] for w in r["wrong"]]
     if wrong:
         print("WRONG: " + "; ".join(wrong[:10]))
-    if a.json:
+    if a.json and not a.from_json:
         Path(a.json).write_text(json.dumps({"raw": found, "summary": s}, indent=1))
     if wrong:
         sys.exit(1)

@@ -366,7 +366,8 @@ def timeline_lines(found: dict | None) -> list[str]:
             return sum(e[3] - e[2] for e in ev if e[0] == kind)
 
         peak = max((r for _, r in v["rss"]), default=v["base_rss"]) - v["base_rss"]
-        first = min((e[2] for e in ev if e[0] == "write"), default=0.0)
+        # the first write of a tensor's bytes (not the file's header)
+        first = min((e[2] for e in ev if e[0] == "write" and e[1] >= MiB), default=0.0)
         lines.append(
             f"max_inflight_bytes {budget}: {v['seconds']:.2f} s; writer waiting for tensors "
             f"{spent('take'):.2f} s, writing {spent('write'):.2f} s (first write at "
