@@ -23,6 +23,7 @@ import numpy as np
 
 from ..._errors import Problem
 from ..layout.parts import Target
+from ..layout.recipe import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,23 @@ class FrameworkMap(abc.ABC):
         """Each plan path's target (None: not in the files by design), and every
         problem: a plan path the map does not know, a hook it cannot express, a
         ``config.json`` it cannot read. With any problem the table is not used."""
+
+
+    def saving(
+        self,
+        planned: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+        config: Mapping[str, Any] | None,
+    ) -> tuple[list[Recipe], list[Problem]] | None:
+        """The stored tensors of an export (:func:`meshinit.safetensors.save`) made by
+        the framework's own saving side, or the problems that refuse it; None (the
+        default): the export reads :meth:`table` in reverse, with ``config`` as the
+        checkpoint's config and no stored tensors known.
+
+        Args:
+          planned: plan path -> ``(shape, dtype)`` of each array given to the export.
+          config: the export's ``config=`` as a dict, or None.
+        """
+        return None
 
 
 class MissingKey(KeyError):

@@ -1,0 +1,501 @@
+"""``names=`` read in reverse: each stored tensor of an export made from the parameters
+that the loader would fill from it (:func:`recipes`).
+
+The loader fills a parameter from its target (:mod:`..layout.parts`); the export walks
+the same target from the parameter down to each stored tensor it reads, undoing each
+step on the devices:
+
+- a :class:`Tensor`'s ``out_shape``, ``permute`` and ``shape`` are undone in reverse
+  order, and its ``index`` places the result in its slice of the stored tensor;
+- a :class:`Stack` gives one part per index of its axis (taken at run time, so every
+  layer of a scanned parameter shares one program); a :class:`Concat` its parts, each
+  its slice of the joined axis; a :class:`Pad` its part, the padding dropped; a
+  :class:`Fill` nothing.
+
+What the parameters do not say is not guessed:
+
+- **The stored shape of a reshape.** The loader reshapes the stored tensor (or its
+  slice) to ``shape``; the export reads ``shape`` as the maps write it, as splits of
+  stored axes: each run of given sizes is one stored axis, split, and each ``-1`` one
+  stored axis kept whole (``shape=(heads, head_dim, -1)`` of a ``(heads * head_dim,
+  d)`` weight). A map whose reshape is another one (a ``(heads, head_dim * d)``
+  tensor reshaped to ``(heads, head_dim, -1)``) writes a tensor of another shape, with
+  the same bytes in the same order: give such a tensor its stored shape as a
+  :class:`Tensor` without ``shape``, and the parameter's own reshape elsewhere.
+- **A stored tensor's extent.** Each axis is as long as the slices of the parameters
+  that write it reach; then each slice is resolved against that shape as the loader
+  resolves it, and the slices must tile the stored tensor exactly, once each.
+
+Every problem names the stored tensor or the plan path, and the whole export is
+refused before a byte is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..._errors import Problem
+from ..layout.parts import Concat, Fill, Pad, Stack, Target, Tensor, length
+from ..layout.recipe import Recipe
+
+Op = tuple[Any, ...]
+"""One step from a parameter to a stored region: ``("T", order)`` a transpose,
+``("R", shape)`` a reshape, ``("take", axis)`` the next dynamic index along ``axis``,
+``("slice", axis, start, size)`` a static slice."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One region of a stored tensor that one parameter writes."""
+
+    tensor: Tensor
+    path: str
+    ops: tuple[Op, ...]
+    at: tuple[int, ...]
+    region: tuple[int, ...]  # the shape of the stored slice (after ``index``)
+    origin: str
+
+
+class _Refused(Exception):
+    """A target the export cannot undo; its message says why."""
+
+
+def recipes(
+    table: Mapping[str, Target | None], planned: Mapping[str, tuple[tuple[int, ...], Any]]
+) -> tuple[list[Recipe], list[Problem]]:
+    """The export's stored tensors, in the order of the plan paths that write them first,
+    from each path's target in ``table`` (a path it lacks is not written; None and
+    :class:`Fill` write nothing), and every problem, each naming a path or a stored
+    tensor."""
+    problems: list[Problem] = []
+    leaves: dict[str, list[_Leaf]] = {}
+    for path, (shape, _) in planned.items():
+        target = table.get(path)
+        if target is None:
+            continue
+        try:
+            for leaf in _walk(target, path, tuple(shape), (), (), path):
+                leaves.setdefault(leaf.tensor.name, []).append(leaf)
+        except _Refused as e:
+            problems.append(Problem(path, str(e)))
+    made = []
+    for name, writers in leaves.items():
+        recipe = _recipe(name, writers, planned, problems)
+        if recipe is not None:
+            made.append(recipe)
+    return made, problems
+
+
+# --------------------------------------------------------------- from a target down
+
+
+def _walk(
+    target: Target, path: str, shape: tuple[int, ...], ops: tuple[Op, ...], at: tuple[int, ...],
+    origin: str,
+) -> list[_Leaf]:
+    """The leaves of ``target``, a part of shape ``shape`` reached from the parameter
+    by ``ops``."""
+    if isinstance(target, Fill):
+        return []
+    if isinstance(target, Tensor):
+        return [_tensor(target, path, shape, ops, at, origin)]
+    if isinstance(target, Pad):
+        inner = _own_shape(target.part, None)
+        if inner is None or None in inner or len(inner) != len(shape):
+            raise _Refused(
+                f"its Pad's part {_said(target.part)} has no shape the export can know "
+                f"(give it a Tensor with shape=, or a Stack or Concat of such parts)"
+            )
+        steps = tuple(("slice", a, 0, n) for a, n in enumerate(inner) if n != shape[a])
+        return _walk(target.part, path, inner, ops + steps, at, origin)
+    assert isinstance(target, Stack | Concat)
+    joined = _unjoin(target, shape)
+    ops = ops + joined
+    pre = _apply_shape(shape, joined)
+    n = len(target.parts)
+    axis = target.axis + (len(pre) if target.axis < 0 else 0)
+    leaves = []
+    if isinstance(target, Stack):
+        part_shape = pre[:axis] + pre[axis + 1 :]
+        for i, part in enumerate(target.parts):
+            leaves += _walk(
+                part, path, part_shape, (*ops, ("take", axis)), (*at, i), f"{origin}[{i}]"
+            )
+        return leaves
+    sizes = _concat_sizes(target, pre, axis)
+    start = 0
+    for i, (part, size) in enumerate(zip(target.parts, sizes, strict=True)):
+        part_shape = pre[:axis] + (size,) + pre[axis + 1 :]
+        step = ("slice", axis, start, size)
+        leaves += _walk(part, path, part_shape, (*ops, step), at, f"{origin}[{i}]")
+        start += size
+    assert n == len(sizes)
+    return leaves
+
+
+def _unjoin(target: Stack | Concat, shape: tuple[int, ...]) -> tuple[Op, ...]:
+    """The steps that undo a join's ``permute`` and ``out_shape``: to the joined shape."""
+    steps: list[Op] = []
+    if target.permute is not None:
+        order = _order(target.permute, len(shape))
+        steps.append(("T", tuple(np.argsort(order))))
+        shape = tuple(shape[a] for a in np.argsort(order))
+    if target.out_shape is not None:
+        if tuple(target.out_shape) != shape:
+            raise _Refused(f"its {type(target).__name__}'s out_shape {target.out_shape} is not the "
+                           f"parameter's shape {shape}")
+        pre = _joined_shape(target, math.prod(shape))
+        if pre is None:
+            raise _Refused(
+                f"its {type(target).__name__} has out_shape={target.out_shape}, and its parts "
+                f"do not say which axes it merged (give each part a Tensor with shape=)"
+            )
+        steps.append(("R", pre))
+    return tuple(steps)
+
+
+def _joined_shape(target: Stack | Concat, size: int) -> tuple[int, ...] | None:
+    """The shape of a join before its ``out_shape``, from its parts' own shapes."""
+    n = len(target.parts)
+    if isinstance(target, Stack):
+        if size % n:
+            return None
+        part = _own_shape(target.parts[0], size // n)
+        if part is None or None in part:
+            return None
+        axis = target.axis + (len(part) + 1 if target.axis < 0 else 0)
+        return part[:axis] + (n,) + part[axis:]
+    shapes = [_own_shape(p, None) for p in target.parts]
+    if any(s is None or None in s for s in shapes):
+        return None  # (a part's -1 could be resolved from the others: not needed yet)
+    first = shapes[0]
+    assert first is not None
+    axis = target.axis + (len(first) if target.axis < 0 else 0)
+    total = sum(s[axis] for s in shapes if s is not None)
+    return first[:axis] + (total,) + first[axis + 1 :]
+
+
+def _own_shape(target: Target, size: int | None) -> tuple[Any, ...] | None:
+    """A part's shape where the part itself says it (``size``: its element count where
+    known; without it a Tensor's ``-1`` is None in the shape), else None."""
+    if isinstance(target, Fill | Pad):
+        return target.shape
+    if isinstance(target, Tensor):
+        if target.out_shape is not None:
+            return tuple(target.out_shape)
+        if target.shape is None:
+            return None
+        shape: tuple[Any, ...] = target.shape
+        if -1 in shape:
+            known = math.prod(d for d in shape if d != -1)
+            if size is not None and (known == 0 or size % known):
+                return None
+            rest = None if size is None else size // known
+            shape = tuple(rest if d == -1 else d for d in shape)
+        order = _order(target.permute, len(shape)) if target.permute is not None else None
+        return tuple(shape[a] for a in order) if order is not None else tuple(shape)
+    assert isinstance(target, Stack | Concat)
+    if target.out_shape is not None:
+        pre: tuple[int, ...] | None = tuple(target.out_shape)
+    else:
+        pre = _joined_shape(target, size) if size is not None else _joined_shape_unsized(target)
+    if pre is None or target.permute is None:
+        return pre
+    order = _order(target.permute, len(pre))
+    return tuple(pre[a] for a in order)
+
+
+def _joined_shape_unsized(target: Stack | Concat) -> tuple[int, ...] | None:
+    if isinstance(target, Stack):
+        part = _own_shape(target.parts[0], None)
+        if part is None or None in part:
+            return None
+        axis = target.axis + (len(part) + 1 if target.axis < 0 else 0)
+        return part[:axis] + (len(target.parts),) + part[axis:]
+    return _joined_shape(target, 0)
+
+
+def _concat_sizes(target: Concat, pre: tuple[int, ...], axis: int) -> list[int]:
+    """Each part's length along a Concat's axis: from the parts' own shapes, one part
+    that does not say taking what the others leave."""
+    own = [_own_shape(p, None) for p in target.parts]
+    sizes = [s[axis] if s is not None and len(s) == len(pre) else None for s in own]
+    unknown = [i for i, s in enumerate(sizes) if s is None]
+    if len(unknown) > 1:
+        raise _Refused(
+            f"its Concat's parts {[_said(target.parts[i]) for i in unknown]} do not say "
+            f"their length along axis {target.axis} (give all but one a Tensor with shape=)"
+        )
+    given = sum(s for s in sizes if s is not None)
+    if unknown:
+        sizes[unknown[0]] = pre[axis] - given
+    if any(s is None or s < 0 for s in sizes) or sum(s or 0 for s in sizes) != pre[axis]:
+        raise _Refused(
+            f"its Concat's parts are {sizes} long along axis {target.axis}, the parameter "
+            f"{pre[axis]}"
+        )
+    return [s for s in sizes if s is not None]
+
+
+def _tensor(
+    t: Tensor, path: str, shape: tuple[int, ...], ops: tuple[Op, ...], at: tuple[int, ...],
+    origin: str,
+) -> _Leaf:
+    """The leaf of one :class:`Tensor` part of shape ``shape``: its steps undone."""
+    if t.scale is not None or t.offset is not None:
+        what = "scale" if t.scale is not None else "offset"
+        raise _Refused(
+            f"Tensor {t.name!r} has {what}={getattr(t, what)!r}, which has no saving hook: "
+            f"export the parameter through a map that inverts it, or write it unscaled"
+        )
+    size = math.prod(shape)
+    steps: list[Op] = []
+    view = shape  # the loader's transposed view, before out_shape
+    if t.out_shape is not None:
+        if tuple(t.out_shape) != shape:
+            raise _Refused(f"Tensor {t.name!r}: out_shape {t.out_shape} is not the part's shape {shape}")
+        if t.shape is None:
+            raise _Refused(
+                f"Tensor {t.name!r} has out_shape= without shape=: the axes it merged are not "
+                f"known (give shape=)"
+            )
+    if t.shape is not None:
+        known = math.prod(d for d in t.shape if d != -1)
+        if (-1 in t.shape and (known == 0 or size % known)) or (
+            -1 not in t.shape and known != size
+        ):
+            raise _Refused(f"Tensor {t.name!r}: shape={t.shape} does not hold {shape}")
+        resolved = tuple(size // known if d == -1 else d for d in t.shape)
+        order = _order(t.permute, len(resolved)) if t.permute is not None else None
+        view = tuple(resolved[a] for a in order) if order is not None else resolved
+        if t.out_shape is not None:
+            steps.append(("R", view))
+        elif view != shape:
+            raise _Refused(f"Tensor {t.name!r}: shape={t.shape} permuted is {view}, the part {shape}")
+        if order is not None:
+            steps.append(("T", tuple(int(a) for a in np.argsort(order))))
+        region = _runs(t.shape, resolved)
+        steps.append(("R", region))
+    else:
+        if t.permute is not None:
+            order = _order(t.permute, len(shape))
+            inverse = tuple(int(a) for a in np.argsort(order))
+            steps.append(("T", inverse))
+            region = tuple(shape[a] for a in inverse)
+        else:
+            region = shape
+    return _Leaf(t, path, ops + tuple(steps), at, region, origin)
+
+
+def _runs(given: tuple[int, ...], resolved: tuple[int, ...]) -> tuple[int, ...]:
+    """The stored shape a reshape to ``given`` split: each run of given sizes one axis,
+    each ``-1`` one axis."""
+    out: list[int] = []
+    run: int | None = None
+    for g, r in zip(given, resolved, strict=True):
+        if g == -1:
+            if run is not None:
+                out.append(run)
+                run = None
+            out.append(r)
+        else:
+            run = r if run is None else run * r
+    if run is not None:
+        out.append(run)
+    return tuple(out)
+
+
+def _order(permute: Sequence[int], n: int) -> tuple[int, ...]:
+    order = tuple(a + n if a < 0 else a for a in permute)
+    if sorted(order) != list(range(n)):
+        raise _Refused(f"permute={tuple(permute)} is not an order of {n} axes")
+    return order
+
+
+def _apply_shape(shape: tuple[int, ...], steps: tuple[Op, ...]) -> tuple[int, ...]:
+    for step in steps:
+        if step[0] == "T":
+            shape = tuple(shape[a] for a in step[1])
+        elif step[0] == "R":
+            shape = tuple(step[1])
+    return shape
+
+
+def _said(target: Target) -> str:
+    return repr(target.name) if isinstance(target, Tensor) else type(target).__name__
+
+
+# ------------------------------------------------------------- one stored tensor
+
+
+def _recipe(
+    name: str,
+    writers: list[_Leaf],
+    planned: Mapping[str, tuple[tuple[int, ...], Any]],
+    problems: list[Problem],
+) -> Recipe | None:
+    """The recipe of stored tensor ``name`` from the leaves that write it, or None with
+    its problems added: a stored shape the slices do not determine, slices that do not
+    tile it once each, parts of two dtypes."""
+    ranks = {len(w.region) for w in writers}
+    who = ", ".join(sorted({w.origin for w in writers}))
+    if len(ranks) > 1:
+        problems.append(Problem(name, f"is written with {sorted(ranks)} axes by {who}"))
+        return None
+    dtypes = {np.dtype(planned[w.path][1]) for w in writers}
+    if len(dtypes) > 1:
+        problems.append(
+            Problem(name, f"is written from parameters of dtypes {sorted(map(str, dtypes))} "
+                          f"({who}): cast them to one (dtype=)")
+        )
+        return None
+    stored = _extent(writers)
+    if isinstance(stored, str):
+        problems.append(Problem(name, f"{stored} ({who})"))
+        return None
+    boxes = []
+    for w in writers:
+        try:
+            box = w.tensor.sliced(stored)
+        except ValueError as e:
+            problems.append(Problem(name, f"{w.origin}'s index does not fit {stored}: {e}"))
+            return None
+        if tuple(length(s) for s in box) != w.region:
+            problems.append(
+                Problem(name, f"its shape is not known: {w.origin}'s index={w.tensor.index} "
+                              f"of {stored} is not its {w.region}")
+            )
+            return None
+        boxes.append(tuple((s.start, s.stop, s.step or 1) for s in box))
+    why = _tiling(stored, boxes, [w.origin for w in writers])
+    if why:
+        problems.append(Problem(name, why))
+        return None
+    paths = tuple(dict.fromkeys(w.path for w in writers))
+    pieces = tuple(
+        _Piece(paths.index(w.path), w.ops, len(w.at), box, _whole(box, stored))
+        for w, box in zip(writers, boxes, strict=True)
+    )
+    (dtype,) = dtypes
+    at = tuple(i for w in writers for i in w.at)
+    build = _Assemble(pieces, stored, dtype.name)
+    return Recipe(name, stored, dtype, paths, at, build, who)
+
+
+def _extent(writers: list[_Leaf]) -> tuple[int, ...] | str:
+    """Each axis as long as the writers' slices reach (a whole axis exactly its
+    length); a message where some axis is not determined."""
+    shape = []
+    for a in range(len(writers[0].region)):
+        reach = 0
+        for w in writers:
+            n = w.region[a]
+            index = w.tensor.index or ()
+            s = _axis_slice(index, a, len(w.region))
+            if s is None or (s.start in (None, 0) and s.stop is None and (s.step or 1) == 1):
+                reach = max(reach, n)
+                continue
+            start = 0 if s.start is None else s.start
+            if start < 0 or (s.stop is not None and s.stop < 0):
+                return f"axis {a}'s index {s} counts from the end of a size the export does not know"
+            step = s.step or 1
+            reach = max(reach, start + (n - 1) * step + 1 if n else start)
+        shape.append(reach)
+    return tuple(shape)
+
+
+def _axis_slice(index: tuple[Any, ...], axis: int, rank: int) -> slice | None:
+    """The slice ``index`` takes of ``axis`` (None: the whole axis)."""
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        before, after = index[:at], index[at + 1 :]
+        if axis < len(before):
+            return before[axis]
+        if axis >= rank - len(after):
+            return after[axis - (rank - len(after))]
+        return None
+    return index[axis] if axis < len(index) else None
+
+
+def _tiling(stored: tuple[int, ...], boxes: list[tuple[tuple[int, int, int], ...]],
+            origins: list[str]) -> str:
+    """Why ``boxes`` do not cover ``stored`` exactly once, or ``""``."""
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            if all(_meet(a, b) for a, b in zip(boxes[i], boxes[j], strict=True)):
+                return f"is written twice, by {origins[i]} and {origins[j]}"
+    total = sum(math.prod(len(range(*s)) for s in box) for box in boxes)
+    if total != math.prod(stored):
+        missing = math.prod(stored) - total
+        return (
+            f"is covered only in part: {', '.join(origins)} write {total} of its "
+            f"{math.prod(stored)} elements (shape {stored}); {missing} are written by none"
+        )
+    return ""
+
+
+def _meet(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    ra, rb = range(*a), range(*b)
+    if not ra or not rb:
+        return False
+    if a[2] == 1 and b[2] == 1:
+        return max(a[0], b[0]) < min(a[1], b[1])
+    small, large = (ra, rb) if len(ra) <= len(rb) else (rb, ra)
+    return any(x in large for x in small)
+
+
+def _whole(box: tuple[tuple[int, int, int], ...], stored: tuple[int, ...]) -> bool:
+    return all(s == (0, n, 1) for s, n in zip(box, stored, strict=True))
+
+
+# --------------------------------------------------------------- on the devices
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    source: int  # index into the recipe's paths
+    ops: tuple[Op, ...]
+    takes: int  # how many of the recipe's dynamic indices its ops take
+    box: tuple[tuple[int, int, int], ...]
+    whole: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Assemble:
+    """A recipe's build from its pieces: each parameter's steps, then the pieces placed
+    in their slices of the stored tensor. Compared by value, so that every layer of a
+    scanned parameter (its index taken at run time) shares one program."""
+
+    pieces: tuple[_Piece, ...]
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __call__(self, arrays: tuple[jax.Array, ...], at: tuple[Any, ...]) -> jax.Array:
+        k = 0
+        regions = []
+        for piece in self.pieces:
+            x = arrays[piece.source]
+            for op in piece.ops:
+                if op[0] == "T":
+                    x = jnp.transpose(x, op[1])
+                elif op[0] == "R":
+                    x = jnp.reshape(x, op[1])
+                elif op[0] == "take":
+                    x = jax.lax.dynamic_index_in_dim(x, at[k], op[1], keepdims=False)
+                    k += 1
+                else:
+                    x = jax.lax.slice_in_dim(x, op[2], op[2] + op[3], axis=op[1])
+            regions.append(x)
+        if len(self.pieces) == 1 and self.pieces[0].whole:
+            return regions[0]
+        out = jnp.zeros(self.shape, self.dtype)
+        for piece, x in zip(self.pieces, regions, strict=True):
+            out = out.at[tuple(slice(*s) for s in piece.box)].set(x)
+        return out
