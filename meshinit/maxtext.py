@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from ._checkpoint.layout import parts as _names
+from ._checkpoint.layout.recipe import Recipe
 from ._checkpoint.maps import hooks as _hooks
 from ._checkpoint.maps import maxtext_saving as _saving
 from ._checkpoint.maps import maxtext_scales as _scales
@@ -39,7 +40,6 @@ from ._checkpoint.maps.maxtext_saving import made_by_init as _made_by_init
 from ._checkpoint.maps.maxtext_saving import mt_key as mt_key
 from ._checkpoint.maps.maxtext_saving import named as _named
 from ._checkpoint.store.header import READABLE
-from ._checkpoint.write.recipe import Recipe
 from ._errors import Problem
 from ._spec.rules import NotedRules
 

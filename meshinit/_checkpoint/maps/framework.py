@@ -88,7 +88,6 @@ class FrameworkMap(abc.ABC):
         problem: a plan path the map does not know, a hook it cannot express, a
         ``config.json`` it cannot read. With any problem the table is not used."""
 
-
     def saving(
         self,
         planned: Mapping[str, tuple[tuple[int, ...], np.dtype]],

@@ -10,12 +10,17 @@ that ``np.concatenate`` of held values is jax's. Its results have numpy's bits:
 - arithmetic (``+``, ``-``, ``*``, ``/``, unary ``-``) computes in the dtype numpy's
   promotion gives (NEP 50: a Python scalar takes the array's dtype, a numpy scalar
   keeps its own); a constant is converted on the host by numpy, as numpy's ufunc
-  converts it (a Python float reaches bfloat16 through float32), and reaches the
-  program behind ``optimization_barrier``, so that XLA neither folds a division by it
-  into a multiplication by its inverse (other bits in float32) nor converts it itself;
-- a value rounded to a dtype narrower than float32 is pinned there (an
-  ``optimization_barrier``): XLA's excess precision would otherwise keep a bfloat16
-  intermediate in float32 where the next step reads it;
+  converts it (a Python float reaches bfloat16 through float32), not by XLA;
+- a divisor goes into the program whole, behind an ``optimization_barrier`` it
+  shares with the dividend: XLA makes a division by a broadcast value (a scalar,
+  constant or not) a product by its inverse, other bits in float32;
+- each result of arithmetic is pinned (an ``optimization_barrier``): XLA's excess
+  precision would otherwise keep a bfloat16 intermediate in float32 where the next
+  step reads it, and nothing is reassociated across steps;
+- subnormal values are the exception: XLA's arithmetic flushes them to zero (on CPU
+  and TPU, eager or jitted), where numpy keeps them. MaxText's ``to_huggingface``
+  runs its hooks on jax arrays, and flushes them alike; layout steps move them as
+  they are;
 - an operation whose dtype numpy and jax promote differently (a bfloat16 array times
   a ``np.float64`` scalar: numpy float64, jax float32), one jax cannot compute
   (float64 without x64), or one that reads values (a comparison, ``bool()``, the
@@ -103,6 +108,11 @@ class Held:
 
     __lt__ = __le__ = __gt__ = __ge__ = _compared
     __hash__ = None  # type: ignore[assignment]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or not hasattr(np.ndarray, name):
+            raise AttributeError(name)  # as a numpy array has none (jax probes `aval`)
+        raise Unfollowable(f"the array method {name!r}")
 
     # ------------------------------------------------------------- layout
     def _with(self, value: Any) -> Held:
@@ -244,9 +254,10 @@ def _constant(x: Any, what: str) -> Any:
 def arithmetic(ufunc: str, op: _Arith, a: Any, b: Any) -> Held:
     """``op(a, b)`` (one of them held) in numpy's result dtype, with numpy's bits."""
     what = f"np.{ufunc}"
-    protos = [np.zeros((), x.dtype) if isinstance(x, Held) else _constant(x, what) for x in (a, b)]
+    protos = [np.ones((), x.dtype) if isinstance(x, Held) else _constant(x, what) for x in (a, b)]
     try:
-        want = np.dtype(getattr(np, ufunc)(*protos).dtype)
+        with np.errstate(all="ignore"):  # only its dtype is wanted
+            want = np.dtype(getattr(np, ufunc)(*protos).dtype)
     except Exception as e:  # noqa: BLE001 - numpy's own refusal (an int too large, ...)
         raise Unfollowable(f"{what} that numpy refuses ({type(e).__name__}: {e})") from None
     structs = [
@@ -271,15 +282,24 @@ def arithmetic(ufunc: str, op: _Arith, a: Any, b: Any) -> Held:
     for x in (a, b):
         if isinstance(x, Held):
             values.append(x.value.astype(want) if x.dtype != want else x.value)
-        else:  # converted as numpy's ufunc converts it, then hidden from XLA's rewrites
+            continue
+        with np.errstate(all="ignore"):  # converted as numpy's ufunc converts it
             converted = np.asarray(np.multiply(one, x) if np.ndim(x) == 0 else np.asarray(x, want))
-            if converted.dtype != want or converted.shape != np.shape(x):
-                raise Unfollowable(f"{what} with a constant numpy converts otherwise")
-            values.append(pinned(jnp.asarray(converted)))
+        if converted.dtype != want or converted.shape != np.shape(x):
+            raise Unfollowable(f"{what} with a constant numpy converts otherwise")
+        values.append(jnp.asarray(converted))
+    if ufunc == "true_divide":
+        # XLA makes a division by a broadcast value (a scalar, a constant or not) a
+        # product by its inverse, which rounds otherwise: the divisor goes in whole,
+        # behind a barrier it shares with the dividend (a barrier of a constant alone
+        # is folded by older XLA)
+        shape = np.broadcast_shapes(*(np.shape(v) for v in values))
+        values = list(pinned((values[0], jnp.broadcast_to(values[1], shape))))
     value = op(*values)
     if value.dtype != want:  # both operands are `want`: jax keeps it
         raise Unfollowable(f"{what} that jax computes in {value.dtype}")
-    return Held(pinned(value) if _narrow(want) else value, rounded=True)
+    # pinned: neither widened (excess precision) nor reassociated with the next step
+    return Held(pinned(value), rounded=True)
 
 
 # ----------------------------------------------------------------- np and jnp as hooks see them

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._errors import Problem
-from ..write.recipe import Recipe
+from ..layout.recipe import Recipe
 from . import held as _held
 from . import hooks as _hooks
 from .framework import MissingKey
