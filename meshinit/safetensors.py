@@ -37,6 +37,8 @@ from ._checkpoint.read import load as _loader
 from ._checkpoint.read import survey as _survey
 from ._checkpoint.read.survey import Inventory as Inventory
 from ._checkpoint.store import aio as _aio
+from ._checkpoint.write import save as _saver
+from ._checkpoint.write.save import Export as Export
 from ._errors import PlanError
 from ._plan.plan import Plan
 from ._run import agree as _agree
@@ -44,6 +46,7 @@ from ._run import agree as _agree
 __all__ = [
     "Checkpoint",
     "Concat",
+    "Export",
     "Fill",
     "FrameworkMap",
     "Inventory",
@@ -52,10 +55,11 @@ __all__ = [
     "Tensor",
     "inventory",
     "load",
+    "save",
 ]
 
 # documented and shown as meshinit.safetensors.X
-for _public in (Tensor, Stack, Concat, Fill, Pad, FrameworkMap, Checkpoint, Inventory):
+for _public in (Tensor, Stack, Concat, Fill, Pad, FrameworkMap, Checkpoint, Inventory, Export):
     _public.__module__ = __name__
 
 
@@ -281,6 +285,125 @@ def load(
             )
             _agree.keep(arrays.values())
     return arrays
+
+
+def save(
+    arrays: Any,
+    dest: Any,
+    *,
+    names: Any = None,
+    dtype: Any = None,
+    quantize: str | None = None,
+    modules_to_not_convert: Any = None,
+    max_shard_size: int | str | None = None,
+    config: Any = None,
+    storage_options: Any = None,
+    max_inflight_bytes: int | None = None,
+    overwrite: bool = False,
+    progress: bool | None = False,
+) -> Export:
+    r"""Writes sharded arrays as a Hugging Face safetensors checkpoint, every process
+    writing its own files at once, no host ever holding the model.
+
+    Each stored tensor is made on the devices from the parameters that
+    :func:`load` would fill from it (``names=`` read in reverse), gathered onto the
+    devices of every process that holds them (a compiled reshard: bytes move between
+    devices, never through a host), and written by one of those processes: the files
+    are cut so that each process writes whole files of its own, shared out for
+    balance, front to back, each device-to-host copy overlapping the writes. Host
+    memory per process stays within ``max_inflight_bytes``. Under ``jax.distributed``
+    every process must call it with the same arguments (they compare them first).
+
+    The commit is atomic: ``config.json``, then the index (or a lone
+    ``model.safetensors``, renamed into place) are written last, by process 0, once
+    every process has agreed that its files are written. A failure on any process
+    makes every process raise (``PlanError`` naming the object where it failed,
+    :class:`~meshinit.PeerFailure` on the others); then every file of the export is
+    removed and every multipart upload aborted, so nothing is left under ``dest``
+    that a loader would take for a checkpoint.
+
+    Args:
+      arrays: what :func:`load` returns (plan path -> ``jax.Array``), any pytree of
+        arrays (under its dot-joined paths: ``materialize``'s nested dicts, linen
+        variables), or an nnx Module or State (its ``nnx.Param`` paths).
+      dest: a local folder (created if absent), or an ``s3://bucket/prefix/`` or
+        ``gs://bucket/prefix/`` URL.
+      names: as for :func:`load`, read in reverse: each stored tensor is written from
+        the parameters that read it. A name renames; a :class:`Tensor`'s ``index``,
+        ``shape``, ``permute`` and ``out_shape`` are undone (a reshape's stored shape
+        read as its runs: each run of given sizes one stored axis, each ``-1`` one,
+        so ``shape=(heads, head_dim, -1)`` writes a ``(heads * head_dim, d)`` tensor);
+        a :class:`Stack` writes one tensor per index of its axis, a :class:`Concat` its
+        parts, a :class:`Pad` its part without the padding, a :class:`Fill` nothing.
+        ``meshinit.maxtext.names(config)`` writes with MaxText's own saving hooks;
+        ``meshinit.tunix.names(model_config)`` with tunix's map read from the
+        parameters' side, refusing by name what does not invert.
+        None: every array under its own path.
+      dtype: a floating dtype every floating tensor is cast to on the devices (round to
+        nearest even), or None: as the arrays are.
+      quantize: None, or ``"fp8"``: DeepSeek's published format, computed on the
+        devices: ``float8_e4m3fn`` weights and a float32 ``<name>_scale_inv`` of shape
+        ``[ceil(rows / 128), ceil(cols / 128)]``, with the bits of DeepGEMM's
+        ``per_block_cast_to_fp8``, for 2-D weights and stacked per-expert weights;
+        ``config.json`` gets its ``quantization_config``.
+      modules_to_not_convert: with ``quantize="fp8"``, the modules left as they are
+        (None: 1-D tensors, embeddings, the LM head, norms, biases and router gates,
+        as Qwen's FP8 releases list them).
+      max_shard_size: the most bytes of tensors in one file (an int, or a string as
+        transformers takes it: ``"5GB"``, ``"2GiB"``), unless one tensor is larger.
+        None: 5 GB, and under ``jax.distributed`` small enough that every process
+        writes about four files.
+      config: a dict, or anything with ``to_dict()`` (a transformers config), written
+        as ``config.json``. With ``tie_word_embeddings`` in it, ``lm_head.weight`` is
+        not written, as transformers drops the tied copy.
+      storage_options: as for :func:`load`.
+      max_inflight_bytes: the most bytes of gathered tensors a process holds at once,
+        on its devices and its host together (default 1 GiB; where one tensor is
+        larger, it is the bound).
+      overwrite: replace a checkpoint already under ``dest`` (its files, its index and
+        its ``config.json`` are removed first). False (default): such a ``dest`` is
+        refused.
+      progress: a bar (tqdm, on stderr) of the bytes this process writes: ``True``,
+        ``False`` (default), or ``None`` (as :func:`load` decides).
+
+    Returns:
+      An :class:`Export`: the files, the total size, the bytes each process wrote. Each
+      process also records its bytes as the ``jax.monitoring`` scalar
+      ``/meshinit/safetensors/bytes_written``.
+
+    Raises:
+      PlanError: all at once, before a byte is written: a stored tensor the parameters
+        cover only in part, or twice; a ``scale``/``offset`` with no saving hook; a
+        layout the export cannot undo (naming why); a plan path without an array;
+        two parameters that write one name; a ``dest`` that already holds a checkpoint
+        without ``overwrite=True``. While writing: the object that failed, and why.
+      TypeError: an argument of the wrong kind.
+      PeerFailure: under ``jax.distributed``, another process's export failed.
+
+    Examples:
+      >>> names = [(r"layers\.(\d+)\.mlp\.(up|down)\.kernel",
+      ...           Tensor(r"model.layers.\1.mlp.\2_proj.weight", permute=(1, 0)))]
+      >>> meshinit.safetensors.save(model, "export/", names=names,
+      ...                           config=hf_config)  # doctest: +SKIP
+    """
+    what = "meshinit.safetensors.save"
+    with _agree.collective(what):
+        with _aio.session(_aio.TIMEOUT):
+            return _saver.save(
+                arrays,
+                dest,
+                names,
+                dtype,
+                quantize,
+                modules_to_not_convert,
+                max_shard_size,
+                config,
+                storage_options,
+                max_inflight_bytes,
+                overwrite,
+                progress,
+                what,
+            )
 
 
 def _timeout(timeout: Any) -> float | None:

@@ -17,6 +17,12 @@ followed operation by operation on stand-ins of the stored tensors
 tunix asks that a
 target cannot express is a problem naming the parameter, and any problem refuses the
 whole map before a byte is read. tunix is imported only when a table is built.
+
+On export (:func:`meshinit.safetensors.save` with the same ``names=``), the map is read
+from the parameters' side (:mod:`meshinit._checkpoint.maps.inverse`): the stored names
+written from tunix's regexes, their shapes by its transforms undone and its
+preprocess step followed, then the table the load would build for those tensors read
+in reverse; what does not invert is refused naming the parameter.
 """
 
 from __future__ import annotations
@@ -33,11 +39,15 @@ import numpy as np
 
 from ._checkpoint.encodings.fp8 import pairing as _quantized
 from ._checkpoint.layout import parts as _parts
+from ._checkpoint.layout.recipe import Recipe
+from ._checkpoint.maps import framework as _framework
+from ._checkpoint.maps import inverse as _inverse
 from ._checkpoint.maps import trace as _trace
 from ._checkpoint.maps import traced as _traced
 from ._checkpoint.maps.framework import Checkpoint, FrameworkMap
 from ._checkpoint.maps.names import Target
 from ._checkpoint.store.header import READABLE
+from ._checkpoint.write import reverse as _reverse
 from ._errors import Problem
 
 __all__ = ["names"]
@@ -90,6 +100,17 @@ def names(model_config: Any) -> FrameworkMap:
     ``unused=``). Plan paths of nnx RNG state (typed keys, uint32 counts) map to
     None: made by the init.
 
+    As ``names=`` of :func:`meshinit.safetensors.save`, it writes the tensors it would
+    read: each name from tunix's regex with the parameter's groups (an optional group
+    left out, an unused alternation its first spelling), checked by tunix's own
+    matcher; each shape by tunix's transform undone (a reshape's stored axes are its
+    runs beside the model's width, as Hugging Face stores a projection); the inputs of
+    its preprocess step enumerated over ``num_layers`` and ``num_experts`` and their
+    shapes read off its outputs. Refused by name: a parameter no entry writes (LoRA
+    factors), a reshape whose stored axes are not known (a head_dim equal to the
+    width), a regex that is not one name, a step that is not a layout, and a
+    ``config=`` of other sizes than ``model_config``.
+
     Args:
       model_config: a tunix ``ModelConfig`` (``tunix.models.<family>.model``), the
         one the plan's model is built from.
@@ -131,17 +152,22 @@ class _TunixMap(FrameworkMap):
     def family(self) -> str:
         return f"{_version()}'s {self.described} map"
 
+    def _unread(self, doing: str) -> list[Problem]:
+        """The problem of a config whose family meshinit does not read (none if it does)."""
+        if self.kind in _LOADERS:
+            return []
+        why = (
+            f"{type(self.model_config).__qualname__} from {self.described} is not a "
+            f"tunix ModelConfig"
+            if self.kind is None
+            else f"meshinit reads tunix's map of {', '.join(sorted(_LOADERS))}, not of {self.kind}"
+        )
+        return [Problem("", f"{self.family}: {why}; {doing} with a table of your own")]
+
     def table(self, checkpoint: Checkpoint) -> tuple[Mapping[str, Target | None], list[Problem]]:
         family = self.family
         if self.kind not in _LOADERS:
-            why = (
-                f"{type(self.model_config).__qualname__} from {self.described} is not a "
-                f"tunix ModelConfig"
-                if self.kind is None
-                else f"meshinit reads tunix's map of {', '.join(sorted(_LOADERS))}, "
-                f"not of {self.kind}"
-            )
-            return {}, [Problem("", f"{family}: {why}; load with a table of your own")]
+            return {}, self._unread("load")
         problems = mismatches(checkpoint.config, self.model_config, checkpoint.where)
         if problems:  # another model's files: nothing of its map is worth reading
             return {}, problems
@@ -163,6 +189,77 @@ class _TunixMap(FrameworkMap):
             return {}, problems
         return _assembled(syms, checkpoint, family)
 
+    def saving(
+        self,
+        planned: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+        config: Mapping[str, Any] | None,
+    ) -> tuple[list[Recipe], list[Problem]]:
+        """tunix's map read from the parameters' side (:mod:`._checkpoint.maps.inverse`):
+        the stored tensors it would read into ``planned``, their names written from its
+        regexes and their shapes by its transforms undone; then the table the load
+        would build from those tensors, read in reverse. Every parameter the map does
+        not write, or writes through a step that is not a layout, is a problem naming
+        it."""
+        family, kind, cfg = self.family, self.kind, self.model_config
+        if kind not in _LOADERS:
+            return [], self._unread("export")
+        problems = mismatches(config, cfg, "config=", saving=True)
+        try:
+            key_map, preprocess, found = _loader(kind, cfg, family)
+            from tunix.utils.torch_utils import torch_key_to_jax_key
+        except ImportError as e:
+            fix = f"pip install google-tunix=={TESTED} (Python 3.12)"
+            return [], [Problem("", f"meshinit.tunix.names needs google-tunix: {e}; {fix}")]
+        if problems or found:
+            return [], problems + found
+        params = {p: v for p, v in planned.items() if not _rng_state(*v)}
+
+        def fresh() -> Any:  # a preprocess step of its own for each run (Gemma's keeps state)
+            return _loader(kind, cfg, family)[1]
+
+        counts = {"layers": cfg.num_layers, "experts": getattr(cfg, "num_experts", None) or 0}
+        made, problems = _inverse.stored(
+            key_map,
+            params,
+            width=cfg.embed_dim,
+            counts=counts,
+            preprocess=fresh,
+            match=torch_key_to_jax_key,
+            dropped=_UNUSED,
+            family=family,
+        )
+        if problems:
+            return [], problems
+
+        def follow(shapes: Mapping[str, tuple[int, ...]]) -> Mapping[str, _trace.Sym]:
+            headers = {n: (shape, "F32") for n, shape in shapes.items()}
+            syms, types, _ = _mapped(key_map, Checkpoint(None, "", headers, {}), family)
+            return syms if preprocess is None else _traced.trace(fresh(), syms, types)
+
+        fed = _inverse.fed(made, params, follow)
+        tensors = {n: (shape, _STORED.get(dtype, "F32")) for n, (shape, dtype) in fed.items()}
+        table, problems = _framework.built(self, config, "config=", tensors, planned)
+        if problems:
+            return [], problems
+        shapes = {n: shape for n, (shape, _) in tensors.items()}
+        spelled, problems = _inverse.spelled(table, shapes, family)
+        if problems:
+            return [], problems
+        recipes, problems = _reverse.recipes(spelled, planned)
+        for r in recipes:
+            if r.name in shapes and tuple(r.shape) != tuple(shapes[r.name]):
+                problems.append(
+                    Problem(
+                        r.origin,
+                        f"{family}: the export would write {r.name} {tuple(r.shape)}, which "
+                        f"tunix's map reads as {tuple(shapes[r.name])}",
+                    )
+                )
+        return ([] if problems else recipes), problems
+
+
+_STORED = {dtype: name for name, dtype in READABLE.items()}
+
 
 # a tunix ModelConfig's sizes and the Hugging Face config fields that say them (an MoE
 # model's expert width is its moe_intermediate_size); the vocabulary is left out:
@@ -179,11 +276,21 @@ _COMPARED = (
 )
 
 
-def mismatches(hf: Mapping[str, Any] | None, model_config: Any, where: str) -> list[Problem]:
+_LOADING = (
+    "the files are of another model than the plan's; load that model's checkpoint, or "
+    "build the ModelConfig with its sizes"
+)
+_SAVING = "it is another model's config; pass the config of the model the parameters are of"
+
+
+def mismatches(
+    hf: Mapping[str, Any] | None, model_config: Any, where: str, saving: bool = False
+) -> list[Problem]:
     """Every size of the checkpoint's ``config.json`` (where it has one, and the
     field) that differs from the tunix ``model_config`` the plan's model is built from:
     files of other heads fit the same shapes (4 heads of 32 as 8 of 16) and would load
-    scrambled. Each is a problem naming both values."""
+    scrambled. Each is a problem naming both values; ``saving``: of an export's
+    ``config=``, which would describe files of another model."""
     if not isinstance(hf, Mapping):
         return []
     text = hf.get("text_config") or hf
@@ -199,9 +306,8 @@ def mismatches(hf: Mapping[str, Any] | None, model_config: Any, where: str) -> l
             problems.append(
                 Problem(
                     where,
-                    f"config.json says {field}={theirs!r}, the tunix ModelConfig "
-                    f"{attr}={ours!r}: the files are of another model than the plan's; "
-                    f"load that model's checkpoint, or build the ModelConfig with its sizes",
+                    f"{'' if saving else 'config.json says '}{field}={theirs!r}, "
+                    f"the tunix ModelConfig {attr}={ours!r}: " + (_SAVING if saving else _LOADING),
                 )
             )
     return problems

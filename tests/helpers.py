@@ -571,3 +571,54 @@ def describe_worker(i, result):
         f"worker {i}: {status}\n--- stderr (tail) ---\n{result['stderr'][-6000:]}"
         f"\n--- stdout (tail) ---\n{result['stdout'][-1500:]}"
     )
+
+
+def upload_chunks():
+    """Chunks of every kind write takes, and the bytes they make together."""
+    floats = np.arange(300, dtype=np.float32).reshape(20, 15)
+    chunks = [
+        b"header" * 50,
+        memoryview(bytes(range(256)) * 9),
+        floats,
+        np.arange(700, dtype=np.uint16)[::1],
+        floats[3],  # a C-contiguous row
+    ]
+    whole = b"".join(c.tobytes() if isinstance(c, np.ndarray) else bytes(c) for c in chunks)
+    return chunks, whole
+
+
+def worker_exit(main, *args):
+    """The end of a multi-process test's worker script: ``main(*args)``'s exit code (1,
+    with the traceback printed, where it raised), the output flushed, and the process
+    left without jax.distributed's shutdown barrier (a peer may be gone, or stranded)."""
+    import sys
+    import traceback
+
+    code = 1
+    try:
+        code = main(*args)
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def leave_last(name, process_id, alive):
+    """A worker's end: it says it is done; process 0, which serves jax's coordination
+    (its exit makes jax abort the others), waits (up to 60 s) until every process of
+    ``alive`` has said so."""
+    import time
+
+    from meshinit._jax import compat
+
+    client = compat.distributed_client()
+    client.key_value_set(f"{name}/done/{process_id}", "1")
+    if process_id != 0:
+        return
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(f"{name}/done/")}
+        if set(alive) <= done:
+            return
+        time.sleep(0.05)

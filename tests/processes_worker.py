@@ -38,7 +38,6 @@ from jax.sharding import Mesh
 import meshinit
 from meshinit._checkpoint.layout import host
 from meshinit._checkpoint.read import reshard
-from meshinit._jax import compat
 
 NUM_PROCESSES = 4
 LOCAL_DEVICES = 2
@@ -246,34 +245,13 @@ def main(process_id: int, port: int, folder: str, scenario: str, source: str) ->
         step["leaked"] = len(jax.live_arrays()) - before
         print("STEP " + json.dumps(step), flush=True)
     print("DONE", flush=True)
-    # process 0 serves the coordination (its exit makes jax abort the others): it
-    # leaves once every other process that is still alive is done
-    client = compat.distributed_client()
-    client.key_value_set(f"processes_worker/done/{process_id}", "1")
-    if process_id == 0:
-        alive = set(range(NUM_PROCESSES)) - ({FAILING} if scenario.startswith("kill") else set())
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            done = {
-                int(k.rsplit("/", 1)[1])
-                for k, _ in client.key_value_dir_get("processes_worker/done/")
-            }
-            if alive <= done:
-                break
-            time.sleep(0.05)
+    # process 0 serves the coordination: it leaves once every other process that is
+    # still alive is done
+    alive = set(range(NUM_PROCESSES)) - ({FAILING} if scenario.startswith("kill") else set())
+    helpers.leave_last("processes_worker", process_id, alive)
     return 0
 
 
 if __name__ == "__main__":
-    code = 1
-    try:
-        source = sys.argv[5] if len(sys.argv) > 5 else ""
-        code = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], source)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # without jax.distributed's shutdown barrier: a peer may be gone, or stranded
-    os._exit(code)
+    source = sys.argv[5] if len(sys.argv) > 5 else ""
+    helpers.worker_exit(main, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], source)

@@ -33,7 +33,8 @@ class Served:
     target as the client sent it (path and query, not decoded: a doubled slash shows);
     ``authorization`` the credentials it sent, if any; ``client`` the access key id
     of a SigV4-signed request (:func:`client_of`), which tells apart processes that
-    each sign with their own key.
+    each sign with their own key; ``received`` the bytes of the request's body (what an
+    upload sent).
     """
 
     method: str
@@ -44,6 +45,7 @@ class Served:
     target: str | None = None
     authorization: str | None = None  # the request's Authorization header
     client: str | None = None
+    received: int = 0  # the request's body bytes (an upload's)
 
     @property
     def span(self) -> tuple[int, int] | None:
@@ -270,8 +272,11 @@ class Handler(BaseHTTPRequestHandler):
                 self.rfile.readline()
             while self.rfile.readline() not in (b"\r\n", b"\n", b""):
                 pass
+            self.received = sum(map(len, parts))
             return b"".join(parts)
-        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.received = len(body)
+        return body
 
     def send(
         self,
@@ -301,8 +306,19 @@ class Handler(BaseHTTPRequestHandler):
         ranged = span if status == 206 else None
         auth = self.headers.get("Authorization")
         at = self.owner.counters.record(
-            Served(method, path, status, keep, ranged, self.path, auth, client_of(auth))
+            Served(
+                method,
+                path,
+                status,
+                keep,
+                ranged,
+                self.path,
+                auth,
+                client_of(auth),
+                getattr(self, "received", 0),
+            )
         )
+        self.received = 0
         sent = 0
         try:
             self.send_response(status)

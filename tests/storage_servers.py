@@ -22,6 +22,7 @@ huggingface_hub reads ``HF_ENDPOINT`` once, when imported: in-process clients ge
 
 from __future__ import annotations
 
+import dataclasses
 import email.utils
 import hashlib
 import json
@@ -349,11 +350,13 @@ class _S3Handler(Handler):
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
         if body or method in ("PUT", "POST"):
             headers["Content-Length"] = str(len(body))
+        _as_s3(headers)
         # "%2D" is "-" (RFC 3986's unreserved characters), as GCS's client spells a
         # bucket name; moto compares names as sent
         path_ = _UNRESERVED.sub(lambda m: chr(int(m[1], 16)), url.path)
         target = path_ + (f"?{url.query}" if url.query else "")
         status, reply, data = owner.moto_request(method, target, body, headers)
+        owner.record_received(Received(method, path, url.query, status, len(body)))
         span = None
         if status == 206 and (m := re.match(r"bytes (\d+)-(\d+)/", reply.get("content-range", ""))):
             span = (int(m[1]), int(m[2]) + 1)
@@ -365,7 +368,38 @@ class _S3Handler(Handler):
             self.send(method, path, status, out, data, length=length)
 
 
+def _as_s3(headers: dict) -> None:
+    """GCS's XML API as moto takes it: the empty ``Bearer`` token that GCS's client
+    sends with ``disable_oauth`` dropped (moto reads any Authorization as SigV4 and
+    fails), and ``x-goog-`` copy headers given as S3's ``x-amz-`` ones."""
+    for name in list(headers):
+        if name.lower() == "authorization" and headers[name].startswith("Bearer"):
+            del headers[name]
+        elif name.lower().startswith("x-goog-copy-source"):
+            headers["x-amz-" + name[len("x-goog-") :]] = headers.pop(name)
+
+
 _UNRESERVED = re.compile(r"%(2[DdEe]|5[Ff]|7[Ee]|3[0-9]|[46][1-9A-Fa-f]|[57][0-9Aa])")
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """One request the proxy passed to moto, with the body it carried: ``path`` is
+    ``bucket/key`` (decoded), ``query`` the raw query (``partNumber=1&uploadId=...``
+    for a part of a multipart upload), ``status`` moto's answer, ``size`` the body's
+    bytes. Requests a fault answered never reach moto and are not here."""
+
+    method: str
+    path: str
+    query: str
+    status: int
+    size: int
+
+    @property
+    def part(self) -> int | None:
+        """The part number of a multipart upload's part, else None."""
+        found = re.search(r"(?:^|&)partNumber=(\d+)", self.query)
+        return int(found[1]) if found and self.method == "PUT" else None
 
 
 def _slicer(data: bytes, base: int = 0):
@@ -414,7 +448,34 @@ class S3Server(Server):
         self._local = threading.local()
         self._cache: dict[str, tuple[dict, bytes]] = {}
         self._cache_lock = threading.Lock()
+        self._received: list[Received] = []
+        self._received_lock = threading.Lock()
         super().__init__()
+
+    def reset(self) -> None:
+        """Zero the counters (:attr:`received` too) and remove every fault."""
+        super().reset()
+        with self._received_lock:
+            self._received.clear()
+
+    def record_received(self, received: Received) -> None:
+        with self._received_lock:
+            self._received.append(received)
+
+    @property
+    def received(self) -> list[Received]:
+        """Every request that reached moto, with the bytes of its body, in order."""
+        with self._received_lock:
+            return list(self._received)
+
+    def bytes_received(self, path: str) -> int:
+        """Body bytes of the writes of one object that moto accepted (2xx): a whole
+        object's PUT and its multipart upload's parts."""
+        return sum(
+            r.size
+            for r in self.received
+            if r.path == path and r.method == "PUT" and 200 <= r.status < 300
+        )
 
     def stop(self) -> None:
         super().stop()
@@ -449,14 +510,20 @@ class S3Server(Server):
             "client_options": {"allow_http": True},
         }
 
-    def bucket(self, name: str | None = None, *, public: bool = False) -> str:
+    def bucket(
+        self, name: str | None = None, *, public: bool = False, writable: bool = False
+    ) -> str:
         """Create a bucket (a fresh name by default) and return its name; ``public``:
-        anyone may read its objects without credentials (a bucket policy)."""
+        anyone may read its objects without credentials (a bucket policy);
+        ``writable``: anyone may also write and delete them (what a ``gs://`` client
+        without a token needs to write, :meth:`gcs_env`)."""
         name = name or f"test-{uuid.uuid4().hex[:12]}"
         self.client.create_bucket(Bucket=name)
-        if public:
+        if public or writable:
             # moto asks a HEAD for s3:HeadObject, which S3 itself folds into GetObject
             actions = ["s3:GetObject", "s3:HeadObject"]
+            if writable:
+                actions += ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"]
             read = {"Effect": "Allow", "Principal": "*", "Action": actions}
             read["Resource"] = f"arn:aws:s3:::{name}/*"
             policy = {"Version": "2012-10-17", "Statement": [read]}
@@ -469,8 +536,9 @@ class S3Server(Server):
         ``disable_oauth`` sends no token, as for a public bucket. GCS's XML API, which
         that client speaks (``?list-type=2`` listings, HEAD, ranged GETs with
         ``If-Match``), is S3's interoperable API, and moto answers it; read from
-        :meth:`bucket` ``(public=True)``. The client percent-encodes ``-`` in names,
-        which the proxy decodes."""
+        :meth:`bucket` ``(public=True)``; writes (PUT, XML multipart uploads, copies
+        with ``x-goog-copy-source``, DELETE) go to a :meth:`bucket` ``(writable=True)``.
+        The client percent-encodes ``-`` in names, which the proxy decodes."""
         file = Path(folder) / "gcs-service-account.json"
         fields = {"gcs_base_url": self.url, "disable_oauth": True}
         key = {"client_email": "", "private_key": "", "private_key_id": ""}  # unused
@@ -668,7 +736,7 @@ def https_server_fixture(tmp_path, tmp_path_factory, monkeypatch):
 @pytest.fixture(name="gcs")
 def gcs_fixture(s3_server, tmp_path, monkeypatch):
     """The S3 server as GCS's XML API for ``gs://`` (see :meth:`S3Server.gcs_env`): read
-    from a ``bucket(public=True)``."""
+    from a ``bucket(public=True)``, write to a ``bucket(writable=True)``."""
     for name, value in s3_server.gcs_env(tmp_path).items():
         monkeypatch.setenv(name, value)
     return s3_server
@@ -676,6 +744,7 @@ def gcs_fixture(s3_server, tmp_path, monkeypatch):
 
 __all__ = [
     "FileServer",
+    "Received",
     "S3Server",
     "Served",
     "ServedElsewhere",

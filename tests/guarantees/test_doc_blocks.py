@@ -276,6 +276,7 @@ RUNNABLE = {
     "docs/placements.md": 3,
     "docs/checkpoints.md": 3,
     "docs/pretrained.md": 7,
+    "docs/export.md": 1,
 }
 
 

@@ -295,8 +295,8 @@ def test_the_architecture_page_names_every_module_and_only_modules_that_exist():
 # folders before it: where bytes live, how a path maps to stored tensors, how bytes
 # encode values, framework names, then the load flow. The framework maps never reach
 # the store: they see a checkpoint through its config and its tensors' headers.
-CHECKPOINT_FOLDERS = ("store", "layout", "encodings", "maps", "read")
-CHECKPOINT_NEVER = {("maps", "store")}
+CHECKPOINT_FOLDERS = ("store", "layout", "encodings", "maps", "read", "write")
+CHECKPOINT_NEVER = {("maps", "store"), ("write", "read")}
 
 
 def _checkpoint_folder(module: str) -> str | None:
@@ -336,6 +336,8 @@ def test_the_checkpoint_stage_s_folders_import_only_the_folders_before_them():
         ("meshinit._checkpoint.store.fetch", "meshinit._checkpoint.layout.blocks"),  # as it was
         ("meshinit._checkpoint.encodings.fp8.decode", "meshinit._checkpoint.read.loop"),  # was
         ("meshinit._checkpoint.maps.unused", "meshinit._checkpoint.store.source"),  # was
+        ("meshinit._checkpoint.read.load", "meshinit._checkpoint.write.files"),
+        ("meshinit._checkpoint.write.save", "meshinit._checkpoint.read.staging"),  # a sibling
     ],
 )
 def test_a_planted_arrow_back_up_the_checkpoint_stage_is_found(module, target):

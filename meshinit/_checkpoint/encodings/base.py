@@ -9,8 +9,10 @@ MXFP4). The read flow never names one: it asks each in the registry's order, at 
 time, to offer virtual stored tensors (:class:`Virtual`), to pair the jobs it reads
 (:attr:`Encoding.pair`, which gives a paired job the ``Parts`` that decodes it on the
 devices), and to claim the stored tensors read beside them (:attr:`Encoding.claimed`).
-The protocol decodes only: nothing writes a checkpoint yet, so it has no ``encode``
-(the export, issue 66, adds it).
+The protocol decodes only. The export's one encoder, float8 (:mod:`.fp8.encode`), is
+named by the export itself, as ``quantize="fp8"`` names it; a second encoding on export
+would make ``encode`` a method of this protocol, found through the registry as the
+decoders are.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ step on the devices:
   its slice of the joined axis; a :class:`Pad` its part, the padding dropped; a
   :class:`Fill` nothing.
 
+A join's parts and a pad's part must say their shapes where the parameter does not:
+each of a :class:`Concat`'s parts but one its length along the joined axis, a
+:class:`Pad`'s part its shape (a ``-1`` in it an axis the pad does not pad), each as a
+:class:`Tensor` with ``shape=``; an ``out_shape`` the axes it merged.
+
 What the parameters do not say is not guessed:
 
 - **The stored shape of a reshape.** The loader reshapes the stored tensor (or its
@@ -32,35 +37,16 @@ refused before a byte is written.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..._errors import Problem
-from ..layout.parts import Concat, Fill, Pad, Stack, Target, Tensor, length
+from ..layout.parts import Concat, Fill, Pad, Stack, Target, Tensor
 from ..layout.recipe import Recipe
-
-Op = tuple[Any, ...]
-"""One step from a parameter to a stored region: ``("T", order)`` a transpose,
-``("R", shape)`` a reshape, ``("take", axis)`` the next dynamic index along ``axis``,
-``("slice", axis, start, size)`` a static slice."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-    """One region of a stored tensor that one parameter writes."""
-
-    tensor: Tensor
-    path: str
-    ops: tuple[Op, ...]
-    at: tuple[int, ...]
-    region: tuple[int, ...]  # the shape of the stored slice (after ``index``)
-    origin: str
+from .assemble import Leaf, Op, recipe
 
 
 class _Refused(Exception):
@@ -75,7 +61,7 @@ def recipes(
     :class:`Fill` write nothing), and every problem, each naming a path or a stored
     tensor."""
     problems: list[Problem] = []
-    leaves: dict[str, list[_Leaf]] = {}
+    leaves: dict[str, list[Leaf]] = {}
     for path, (shape, _) in planned.items():
         target = table.get(path)
         if target is None:
@@ -87,9 +73,9 @@ def recipes(
             problems.append(Problem(path, str(e)))
     made = []
     for name, writers in leaves.items():
-        recipe = _recipe(name, writers, planned, problems)
-        if recipe is not None:
-            made.append(recipe)
+        one = recipe(name, writers, planned, problems)
+        if one is not None:
+            made.append(one)
     return made, problems
 
 
@@ -97,9 +83,13 @@ def recipes(
 
 
 def _walk(
-    target: Target, path: str, shape: tuple[int, ...], ops: tuple[Op, ...], at: tuple[int, ...],
+    target: Target,
+    path: str,
+    shape: tuple[int, ...],
+    ops: tuple[Op, ...],
+    at: tuple[int, ...],
     origin: str,
-) -> list[_Leaf]:
+) -> list[Leaf]:
     """The leaves of ``target``, a part of shape ``shape`` reached from the parameter
     by ``ops``."""
     if isinstance(target, Fill):
@@ -108,7 +98,9 @@ def _walk(
         return [_tensor(target, path, shape, ops, at, origin)]
     if isinstance(target, Pad):
         inner = _own_shape(target.part, None)
-        if inner is None or None in inner or len(inner) != len(shape):
+        if inner is not None and len(inner) == len(shape):  # a -1: an axis it does not pad
+            inner = tuple(shape[a] if n is None else n for a, n in enumerate(inner))
+        if inner is None or len(inner) != len(shape):
             raise _Refused(
                 f"its Pad's part {_said(target.part)} has no shape the export can know "
                 f"(give it a Tensor with shape=, or a Stack or Concat of such parts)"
@@ -149,8 +141,10 @@ def _unjoin(target: Stack | Concat, shape: tuple[int, ...]) -> tuple[Op, ...]:
         shape = tuple(shape[a] for a in np.argsort(order))
     if target.out_shape is not None:
         if tuple(target.out_shape) != shape:
-            raise _Refused(f"its {type(target).__name__}'s out_shape {target.out_shape} is not the "
-                           f"parameter's shape {shape}")
+            raise _Refused(
+                f"its {type(target).__name__}'s out_shape {target.out_shape} is not the "
+                f"parameter's shape {shape}"
+            )
         pre = _joined_shape(target, math.prod(shape))
         if pre is None:
             raise _Refused(
@@ -245,9 +239,13 @@ def _concat_sizes(target: Concat, pre: tuple[int, ...], axis: int) -> list[int]:
 
 
 def _tensor(
-    t: Tensor, path: str, shape: tuple[int, ...], ops: tuple[Op, ...], at: tuple[int, ...],
+    t: Tensor,
+    path: str,
+    shape: tuple[int, ...],
+    ops: tuple[Op, ...],
+    at: tuple[int, ...],
     origin: str,
-) -> _Leaf:
+) -> Leaf:
     """The leaf of one :class:`Tensor` part of shape ``shape``: its steps undone."""
     if t.scale is not None or t.offset is not None:
         what = "scale" if t.scale is not None else "offset"
@@ -260,7 +258,9 @@ def _tensor(
     view = shape  # the loader's transposed view, before out_shape
     if t.out_shape is not None:
         if tuple(t.out_shape) != shape:
-            raise _Refused(f"Tensor {t.name!r}: out_shape {t.out_shape} is not the part's shape {shape}")
+            raise _Refused(
+                f"Tensor {t.name!r}: out_shape {t.out_shape} is not the part's shape {shape}"
+            )
         if t.shape is None:
             raise _Refused(
                 f"Tensor {t.name!r} has out_shape= without shape=: the axes it merged are not "
@@ -278,7 +278,9 @@ def _tensor(
         if t.out_shape is not None:
             steps.append(("R", view))
         elif view != shape:
-            raise _Refused(f"Tensor {t.name!r}: shape={t.shape} permuted is {view}, the part {shape}")
+            raise _Refused(
+                f"Tensor {t.name!r}: shape={t.shape} permuted is {view}, the part {shape}"
+            )
         if order is not None:
             steps.append(("T", tuple(int(a) for a in np.argsort(order))))
         region = _runs(t.shape, resolved)
@@ -291,7 +293,7 @@ def _tensor(
             region = tuple(shape[a] for a in inverse)
         else:
             region = shape
-    return _Leaf(t, path, ops + tuple(steps), at, region, origin)
+    return Leaf(t, path, ops + tuple(steps), at, region, origin)
 
 
 def _runs(given: tuple[int, ...], resolved: tuple[int, ...]) -> tuple[int, ...]:
@@ -330,172 +332,3 @@ def _apply_shape(shape: tuple[int, ...], steps: tuple[Op, ...]) -> tuple[int, ..
 
 def _said(target: Target) -> str:
     return repr(target.name) if isinstance(target, Tensor) else type(target).__name__
-
-
-# ------------------------------------------------------------- one stored tensor
-
-
-def _recipe(
-    name: str,
-    writers: list[_Leaf],
-    planned: Mapping[str, tuple[tuple[int, ...], Any]],
-    problems: list[Problem],
-) -> Recipe | None:
-    """The recipe of stored tensor ``name`` from the leaves that write it, or None with
-    its problems added: a stored shape the slices do not determine, slices that do not
-    tile it once each, parts of two dtypes."""
-    ranks = {len(w.region) for w in writers}
-    who = ", ".join(sorted({w.origin for w in writers}))
-    if len(ranks) > 1:
-        problems.append(Problem(name, f"is written with {sorted(ranks)} axes by {who}"))
-        return None
-    dtypes = {np.dtype(planned[w.path][1]) for w in writers}
-    if len(dtypes) > 1:
-        problems.append(
-            Problem(name, f"is written from parameters of dtypes {sorted(map(str, dtypes))} "
-                          f"({who}): cast them to one (dtype=)")
-        )
-        return None
-    stored = _extent(writers)
-    if isinstance(stored, str):
-        problems.append(Problem(name, f"{stored} ({who})"))
-        return None
-    boxes = []
-    for w in writers:
-        try:
-            box = w.tensor.sliced(stored)
-        except ValueError as e:
-            problems.append(Problem(name, f"{w.origin}'s index does not fit {stored}: {e}"))
-            return None
-        if tuple(length(s) for s in box) != w.region:
-            problems.append(
-                Problem(name, f"its shape is not known: {w.origin}'s index={w.tensor.index} "
-                              f"of {stored} is not its {w.region}")
-            )
-            return None
-        boxes.append(tuple((s.start, s.stop, s.step or 1) for s in box))
-    why = _tiling(stored, boxes, [w.origin for w in writers])
-    if why:
-        problems.append(Problem(name, why))
-        return None
-    paths = tuple(dict.fromkeys(w.path for w in writers))
-    pieces = tuple(
-        _Piece(paths.index(w.path), w.ops, len(w.at), box, _whole(box, stored))
-        for w, box in zip(writers, boxes, strict=True)
-    )
-    (dtype,) = dtypes
-    at = tuple(i for w in writers for i in w.at)
-    build = _Assemble(pieces, stored, dtype.name)
-    return Recipe(name, stored, dtype, paths, at, build, who)
-
-
-def _extent(writers: list[_Leaf]) -> tuple[int, ...] | str:
-    """Each axis as long as the writers' slices reach (a whole axis exactly its
-    length); a message where some axis is not determined."""
-    shape = []
-    for a in range(len(writers[0].region)):
-        reach = 0
-        for w in writers:
-            n = w.region[a]
-            index = w.tensor.index or ()
-            s = _axis_slice(index, a, len(w.region))
-            if s is None or (s.start in (None, 0) and s.stop is None and (s.step or 1) == 1):
-                reach = max(reach, n)
-                continue
-            start = 0 if s.start is None else s.start
-            if start < 0 or (s.stop is not None and s.stop < 0):
-                return f"axis {a}'s index {s} counts from the end of a size the export does not know"
-            step = s.step or 1
-            reach = max(reach, start + (n - 1) * step + 1 if n else start)
-        shape.append(reach)
-    return tuple(shape)
-
-
-def _axis_slice(index: tuple[Any, ...], axis: int, rank: int) -> slice | None:
-    """The slice ``index`` takes of ``axis`` (None: the whole axis)."""
-    if Ellipsis in index:
-        at = index.index(Ellipsis)
-        before, after = index[:at], index[at + 1 :]
-        if axis < len(before):
-            return before[axis]
-        if axis >= rank - len(after):
-            return after[axis - (rank - len(after))]
-        return None
-    return index[axis] if axis < len(index) else None
-
-
-def _tiling(stored: tuple[int, ...], boxes: list[tuple[tuple[int, int, int], ...]],
-            origins: list[str]) -> str:
-    """Why ``boxes`` do not cover ``stored`` exactly once, or ``""``."""
-    for i in range(len(boxes)):
-        for j in range(i + 1, len(boxes)):
-            if all(_meet(a, b) for a, b in zip(boxes[i], boxes[j], strict=True)):
-                return f"is written twice, by {origins[i]} and {origins[j]}"
-    total = sum(math.prod(len(range(*s)) for s in box) for box in boxes)
-    if total != math.prod(stored):
-        missing = math.prod(stored) - total
-        return (
-            f"is covered only in part: {', '.join(origins)} write {total} of its "
-            f"{math.prod(stored)} elements (shape {stored}); {missing} are written by none"
-        )
-    return ""
-
-
-def _meet(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
-    ra, rb = range(*a), range(*b)
-    if not ra or not rb:
-        return False
-    if a[2] == 1 and b[2] == 1:
-        return max(a[0], b[0]) < min(a[1], b[1])
-    small, large = (ra, rb) if len(ra) <= len(rb) else (rb, ra)
-    return any(x in large for x in small)
-
-
-def _whole(box: tuple[tuple[int, int, int], ...], stored: tuple[int, ...]) -> bool:
-    return all(s == (0, n, 1) for s, n in zip(box, stored, strict=True))
-
-
-# --------------------------------------------------------------- on the devices
-
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    source: int  # index into the recipe's paths
-    ops: tuple[Op, ...]
-    takes: int  # how many of the recipe's dynamic indices its ops take
-    box: tuple[tuple[int, int, int], ...]
-    whole: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class _Assemble:
-    """A recipe's build from its pieces: each parameter's steps, then the pieces placed
-    in their slices of the stored tensor. Compared by value, so that every layer of a
-    scanned parameter (its index taken at run time) shares one program."""
-
-    pieces: tuple[_Piece, ...]
-    shape: tuple[int, ...]
-    dtype: str
-
-    def __call__(self, arrays: tuple[jax.Array, ...], at: tuple[Any, ...]) -> jax.Array:
-        k = 0
-        regions = []
-        for piece in self.pieces:
-            x = arrays[piece.source]
-            for op in piece.ops:
-                if op[0] == "T":
-                    x = jnp.transpose(x, op[1])
-                elif op[0] == "R":
-                    x = jnp.reshape(x, op[1])
-                elif op[0] == "take":
-                    x = jax.lax.dynamic_index_in_dim(x, at[k], op[1], keepdims=False)
-                    k += 1
-                else:
-                    x = jax.lax.slice_in_dim(x, op[2], op[2] + op[3], axis=op[1])
-            regions.append(x)
-        if len(self.pieces) == 1 and self.pieces[0].whole:
-            return regions[0]
-        out = jnp.zeros(self.shape, self.dtype)
-        for piece, x in zip(self.pieces, regions, strict=True):
-            out = out.at[tuple(slice(*s) for s in piece.box)].set(x)
-        return out
