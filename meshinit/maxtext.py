@@ -89,9 +89,16 @@ def names(config: Any, *, hook_dtype: str = "stored") -> FrameworkMap:
         (``model_name``, ``scan_layers``, ``param_scan_axis``, ...).
       hook_dtype: ``"stored"``, ``"bfloat16"`` or ``"float32"``, as above.
 
+    On export (``names=`` of :func:`meshinit.safetensors.save`, with ``config=`` the
+    ``config.json`` to write) it writes what MaxText's ``to_huggingface`` writes, bit
+    for bit: MaxText's saving hooks (``saving_to_hf=True``) run on the devices, each
+    parameter restored in ``weight_dtype`` and sliced per layer as MaxText slices it
+    (:mod:`meshinit._checkpoint.maps.maxtext_saving`); ``hook_dtype`` plays no part.
+
     Returns:
       A :class:`~meshinit.safetensors.FrameworkMap` for ``names=`` of
-      :func:`meshinit.safetensors.load` and :func:`~meshinit.safetensors.inventory`,
+      :func:`meshinit.safetensors.load`, :func:`~meshinit.safetensors.inventory` and
+      :func:`~meshinit.safetensors.save`,
       on plans of MaxText's linen (``params.decoder...``) or NNX (``decoder...``)
       model. Built at load time from MaxText's ``PARAM_MAPPING[config.model_name]``
       and ``HOOK_FNS[config.model_name]`` with the checkpoint's ``config.json``; every

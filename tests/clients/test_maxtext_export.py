@@ -420,12 +420,27 @@ def test_a_parameter_the_map_does_not_name_is_refused():
     ]
 
 
-def test_without_config_maxtexts_own_hf_config_must_be_of_the_models_sizes():
+def test_without_config_the_export_is_refused_naming_maxtexts_own(tmp_path):
     case = case_of("llama3.1-8b", True)
     recipes, problems = meshinit.maxtext.names(case.config).saving(case.planned, None)
-    assert recipes == [] and problems
-    assert all("pass config=" in p.message for p in problems)
-    assert "config.json says hidden_size=4096, MaxText's config emb_dim=64" in str(problems[0])
+    assert recipes == []
+    assert [p.path for p in problems] == ["config="]
+    assert "HF_MODEL_CONFIGS['llama3.1-8b']" in problems[0].message
+    with pytest.raises(meshinit.PlanError, match=r"config=: MaxText's map of 'llama3.1-8b'"):
+        meshinit.safetensors.save(
+            case.arrays(), tmp_path, names=meshinit.maxtext.names(case.config)
+        )
+
+
+def test_a_config_of_other_sizes_is_refused_field_by_field():
+    case = case_of("llama3.1-8b", True)
+    other = dict(case.hf, hidden_size=128, num_attention_heads=8)
+    recipes, problems = meshinit.maxtext.names(case.config).saving(case.planned, other)
+    assert recipes == []
+    assert [p.message.split(":")[0] for p in problems] == [
+        "config.json says hidden_size=128, MaxText's config emb_dim=64",
+        "config.json says num_attention_heads=8, MaxText's config num_query_heads=4",
+    ]
 
 
 def test_a_model_maxtext_does_not_map_is_refused_by_name():

@@ -122,9 +122,9 @@ def recipes(
     where: str,
 ) -> tuple[list[Recipe], list[Problem]]:
     """The recipes of MaxText's own HF export of ``planned`` (plan path -> shape and
-    dtype) for MaxText's ``config``, whose HF ``config.json`` is ``files`` (None:
-    MaxText's own of the model, ``HF_MODEL_CONFIGS``, which must then be of the
-    model's sizes); or every problem, each naming its parameter. ``where`` is how
+    dtype) for MaxText's ``config``, whose HF ``config.json`` is ``files`` (the
+    export's ``config=``, checked against ``config`` as ``to_huggingface`` checks it;
+    None is refused); or every problem, each naming its parameter. ``where`` is how
     messages name the map."""
     from maxtext.checkpoint_conversion.utils import hf_shape, param_mapping, tensor_handling
 
@@ -135,12 +135,9 @@ def recipes(
     hf, fix, problems = _hf_config(model, files)
     if problems:
         return [], problems
-    said = "config=" if files is not None else f"MaxText's own HF config of {model!r}"
+    said = "config="
     problems = mismatches(hf, config, said)
-    if problems:
-        if files is None:
-            fix = "pass config= (the config.json to write, of the model's sizes)"
-            problems = [dataclasses.replace(p, message=f"{p.message}; {fix}") for p in problems]
+    if problems:  # another model's config.json: written beside these weights, it would lie
         return [], problems
     shapes_of = _shapes_function(model, param_mapping, hf_shape)
     scan = bool(config.scan_layers)
@@ -214,18 +211,17 @@ def _unique(problems: list[Problem]) -> list[Problem]:
 
 
 def _hf_config(model: str, files: Mapping[str, Any] | None) -> tuple[Any, str, list[Problem]]:
-    """The HF config MaxText's maps read: ``files`` as transformers fills it, or
-    MaxText's own config of ``model``."""
+    """The HF config MaxText's maps read: ``files`` (``config=``, the config.json the
+    export writes) as transformers fills it. Without one, nothing is guessed: MaxText's
+    own config of ``model`` is named as the fix (what ``to_huggingface`` writes)."""
     if files is not None:
         return hf_config(files, "config=")
-    from maxtext.checkpoint_conversion.utils import hf_model_configs
-
-    own = hf_model_configs.HF_MODEL_CONFIGS.get(model)
-    if own is None:
-        said = f"MaxText keeps no Hugging Face config of {model!r}: pass config= (config.json)"
-        return {}, "", [Problem("", said)]
-    made, fix, problems = hf_config(own.to_dict(), f"MaxText's own HF config of {model!r}")
-    return made, fix, problems
+    fix = (
+        f"pass config= (the config.json to write, of the model's sizes: MaxText's own is "
+        f"maxtext.checkpoint_conversion.utils.hf_model_configs.HF_MODEL_CONFIGS"
+        f"[{model!r}], with --override_model_architecture's sizes where they differ)"
+    )
+    return {}, "", [Problem("config=", f"MaxText's map of {model!r} reads the HF config: {fix}")]
 
 
 def _shapes_function(model: str, param_mapping: Any, hf_shape: Any) -> Any:
