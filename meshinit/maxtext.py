@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -27,12 +28,17 @@ import ml_dtypes
 import numpy as np
 
 from ._checkpoint.layout import parts as _names
+from ._checkpoint.layout.recipe import Recipe
 from ._checkpoint.maps import hooks as _hooks
+from ._checkpoint.maps import maxtext_saving as _saving
 from ._checkpoint.maps import maxtext_scales as _scales
 from ._checkpoint.maps import trace as _trace
 from ._checkpoint.maps.framework import Checkpoint, FrameworkMap, MissingKey
 from ._checkpoint.maps.maxtext_config import hf_config as hf_config
 from ._checkpoint.maps.maxtext_config import mismatches as mismatches
+from ._checkpoint.maps.maxtext_saving import made_by_init as _made_by_init
+from ._checkpoint.maps.maxtext_saving import mt_key as mt_key
+from ._checkpoint.maps.maxtext_saving import named as _named
 from ._checkpoint.store.header import READABLE
 from ._errors import Problem
 from ._spec.rules import NotedRules
@@ -83,9 +89,16 @@ def names(config: Any, *, hook_dtype: str = "stored") -> FrameworkMap:
         (``model_name``, ``scan_layers``, ``param_scan_axis``, ...).
       hook_dtype: ``"stored"``, ``"bfloat16"`` or ``"float32"``, as above.
 
+    On export (``names=`` of :func:`meshinit.safetensors.save`, with ``config=`` the
+    ``config.json`` to write) it writes what MaxText's ``to_huggingface`` writes, bit
+    for bit: MaxText's saving hooks (``saving_to_hf=True``) run on the devices, each
+    parameter restored in ``weight_dtype`` and sliced per layer as MaxText slices it
+    (:mod:`meshinit._checkpoint.maps.maxtext_saving`); ``hook_dtype`` plays no part.
+
     Returns:
       A :class:`~meshinit.safetensors.FrameworkMap` for ``names=`` of
-      :func:`meshinit.safetensors.load` and :func:`~meshinit.safetensors.inventory`,
+      :func:`meshinit.safetensors.load`, :func:`~meshinit.safetensors.inventory` and
+      :func:`~meshinit.safetensors.save`,
       on plans of MaxText's linen (``params.decoder...``) or NNX (``decoder...``)
       model. Built at load time from MaxText's ``PARAM_MAPPING[config.model_name]``
       and ``HOOK_FNS[config.model_name]`` with the checkpoint's ``config.json``; every
@@ -228,11 +241,6 @@ def _maxtext() -> Any:
     return param_mapping, tensor_handling
 
 
-def mt_key(path: str) -> str:
-    """MaxText's conversion key of a plan path (nnx, or linen's ``params.``)."""
-    return "params-" + path.removeprefix("params.").replace(".", "-")
-
-
 class _MaxTextMap(FrameworkMap):
     def __init__(self, config: Any, hook_dtype: str = "stored"):
         self.config = config
@@ -247,6 +255,18 @@ class _MaxTextMap(FrameworkMap):
     def __repr__(self) -> str:
         dtype = "" if self.hook_dtype == "stored" else f", hook_dtype={self.hook_dtype!r}"
         return f"meshinit.maxtext.names(<{self.model}, scan_layers={self.scan}>{dtype})"
+
+    def saving(
+        self,
+        planned: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+        config: Mapping[str, Any] | None,
+    ) -> tuple[list[Recipe], list[Problem]]:
+        """The export's stored tensors, as MaxText's ``to_huggingface`` writes them
+        (:mod:`meshinit._checkpoint.maps.maxtext_saving`), or the problems that refuse
+        it. ``hook_dtype`` plays no part: MaxText's saving hooks run in its
+        ``weight_dtype``, as ``to_huggingface`` restores the parameters."""
+        _maxtext()
+        return _saving.recipes(self.config, planned, config, self.family)
 
     def table(self, checkpoint: Checkpoint) -> tuple[dict[str, Any], list[Problem]]:
         param_mapping, tensor_handling = _maxtext()
@@ -417,17 +437,3 @@ def _missing(key: Any, users: list[str], where: str, file: str, fix: str) -> Pro
 
 class _Absent(Exception):
     pass
-
-
-def _named(hook: Any) -> str:
-    """A hook (or MaxText's list of them, applied in order) as messages name it."""
-    hooks = hook if isinstance(hook, list) else [hook]
-    return ", ".join(getattr(h, "__name__", repr(h)) for h in hooks if h) or "(none)"
-
-
-def _made_by_init(path: str, dtype: Any) -> bool:
-    """A plan entry that is no weight: nnx's RNG state, a typed key or a stream's
-    uint32 ``count``. Any other entry MaxText's map does not name is a problem."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return True
-    return np.dtype(dtype) == np.uint32 and path.rsplit(".", 1)[-1] == "count"

@@ -12,7 +12,7 @@ of numpy or jax is patched. What no target expresses raises
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -102,22 +102,25 @@ class _Jax(types.SimpleNamespace):
         return getattr(self._real, name)
 
 
-def rebound(fn: Callable[..., Any], _depth: int = 0) -> Callable[..., Any]:
+def rebound(
+    fn: Callable[..., Any], spaces: Mapping[str, Any] | None = None, _depth: int = 0
+) -> Callable[..., Any]:
     """A copy of the hook ``fn`` whose ``np``, ``jnp`` and ``jax`` are this module's
-    (and so are those of the functions its closure holds): numpy and jax untouched."""
+    (or ``spaces``: name -> what the copy sees under it), and so are those of the
+    functions its closure holds: numpy and jax untouched."""
     if not isinstance(fn, types.FunctionType):
         raise Inexpressible(f"a hook that is not a Python function ({type(fn).__name__})")
-    names = {"np": NUMPY, "jnp": NUMPY, "numpy": NUMPY, "jax": _Jax()}
+    names = spaces or {"np": NUMPY, "jnp": NUMPY, "numpy": NUMPY, "jax": _Jax()}
     scope = {**fn.__globals__, **{k: v for k, v in names.items() if k in fn.__globals__}}
     cells = None
     if fn.__closure__ and _depth < 4:
-        cells = tuple(_cell(c, _depth + 1) for c in fn.__closure__)
+        cells = tuple(_cell(c, names, _depth + 1) for c in fn.__closure__)
     copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, cells)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
 
 
-def _cell(cell: Any, depth: int) -> Any:
+def _cell(cell: Any, spaces: Mapping[str, Any], depth: int) -> Any:
     """A closure cell, with the functions it holds (alone, or in a list or tuple, as
     a chain of hooks) rebound."""
     try:
@@ -125,9 +128,9 @@ def _cell(cell: Any, depth: int) -> Any:
     except ValueError:  # an empty cell
         return cell
     if isinstance(held, types.FunctionType):
-        return types.CellType(rebound(held, depth))
+        return types.CellType(rebound(held, spaces, depth))
     if isinstance(held, list | tuple) and any(isinstance(h, types.FunctionType) for h in held):
-        fns = [rebound(h, depth) if isinstance(h, types.FunctionType) else h for h in held]
+        fns = [rebound(h, spaces, depth) if isinstance(h, types.FunctionType) else h for h in held]
         return types.CellType(type(held)(fns))
     return cell
 
