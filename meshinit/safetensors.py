@@ -326,7 +326,7 @@ def save(
       arrays: what :func:`load` returns (plan path -> ``jax.Array``), any pytree of
         arrays (under its dot-joined paths: ``materialize``'s nested dicts, linen
         variables), or an nnx Module or State (its ``nnx.Param`` paths).
-      dest: a local folder (created if absent), or an ``s3://bucket/prefix/`` or
+      dest: a local folder (created at the first write), or an ``s3://bucket/prefix/`` or
         ``gs://bucket/prefix/`` URL.
       names: as for :func:`load`, read in reverse: each stored tensor is written from
         the parameters that read it. A name renames; a :class:`Tensor`'s ``index``,

@@ -121,6 +121,7 @@ def test_the_public_surface_is_what_the_docs_cover():
     assert sorted(meshinit.safetensors.__all__) == [
         "Checkpoint",
         "Concat",
+        "Export",
         "Fill",
         "FrameworkMap",
         "Inventory",
@@ -129,6 +130,7 @@ def test_the_public_surface_is_what_the_docs_cover():
         "Tensor",
         "inventory",
         "load",
+        "save",
     ]
     assert meshinit.tunix.__all__ == ["names"]
     assert "bytes_per_device" in _public_members(meshinit.Plan)

@@ -33,16 +33,23 @@ class Folder:
             keys = ", ".join(map(str, options))  # not their values: keys may be secret
             why = f"storage_options ({keys}) are for s3:// and gs:// URLs; a folder takes none"
             raise failed(str(path), why, "nothing was written")
+        if path.exists() and not path.is_dir():
+            raise failed(str(path), "is not a folder", "nothing was written")
+
+    def _made(self) -> None:
+        """The folder, created at the first write (a refused export leaves none)."""
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            why = "is not a folder" if path.exists() else f"cannot be created: {oserror(e)}"
-            raise failed(str(path), why, "nothing was written") from e
+            why = "is not a folder" if self.path.exists() else f"cannot be created: {oserror(e)}"
+            raise failed(str(self.path), why, "nothing was written") from e
 
     def __str__(self) -> str:
         return str(self.path)
 
     def names(self) -> list[str]:
+        if not self.path.exists():
+            return []
         try:
             with os.scandir(self.path) as entries:
                 return [e.name for e in entries if is_checkpoint_file(e.name) and not e.is_dir()]
@@ -51,9 +58,11 @@ class Folder:
             raise failed(str(self.path), why, "a folder could not be listed") from e
 
     def open(self, name: str, size: int | None) -> Upload:
+        self._made()
         return FileUpload(self.path / name)
 
     def put(self, name: str, data: memoryview) -> None:
+        self._made()
         upload = FileUpload(self.path / name)
         try:
             upload.write(data)

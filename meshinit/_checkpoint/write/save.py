@@ -64,6 +64,11 @@ class Export:
         the index and ``config.json`` not), by process index.
       bytes_written: this process's entry of ``bytes_by_process``.
       seconds: the time the export took on this process.
+
+    Examples:
+      >>> report = meshinit.safetensors.save(arrays, "export/")  # doctest: +SKIP
+      >>> report.files, report.bytes_by_process  # doctest: +SKIP
+      (('model.safetensors',), (9648,))
     """
 
     dest: str

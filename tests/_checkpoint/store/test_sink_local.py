@@ -106,3 +106,13 @@ def test_put_rename_and_delete_in_a_folder(tmp_path):
     assert not (tmp_path / "a.safetensors").exists()
     assert len(problems) == 1 and problems[0].startswith(f"{tmp_path / 'd'}: cannot be deleted")
     assert out.delete([]) == []
+
+
+def test_a_folder_is_made_at_the_first_write_not_before(tmp_path):
+    sink = Sink(tmp_path / "a" / "b")
+    assert sink.checkpoint_files() == [] and not (tmp_path / "a").exists()
+    sink.put("config.json", b"{}")
+    assert (tmp_path / "a" / "b" / "config.json").read_bytes() == b"{}"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(meshinit.PlanError, match="file: is not a folder"):
+        Sink(tmp_path / "file")

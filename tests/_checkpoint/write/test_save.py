@@ -204,7 +204,7 @@ def test_each_refusal_names_the_tensor_and_writes_nothing(tmp_path):
     assert "part: is covered only in part" in text
     assert "scale=0.5, which has no saving hook" in text
     assert "none: has no array to write" in text
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()  # a refused export leaves no folder either
 
 
 def test_two_parameters_that_write_one_name_are_refused(tmp_path):
