@@ -571,3 +571,12 @@ def test_quantized_load_benchmark_runs_and_gives_weight_dequants_bits():
         "quantized_load.py", "--layers", "2", "--experts", "1", "--divide", "16", "--check"
     )
     assert "| bytes read / (fp8 + scale bytes) | 1.0000 |" in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+def test_export_tpu_script_code_path_runs_on_cpu_and_its_files_are_exact():
+    # benchmarks/export.py --tpu's own code (each route in its fresh process, meshinit's
+    # files read back against the arrays) on the CPU with 64 MiB: it exits 1 where a
+    # route fails or the files differ
+    r = run_script("export.py", "--tpu", "--cpu-check", timeout=300)
+    assert "meshinit / (device_get + save_file), medians:" in r.stdout

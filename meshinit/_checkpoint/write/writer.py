@@ -59,6 +59,8 @@ class Writer:
             self._held += array.nbytes
             if name == self._wanted or name == self._next.get(self._wanted or ""):
                 _copy(array)  # the tensor being waited for, or the one after it
+            if name == self._wanted:
+                self._waiting = False  # it has its tensor (before its thread wakes)
             self._cond.notify_all()
 
     def wait_room(self, nbytes: int) -> None:
