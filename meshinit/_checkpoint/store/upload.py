@@ -4,6 +4,7 @@ and how their failures are said."""
 
 from __future__ import annotations
 
+import abc
 import errno
 import logging
 from collections.abc import Callable
@@ -22,7 +23,7 @@ def is_checkpoint_file(name: str) -> bool:
     return not name.startswith(".") and (name.endswith(".safetensors") or name == INDEX)
 
 
-class Upload:
+class Upload(abc.ABC):
     """One file being written front to back; a context manager that closes it, or
     aborts it where the block or the close raised. One thread at a time uses it:
     abort it from another thread only once the writing thread has stopped.
@@ -114,14 +115,17 @@ class Upload:
             self._state = "failed"
             raise
 
+    @abc.abstractmethod
     def _send(self, view: memoryview) -> None:
-        raise NotImplementedError
+        """Writes ``view``'s bytes after those written before."""
 
+    @abc.abstractmethod
     def _finish(self) -> None:
-        raise NotImplementedError
+        """Makes the file what was written (a local file synced; an upload completed)."""
 
+    @abc.abstractmethod
     def _discard(self) -> None:
-        raise NotImplementedError
+        """Removes what was written (the partial file; the upload's parts)."""
 
 
 def plain(name: Any) -> str:
