@@ -5,6 +5,7 @@ Face's conventions."""
 
 import json
 import os
+import re
 import time
 
 import jax
@@ -455,3 +456,38 @@ def test_to_s3_the_lone_file_appears_only_at_the_commit(s3_server, monkeypatch, 
     data = s3_server.client.get_object(Bucket=bucket, Key="m/model.safetensors")["Body"].read()
     (tmp_path / "model.safetensors").write_bytes(data)
     _same_files(tmp_path, {"w": np.asarray(arrays["w"])})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"quantize": "int8"}, 'quantize must be None or "fp8"'),
+        ({"dtype": jnp.int32}, "dtype must be a floating dtype"),
+        ({"dtype": "nonsense"}, "dtype must be a floating dtype"),
+        ({"modules_to_not_convert": "lm_head", "quantize": "fp8"}, "modules_to_not_convert must"),
+        ({"modules_to_not_convert": ["lm_head"]}, 'modules_to_not_convert is for quantize="fp8"'),
+        ({"max_shard_size": 2.5}, "max_shard_size"),
+        ({"config": ["not", "a", "dict"]}, "config must be a dict or have to_dict()"),
+        ({"config": {"a": object()}}, "config must be JSON"),
+        ({"max_inflight_bytes": 0}, "max_inflight_bytes must be a positive int"),
+        ({"overwrite": "yes"}, "overwrite must be a bool"),
+        ({"progress": "yes"}, "progress"),
+        ({"storage_options": {"region": "x"}}, "storage_options"),
+    ],
+)
+def test_a_bad_argument_is_refused_naming_it_before_anything_is_made(kwargs, said, tmp_path):
+    s = NamedSharding(xy_mesh((2, 4), False), P())
+    arrays = {"w": jax.device_put(jnp.ones((4,)), s)}
+    with pytest.raises((TypeError, ValueError), match=re.escape(said)):
+        meshinit.safetensors.save(arrays, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_destination_that_is_no_folder_or_an_unknown_scheme_is_refused(tmp_path):
+    s = NamedSharding(xy_mesh((2, 4), False), P())
+    arrays = {"w": jax.device_put(jnp.ones((4,)), s)}
+    (tmp_path / "file").write_text("")
+    with pytest.raises(meshinit.PlanError, match="file: is not a folder"):
+        meshinit.safetensors.save(arrays, tmp_path / "file")
+    with pytest.raises(TypeError, match="not hf://"):
+        meshinit.safetensors.save(arrays, "hf://org/model")
