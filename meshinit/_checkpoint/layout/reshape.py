@@ -83,3 +83,23 @@ def viewable(stored: tuple[int, ...], index: tuple[slice, ...], shape: tuple[int
         except AttributeError:
             return False
     return True
+
+
+def runs(given: tuple[int, ...], resolved: tuple[int, ...]) -> tuple[int, ...]:
+    """The stored shape an export reads off a reshape to ``given`` (``resolved``: its
+    ``-1`` resolved): each run of given sizes one stored axis, split; each ``-1`` one
+    stored axis, kept whole (``(heads, head_dim, -1)`` of a ``(heads * head_dim, d)``
+    weight)."""
+    out: list[int] = []
+    run: int | None = None
+    for g, r in zip(given, resolved, strict=True):
+        if g == -1:
+            if run is not None:
+                out.append(run)
+                run = None
+            out.append(r)
+        else:
+            run = r if run is None else run * r
+    if run is not None:
+        out.append(run)
+    return tuple(out)

@@ -41,6 +41,7 @@ import numpy as np
 from ..._errors import Problem
 from ..layout import parts as _parts
 from ..layout.parts import Concat, Pad, Stack, Target, Tensor
+from ..layout.reshape import runs as stored_runs
 from . import regex_names as _regex
 from . import trace as _trace
 from .regex_names import Entry, Unwritten
@@ -157,30 +158,12 @@ def _spelled(given: tuple[int, ...], stored: tuple[int, ...]) -> tuple[int, ...]
         spelled = tuple(
             -1 if minus is not None and i == runs[minus][0] else d for i, d in enumerate(resolved)
         )
-        if _runs(spelled, resolved) == stored:
+        if stored_runs(spelled, resolved) == stored:
             return spelled
     raise Unwritten(
         f"shape={given} of the stored {stored}: no spelling with one -1 has the stored axes "
         f"as its runs"
     )
-
-
-def _runs(given: tuple[int, ...], resolved: tuple[int, ...]) -> tuple[int, ...]:
-    """The stored shape the export reads off ``given``: each run of given sizes one
-    axis, each ``-1`` one axis."""
-    out: list[int] = []
-    run: int | None = None
-    for g, r in zip(given, resolved, strict=True):
-        if g == -1:
-            if run is not None:
-                out.append(run)
-                run = None
-            out.append(r)
-        else:
-            run = r if run is None else run * r
-    if run is not None:
-        out.append(run)
-    return tuple(out)
 
 
 # ------------------------------------------------------------- the stored tensors

@@ -46,6 +46,7 @@ import numpy as np
 from ..._errors import Problem
 from ..layout.parts import Concat, Fill, Pad, Stack, Target, Tensor
 from ..layout.recipe import Recipe
+from ..layout.reshape import runs
 from .assemble import Leaf, Op, recipe
 
 
@@ -283,7 +284,7 @@ def _tensor(
             )
         if order is not None:
             steps.append(("T", tuple(int(a) for a in np.argsort(order))))
-        region = _runs(t.shape, resolved)
+        region = runs(t.shape, resolved)
         steps.append(("R", region))
     else:
         if t.permute is not None:
@@ -294,24 +295,6 @@ def _tensor(
         else:
             region = shape
     return Leaf(t, path, ops + tuple(steps), at, region, origin)
-
-
-def _runs(given: tuple[int, ...], resolved: tuple[int, ...]) -> tuple[int, ...]:
-    """The stored shape a reshape to ``given`` split: each run of given sizes one axis,
-    each ``-1`` one axis."""
-    out: list[int] = []
-    run: int | None = None
-    for g, r in zip(given, resolved, strict=True):
-        if g == -1:
-            if run is not None:
-                out.append(run)
-                run = None
-            out.append(r)
-        else:
-            run = r if run is None else run * r
-    if run is not None:
-        out.append(run)
-    return tuple(out)
 
 
 def _order(permute: Sequence[int], n: int) -> tuple[int, ...]:

@@ -46,3 +46,12 @@ def test_viewable_says_what_numpy_does_without_copying(stored, index, shape):
     except ValueError:
         numpy_says = False
     assert viewable(stored, index, shape) is numpy_says
+
+
+def test_runs_are_the_stored_axes_a_reshape_split():
+    from meshinit._checkpoint.layout.reshape import runs
+
+    assert runs((4, 8, -1), (4, 8, 16)) == (32, 16)
+    assert runs((-1, 4, 8), (16, 4, 8)) == (16, 32)
+    assert runs((4, 8), (4, 8)) == (32,)
+    assert runs((4, -1), (4, 8)) == (4, 8)
