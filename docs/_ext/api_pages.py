@@ -227,9 +227,11 @@ def _docstring(doc: str, path: str, names: dict[str, str]) -> list[str]:
     header, body = None, []
     for line in [*doc.splitlines(), "END:"]:
         m = _SECTION.match(line)
-        if m or line == "END:":
+        # a section ends at its next header, or at a line as little indented as it
+        ends = header is not None and line.strip() and not line[0].isspace()
+        if m or line == "END:" or ends:
             lines += _section(header, body)
-            header, body = (m.group(1) if m else None), []
+            header, body = (m.group(1) if m else None), ([] if m or line == "END:" else [line])
         else:
             body.append(line)
     return lines
@@ -245,23 +247,28 @@ def _section(header: str | None, body: list[str]) -> list[str]:
         return [f"**{header}:**", "", *_examples(text), ""]
     if header in _LISTED:
         return [f"**{header}:**", "", *_items(text), ""]
+    if header in ("Returns", "Yields"):  # one value, over lines: one item
+        first, *rest = text.splitlines()
+        return [f"**{header}:**", "", f"- {first}", *(f"  {r}" if r else "" for r in rest), ""]
     return [f"**{header}:**", "", *text.splitlines(), ""]
 
 
+_ITEM = re.compile(r"(?P<names>[\w.*]+(?:, [\w.*]+)*)(?: \((?P<kind>[^)]*)\))?:(?P<rest>.*)")
+
+
 def _items(text: str) -> list[str]:
-    """``name: what`` items (continued on more indented lines) as a Markdown list."""
+    """``name: what`` items (``A, B: what`` for several; continued on more indented
+    lines) as a Markdown list."""
     out: list[str] = []
     for line in text.splitlines():
-        if line and not line[0].isspace():
-            name, sep, rest = line.partition(":")
-            if sep and " " not in name.split(" (", 1)[0]:
-                kind = re.match(r"(\S+)(?: \((.*)\))?$", name)
-                shown = f"`{kind.group(1)}`" if kind else f"`{name}`"
-                if kind and kind.group(2):
-                    shown += f" ({kind.group(2)})"
-                out.append(f"- {shown}:{rest}".rstrip())
-                continue
-        out.append(f"  {textwrap.dedent(line).strip()}" if line.strip() else "")
+        item = _ITEM.fullmatch(line) if line and not line[0].isspace() else None
+        if item:
+            shown = ", ".join(f"`{n}`" for n in item.group("names").split(", "))
+            if item.group("kind"):
+                shown += f" ({item.group('kind')})"
+            out.append(f"- {shown}:{item.group('rest')}".rstrip())
+        else:
+            out.append(f"  {line.strip()}" if line.strip() else "")
     return out
 
 

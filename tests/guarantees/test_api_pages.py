@@ -107,6 +107,9 @@ def documented(x, *, rules=None, sep="/"):
 
     Raises:
       PlanError: all at once.
+      TypeError, ValueError: at once.
+
+    Atomic: a paragraph after a section ends it.
 
     Examples:
       >>> documented(1)
@@ -135,11 +138,14 @@ def test_a_google_style_docstring_becomes_lists_and_a_console_block():
             "",
             "**Returns:**",
             "",
-            "``x``, resolved.",
+            "- ``x``, resolved.",
             "",
             "**Raises:**",
             "",
             "- `PlanError`: all at once.",
+            "- `TypeError`, `ValueError`: at once.",
+            "",
+            "Atomic: a paragraph after a section ends it.",
             "",
             "**Examples:**",
             "",
