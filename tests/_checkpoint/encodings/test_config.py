@@ -25,7 +25,15 @@ def test_the_first_stated_config_is_the_declared_one_top_level_first():
 
 @pytest.mark.parametrize(
     "size, block",
-    [(64, (64, 64)), ([64], (64, 64)), ([128, 64], (128, 64)), ((32, 16), (32, 16)), (None, None)],
+    [
+        (64, (64, 64)),
+        ([64], (64, 64)),
+        ([128, 64], (128, 64)),
+        ((32, 16), (32, 16)),
+        (None, None),
+        ([64.0, 64.0], (64, 64)),  # whole numbers as some JSON writers write them
+        (128.0, (128, 128)),
+    ],
 )
 def test_a_block_size_of_one_number_is_square(size, block):
     found, problems = declared({"quantization_config": {"weight_block_size": size}}, WHERE)
@@ -50,8 +58,34 @@ def test_a_block_size_of_one_number_is_square(size, block):
             "quantization_config.weight_block_size holds the JSON array [128, -1], not a block",
         ),
         (
-            {"quantization_config": {"weight_block_size": 128.0}},
-            "quantization_config.weight_block_size holds the JSON number 128.0, not a block",
+            {"quantization_config": {"weight_block_size": 128.5}},
+            "quantization_config.weight_block_size holds the JSON number 128.5, not a block "
+            "size (128.5 is not a whole number): write it as a list of two positive integers",
+        ),
+        (
+            {"quantization_config": {"weight_block_size": "64"}},
+            'quantization_config.weight_block_size holds the JSON string "64", not a block '
+            "size (a string): write it as a list of two positive integers",
+        ),
+        (
+            {"quantization_config": {"weight_block_size": ["64", 64]}},
+            'quantization_config.weight_block_size holds the JSON array ["64", 64], not a '
+            'block size ("64" is a JSON string, not a number)',
+        ),
+        (
+            {"quantization_config": {"weight_block_size": [64, 64, 64]}},
+            "quantization_config.weight_block_size holds the JSON array [64, 64, 64], not a "
+            "block size (3 numbers, where a block has one or two)",
+        ),
+        (
+            {"quantization_config": {"weight_block_size": [0, 64.0]}},
+            "quantization_config.weight_block_size holds the JSON array [0, 64.0], not a "
+            "block size (0 is not positive)",
+        ),
+        (
+            {"quantization_config": {"weight_block_size": [True, 64]}},
+            "quantization_config.weight_block_size holds the JSON array [true, 64], not a "
+            "block size (true is a JSON boolean, not a number)",
         ),
         (
             {"quantization_config": {"quant_method": False}},

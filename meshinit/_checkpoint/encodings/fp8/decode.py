@@ -366,7 +366,9 @@ def applied(
         if finite[k] >= limit and (top is None or finite[k] > top[0]):
             top = (float(finite[k]), leaf, scale, (int(rows[k[0]]), int(cols[k[1]])))
     if problems:
-        raise PlanError(problems, header="meshinit.safetensors.load: a block scale cannot be applied:")
+        raise PlanError(
+            problems, header="meshinit.safetensors.load: a block scale cannot be applied:"
+        )
     if top is None:
         return ""
     _, leaf, scale, (r, c) = top

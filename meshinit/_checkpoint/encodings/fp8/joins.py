@@ -133,7 +133,6 @@ class TileParts(_dequant.QuantParts):
             return _dequant.Raw(key, raw, (np.zeros((0, 1, 1), np.float32),), (), False, "")
         inner = self._inner(index)
         found = _tiles.tiles(self._node, inner)
-        leaves = [t.leaf for t in found if t.leaf is not None]
         first = _blocks.leaves(self._node)[0]  # all alike (plan time): a block of constants too
         stored = READABLE[first.stored.dtype]
         raw = _blocks.block(node, index, self._raw, stored)

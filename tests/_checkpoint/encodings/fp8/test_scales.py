@@ -40,7 +40,8 @@ def test_a_scale_that_is_nan_or_infinite_is_refused_as_a_damaged_file(tmp_path, 
     folder = quantized_folder(tmp_path, {"w": w, "w_scale_inv": s}, QUANTIZATION)
     said = refusal(plan_on(xy_mesh((2, 4), False), {"w": w.shape}, dtype), folder)
     assert (
-        f"w: block scale (1, 2) of tensor 'w' is {str(np.float32(value))} in 'w_scale_inv' in {FILE}: "
+        f"w: block scale (1, 2) of tensor 'w' is {str(np.float32(value))} in 'w_scale_inv' "
+        f"in {FILE}: "
         f"a scale that is not a finite number makes every value of its block"
     ) in said, said
     assert "the file is damaged: download or convert it again" in said, said
