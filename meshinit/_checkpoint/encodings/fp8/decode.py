@@ -338,8 +338,15 @@ def applied(
     narrow = min(dtypes, key=lambda t: float(ml_dtypes.finfo(t).max))
     limit = float(ml_dtypes.finfo(narrow).max) / float(ml_dtypes.finfo(stored).max)
     problems, top = [], None
+    seen: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # a Stack's leaves: one geometry
     for leaf, at in parts:
-        rows, cols = read_blocks(leaf, at)
+        key = (
+            leaf.stored.shape, leaf.shape, leaf.order, leaf.quant.block,
+            tuple((s.start, s.stop, s.step) for s in (*leaf.index, *at)),
+        )  # fmt: skip
+        if key not in seen:
+            seen[key] = read_blocks(leaf, at)
+        rows, cols = seen[key]
         if not rows.size or not cols.size:
             continue
         scale = leaf.quant.scale
