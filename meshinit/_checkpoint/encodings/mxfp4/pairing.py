@@ -48,7 +48,7 @@ from ...layout import host as _host
 from ...store.source import Stored
 from .. import base as _base
 from .. import config as _quant_config
-from .program import checked, program
+from .program import checked, program, spanned
 
 DTYPE = "MXFP4"
 """The dtype of a virtual stored tensor (:func:`virtual`): its values are exact in
@@ -389,10 +389,8 @@ class MxParts(_host.Parts):
         self._tally[0] += raw.nbytes + exps.nbytes
         planned = np.dtype(entry.spec.dtype)
         work = np.dtype(leaf.tensor.compute_dtype or planned)
-        # only the groups the block reads are checked: every block takes as many groups
-        # as the most any needs, and the others beyond its span are never applied
-        used = slice(k0 // group - g0, -(-(k0 + nk) // group) - g0)
-        checked(raw[:, :, :, used], exps[:, :, :, used], (work, planned), entry.path, reached)
+        read, read_exps = spanned(raw, exps, k0 - g0 * group, nk, group)
+        checked(read, read_exps, (work, planned), entry.path, reached)
         shapes = (tuple(sizes[k] for k in across), tuple(sizes[k] for k in view))
         signature = (raw.shape, nk, leaf.order, tuple(across), shapes, work, planned)
         return Raw(key, raw, exps, k0 - g0 * group, signature)

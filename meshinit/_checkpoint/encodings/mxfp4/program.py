@@ -31,6 +31,25 @@ def _top(dtype: np.dtype) -> float:
     return float(ml_dtypes.finfo(dtype).max)
 
 
+def spanned(
+    raw: np.ndarray, exps: np.ndarray, start: int, count: int, group: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Of a block's groups (``raw`` bytes ``[..., groups, B]``, ``exps``), the ones its
+    ``count`` values from ``start`` (along K, within the groups) reach, the values
+    outside that span zeroed: the exponents and values the block applies, and no
+    others (every block takes as many groups as the most any needs; the first and
+    last may reach past the view)."""
+    first, last = start // group, -(-(start + count) // group)
+    raw, exps = raw[..., first:last, :], exps[..., first:last]
+    lead, tail = start - first * group, last * group - start - count
+    if lead or tail:
+        nibbles = np.zeros(raw.shape[-2] * group, bool)
+        nibbles[lead : len(nibbles) - tail] = True  # K order: a byte's low nibble first
+        keep = np.where(nibbles[0::2], 0x0F, 0) | np.where(nibbles[1::2], 0xF0, 0)
+        raw = raw & keep.astype(np.uint8).reshape(raw.shape[-2:])
+    return raw, exps
+
+
 def checked(
     raw: np.ndarray, exps: np.ndarray, dtypes: tuple[np.dtype, np.dtype], path: str, reached: Any
 ) -> None:

@@ -432,3 +432,26 @@ def test_a_bad_exponent_in_a_stack_names_its_own_layer(tmp_path, spec):
         plan, folder, names, "w: 'layers.2.w_scales' holds the exponent byte 255", True
     )
     assert "layers.0" not in message and "stacked" not in message, message
+
+
+@pytest.mark.parametrize("spec", [(None, "x", "y"), (None, None, None)])
+def test_a_value_outside_the_view_in_a_group_it_reads_is_not_checked(tmp_path, spec):
+    """The view reads K 0 to 47 of 64: group 1 (K 32 to 63) only in part. A 6.0 at K 60
+    under exponent byte 141 would overflow float16 (98304), but the view never reads
+    it; the 0.5s it reads there fit (8192). A 6.0 at K 40 is read, and refused."""
+    blocks, scales = mx_pair(np.random.default_rng(11), (2, 8, 2, 16))
+    blocks[1, 3, 1, :] = 0x11  # every value 0.5
+    scales[1, 3, 1] = 141
+    mesh = xy_mesh((4, 2), False)
+    plan = plan_on(mesh, {"w": (2, 48, 8)}, jnp.float16, spec)
+    view = {"w": st.Tensor("w", index=np.s_[:, :48])}
+    for k, loads in ((60, True), (40, False)):
+        held = blocks.copy()
+        held[1, 3, 1, (k - 32) // 2] = 0x17  # K k: 6.0 (its byte's low nibble), K k+1: 0.5
+        folder = write(tmp_path / str(k), {"w_blocks": held, "w_scales": scales})
+        if not loads:
+            refused(plan, folder, view, "byte 141 under values that overflow float16", True)
+            continue
+        got = st.load(plan, folder, names=view)["w"]
+        want = convert_moe_packed_tensors(held, scales, np.float64)[:, :48].astype(np.float16)
+        assert (bits(got) == bits(want)).all()
