@@ -112,7 +112,27 @@ def declared(config: Mapping[str, Any] | None, where: str) -> tuple[Declared, li
             )
         if settings and found.settings is None:
             found = Declared(where, field, settings)
+        elif settings and isinstance(wrong, tuple) and found.settings is not None:
+            first = _sizes(found.settings.get("weight_block_size"))
+            if isinstance(first, tuple) and _square(first) != _square(wrong):
+                problems.append(
+                    Problem(
+                        where,
+                        f"{found.field}.weight_block_size is {_stated(first)} and "
+                        f"{field}.weight_block_size {_stated(wrong)}: meshinit reads the "
+                        f"first, and never picks a block size between two; state one "
+                        f"weight_block_size, the same in both, or remove one",
+                    )
+                )
     return found, problems
+
+
+def _square(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    return sizes if len(sizes) != 1 else (sizes[0], sizes[0])
+
+
+def _stated(sizes: tuple[int, ...]) -> str:
+    return "absent" if not sizes else str(list(_square(sizes)))
 
 
 def _sizes(raw: Any) -> tuple[int, ...] | str:

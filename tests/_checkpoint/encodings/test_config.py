@@ -116,3 +116,19 @@ def test_every_wrong_field_is_named_and_a_config_that_is_none_declares_nothing()
         "text_config.quantization_config",
     ]
     assert declared(None, "") == (Declared(), [])
+
+
+def test_two_configs_that_state_different_block_sizes_are_a_problem_never_a_pick():
+    nested = {"quantization_config": {"weight_block_size": [64, 64]}}
+    top = {"quantization_config": {"quant_method": "fp8"}, "text_config": nested}
+    found, problems = declared(top, WHERE)
+    assert [p.message for p in problems] == [
+        "quantization_config.weight_block_size is absent and "
+        "text_config.quantization_config.weight_block_size [64, 64]: meshinit reads the "
+        "first, and never picks a block size between two; state one weight_block_size, "
+        "the same in both, or remove one"
+    ]
+    assert [p.path for p in problems] == [WHERE] and found.block is None
+    # the same block, however written: no problem
+    top = {"quantization_config": {"weight_block_size": 64}, "text_config": nested}
+    assert declared(top, WHERE)[1] == []
