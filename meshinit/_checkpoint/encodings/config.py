@@ -11,7 +11,8 @@ that is not an object, a ``quant_method`` that is not a string, a
 ``weight_block_size`` that is not a positive whole number or a list of one or two of
 them (``64.0`` is 64: some JSON writers write whole numbers so), is a problem naming
 the file, the field and what is wrong with it, never a field read as absent (the block size
-silently the default, the method silently none).
+silently the default, the method silently none); so is a ``quantization_config`` at
+the top level and one nested that state different block sizes: neither is picked.
 """
 
 from __future__ import annotations
