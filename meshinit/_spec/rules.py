@@ -12,13 +12,13 @@ adds the checks linen does not make.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 from .. import _caches
+from .._typos import closest
 
 AxisEntry = str | tuple[str, ...] | None
 Rule = tuple[str, str | tuple[str, ...] | None]
@@ -325,7 +325,7 @@ def no_rule_message(
     if mesh_axes is not None:
         head += f" and is not a mesh axis (axes: {', '.join(mesh_axes)})"
     names = ", ".join(sorted(known)) or "(none)"
-    close = _close(name, [*sorted(known), *(mesh_axes or ())])
+    close = closest(name, [*sorted(known), *(mesh_axes or ())])
     if close:
         return (
             f"{head}; did you mean {close!r}? (known: {names}); fix the name, or add "
@@ -334,16 +334,10 @@ def no_rule_message(
     return f"{head}; known: {names}; add ({name!r}, None) to the rules to replicate it"
 
 
-def _close(name: str, candidates: Sequence[str]) -> str | None:
-    """The candidate ``name`` is most likely a typo of, if any (``mlpp``: ``mlp``)."""
-    found = difflib.get_close_matches(name, [c for c in candidates if c != name], 1, 0.75)
-    return found[0] if found else None
-
-
 def _guesses(names: Sequence[str], candidates: Sequence[str]) -> str:
     """``"did you mean 'tensor'?"`` for the names that look like typos of a candidate
     (``"did you mean 'tensor' for 'tensr'?"`` when several names are missing)."""
-    pairs = [(n, c) for n in names if (c := _close(n, candidates)) is not None]
+    pairs = [(n, c) for n in names if (c := closest(n, candidates)) is not None]
     if not pairs:
         return ""
     if len(names) == 1:

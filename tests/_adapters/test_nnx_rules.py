@@ -133,16 +133,17 @@ def test_a_rule_whose_axis_only_another_mesh_has_is_named_at_each_variable_it_br
         )
 
 
-def test_a_typo_in_nnx_metadata_gets_the_guess_first():
+@pytest.mark.parametrize("typo", ["mlpp", "mpl"])  # an extra letter; two swapped
+def test_a_typo_in_nnx_metadata_gets_the_guess_first(typo):
     mesh = _mesh("explicit")
     rules = (("embed", "fsdp"), ("mlp", "tensor"))
     with pytest.raises(
         meshinit.PlanError,
-        match=r"up\.kernel: logical axis 'mlpp' in its sharding \('embed', 'mlpp'\) has no rule in "
-        r"flax's logical axis rules and is not a mesh axis \(axes: fsdp, tensor\); did you mean "
-        r"'mlp'\? \(known: embed, mlp\); fix the name, or add \('mlpp', None\) to the rules",
+        match=rf"up\.kernel: logical axis '{typo}' in its sharding \('embed', '{typo}'\) has no "
+        r"rule in flax's logical axis rules and is not a mesh axis \(axes: fsdp, tensor\); did "
+        rf"you mean 'mlp'\? \(known: embed, mlp\); fix the name, or add \('{typo}', None\) to",
     ):
-        meshinit.nnx.plan(lambda: Up(nnx.Rngs(0), ("embed", "mlpp")), rules=rules, mesh=mesh)
+        meshinit.nnx.plan(lambda: Up(nnx.Rngs(0), ("embed", typo)), rules=rules, mesh=mesh)
 
 
 # -- MaxText's resolution: two names of one Variable on one mesh axis -------------------

@@ -297,6 +297,12 @@ def test_unknown_logical_name_names_it_and_suggests_a_replicate_rule():
         (("embed", "mlpp"), (("embed", "fsdp"), ("mlp", "tensor")),
          r"logical axis 'mlpp' has no rule; did you mean 'mlp'\? \(known: embed, mlp\); "
          r"fix the name, or add \('mlpp', None\) to the rules to replicate it$"),
+        # two neighbours swapped: one edit, guessed as any typo (difflib's 0.67 was not)
+        (("embed", "mpl"), (("embed", "fsdp"), ("mlp", "tensor")),
+         r"logical axis 'mpl' has no rule; did you mean 'mlp'\? \(known: embed, mlp\); "
+         r"fix the name, or add \('mpl', None\) to the rules to replicate it$"),
+        (("MLP", "embed"), (("embed", "fsdp"), ("mlp", "tensor")),
+         r"logical axis 'MLP' has no rule; did you mean 'mlp'\? "),
         # a name like none of the known ones: no guess, the replicate rule
         (("embed", "ffw"), (("embed", "fsdp"), ("mlp", "tensor")),
          r"logical axis 'ffw' has no rule; known: embed, mlp; add \('ffw', None\) to the "
