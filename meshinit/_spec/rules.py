@@ -174,6 +174,7 @@ def partition(
     axes: tuple[AxisEntry, ...] | None,
     rules: Rules | None,
     mesh_shape: Mapping[str, int],
+    logical: tuple[Any, ...] | None = None,
 ) -> tuple[tuple[AxisEntry, ...], list[str]]:
     """Resolves a spec's axes to full-length PartitionSpec entries and checks them.
 
@@ -182,6 +183,9 @@ def partition(
       axes: the spec's axes; None means fully replicated.
       rules: a rule table, or None when ``axes`` name mesh axes directly.
       mesh_shape: mesh axis name to size.
+      logical: the dimensions' logical names (``ParamSpec.logical_names``); with
+        rules, ``axes`` are those names. A message names a dimension's as the spec
+        path does, whichever path resolved it.
 
     Returns:
       ``(entries, problems)``: one entry per dimension, and a message for each problem
@@ -239,12 +243,19 @@ def partition(
             continue
         ways = math.prod(mesh_shape[a] for a in _as_tuple(entry))
         if size % ways:
-            logical = f" (logical {axes[dim]!r})" if rules is not None else ""
+            name = _logical(axes if rules is not None else logical, dim)
             problems.append(
-                f"dimension {dim}{logical} of size {size} is not divisible by mesh axes "
+                f"dimension {dim}{name} of size {size} is not divisible by mesh axes "
                 f"{entry!r} of size {ways}; pad the dimension or map it to other mesh axes"
             )
     return entries, problems
+
+
+def _logical(names: tuple[Any, ...] | None, dim: int) -> str:
+    """`` (logical 'mlp')``, how a message names a dimension's logical name, if any."""
+    if names is None or dim >= len(names) or names[dim] is None:
+        return ""
+    return f" (logical {names[dim]!r})"
 
 
 def missing_axis_problems(

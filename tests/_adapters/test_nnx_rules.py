@@ -24,16 +24,18 @@ BAD_RULE = (("embed", "fsdp"), ("mlp", "model"))  # no mesh has 'model'
 
 
 class Up(nnx.Module):
-    def __init__(self, rngs, names=("embed", "mlp")):
+    def __init__(self, rngs, names=("embed", "mlp"), features=16):
         init = nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
-        self.up = nnx.Linear(8, 16, kernel_init=init, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(8, features, kernel_init=init, use_bias=False, rngs=rngs)
 
 
 class LinenUp(nn.Module):
+    features: int = 16
+
     @nn.compact
     def __call__(self, x):
         init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
-        return nn.Dense(16, kernel_init=init, use_bias=False, name="up")(x)
+        return nn.Dense(self.features, kernel_init=init, use_bias=False, name="up")(x)
 
 
 def _mesh(kind: str):
@@ -85,6 +87,37 @@ def test_a_rule_naming_a_missing_axis_reads_the_same_on_every_path(kind):
                 [(r"weight", ("mlp", "embed"))],
                 rules=BAD_RULE,
                 mesh=mesh,
+            )
+        ),
+    }
+    assert messages == dict.fromkeys(messages, want)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_a_dimension_that_does_not_divide_names_its_logical_axis_on_every_path(kind):
+    mesh, rules = _mesh(kind), (("embed", "fsdp"), ("mlp", "tensor"))
+    init = jax.nn.initializers.lecun_normal()
+    spec = meshinit.param((8, 14), init, axes=("embed", "mlp"), mesh=mesh, rules=rules)
+    want = (
+        "dimension 1 (logical 'mlp') of size 14 is not divisible by mesh axes 'tensor' of "
+        "size 4; pad the dimension or map it to other mesh axes"
+    )
+
+    class Own(nnx.Module):  # the rules in the Variable's own metadata
+        def __init__(self, rngs):
+            value = nnx.initializers.lecun_normal()(rngs.params(), (8, 14))
+            self.up = nnx.Param(value, out_sharding=("embed", "mlp"), sharding_rules=rules)
+
+    messages = {
+        # nnx resolved the names to mesh axes before planning and the message lost them
+        "nnx": _message(
+            lambda: meshinit.nnx.plan(lambda: Up(nnx.Rngs(0), features=14), rules=rules, mesh=mesh)
+        ),
+        "nnx own rules": _message(lambda: meshinit.nnx.init(lambda: Own(nnx.Rngs(0)), mesh=mesh)),
+        "spec": _message(lambda: meshinit.plan({"up": spec})),
+        "linen": _message(
+            lambda: meshinit.linen.plan(
+                LinenUp(14), jax.random.key(0), np.ones((1, 8), np.float32), rules=rules, mesh=mesh
             )
         ),
     }
