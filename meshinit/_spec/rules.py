@@ -307,11 +307,17 @@ def rule_axis_message(rule: Rule, axis: str, known: Sequence[str], mesh: Sequenc
         if mesh
         else f"which is in none of the plan's meshes (axes: {', '.join(known)})"
     )
+    # the likely name first: dropping the rule would replicate what it shards
     guess = _guesses([axis], mesh or known)
+    fixes = (
+        f"{guess} otherwise add the axis to the mesh"
+        if guess
+        else "fix the axis name, add the axis to the mesh"
+    )
     return (
         f"rule {rule!r} names mesh axis {axis!r}, {where}; flax would build a "
-        f"PartitionSpec jax refuses, and meshinit does not guess a placement instead: fix "
-        f"the axis name, add the axis to the mesh, or drop the rule{'; ' + guess if guess else ''}"
+        f"PartitionSpec jax refuses, and meshinit does not guess a placement instead: "
+        f"{fixes}, or drop the rule"
     )
 
 

@@ -327,13 +327,15 @@ def test_a_typo_gets_a_guess_before_any_other_fix(axes, rules, want):
     assert re.search(want, exc.value.problems[0].message)
 
 
-def test_a_rule_naming_a_typo_of_a_mesh_axis_guesses_it():
+def test_a_rule_naming_a_typo_of_a_mesh_axis_guesses_it_before_dropping_the_rule():
+    # dropping the rule would replicate what it shards: the likely name comes first
     rules = (("embed", "fsdp"), ("mlp", "tensr"))
     spec = meshinit.param((8, 16), zeros, axes=("embed", "mlp"), mesh=FSDP_TENSOR, rules=rules)
     with pytest.raises(
         meshinit.PlanError,
         match=r"w: rule \('mlp', 'tensr'\) names mesh axis 'tensr', which is in none of the "
-        r"plan's meshes \(axes: fsdp, tensor\); .* or drop the rule; did you mean 'tensor'\?$",
+        r"plan's meshes \(axes: fsdp, tensor\); .* instead: did you mean 'tensor'\? otherwise add "
+        r"the axis to the mesh, or drop the rule$",
     ):
         meshinit.plan({"w": spec})
 
