@@ -34,19 +34,31 @@ def closest(name: str, candidates: Iterable[str]) -> str | None:
     >>> closest("layers.0.up", ["model.layers.0.up", "layers.1.up", "layers.0.down"])
     'model.layers.0.up'
     """
-    parts = _split(name)
     folded = name.casefold()
+    parts, components = _split(folded), _PARTS.split(folded)
+    # Cheap tests first, as a checkpoint holds 10^5 names: with as many components, at
+    # most a third of the letters more or less; else the first or last one in common.
+    cuts, slack = len(components) - 1, len(folded) // 3
     best, fewest = None, 0
     for c in candidates:
-        if c != name and _typo(parts, _split(c)):
-            d = edits(folded, c.casefold(), fewest - 1 if best is not None else len(c) + len(name))
+        if c == name:
+            continue
+        other = c.casefold()
+        if other.count(".") + other.count("/") == cuts:
+            if abs(len(other) - len(folded)) > slack:
+                continue
+        elif not other.startswith(components[0]) and not other.endswith(components[-1]):
+            continue
+        if _typo(parts, _split(other)):
+            most = fewest - 1 if best is not None else len(other) + len(folded)
+            d = edits(folded, other, most)
             if best is None or d < fewest:
                 best, fewest = c, d
     return best
 
 
-def _split(name: str) -> list[list[str]]:
-    return [_WORDS.split(part) for part in _PARTS.split(name.casefold())]
+def _split(folded: str) -> list[list[str]]:
+    return [_WORDS.split(part) for part in _PARTS.split(folded)]
 
 
 def _typo(a: list[list[str]], b: list[list[str]]) -> bool:
