@@ -20,10 +20,10 @@ def closest(name: str, candidates: Iterable[str]) -> str | None:
     """The candidate ``name`` is most likely a typo of, or None.
 
     A candidate is a typo of ``name`` where each word (the parts between ``.``, ``/``,
-    ``_`` and ``-``) that differs is at most a third of its letters' edits away, a
-    letter added, dropped or changed, or two neighbours swapped, each one edit, case
-    ignored (``mpl``: ``mlp``; ``vocb``: ``vocab``; ``layers.0.mlp.up_porj``), so a
-    word of one or two letters (``0``, ``q``, ``up``) must match. Or where the longer
+    ``_`` and ``-``) that differs is at most a third as many edits away as it has
+    letters (a letter added, dropped or changed, or two neighbours swapped, each one
+    edit; case ignored): ``mpl`` for ``mlp``, ``vocb`` for ``vocab``, ``up_porj`` in a
+    path; a word of one or two letters (``0``, ``q``, ``up``) must match. Or where the longer
     of the two is the other with whole components added in one place, the other
     having two or more (``layers.0.up`` and ``model.layers.0.up``). Of those, the
     fewest edits over the whole name wins; ties go to the earlier candidate. ``name``
