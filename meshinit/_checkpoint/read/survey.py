@@ -6,7 +6,6 @@ tensor accounted for. :func:`survey` is the first half of
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import itertools
 import pathlib
@@ -19,6 +18,7 @@ import numpy as np
 from ..._errors import Problem, printable
 from ..._format import some
 from ..._plan.plan import Plan
+from ..._typos import closest
 from ..encodings import keys as _keys
 from ..encodings import registry as _registry
 from ..layout import host as _host
@@ -311,14 +311,13 @@ def _absent(path: str, parts: list[tuple[str, str]], stored: list[str], hint: bo
     with ``hint``, the closest stored name of each of the first three."""
     fix = '(names= maps the path to None, or missing="skip" leaves it to the init)'
     guesses = [
-        difflib.get_close_matches(name, stored, n=1) if hint and k < 3 else []
-        for k, (_, name) in enumerate(parts)
+        closest(name, stored) if hint and k < 3 else None for k, (_, name) in enumerate(parts)
     ]
     if len(parts) == 1 and not parts[0][0]:
-        guess = f"; did you mean {guesses[0][0]!r}?" if guesses[0] else ""
+        guess = f"; did you mean {guesses[0]!r}?" if guesses[0] else ""
         return Problem(path, f"tensor {parts[0][1]!r} is not in the files{guess} {fix}")
     shown = [
-        f"{label}tensor {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        f"{label}tensor {name!r}" + (f" (did you mean {close!r}?)" if close else "")
         for (label, name), close in zip(parts, guesses, strict=True)
     ]
     more = f" and {len(parts) - 5} more" if len(parts) > 5 else ""
