@@ -345,7 +345,9 @@ RUNNABLE = {
     "docs/equinox.md": 2,
     "docs/placements.md": 3,
     "docs/checkpoints.md": 3,
-    "docs/pretrained.md": 7,
+    "docs/pretrained.md": 2,
+    "docs/names.md": 4,
+    "docs/remote.md": 1,
     "docs/export.md": 1,
 }
 
@@ -417,23 +419,33 @@ PRELOAD = (
     "meshinit.safetensors",
 )
 
-# The parent: imports PRELOAD, then forks one child per request line (the payload, the
-# folder to run in, the files for stdout and stderr) and answers with its exit status.
+# The parent: imports PRELOAD, reads every request (an id, the payload, the folder to
+# run in, the files for stdout and stderr) up to an empty line, then runs them in that
+# order, each in a child of its own, at most WORKERS at a time, and answers each with its
+# id and exit status as it ends.
 FORKER = """
-import atexit, importlib, json, os, signal, sys, threading, traceback
-for name in sys.argv[2:]:
+import atexit, collections, importlib, json, os, signal, sys, threading, traceback
+for name in sys.argv[3:]:
     try:
         importlib.import_module(name)
     except ImportError:
         pass
 if threading.active_count() != 1:
     sys.exit(f"cannot fork safely: threads {threading.enumerate()} run after the imports")
-driver = compile(sys.argv[1], "<driver>", "exec")
-print("ready", flush=True)
+driver, workers = compile(sys.argv[1], "<driver>", "exec"), int(sys.argv[2])
+queue = collections.deque()
 for line in sys.stdin:
-    payload, cwd, out, err = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
+    if not line.strip():
+        break
+    queue.append(json.loads(line))
+running = {}
+while queue or running:
+    while queue and len(running) < workers:
+        id, payload, cwd, out, err = queue.popleft()
+        pid = os.fork()
+        if pid:
+            running[pid] = id
+            continue
         code = 1
         try:
             os.chdir(cwd)
@@ -457,57 +469,85 @@ for line in sys.stdin:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    print(os.waitstatus_to_exitcode(status), flush=True)
+    pid, status = os.wait()
+    print(running.pop(pid), os.waitstatus_to_exitcode(status), flush=True)
 """
+
+# Two at a time: a script's compiles and jax's start are mostly one thread, and CI and
+# the README's test command run on 2 cores.
+WORKERS = 2
 
 
 class Forker:
-    """One process that the scripts are forked from, for the whole test session."""
+    """The scripts of this test session, started at once in the forked processes, at
+    most WORKERS at a time; ``result`` waits for one."""
 
-    def __init__(self, folder: pathlib.Path):
+    def __init__(self, folder: pathlib.Path, runs: list[tuple[str, list[Block]]]):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", FORKER, DRIVER, *PRELOAD],
+            [sys.executable, "-c", FORKER, DRIVER, str(WORKERS), *PRELOAD],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             cwd=folder,
             env=clean_env(),
         )
-        ready = self.proc.stdout.readline()
-        assert ready == "ready\n", f"the forking process did not start: {ready!r}"
-
-    def run(self, script: list[Block], tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
-        payload, out, err = (tmp_path / n for n in ("blocks.json", "stdout", "stderr"))
-        payload.write_text(json.dumps([(b.name, b.code, b.raises) for b in script]))
-        self.proc.stdin.write(json.dumps([str(payload), str(tmp_path), str(out), str(err)]))
+        self.folders: dict[str, pathlib.Path] = {}
+        for id, script in runs:
+            self.folders[id] = where = folder / f"run{len(self.folders)}"
+            where.mkdir()
+            payload, out, err = (where / n for n in ("blocks.json", "stdout", "stderr"))
+            payload.write_text(json.dumps([(b.name, b.code, b.raises) for b in script]))
+            request = [id, str(payload), str(where), str(out), str(err)]
+            self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.write("\n")
         self.proc.stdin.flush()
-        status = self.proc.stdout.readline()
-        assert status, "the forking process died"
-        return subprocess.CompletedProcess(
-            script[0].name, int(status), out.read_text(), err.read_text()
-        )
+        self.done: dict[str, int] = {}
+
+    def result(self, id: str) -> subprocess.CompletedProcess:
+        while id not in self.done:
+            line = self.proc.stdout.readline()
+            assert line, "the forking process died (its imports failed?)"
+            ended, status = line.rsplit(" ", 1)
+            self.done[ended] = int(status)
+        where = self.folders[id]
+        out, err = ((where / n).read_text() for n in ("stdout", "stderr"))
+        return subprocess.CompletedProcess(id, self.done[id], out, err)
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
 
 
+def _script_id(page: str, index: int) -> str:
+    return f"{page}-{index}"
+
+
 @pytest.fixture(scope="module")
-def forker(tmp_path_factory):
-    forker = Forker(tmp_path_factory.mktemp("forker"))
+def forker(request, tmp_path_factory):
+    """Starts every script that this session selected (``-k`` included), in test order."""
+    runs = []
+    for item in request.session.items:
+        params = getattr(item, "callspec", None)
+        if item.originalname == "test_every_script_runs_as_pasted" and params is not None:
+            page, index = params.params["page"], params.params["index"]
+            if not absent_imports(scripts(page)[index]):  # else the test skips
+                runs.append((_script_id(page, index), scripts(page)[index]))
+    forker = Forker(tmp_path_factory.mktemp("forker"), runs)
     yield forker
     forker.close()
 
 
-def check_runs(script: list[Block], tmp_path: pathlib.Path, run=run_script) -> None:
+def absent_imports(script: list[Block]) -> list[str]:
     imports = {
         m.split(".")[0]
         for b in script
         for m in re.findall(r"^(?:from|import) ([\w.]+)", b.code, re.M)
     }
-    absent = sorted(m for m in imports if importlib.util.find_spec(m) is None)
+    return sorted(m for m in imports if importlib.util.find_spec(m) is None)
+
+
+def check_runs(script: list[Block], tmp_path: pathlib.Path, run=run_script) -> None:
+    absent = absent_imports(script)
     if absent:
         pytest.skip(f"{script[0].name} imports {absent}, not installed here (CI installs them)")
     r = run(script, tmp_path)
@@ -538,4 +578,6 @@ def test_the_readme_first_block_runs_as_pasted(tmp_path):
     ],
 )
 def test_every_script_runs_as_pasted(page, index, tmp_path, forker):
-    check_runs(scripts(page)[index], tmp_path, run=forker.run)
+    check_runs(
+        scripts(page)[index], tmp_path, run=lambda *_: forker.result(_script_id(page, index))
+    )

@@ -364,6 +364,25 @@ def test_the_readme_requirements_name_every_extra():
     assert "pip install -e '.[safetensors]'" in section
 
 
+USER_PAGES = sorted(
+    p.relative_to(ROOT).as_posix() for p in DOCS.rglob("*.md") if p.parent.name != "api"
+)
+
+
+@pytest.mark.parametrize("page", USER_PAGES)
+def test_every_page_says_what_it_is_for_in_its_first_lines(page):
+    """Under its title, before any heading, list or block, a page says in prose who
+    reads it and what it answers."""
+    text = (ROOT / page).read_text()
+    title, _, rest = text.partition("\n")
+    assert title.startswith("# "), f"{page}: the first line is not a title: {title!r}"
+    first = rest.strip().split("\n\n", 1)[0]
+    assert not re.match(r"```|[#|>]|- |\d+\. ", first) and len(first.split()) >= 15, (
+        f"{page}: the first lines under the title should say, in a sentence or two, who "
+        f"reads the page and what it answers; they are {first[:200]!r}"
+    )
+
+
 def _pyproject() -> dict:
     import tomllib
 
