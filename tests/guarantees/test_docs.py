@@ -408,6 +408,14 @@ def install_problems(page: str, text: str, extras: set[str]) -> list[str]:
     problems = []
     for match in re.finditer(r"pip3? install\b([^`\n]*)", text):
         line = text.count("\n", 0, match.start()) + 1
+        start = text.rfind("\n", 0, match.start()) + 1
+        if (
+            text[start : match.start()].count("`") % 2
+            and text[match.end() : match.end() + 1] == "\n"
+        ):
+            problems.append(
+                f"{page}:{line}: the install command breaks across lines; keep it on one"
+            )
         for word in WORD.findall(match.group(1)):
             if word in ("&&", "|", ";") or word.startswith("#"):
                 break
@@ -470,7 +478,8 @@ def test_the_install_checker_catches_what_the_issue_found():
         "p.md",
         "flax with `pip install meshinit[nnx]`.\n"
         "```bash\npip install -e '.[nnx,torch]' && pytest\n```\n"
-        "and `pip install -e '.[nnx]' 'moto[server]'`, `pip install -e .`\n",
+        "and `pip install -e '.[nnx]' 'moto[server]'`, `pip install -e .`\n"
+        "the extra (`pip install -e\n'.[nnx]'`)\n",
         extras,
     )
     assert found == [
@@ -479,6 +488,7 @@ def test_the_install_checker_catches_what_the_issue_found():
         "from a clone: pip install -e '.[nnx]'",
         "p.md:3: '.[nnx,torch]' names extras ['torch'] that pyproject.toml lacks; it has "
         "['nnx', 'safetensors']",
+        "p.md:6: the install command breaks across lines; keep it on one",
     ]
     deps = ["jax>=0.10.2,<0.13", "numpy>=1.26", "tqdm>=4.60"]
     assert runtime_problems("p.md", "Runtime: `jax` (`>=0.10.2,<0.13`) and `numpy`.", deps) == [
