@@ -175,6 +175,7 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
     offers = [encoding.offer(index) for encoding in _registry.ENCODINGS]
     virtual = {name: held for offered in offers for name, held in offered.tensors.items()}
     tensors = {**index, **virtual}
+    unformed = {name: why for offered in offers for name, why in offered.unpaired.items()}
     table: dict[str, _names.Target | None] | None = None
     # config.json, read once where something consults it (a framework's map, a float8 or
     # MXFP4 tensor planned wider): one that cannot be read is a problem of each, named once
@@ -230,7 +231,9 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
             if refused.missing:
                 missing[entry.path] = refused.missing[0][1]
                 names_held = names_held or sorted(index)
-                gone = _absent(entry.path, refused.missing, names_held, len(absent) < 20)
+                gone = _unformed(entry.path, refused.missing, unformed) or _absent(
+                    entry.path, refused.missing, names_held, len(absent) < 20
+                )
                 absent.append(_names.linked(gone, notes))
             else:
                 problems.append(Problem(entry.path, refused.message))
@@ -283,6 +286,24 @@ def _describe(node: _layout.Node) -> str:
         where = f"in {held.file.name}, stored {held.dtype} {held.shape},"
         return f"tensor {printable(held.name)!r} {where}"
     return _layout.describe(node)
+
+
+def _unformed(
+    path: str, parts: list[tuple[str, str]], unformed: Mapping[str, str]
+) -> Problem | None:
+    """The problem of a path whose missing tensors an encoding would make of stored
+    ones that form no pair (MXFP4's ``X`` of ``X_blocks`` and ``X_scales``): why, for
+    the first three; None where none of them is such a tensor."""
+    told = [(label, name) for label, name in parts if name in unformed]
+    if not told:
+        return None
+    shown = [
+        f"{label}tensor {printable(name)!r} is not in the files, and {unformed[name]}"
+        for label, name in told[:3]
+    ]
+    more = len(parts) - len(shown)
+    rest = f" ({more} more of its tensors are not in the files either)" if more else ""
+    return Problem(path, " | ".join(shown) + rest)
 
 
 def _absent(path: str, parts: list[tuple[str, str]], stored: list[str], hint: bool) -> Problem:
