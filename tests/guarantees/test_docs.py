@@ -390,8 +390,8 @@ def _pyproject() -> dict:
 
 
 # the pages a user installs from; the changelog keeps history as it was, and docs/api/
-# shows the modules' docstrings (meshinit.nnx's and meshinit.eqx's ImportError messages
-# still say "pip install meshinit[nnx]": left to whoever edits meshinit/)
+# shows the modules' docstrings, whose messages name an extra as the package's
+# (`pip install 'meshinit[nnx]'`), whatever the install
 INSTALL_PAGES = ["README.md", "CONTRIBUTING.md"] + sorted(
     p.relative_to(ROOT).as_posix()
     for p in DOCS.rglob("*.md")
