@@ -109,10 +109,31 @@ def _scalars_broadcast(node: Node, ins: list[Any], wrap: Callable[[Any], Any]) -
     ]
 
 
-def hidden_scalars(node: Node, ins: list[Any]) -> list[Any]:
-    """``ins`` with each scalar operand of an elementwise ``node`` broadcast and behind an
-    optimization barrier: what hides the constant from XLA's simplifier as jit's
-    constraint does, where no constraint can be lowered (a tile loop, inside
-    ``shard_map``'s manual region). The same bits as the constraints on CPU (jax 0.10.2:
-    ``normal(0.02)``, ``variance_scaling``, a tanh·exp chain)."""
-    return _scalars_broadcast(node, ins, jax.lax.optimization_barrier)
+def bind_in_manual(node: Node, ins: list[Any], params: dict[str, Any]) -> Any:
+    """``node``'s one result, in ``shard_map``'s manual region (a tile loop), with the
+    constraints :func:`explicit_bind` gives the whole program: each scalar operand of
+    an elementwise ``node`` broadcast and constrained, the result constrained.
+
+    With every mesh axis manual, each constraint names no axis: it changes no value and
+    no placement, and it stays in the program only until XLA's partitioner removes it,
+    as jit's own do; so constants are hidden from the simplifier before that, and
+    fused as constants after it. An optimization barrier (meshinit before issue 67)
+    hid them past fusion too: a tile's ``|n| ** 2.5`` read its 2.5 as a value, and
+    XLA's TPU code for ``pow``, ``atan2`` and ``rem`` of a value differs from its code
+    for a constant (a TPU v5e: 891,008 of 1,229,700 elements of
+    ``|n|**2.5 + atan2(n, 0.3) + rem(10 n, 3)``; read in the optimized HLO:
+    ``power(%abs, %param)`` where the whole program has ``power(%abs,
+    broadcast(constant(2.5)))``)."""
+    ins = _scalars_broadcast(node, ins, manual_constraint)
+    (value,) = _compat.bind(node.primitive, ins, params)
+    return manual_constraint(value)
+
+
+def manual_constraint(x: Any) -> Any:
+    """``x`` behind a sharding constraint that names no mesh axis: inside a region
+    where every axis is manual, what :func:`explicit_bind`'s constraints are in a whole
+    program (a Python value or a key is left as it is)."""
+    aval = getattr(x, "aval", None)
+    if aval is None or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec())
