@@ -256,6 +256,8 @@ class Slice:
     digest: str
     has_control_flow: bool  # whose bodies must keep jax's key implementation
     consts: tuple[int, ...] = ()  # small captured constants, in the program as jit has them
+    # host values that are constants of the program, as jit has them (folded_scalar)
+    folded: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,10 +377,36 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
     order = tuple(sorted(nodes))
     ins = tuple(sorted(inputs))
     fixed = tuple(sorted(embedded))
+    folded: tuple[int, ...] = ()
+    if folded_scalar(traced, out, ins):
+        folded, ins = ins, ()
     try:
-        digest = _jaxpr.slice_fingerprint(prog, order, ins, out, memo, fixed)
+        values = {n: _host_constant(host[n]) for n in folded}
+        digest = _jaxpr.slice_fingerprint(prog, order, ins, out, memo, fixed, values)
     except _jaxpr.Unfingerprintable as e:
         fix = _CALLBACK_FIX if e.callable else _VALUE_FIX
         return Fallback(f"{e}, which meshinit cannot compare between variables", fix)
     has_control_flow = any(prog.nodes[i].control for i in order)
-    return Slice(order, ins, out, digest, has_control_flow, fixed)
+    return Slice(order, ins, out, digest, has_control_flow, fixed, folded)
+
+
+def folded_scalar(traced: Traced, out: int, inputs: Sequence[int]) -> bool:
+    """Whether ``out`` is a 0-d value that depends on no argument of the constructor
+    (its key comes from a literal seed, as ``nnx.Rngs(0)``'s): ``jax.jit`` of the
+    constructor then sees only constants in its computation, and XLA may compute it
+    at compile time, on the compiling host (a TPU's programs fold a 0-d normal whole:
+    jax 0.10.2 with libtpu 0.0.42.1, ``constant(0.0200802851)`` in ``nnx.jit``'s
+    optimized program), where the device's own code rounds otherwise (8 ulp on a TPU
+    v5e). So its program holds those host values as constants, and its random bits
+    are jax's own, as jit's program has them: XLA then folds it, or not, alike
+    (:func:`meshinit._engine.run`'s ``_evaluator``). A parameter with elements is not
+    folded by jit (XLA leaves an ``iota`` of counters, and what reads it, to run
+    time)."""
+    if not inputs or tuple(traced.program.avals[out].shape) != ():
+        return False
+    return all(n in traced.host and n not in traced.dynamic for n in inputs)
+
+
+def _host_constant(value: Any) -> Any:
+    """A host value as the program's constant: a key as its data."""
+    return value.data if isinstance(value, _host.HostKey) else np.asarray(value)
