@@ -129,12 +129,9 @@ def _evaluator(
     keys = [jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended) for n in s.inputs]
 
     fixed = {n: np.asarray(prog.consts[n]) for n in s.consts}  # constants, as jit has them
-    folded_keys = []  # host values jit holds as constants (_trace.folded_scalar)
-    for n in s.folded:
-        v = traced.host[n]
-        fixed[n] = v.data if isinstance(v, _host.HostKey) else np.asarray(v)
-        if isinstance(v, _host.HostKey):
-            folded_keys.append(n)
+    # host values jit holds as constants (_trace.folded_scalar); keys wrapped in run
+    fixed.update({n: _trace.host_constant(traced.host[n]) for n in s.folded})
+    folded_keys = [n for n in s.folded if isinstance(traced.host[n], _host.HostKey)]
     twin = NamedSharding(_compile.auto_twin(mesh), sharding.spec, memory_kind=sharding.memory_kind)
     tiled = _tiles.tiling(prog, s.nodes, s.out, twin, _strategies.tiles(mesh))
 

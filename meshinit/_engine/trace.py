@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -381,8 +382,11 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
     if folded_scalar(traced, out, ins):
         folded, ins = ins, ()
     try:
-        values = {n: _host_constant(host[n]) for n in folded}
-        digest = _jaxpr.slice_fingerprint(prog, order, ins, out, memo, fixed, values)
+        digest = _jaxpr.slice_fingerprint(prog, order, ins or folded, out, memo, fixed)
+        if folded:  # its constants by value: a program of its own
+            held = [host_constant(host[n]) for n in folded]
+            values = repr([(str(v.dtype), v.shape, v.tobytes()) for v in held])
+            digest = hashlib.blake2b((digest + values).encode(), digest_size=16).hexdigest()
     except _jaxpr.Unfingerprintable as e:
         fix = _CALLBACK_FIX if e.callable else _VALUE_FIX
         return Fallback(f"{e}, which meshinit cannot compare between variables", fix)
@@ -401,12 +405,14 @@ def folded_scalar(traced: Traced, out: int, inputs: Sequence[int]) -> bool:
     are jax's own, as jit's program has them: XLA then folds it, or not, alike
     (:func:`meshinit._engine.run`'s ``_evaluator``). A parameter with elements is not
     folded by jit (XLA leaves an ``iota`` of counters, and what reads it, to run
-    time)."""
-    if not inputs or tuple(traced.program.avals[out].shape) != ():
-        return False
+    time). Each such scalar is a program of its own (its constants are its own): one
+    per 0-d float parameter, not one per signature."""
+    aval = traced.program.avals[out]
+    if not inputs or tuple(aval.shape) != () or not jax.dtypes.issubdtype(aval.dtype, np.inexact):
+        return False  # integers and keys are exact wherever they are computed
     return all(n in traced.host and n not in traced.dynamic for n in inputs)
 
 
-def _host_constant(value: Any) -> Any:
+def host_constant(value: Any) -> Any:
     """A host value as the program's constant: a key as its data."""
     return value.data if isinstance(value, _host.HostKey) else np.asarray(value)

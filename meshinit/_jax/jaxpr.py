@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast, final
 
 import jax
@@ -428,18 +428,10 @@ def _canon_params(primitive: Any, params: dict[str, Any], memo: dict[Any, Any]) 
 
 
 def slice_fingerprint(
-    prog: Program,
-    nodes: Sequence[int],
-    inputs: Sequence[int],
-    out: Any,
-    memo: dict,
-    consts=(),
-    values: Mapping[int, Any] | None = None,
+    prog: Program, nodes: Sequence[int], inputs: Sequence[int], out: Any, memo: dict, consts=()
 ) -> str:
     """A digest of the computation ``nodes`` make of ``inputs`` up to ``out`` (a value
-    or a Lit), with the captured constants ``consts`` in it by value, and ``values``
-    (value number -> its value: a host value the program holds as a constant; a key by
-    its data) by value too.
+    or a Lit), with the captured constants ``consts`` in it by value.
 
     Structural: primitives, parameters (nested jaxprs included), shapes, dtypes and
     every literal operand's value, never Python identity; two slices with equal digests
@@ -453,8 +445,6 @@ def slice_fingerprint(
     names: dict[int, Any] = {n: k for k, n in enumerate(inputs)}
     for n in consts:  # a constant read in the slice is described by its value
         names[n] = ("const", _canon_aval(prog.avals[n]), _canon_const(prog.consts[n]))
-    for n, v in (values or {}).items():
-        names[n] = ("host", str(prog.avals[n].dtype), _canon_const(v))
     parts: list[Any] = [tuple([_aval_key(prog.avals[n], memo) for n in inputs])]
     all_nodes = prog.nodes
     for i in nodes:
@@ -466,7 +456,7 @@ def slice_fingerprint(
             raise Unfingerprintable(f"{node.primitive.name}'s {e}", e.callable) from None
         for n in node.outs:
             if n >= 0:
-                names[n] = len(names) - len(consts) - len(values or {})
+                names[n] = len(names) - len(consts)
         parts.append((key, ins))
     parts.append(_lit_key(out, memo) if isinstance(out, Lit) else names[out])
     whole = ("slice", tuple(parts))  # equal tuples, equal digests: one repr per structure
