@@ -109,31 +109,29 @@ def _scalars_broadcast(node: Node, ins: list[Any], wrap: Callable[[Any], Any]) -
     ]
 
 
+# Elementwise operations that round as IEEE's basic operations do: a constant operand
+# read as a value gives the same bits.
+_EXACT = frozenset(
+    "abs add and eq ge gt le lt max min mul ne neg not or select_n sign sub xor".split()
+)
+
+
 def bind_in_manual(node: Node, ins: list[Any], params: dict[str, Any]) -> Any:
-    """``node``'s one result, in ``shard_map``'s manual region (a tile loop), with the
-    constraints :func:`explicit_bind` gives the whole program: each scalar operand of
-    an elementwise ``node`` broadcast and constrained, the result constrained.
+    """``node``'s one result, in ``shard_map``'s manual region (a tile loop), with its
+    scalar operands hidden as jit's constraints hide them in the whole program.
 
-    With every mesh axis manual, each constraint names no axis: it changes no value and
-    no placement, and it stays in the program only until XLA's partitioner removes it,
-    as jit's own do; so constants are hidden from the simplifier before that, and
-    fused as constants after it. An optimization barrier (meshinit before issue 67)
-    hid them past fusion too: a tile's ``|n| ** 2.5`` read its 2.5 as a value, and
-    XLA's TPU code for ``pow``, ``atan2`` and ``rem`` of a value differs from its code
-    for a constant (a TPU v5e: 891,008 of 1,229,700 elements of
-    ``|n|**2.5 + atan2(n, 0.3) + rem(10 n, 3)``; read in the optimized HLO:
-    ``power(%abs, %param)`` where the whole program has ``power(%abs,
-    broadcast(constant(2.5)))``)."""
-    ins = _scalars_broadcast(node, ins, manual_constraint)
+    There no constraint hides anything: with every axis manual, XLA drops it before
+    its simplifier runs (read in the TPU's optimized programs: a tile loop folded
+    ``(x * 1.414) * 0.03113`` into ``x * 0.04395``, which the whole program keeps
+    apart). So the scalar operand of an exact operation (:data:`_EXACT`) goes behind
+    an optimization barrier, which XLA removes only after fusion: the tile then reads
+    it as a value, which changes no bit of an exact operation. Any other operation
+    (``pow``, ``atan2``, ``rem``, ``div``, ...) keeps its constant: XLA's TPU code for
+    them differs for a constant operand, and a barrier made a tile's ``|n| ** 2.5`` read
+    2.5 as a value (``power(%abs, %param)`` in the optimized program where the whole one
+    has ``power(%abs, broadcast(constant(2.5)))``: 891,008 of 1,229,700 elements of
+    ``|n|**2.5 + atan2(n, 0.3) + rem(10 n, 3)`` differed on a TPU v5e, issue 67)."""
+    if node.primitive.name in _EXACT:
+        ins = _scalars_broadcast(node, ins, jax.lax.optimization_barrier)
     (value,) = _compat.bind(node.primitive, ins, params)
-    return manual_constraint(value)
-
-
-def manual_constraint(x: Any) -> Any:
-    """``x`` behind a sharding constraint that names no mesh axis: inside a region
-    where every axis is manual, what :func:`explicit_bind`'s constraints are in a whole
-    program (a Python value or a key is left as it is)."""
-    aval = getattr(x, "aval", None)
-    if aval is None or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
-        return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec())
+    return value
