@@ -395,20 +395,24 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
 
 
 def folded_scalar(traced: Traced, out: int, inputs: Sequence[int]) -> bool:
-    """Whether ``out`` is a 0-d value that depends on no argument of the constructor
-    (its key comes from a literal seed, as ``nnx.Rngs(0)``'s): ``jax.jit`` of the
-    constructor then sees only constants in its computation, and XLA may compute it
-    at compile time, on the compiling host (a TPU's programs fold a 0-d normal whole:
-    jax 0.10.2 with libtpu 0.0.42.1, ``constant(0.0200802851)`` in ``nnx.jit``'s
-    optimized program), where the device's own code rounds otherwise (8 ulp on a TPU
-    v5e). So its program holds those host values as constants, and its random bits
-    are jax's own, as jit's program has them: XLA then folds it, or not, alike
-    (:func:`meshinit._engine.run`'s ``_evaluator``). A parameter with elements is not
-    folded by jit (XLA leaves an ``iota`` of counters, and what reads it, to run
-    time). Each such scalar is a program of its own (its constants are its own): one
-    per 0-d float parameter, not one per signature."""
+    """Whether ``out`` is a float of one element that depends on no argument of the
+    constructor (its key comes from a literal seed, as ``nnx.Rngs(0)``'s): ``jax.jit``
+    of the constructor then sees only constants in its computation, and XLA may
+    compute it at compile time, on the compiling host (a TPU's programs fold a 0-d
+    normal whole: jax 0.10.2 with libtpu 0.0.42.1, ``constant(0.0200802851)`` in
+    ``nnx.jit``'s optimized program), where the device's own code rounds otherwise (8
+    ulp on a TPU v5e). So its program holds those host values as constants, and its
+    random bits are jax's own, as jit's program has them: XLA then folds it, or not,
+    alike (:func:`meshinit._engine.run`'s ``_evaluator``). An array of more elements
+    is not folded by jit (XLA leaves an ``iota`` of counters to run time: a TPU's jit
+    folds a (1,)-shaped normal, not a (4,)-shaped one). Each such value is a program
+    of its own (its constants are its own)."""
     aval = traced.program.avals[out]
-    if not inputs or tuple(aval.shape) != () or not jax.dtypes.issubdtype(aval.dtype, np.inexact):
+    if (
+        not inputs
+        or math.prod(aval.shape) != 1
+        or not jax.dtypes.issubdtype(aval.dtype, np.inexact)
+    ):
         return False  # integers and keys are exact wherever they are computed
     return all(n in traced.host and n not in traced.dynamic for n in inputs)
 

@@ -261,7 +261,8 @@ def test_a_scalar_from_a_literal_seed_holds_its_key_as_a_constant_as_jit_does():
     def literal():
         one, two = jax.random.split(jax.random.key(3))
         bits = jax.random.bits(two, (), jnp.uint32) + 1  # an integer: exact anywhere
-        return [normal(one, (), jnp.float32), normal(two, (8, 4), jnp.float32), bits]
+        vector = normal(jax.random.fold_in(two, 1), (1,), jnp.float32)  # folded by jit too
+        return [normal(one, (), jnp.float32), normal(two, (8, 4), jnp.float32), bits, vector]
 
     def passed(d):
         key = jax.random.wrap_key_data(d)
@@ -269,8 +270,9 @@ def test_a_scalar_from_a_literal_seed_holds_its_key_as_a_constant_as_jit_does():
 
     traced = _trace.trace(literal)
     traced = _trace.evaluate_host_part(traced, traced.program.outputs)
-    scalar, matrix, bits = (_trace.cut(traced, o, {}) for o in traced.program.outputs)
+    scalar, matrix, bits, vector = (_trace.cut(traced, o, {}) for o in traced.program.outputs)
     assert bits is None or not bits.folded  # made by the host, or one program for all
+    assert vector.folded and not vector.inputs  # one element: jit folds a (1,) too
     assert scalar.inputs == (), "the scalar's key is an argument of its program"
     assert scalar.folded and all(n in traced.host for n in scalar.folded)
     assert matrix.inputs and not matrix.folded  # elements: jit computes them at run time
