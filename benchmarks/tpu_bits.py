@@ -97,6 +97,7 @@ def _cases() -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str, Make]]:
         "chain_pow_atan2_rem f32": ((4099, 300), cpu, "float32", chain_pow_atan2_rem),
         "chain_pow_atan2_rem bf16": (big, cpu, "bfloat16", chain_pow_atan2_rem),
         "normal(0.02) f32 scalar": ((), (), "float32", scaled),
+        "normal(0.02) f32 (1,)": ((1,), (1,), "float32", scaled),  # jit folds it too
         "iota*0.001+normal bf16": ((256, 20000), (16, 400), "bfloat16", iota_normal),
         "gamma f32": ((1230, 1000), (96, 40), "float32", gamma),
         "normal*exp(normal cols) bf16": (big, cpu, "bfloat16", exp_cols),
