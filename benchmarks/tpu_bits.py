@@ -17,8 +17,10 @@ mesh (:func:`cases`).
 
 The cases are section 2's table (normal(0.02) in bf16 and in f32 1-D, variance
 scaling, a normal times a constant, a tanh·exp chain, a pow/atan2/rem chain, an iota
-plus a normal, gamma) and section 1's two tiled patterns (a bf16 normal times a small
-f32 vector rounded to bf16, by columns and by rows). With ``cpu_check`` the shapes are
+plus a normal, gamma), section 1's two tiled patterns (a bf16 normal times a small
+f32 vector rounded to bf16, by columns and by rows), and issue 67's: the attack's
+``|n|**2.5 + atan2(n, 0.3) + remainder(10 n, 3)`` over a normal (f32 (4099, 300), tiled
+(192, 300) x 22, and bf16) and a float32 0-d ``normal(0.02)``. With ``cpu_check`` the shapes are
 small, on the 8 simulated CPU devices.
 """
 
@@ -63,6 +65,10 @@ def _cases() -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str, Make]]:
         a = jax.random.uniform(k, s, jnp.float32, 0.1, 2.0)
         return (jnp.power(a, 1.7) + jnp.arctan2(a, 0.7) + jnp.remainder(a * 3.1, 1.3)).astype(d)
 
+    def chain_pow_atan2_rem(k, s, d):  # issue 67: the attack's chain, over a normal
+        n = normal(k, s, jnp.float32)
+        return (jnp.abs(n) ** 2.5 + jnp.arctan2(n, 0.3) + jnp.remainder(10 * n, 3)).astype(d)
+
     def iota_normal(k, s, d):
         return (jax.lax.broadcasted_iota(d, s, 1) * 0.001 + normal(k, s, d)).astype(d)
 
@@ -86,6 +92,12 @@ def _cases() -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str, Make]]:
         "normal*const(cols) bf16": (big, cpu, "bfloat16", times_cols),
         "tanh-exp chain f32": (big, cpu, "float32", tanh_exp),
         "pow-atan2-rem chain bf16": (big, cpu, "bfloat16", pow_atan2_rem),
+        # issue 67: on Explicit, tiles of (192, 300) differed from whole in 891,008
+        # elements (f32) and 40,094 (bf16); the scalar was 8 ulp off nnx.jit
+        "chain_pow_atan2_rem f32": ((4099, 300), cpu, "float32", chain_pow_atan2_rem),
+        "chain_pow_atan2_rem bf16": (big, cpu, "bfloat16", chain_pow_atan2_rem),
+        "normal(0.02) f32 scalar": ((), (), "float32", scaled),
+        "normal(0.02) f32 (1,)": ((1,), (1,), "float32", scaled),  # jit folds it too
         "iota*0.001+normal bf16": ((256, 20000), (16, 400), "bfloat16", iota_normal),
         "gamma f32": ((1230, 1000), (96, 40), "float32", gamma),
         "normal*exp(normal cols) bf16": (big, cpu, "bfloat16", exp_cols),

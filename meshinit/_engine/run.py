@@ -105,6 +105,7 @@ def _evaluator(
     a program for ``mesh`` that places it on ``sharding``: a large value made in tiles
     (:mod:`meshinit._jax.tiles`) where its equations allow, with the same bits."""
     prog = traced.program
+    straight = straight and not s.folded  # a folded scalar: jax's own bits, as jit's
     hash_p, wrap_p, seed_p = (
         _compat.prim(n) for n in ("threefry2x32", "random_wrap", "random_seed")
     )
@@ -128,11 +129,16 @@ def _evaluator(
     keys = [jax.dtypes.issubdtype(prog.avals[n].dtype, jax.dtypes.extended) for n in s.inputs]
 
     fixed = {n: np.asarray(prog.consts[n]) for n in s.consts}  # constants, as jit has them
+    # host values jit holds as constants (_trace.folded_scalar); keys wrapped in run
+    fixed.update({n: _trace.host_constant(traced.host[n]) for n in s.folded})
+    folded_keys = [n for n in s.folded if isinstance(traced.host[n], _host.HostKey)]
     twin = NamedSharding(_compile.auto_twin(mesh), sharding.spec, memory_kind=sharding.memory_kind)
     tiled = _tiles.tiling(prog, s.nodes, s.out, twin, _strategies.tiles(mesh))
 
     def run(*values: Any) -> Any:
         env: dict[int, Any] = dict(fixed)
+        for n in folded_keys:  # a constant of the program, as jit's key
+            env[n] = jax.random.wrap_key_data(env[n], impl=_threefry.SHARDING_INVARIANT_IMPL)
         for n, v, is_key in zip(s.inputs, values, keys, strict=True):
             env[n] = jax.random.wrap_key_data(v, impl=key_impl) if is_key else v
         if tiled is not None:

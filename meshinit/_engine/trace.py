@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -256,6 +257,8 @@ class Slice:
     digest: str
     has_control_flow: bool  # whose bodies must keep jax's key implementation
     consts: tuple[int, ...] = ()  # small captured constants, in the program as jit has them
+    # host values that are constants of the program, as jit has them (folded_scalar)
+    folded: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,10 +378,45 @@ def cut(traced: Traced, out: int | Lit, memo: dict[Any, Any]) -> Slice | Fallbac
     order = tuple(sorted(nodes))
     ins = tuple(sorted(inputs))
     fixed = tuple(sorted(embedded))
+    folded: tuple[int, ...] = ()
+    if folded_scalar(traced, out, ins):
+        folded, ins = ins, ()
     try:
-        digest = _jaxpr.slice_fingerprint(prog, order, ins, out, memo, fixed)
+        digest = _jaxpr.slice_fingerprint(prog, order, ins or folded, out, memo, fixed)
+        if folded:  # its constants by value: a program of its own
+            held = [host_constant(host[n]) for n in folded]
+            values = repr([(str(v.dtype), v.shape, v.tobytes()) for v in held])
+            digest = hashlib.blake2b((digest + values).encode(), digest_size=16).hexdigest()
     except _jaxpr.Unfingerprintable as e:
         fix = _CALLBACK_FIX if e.callable else _VALUE_FIX
         return Fallback(f"{e}, which meshinit cannot compare between variables", fix)
     has_control_flow = any(prog.nodes[i].control for i in order)
-    return Slice(order, ins, out, digest, has_control_flow, fixed)
+    return Slice(order, ins, out, digest, has_control_flow, fixed, folded)
+
+
+def folded_scalar(traced: Traced, out: int, inputs: Sequence[int]) -> bool:
+    """Whether ``out`` is a float of one element that depends on no argument of the
+    constructor (its key comes from a literal seed, as ``nnx.Rngs(0)``'s): ``jax.jit``
+    of the constructor then sees only constants in its computation, and XLA may
+    compute it at compile time, on the compiling host (a TPU's programs fold a 0-d
+    normal whole: jax 0.10.2 with libtpu 0.0.42.1, ``constant(0.0200802851)`` in
+    ``nnx.jit``'s optimized program), where the device's own code rounds otherwise (8
+    ulp on a TPU v5e). So its program holds those host values as constants, and its
+    random bits are jax's own, as jit's program has them: XLA then folds it, or not,
+    alike (:func:`meshinit._engine.run`'s ``_evaluator``). An array of more elements
+    is not folded by jit (XLA leaves an ``iota`` of counters to run time: a TPU's jit
+    folds a (1,)-shaped normal, not a (4,)-shaped one). Each such value is a program
+    of its own (its constants are its own)."""
+    aval = traced.program.avals[out]
+    if (
+        not inputs
+        or math.prod(aval.shape) != 1
+        or not jax.dtypes.issubdtype(aval.dtype, np.inexact)
+    ):
+        return False  # integers and keys are exact wherever they are computed
+    return all(n in traced.host and n not in traced.dynamic for n in inputs)
+
+
+def host_constant(value: Any) -> Any:
+    """A host value as the program's constant: a key as its data."""
+    return value.data if isinstance(value, _host.HostKey) else np.asarray(value)

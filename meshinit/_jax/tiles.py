@@ -336,8 +336,8 @@ def evaluate(
     ``barrier``: each hash's two words behind an optimization barrier, as
     :data:`meshinit._jax.threefry.PROGRAM_KEY_IMPL` makes them in the whole slice's
     program (so the float math after them is a loop of its own). ``explicit``: each
-    tile's scalar operands hidden as jit's constraints hide them under an Explicit
-    mesh (:func:`meshinit._jax.explicit.hidden_scalars`).
+    tile's equation constrained as jit constrains it under an Explicit mesh
+    (:func:`meshinit._jax.explicit.bind_in_manual`).
     """
     _jaxpr.run_nodes(prog, t.outer, env, bind)
     args, specs = [], []
@@ -379,10 +379,11 @@ def evaluate(
                     value = read(node.ins[0], _sliced(t, node.ins[0]))
                 else:
                     ins = [read(x, _sliced(t, x)) for x in node.ins]
-                    if explicit:
-                        ins = _explicit.hidden_scalars(node, ins)
                     params = {k: None if k == "sharding" else v for k, v in node.params.items()}
-                    (value,) = _compat.bind(node.primitive, ins, params)
+                    if explicit:
+                        value = _explicit.bind_in_manual(node, ins, params)
+                    else:
+                        (value,) = _compat.bind(node.primitive, ins, params)
                 tile[node.outs[0]] = value
             return jax.lax.dynamic_update_slice(buf, tile[t.out], placed)
 

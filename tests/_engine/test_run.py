@@ -542,3 +542,32 @@ def test_nnx_init_and_plan_refuse_a_spec_declared_module_and_point_to_materializ
     with pytest.raises(ValueError, match="meshinit.nnx.plan: the factory is traced"):
         rngs = nnx.Rngs(0)
         meshinit.nnx.plan(lambda: nnx.Linear(4, 4, rngs=rngs))
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_scalar_of_a_literal_seed_is_made_by_jits_program(monkeypatch, explicit):
+    """Issue 67: a 0-d ``normal(0.02)`` is made by a program of no arguments, its key a
+    constant, as ``nnx.jit`` makes it (which XLA on a TPU folds at compile time; 8 ulp
+    off the device's own code before), with nnx.jit's bits."""
+    from meshinit._run import compile as _compile
+
+    mesh = mesh24() if explicit else jax.sharding.Mesh(mesh24().devices, ("fsdp", "tensor"))
+    lowered: list[str] = []
+    real = _compile.compile_lowered
+
+    def record(low, m):
+        lowered.append(low.as_text())
+        return real(low, m)
+
+    class Scalar(nnx.Module):
+        def __init__(self, rngs):
+            self.s = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (), jnp.float32))
+
+    monkeypatch.setattr(_compile, "compile_lowered", record)
+    meshinit.clear_cache()
+    with jax.set_mesh(mesh):
+        made = meshinit.nnx.init(lambda: Scalar(nnx.Rngs(0))).s.get_value()
+        want = nnx.jit(lambda: Scalar(nnx.Rngs(0)))().s.get_value()
+    (text,) = lowered
+    assert "func.func public @main() ->" in text, "the scalar's program reads arguments"
+    same_bits(made, want, "a 0-d normal(0.02)")

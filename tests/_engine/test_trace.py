@@ -245,3 +245,42 @@ def test_a_key_made_outside_the_factory_and_left_off_the_host_falls_back_saying_
     assert isinstance(cut, _trace.Fallback)
     assert "key made outside the factory" in cut.reason
     assert "make the key inside the factory" in cut.fix
+
+
+def test_a_scalar_from_a_literal_seed_holds_its_key_as_a_constant_as_jit_does():
+    """Issue 67: a float32 ``normal(0.02)`` scalar was 8 ulp off ``nnx.jit`` on a TPU v5e
+    (exact on CPU). Not the host: its float math ran in its program on the TPU, from
+    its key passed in as an argument. ``nnx.jit``'s key comes from the literal seed, so
+    every value of its computation is a constant, and XLA folds it at compile time on
+    the compiling host (libtpu 0.0.42.1: ``constant(0.0200802851)`` is its whole
+    optimized program). So the slice of such a scalar holds its key as a constant, as
+    jit does; a parameter with elements, or a key the constructor is passed, stays an
+    argument (jit leaves those to run time too)."""
+    normal = nnx.initializers.normal(0.02)
+
+    def literal():
+        one, two = jax.random.split(jax.random.key(3))
+        bits = jax.random.bits(two, (), jnp.uint32) + 1  # an integer: exact anywhere
+        vector = normal(jax.random.fold_in(two, 1), (1,), jnp.float32)  # folded by jit too
+        return [normal(one, (), jnp.float32), normal(two, (8, 4), jnp.float32), bits, vector]
+
+    def passed(d):
+        key = jax.random.wrap_key_data(d)
+        return [normal(key, (), jnp.float32)]
+
+    traced = _trace.trace(literal)
+    traced = _trace.evaluate_host_part(traced, traced.program.outputs)
+    scalar, matrix, bits, vector = (_trace.cut(traced, o, {}) for o in traced.program.outputs)
+    assert bits is None or not bits.folded  # made by the host, or one program for all
+    assert vector.folded and not vector.inputs  # one element: jit folds a (1,) too
+    assert scalar.inputs == (), "the scalar's key is an argument of its program"
+    assert scalar.folded and all(n in traced.host for n in scalar.folded)
+    assert matrix.inputs and not matrix.folded  # elements: jit computes them at run time
+    traced = _trace.trace(passed, np.zeros(2, np.uint32))
+    traced = _trace.evaluate_host_part(traced, traced.program.outputs)
+    (given,) = (_trace.cut(traced, o, {}) for o in traced.program.outputs)
+    assert given.inputs and not given.folded  # the constructor's argument: run time
+    # two scalars of other keys are two programs: each holds its own key
+    other = _trace.trace(lambda: [normal(jax.random.key(4), (), jnp.float32)])
+    other = _trace.evaluate_host_part(other, other.program.outputs)
+    assert _trace.cut(other, other.program.outputs[0], {}).digest != scalar.digest

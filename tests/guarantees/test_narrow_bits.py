@@ -328,11 +328,11 @@ def test_linen_init_gives_jits_bits_under_the_mesh_the_user_made(kind):
 @pytest.mark.parametrize("path", ["nnx", "spec"])
 def test_tiles_on_an_explicit_mesh_give_jits_bits(path):
     """Made in tiles (forced small here; a TPU tiles every parameter over 4 MiB), the
-    values under an Explicit mesh are still jit's there: inside the tile loop, a
-    ``shard_map``'s manual region where no sharding constraint can be lowered, each
-    scalar operand is hidden from XLA's simplifier behind an optimization barrier, as
-    jit's constraint hides it (jax 0.10.2: 33,090 of 122,880 elements 1 ulp off
-    before)."""
+    values under an Explicit mesh are still jit's there: inside the tile loop (a
+    ``shard_map``'s manual region, where a constraint hides nothing) each scalar
+    operand of an exact operation is hidden from XLA's simplifier behind an
+    optimization barrier, as jit's constraint hides it (jax 0.10.2: 33,090 of 122,880
+    elements 1 ulp off before; tests/_jax/test_explicit.py has why not every scalar)."""
     mesh = _meshes()["explicit"]
     init, shape = nnx.initializers.normal(0.02), (768, 160)
     with jax.set_mesh(mesh), meshinit.options(tile_bytes=8192):
