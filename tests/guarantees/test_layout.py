@@ -3,6 +3,7 @@ circle of files, no private names taken from another module, modules under 500 l
 engine reached only through its entry point, and a test tree that mirrors the package."""
 
 import ast
+import functools
 import pathlib
 import re
 
@@ -27,6 +28,14 @@ def _imports(path: pathlib.Path, typing_too: bool = False) -> list[tuple[str, st
     """``(module, name)`` for every import of a meshinit module, lazy ones included and
     ``if TYPE_CHECKING:`` blocks excluded (they never run) unless ``typing_too``.
     ``from . import x`` of a module is ``(that module, "")``."""
+    return list(_imports_of(path, typing_too))
+
+
+@functools.cache
+def _imports_of(path: pathlib.Path, typing_too: bool) -> tuple[tuple[str, str], ...]:
+    # Parsed once a run: ten tests of this module read every module's imports (the
+    # read-flow check four times, once per planted arrow), and the files do not change
+    # while the tests run.
     tree = ast.parse(path.read_text())
     typing_only = {
         id(sub)
@@ -53,7 +62,7 @@ def _imports(path: pathlib.Path, typing_too: bool = False) -> list[tuple[str, st
                 found.append((f"{where}.{a.name}", ""))
             elif where in MODULES:
                 found.append((where, a.name))
-    return found
+    return tuple(found)
 
 
 def test_every_import_is_resolved():
