@@ -1,7 +1,9 @@
 """The reshard step of fan-out: a staging array (:mod:`.staging`), once every process
 holding its parameter has read its share, filled onto the planned sharding by one
-compiled collective (an all-gather; XLA moves only data, so the values are the bytes
-read), batch by batch as the read places them (:class:`Resharder`).
+compiled collective (an all-gather of each float's bits as an unsigned integer of its
+width, :func:`carrier`: XLA moves only data, so the values are the bytes read, and
+each dtype crosses as its own bytes), batch by batch as the read places them
+(:class:`Resharder`).
 
 The batches (:func:`~meshinit._checkpoint.read.staging.batches`) run while the next
 batches' shares are fetched, so the reshards overlap the fetches that follow; before
@@ -51,7 +53,7 @@ def program(entry: PlanEntry, stage: Stage, staged: jax.Array) -> Any:
     compiled = _reshards.get(key)
     if compiled is None:
         with jax.set_mesh(stage.sharding.mesh):  # type: ignore[arg-type]  # over a user's
-            jitted = jax.jit(_cut(stage, shape), out_shardings=twin)
+            jitted = jax.jit(_cut(stage, shape, twin), out_shardings=twin)
             compiled = jitted.lower(staged).compile()
         _reshards.put(key, compiled)
     return compiled
@@ -78,14 +80,34 @@ def absent(entry: PlanEntry) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, entry.sharding, [], dtype=dtype)
 
 
-def _cut(stage: Stage, shape: tuple[int, ...]) -> Any:
+def carrier(dtype: Any) -> np.dtype | None:
+    """The unsigned integer dtype of ``dtype``'s width that its bits cross between the
+    processes as, for a float dtype (None otherwise): XLA's CPU all-gather widens
+    bf16 and f16 to f32, twice the bytes; integers move as they are stored."""
+    dtype = np.dtype(dtype)
+    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        return None
+    if jax.numpy.finfo(dtype).bits != 8 * dtype.itemsize:  # sub-byte floats (fp4)
+        return None
+    return np.dtype(f"uint{8 * dtype.itemsize}")
+
+
+def _cut(stage: Stage, shape: tuple[int, ...], twin: NamedSharding) -> Any:
     d, s, rows, padded = stage.axis, stage.shards, stage.rows, stage.padded
 
     def cut(x: jax.Array) -> jax.Array:
-        if padded == rows:
+        dtype, bits = x.dtype, carrier(x.dtype)
+        if bits is not None:  # the collective moves the stored bits, bit for bit
+            x = jax.lax.bitcast_convert_type(x, bits)
+        if padded != rows:
+            y = x.reshape(shape[:d] + (s, padded) + shape[d + 1 :])
+            x = jax.lax.slice_in_dim(y, 0, rows, axis=d + 1).reshape(shape)
+        if bits is None:
             return x
-        y = x.reshape(shape[:d] + (s, padded) + shape[d + 1 :])
-        return jax.lax.slice_in_dim(y, 0, rows, axis=d + 1).reshape(shape)
+        # resharded here, as bits: the barriers keep XLA from folding the bitcasts
+        # together across the collective (it then widens bf16 again)
+        x = jax.lax.with_sharding_constraint(jax.lax.optimization_barrier(x), twin)
+        return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(x), dtype)
 
     return cut
 

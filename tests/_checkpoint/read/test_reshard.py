@@ -58,3 +58,41 @@ def test_a_staged_load_has_the_plain_loads_bits_placement_and_one_compile_per_si
         same_bits(staged[e.path], plain[e.path], e.path)
         want = tensors["t"].T if e.path == "t" else tensors[e.path]
         same_bits(staged[e.path], want, e.path)
+
+
+def _all_gathers(compiled):
+    """The element types the compiled program's all-gathers move (``u16``, ``f32``)."""
+    import re
+
+    return re.findall(r"= (\w+)\[[^\]]*\]\S* all-gather\(", compiled.as_text())
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3fn", "float32"])
+def test_the_reshard_moves_the_stored_bits_of_every_float_dtype(
+    tmp_path, fsdp_spans_processes, explicit, dtype
+):
+    # XLA's CPU all-gather widens bf16 to f32 (twice the bytes between processes):
+    # the reshard gathers each dtype's bits as an unsigned integer of its width, and
+    # every pattern (NaNs with payloads, -0, subnormals) arrives as stored
+    kind = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    width = 8 * kind.itemsize
+    rng = np.random.default_rng(67)
+    count = 1 << min(width, 16)  # every pattern of the narrow dtypes, 64 Ki of f32's
+    bits = np.arange(count, dtype=np.uint64).astype(f"uint{width}")
+    if width == 32:
+        bits = rng.integers(0, 1 << 32, count, dtype=np.uint64).astype(np.uint32)
+    stored = bits.reshape(-1, 64).view(kind)
+    save_file({"w": stored}, str(tmp_path / "m.safetensors"))
+    plan = plan_of(
+        {"w": (stored.shape, (None, "tensor"))}, dtype=kind, mesh=mesh8(explicit=explicit)
+    )
+    reshard._reshards.clear()
+    arrays, _ = loaded(tmp_path / "m.safetensors", plan)
+    array = arrays["w"]
+    assert array.dtype == kind and array.sharding == plan.entries[0].sharding
+    for shard in array.addressable_shards:
+        got = np.asarray(shard.data).view(f"uint{width}")
+        assert (got == bits.reshape(stored.shape)[shard.index]).all(), (dtype, shard.index)
+    (compiled,) = [c for c in reshard._reshards.values() if c is not None]
+    assert _all_gathers(compiled) == [f"u{width}"], compiled.as_text()[:2000]
