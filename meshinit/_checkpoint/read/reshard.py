@@ -34,7 +34,8 @@ from .staging import Stage
 
 BYTES_FROM_PEERS = "/meshinit/safetensors/bytes_from_peers"
 """The ``jax.monitoring`` scalar each process records once per load: the bytes of its
-devices' shards that the fan-out's collectives brought from other processes' reads."""
+distinct blocks (each once, however many of its devices hold it) that the fan-out's
+collectives brought from other processes' reads."""
 
 _reshards = _caches.lru("fan-out reshards", 256)
 
@@ -113,8 +114,9 @@ def _cut(stage: Stage, shape: tuple[int, ...], twin: NamedSharding) -> Any:
 
 
 def from_peers(entry: PlanEntry, stage: Stage) -> int:
-    """The bytes of this process's planned shards of ``entry`` that no device of this
-    process read: what the reshard brings from other processes."""
+    """The bytes of this process's distinct planned blocks of ``entry`` that no device
+    of this process read: what must reach it from other processes' reads (a block on
+    two of its devices counted once: the process's due, not its devices')."""
     me = jax.process_index()
     itemsize = np.dtype(entry.spec.dtype).itemsize
     mine = set()  # the planned array's parts that this process's staging blocks hold
@@ -122,9 +124,9 @@ def from_peers(entry: PlanEntry, stage: Stage) -> int:
         if _staging.process_of(device) == me:
             real, _ = stage.real(resolved(index, stage.shape))
             mine.add(tuple((s.start, s.stop) for s in real))
+    held = entry.sharding.addressable_devices_indices_map(entry.spec.shape).values()
     total = 0
-    for held in entry.sharding.addressable_devices_indices_map(entry.spec.shape).values():
-        want = tuple((s.start, s.stop) for s in resolved(held, entry.spec.shape))
+    for want in {tuple((s.start, s.stop) for s in resolved(i, entry.spec.shape)) for i in held}:
         have = sum(_overlap(want, m) for m in mine)
         total += (math.prod(b - a for a, b in want) - have) * itemsize
     return total
