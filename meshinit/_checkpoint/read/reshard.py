@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ... import _caches
 from ..._plan.entries import PlanEntry
@@ -95,19 +96,28 @@ def carrier(dtype: Any) -> np.dtype | None:
 
 def _cut(stage: Stage, shape: tuple[int, ...], twin: NamedSharding) -> Any:
     d, s, rows, padded = stage.axis, stage.shards, stage.rows, stage.padded
+    middle = None
+    if stage.moved:  # first back to their dimensions (an all-to-all within the groups
+        # of the moved axes), then gathered: as one step XLA gathers every share whole
+        spec = list(twin.spec) + [None] * (len(shape) - len(twin.spec))
+        axes = [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec]
+        axes[d] = axes[d] + stage.added
+        middle = NamedSharding(twin.mesh, P(*(a if a else None for a in axes)))
 
     def cut(x: jax.Array) -> jax.Array:
         dtype, bits = x.dtype, carrier(x.dtype)
-        if bits is not None:  # the collective moves the stored bits, bit for bit
-            x = jax.lax.bitcast_convert_type(x, bits)
+        if bits is not None:  # the collectives move the stored bits, bit for bit; the
+            # barriers keep XLA from folding the bitcasts together across them (it
+            # then widens bf16 again)
+            x = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, bits))
+        if middle is not None:
+            x = jax.lax.with_sharding_constraint(x, middle)
         if padded != rows:
             y = x.reshape(shape[:d] + (s, padded) + shape[d + 1 :])
             x = jax.lax.slice_in_dim(y, 0, rows, axis=d + 1).reshape(shape)
         if bits is None:
             return x
-        # resharded here, as bits: the barriers keep XLA from folding the bitcasts
-        # together across the collective (it then widens bf16 again)
-        x = jax.lax.with_sharding_constraint(jax.lax.optimization_barrier(x), twin)
+        x = jax.lax.with_sharding_constraint(x, twin)  # resharded here, as bits
         return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(x), dtype)
 
     return cut

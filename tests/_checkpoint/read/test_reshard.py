@@ -96,3 +96,33 @@ def test_the_reshard_moves_the_stored_bits_of_every_float_dtype(
         assert (got == bits.reshape(stored.shape)[shard.index]).all(), (dtype, shard.index)
     (compiled,) = [c for c in reshard._reshards.values() if c is not None]
     assert _all_gathers(compiled) == [f"u{width}"], compiled.as_text()[:2000]
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_block_whose_rows_other_processes_share_is_read_as_whole_rows_then_resharded(
+    tmp_path, fsdp_spans_processes, explicit
+):
+    # fsdp spans the processes and splits the columns: each process would read a piece
+    # of every stored row; staged, it reads whole rows, moved back by the reshard
+    rng = np.random.default_rng(67)
+    tensors = {"c": rng.standard_normal((12, 16)).astype(ml_dtypes.bfloat16)}
+    tensors["o"] = rng.standard_normal((10, 6)).astype(np.float32)  # rows 4 don't divide
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    mesh = mesh8(explicit=explicit)
+    shapes = {"c": ((12, 16), ("tensor", "fsdp")), "o": ((10, 6), (None, "fsdp"))}
+    plan = plan_of(shapes, mesh=mesh)
+    from meshinit._checkpoint.read import staging
+
+    for e in plan.entries:
+        stage = staging.stage(e, blocks_leaf(e.spec.shape))
+        assert stage.moved == ("fsdp",) and stage.added == (), (e.path, stage)
+    staged, _ = loaded(tmp_path / "m.safetensors", plan)
+    for e in plan.entries:
+        assert staged[e.path].sharding == e.sharding
+        same_bits(staged[e.path], tensors[e.path].astype(e.spec.dtype), e.path)
+
+
+def blocks_leaf(shape):
+    from meshinit._checkpoint.layout import blocks
+
+    return blocks.Leaf(st.Tensor("x"), None, (), shape, tuple(range(len(shape))), "")
