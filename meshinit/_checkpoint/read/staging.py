@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ... import _caches
+from ..._jax import compat as _compat
 from ..._plan.entries import PlanEntry
 from ..._run import agree as _agree
 from ..._run import compile as _compile
@@ -111,14 +113,56 @@ def processes() -> int:
     return jax.process_count()
 
 
-def staged(jobs: list[Any], fan_out: bool | None) -> list[Any]:
+def staged(jobs: list[Any], fan_out: bool | None, one: bool = False) -> list[Any]:
     """``jobs`` (:class:`~meshinit._checkpoint.layout.host.Job`), each with the stage it
     is read onto where fan-out applies: unless ``fan_out`` is False, under more than one
-    process."""
+    process; with ``fan_out=None``, not a job that reads local files only where every
+    process runs on ``one`` host (:func:`one_host`)."""
     if fan_out is False or processes() == 1:
         return jobs
+    if fan_out is None and one:  # local files on one host: its page cache serves all
+        remote = [any(leaf.stored.file.fetched for leaf in _blocks.leaves(j.node)) for j in jobs]
+        out = iter(staged([j for j, r in zip(jobs, remote, strict=True) if r], fan_out))
+        return [next(out) if r else j for j, r in zip(jobs, remote, strict=True)]
     # a dequantized parameter (its own Parts: .dequant) is read by each holder
     return [j if j.parts else dataclasses.replace(j, stage=stage(j.entry, j.node)) for j in jobs]
+
+
+HOSTS = "meshinit/hosts"
+"""The key-value store's folder where each process posts its host (:func:`one_host`)."""
+
+HOSTS_TIMEOUT_MS = 60_000
+_one_host: dict[int, bool] = {}
+
+
+def _host() -> str:
+    """This host's identity: its name and its kernel's boot id (the processes of one
+    kernel share its page cache)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()} {boot}"
+
+
+def one_host() -> bool:
+    """Whether every process of the job runs on this host: there a local file that one
+    process reads is in the page cache for all, and fan-out would only add loopback
+    traffic. Each process posts its host's name and boot id to ``jax.distributed``'s
+    key-value store once a job, at its first load, and reads the others' (every
+    process reaches the same answer)."""
+    client = _compat.distributed_client()
+    if processes() == 1 or client is None:
+        return processes() == 1
+    if id(client) not in _one_host:
+        client.key_value_set(f"{HOSTS}/{jax.process_index()}", _host(), allow_overwrite=True)
+        seen = {
+            client.blocking_key_value_get(f"{HOSTS}/{i}", HOSTS_TIMEOUT_MS)
+            for i in range(processes())
+        }
+        _one_host[id(client)] = len(seen) == 1
+    return _one_host[id(client)]
 
 
 def shared(entry: PlanEntry) -> bool:

@@ -155,3 +155,45 @@ def test_each_process_reads_an_equal_share_of_whole_stored_rows_on_every_mesh(
             widths[rows] = widths.get(rows, 0) + d - c
         assert set(widths.values()) == {shape[1]}, (p, sorted(parts))
     meshinit.clear_cache()
+
+
+def test_local_files_on_one_host_are_read_by_each_process_unless_fan_out_is_true(
+    tmp_path, fsdp_spans_processes
+):
+    # on one host the page cache serves every process: fan-out would add only loopback
+    # traffic (fan_out=None); across hosts (a shared file system), or asked for, it fans out
+    from meshinit._checkpoint.read import survey
+
+    save_file({"w": np.zeros((8, 8), np.float32)}, str(tmp_path / "m.st"))
+    plan = plan_of({"w": ((8, 8), (None, "tensor"))})
+    jobs = survey.survey(plan, tmp_path / "m.st", None, "t").jobs
+    assert [j.stage for j in staging.staged(jobs, None, one=True)] == [None]
+    assert staging.staged(jobs, True, one=True)[0].stage is not None
+    assert staging.staged(jobs, None, one=False)[0].stage is not None
+    assert staging.staged(jobs, False, one=False)[0].stage is None
+
+
+class _Store:
+    """A stand-in for jax.distributed's key-value client: process 1's post is there."""
+
+    def __init__(self, other):
+        self.values = {f"{staging.HOSTS}/1": other}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.values[key]
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_one_host_compares_every_processs_host_name_and_boot_id(monkeypatch, same):
+    from meshinit._jax import compat
+
+    store = _Store(staging._host() if same else "elsewhere 0000")
+    monkeypatch.setattr(compat, "distributed_client", lambda: store)
+    monkeypatch.setattr(staging, "processes", lambda: 2)
+    monkeypatch.setattr(staging, "_one_host", {})
+    assert staging.one_host() is same
+    assert store.values[f"{staging.HOSTS}/0"] == staging._host()  # posted for the others
+    assert staging._host().split()[0]  # the host's name, then its boot id
