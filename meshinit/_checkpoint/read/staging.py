@@ -320,7 +320,9 @@ def facts(jobs: Sequence[Any], fan_out: bool | None, budget: int) -> dict[str, s
     before the first collective (:func:`meshinit._run.agree.checkpoint`)."""
     staged = [(job.entry, job.stage) for job in jobs if job.stage is not None]
     return {
-        "fan_out": repr(fan_out is not False),  # None does what True does
+        # None and True alike: where they stage differently (local files on one
+        # host), the staging decisions differ
+        "fan_out": repr(fan_out is not False),
         "max_inflight_bytes": str(budget),
         "the paths read": _agree.digest([job.entry.path for job in jobs]),
         "the staging decisions": _agree.digest([(entry.path, stage) for entry, stage in staged]),
