@@ -1,8 +1,8 @@
 """The reshard step of fan-out: a staging array (:mod:`.staging`), once every process
 holding its parameter has read its share, filled onto the planned sharding by one
-compiled collective (an all-gather of each float's bits as an unsigned integer of its
-width, :func:`carrier`: XLA moves only data, so the values are the bytes read, and
-each dtype crosses as its own bytes), batch by batch as the read places them
+compiled collective (an all-gather; bf16's and float8's bits as unsigned integers,
+:func:`carrier`: XLA moves only data, so the values are the bytes read, and each
+dtype crosses as its own bytes), batch by batch as the read places them
 (:class:`Resharder`).
 
 The batches (:func:`~meshinit._checkpoint.read.staging.batches`) run while the next
@@ -83,15 +83,19 @@ def absent(entry: PlanEntry) -> jax.Array:
 
 
 def carrier(dtype: Any) -> np.dtype | None:
-    """The unsigned integer dtype of ``dtype``'s width that its bits cross between the
-    processes as, for a float dtype (None otherwise): XLA's CPU all-gather widens
-    bf16 and f16 to f32, twice the bytes; integers move as they are stored."""
+    """The unsigned integer dtype that ``dtype``'s bits cross between the processes as,
+    or None where they cross as they are. XLA's CPU all-gather widens bf16 to f32 and
+    float8 to f16 (twice the bytes): their bits cross as uint16 and uint8. f16, f32
+    and integers move their own bytes. (A bitcast of f32 to uint32 made the reshard
+    after a peer's failed load wait for ever on jax 0.12.1, 3 runs of 3, not on jax
+    0.10.2: only the dtypes that need it are cast.)"""
     dtype = np.dtype(dtype)
-    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
-        return None
-    if jax.numpy.finfo(dtype).bits != 8 * dtype.itemsize:  # sub-byte floats (fp4)
-        return None
-    return np.dtype(f"uint{8 * dtype.itemsize}")
+    if dtype == jax.numpy.bfloat16:
+        return np.dtype(np.uint16)
+    if dtype.itemsize == 1 and jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        if jax.numpy.finfo(dtype).bits == 8:  # not a sub-byte float (fp4)
+            return np.dtype(np.uint8)
+    return None
 
 
 def _cut(stage: Stage, shape: tuple[int, ...], twin: NamedSharding) -> Any:
