@@ -1,36 +1,31 @@
-"""Issue 58's goals: ``meshinit.safetensors.load``'s fan-out against every process
-reading what it holds, on 4 processes x 2 CPU devices (gloo) and a capped S3 server.
+"""Issues 58 and 67: ``meshinit.safetensors.load``'s fan-out against every process
+reading what it holds, on ``--processes`` x 2 CPU devices (gloo) and a capped S3 server.
 
-A mixed plan on a ``(data=4, tensor=2)`` mesh whose ``data`` axis spans the processes
-(each process's two devices are one row): per layer a sharded ``attn``
-(``P('data', 'tensor')``, held once), ``up`` and ``down`` split over ``tensor`` and
-replicated over ``data`` (``P(None, 'tensor')``, ``P('tensor', None)``: R = 4 processes
-hold each block) and a fully replicated ``norm`` (``P()``), plus a sharded ``embed``.
-Its checkpoint (f32, two files a depth, ``--layers`` deep) is stored in moto's S3
-(tests/storage_servers.S3Server with ``fast_reads``) in a separate process, behind a
-throttling forwarder (benchmarks/throttle.py) that caps all clients together at
-``--bandwidth-mib`` MiB/s. Each process loads with its own access key id per load, so
-the server counts each process's bytes (the ``Credential=`` of its requests).
+A mixed plan on a ``(data, tensor)`` mesh of the devices in process order (``--mesh
+RxC``; by default a process a row, ``(data=4, tensor=2)``): per layer a sharded
+``attn`` ``P('data', 'tensor')``, ``up`` and ``down`` replicated over ``data``
+(``P(None, 'tensor')``, ``P('tensor', None)``), a replicated ``norm`` ``P()``, plus a
+sharded ``embed``; ``--dtype`` f32, bf16 or f16, two files a depth, in moto's S3
+(tests/storage_servers.S3Server, ``fast_reads``) in a separate process, behind a
+forwarder (benchmarks/throttle.py) capping all clients at ``--bandwidth-mib`` MiB/s.
+Each load signs with its own access key id, so the server counts each one's bytes.
 
-Fresh workers for each depth load it with ``fan_out=False`` and ``fan_out=None``,
-``--repeats`` times each, every cache cleared before a mode's first load (its compiles counted with
-a ``jax.monitoring`` listener). Per load they record the time (after a barrier), the
-bytes their TCP sockets to the other workers sent and received (``ss -tinpH`` of their
-own PID before and after, the S3 and coordinator connections left out), jax.monitoring's
-``bytes_read`` and ``bytes_from_peers``, and check each shard bit for bit against the
-file and each sharding against the plan. Measures (``unique``: the checkpoint's data
-bytes, every tensor once):
+Fresh workers for each depth load with ``fan_out=False`` and ``fan_out=None``,
+``--repeats`` times each, caches cleared before a mode's first load (compiles counted
+with a ``jax.monitoring`` listener). Per load: the time (after a barrier), the bytes
+their TCP sockets to the other workers sent (``ss -tinpH`` of their PID before and
+after, S3 and coordinator connections left out), ``bytes_read`` and
+``bytes_from_peers``, each shard checked bit for bit and each sharding against the
+plan. Measures (``unique``: the checkpoint's data bytes, every tensor once):
 
-- store: data bytes the server sent / unique; header reads (those from byte 0, whose
-  64 KiB guess runs past a small header into the data) are counted apart;
+- store: data bytes the server sent / unique (header reads, from byte 0, apart);
 - busiest: the bytes of the process that fetched most / the mean;
-- between: bytes the workers' peer sockets sent / the all-gather lower bound, the sum
-  over blocks of (R - 1) x its bytes, R the processes that hold it (each holder must
-  receive the (R - 1)/R of it that it did not fetch; a process's two devices share its
-  host, so the bound counts holding processes). ``bytes_from_peers`` is checked
-  against the sockets' bytes received;
-- time: the slowest process's load at the cap / (unique / cap); the first load of a
-  mode (compiles included) and the best repeat;
+- due: bytes the peer sockets sent / the bytes due, ``bytes_from_peers`` summed (what
+  each process holds and did not fetch, each distinct block once);
+- between: the same / the all-gather bound, over blocks (R - 1) x its bytes, R the
+  processes holding it. Where an axis crossing processes splits columns (``--mesh
+  2x3``), fan-out reads whole rows and moves them back: that exchange is not in it;
+- time: the slowest process's load at the cap / (unique / cap), first and best repeat;
 - compiles added by fan-out: a mode's first load's compiles, None minus False.
 
 ``--quick``: a small plan, no cap, one load a mode; it asserts the structural goals
@@ -38,13 +33,15 @@ bytes, every tensor once):
 is missed. A meshinit without ``fan_out`` is measured as it is and said so.
 
 Run: python benchmarks/fanout.py [--quick] [--layers 8 32] [--d 256] [--ffn 512]
-     [--bandwidth-mib 16] [--repeats 1] [--timeout S] [--json OUT]
+     [--processes 4] [--mesh RxC] [--dtype float32] [--bandwidth-mib 16]
+     [--repeats 1] [--timeout S] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -59,25 +56,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "bench"
 MiB = 1 << 20
-PROCESSES, LOCAL = 4, 2
 MODES = {"False": False, "None": None}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fanout_goals import (  # noqa: E402
+    LOCAL,
+    PROCESSES,
+    check_quick,
+    goals,
+    grid,
+    layout,
+    summarize,
+)
+
 EVENT = "/jax/core/compile/backend_compile_duration"
 SECRET = "testing"
 
 
-def layout(layers: int, d: int, ffn: int, vocab: int) -> dict[str, tuple[tuple, tuple | None]]:
-    """Path -> (shape, mesh axes) of the mixed plan."""
-    out: dict[str, tuple[tuple, tuple | None]] = {"embed": ((vocab, d), ("data", "tensor"))}
-    for i in range(layers):
-        out[f"layers.{i}.attn"] = ((d, d), ("data", "tensor"))
-        out[f"layers.{i}.up"] = ((d, ffn), (None, "tensor"))
-        out[f"layers.{i}.down"] = ((ffn, d), ("tensor", None))
-        out[f"layers.{i}.norm"] = ((d,), None)
-    return out
-
-
-def write(folder: Path, layers: int, d: int, ffn: int, vocab: int) -> None:
-    """The checkpoint of ``layers`` layers in two files, random f32 values."""
+def write(folder: Path, layers: int, d: int, ffn: int, vocab: int, dtype: str) -> None:
+    """The checkpoint of ``layers`` layers in two files, random values of ``dtype``."""
+    import ml_dtypes
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -85,8 +82,9 @@ def write(folder: Path, layers: int, d: int, ffn: int, vocab: int) -> None:
     items = list(layout(layers, d, ffn, vocab).items())
     folder.mkdir(parents=True)
     half = len(items) // 2
+    kind = getattr(ml_dtypes, dtype, None) or np.dtype(dtype)
     for k, part in enumerate((items[:half], items[half:])):
-        values = {n: rng.standard_normal(s).astype(np.float32) for n, (s, _) in part}
+        values = {n: rng.standard_normal(s).astype(kind) for n, (s, _) in part}
         save_file(values, str(folder / f"model-0000{k + 1}-of-00002.safetensors"))
 
 
@@ -181,7 +179,7 @@ def worker(rank: int, port: int, url: str, s3_port: int, folder: str, args) -> l
 
     jax.config.update("jax_num_cpu_devices", LOCAL)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=PROCESSES, process_id=rank)
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=args.processes, process_id=rank)
     import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh
@@ -191,7 +189,8 @@ def worker(rank: int, port: int, url: str, s3_port: int, folder: str, args) -> l
     from meshinit import safetensors as st
 
     has_fan_out = "fan_out" in inspect.signature(st.load).parameters
-    mesh = Mesh(np.array(jax.devices()).reshape(PROCESSES, LOCAL), ("data", "tensor"))
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices).reshape(grid(args)), ("data", "tensor"))
     seen = {"compiles": 0, "bytes_read": None, "bytes_from_peers": None}
 
     def count(event, *args, **kwargs):
@@ -211,7 +210,10 @@ def worker(rank: int, port: int, url: str, s3_port: int, folder: str, args) -> l
         shapes = layout(layers, args.d, args.ffn, args.vocab)
         zeros = jax.nn.initializers.zeros
         plan = meshinit.plan(
-            {p: meshinit.param(s, zeros, axes=a, mesh=mesh) for p, (s, a) in shapes.items()}
+            {
+                p: meshinit.param(s, zeros, axes=a, mesh=mesh, dtype=args.dtype)
+                for p, (s, a) in shapes.items()
+            }
         )
         planned = {e.path: e.sharding for e in plan.entries}
         stored: dict = {}
@@ -257,21 +259,6 @@ def worker(rank: int, port: int, url: str, s3_port: int, folder: str, args) -> l
     return results
 
 
-def bound(shapes: dict) -> tuple[int, int]:
-    """(unique bytes, the all-gather lower bound) of the plan on the benchmark's mesh:
-    per distinct block of each entry, (R - 1) x its bytes, R the processes holding it."""
-    import numpy as np
-
-    unique = low = 0
-    for shape, axes in shapes.values():
-        size = int(np.prod(shape)) * 4
-        unique += size
-        # a block is held by a device of every process unless it splits over 'data'
-        holders = 1 if axes and "data" in axes else PROCESSES
-        low += (holders - 1) * size  # (R - 1) x each block, summed over the blocks
-    return unique, low
-
-
 # ------------------------------------------------------------------------ the driver
 
 
@@ -284,7 +271,8 @@ def spawn(
     cmd = [sys.executable, __file__, "--worker"]
     tail = [url, str(s3_port), folder, *argv]
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    procs = [subprocess.Popen([*cmd, str(r), str(port), *tail], **pipes) for r in range(PROCESSES)]
+    count = int(next(a for a in argv if a.startswith("--processes=")).split("=")[1])
+    procs = [subprocess.Popen([*cmd, str(r), str(port), *tail], **pipes) for r in range(count)]
     results, failed = [], []
     deadline = time.monotonic() + timeout
     for rank, proc in enumerate(procs):
@@ -313,7 +301,7 @@ def spawn(
 def measure(args, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as d:
         for layers in args.layers:
-            write(Path(d, f"L{layers}"), layers, args.d, args.ffn, args.vocab)
+            write(Path(d, f"L{layers}"), layers, args.d, args.ffn, args.vocab, args.dtype)
         rate = args.bandwidth_mib * MiB
         server = subprocess.Popen(
             [sys.executable, __file__, "--serve", d, f"--bandwidth-mib={args.bandwidth_mib}"],
@@ -338,106 +326,6 @@ def measure(args, argv: list[str]) -> dict:
     return summarize(args, loads, served, rate)
 
 
-def summarize(args, loads: list[dict], served: dict, rate: float) -> dict:
-    out: dict = {"config": vars(args) | {"processes": PROCESSES, "local_devices": LOCAL}}
-    for layers in args.layers:
-        unique, low = bound(layout(layers, args.d, args.ffn, args.vocab))
-        for mode in MODES:
-            mine = [r for r in loads if r["layers"] == layers and r["mode"] == mode]
-            per_rep = []
-            for rep in range(args.repeats):
-                rows = sorted((r for r in mine if r["rep"] == rep), key=lambda r: r["rank"])
-                data = [served.get(r["key"], (0, 0))[0] for r in rows]
-                head = sum(served.get(r["key"], (0, 0))[1] for r in rows)
-                per_rep.append(
-                    {
-                        "seconds": max(r["seconds"] for r in rows),
-                        "store": sum(data) / unique,
-                        "headers": head,
-                        "busiest": max(data) / (sum(data) / len(data)) if sum(data) else None,
-                        "per_process": data,
-                        "peer_sent": sum(r["peer_sent"] for r in rows),
-                        "peer_received": sum(r["peer_received"] for r in rows),
-                        "from_peers": [r["bytes_from_peers"] for r in rows],
-                        "bytes_read": [r["bytes_read"] for r in rows],
-                        "compiles": max(r["compiles"] for r in rows),
-                        "wrong": [w for r in rows for w in r["wrong"]],
-                    }
-                )
-            first, at = per_rep[0], (unique / rate) if rate else None
-            out[f"{layers}/{mode}"] = {
-                "unique": unique,
-                "bound": low,
-                "loads": per_rep,
-                "store": max(p["store"] for p in per_rep),
-                "busiest": max((p["busiest"] or 0) for p in per_rep),
-                "between": first["peer_sent"] / low if low else None,
-                "time_first": first["seconds"] / at if at else None,
-                "time_best": min(p["seconds"] for p in per_rep[1:]) / at
-                if at and len(per_rep) > 1
-                else None,
-                "compiles": first["compiles"],
-                "supported": all(r["fan_out_supported"] for r in mine),
-                "wrong": [w for p in per_rep for w in p["wrong"]],
-            }
-    return out
-
-
-GOALS = (  # (measure, key, goal); the first three are structural: --quick asserts them
-    ("data bytes served by the store / unique", "store", 1.02),
-    ("bytes fetched: busiest process / mean", "busiest", 1.10),
-    ("bytes between processes / all-gather bound", "between", 1.05),
-    ("load time at the cap / (unique / cap), first", "time_first", 1.3),
-    ("load time at the cap / (unique / cap), repeat", "time_best", 1.3),
-)
-
-
-def goals(found: dict, layers: list[int]) -> list[list[str]]:
-    """Rows: measure, goal, fan_out=None, fan_out=False, met? (fan_out=None's)."""
-    rows = []
-    for n in layers:
-        on, off = found[f"{n}/None"], found[f"{n}/False"]
-        for what, key, limit in GOALS:
-            v, cells = on[key], ["n/a" if x is None else f"{x:.3f}" for x in (on[key], off[key])]
-            met = "n/a" if v is None or not on["supported"] else "met" if v <= limit else "NOT met"
-            rows.append([f"{what}, {n} layers", f"<= {limit:.2f}", *cells, met])
-    added = [found[f"{n}/None"]["compiles"] - found[f"{n}/False"]["compiles"] for n in layers]
-    same = "met" if len(set(added)) == 1 else "NOT met"
-    depths = " and ".join(map(str, layers))
-    counts = " and ".join(map(str, added))
-    rows.append([f"compiles added by fan-out, {depths} layers", "equal", counts, "0", same])
-    return rows
-
-
-def check_quick(found: dict, layers: list[int]) -> list[str]:
-    """The structural goals --quick asserts: what is wrong, or nothing."""
-    wrong = [w for k, v in found.items() if k != "config" for w in v["wrong"]]
-    for n in layers:
-        off, on = found[f"{n}/False"], found[f"{n}/None"]
-        if off["loads"][0]["peer_sent"] > 0.05 * off["bound"]:  # the agreement only
-            wrong.append(f"{n} layers, fan_out=False: processes exchanged data")
-        if not on["supported"]:
-            wrong.append("this meshinit's safetensors.load has no fan_out")
-            continue
-        wrong += [
-            f"{n} layers, fan_out=None: {what} {on[key]} > {limit}"
-            for what, key, limit in GOALS[:3]
-            if on[key] is None or on[key] > limit
-        ]
-        first = on["loads"][0]
-        if None in first["from_peers"]:
-            wrong.append(f"{n} layers: bytes_from_peers not recorded")
-        elif abs(sum(first["from_peers"]) - first["peer_received"]) > 0.05 * on["bound"]:
-            wrong.append(
-                f"{n} layers: bytes_from_peers {sum(first['from_peers'])} against the "
-                f"sockets' {first['peer_received']}"
-            )
-    added = {found[f"{n}/None"]["compiles"] - found[f"{n}/False"]["compiles"] for n in layers}
-    if len(added) != 1:
-        wrong.append(f"compiles added by fan-out differ with depth: {sorted(added)}")
-    return wrong
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -448,6 +336,9 @@ def main() -> None:
     ap.add_argument("--bandwidth-mib", type=float, default=16.0, help="the cap; 0: none")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900, help="seconds for all the loads")
+    ap.add_argument("--processes", type=int, default=PROCESSES)
+    ap.add_argument("--mesh", help="the (data, tensor) mesh as RxC; default: processes x 2")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--json")
     ap.add_argument("--serve")
     ap.add_argument("--worker", nargs=5)
@@ -455,10 +346,14 @@ def main() -> None:
     if args.quick:
         # large enough that the collectives' fixed bytes per entry (about 8 KB here)
         # stay under 5% of the bound
-        args.d, args.ffn, args.vocab, args.bandwidth_mib, args.repeats = 128, 256, 512, 0, 1
+        unit = math.lcm(*grid(args))  # every mesh axis divides each size
+        wide = 2 if args.dtype in ("bfloat16", "float16") else 1  # as many bytes
+        args.d, args.ffn, args.vocab = (-(-n // unit) * unit for n in (128, 256 * wide, 512))
+        args.bandwidth_mib, args.repeats = 0, 1
         args.timeout = min(args.timeout, 240)
     argv = [f"--d={args.d}", f"--ffn={args.ffn}", f"--vocab={args.vocab}"]
-    argv += [f"--repeats={args.repeats}"]
+    argv += [f"--repeats={args.repeats}", f"--processes={args.processes}"]
+    argv += [f"--dtype={args.dtype}"] + ([f"--mesh={args.mesh}"] if args.mesh else [])
     if args.serve:
         serve(args.serve, args.bandwidth_mib * MiB)
         return
@@ -473,9 +368,11 @@ def main() -> None:
     found = measure(args, argv)
     n = args.layers
     unique = {k: found[f"{k}/None"]["unique"] for k in n}
+    rows, cols = grid(args)
     print(
-        f"{PROCESSES} processes x {LOCAL} CPU devices (gloo), mesh (data=4, tensor=2); mixed "
-        f"plan d={args.d}, ffn={args.ffn}, vocab={args.vocab}; unique "
+        f"{args.processes} processes x {LOCAL} CPU devices (gloo), mesh (data={rows}, "
+        f"tensor={cols}); mixed plan {args.dtype}, d={args.d}, ffn={args.ffn}, "
+        f"vocab={args.vocab}; unique "
         + ", ".join(f"{unique[k] / MiB:.1f} MiB at {k} layers" for k in n)
         + (f"; server capped at {args.bandwidth_mib:g} MiB/s" if args.bandwidth_mib else "")
     )
@@ -487,7 +384,7 @@ def main() -> None:
         print("fan_out=None: this meshinit's safetensors.load has no fan_out (today's reads)")
     if args.json:
         Path(args.json).write_text(json.dumps(found, indent=1))
-    if args.quick and (wrong := check_quick(found, n)):
+    if args.quick and (wrong := check_quick(found, n, grid(args)[0] == args.processes)):
         print("quick: NOT met:\n" + "\n".join(wrong))
         sys.exit(1)
 

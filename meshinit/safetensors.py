@@ -190,17 +190,19 @@ def load(
         every request in flight at once.
       fan_out: under ``jax.distributed``, whether a stored block that devices of
         several processes hold (a parameter replicated across hosts, whole or per
-        shard) is fetched once for the whole job: ``None`` (default) and ``True`` do
-        so wherever more than one process holds a block. Its bytes are split among
+        shard) is fetched once for the whole job: ``True`` does so wherever more
+        than one process holds a block; ``None`` (default) too, except from local
+        paths when every process runs on one host (same host name and boot id),
+        where the page cache already serves them all. Its bytes are split among
         those processes along the stored tensor's outer dimension, each process
         fetching only its share, and one compiled all-gather per signature (not per
         layer) fills every replica, in batches of at most ``max_inflight_bytes`` per
         process. The values are the same bits as each process reading it all.
         ``False``: each process fetches every block its devices hold. With one
-        process it changes nothing. Each process records the bytes its shards got
-        from other processes' reads as the ``jax.monitoring`` scalar
-        ``/meshinit/safetensors/bytes_from_peers``. Every process must pass the same
-        ``fan_out`` (None and True alike) and ``max_inflight_bytes``: the processes
+        process it changes nothing. Each process records the bytes of its distinct
+        blocks that came from other processes' reads as the ``jax.monitoring``
+        scalar ``/meshinit/safetensors/bytes_from_peers``. Every process must pass
+        the same ``fan_out`` and ``max_inflight_bytes``: the processes
         compare them, the paths read, the staging and the batches before the first
         collective, and a difference is a PlanError on every process.
       progress: a bar (tqdm, on stderr) of the bytes read (of URLs: fetched) and bytes

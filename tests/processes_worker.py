@@ -7,7 +7,8 @@ Each process joins ``jax.distributed`` on 127.0.0.1 with 2 CPU devices (4 proces
 gloo), then runs the loads of :data:`SCENARIOS` ``[SCENARIO]`` in turn from
 ``FOLDER/model.safetensors`` (or ``SOURCE/model.safetensors``, an ``s3://`` prefix where
 each process signs with its own access key id ``proc-<id>``): 32 parameters of 2 KiB,
-each replicated across the processes (so fan-out stages every one, and its reshard
+each replicated across the processes (so fan-out stages every one, asked for with
+``fan_out=True`` where the files are local, and its reshard
 messages are a few hundred bytes, an agreement's size under the old protocol), half on
 an Auto mesh, half on an Explicit one (``jax.make_mesh``). One process (:data:`FAILING`,
 or 0 where the scenario kills the coordinator) has a fault injected into one load; the
@@ -225,6 +226,8 @@ def main(process_id: int, port: int, folder: str, scenario: str, source: str) ->
     me_failing = process_id == injected(scenario)
     for label, mine, fault, theirs in SCENARIOS[scenario]:
         kwargs = {**(mine if me_failing else theirs), "storage_options": options}
+        if options is None:  # local files on one host: fan-out only where asked for
+            kwargs.setdefault("fan_out", True)
         before = len(jax.live_arrays())
         step: dict[str, Any] = {"label": label, "started": time.time(), "wrong": []}
         try:

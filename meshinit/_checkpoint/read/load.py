@@ -37,6 +37,8 @@ def load(
     """The arrays of every path ``files`` fill, read onto ``plan``'s shardings; every
     problem of the survey and of the policy raised at once, as one :class:`PlanError`
     headed by ``what``, before a byte of data is read."""
+    # before the survey, which a process can fail alone: every process posts its host
+    one = fan_out is None and _staging.processes() > 1 and _staging.one_host()
     survey = _survey.survey(plan, files, names, what, options)
     found, jobs, checked, problems = survey.inventory, survey.jobs, survey.checked, survey.problems
     problems += [
@@ -60,7 +62,7 @@ def load(
             UnusedTensorWarning(_unused.warning(what, idle, stranded, found.missing), idle),
             stacklevel=_patterns.outside_stacklevel(),
         )
-    jobs = _staging.staged(jobs, fan_out)  # the reads planned: which are staged,
+    jobs = _staging.staged(jobs, fan_out, one)  # the reads planned: which are staged,
     ends = _staging.ends(jobs, budget)  # and in which batches their reshards run
     # before the first collective: every process reads the same paths, with the same
     # staging, in the same batches (else a reshard would pair with another's)

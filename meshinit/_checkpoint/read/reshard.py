@@ -1,7 +1,9 @@
 """The reshard step of fan-out: a staging array (:mod:`.staging`), once every process
 holding its parameter has read its share, filled onto the planned sharding by one
-compiled collective (an all-gather; XLA moves only data, so the values are the bytes
-read), batch by batch as the read places them (:class:`Resharder`).
+compiled collective (an all-gather; bf16's and float8's bits as unsigned integers,
+:func:`carrier`: XLA moves only data, so the values are the bytes read, and each
+dtype crosses as its own bytes), batch by batch as the read places them
+(:class:`Resharder`).
 
 The batches (:func:`~meshinit._checkpoint.read.staging.batches`) run while the next
 batches' shares are fetched, so the reshards overlap the fetches that follow; before
@@ -22,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ... import _caches
 from ..._plan.entries import PlanEntry
@@ -32,7 +35,8 @@ from .staging import Stage
 
 BYTES_FROM_PEERS = "/meshinit/safetensors/bytes_from_peers"
 """The ``jax.monitoring`` scalar each process records once per load: the bytes of its
-devices' shards that the fan-out's collectives brought from other processes' reads."""
+distinct blocks (each once, however many of its devices hold it) that the fan-out's
+collectives brought from other processes' reads."""
 
 _reshards = _caches.lru("fan-out reshards", 256)
 
@@ -51,7 +55,7 @@ def program(entry: PlanEntry, stage: Stage, staged: jax.Array) -> Any:
     compiled = _reshards.get(key)
     if compiled is None:
         with jax.set_mesh(stage.sharding.mesh):  # type: ignore[arg-type]  # over a user's
-            jitted = jax.jit(_cut(stage, shape), out_shardings=twin)
+            jitted = jax.jit(_cut(stage, shape, twin), out_shardings=twin)
             compiled = jitted.lower(staged).compile()
         _reshards.put(key, compiled)
     return compiled
@@ -78,21 +82,55 @@ def absent(entry: PlanEntry) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, entry.sharding, [], dtype=dtype)
 
 
-def _cut(stage: Stage, shape: tuple[int, ...]) -> Any:
+def carrier(dtype: Any) -> np.dtype | None:
+    """The unsigned integer dtype that ``dtype``'s bits cross between the processes as,
+    or None where they cross as they are. XLA's CPU all-gather widens bf16 to f32 and
+    float8 to f16 (twice the bytes): their bits cross as uint16 and uint8. f16, f32
+    and integers move their own bytes. (A bitcast of f32 to uint32 made the reshard
+    after a peer's failed load wait for ever on jax 0.12.1, 3 runs of 3, not on jax
+    0.10.2: only the dtypes that need it are cast.)"""
+    dtype = np.dtype(dtype)
+    if dtype == jax.numpy.bfloat16:
+        return np.dtype(np.uint16)
+    if dtype.itemsize == 1 and jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        if jax.numpy.finfo(dtype).bits == 8:  # not a sub-byte float (fp4)
+            return np.dtype(np.uint8)
+    return None
+
+
+def _cut(stage: Stage, shape: tuple[int, ...], twin: NamedSharding) -> Any:
     d, s, rows, padded = stage.axis, stage.shards, stage.rows, stage.padded
+    middle = None
+    if stage.moved:  # first back to their dimensions (an all-to-all within the groups
+        # of the moved axes), then gathered: as one step XLA gathers every share whole
+        spec = list(twin.spec) + [None] * (len(shape) - len(twin.spec))
+        axes = [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec]
+        axes[d] = axes[d] + stage.added
+        middle = NamedSharding(twin.mesh, P(*(a if a else None for a in axes)))
 
     def cut(x: jax.Array) -> jax.Array:
-        if padded == rows:
+        dtype, bits = x.dtype, carrier(x.dtype)
+        if bits is not None:  # the collectives move the stored bits, bit for bit; the
+            # barriers keep XLA from folding the bitcasts together across them (it
+            # then widens bf16 again)
+            x = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, bits))
+        if middle is not None:
+            x = jax.lax.with_sharding_constraint(x, middle)
+        if padded != rows:
+            y = x.reshape(shape[:d] + (s, padded) + shape[d + 1 :])
+            x = jax.lax.slice_in_dim(y, 0, rows, axis=d + 1).reshape(shape)
+        if bits is None:
             return x
-        y = x.reshape(shape[:d] + (s, padded) + shape[d + 1 :])
-        return jax.lax.slice_in_dim(y, 0, rows, axis=d + 1).reshape(shape)
+        x = jax.lax.with_sharding_constraint(x, twin)  # resharded here, as bits
+        return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(x), dtype)
 
     return cut
 
 
 def from_peers(entry: PlanEntry, stage: Stage) -> int:
-    """The bytes of this process's planned shards of ``entry`` that no device of this
-    process read: what the reshard brings from other processes."""
+    """The bytes of this process's distinct planned blocks of ``entry`` that no device
+    of this process read: what must reach it from other processes' reads (a block on
+    two of its devices counted once: the process's due, not its devices')."""
     me = jax.process_index()
     itemsize = np.dtype(entry.spec.dtype).itemsize
     mine = set()  # the planned array's parts that this process's staging blocks hold
@@ -100,9 +138,9 @@ def from_peers(entry: PlanEntry, stage: Stage) -> int:
         if _staging.process_of(device) == me:
             real, _ = stage.real(resolved(index, stage.shape))
             mine.add(tuple((s.start, s.stop) for s in real))
+    held = entry.sharding.addressable_devices_indices_map(entry.spec.shape).values()
     total = 0
-    for held in entry.sharding.addressable_devices_indices_map(entry.spec.shape).values():
-        want = tuple((s.start, s.stop) for s in resolved(held, entry.spec.shape))
+    for want in {tuple((s.start, s.stop) for s in resolved(i, entry.spec.shape)) for i in held}:
         have = sum(_overlap(want, m) for m in mine)
         total += (math.prod(b - a for a, b in want) - have) * itemsize
     return total

@@ -19,6 +19,14 @@ planned block's length along it is not a multiple of the share count, the stagin
 array is padded with zeros at the end of each block, and the reshard cuts them off.
 A parameter with no such dimension (a scalar) is read as before, by each holder.
 
+Where a mesh axis that spans processes splits another dimension (on a ``(2, 3)`` mesh
+of 3 processes x 2 devices, ``tensor`` crosses processes and one process sits in both
+rows), each process's block is a piece of every stored row, beside other processes'
+pieces: the fetch would read through the gaps (the whole rows, up to 2x here) or spend
+a request a row. Such axes are *moved* onto the split dimension too, so each process
+reads whole rows, an equal share, sharded parameters included; the reshard first
+moves them back (an all-to-all within their groups), then gathers.
+
 Every choice here is made from what every process knows alike (the plan, the
 files' headers), so the staging shardings and the order of the collectives agree on
 every process; the reshards run in about 16 batches, each within ``budget`` bytes per
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ... import _caches
+from ..._jax import compat as _compat
 from ..._plan.entries import PlanEntry
 from ..._run import agree as _agree
 from ..._run import compile as _compile
@@ -50,9 +60,10 @@ from ..layout.host import resolved
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """How one parameter is read with fan-out: onto ``sharding`` (the planned spec with
-    ``added`` mesh axes on ``axis``, on the mesh's all-Auto twin), an array of
-    ``shape``: along ``axis`` each of the planned sharding's ``shards`` blocks of
-    ``rows`` rows is padded to ``padded`` rows (a multiple of the added axes' size)."""
+    ``added`` mesh axes on ``axis``, and the ``moved`` ones taken from the other
+    dimensions to it, on the mesh's all-Auto twin), an array of ``shape``: along
+    ``axis`` each of the planned sharding's ``shards`` blocks of ``rows`` rows is
+    padded to ``padded`` rows (a multiple of the added and moved axes' size)."""
 
     sharding: NamedSharding
     shape: tuple[int, ...]
@@ -61,6 +72,7 @@ class Stage:
     rows: int
     padded: int
     added: tuple[str, ...]
+    moved: tuple[str, ...] = ()
 
     def real(self, index: tuple[slice, ...]) -> tuple[tuple[slice, ...], int]:
         """The planned array's part of the staging block at ``index`` (bounds
@@ -101,14 +113,56 @@ def processes() -> int:
     return jax.process_count()
 
 
-def staged(jobs: list[Any], fan_out: bool | None) -> list[Any]:
+def staged(jobs: list[Any], fan_out: bool | None, one: bool = False) -> list[Any]:
     """``jobs`` (:class:`~meshinit._checkpoint.layout.host.Job`), each with the stage it
     is read onto where fan-out applies: unless ``fan_out`` is False, under more than one
-    process."""
+    process; with ``fan_out=None``, not a job that reads local files only where every
+    process runs on ``one`` host (:func:`one_host`)."""
     if fan_out is False or processes() == 1:
         return jobs
+    if fan_out is None and one:  # local files on one host: its page cache serves all
+        remote = [any(leaf.stored.file.fetched for leaf in _blocks.leaves(j.node)) for j in jobs]
+        out = iter(staged([j for j, r in zip(jobs, remote, strict=True) if r], fan_out))
+        return [next(out) if r else j for j, r in zip(jobs, remote, strict=True)]
     # a dequantized parameter (its own Parts: .dequant) is read by each holder
     return [j if j.parts else dataclasses.replace(j, stage=stage(j.entry, j.node)) for j in jobs]
+
+
+HOSTS = "meshinit/hosts"
+"""The key-value store's folder where each process posts its host (:func:`one_host`)."""
+
+HOSTS_TIMEOUT_MS = 60_000
+_one_host: dict[int, bool] = {}
+
+
+def _host() -> str:
+    """This host's identity: its name and its kernel's boot id (the processes of one
+    kernel share its page cache)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()} {boot}"
+
+
+def one_host() -> bool:
+    """Whether every process of the job runs on this host: there a local file that one
+    process reads is in the page cache for all, and fan-out would only add loopback
+    traffic. Each process posts its host's name and boot id to ``jax.distributed``'s
+    key-value store once a job, at its first load, and reads the others' (every
+    process reaches the same answer)."""
+    client = _compat.distributed_client()
+    if processes() == 1 or client is None:
+        return processes() == 1
+    if id(client) not in _one_host:
+        client.key_value_set(f"{HOSTS}/{jax.process_index()}", _host(), allow_overwrite=True)
+        seen = {
+            client.blocking_key_value_get(f"{HOSTS}/{i}", HOSTS_TIMEOUT_MS)
+            for i in range(processes())
+        }
+        _one_host[id(client)] = len(seen) == 1
+    return _one_host[id(client)]
 
 
 def shared(entry: PlanEntry) -> bool:
@@ -155,18 +209,27 @@ def _merged_axis(axis: int, groups: tuple[int, ...] | None) -> int:
 
 def stage(entry: PlanEntry, node: _blocks.Node) -> Stage | None:
     """The staging of ``entry`` (read from ``node``), or None where it is read as
-    planned: no block is held by two processes, or no axis to split."""
+    planned: no block is held by two processes and no process's block interleaves
+    with another's along the stored rows, or no axis to split."""
     sharding, shape = entry.sharding, entry.spec.shape
-    if not shape or not _blocks.leaves(node) or not shared(entry):
-        return None  # a scalar, or a constant (a Fill reads nothing), or no replica
+    if not shape or not _blocks.leaves(node):
+        return None  # a scalar, or a constant (a Fill reads nothing)
     mesh = sharding.mesh
     assert isinstance(mesh, Mesh)  # the load refuses abstract meshes before it reads
     spec = [_axes(a) for a in sharding.spec] + [()] * (len(shape) - len(sharding.spec))
     used = {a for axes in spec for a in axes}
-    added = tuple(a for a in spanning(mesh) if a not in used)
-    if not added:
-        return None
-    k = math.prod(mesh.shape[a] for a in added)
+    span = spanning(mesh)
+    added = tuple(a for a in span if a not in used)
+    shared_ = shared(entry)
+
+    def moved(a: int) -> tuple[str, ...]:
+        # spanning axes that split another dimension than ``a``: each process's block
+        # is then a piece of each stored row that other processes' pieces interleave
+        # with (runs the fetch reads through, or a request each): moved onto ``a``
+        return tuple(x for d, axes in enumerate(spec) if d != a for x in axes if x in span)
+
+    def share(a: int) -> int:
+        return math.prod(mesh.shape[x] for x in added + moved(a))
 
     def rows_of(a: int) -> int:
         return shape[a] // math.prod(mesh.shape[x] for x in spec[a])
@@ -174,19 +237,26 @@ def stage(entry: PlanEntry, node: _blocks.Node) -> Stage | None:
     # of the axes of long runs, one the shares divide, else one with a row for each
     # share (its blocks padded: shares differ by a row), else the first
     axes = outer_axes(node) or [max(range(len(shape)), key=lambda a: (shape[a], -a))]
-    even = [a for a in axes if rows_of(a) % k == 0] + [a for a in axes if rows_of(a) >= k]
-    axis = (even or axes)[0]
+    even = [a for a in axes if rows_of(a) % share(a) == 0]
+    axis = (even + [a for a in axes if rows_of(a) >= share(a)] or axes)[0]
+    move = moved(axis)
+    if not (added and shared_) and not move:
+        return None  # nothing shared, and each process's blocks are whole stored rows
+    if not shared_:
+        added = ()
+    k = share(axis) if shared_ else math.prod(mesh.shape[x] for x in move)
     shards = math.prod(mesh.shape[a] for a in spec[axis])
     rows = shape[axis] // shards
     padded = -(-rows // k) * k
-    spec[axis] = spec[axis] + added
+    spec = [tuple(x for x in axes if x not in move) for axes in spec]
+    spec[axis] = spec[axis] + added + move
     twin = _compile.auto_twin(mesh)  # Auto axes: the reshard may slice where jax's
     # Explicit types would refuse a cut of a sharded dimension that does not divide
     staging = NamedSharding(
         twin, P(*(a if a else None for a in spec)), memory_kind=sharding.memory_kind
     )
     staged = (*shape[:axis], shards * padded, *shape[axis + 1 :])
-    made = Stage(staging, staged, axis, shards, rows, padded, added)
+    made = Stage(staging, staged, axis, shards, rows, padded, added, move)
     # a merged axis (out_shape) can refuse a block that cuts inside a row: read such a
     # parameter as planned (every planned block was checked before the load)
     shares = {}
@@ -250,7 +320,9 @@ def facts(jobs: Sequence[Any], fan_out: bool | None, budget: int) -> dict[str, s
     before the first collective (:func:`meshinit._run.agree.checkpoint`)."""
     staged = [(job.entry, job.stage) for job in jobs if job.stage is not None]
     return {
-        "fan_out": repr(fan_out is not False),  # None does what True does
+        # None and True alike: where they stage differently (local files on one
+        # host), the staging decisions differ
+        "fan_out": repr(fan_out is not False),
         "max_inflight_bytes": str(budget),
         "the paths read": _agree.digest([job.entry.path for job in jobs]),
         "the staging decisions": _agree.digest([(entry.path, stage) for entry, stage in staged]),

@@ -58,3 +58,73 @@ def test_a_staged_load_has_the_plain_loads_bits_placement_and_one_compile_per_si
         same_bits(staged[e.path], plain[e.path], e.path)
         want = tensors["t"].T if e.path == "t" else tensors[e.path]
         same_bits(staged[e.path], want, e.path)
+
+
+def _all_gathers(compiled):
+    """The element types the compiled program's all-gathers move (``u16``, ``f32``)."""
+    import re
+
+    return re.findall(r"= (\w+)\[[^\]]*\]\S* all-gather\(", compiled.as_text())
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3fn", "float32"])
+def test_the_reshard_moves_the_stored_bits_of_every_float_dtype(
+    tmp_path, fsdp_spans_processes, explicit, dtype
+):
+    # XLA's CPU all-gather widens bf16 to f32 (twice the bytes between processes):
+    # the reshard gathers bf16's and float8's bits, every dtype crosses at its width,
+    # and every pattern (NaNs with payloads, -0, subnormals) arrives as stored
+    kind = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    width = 8 * kind.itemsize
+    rng = np.random.default_rng(67)
+    count = 1 << min(width, 16)  # every pattern of the narrow dtypes, 64 Ki of f32's
+    bits = np.arange(count, dtype=np.uint64).astype(f"uint{width}")
+    if width == 32:
+        bits = rng.integers(0, 1 << 32, count, dtype=np.uint64).astype(np.uint32)
+    stored = bits.reshape(-1, 64).view(kind)
+    save_file({"w": stored}, str(tmp_path / "m.safetensors"))
+    plan = plan_of(
+        {"w": (stored.shape, (None, "tensor"))}, dtype=kind, mesh=mesh8(explicit=explicit)
+    )
+    reshard._reshards.clear()
+    arrays, _ = loaded(tmp_path / "m.safetensors", plan)
+    array = arrays["w"]
+    assert array.dtype == kind and array.sharding == plan.entries[0].sharding
+    for shard in array.addressable_shards:
+        got = np.asarray(shard.data).view(f"uint{width}")
+        assert (got == bits.reshape(stored.shape)[shard.index]).all(), (dtype, shard.index)
+    (compiled,) = [c for c in reshard._reshards.values() if c is not None]
+    # bf16 and float8 as their bits (XLA widens them); f16 and f32 as themselves
+    own = {"bfloat16": "u16", "float16": "f16", "float8_e4m3fn": "u8", "float32": "f32"}
+    assert _all_gathers(compiled) == [own[dtype]], compiled.as_text()[:2000]
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_block_whose_rows_other_processes_share_is_read_as_whole_rows_then_resharded(
+    tmp_path, fsdp_spans_processes, explicit
+):
+    # fsdp spans the processes and splits the columns: each process would read a piece
+    # of every stored row; staged, it reads whole rows, moved back by the reshard
+    rng = np.random.default_rng(67)
+    tensors = {"c": rng.standard_normal((12, 16)).astype(ml_dtypes.bfloat16)}
+    tensors["o"] = rng.standard_normal((10, 6)).astype(np.float32)  # rows 4 don't divide
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    mesh = mesh8(explicit=explicit)
+    shapes = {"c": ((12, 16), ("tensor", "fsdp")), "o": ((10, 6), (None, "fsdp"))}
+    plan = plan_of(shapes, mesh=mesh)
+    from meshinit._checkpoint.read import staging
+
+    for e in plan.entries:
+        stage = staging.stage(e, blocks_leaf(e.spec.shape))
+        assert stage.moved == ("fsdp",) and stage.added == (), (e.path, stage)
+    staged, _ = loaded(tmp_path / "m.safetensors", plan)
+    for e in plan.entries:
+        assert staged[e.path].sharding == e.sharding
+        same_bits(staged[e.path], tensors[e.path].astype(e.spec.dtype), e.path)
+
+
+def blocks_leaf(shape):
+    from meshinit._checkpoint.layout import blocks
+
+    return blocks.Leaf(st.Tensor("x"), None, (), shape, tuple(range(len(shape))), "")

@@ -100,3 +100,100 @@ def test_each_batch_ends_at_its_last_staged_path():
     jobs.insert(2, SimpleNamespace(entry=None, stage=None))  # read as planned: no batch
     assert staging.ends(jobs, 2 * cost) == {"l.1", "l.3", "l.4"}
     assert staging.ends(jobs[2:3], 2 * cost) == frozenset()  # nothing staged
+
+
+def _fetched(entry, stage):
+    """Each (simulated) process's distinct blocks it reads of ``entry``: its staging
+    blocks' parts of the planned array, or its planned blocks where not staged."""
+    from meshinit._checkpoint.layout.host import resolved
+
+    shape = entry.spec.shape if stage is None else stage.shape
+    sharding = entry.sharding if stage is None else stage.sharding
+    out: dict[int, set] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        index = resolved(index, shape)
+        real = index if stage is None else stage.real(index)[0]
+        out.setdefault(staging.process_of(device), set()).add(
+            tuple((s.start, s.stop) for s in real)
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    "grid, processes",
+    [((3, 2), 3), ((2, 3), 3), ((4, 2), 4), ((2, 4), 4)],
+    ids=["3x2", "2x3", "4x2", "2x4"],
+)
+@pytest.mark.parametrize("axes", [("data", "tensor"), (None, "tensor"), ("tensor", None), None])
+def test_each_process_reads_an_equal_share_of_whole_stored_rows_on_every_mesh(
+    monkeypatch, grid, processes, axes
+):
+    # devices in process order, 2 a process: on (2, 3) process 1 sits in both rows, and
+    # on (2, 4) every process's two devices are neighbours along 'tensor'. Each process
+    # reads 1/P of the tensor (of each block that several hold, 1/R), once for the job,
+    # and only whole stored rows: a piece of a row that another process's piece sits
+    # beside is read through (the fetch joins its runs) or costs a request a row
+    from helpers import submesh
+
+    import meshinit
+
+    monkeypatch.setattr(staging, "process_of", lambda d: d.id // 2)
+    monkeypatch.setattr(staging, "processes", lambda: processes)
+    meshinit.clear_cache()  # spanning() is memoized by mesh
+    mesh = submesh(range(2 * processes), grid, ("data", "tensor"))
+    shape = (48, 24)
+    (entry,) = plan_of({"w": (shape, axes)}, mesh=mesh).entries
+    node = blocks.Leaf(st.Tensor("x"), None, (), shape, (0, 1), "")
+    fetched = _fetched(entry, staging.stage(entry, node))
+    got = {p: sum((b - a) * (d - c) for (a, b), (c, d) in parts) for p, parts in fetched.items()}
+    unique = shape[0] * shape[1]
+    assert sum(got.values()) == unique, got  # each byte once for the whole job
+    assert set(got.values()) == {unique // processes}, got  # an equal share each
+    for p, parts in fetched.items():  # of each range of rows it reads, every column
+        widths: dict = {}
+        for rows, (c, d) in parts:
+            widths[rows] = widths.get(rows, 0) + d - c
+        assert set(widths.values()) == {shape[1]}, (p, sorted(parts))
+    meshinit.clear_cache()
+
+
+def test_local_files_on_one_host_are_read_by_each_process_unless_fan_out_is_true(
+    tmp_path, fsdp_spans_processes
+):
+    # on one host the page cache serves every process: fan-out would add only loopback
+    # traffic (fan_out=None); across hosts (a shared file system), or asked for, it fans out
+    from meshinit._checkpoint.read import survey
+
+    save_file({"w": np.zeros((8, 8), np.float32)}, str(tmp_path / "m.st"))
+    plan = plan_of({"w": ((8, 8), (None, "tensor"))})
+    jobs = survey.survey(plan, tmp_path / "m.st", None, "t").jobs
+    assert [j.stage for j in staging.staged(jobs, None, one=True)] == [None]
+    assert staging.staged(jobs, True, one=True)[0].stage is not None
+    assert staging.staged(jobs, None, one=False)[0].stage is not None
+    assert staging.staged(jobs, False, one=False)[0].stage is None
+
+
+class _Store:
+    """A stand-in for jax.distributed's key-value client: process 1's post is there."""
+
+    def __init__(self, other):
+        self.values = {f"{staging.HOSTS}/1": other}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.values[key]
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_one_host_compares_every_processs_host_name_and_boot_id(monkeypatch, same):
+    from meshinit._jax import compat
+
+    store = _Store(staging._host() if same else "elsewhere 0000")
+    monkeypatch.setattr(compat, "distributed_client", lambda: store)
+    monkeypatch.setattr(staging, "processes", lambda: 2)
+    monkeypatch.setattr(staging, "_one_host", {})
+    assert staging.one_host() is same
+    assert store.values[f"{staging.HOSTS}/0"] == staging._host()  # posted for the others
+    assert staging._host().split()[0]  # the host's name, then its boot id
