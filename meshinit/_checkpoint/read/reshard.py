@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from ... import _caches
 from ..._plan.entries import PlanEntry
 from ..._run import agree as _agree
-from ..layout.host import resolved
+from ..layout.host import Gathered, resolved
 from . import staging as _staging
 from .staging import Stage
 
@@ -90,11 +90,12 @@ def _cut(stage: Stage, shape: tuple[int, ...]) -> Any:
     return cut
 
 
-def from_peers(entry: PlanEntry, stage: Stage) -> int:
+def from_peers(entry: PlanEntry, stage: Stage, itemsize: int | None = None) -> int:
     """The bytes of this process's planned shards of ``entry`` that no device of this
-    process read: what the reshard brings from other processes."""
+    process read: what the reshard brings from other processes (``itemsize``: of the
+    gathered dtype, where it is not the planned one: a dequantized one's stored)."""
     me = jax.process_index()
-    itemsize = np.dtype(entry.spec.dtype).itemsize
+    itemsize = itemsize or np.dtype(entry.spec.dtype).itemsize
     mine = set()  # the planned array's parts that this process's staging blocks hold
     for device, index in stage.sharding.devices_indices_map(stage.shape).items():
         if _staging.process_of(device) == me:
@@ -130,17 +131,35 @@ class Resharder:
         self._ends = ends  # the last path of each batch (staging.ends): its reshard waits
         # for the batch's reads
         self._pending: list[tuple[PlanEntry, Stage, jax.Array]] = []
+        self._then: dict[str, Any] = {}  # a Gathered's finish, by path
         self._what = what
         self._batch = 0
         self.from_peers = 0
 
-    def add(self, entry: PlanEntry, stage: Stage | None, made: jax.Array) -> dict[str, jax.Array]:
+    def add(self, entry: PlanEntry, stage: Stage | None, made: Any) -> dict[str, Any]:
         """The arrays ready once ``made`` (the entry's array, or its staging array) is:
-        none until its batch is whole."""
+        none until its batch is whole. Of a
+        :class:`~meshinit._checkpoint.layout.host.Gathered`, what its ``then`` gives of
+        the gathered array (a callable that finishes it: :mod:`.ahead`)."""
         if stage is None:
             return {entry.path: made}
+        if isinstance(made, Gathered):
+            self._then[entry.path], made = made.then, made.staged
         self._pending.append((entry, stage, made))
-        return self._flush() if entry.path in self._ends else {}
+        if entry.path not in self._ends:
+            return {}
+        out: dict[str, Any] = self._flush()
+        try:  # after the batch's collectives: each then() only places its arguments
+            for path in [p for p in out if p in self._then]:
+                then = self._then.pop(path)
+                if out[path].addressable_shards:  # else: it holds none of it
+                    out[path] = then(out[path])
+        except BaseException:
+            for made in out.values():
+                if isinstance(made, jax.Array):
+                    made.delete()
+            raise
+        return out
 
     def _flush(self) -> dict[str, jax.Array]:
         programs = [program(entry, stage, staged) for entry, stage, staged in self._pending]
@@ -168,7 +187,7 @@ class Resharder:
                     try:
                         staged.delete()
                         out[entry.path] = finish(made, entry)
-                        self.from_peers += from_peers(entry, stage)
+                        self.from_peers += from_peers(entry, stage, staged.dtype.itemsize)
                     except BaseException as e:  # after its collective: run the rest
                         failed = failed or e
                         if not made.is_deleted():
@@ -187,3 +206,4 @@ class Resharder:
             if not staged.is_deleted():
                 staged.delete()
         self._pending.clear()
+        self._then.clear()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import mmap
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -120,7 +121,14 @@ class QuantParts(_host.Parts):
 
     A scale in a local file is read whole (each is 1/16384 of its weight's elements
     at 128x128); of a remote one (a fetched source), only the rows and columns that
-    cover this process's blocks are fetched, ahead, as the weights' bytes are."""
+    cover this process's blocks are fetched, ahead, as the weights' bytes are.
+
+    With fan-out (the job's stage) a block is the stored bytes of this process's
+    staging share, and :meth:`whole` gives them to be gathered onto the planned
+    sharding (:class:`~meshinit._checkpoint.layout.host.Gathered`), then dequantized
+    by the same program over the same blocks, scales and offsets: the same bits."""
+
+    stages = True  # fan-out may stage it (read.staging.staged)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -128,11 +136,12 @@ class QuantParts(_host.Parts):
         self._scales: dict[str, np.ndarray] = {}
         self._held: dict[tuple[tuple[int, int], ...], Raw] = {}
         self._remote: _scales.Fetched | None = None
+        self._unread = False  # whether _block keeps only the scales (the bytes: gathered)
         quants = [leaf.quant for leaf in _blocks.leaves(self.job.node)]
         if any(q.scale.file.fetched for q in quants):
-            wanted = [
+            wanted = [  # of the planned blocks: staged, their scales are read as planned
                 w
-                for index, _ in _host.holders(self.job.entry, self.job.stage).values()
+                for index, _ in _host.holders(self.job.entry).values()
                 for w in self.windows(index)
                 if w[0].file.fetched
             ]
@@ -185,9 +194,12 @@ class QuantParts(_host.Parts):
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         """The block's stored bytes (placed as they are by
         :func:`~meshinit._checkpoint.layout.host.put`); its
-        scales, offsets and signature are kept for :meth:`whole`."""
+        scales, offsets and signature are kept for :meth:`whole`. Staged, the bytes of
+        a staging share alone (its planned block's scales are kept by :meth:`whole`)."""
         if self.fetch is not None:
             self.fetch.ready(index)
+        if self.job.stage is not None:
+            return self._bytes(self.job.node, index, self._stored())
         found = self._block(index)
         self._held[found.key] = found
         return found.raw
@@ -196,6 +208,17 @@ class QuantParts(_host.Parts):
         super().close()
         if self._remote is not None:
             self._remote.cancel()
+
+    def _stored(self) -> np.dtype:
+        return np.dtype(READABLE[_blocks.leaves(self.job.node)[0].stored.dtype])
+
+    def _bytes(self, node: _blocks.Node, index: tuple[slice, ...], stored: Any) -> np.ndarray:
+        """The stored bytes of the block at ``index``; where only the block's scales are
+        wanted (its bytes are gathered), a stand-in of its shape that reads nothing."""
+        sizes = tuple(max(0, s.stop - s.start) for s in index)
+        if self._unread or not math.prod(sizes):
+            return np.broadcast_to(np.zeros((), stored), sizes)
+        return _blocks.block(node, index, self._raw, stored)
 
     def _span(
         self, index: tuple[slice, ...]
@@ -228,8 +251,7 @@ class QuantParts(_host.Parts):
         reached = _blocks.reached(node, index)
         first, _ = reached[0]
         stored = READABLE[first.stored.dtype]
-        raw = _blocks.block(node, index, self._raw, stored)
-        # fan-out stages no dequantized parameter (staging.staged): no padding here
+        raw = self._bytes(node, index, stored)
         (r0, c0), (lo_r, hi_r, lo_c, hi_c), steps = self._span(index)
         quant = first.quant
         (b0, b1), (s0, s1) = quant.block, quant.scale.shape
@@ -253,12 +275,40 @@ class QuantParts(_host.Parts):
 
     def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> _host.Made:
         """The parameter, dequantized: one program over the array of stored bytes,
-        each device with the scales and offsets of its own block."""
-        entry, stage = self.job.entry, self.job.stage
+        each device with the scales and offsets of its own block. Staged, the staging
+        array of stored bytes, to be gathered onto the planned sharding first, each
+        planned block's scales and offsets kept (and checked) now."""
+        entry = self.job.entry
+        if self.job.stage is None:
+            return self._dequantized(shape, sharding, shards)
+        staged = jax.make_array_from_single_device_arrays(
+            shape, sharding, shards, dtype=self._stored()
+        )
+        self._unread = True
+        try:
+            for index, _ in _host.holders(entry).values():
+                found = self._block(index)
+                self._held[found.key] = found
+        except BaseException:
+            staged.delete()
+            raise
+        finally:
+            self._unread = False
+
+        def then(gathered: jax.Array) -> jax.Array | Callable[[], jax.Array]:
+            data = [s.data for s in gathered.addressable_shards]
+            got = self._dequantized(entry.spec.shape, entry.sharding, data)
+            assert not isinstance(got, _host.Gathered)
+            return got
+
+        return _host.Gathered(staged, then)
+
+    def _dequantized(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> _host.Made:
+        entry = self.job.entry
         planned = np.dtype(entry.spec.dtype)
         if not shards or not math.prod(shape):
             return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=planned)
-        blocks = _base.by_device(self._held, entry, stage)
+        blocks = _base.by_device(self._held, entry, None)
         made = list(blocks.values())
         signature = made[0].signature
         assert all(b.signature == signature for b in made)  # one signature: even shards

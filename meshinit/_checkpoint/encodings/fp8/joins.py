@@ -136,7 +136,7 @@ class TileParts(_dequant.QuantParts):
         leaves = [t.leaf for t in found if t.leaf is not None]
         first = _blocks.leaves(self._node)[0]  # all alike (plan time): a block of constants too
         stored = READABLE[first.stored.dtype]
-        raw = _blocks.block(node, index, self._raw, stored)
+        raw = self._bytes(node, index, stored)
         count, nr, nc, cells_shape, constants, _ = self._static
         rects = np.zeros((count, nr, nc), np.float32)
         # per tile: origin row, column; first scale row, column; last: the first weight's
