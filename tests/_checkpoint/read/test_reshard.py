@@ -58,3 +58,61 @@ def test_a_staged_load_has_the_plain_loads_bits_placement_and_one_compile_per_si
         same_bits(staged[e.path], plain[e.path], e.path)
         want = tensors["t"].T if e.path == "t" else tensors[e.path]
         same_bits(staged[e.path], want, e.path)
+
+
+def test_an_fp8_parameter_is_staged_as_its_float8_bytes_and_has_the_plain_loads_bits(
+    tmp_path, fsdp_spans_processes, monkeypatch
+):
+    from helpers import quantized_folder
+
+    rng = np.random.default_rng(67)
+    f8 = ml_dtypes.float8_e4m3fn
+    shapes = {"w": (256, 384), "e.0": (64, 256), "e.1": (64, 256), "c0": (96, 256)}
+    tensors = {}
+    for name, shape in shapes.items():
+        tensors[name] = (rng.standard_normal(shape) * 40).astype(f8)
+        grid = tuple(-(-n // 128) for n in shape)
+        tensors[f"{name}_scale_inv"] = rng.uniform(1e-4, 1e-2, grid).astype(np.float32)
+    config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    folder = quantized_folder(tmp_path, tensors, config)
+    plan = plan_of(
+        {
+            "w": ((256, 384), (None, "tensor")),  # one tensor (decode.QuantParts)
+            "experts": ((2, 64, 256), (None, None, "tensor")),  # a Stack of two
+            "cat": ((160, 256), (None, "tensor")),  # a Concat (joins.TileParts)
+        },
+        dtype=ml_dtypes.bfloat16,
+        mesh=mesh8(),
+    )
+    names = {
+        "experts": st.Stack(["e.0", "e.1"], axis=0),
+        "cat": st.Concat([st.Tensor("c0", index=np.s_[:64]), "c0"], axis=0),
+    }
+    gathered = []
+    enter = reshard.enter
+
+    def recording(compiled, staged):
+        gathered.append(staged.dtype)
+        return enter(compiled, staged)
+
+    monkeypatch.setattr(reshard, "enter", recording)
+    staged, scalars = loaded(folder, plan, names)
+    # each read as its stored float8 bytes on the staging sharding, then gathered
+    assert gathered == [np.dtype(f8)] * 3
+    plain, _ = loaded(folder, plan, names, fan_out=False)
+
+    def dequantized(name):
+        s = tensors[f"{name}_scale_inv"]
+        w = tensors[name]
+        wide = np.repeat(np.repeat(s, 128, 0), 128, 1)[: w.shape[0], : w.shape[1]]
+        return (w.astype(np.float32) * wide).astype(ml_dtypes.bfloat16)
+
+    want = {
+        "w": dequantized("w"),
+        "experts": np.stack([dequantized("e.0"), dequantized("e.1")]),
+        "cat": np.concatenate([dequantized("c0")[:64], dequantized("c0")]),
+    }
+    for e in plan.entries:
+        assert staged[e.path].sharding == e.sharding == plain[e.path].sharding
+        same_bits(staged[e.path], plain[e.path], e.path)
+        same_bits(staged[e.path], want[e.path], e.path)
