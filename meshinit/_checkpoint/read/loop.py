@@ -64,6 +64,7 @@ def read(
     fan = _reshard.Resharder(ends, "meshinit.safetensors.load")
     ahead = _ahead.Ahead()
     after = _ahead.Ahead()  # finished once resharded (a staged dequantized parameter)
+    fan.prepare(jobs)  # their reshards compiled while the shares are fetched
 
     def resharded(job: Job, finished: Any) -> None:  # a staged one waits for its batch
         for path, got in fan.add(job.entry, job.stage, finished).items():

@@ -116,3 +116,30 @@ def test_an_fp8_parameter_is_staged_as_its_float8_bytes_and_has_the_plain_loads_
         assert staged[e.path].sharding == e.sharding == plain[e.path].sharding
         same_bits(staged[e.path], plain[e.path], e.path)
         same_bits(staged[e.path], want[e.path], e.path)
+
+
+def test_the_reshards_compile_on_a_worker_thread_while_the_shares_are_read(
+    tmp_path, fsdp_spans_processes, monkeypatch
+):
+    import threading
+
+    rng = np.random.default_rng(67)
+    tensors = {f"l.{i}": rng.standard_normal((7, 8)).astype(np.float32) for i in range(3)}
+    tensors["n"] = rng.standard_normal((6,)).astype(np.float32)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    shapes = {f"l.{i}": ((7, 8), (None, "tensor")) for i in range(3)}
+    plan = plan_of(shapes | {"n": ((6,), (None,))}, mesh=mesh8())
+    threads, program = [], reshard.program
+
+    def recording(entry, stage, staged):
+        threads.append((entry.path, threading.current_thread().name))
+        return program(entry, stage, staged)
+
+    monkeypatch.setattr(reshard, "program", recording)
+    meshinit.clear_cache()
+    staged, _ = loaded(tmp_path / "m.safetensors", plan)
+    # every staged parameter's program, compiled (or found) ahead, off the read's thread
+    assert sorted(path for path, _ in threads) == ["l.0", "l.1", "l.2", "n"]
+    assert {name.rsplit("_", 1)[0] for _, name in threads} == {"meshinit-reshards"}, threads
+    for path, want in tensors.items():
+        same_bits(staged[path], want, path)
