@@ -165,11 +165,13 @@ class Resharder:
         """The reshard of ``staged``: compiled ahead where it was (its compile's error
         raised here, before the batch's agreement), else now."""
         dtype, future = self._ahead.pop(entry.path, ("", None))
-        if not self._ahead:
-            self._stop()
-        if future is not None and dtype == str(staged.dtype):
-            return future.result()
-        return program(entry, stage, staged)
+        try:
+            if future is not None and dtype == str(staged.dtype):
+                return future.result()
+            return program(entry, stage, staged)
+        finally:
+            if not self._ahead:  # the last one waited for: the thread goes
+                self._stop()
 
     def _stop(self) -> None:
         if self._pool is not None:
