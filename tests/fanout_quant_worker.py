@@ -92,7 +92,7 @@ def plan_shape(p: Param) -> tuple[int, ...]:
     return p.shape[::-1] if p.how == "permute" else p.shape
 
 
-def stored(seed: int = 67) -> dict[str, np.ndarray]:
+def checkpoint(seed: int = 67) -> dict[str, np.ndarray]:
     """The checkpoint's tensors: each weight in float8_e4m3fn, its scales in float32."""
     import ml_dtypes
 

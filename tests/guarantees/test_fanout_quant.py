@@ -32,7 +32,7 @@ PEER_GRACE_S = 10
 def run(request, tmp_path_factory) -> tuple[int, list[dict]]:
     processes = request.param
     folder = tmp_path_factory.mktemp(f"fanout-quant-{processes}")
-    tensors = worker.stored()
+    tensors = worker.checkpoint()
     helpers.quantized_folder(folder, tensors, FP8)
     np.savez(folder / "expected.npz", **worker.dequantized(tensors))
     ran = helpers.run_workers(
