@@ -591,7 +591,7 @@ def test_quantized_load_benchmark_compares_ahead_values_against_the_two_step_rou
 def test_fanout_fp8_script_quick_mode_fetches_each_float8_byte_once(tmp_path):
     # 4 processes x 2 CPU devices and the S3 server: FP8 parameters planned in bf16;
     # --quick exits non-zero when a shard differs from weight_dequant or fan-out misses
-    # the store or busiest goal
+    # the store, busiest or between goal
     pytest.importorskip("obstore")
     pytest.importorskip("moto")
     out = tmp_path / "fanout_fp8.json"
@@ -602,6 +602,8 @@ def test_fanout_fp8_script_quick_mode_fetches_each_float8_byte_once(tmp_path):
     # R = 4 for the replicated blocks (2/3 of the plan): served 3.4 times without fan-out
     assert off["store"] > 3.0 and off["busiest"] == 1.0
     assert on["store"] <= 1.02 and on["busiest"] <= 1.10
+    # the float8 bytes cross as uint8 (XLA's CPU all-gather moves float8 as 16 bits)
+    assert on["between"] <= 1.05
 
 
 @pytest.mark.slow

@@ -198,8 +198,8 @@ class QuantParts(_host.Parts):
         a staging share alone (its planned block's scales are kept by :meth:`whole`)."""
         if self.fetch is not None:
             self.fetch.ready(index)
-        if self.job.stage is not None:
-            return self._bytes(self.job.node, index, self._stored())
+        if self.job.stage is not None:  # as bytes: XLA's CPU all-gather widens float8
+            return self._bytes(self.job.node, index, self._stored()).view(np.uint8)
         found = self._block(index)
         self._held[found.key] = found
         return found.raw
@@ -281,9 +281,7 @@ class QuantParts(_host.Parts):
         entry = self.job.entry
         if self.job.stage is None:
             return self._dequantized(shape, sharding, shards)
-        staged = jax.make_array_from_single_device_arrays(
-            shape, sharding, shards, dtype=self._stored()
-        )
+        staged = jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=np.uint8)
         self._unread = True
         try:
             for index, _ in _host.holders(entry).values():
@@ -342,6 +340,14 @@ class QuantParts(_host.Parts):
             return got
 
         return finish
+
+
+def stored_as(raw: Any, stored: Any) -> Any:
+    """``raw`` in the stored dtype: a staged parameter's bytes are gathered as uint8
+    (:meth:`QuantParts.block`), bit for bit the stored float8."""
+    if raw.dtype == np.uint8 and np.dtype(stored) != np.uint8:
+        return jax.lax.bitcast_convert_type(raw, stored)
+    return raw
 
 
 def overflows(rects: np.ndarray, stored: Any, work: np.dtype, planned: np.dtype) -> bool:
@@ -420,6 +426,7 @@ def program(
 
     def dequantized(raw: Any, rects: Any, offsets: Any) -> Any:
         rects, offsets = rects[0], offsets[0]
+        raw = stored_as(raw, stored)
         if separable:
             scale = _spread(rects, offsets, raw.shape, steps, block)
         else:  # an element's scale gathered at its own (leaf, row, column)

@@ -231,6 +231,7 @@ def program(
         rects, table, values, flags, runs, cells = (
             x[0] for x in (rects, table, values, flags, runs, cells)
         )
+        raw = _dequant.stored_as(raw, stored)
         if merge is not None:  # the bytes as the unmerged node's box
             if order is not None:
                 raw = raw.transpose(np.argsort(order))
