@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh, Mesh
 try:
     import equinox  # noqa: F401  (what _adapters.eqx needs, named before it is imported)
 except ImportError as e:
-    raise ImportError("meshinit.eqx needs equinox: pip install meshinit[eqx]") from e
+    raise ImportError("meshinit.eqx needs equinox: pip install 'meshinit[eqx]'") from e
 
 from ._adapters import eqx as _eqx
 from ._adapters import prepared as _prepared

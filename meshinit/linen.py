@@ -20,7 +20,7 @@ from typing import Any
 try:
     import flax.linen as nn
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
-    raise ImportError("meshinit.linen needs flax: pip install meshinit[linen]") from e
+    raise ImportError("meshinit.linen needs flax: pip install 'meshinit[linen]'") from e
 
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 

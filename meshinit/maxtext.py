@@ -234,7 +234,7 @@ def _maxtext() -> Any:
         raise ImportError(
             f"meshinit.maxtext.names was tested with MaxText {', '.join(VERSIONS)}; this is "
             f"MaxText {version}, whose maps may have another form: install "
-            f"maxtext=={VERSIONS[-1]}, or write names= by hand (docs/pretrained.md)"
+            f"maxtext=={VERSIONS[-1]}, or write names= by hand (docs/names.md)"
         )
     from maxtext.checkpoint_conversion.utils import param_mapping, tensor_handling
 

@@ -28,7 +28,7 @@ from typing import Any
 try:
     from flax import nnx
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
-    raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
+    raise ImportError("meshinit.nnx needs flax: pip install 'meshinit[nnx]'") from e
 
 from jax.sharding import AbstractMesh, Mesh
 

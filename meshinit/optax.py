@@ -39,7 +39,7 @@ from typing import Any, cast
 try:
     import optax as _optax
 except ImportError as e:  # pragma: no cover - exercised only without optax
-    raise ImportError("meshinit.optax needs optax: pip install meshinit[optax]") from e
+    raise ImportError("meshinit.optax needs optax: pip install 'meshinit[optax]'") from e
 
 import jax
 import jax.numpy as jnp

@@ -242,12 +242,13 @@ def load(
         read: unreadable, over 16 MiB, not JSON (a truncated download; naming the
         parse error), not an object, or whose ``quantization_config`` (top level or
         ``text_config.``) is not an object, or holds a ``quant_method`` that is not a
-        string or a ``weight_block_size`` that is not a positive int or a list of one
-        or two; a malformed ``names``; a plan on abstract meshes.
+        string or a ``weight_block_size`` that is not a positive whole number or a
+        list of one or two; a malformed ``names``; a plan on abstract meshes.
         While reading: a value that does not fit the planned dtype (an int out of
         range, a float that overflows, a dequantized product that overflows; a block
-        scale so small that its products would be float32 subnormals), or a file
-        changed since it was checked.
+        scale so small that its products would be float32 subnormals; a block scale
+        that is NaN or infinite, a damaged file), checked only where the view reads
+        it, or a file changed since it was checked.
       TypeError: ``files``, ``names``, ``missing`` or ``unused`` are of the wrong kind.
       PeerFailure: under ``jax.distributed``, another process's load failed (this
         process's arrays deleted); see the Reliability page, "Processes".

@@ -107,7 +107,7 @@ def test_meshinit_imports_without_equinox_and_the_adapter_names_the_extra():
         """
     )
     assert result.returncode == 0, result.stderr
-    assert "ImportError: meshinit.eqx needs equinox: pip install meshinit[eqx]" in result.stdout
+    assert "ImportError: meshinit.eqx needs equinox: pip install 'meshinit[eqx]'" in result.stdout
 
 
 # --- spec-declared modules -------------------------------------------------------------

@@ -278,7 +278,7 @@ def test_missing_flax_names_the_extra():
         "except ImportError as e:\n    print(e)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "pip install meshinit[nnx]" in r.stdout, r.stdout + r.stderr
+    assert "pip install 'meshinit[nnx]'" in r.stdout, r.stdout + r.stderr
 
 
 def test_importing_meshinit_does_not_import_flax():

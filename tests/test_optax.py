@@ -369,7 +369,7 @@ def test_without_optax_the_adapter_says_how_to_install_it():
         "try:\n    meshinit.optax\nexcept ImportError as e:\n    print(e)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "meshinit.optax needs optax: pip install meshinit[optax]" in r.stdout, (
+    assert "meshinit.optax needs optax: pip install 'meshinit[optax]'" in r.stdout, (
         r.stdout + r.stderr
     )
 

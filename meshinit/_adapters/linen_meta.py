@@ -12,7 +12,7 @@ try:
     from flax.core import meta
     from flax.core import scope as _scope
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
-    raise ImportError("meshinit.linen needs flax: pip install meshinit[linen]") from e
+    raise ImportError("meshinit.linen needs flax: pip install 'meshinit[linen]'") from e
 
 from collections.abc import Mapping
 

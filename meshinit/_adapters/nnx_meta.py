@@ -14,7 +14,7 @@ try:
     from flax import nnx
     from flax.core import spmd as flax_spmd
 except ImportError as e:  # pragma: no cover - exercised in a subprocess test
-    raise ImportError("meshinit.nnx needs flax: pip install meshinit[nnx]") from e
+    raise ImportError("meshinit.nnx needs flax: pip install 'meshinit[nnx]'") from e
 
 import jax
 import numpy as np

@@ -25,10 +25,10 @@ from .plan import MeshGroup, Plan, PlanEntry
 
 
 @_caches.memo(maxsize=4096)
-def _partition(shape, axes, rules, mesh) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+def _partition(shape, axes, rules, mesh, logical) -> tuple[tuple[Any, ...], tuple[str, ...]]:
     # Memoized: a deep model repeats a handful of (shape, axes, rules, mesh) many times,
     # and reading ``mesh.shape`` builds a new dict on every call.
-    entries, problems = partition(shape, axes, rules, mesh.shape)
+    entries, problems = partition(shape, axes, rules, mesh.shape, logical)
     return entries, tuple(problems)
 
 
@@ -145,7 +145,9 @@ def build_plan(tree: Any, *, check_inits: bool = True, problems: Sequence[Proble
                 f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {type(spec.mesh).__name__}"
             )
         else:
-            entries_, msgs = _partition(spec.shape, spec.axes, spec.rules, spec.mesh)
+            entries_, msgs = _partition(
+                spec.shape, spec.axes, spec.rules, spec.mesh, spec.logical_names
+            )
             mine += msgs
             if spec.memory_kind is not None:
                 bad_kind = memory_kind_problem(spec.memory_kind, spec.mesh)

@@ -162,7 +162,7 @@ def record(plan: Planned, source: MeshSource | None = None) -> dict[str, Any]:
         s = e.spec
         p["sharding"] = e.sharding
         p["has_rules"] = s.rules is not None
-        p["logical_names"] = s.axes if s.rules is not None else s.metadata.get("logical")
+        p["logical_names"] = s.logical_names
         # a framework's names resolved before planning keep their notes in the metadata
         noted = rule_notes(s.axes, s.rules) if s.rules is not None else None
         p["rule_notes"] = dict(s.metadata.get("rule_notes", {})) if noted is None else noted

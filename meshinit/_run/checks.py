@@ -7,7 +7,6 @@ backend, the per-call bound, and the memory each device reports free.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from .. import _caches
 from .._errors import PlanError, Problem
 from .._format import describe_mesh, human_bytes
 from .._plan.plan import MeshGroup, Plan, PlanEntry
+from .._typos import closest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +98,8 @@ def given_arrays(plan: Plan, existing: Mapping[str, Any] | None) -> tuple[dict[i
 def _unplanned(plan: Plan, by_path: Mapping[str, PlanEntry], path: str) -> Problem:
     if not plan.entries:
         return Problem(path, "not a planned parameter: the plan has none")
-    close = difflib.get_close_matches(path, by_path, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    close = closest(path, by_path)
+    hint = f"; did you mean {close!r}?" if close else ""
     return Problem(
         path,
         f"not a planned parameter; existing maps the plan's dot-joined paths "

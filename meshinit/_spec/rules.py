@@ -12,13 +12,13 @@ adds the checks linen does not make.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 from .. import _caches
+from .._typos import closest
 
 AxisEntry = str | tuple[str, ...] | None
 Rule = tuple[str, str | tuple[str, ...] | None]
@@ -174,6 +174,7 @@ def partition(
     axes: tuple[AxisEntry, ...] | None,
     rules: Rules | None,
     mesh_shape: Mapping[str, int],
+    logical: tuple[Any, ...] | None = None,
 ) -> tuple[tuple[AxisEntry, ...], list[str]]:
     """Resolves a spec's axes to full-length PartitionSpec entries and checks them.
 
@@ -182,6 +183,9 @@ def partition(
       axes: the spec's axes; None means fully replicated.
       rules: a rule table, or None when ``axes`` name mesh axes directly.
       mesh_shape: mesh axis name to size.
+      logical: the dimensions' logical names (``ParamSpec.logical_names``); with
+        rules, ``axes`` are those names. A message names a dimension's as the spec
+        path does, whichever path resolved it.
 
     Returns:
       ``(entries, problems)``: one entry per dimension, and a message for each problem
@@ -239,12 +243,19 @@ def partition(
             continue
         ways = math.prod(mesh_shape[a] for a in _as_tuple(entry))
         if size % ways:
-            logical = f" (logical {axes[dim]!r})" if rules is not None else ""
+            name = _logical(axes if rules is not None else logical, dim)
             problems.append(
-                f"dimension {dim}{logical} of size {size} is not divisible by mesh axes "
+                f"dimension {dim}{name} of size {size} is not divisible by mesh axes "
                 f"{entry!r} of size {ways}; pad the dimension or map it to other mesh axes"
             )
     return entries, problems
+
+
+def _logical(names: tuple[Any, ...] | None, dim: int) -> str:
+    """`` (logical 'mlp')``, how a message names a dimension's logical name, if any."""
+    if names is None or dim >= len(names) or names[dim] is None:
+        return ""
+    return f" (logical {names[dim]!r})"
 
 
 def missing_axis_problems(
@@ -296,11 +307,17 @@ def rule_axis_message(rule: Rule, axis: str, known: Sequence[str], mesh: Sequenc
         if mesh
         else f"which is in none of the plan's meshes (axes: {', '.join(known)})"
     )
+    # the likely name first: dropping the rule would replicate what it shards
     guess = _guesses([axis], mesh or known)
+    fixes = (
+        f"{guess} otherwise add the axis to the mesh"
+        if guess
+        else "fix the axis name, add the axis to the mesh"
+    )
     return (
         f"rule {rule!r} names mesh axis {axis!r}, {where}; flax would build a "
-        f"PartitionSpec jax refuses, and meshinit does not guess a placement instead: fix "
-        f"the axis name, add the axis to the mesh, or drop the rule{'; ' + guess if guess else ''}"
+        f"PartitionSpec jax refuses, and meshinit does not guess a placement instead: "
+        f"{fixes}, or drop the rule"
     )
 
 
@@ -325,7 +342,7 @@ def no_rule_message(
     if mesh_axes is not None:
         head += f" and is not a mesh axis (axes: {', '.join(mesh_axes)})"
     names = ", ".join(sorted(known)) or "(none)"
-    close = _close(name, [*sorted(known), *(mesh_axes or ())])
+    close = closest(name, [*sorted(known), *(mesh_axes or ())])
     if close:
         return (
             f"{head}; did you mean {close!r}? (known: {names}); fix the name, or add "
@@ -334,16 +351,10 @@ def no_rule_message(
     return f"{head}; known: {names}; add ({name!r}, None) to the rules to replicate it"
 
 
-def _close(name: str, candidates: Sequence[str]) -> str | None:
-    """The candidate ``name`` is most likely a typo of, if any (``mlpp``: ``mlp``)."""
-    found = difflib.get_close_matches(name, [c for c in candidates if c != name], 1, 0.75)
-    return found[0] if found else None
-
-
 def _guesses(names: Sequence[str], candidates: Sequence[str]) -> str:
     """``"did you mean 'tensor'?"`` for the names that look like typos of a candidate
     (``"did you mean 'tensor' for 'tensr'?"`` when several names are missing)."""
-    pairs = [(n, c) for n in names if (c := _close(n, candidates)) is not None]
+    pairs = [(n, c) for n in names if (c := closest(n, candidates)) is not None]
     if not pairs:
         return ""
     if len(names) == 1:

@@ -181,6 +181,13 @@ class ParamSpec:
         """Bytes of the whole (unsharded) parameter."""
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def logical_names(self) -> tuple[Any, ...] | None:
+        """The logical names of its dimensions: its axes where it has rules, else the
+        names a framework's metadata gave before its rules made them mesh axes
+        (``metadata["logical"]``, flax nnx's), else None."""
+        return self.axes if self.rules is not None else self.metadata.get("logical")
+
     def __repr__(self) -> str:
         dims = ",".join(map(str, self.shape))
         init = getattr(self.init, "__qualname__", type(self.init).__name__)

@@ -24,16 +24,18 @@ BAD_RULE = (("embed", "fsdp"), ("mlp", "model"))  # no mesh has 'model'
 
 
 class Up(nnx.Module):
-    def __init__(self, rngs, names=("embed", "mlp")):
+    def __init__(self, rngs, names=("embed", "mlp"), features=16):
         init = nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
-        self.up = nnx.Linear(8, 16, kernel_init=init, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(8, features, kernel_init=init, use_bias=False, rngs=rngs)
 
 
 class LinenUp(nn.Module):
+    features: int = 16
+
     @nn.compact
     def __call__(self, x):
         init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
-        return nn.Dense(16, kernel_init=init, use_bias=False, name="up")(x)
+        return nn.Dense(self.features, kernel_init=init, use_bias=False, name="up")(x)
 
 
 def _mesh(kind: str):
@@ -91,6 +93,37 @@ def test_a_rule_naming_a_missing_axis_reads_the_same_on_every_path(kind):
     assert messages == dict.fromkeys(messages, want)
 
 
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_a_dimension_that_does_not_divide_names_its_logical_axis_on_every_path(kind):
+    mesh, rules = _mesh(kind), (("embed", "fsdp"), ("mlp", "tensor"))
+    init = jax.nn.initializers.lecun_normal()
+    spec = meshinit.param((8, 14), init, axes=("embed", "mlp"), mesh=mesh, rules=rules)
+    want = (
+        "dimension 1 (logical 'mlp') of size 14 is not divisible by mesh axes 'tensor' of "
+        "size 4; pad the dimension or map it to other mesh axes"
+    )
+
+    class Own(nnx.Module):  # the rules in the Variable's own metadata
+        def __init__(self, rngs):
+            value = nnx.initializers.lecun_normal()(rngs.params(), (8, 14))
+            self.up = nnx.Param(value, out_sharding=("embed", "mlp"), sharding_rules=rules)
+
+    messages = {
+        # nnx resolved the names to mesh axes before planning and the message lost them
+        "nnx": _message(
+            lambda: meshinit.nnx.plan(lambda: Up(nnx.Rngs(0), features=14), rules=rules, mesh=mesh)
+        ),
+        "nnx own rules": _message(lambda: meshinit.nnx.init(lambda: Own(nnx.Rngs(0)), mesh=mesh)),
+        "spec": _message(lambda: meshinit.plan({"up": spec})),
+        "linen": _message(
+            lambda: meshinit.linen.plan(
+                LinenUp(14), jax.random.key(0), np.ones((1, 8), np.float32), rules=rules, mesh=mesh
+            )
+        ),
+    }
+    assert messages == dict.fromkeys(messages, want)
+
+
 def test_a_rule_is_named_once_however_many_variables_use_it():
     class Two(nnx.Module):
         def __init__(self, rngs):
@@ -133,16 +166,17 @@ def test_a_rule_whose_axis_only_another_mesh_has_is_named_at_each_variable_it_br
         )
 
 
-def test_a_typo_in_nnx_metadata_gets_the_guess_first():
+@pytest.mark.parametrize("typo", ["mlpp", "mpl"])  # an extra letter; two swapped
+def test_a_typo_in_nnx_metadata_gets_the_guess_first(typo):
     mesh = _mesh("explicit")
     rules = (("embed", "fsdp"), ("mlp", "tensor"))
     with pytest.raises(
         meshinit.PlanError,
-        match=r"up\.kernel: logical axis 'mlpp' in its sharding \('embed', 'mlpp'\) has no rule in "
-        r"flax's logical axis rules and is not a mesh axis \(axes: fsdp, tensor\); did you mean "
-        r"'mlp'\? \(known: embed, mlp\); fix the name, or add \('mlpp', None\) to the rules",
+        match=rf"up\.kernel: logical axis '{typo}' in its sharding \('embed', '{typo}'\) has no "
+        r"rule in flax's logical axis rules and is not a mesh axis \(axes: fsdp, tensor\); did "
+        rf"you mean 'mlp'\? \(known: embed, mlp\); fix the name, or add \('{typo}', None\) to",
     ):
-        meshinit.nnx.plan(lambda: Up(nnx.Rngs(0), ("embed", "mlpp")), rules=rules, mesh=mesh)
+        meshinit.nnx.plan(lambda: Up(nnx.Rngs(0), ("embed", typo)), rules=rules, mesh=mesh)
 
 
 # -- MaxText's resolution: two names of one Variable on one mesh axis -------------------

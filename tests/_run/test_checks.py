@@ -36,3 +36,17 @@ def test_a_bound_smaller_than_a_parameter_is_a_problem_naming_it():
     problems = checks.bound_problems(plan.entries, 8)
     assert [p.path for p in problems] == ["w"]
     assert "max_bytes_per_call=8" in problems[0].message
+
+
+def test_an_unplanned_existing_path_gets_no_guess_that_names_another_weight():
+    # difflib's ratio (0.67) named the MLP path for the attention one: the advice would
+    # place the attention array as the MLP weight
+    plan = meshinit.plan(
+        {"layers.0.mlp.up": meshinit.param((8, 4), lecun(), axes=("fsdp", "tensor"), mesh=mesh8())}
+    )
+    with pytest.raises(meshinit.PlanError) as info:
+        checks.split_given(plan, {"layers.0.attn.q": jnp.zeros((8, 4))}, "test")
+    assert "not a planned parameter" in str(info.value)
+    assert "did you mean" not in str(info.value), str(info.value)
+    with pytest.raises(meshinit.PlanError, match=r"did you mean 'layers\.0\.mlp\.up'\?"):
+        checks.split_given(plan, {"layers.0.mpl.up": jnp.zeros((8, 4))}, "test")

@@ -297,6 +297,12 @@ def test_unknown_logical_name_names_it_and_suggests_a_replicate_rule():
         (("embed", "mlpp"), (("embed", "fsdp"), ("mlp", "tensor")),
          r"logical axis 'mlpp' has no rule; did you mean 'mlp'\? \(known: embed, mlp\); "
          r"fix the name, or add \('mlpp', None\) to the rules to replicate it$"),
+        # two neighbours swapped: one edit, guessed as any typo (difflib's 0.67 was not)
+        (("embed", "mpl"), (("embed", "fsdp"), ("mlp", "tensor")),
+         r"logical axis 'mpl' has no rule; did you mean 'mlp'\? \(known: embed, mlp\); "
+         r"fix the name, or add \('mpl', None\) to the rules to replicate it$"),
+        (("MLP", "embed"), (("embed", "fsdp"), ("mlp", "tensor")),
+         r"logical axis 'MLP' has no rule; did you mean 'mlp'\? "),
         # a name like none of the known ones: no guess, the replicate rule
         (("embed", "ffw"), (("embed", "fsdp"), ("mlp", "tensor")),
          r"logical axis 'ffw' has no rule; known: embed, mlp; add \('ffw', None\) to the "
@@ -321,13 +327,15 @@ def test_a_typo_gets_a_guess_before_any_other_fix(axes, rules, want):
     assert re.search(want, exc.value.problems[0].message)
 
 
-def test_a_rule_naming_a_typo_of_a_mesh_axis_guesses_it():
+def test_a_rule_naming_a_typo_of_a_mesh_axis_guesses_it_before_dropping_the_rule():
+    # dropping the rule would replicate what it shards: the likely name comes first
     rules = (("embed", "fsdp"), ("mlp", "tensr"))
     spec = meshinit.param((8, 16), zeros, axes=("embed", "mlp"), mesh=FSDP_TENSOR, rules=rules)
     with pytest.raises(
         meshinit.PlanError,
         match=r"w: rule \('mlp', 'tensr'\) names mesh axis 'tensr', which is in none of the "
-        r"plan's meshes \(axes: fsdp, tensor\); .* or drop the rule; did you mean 'tensor'\?$",
+        r"plan's meshes \(axes: fsdp, tensor\); .* instead: did you mean 'tensor'\? otherwise add "
+        r"the axis to the mesh, or drop the rule$",
     ):
         meshinit.plan({"w": spec})
 

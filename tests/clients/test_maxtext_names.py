@@ -566,7 +566,7 @@ def test_composite_keys_are_the_layouts_of_their_stored_tensors(checkpoint):
     """gpt-oss's ``interleave``: wi_0 and wi_1 (and their biases) are gate_up_proj's even
     and odd columns; qwen3.5's ``process_wi_0_wi_1`` its halves, transposed; its
     ``concat_qkvz_and_transpose`` the per-key-head concatenation of q, k, v (slices of
-    in_proj_qkv) and z, merged and transposed (``docs/pretrained.md``'s ``Concat``), and
+    in_proj_qkv) and z, merged and transposed (``docs/names.md``'s ``Concat``), and
     ``concat_ba_and_transpose`` that of in_proj_b and in_proj_a."""
     config = config_of("gpt-oss-20b", False)
     folder, _ = checkpoint("gpt-oss-20b", False)

@@ -5,7 +5,7 @@ whose transforms are ``(permute, reshape)``, transpose first, then runs a prepro
 step for some families (Qwen3's experts stacked, Gemma's q/k/v fused). The same
 checkpoint, read by tunix's loader and by ``meshinit.safetensors.load``, must give
 every parameter of tunix's own model bit for bit, on the same shardings: through the
-rule table that ``docs/pretrained.md`` derives by hand from tunix's Llama3 map, and
+rule table that ``docs/names.md`` derives by hand from tunix's Llama3 map, and
 through ``meshinit.tunix.names(cfg)``, which reads tunix's map itself, for every
 family (Llama3, Qwen2, Qwen3 dense and MoE, Gemma, Gemma3). What tunix's map asks
 that meshinit cannot express is refused before any read. Skipped where tunix is not

@@ -9,7 +9,13 @@ The rule (CONTRIBUTING.md, "Document"), read from each block's first line:
 - ``# NAME.py``: a file that the page's commands use (the command line page).
 - anything else: a script, run as pasted in a fresh process. It sets up its own devices
   (``jax.config.update("jax_num_cpu_devices", 8)``, as the pages say); the test adds
-  nothing to the process but meshinit on ``PYTHONPATH``.
+  nothing to the process but meshinit on ``PYTHONPATH``. The README's first script runs
+  in a new python process; the others in processes forked from one that has imported
+  the packages the pages use and nothing more (:data:`PRELOAD`), which saves the imports'
+  time and changes nothing a script can see.
+
+Every fence is read, at any indent: a block inside a list item is dedented first. All of
+it runs in the default tier.
 
 What a page shows after a block is checked too: a text block right after it that shows
 an exception (``Traceback ...`` or ``module.SomeError: ...``) must be what that block
@@ -36,6 +42,13 @@ PAGES = ["README.md"] + sorted(
     p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")
 )
 
+# a fenced block at any indent (one inside a list item is indented with it); it closes at
+# the same indent
+FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```(?P<lang>\w*)[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
+    re.M | re.S,
+)
+FENCE_LINE = re.compile(r"^[ \t]*```")
 FRAGMENT = re.compile(r"# fragment: needs (?P<needs>.+)")
 CONTINUES = re.compile(r"# continues the script above\b.*")
 FILE = re.compile(r"# [\w]+\.py")
@@ -90,27 +103,45 @@ class Block:
 def blocks(page: str, text: str | None = None) -> list[Block]:
     """The page's python blocks in order, each with the text blocks that follow it."""
     text = (ROOT / page).read_text() if text is None else text
-    fences = list(re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S))
+    fences = [(f.group("lang"), dedent(f), f) for f in FENCE.finditer(text)]
     out: list[Block] = []
-    for i, fence in enumerate(fences):
-        if fence.group(1) != "python":
+    for i, (lang, code, fence) in enumerate(fences):
+        if lang != "python":
             continue
         shown = []
-        for after in fences[i + 1 :]:
-            if after.group(1) == "python":
+        for after_lang, after, _ in fences[i + 1 :]:
+            if after_lang == "python":
                 break
-            if after.group(1) == "text":
-                shown.append(after.group(2))
+            if after_lang == "text":
+                shown.append(after)
         raised = None
-        if i + 1 < len(fences) and fences[i + 1].group(1) == "text":
-            body = fences[i + 1].group(2)
+        # what the block raises is shown right after it, at its own indent (a text block
+        # indented in a list below it illustrates the prose around it)
+        if (
+            i + 1 < len(fences)
+            and fences[i + 1][0] == "text"
+            and fences[i + 1][2].group("indent") == fence.group("indent")
+        ):
+            body = fences[i + 1][1]
             names = RAISED.findall(body)
             if names and (body.startswith("Traceback") or RAISED.match(body)):
                 raised = names[-1].rsplit(".", 1)[-1]
         tables = tuple(t for t in shown if t.startswith("mesh 0: "))
         line = text.count("\n", 0, fence.start()) + 1
-        out.append(Block(page, len(out), line, fence.group(2), raised, tables))
+        out.append(Block(page, len(out), line, code, raised, tables))
     return out
+
+
+def dedent(fence: re.Match) -> str:
+    """A fence's body without the fence's own indent (a block inside a list item)."""
+    indent = fence.group("indent")
+    lines = fence.group("body").splitlines(keepends=True)
+    return "".join(line[len(indent) :] if line.startswith(indent) else line for line in lines)
+
+
+def fence_lines(text: str) -> list[int]:
+    """The lines (from 1) of every fence that the page opens or closes, at any indent."""
+    return [i for i, line in enumerate(text.splitlines(), 1) if FENCE_LINE.match(line)]
 
 
 def scripts(page: str) -> list[list[Block]]:
@@ -241,6 +272,45 @@ def test_a_page_is_read_into_blocks_with_what_it_shows():
     assert found[2].needs == "a plan"
 
 
+INDENTED = """
+- a list item, with its example:
+
+    ```python
+    # fragment: needs plan
+    print(plan)
+    ```
+
+- another, with what it prints:
+
+  ```text
+  mesh 0: Mesh(x=8)
+  ```
+"""
+
+
+def test_a_fence_indented_in_a_list_is_read_dedented():
+    (found,) = blocks("sample.md", INDENTED)
+    assert (found.kind, found.line, found.code, found.tables) == (
+        "fragment",
+        4,
+        "# fragment: needs plan\nprint(plan)\n",
+        ("mesh 0: Mesh(x=8)\n",),
+    )
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_fence_on_the_page_is_read(page):
+    """No fence escapes the checks: each one the page opens or closes, at any indent,
+    belongs to a block that blocks() reads."""
+    text = (ROOT / page).read_text()
+    read = set()
+    for fence in FENCE.finditer(text):
+        first = text.count("\n", 0, fence.start()) + 1
+        read |= {first, first + fence.group("body").count("\n") + 1}
+    unread = [line for line in fence_lines(text) if line not in read]
+    assert not unread, f"{page}: fences on lines {unread} are not read as blocks"
+
+
 @pytest.mark.parametrize(
     "first,kind",
     [
@@ -275,7 +345,9 @@ RUNNABLE = {
     "docs/equinox.md": 2,
     "docs/placements.md": 3,
     "docs/checkpoints.md": 3,
-    "docs/pretrained.md": 7,
+    "docs/pretrained.md": 2,
+    "docs/names.md": 4,
+    "docs/remote.md": 1,
     "docs/export.md": 1,
 }
 
@@ -305,30 +377,180 @@ for name, code, raises in json.load(open(sys.argv[1])):
 INJECTED = ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")
 
 
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in INJECTED}
+    return {**env, "PYTHONPATH": str(ROOT)}
+
+
 def run_script(script: list[Block], tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
+    """The script in a new python process, as a reader runs it."""
     payload = tmp_path / "blocks.json"
     payload.write_text(json.dumps([(b.name, b.code, b.raises) for b in script]))
-    env = {k: v for k, v in os.environ.items() if k not in INJECTED}
     return subprocess.run(
         [sys.executable, "-c", DRIVER, str(payload)],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=tmp_path,
-        env={**env, "PYTHONPATH": str(ROOT)},
+        env=clean_env(),
     )
 
 
-def check_runs(script: list[Block], tmp_path: pathlib.Path) -> None:
+# What the pages import, in the order a script would. Importing them takes most of a
+# short script's time (5-13 s a process here), so the scripts run in processes forked
+# from one that has imported these and done nothing else: no backend started (each
+# script sets its own devices, or fails as it would for a reader), no config changed, no
+# thread running, and each script gets a namespace of its own, so a name it does not
+# import is still a NameError. tunix is left out: importing it changes flax's config.
+PRELOAD = (
+    "numpy",
+    "jax",
+    "jax.numpy",
+    "optax",
+    "flax.nnx",
+    "flax.linen",
+    "equinox",
+    "safetensors.numpy",
+    "meshinit",
+    "meshinit.nnx",
+    "meshinit.linen",
+    "meshinit.eqx",
+    "meshinit.optax",
+    "meshinit.safetensors",
+)
+
+# The parent: imports PRELOAD, reads every request (an id, the payload, the folder to
+# run in, the files for stdout and stderr) up to an empty line, then runs them in that
+# order, each in a child of its own, at most WORKERS at a time, and answers each with its
+# id and exit status as it ends.
+FORKER = """
+import atexit, collections, importlib, json, os, signal, sys, threading, traceback
+for name in sys.argv[3:]:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+if threading.active_count() != 1:
+    sys.exit(f"cannot fork safely: threads {threading.enumerate()} run after the imports")
+driver, workers = compile(sys.argv[1], "<driver>", "exec"), int(sys.argv[2])
+queue = collections.deque()
+for line in sys.stdin:
+    if not line.strip():
+        break
+    queue.append(json.loads(line))
+running = {}
+while queue or running:
+    while queue and len(running) < workers:
+        id, payload, cwd, out, err = queue.popleft()
+        pid = os.fork()
+        if pid:
+            running[pid] = id
+            continue
+        code = 1
+        try:
+            os.chdir(cwd)
+            write = os.O_WRONLY | os.O_CREAT
+            for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, out, write), (2, err, write)):
+                os.dup2(os.open(path, mode), fd)
+            sys.stdin = open(0, closefd=False)
+            sys.argv = ["-c", payload]
+            signal.alarm(600)
+            try:
+                exec(driver, {"__name__": "__main__"})
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                if not isinstance(e.code, int) and e.code is not None:
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            atexit._run_exitfuncs()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    pid, status = os.wait()
+    print(running.pop(pid), os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+# Two at a time: a script's compiles and jax's start are mostly one thread, and CI and
+# the README's test command run on 2 cores.
+WORKERS = 2
+
+
+class Forker:
+    """The scripts of this test session, started at once in the forked processes, at
+    most WORKERS at a time; ``result`` waits for one."""
+
+    def __init__(self, folder: pathlib.Path, runs: list[tuple[str, list[Block]]]):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", FORKER, DRIVER, str(WORKERS), *PRELOAD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=folder,
+            env=clean_env(),
+        )
+        self.folders: dict[str, pathlib.Path] = {}
+        for id, script in runs:
+            self.folders[id] = where = folder / f"run{len(self.folders)}"
+            where.mkdir()
+            payload, out, err = (where / n for n in ("blocks.json", "stdout", "stderr"))
+            payload.write_text(json.dumps([(b.name, b.code, b.raises) for b in script]))
+            request = [id, str(payload), str(where), str(out), str(err)]
+            self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        self.done: dict[str, int] = {}
+
+    def result(self, id: str) -> subprocess.CompletedProcess:
+        while id not in self.done:
+            line = self.proc.stdout.readline()
+            assert line, "the forking process died (its imports failed?)"
+            ended, status = line.rsplit(" ", 1)
+            self.done[ended] = int(status)
+        where = self.folders[id]
+        out, err = ((where / n).read_text() for n in ("stdout", "stderr"))
+        return subprocess.CompletedProcess(id, self.done[id], out, err)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _script_id(page: str, index: int) -> str:
+    return f"{page}-{index}"
+
+
+@pytest.fixture(scope="module")
+def forker(request, tmp_path_factory):
+    """Starts every script that this session selected (``-k`` included), in test order."""
+    runs = []
+    for item in request.session.items:
+        params = getattr(item, "callspec", None)
+        if item.originalname == "test_every_script_runs_as_pasted" and params is not None:
+            page, index = params.params["page"], params.params["index"]
+            if not absent_imports(scripts(page)[index]):  # else the test skips
+                runs.append((_script_id(page, index), scripts(page)[index]))
+    forker = Forker(tmp_path_factory.mktemp("forker"), runs)
+    yield forker
+    forker.close()
+
+
+def absent_imports(script: list[Block]) -> list[str]:
     imports = {
         m.split(".")[0]
         for b in script
         for m in re.findall(r"^(?:from|import) ([\w.]+)", b.code, re.M)
     }
-    absent = sorted(m for m in imports if importlib.util.find_spec(m) is None)
+    return sorted(m for m in imports if importlib.util.find_spec(m) is None)
+
+
+def check_runs(script: list[Block], tmp_path: pathlib.Path, run=run_script) -> None:
+    absent = absent_imports(script)
     if absent:
         pytest.skip(f"{script[0].name} imports {absent}, not installed here (CI installs them)")
-    r = run_script(script, tmp_path)
+    r = run(script, tmp_path)
     code = "\n".join(b.code for b in script)
     assert r.returncode == 0, f"{script[0].name} failed:\n{code}\n{r.stdout}\n{r.stderr}"
     for block in script:
@@ -345,9 +567,17 @@ def test_the_readme_first_block_runs_as_pasted(tmp_path):
     check_runs(first, tmp_path)
 
 
-@pytest.mark.slow
+# the README's first script runs above, in a process of its own
 @pytest.mark.parametrize(
-    "page,index", [(page, i) for page in PAGES for i in range(len(scripts(page)))]
+    "page,index",
+    [
+        (page, i)
+        for page in PAGES
+        for i in range(len(scripts(page)))
+        if (page, i) != ("README.md", 0)
+    ],
 )
-def test_every_script_runs_as_pasted(page, index, tmp_path):
-    check_runs(scripts(page)[index], tmp_path)
+def test_every_script_runs_as_pasted(page, index, tmp_path, forker):
+    check_runs(
+        scripts(page)[index], tmp_path, run=lambda *_: forker.result(_script_id(page, index))
+    )

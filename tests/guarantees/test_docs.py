@@ -361,7 +361,142 @@ def test_the_readme_requirements_name_every_extra():
     section = readme.split("## Requirements", 1)[1].split("\n## ", 1)[0]
     missing = [name for name in extras if f"`{name}`" not in section]
     assert not missing, f"README's requirements do not name the extras {missing}"
-    assert "pip install 'meshinit[safetensors]'" in section
+    assert "pip install -e '.[safetensors]'" in section
+
+
+USER_PAGES = sorted(
+    p.relative_to(ROOT).as_posix() for p in DOCS.rglob("*.md") if p.parent.name != "api"
+)
+
+
+@pytest.mark.parametrize("page", USER_PAGES)
+def test_every_page_says_what_it_is_for_in_its_first_lines(page):
+    """Under its title, before any heading, list or block, a page says in prose who
+    reads it and what it answers."""
+    text = (ROOT / page).read_text()
+    title, _, rest = text.partition("\n")
+    assert title.startswith("# "), f"{page}: the first line is not a title: {title!r}"
+    first = rest.strip().split("\n\n", 1)[0]
+    assert not re.match(r"```|[#|>]|- |\d+\. ", first) and len(first.split()) >= 15, (
+        f"{page}: the first lines under the title should say, in a sentence or two, who "
+        f"reads the page and what it answers; they are {first[:200]!r}"
+    )
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+# the pages a user installs from; the changelog keeps history as it was, and docs/api/
+# shows the modules' docstrings, whose messages name an extra as the package's
+# (`pip install 'meshinit[nnx]'`), whatever the install
+INSTALL_PAGES = ["README.md", "CONTRIBUTING.md"] + sorted(
+    p.relative_to(ROOT).as_posix()
+    for p in DOCS.rglob("*.md")
+    if p.name != "changelog.md" and p.parent.name != "api"
+)
+# a shell word: quoted, or up to the next space or backtick
+WORD = re.compile(r"'[^']*'|\"[^\"]*\"|[^\s`'\"]+")
+
+
+def install_problems(page: str, text: str, extras: set[str]) -> list[str]:
+    """What a page's ``pip install`` lines get wrong against pyproject.toml and the README:
+    meshinit comes from the clone (``pip install -e '.[nnx]'``), an argument with extras is
+    quoted (zsh reads brackets as a pattern), and each extra exists."""
+    problems = []
+    for match in re.finditer(r"pip3? install\b([^`\n]*)", text):
+        line = text.count("\n", 0, match.start()) + 1
+        start = text.rfind("\n", 0, match.start()) + 1
+        if (
+            text[start : match.start()].count("`") % 2
+            and text[match.end() : match.end() + 1] == "\n"
+        ):
+            problems.append(
+                f"{page}:{line}: the install command breaks across lines; keep it on one"
+            )
+        for word in WORD.findall(match.group(1)):
+            if word in ("&&", "|", ";") or word.startswith("#"):
+                break
+            if word.startswith("-"):
+                continue
+            bare = word.strip("'\"")
+            name, _, rest = bare.partition("[")
+            if rest and bare == word:
+                problems.append(f"{page}:{line}: {word} is unquoted; write '{word}'")
+            if name.lower() == "meshinit":
+                problems.append(
+                    f"{page}:{line}: {word} installs meshinit from a registry; the README "
+                    f"installs it from a clone: pip install -e '.[{rest.rstrip(']')}]'"
+                )
+            if name in (".", "meshinit") and rest:
+                unknown = sorted(set(rest.rstrip("]").split(",")) - extras)
+                if unknown:
+                    problems.append(
+                        f"{page}:{line}: {word} names extras {unknown} that pyproject.toml "
+                        f"lacks; it has {sorted(extras)}"
+                    )
+    return problems
+
+
+def runtime_problems(page: str, text: str, dependencies: list[str]) -> list[str]:
+    """The page's "Runtime: ..." sentence names pyproject's dependencies, no more, no less,
+    with pyproject's bounds."""
+    found = re.search(r"Runtime: (.*?)\.(?:\s|$)", text, re.S)
+    if found is None:
+        return [f"{page}: no 'Runtime: ...' sentence naming the runtime dependencies"]
+    quoted = re.findall(r"`([^`]+)`", found.group(1))
+    names = {q for q in quoted if re.fullmatch(r"[A-Za-z][\w.-]*", q)}
+    bounds = [q for q in quoted if q not in names]
+    wanted = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0] for d in dependencies}
+    problems = []
+    if names != wanted:
+        problems.append(
+            f"{page}: the runtime named is {sorted(names)}; pyproject's is {sorted(wanted)}"
+        )
+    for bound in bounds:
+        if not any(bound in d for d in dependencies):
+            problems.append(f"{page}: the bound {bound} is in none of pyproject's {dependencies}")
+    return problems
+
+
+def test_install_lines_agree_with_pyproject_and_the_readme():
+    project = _pyproject()
+    extras = set(project["optional-dependencies"])
+    problems = []
+    for page in INSTALL_PAGES:
+        problems += install_problems(page, (ROOT / page).read_text(), extras)
+    for page in ("README.md", "docs/getting-started.md"):
+        problems += runtime_problems(page, (ROOT / page).read_text(), project["dependencies"])
+    assert not problems, "\n".join(problems)
+
+
+def test_the_install_checker_catches_what_the_issue_found():
+    extras = {"nnx", "safetensors"}
+    found = install_problems(
+        "p.md",
+        "flax with `pip install meshinit[nnx]`.\n"
+        "```bash\npip install -e '.[nnx,torch]' && pytest\n```\n"
+        "and `pip install -e '.[nnx]' 'moto[server]'`, `pip install -e .`\n"
+        "the extra (`pip install -e\n'.[nnx]'`)\n",
+        extras,
+    )
+    assert found == [
+        "p.md:1: meshinit[nnx] is unquoted; write 'meshinit[nnx]'",
+        "p.md:1: meshinit[nnx] installs meshinit from a registry; the README installs it "
+        "from a clone: pip install -e '.[nnx]'",
+        "p.md:3: '.[nnx,torch]' names extras ['torch'] that pyproject.toml lacks; it has "
+        "['nnx', 'safetensors']",
+        "p.md:6: the install command breaks across lines; keep it on one",
+    ]
+    deps = ["jax>=0.10.2,<0.13", "numpy>=1.26", "tqdm>=4.60"]
+    assert runtime_problems("p.md", "Runtime: `jax` (`>=0.10.2,<0.13`) and `numpy`.", deps) == [
+        "p.md: the runtime named is ['jax', 'numpy']; pyproject's is ['jax', 'numpy', 'tqdm']"
+    ]
+    assert runtime_problems("p.md", "Runtime: `jax` (`>=0.9`), `numpy` and `tqdm`.\n", deps) == [
+        f"p.md: the bound >=0.9 is in none of pyproject's {deps}"
+    ]
 
 
 def _cli_sessions() -> tuple[dict[str, str], list[tuple[str, str]]]:

@@ -88,3 +88,67 @@ def test_train_state_example_runs_again_and_again_into_the_same_directory(tmp_pa
     for r in (first, second):
         assert "WRONG" not in r.stdout and "DIFFER" not in r.stdout
         assert "all shardings exact" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, loaded, refused",
+    [
+        (
+            "fp8_checkpoint.py",
+            "loaded 5/5 parameters bit for bit",
+            "with weight_block_size [64, 64] in config.json: refused",
+        ),
+        (
+            "mxfp4_checkpoint.py",
+            "loaded 2/2 parameters bit for bit",
+            "with no quantization_config in config.json: refused",
+        ),
+    ],
+    ids=["fp8", "mxfp4"],
+)
+def test_quantized_examples_load_the_reference_bits_and_read_the_config_beside_the_files(
+    script, loaded, refused, tmp_path
+):
+    """Each writes its checkpoint (config.json included), loads it onto a (2, 4) mesh
+    checked shard by shard against the reference dequantization, then shows that the
+    config.json beside the files decides: changed, the load is refused."""
+    folder = tmp_path / "checkpoint"
+    r = run_python(str(ROOT / "examples" / script), str(folder))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert loaded in r.stdout and refused in r.stdout
+    assert str(folder / "config.json") in r.stdout  # the refusal names the file it read
+    assert (folder / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_fanout_example_launches_two_processes_that_read_each_block_once():
+    """1 MiB replicated over both processes and 2 x 256 KiB split between them: with
+    fan-out each process reads half the replicated rows and gets the rest from its peer,
+    so the files serve the checkpoint once; without, 1.67x."""
+    r = run_python(str(ROOT / "examples" / "fanout_two_processes.py"), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--- worker 0: ok" in r.stdout and "--- worker 1: ok" in r.stdout
+    for i in range(2):
+        assert (
+            f"process {i} (devices " in r.stdout
+            and "fan_out=True: read 786,432 bytes from the files, 524,288 from its peer" in r.stdout
+        )
+    assert "fan_out=True: the files served 1,572,864 bytes, 1.00x the checkpoint" in r.stdout
+    assert "fan_out=False: the files served 2,621,440 bytes, 1.67x the checkpoint" in r.stdout
+
+
+def test_fanout_example_launcher_kills_its_workers_when_they_run_out_of_time(tmp_path, capsys):
+    """The launcher never leaves a worker behind: past its deadline (here 1 s, before
+    the workers have joined) it kills both and exits non-zero, saying so."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "fanout_two_processes", ROOT / "examples" / "fanout_two_processes.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.TIMEOUT_S = 1
+    assert example.launch(tmp_path) == 1
+    shown = capsys.readouterr().out
+    assert "--- worker 0: FAILED (exit -9)" in shown and "--- worker 1: FAILED (exit -9)" in shown

@@ -124,7 +124,7 @@ def test_the_engine_package_imports_nothing_itself():
 # to a stage is in it by itself) and the stages it may import. The loader and the engine
 # sit side by side: both build on the run stage, neither imports the other.
 STAGES = {
-    "shared": (("_errors", "_format", "_caches", "_patterns"), ()),
+    "shared": (("_errors", "_format", "_typos", "_caches", "_patterns"), ()),
     "base": (("_jax.*",), ("shared",)),
     "declare": (("_paths", "_spec.*"), ("shared", "base")),
     "report": (("_report.*",), ("shared",)),

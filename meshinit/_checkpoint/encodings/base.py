@@ -48,11 +48,14 @@ class Offered:
         it is, never reported unused.
       pairs: virtual tensor name -> the encoding's own record of it, handed back to its
         :attr:`Encoding.pair`.
+      unpaired: a name it would offer -> why it does not (its stored tensors are
+        there but form no pair): what a path that reads that name is told.
     """
 
     tensors: Mapping[str, Stored] = dataclasses.field(default_factory=dict)
     behind: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     pairs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    unpaired: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,9 +8,11 @@ multimodal model, in a nested config (``text_config.quantization_config``):
 :mod:`.mxfp4.pairing` its method, and MaxText's scale check (:mod:`...maps.maxtext_scales`) both.
 :func:`declared` is the one reading of it for all three: a ``quantization_config``
 that is not an object, a ``quant_method`` that is not a string, a
-``weight_block_size`` that is not a positive int or a list of one or two of them, is a
-problem naming the file and the field, never a field read as absent (the block size
-silently the default, the method silently none).
+``weight_block_size`` that is not a positive whole number or a list of one or two of
+them (``64.0`` is 64: some JSON writers write whole numbers so), is a problem naming
+the file, the field and what is wrong with it, never a field read as absent (the block size
+silently the default, the method silently none); so is a ``quantization_config`` at
+the top level and one nested that state different block sizes: neither is picked.
 """
 
 from __future__ import annotations
@@ -52,11 +54,8 @@ class Declared:
     def block(self) -> tuple[int, int] | None:
         """Its ``weight_block_size`` as ``(b0, b1)`` (an int ``b``, or a list of one,
         as ``(b, b)``), or None where it states none."""
-        raw: Any = (self.settings or {}).get("weight_block_size")
-        if not _block_size(raw):
-            return None
-        sizes = list(raw) if isinstance(raw, list | tuple) else [raw]
-        return (sizes[0], sizes[-1])
+        sizes = _sizes((self.settings or {}).get("weight_block_size"))
+        return None if isinstance(sizes, str) or not sizes else (sizes[0], sizes[-1])
 
     @property
     def shown(self) -> str | None:
@@ -101,27 +100,64 @@ def declared(config: Mapping[str, Any] | None, where: str) -> tuple[Declared, li
                 )
             )
         size = settings.get("weight_block_size")
-        if size is not None and not _block_size(size):
+        wrong = None if size is None else _sizes(size)
+        if isinstance(wrong, str):
             problems.append(
                 Problem(
                     where,
                     f"{field}.weight_block_size holds the JSON {_kind(size)} {_short(size)}, "
-                    f"not a block size: write it as a list of two positive integers, the "
-                    f"rows and columns each scale covers ([128, 128]), or remove it for "
-                    f"the default 128x128",
+                    f"not a block size ({wrong}): write it as a list of two positive "
+                    f"integers, the rows and columns each scale covers ([128, 128]), or "
+                    f"remove it for the default 128x128",
                 )
             )
         if settings and found.settings is None:
             found = Declared(where, field, settings)
+        elif settings and isinstance(wrong, tuple) and found.settings is not None:
+            first = _sizes(found.settings.get("weight_block_size"))
+            if isinstance(first, tuple) and _square(first) != _square(wrong):
+                problems.append(
+                    Problem(
+                        where,
+                        f"{found.field}.weight_block_size is {_stated(first)} and "
+                        f"{field}.weight_block_size {_stated(wrong)}: meshinit reads the "
+                        f"first, and never picks a block size between two; state one "
+                        f"weight_block_size, the same in both, or remove one",
+                    )
+                )
     return found, problems
 
 
-def _block_size(raw: Any) -> bool:
-    """Whether ``raw`` is a block size: a positive int, or a list of one or two."""
-    sizes = [raw] if not isinstance(raw, list | tuple) else list(raw)
-    return 1 <= len(sizes) <= 2 and all(
-        isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes
-    )
+def _square(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    return sizes if len(sizes) != 1 else (sizes[0], sizes[0])
+
+
+def _stated(sizes: tuple[int, ...]) -> str:
+    return "absent" if not sizes else str(list(_square(sizes)))
+
+
+def _sizes(raw: Any) -> tuple[int, ...] | str:
+    """``raw`` as a block size: a positive whole number, or a list of one or two (a
+    whole number written as a float, ``64.0``, as some JSON writers emit it, is that
+    number); else what is wrong with it. None states none: ``()``."""
+    if raw is None:
+        return ()
+    sizes = list(raw) if isinstance(raw, list | tuple) else [raw]
+    if isinstance(raw, str | Mapping) or not 1 <= len(sizes) <= 2:
+        return (
+            f"a {_kind(raw)}" if not isinstance(raw, list | tuple)
+            else f"{len(sizes)} numbers, where a block has one or two"
+        )  # fmt: skip
+    out = []
+    for b in sizes:
+        if isinstance(b, bool) or not isinstance(b, int | float):
+            return f"{_short(b)} is a JSON {_kind(b)}, not a number"
+        if not (b == b and abs(b) != float("inf")) or int(b) != b:
+            return f"{_short(b)} is not a whole number"
+        if b <= 0:
+            return f"{_short(b)} is not positive"
+        out.append(int(b))
+    return tuple(out)
 
 
 def _kind(value: Any) -> str:

@@ -5,13 +5,13 @@ groups of each rule's regex."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ... import _patterns
 from ..._errors import PlanError, Problem, printable
+from ..._typos import closest
 from ..layout.parts import PARTS, Fill, Pad, Target, Tensor
 
 FORMS = (
@@ -101,8 +101,8 @@ def targets(
         known = set(paths)
         for key in names:
             if key not in known:
-                close = difflib.get_close_matches(str(key), paths, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                close = closest(str(key), paths)
+                hint = f"; did you mean {close!r}?" if close else ""
                 problems.append(
                     Problem(str(key), f"names maps it, but it is not a plan path{hint}")
                 )

@@ -6,7 +6,6 @@ tensor accounted for. :func:`survey` is the first half of
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import itertools
 import pathlib
@@ -19,6 +18,7 @@ import numpy as np
 from ..._errors import Problem, printable
 from ..._format import some
 from ..._plan.plan import Plan
+from ..._typos import closest
 from ..encodings import keys as _keys
 from ..encodings import registry as _registry
 from ..layout import host as _host
@@ -175,6 +175,7 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
     offers = [encoding.offer(index) for encoding in _registry.ENCODINGS]
     virtual = {name: held for offered in offers for name, held in offered.tensors.items()}
     tensors = {**index, **virtual}
+    unformed = {name: why for offered in offers for name, why in offered.unpaired.items()}
     table: dict[str, _names.Target | None] | None = None
     # config.json, read once where something consults it (a framework's map, a float8 or
     # MXFP4 tensor planned wider): one that cannot be read is a problem of each, named once
@@ -230,7 +231,9 @@ def survey(plan: Plan, files: Any, names: Any, what: str, options: Any = None) -
             if refused.missing:
                 missing[entry.path] = refused.missing[0][1]
                 names_held = names_held or sorted(index)
-                gone = _absent(entry.path, refused.missing, names_held, len(absent) < 20)
+                gone = _unformed(entry.path, refused.missing, unformed) or _absent(
+                    entry.path, refused.missing, names_held, len(absent) < 20
+                )
                 absent.append(_names.linked(gone, notes))
             else:
                 problems.append(Problem(entry.path, refused.message))
@@ -285,19 +288,36 @@ def _describe(node: _layout.Node) -> str:
     return _layout.describe(node)
 
 
+def _unformed(
+    path: str, parts: list[tuple[str, str]], unformed: Mapping[str, str]
+) -> Problem | None:
+    """The problem of a path whose missing tensors an encoding would make of stored
+    ones that form no pair (MXFP4's ``X`` of ``X_blocks`` and ``X_scales``): why, for
+    the first three; None where none of them is such a tensor."""
+    told = [(label, name) for label, name in parts if name in unformed]
+    if not told:
+        return None
+    shown = [
+        f"{label}tensor {printable(name)!r} is not in the files, and {unformed[name]}"
+        for label, name in told[:3]
+    ]
+    more = len(parts) - len(shown)
+    rest = f" ({more} more of its tensors are not in the files either)" if more else ""
+    return Problem(path, " | ".join(shown) + rest)
+
+
 def _absent(path: str, parts: list[tuple[str, str]], stored: list[str], hint: bool) -> Problem:
     """The problem of a path whose tensor (or some of its parts' tensors) no file holds;
     with ``hint``, the closest stored name of each of the first three."""
     fix = '(names= maps the path to None, or missing="skip" leaves it to the init)'
     guesses = [
-        difflib.get_close_matches(name, stored, n=1) if hint and k < 3 else []
-        for k, (_, name) in enumerate(parts)
+        closest(name, stored) if hint and k < 3 else None for k, (_, name) in enumerate(parts)
     ]
     if len(parts) == 1 and not parts[0][0]:
-        guess = f"; did you mean {guesses[0][0]!r}?" if guesses[0] else ""
+        guess = f"; did you mean {guesses[0]!r}?" if guesses[0] else ""
         return Problem(path, f"tensor {parts[0][1]!r} is not in the files{guess} {fix}")
     shown = [
-        f"{label}tensor {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        f"{label}tensor {name!r}" + (f" (did you mean {close!r}?)" if close else "")
         for (label, name), close in zip(parts, guesses, strict=True)
     ]
     more = f" and {len(parts) - 5} more" if len(parts) > 5 else ""

@@ -17,13 +17,13 @@ names the key and the valid ones. Constructing a store sends no request.
 from __future__ import annotations
 
 import ast
-import difflib
 import importlib.util
 import pathlib
 from collections.abc import Mapping
 from typing import Any
 
 from ... import _caches
+from ..._typos import closest
 
 STORE_KEYS = ("config", "client_options", "retry_config", "credential_provider")
 """Keyword arguments of obstore's bucket stores beside their configuration keys."""
@@ -71,8 +71,8 @@ def client_keys() -> frozenset[str]:
 
 
 def _unknown(where: str, key: Any, valid: frozenset[str] | tuple[str, ...], fix: str = "") -> str:
-    close = difflib.get_close_matches(str(key), sorted(valid), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest(str(key), sorted(valid))
+    hint = f" (did you mean {close!r}?)" if close else ""
     known = ", ".join(sorted(valid)) or "none"
     return f"{where}[{key!r}] is not an option of the client{hint}{fix}; known: {known}"
 

@@ -25,7 +25,15 @@ def test_the_first_stated_config_is_the_declared_one_top_level_first():
 
 @pytest.mark.parametrize(
     "size, block",
-    [(64, (64, 64)), ([64], (64, 64)), ([128, 64], (128, 64)), ((32, 16), (32, 16)), (None, None)],
+    [
+        (64, (64, 64)),
+        ([64], (64, 64)),
+        ([128, 64], (128, 64)),
+        ((32, 16), (32, 16)),
+        (None, None),
+        ([64.0, 64.0], (64, 64)),  # whole numbers as some JSON writers write them
+        (128.0, (128, 128)),
+    ],
 )
 def test_a_block_size_of_one_number_is_square(size, block):
     found, problems = declared({"quantization_config": {"weight_block_size": size}}, WHERE)
@@ -50,8 +58,34 @@ def test_a_block_size_of_one_number_is_square(size, block):
             "quantization_config.weight_block_size holds the JSON array [128, -1], not a block",
         ),
         (
-            {"quantization_config": {"weight_block_size": 128.0}},
-            "quantization_config.weight_block_size holds the JSON number 128.0, not a block",
+            {"quantization_config": {"weight_block_size": 128.5}},
+            "quantization_config.weight_block_size holds the JSON number 128.5, not a block "
+            "size (128.5 is not a whole number): write it as a list of two positive integers",
+        ),
+        (
+            {"quantization_config": {"weight_block_size": "64"}},
+            'quantization_config.weight_block_size holds the JSON string "64", not a block '
+            "size (a string): write it as a list of two positive integers",
+        ),
+        (
+            {"quantization_config": {"weight_block_size": ["64", 64]}},
+            'quantization_config.weight_block_size holds the JSON array ["64", 64], not a '
+            'block size ("64" is a JSON string, not a number)',
+        ),
+        (
+            {"quantization_config": {"weight_block_size": [64, 64, 64]}},
+            "quantization_config.weight_block_size holds the JSON array [64, 64, 64], not a "
+            "block size (3 numbers, where a block has one or two)",
+        ),
+        (
+            {"quantization_config": {"weight_block_size": [0, 64.0]}},
+            "quantization_config.weight_block_size holds the JSON array [0, 64.0], not a "
+            "block size (0 is not positive)",
+        ),
+        (
+            {"quantization_config": {"weight_block_size": [True, 64]}},
+            "quantization_config.weight_block_size holds the JSON array [true, 64], not a "
+            "block size (true is a JSON boolean, not a number)",
         ),
         (
             {"quantization_config": {"quant_method": False}},
@@ -82,3 +116,19 @@ def test_every_wrong_field_is_named_and_a_config_that_is_none_declares_nothing()
         "text_config.quantization_config",
     ]
     assert declared(None, "") == (Declared(), [])
+
+
+def test_two_configs_that_state_different_block_sizes_are_a_problem_never_a_pick():
+    nested = {"quantization_config": {"weight_block_size": [64, 64]}}
+    top = {"quantization_config": {"quant_method": "fp8"}, "text_config": nested}
+    found, problems = declared(top, WHERE)
+    assert [p.message for p in problems] == [
+        "quantization_config.weight_block_size is absent and "
+        "text_config.quantization_config.weight_block_size [64, 64]: meshinit reads the "
+        "first, and never picks a block size between two; state one weight_block_size, "
+        "the same in both, or remove one"
+    ]
+    assert [p.path for p in problems] == [WHERE] and found.block is None
+    # the same block, however written: no problem
+    top = {"quantization_config": {"weight_block_size": 64}, "text_config": nested}
+    assert declared(top, WHERE)[1] == []

@@ -125,6 +125,17 @@ def test_a_mapping_names_only_what_differs_and_a_typo_is_named(tmp_path):
         meshinit.safetensors.load(plan, tmp_path, names={"nrom": "w"}, unused="ignore")
 
 
+def test_a_mapping_key_of_a_layer_the_plan_lacks_gets_no_other_layer_as_a_guess(tmp_path):
+    # difflib's ratio named layers.2.up for layers.7.up: following it would load
+    # the tensor meant for layer 7 into layer 1
+    save_file({"w": np.ones(D, np.float32)}, str(tmp_path / "m.safetensors"))
+    plan = meshinit.plan(specs())
+    with pytest.raises(meshinit.PlanError, match=r"layers\.7\.up: names maps it, but") as raised:
+        meshinit.safetensors.load(plan, tmp_path, names={"layers.7.up": "w"}, unused="ignore")
+    [problem] = [p for p in raised.value.problems if p.path == "layers.7.up"]
+    assert problem.message == "names maps it, but it is not a plan path"
+
+
 def test_a_malformed_rule_table_is_one_plan_error_naming_each_rule(tmp_path):
     save_file({"w": np.ones(D, np.float32)}, str(tmp_path / "m.safetensors"))
     plan = meshinit.plan({"w": specs()["layers"][0]["norm"]})

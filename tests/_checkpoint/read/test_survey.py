@@ -55,3 +55,16 @@ def test_a_cast_across_kinds_is_refused_before_reading(tmp_path):
     )
     error = load_refused(plan, tmp_path, "casts within a kind")
     assert [p.path for p in error.problems] == ["a", "b"]
+
+
+def test_an_absent_tensor_gets_no_guess_that_names_a_weight_of_another_kind(tmp_path):
+    # difflib's ratio (0.72) named the MLP weight for the attention one: following that
+    # advice (names=) would load the one into the other, with no error at equal shapes
+    path = stored(tmp_path, {"model.layers.0.mlp.gate_proj.weight": np.ones(4, np.float32)})
+    plan = plan_for({"model.layers.0.self_attn.q_proj.weight": (4,)})
+    (problem,) = survey.survey(plan, path, None, "what").absent
+    assert "is not in the files" in problem.message
+    assert "did you mean" not in problem.message, problem.message
+    plan = plan_for({"model.layers.0.mlp.gate_proj.wieght": (4,)})
+    (problem,) = survey.survey(plan, path, None, "what").absent
+    assert "did you mean 'model.layers.0.mlp.gate_proj.weight'?" in problem.message

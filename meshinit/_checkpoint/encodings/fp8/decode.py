@@ -105,7 +105,7 @@ class Raw:
     args: tuple[np.ndarray, ...]  # the scale rectangles, then what places them
     signature: tuple[Any, ...]
     check: bool  # whether a product may overflow the planned dtype
-    names: str  # the tensors, for a message
+    overflow: str  # what a product that overflows is refused with (the largest scale read)
 
 
 Window = tuple[Any, tuple[int, int], tuple[int, int]]
@@ -261,13 +261,12 @@ class QuantParts(_host.Parts):
             spans.append((max(0, min(lo // b, count - held)), held))
         (rb, nr), (cb, nc) = spans
         rects = np.stack([self._scale(p.quant)[rb : rb + nr, cb : cb + nc] for p, _ in reached])
-        names = named([p.stored.name for p, _ in reached])
-        tiny(rects, stored, entry.path, names)
         work = np.dtype(first.tensor.compute_dtype or entry.spec.dtype)
-        check = overflows(rects, stored, work, planned)
+        overflow = applied(reached, self._scale, stored, (work, planned), entry.path)
         shapes = (raw.shape, stored, rects.shape, rects.dtype, tuple(steps), (b0, b1))
         offsets = np.array((r0, c0, rb, cb), np.int32)
-        return Raw(key, raw, (rects, offsets), (*shapes, work, planned), check, names)
+        args = (rects, offsets)
+        return Raw(key, raw, args, (*shapes, work, planned), bool(overflow), overflow)
 
     def program(self, signature: tuple[Any, ...], check: bool, sharding: Any) -> Any:
         mesh, spec = sharding.mesh, sharding.spec
@@ -321,7 +320,7 @@ class QuantParts(_host.Parts):
         check = any(b.check for b in made)
         run = self.program(signature, check, sharding)
         self._held.clear()
-        names, path = made[0].names, entry.path
+        path = entry.path
 
         def finish() -> jax.Array:  # on a worker thread (.ahead): compiles while reading
             with _base.alone(run):
@@ -329,14 +328,17 @@ class QuantParts(_host.Parts):
             if not check:
                 return got
             got, fits = got
-            if not all(bool(np.asarray(s.data).all()) for s in fits.addressable_shards):
+            failed = [
+                blocks[s.device].overflow
+                for s in fits.addressable_shards
+                if not bool(np.asarray(s.data).all())
+            ]
+            if failed:
                 got.delete()
-                work = np.dtype(signature[-2]).name
                 raise PlanError(
-                    [Problem(path, f"tensor {names} times its block scales overflows {work}; "
-                                   f"plan a wider dtype")],
+                    [Problem(path, said) for said in dict.fromkeys(failed)],
                     header="meshinit.safetensors.load: a dequantized value does not fit:",
-                )  # fmt: skip
+                )
             return got
 
         return finish
@@ -350,37 +352,103 @@ def stored_as(raw: Any, stored: Any) -> Any:
     return raw
 
 
-def overflows(rects: np.ndarray, stored: Any, work: np.dtype, planned: np.dtype) -> bool:
-    """Whether a stored value times one of ``rects`` may overflow ``work`` or
-    ``planned`` (the program then checks every product)."""
-    top = float(np.abs(rects.astype(np.float32)).max(initial=0))
-    bound = top * float(ml_dtypes.finfo(stored).max)
-    return not bound < min(float(ml_dtypes.finfo(t).max) for t in (work, planned))
+def read_blocks(leaf: _blocks.Leaf, at: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The scale rows and columns (block indices, ascending) that the elements of
+    ``leaf``'s transposed view at ``at`` take their scales from: only those some
+    element reads, not the span between (a view that steps over a block skips it)."""
+    got = geometry(leaf)
+    assert not isinstance(got, str)  # refused at plan time
+    (r, c), moves = got
+    rows, cols = np.array([r], np.int64), np.array([c], np.int64)
+    for s, (dr, dc) in zip(at, moves, strict=True):
+        n = max(0, s.stop - s.start)
+        if not n:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        along = s.start + np.arange(n, dtype=np.int64)
+        rows = np.add.outer(rows, along * dr).ravel() if dr else rows
+        cols = np.add.outer(cols, along * dc).ravel() if dc else cols
+    b0, b1 = leaf.quant.block
+    return np.unique(rows // b0), np.unique(cols // b1)
 
 
-def named(names: list[str]) -> str:
-    more = f" (and {len(names) - 1} more stacked)" if len(names) > 1 else ""
-    return f"{printable(names[0])!r}{more}"
+DAMAGED = (
+    "the file is damaged: download or convert it again (meshinit.safetensors.save "
+    "refuses such values too)"
+)
 
 
-def tiny(rects: np.ndarray, stored: Any, path: str, names: str) -> None:
-    """Refuses scales so small that a product of a stored value would be subnormal
-    in float32: XLA flushes those to zero, where the reference keeps them."""
+def applied(
+    parts: Any, scale_of: Any, stored: Any, dtypes: tuple[np.dtype, np.dtype], path: str
+) -> str:
+    """Checks the block scales that a block reads (``parts``: each weight it reaches
+    and the index of its view, ``scale_of(quant)`` the scale tensor's values), only
+    those some element of the view reads, so that no sharding refuses what another
+    loads. Refuses a scale that is NaN or infinite (every value of its block would be
+    NaN or infinite: DeepSeek's ``weight_dequant`` loads IEEE's result, we refuse it
+    as a damaged file), and one so small that a product would be a float32 subnormal
+    (XLA flushes those to zero, the reference keeps them). Returns, where a stored
+    value times a scale may overflow the narrower of ``dtypes`` (the compute and
+    planned dtypes), the refusal the program gives should one do (naming the largest
+    such scale read), else ""."""
     smallest = 2.0**-126 / float(ml_dtypes.finfo(stored).smallest_subnormal)
-    wide = np.abs(rects.astype(np.float32))
-    small = (wide > 0) & (wide < smallest)
-    if small.any():
+    narrow = min(dtypes, key=lambda t: float(ml_dtypes.finfo(t).max))
+    limit = float(ml_dtypes.finfo(narrow).max) / float(ml_dtypes.finfo(stored).max)
+    problems, top = [], None
+    seen: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # a Stack's leaves: one geometry
+    for leaf, at in parts:
+        key = (
+            leaf.stored.shape, leaf.shape, leaf.order, leaf.quant.block,
+            tuple((s.start, s.stop, s.step) for s in (*leaf.index, *at)),
+        )  # fmt: skip
+        if key not in seen:
+            seen[key] = read_blocks(leaf, at)
+        rows, cols = seen[key]
+        if not rows.size or not cols.size:
+            continue
+        scale = leaf.quant.scale
+        values = np.abs(scale_of(leaf.quant)[np.ix_(rows, cols)].astype(np.float32))
+        where = f"of tensor {printable(leaf.stored.name)!r}"
+        held = f"in {printable(scale.name)!r} in {scale.file.name}"
+        for bad, why in (
+            (~np.isfinite(values), f": a scale that is not a finite "
+             f"number makes every value of its block NaN or infinite, as DeepSeek's "
+             f"weight_dequant would load them; {DAMAGED}"),
+            ((values > 0) & (values < smallest), f", below {smallest!r}: products would be "
+             f"float32 subnormals, which the device flushes to zero; dequantize this "
+             f"checkpoint on the host first"),
+        ):  # fmt: skip
+            if bad.any():
+                i, j = (int(k[0]) for k in np.nonzero(bad))
+                value = np.float32(scale_of(leaf.quant)[rows[i], cols[j]])
+                more = int(bad.sum()) - 1
+                also = f" (and {more} more of the blocks read)" if more else ""
+                said = f"block scale ({rows[i]}, {cols[j]}) {where} is {str(value)} {held}"
+                problems.append(Problem(path, f"{said}{also}{why}"))
+        finite = np.where(np.isfinite(values), values, 0)
+        k = np.unravel_index(int(np.argmax(finite)), finite.shape)
+        if finite[k] >= limit and (top is None or finite[k] > top[0]):
+            top = (float(finite[k]), leaf, scale, (int(rows[k[0]]), int(cols[k[1]])))
+    if problems:
         raise PlanError(
-            [
-                Problem(
-                    path,
-                    f"a block scale of {names} is {float(wide[small].flat[0])!r}, below "
-                    f"{smallest!r}: products would be float32 subnormals, which the device "
-                    f"flushes to zero; dequantize this checkpoint on the host first",
-                )
-            ],
-            header="meshinit.safetensors.load: a scale cannot be applied on the device:",
+            problems, header="meshinit.safetensors.load: a block scale cannot be applied:"
         )
+    if top is None:
+        return ""
+    _, leaf, scale, (r, c) = top
+    value = np.float32(scale_of(leaf.quant)[r, c])
+    if float(ml_dtypes.finfo(narrow).max) < float(ml_dtypes.finfo(np.float32).max):
+        fix = "plan float32" + (" or bfloat16" if narrow == np.float16 else "")
+    else:
+        fix = (
+            "no float is wider than float32: a scale that large is no weight's (a damaged "
+            "or misconverted file: download or convert it again), or plan the parameter "
+            "as float8 to load the stored values and its scale as a parameter of its own"
+        )
+    return (
+        f"tensor {printable(leaf.stored.name)!r} times its block scales overflows "
+        f"{narrow.name}: block scale ({r}, {c}) is {str(value)} in {printable(scale.name)!r}; "
+        f"{fix}"
+    )
 
 
 def _spread(
@@ -440,7 +508,7 @@ def program(
         out = wide.astype(work).astype(planned)  # then to the planned dtype
         if not check:
             return out
-        fits = jnp.all(jnp.isfinite(wide.astype(work)) | ~jnp.isfinite(raw))
+        fits = jnp.all(jnp.isfinite(out) | ~jnp.isfinite(raw))  # in work and planned
         return out, fits[None]
 
     outs = (spec, P(names)) if check else spec

@@ -133,7 +133,6 @@ class TileParts(_dequant.QuantParts):
             return _dequant.Raw(key, raw, (np.zeros((0, 1, 1), np.float32),), (), False, "")
         inner = self._inner(index)
         found = _tiles.tiles(self._node, inner)
-        leaves = [t.leaf for t in found if t.leaf is not None]
         first = _blocks.leaves(self._node)[0]  # all alike (plan time): a block of constants too
         stored = READABLE[first.stored.dtype]
         raw = self._bytes(node, index, stored)
@@ -162,15 +161,14 @@ class TileParts(_dequant.QuantParts):
         runs, cells = _tiles.grid(found, _tiles.extents(inner))
         padded = np.zeros(cells_shape, np.int32)
         padded[tuple(slice(0, n) for n in cells.shape)] = cells
-        names = _dequant.named([leaf.stored.name for leaf in leaves or [first]])
-        _dequant.tiny(rects, stored, entry.path, names)
         work = np.dtype(first.tensor.compute_dtype or entry.spec.dtype)
-        check = _dequant.overflows(rects, stored, work, planned)
+        weights_read = [(t.leaf, t.at) for t in found if t.leaf is not None]
+        overflow = _dequant.applied(weights_read, self._scale, stored, (work, planned), entry.path)
         block = first.quant.block
         merge = None if self._merge is None else (_tiles.extents(inner), self._merge.order)
         signature = (raw.shape, merge, stored, self._static, self._steps, block, work, planned)
         args = (rects, table, values, flags, np.concatenate(runs), padded)
-        return _dequant.Raw(key, raw, args, signature, check, names)
+        return _dequant.Raw(key, raw, args, signature, bool(overflow), overflow)
 
     def program(self, signature: tuple[Any, ...], check: bool, sharding: Any) -> Any:
         mesh, spec = sharding.mesh, sharding.spec
@@ -260,6 +258,7 @@ def program(
             scale = rects[tile, srow, scol]
         wide = raw.astype(jnp.float32) * scale  # rounded once to float32, as the reference
         out = wide.astype(work).astype(planned)  # then to the planned dtype
+        fits = jnp.isfinite(out) | ~jnp.isfinite(raw)  # in work and planned
         if constants:
             out = jnp.where(flags[tile], values[tile], out)
         if merge is not None:  # the values as the parameter's block
@@ -267,7 +266,6 @@ def program(
             out = out if order is None else out.transpose(order)
         if not check:
             return out
-        fits = jnp.isfinite(wide.astype(work)) | ~jnp.isfinite(raw)
         if constants:
             fits = fits | flags[tile]
         return out, jnp.all(fits)[None]

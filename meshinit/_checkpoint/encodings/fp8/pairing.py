@@ -334,11 +334,13 @@ def _refusals(rows: list[tuple[str, str, Any, str]], declared: Any) -> list[Prob
         else:
             _, shape, scale, block, from_config, fits = key[:6]
             want = tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
-            source = (
-                f"{where}'s weight_block_size"
-                if from_config
-                else "the default, as no config states weight_block_size"
-            )
+            if from_config:
+                source = f"{where}'s {declared.field}.weight_block_size"
+            elif declared.settings is None:
+                found = where or "config.json"
+                source = f"the default, as no quantization_config is found in {found}"
+            else:
+                source = f"the default, as {where}'s {declared.field} has no weight_block_size"
             other = ""
             if fits is not None and from_config:
                 other = (

@@ -48,7 +48,7 @@ from ...layout import host as _host
 from ...store.source import Stored
 from .. import base as _base
 from .. import config as _quant_config
-from .program import checked, program
+from .program import checked, program, spanned
 
 DTYPE = "MXFP4"
 """The dtype of a virtual stored tensor (:func:`virtual`): its values are exact in
@@ -69,25 +69,70 @@ class Mx:
         return 2 * self.blocks.shape[-1]
 
 
-def virtual(index: Mapping[str, Stored]) -> tuple[dict[str, Stored], dict[str, Mx]]:
+def virtual(
+    index: Mapping[str, Stored],
+) -> tuple[dict[str, Stored], dict[str, Mx], dict[str, str]]:
     """A virtual tensor ``X`` for each ``X_blocks`` (uint8 ``[E, R, G, B]``) beside an
-    ``X_scales`` (uint8 ``[E, R, G]``) where no ``X`` is stored itself, and the pair
-    behind each."""
-    stored, pairs = {}, {}
-    for name, blocks in index.items():
-        if not name.endswith(SUFFIXES[0]):
+    ``X_scales`` (uint8 ``[E, R, G]``) where no ``X`` is stored itself, the pair
+    behind each, and why no ``X`` is made of an ``X_blocks`` or an ``X_scales`` that
+    forms no such pair (for the message of a path that reads ``X``)."""
+    stored, pairs, unpaired = {}, {}, {}
+    for name in index:
+        suffix = next((s for s in SUFFIXES if name.endswith(s)), None)
+        base = name[: -len(suffix)] if suffix else name
+        if suffix is None or base in index or base in stored or base in unpaired:
             continue
-        base = name[: -len(SUFFIXES[0])]
-        scales = index.get(base + SUFFIXES[1])
-        if base in index or scales is None or (blocks.dtype, scales.dtype) != ("U8", "U8"):
+        blocks, scales = index.get(base + SUFFIXES[0]), index.get(base + SUFFIXES[1])
+        why = _unpaired(base, blocks, scales)
+        if why is not None:
+            unpaired[base] = why
             continue
-        if len(blocks.shape) != 4 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
-            continue
+        assert blocks is not None and scales is not None
         e, r, g, b = blocks.shape
         shape = (e, g * 2 * b, r)
         stored[base] = Stored(blocks.file, base, DTYPE, shape, blocks.start, blocks.nbytes)
         pairs[base] = Mx(blocks, scales)
-    return stored, pairs
+    return stored, pairs, unpaired
+
+
+def _unpaired(base: str, blocks: Stored | None, scales: Stored | None) -> str | None:
+    """Why ``blocks`` and ``scales`` (either may be absent) form no MXFP4 pair, naming
+    both with their dtypes and shapes; None where they form one."""
+
+    def shown(held: Stored) -> str:
+        return f"{printable(held.name)!r} ({held.dtype} {tuple(held.shape)})"
+
+    fix = (
+        f"a damaged or partial download, or not gpt-oss's MXFP4: download or convert it "
+        f"again, or plan {printable(base + SUFFIXES[0])!r} and "
+        f"{printable(base + SUFFIXES[1])!r} as parameters of their own to load them as stored"
+    )
+    if blocks is None or scales is None:
+        held = blocks or scales
+        assert held is not None
+        other = base + (SUFFIXES[1] if scales is None else SUFFIXES[0])
+        return (
+            f"{shown(held)} has no {printable(other)!r} beside it: an MXFP4 tensor is read "
+            f"from both; {fix}"
+        )
+    why = None
+    if (blocks.dtype, scales.dtype) != ("U8", "U8"):
+        wrong = [
+            f"the {what} here as {held.dtype}"
+            for what, held in (("blocks", blocks), ("scales", scales))
+            if held.dtype != "U8"
+        ]
+        why = f"both are stored as U8 (gpt-oss's bytes), {' and '.join(wrong)}"
+    elif len(blocks.shape) != 4:
+        why = f"the blocks are 4-D ([experts, rows, groups, bytes]), these {len(blocks.shape)}-D"
+    elif tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        why = (
+            f"the scales' shape is not the blocks' without its last axis, "
+            f"{tuple(blocks.shape[:-1])}"
+        )
+    if why is None:
+        return None
+    return f"{shown(blocks)} and {shown(scales)} do not form an MXFP4 pair: {why}; {fix}"
 
 
 def why_not(planned: np.dtype) -> str | None:
@@ -344,7 +389,8 @@ class MxParts(_host.Parts):
         self._tally[0] += raw.nbytes + exps.nbytes
         planned = np.dtype(entry.spec.dtype)
         work = np.dtype(leaf.tensor.compute_dtype or planned)
-        checked(raw, exps, (work, planned), entry.path, reached)
+        read, read_exps = spanned(raw, exps, k0 - g0 * group, nk, group)
+        checked(read, read_exps, (work, planned), entry.path, reached)
         shapes = (tuple(sizes[k] for k in across), tuple(sizes[k] for k in view))
         signature = (raw.shape, nk, leaf.order, tuple(across), shapes, work, planned)
         return Raw(key, raw, exps, k0 - g0 * group, signature)
@@ -410,8 +456,8 @@ def _shapes(made: list[Raw]) -> str:
 
 
 def _offered(stored: Mapping[str, Stored]) -> _base.Offered:
-    tensors, pairs = virtual(stored)
-    return _base.Offered(tensors, claimed(pairs), pairs)
+    tensors, pairs, unpaired = virtual(stored)
+    return _base.Offered(tensors, claimed(pairs), pairs, unpaired)
 
 
 def _paired_jobs(

@@ -31,45 +31,86 @@ def _top(dtype: np.dtype) -> float:
     return float(ml_dtypes.finfo(dtype).max)
 
 
+def spanned(
+    raw: np.ndarray, exps: np.ndarray, start: int, count: int, group: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Of a block's groups (``raw`` bytes ``[..., groups, B]``, ``exps``), the ones its
+    ``count`` values from ``start`` (along K, within the groups) reach, the values
+    outside that span zeroed: the exponents and values the block applies, and no
+    others (every block takes as many groups as the most any needs; the first and
+    last may reach past the view)."""
+    first, last = start // group, -(-(start + count) // group)
+    raw, exps = raw[..., first:last, :], exps[..., first:last]
+    lead, tail = start - first * group, last * group - start - count
+    if lead or tail:
+        nibbles = np.zeros(raw.shape[-2] * group, bool)
+        nibbles[lead : len(nibbles) - tail] = True  # K order: a byte's low nibble first
+        keep = np.where(nibbles[0::2], 0x0F, 0) | np.where(nibbles[1::2], 0xF0, 0)
+        raw = raw & keep.astype(np.uint8).reshape(raw.shape[-2:])
+    return raw, exps
+
+
 def checked(
     raw: np.ndarray, exps: np.ndarray, dtypes: tuple[np.dtype, np.dtype], path: str, reached: Any
 ) -> None:
     """Refuses the exponents the device would not apply as the reference does, for
-    values rounded to each of ``dtypes`` in turn. Only the exponents are read (a
-    sixteenth of the bytes) unless one is 0, 1 or large: then the values of those
-    groups say."""
+    values rounded to each of ``dtypes`` in turn; ``raw`` and ``exps`` hold one row
+    per leaf of ``reached`` (the stacked tensors), each named by its own scales. Only
+    the exponents are read (a sixteenth of the bytes) unless one is 0, 1 or large:
+    then the values of those groups say."""
     dtype = min(dtypes, key=_top)
-    top, high = _top(dtype), _overflowing(dtype)
+    high = _overflowing(dtype)
     low, big = int(exps.min(initial=255)), int(exps.max(initial=0))
     if low > 1 and big < high:
         return
     problems = []
-    name = repr(printable(reached[0][0].quant.scales.name))
-    more = " (or a stacked one)" if len(reached) > 1 else ""
+    for k, (leaf, _) in enumerate(reached):
+        name = repr(printable(leaf.quant.scales.name))
+        problems += [f"{name} {p}" for p in _problems(raw[k], exps[k], dtype)]
+    if problems:
+        raise PlanError(
+            [Problem(path, p) for p in problems],
+            header="meshinit.safetensors.load: MXFP4 exponents cannot be applied on the device:",
+        )
+
+
+def _problems(raw: np.ndarray, exps: np.ndarray, dtype: np.dtype) -> list[str]:
+    """What is wrong with one tensor's exponents (``exps``) over its bytes (``raw``)."""
+    top, high = _top(dtype), _overflowing(dtype)
+    low, big = int(exps.min(initial=255)), int(exps.max(initial=0))
+    problems = []
     if big == 255:
-        problems.append(f"{name}{more} holds the exponent byte 255, NaN in e8m0")
+        problems.append(
+            "holds the exponent byte 255, NaN in e8m0, which no weight is: the file is "
+            "damaged; download or convert it again"
+        )
     tiny = exps <= 1
     if low <= 1 and (codes := _codes(raw[tiny])).any():
         byte = int(exps[tiny][codes > 0].min())
         problems.append(
-            f"{name}{more} holds the exponent byte {byte} under a non-zero value: a "
-            f"float32 subnormal, which the device flushes to zero"
+            f"holds the exponent byte {byte} under a non-zero value: a float32 subnormal, "
+            f"which the device flushes to zero; {HOST}"
         )
     large = (exps >= high) & (exps != 255)
     if big >= high and large.any():
         values = np.abs(np.array(VALUES[:8]))[_codes(raw[large])]
         largest = values * np.exp2(exps[large] - 127.0)
         if (largest > top).any():
+            if dtype == np.float16:
+                fix = f"plan float32 or bfloat16, or {HOST}"
+            elif top < _top(np.dtype(np.float32)):
+                fix = f"plan float32, or {HOST}"
+            else:
+                fix = (
+                    "no float is wider than float32 (transformers would load inf): an "
+                    "exponent that large is no weight's; the file is damaged or "
+                    "misconverted: download or convert it again"
+                )
             problems.append(
-                f"{name}{more} holds the exponent byte {int(exps[large][largest > top].min())} "
-                f"under values that overflow {dtype.name} (up to {float(largest.max())!r}); "
-                f"plan a wider dtype, or"
+                f"holds the exponent byte {int(exps[large][largest > top].min())} under "
+                f"values that overflow {dtype.name} (up to {float(largest.max())!r}); {fix}"
             )
-    if problems:
-        raise PlanError(
-            [Problem(path, f"{p}; {HOST}") for p in problems],
-            header="meshinit.safetensors.load: MXFP4 exponents cannot be applied on the device:",
-        )
+    return problems
 
 
 def _overflowing(dtype: np.dtype) -> int:

@@ -574,7 +574,8 @@ def test_a_scale_of_the_wrong_shape_or_a_disagreeing_block_is_refused(tmp_path):
             "w: tensor 'w' in model-00001-of-00001.safetensors is float8 (256, 384), planned "
             "bfloat16, and its scale 'w_scale_inv' has shape (2, 2), not (ceil(256/128), "
             "ceil(384/128)) = (2, 3) for the block (128, 128) (",
-            "config.json's weight_block_size); the shapes fit a block of (128, 256) instead: the "
+            "config.json's quantization_config.weight_block_size); the shapes fit a block of "
+            "(128, 256) instead: the "
             "config and the shapes disagree; fix the scale or the block size",
         ],
     )
@@ -586,7 +587,15 @@ def test_a_scale_of_the_wrong_shape_or_a_disagreeing_block_is_refused(tmp_path):
     assert "unused" not in str(e.value) and "no plan path claims" not in str(e.value)
     # no config: 128x128 only if it fits, never a guess
     folder = write(tmp_path / "c", {"w": w, "w_scale_inv": np.ones((4, 6), np.float32)}, None)
-    refused(plan, folder, match="(the default, as no config states weight_block_size); the sha")
+    config = folder / "config.json"
+    refused(plan, folder, match=f"(the default, as no quantization_config is found in {config})")
+    # a config that states a quantization_config without a block size: named, field and all
+    (folder / "config.json").write_text(json.dumps({"quantization_config": {"fmt": "e4m3"}}))
+    refused(
+        plan,
+        folder,
+        match=f"(the default, as {config}'s quantization_config has no weight_block_size); the sha",
+    )
     # the config's block, honoured
     cfg = {**QUANTIZATION, "weight_block_size": [64, 64]}
     s = rng.uniform(1e-3, 1e-2, (4, 6)).astype(np.float32)
@@ -618,7 +627,7 @@ WRONG_KINDS = {  # config.json -> what its problem says, after the file's name
     "a block size as a string": (
         {"quantization_config": {**QUANTIZATION, "weight_block_size": "128"}},
         'quantization_config.weight_block_size holds the JSON string "128", not a block '
-        "size: write it as a list of two positive integers, the rows and columns each "
+        "size (a string): write it as a list of two positive integers, the rows and columns each "
         "scale covers ([128, 128]), or remove it for the default 128x128",
     ),
     "a block size of a string": (
@@ -661,7 +670,7 @@ def test_a_quantization_config_of_the_wrong_kind_is_refused_naming_the_field(
     assert [p.path for p in problems] == [config, "v"], problems
 
 
-@pytest.mark.parametrize("size", [64, [64], [64, 64]])
+@pytest.mark.parametrize("size", [64, [64], [64, 64], [64.0, 64.0]])
 def test_a_block_size_of_one_number_is_square(tmp_path, size):
     rng = np.random.default_rng(16)
     w, s = fp8_pair(rng, (256, 384), block=(64, 64))
@@ -751,7 +760,9 @@ def test_a_scale_too_small_for_float32_is_refused_while_reading(tmp_path):
     s[1, 0] = 2.0**-120
     folder = write(tmp_path, {"w": w, "w_scale_inv": s})
     plan = plan_for({"w": (256, 256)}, dtype=jnp.float32)
-    with pytest.raises(meshinit.PlanError, match=r"w: a block scale of 'w' is .*, below"):
+    with pytest.raises(
+        meshinit.PlanError, match=r"w: block scale \(1, 0\) of tensor 'w' is .*, below"
+    ):
         st.load(plan, folder)
 
 

@@ -3,6 +3,8 @@ the tensor ``X`` transformers' ``convert_moe_packed_tensors`` makes of it, dequa
 the device shard by shard, with its bits; what cannot be read so is refused, naming
 the path, the tensors and the fix."""
 
+import json
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -287,16 +289,16 @@ def test_a_config_that_cannot_be_read_is_refused_naming_it_not_as_no_quantizatio
 
 
 @pytest.mark.parametrize(
-    "byte,dtype,match",
+    "byte,dtype,match,fix",
     [
-        (255, jnp.bfloat16, "exponent byte 255, NaN in e8m0"),
-        (1, jnp.bfloat16, "exponent byte 1 under a non-zero value"),
-        (141, jnp.float16, "exponent byte 141 under values that overflow float16"),
-        (253, jnp.float32, "exponent byte 253 under values that overflow float32"),
+        (255, jnp.bfloat16, "exponent byte 255, NaN in e8m0", "download or convert it again"),
+        (1, jnp.bfloat16, "exponent byte 1 under a non-zero value", "on the host first"),
+        (141, jnp.float16, "byte 141 under values that overflow float16", "plan float32 or b"),
+        (253, jnp.float32, "byte 253 under values that overflow float32", "no float is wider"),
     ],
 )
 def test_exponents_the_device_cannot_apply_are_refused_as_they_are_read(
-    tmp_path, byte, dtype, match
+    tmp_path, byte, dtype, match, fix
 ):
     rng = np.random.default_rng(5)
     blocks, scales = mx_pair(rng, (2, 8, 2, 16))
@@ -304,7 +306,7 @@ def test_exponents_the_device_cannot_apply_are_refused_as_they_are_read(
     scales[1, 3, 1] = byte
     folder = write(tmp_path, {"w_blocks": blocks, "w_scales": scales})
     plan = plan_on(xy_mesh((2, 4), False), {"w": (2, 64, 8)}, dtype, ("x", None, "y"))
-    refused(plan, folder, match=("w: 'w_scales' holds the", match, "on the host first"), read=True)
+    refused(plan, folder, match=("w: 'w_scales' holds the", match, fix), read=True)
 
 
 def test_zero_values_under_exponents_zero_and_one_load(tmp_path):
@@ -318,3 +320,138 @@ def test_zero_values_under_exponents_zero_and_one_load(tmp_path):
     plan = plan_on(xy_mesh((2, 4), False), {"w": (2, 64, 8)}, jnp.bfloat16, ("x", None, "y"))
     got = st.load(plan, folder)["w"]
     assert (bits(got) == bits(convert_moe_packed_tensors(blocks, scales))).all()
+
+
+U8 = np.uint8
+UNPAIRED = {
+    "a scales shape unlike blocks[:-1]": (
+        {"w_blocks": np.zeros((2, 8, 2, 16), U8), "w_scales": np.zeros((2, 8, 3), U8)},
+        "'w_blocks' (U8 (2, 8, 2, 16)) and 'w_scales' (U8 (2, 8, 3)) do not form an MXFP4 "
+        "pair: the scales' shape is not the blocks' without its last axis, (2, 8, 2)",
+    ),
+    "no scales": (
+        {"w_blocks": np.zeros((2, 8, 2, 16), U8)},
+        "'w_blocks' (U8 (2, 8, 2, 16)) has no 'w_scales' beside it: an MXFP4 tensor is "
+        "read from both",
+    ),
+    "no blocks": (
+        {"w_scales": np.zeros((2, 8, 2), U8)},
+        "'w_scales' (U8 (2, 8, 2)) has no 'w_blocks' beside it: an MXFP4 tensor is read from both",
+    ),
+    "I8 blocks": (
+        {"w_blocks": np.zeros((2, 8, 2, 16), np.int8), "w_scales": np.zeros((2, 8, 2), U8)},
+        "'w_blocks' (I8 (2, 8, 2, 16)) and 'w_scales' (U8 (2, 8, 2)) do not form an MXFP4 "
+        "pair: both are stored as U8 (gpt-oss's bytes), the blocks here as I8",
+    ),
+    "F8_E8M0 scales": (
+        {"w_blocks": np.zeros((2, 8, 2, 16), U8), "w_scales": np.zeros((2, 8, 2), U8)},
+        "'w_blocks' (U8 (2, 8, 2, 16)) and 'w_scales' (F8_E8M0 (2, 8, 2)) do not form an "
+        "MXFP4 pair: both are stored as U8 (gpt-oss's bytes), the scales here as F8_E8M0",
+    ),
+    "3-D blocks": (
+        {"w_blocks": np.zeros((8, 2, 16), U8), "w_scales": np.zeros((8, 2), U8)},
+        "'w_blocks' (U8 (8, 2, 16)) and 'w_scales' (U8 (8, 2)) do not form an MXFP4 pair: "
+        "the blocks are 4-D ([experts, rows, groups, bytes]), these 3-D",
+    ),
+}
+
+
+def retyped(path, name, dtype):
+    """The safetensors file at ``path`` with tensor ``name``'s header dtype set to
+    ``dtype`` (its bytes kept): a dtype that numpy's writer cannot write."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header[name]["dtype"] = dtype
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(len(new).to_bytes(8, "little") + new + data[8 + n :])
+
+
+@pytest.mark.parametrize("case", list(UNPAIRED))
+def test_a_pair_that_does_not_form_says_why_naming_both_tensors(tmp_path, case):
+    tensors, said = UNPAIRED[case]
+    folder = write(tmp_path, tensors)
+    if "E8M0" in case:  # e8m0 bytes, as safetensors' F8_E8M0 names them
+        retyped(folder / "model-00001-of-00001.safetensors", "w_scales", "F8_E8M0")
+        from safetensors import safe_open
+
+        try:
+            safe_open(folder / "model-00001-of-00001.safetensors", "numpy").keys()
+        except Exception:  # safetensors before 0.5 knows no F8_E8M0, and refuses the file
+            pytest.skip("this safetensors package refuses F8_E8M0")
+    plan = plan_on(xy_mesh((2, 4), False), {"w": (2, 64, 8)}, jnp.bfloat16, None)
+    with pytest.raises(meshinit.PlanError) as e:
+        st.load(plan, folder, unused="ignore")
+    message = str(e.value)
+    assert f"w: tensor 'w' is not in the files, and {said}" in message, message
+    assert "did you mean" not in message, message
+
+
+def test_the_typo_in_the_overflow_fix_is_gone():
+    from meshinit._checkpoint.encodings.mxfp4 import program
+
+    raw = np.full((1, 1, 1, 1, 16), 0x77, U8)
+    exps = np.full((1, 1, 1, 1), 141, U8)
+    pair = type("P", (), {"quant": type("Q", (), {"scales": type("S", (), {"name": "w_scales"})})})
+    with pytest.raises(meshinit.PlanError) as e:
+        program.checked(raw, exps, (np.dtype(np.float16),) * 2, "w", [(pair, None)])
+    message = str(e.value)
+    assert "or;" not in message and "plan float32 or bfloat16, or dequantize" in message, message
+
+
+@pytest.mark.parametrize("spec", [(None, "x", "y"), (None, None, None)])
+@pytest.mark.parametrize("inside", [False, True])
+def test_an_exponent_the_view_never_reads_loads_on_every_sharding(tmp_path, spec, inside):
+    """The view reads K 0 to 95 of 256 (groups 0 to 2 of 8). Split in 4, a block of 24
+    from K 72 takes groups 2 and 3 (every block takes as many groups as the most any
+    needs, 2); a NaN exponent of group 3 is never applied, however K is split, and one
+    of group 2 is refused, however split."""
+    rng = np.random.default_rng(9)
+    blocks, scales = mx_pair(rng, (2, 8, 8, 16))
+    scales[1, 3, 2 if inside else 3] = 255
+    folder = write(tmp_path, {"w_blocks": blocks, "w_scales": scales})
+    mesh = xy_mesh((4, 2), False)
+    plan = plan_on(mesh, {"w": (2, 96, 8)}, jnp.bfloat16, spec)
+    view = {"w": st.Tensor("w", index=np.s_[:, :96])}
+    if inside:
+        refused(plan, folder, view, match="'w_scales' holds the exponent byte 255", read=True)
+        return
+    got = st.load(plan, folder, names=view)["w"]
+    assert (bits(got) == bits(convert_moe_packed_tensors(blocks, scales)[:, :96])).all()
+
+
+@pytest.mark.parametrize("spec", [("x", None, None, "y"), (None, None, None, None)])
+def test_a_bad_exponent_in_a_stack_names_its_own_layer(tmp_path, spec):
+    tensors = layered_pairs(np.random.default_rng(10), 4)
+    tensors["layers.2.w_scales"][1, 3, 1] = 255
+    folder = write(tmp_path, tensors)
+    plan = plan_on(xy_mesh((2, 4), False), {"w": (4, 2, 64, 8)}, jnp.bfloat16, spec)
+    names = {"w": st.Stack([f"layers.{i}.w" for i in range(4)], axis=0)}
+    message = refused(
+        plan, folder, names, "w: 'layers.2.w_scales' holds the exponent byte 255", True
+    )
+    assert "layers.0" not in message and "stacked" not in message, message
+
+
+@pytest.mark.parametrize("spec", [(None, "x", "y"), (None, None, None)])
+def test_a_value_outside_the_view_in_a_group_it_reads_is_not_checked(tmp_path, spec):
+    """The view reads K 0 to 47 of 64: group 1 (K 32 to 63) only in part. A 6.0 at K 60
+    under exponent byte 141 would overflow float16 (98304), but the view never reads
+    it; the 0.5s it reads there fit (8192). A 6.0 at K 40 is read, and refused."""
+    blocks, scales = mx_pair(np.random.default_rng(11), (2, 8, 2, 16))
+    blocks[1, 3, 1, :] = 0x11  # every value 0.5
+    scales[1, 3, 1] = 141
+    mesh = xy_mesh((4, 2), False)
+    plan = plan_on(mesh, {"w": (2, 48, 8)}, jnp.float16, spec)
+    view = {"w": st.Tensor("w", index=np.s_[:, :48])}
+    for k, loads in ((60, True), (40, False)):
+        held = blocks.copy()
+        held[1, 3, 1, (k - 32) // 2] = 0x17  # K k: 6.0 (its byte's low nibble), K k+1: 0.5
+        folder = write(tmp_path / str(k), {"w_blocks": held, "w_scales": scales})
+        if not loads:
+            refused(plan, folder, view, "byte 141 under values that overflow float16", True)
+            continue
+        got = st.load(plan, folder, names=view)["w"]
+        want = convert_moe_packed_tensors(held, scales, np.float64)[:, :48].astype(np.float16)
+        assert (bits(got) == bits(want)).all()

@@ -53,3 +53,13 @@ def test_zeros_under_exponents_zero_and_one_and_large_exponents_that_fit_pass():
     raw[0, 0, 0, 0, :] = 0x88
     exps[0, 0, 1, 1], raw[0, 0, 1, 1, :] = 141, 0x11  # 0.5 x 2^14 fits float16
     mxfp4_program.checked(raw, exps, (np.dtype(np.float16),) * 2, "w", reached())
+
+
+def test_only_the_values_of_a_blocks_span_are_kept_for_the_check():
+    """Groups of 4 values (2 bytes); the span K 5 to 9 of groups 0 to 3: groups 1 and 2,
+    K 4 (a low nibble) and K 10, 11 (a byte) zeroed."""
+    raw = np.full((1, 1, 1, 4, 2), 0x77, np.uint8)
+    exps = np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 4)
+    got, kept = mxfp4_program.spanned(raw, exps, 5, 5, 4)
+    assert kept.tolist() == [[[[1, 2]]]]
+    assert got[0, 0, 0].tolist() == [[0x70, 0x77], [0x77, 0x00]]
