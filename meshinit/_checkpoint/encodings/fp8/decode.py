@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import mmap
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -121,12 +120,8 @@ class QuantParts(_host.Parts):
 
     A scale in a local file is read whole (each is 1/16384 of its weight's elements
     at 128x128); of a remote one (a fetched source), only the rows and columns that
-    cover this process's blocks are fetched, ahead, as the weights' bytes are.
-
-    With fan-out (the job's stage) a block is the stored bytes of this process's
-    staging share, and :meth:`whole` gives them to be gathered onto the planned
-    sharding (:class:`~meshinit._checkpoint.layout.host.Gathered`), then dequantized
-    by the same program over the same blocks, scales and offsets: the same bits."""
+    cover this process's blocks are fetched, ahead, as the weights' bytes are. Staged
+    (fan-out), the stored bytes are gathered first (:meth:`whole`): the same bits."""
 
     stages = True  # fan-out may stage it (read.staging.staged)
 
@@ -194,12 +189,12 @@ class QuantParts(_host.Parts):
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         """The block's stored bytes (placed as they are by
         :func:`~meshinit._checkpoint.layout.host.put`); its
-        scales, offsets and signature are kept for :meth:`whole`. Staged, the bytes of
-        a staging share alone (its planned block's scales are kept by :meth:`whole`)."""
+        scales, offsets and signature are kept for :meth:`whole` (staged: its share's bytes)."""
         if self.fetch is not None:
             self.fetch.ready(index)
         if self.job.stage is not None:  # as bytes: XLA's CPU all-gather widens float8
-            return self._bytes(self.job.node, index, self._stored()).view(np.uint8)
+            stored = READABLE[_blocks.leaves(self.job.node)[0].stored.dtype]
+            return self._bytes(self.job.node, index, stored).view(np.uint8)
         found = self._block(index)
         self._held[found.key] = found
         return found.raw
@@ -209,12 +204,8 @@ class QuantParts(_host.Parts):
         if self._remote is not None:
             self._remote.cancel()
 
-    def _stored(self) -> np.dtype:
-        return np.dtype(READABLE[_blocks.leaves(self.job.node)[0].stored.dtype])
-
     def _bytes(self, node: _blocks.Node, index: tuple[slice, ...], stored: Any) -> np.ndarray:
-        """The stored bytes of the block at ``index``; where only the block's scales are
-        wanted (its bytes are gathered), a stand-in of its shape that reads nothing."""
+        """The block's stored bytes; a stand-in that reads nothing where they are gathered."""
         sizes = tuple(max(0, s.stop - s.start) for s in index)
         if self._unread or not math.prod(sizes):
             return np.broadcast_to(np.zeros((), stored), sizes)
@@ -274,9 +265,8 @@ class QuantParts(_host.Parts):
 
     def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> _host.Made:
         """The parameter, dequantized: one program over the array of stored bytes,
-        each device with the scales and offsets of its own block. Staged, the staging
-        array of stored bytes, to be gathered onto the planned sharding first, each
-        planned block's scales and offsets kept (and checked) now."""
+        each device with the scales and offsets of its own block. Staged, its bytes to
+        gather first (:class:`~meshinit._checkpoint.layout.host.Gathered`)."""
         entry = self.job.entry
         if self.job.stage is None:
             return self._dequantized(shape, sharding, shards)
@@ -292,11 +282,9 @@ class QuantParts(_host.Parts):
         finally:
             self._unread = False
 
-        def then(gathered: jax.Array) -> jax.Array | Callable[[], jax.Array]:
-            data = [s.data for s in gathered.addressable_shards]
-            got = self._dequantized(entry.spec.shape, entry.sharding, data)
-            assert not isinstance(got, _host.Gathered)
-            return got
+        def then(gathered: jax.Array) -> Any:  # its program over the gathered bytes
+            shards = [s.data for s in gathered.addressable_shards]
+            return self._dequantized(entry.spec.shape, entry.sharding, shards)
 
         return _host.Gathered(staged, then)
 
@@ -342,14 +330,6 @@ class QuantParts(_host.Parts):
             return got
 
         return finish
-
-
-def stored_as(raw: Any, stored: Any) -> Any:
-    """``raw`` in the stored dtype: a staged parameter's bytes are gathered as uint8
-    (:meth:`QuantParts.block`), bit for bit the stored float8."""
-    if raw.dtype == np.uint8 and np.dtype(stored) != np.uint8:
-        return jax.lax.bitcast_convert_type(raw, stored)
-    return raw
 
 
 def read_blocks(leaf: _blocks.Leaf, at: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -494,7 +474,7 @@ def program(
 
     def dequantized(raw: Any, rects: Any, offsets: Any) -> Any:
         rects, offsets = rects[0], offsets[0]
-        raw = stored_as(raw, stored)
+        raw = _base.stored_as(raw, stored)
         if separable:
             scale = _spread(rects, offsets, raw.shape, steps, block)
         else:  # an element's scale gathered at its own (leaf, row, column)

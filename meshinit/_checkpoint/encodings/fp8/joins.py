@@ -45,6 +45,7 @@ import numpy as np
 from .... import _caches
 from ...layout import blocks as _blocks
 from ...store.header import READABLE
+from .. import base as _base
 from . import decode as _dequant
 from . import tiles as _tiles
 
@@ -229,7 +230,7 @@ def program(
         rects, table, values, flags, runs, cells = (
             x[0] for x in (rects, table, values, flags, runs, cells)
         )
-        raw = _dequant.stored_as(raw, stored)
+        raw = _base.stored_as(raw, stored)
         if merge is not None:  # the bytes as the unmerged node's box
             if order is not None:
                 raw = raw.transpose(np.argsort(order))
