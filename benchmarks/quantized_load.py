@@ -30,8 +30,12 @@ time). With ``--check``, the fp8 load's arrays are compared bit for bit with the
 ``--tpu``: on the one chip of a TPU machine (mesh (1, 1), the arrays in its memory, so
 peak RSS is host memory alone); each route's process opens the chip in turn.
 
+``--ahead 4 2 1``: the fp8 route once per value of ``AHEAD`` (``meshinit._checkpoint.read.
+ahead``: how many dequantized parameters compile and run on worker threads at once),
+each ``--repeats`` times, interleaved, against the two-step route: its time and peak RSS.
+
 Run: python benchmarks/quantized_load.py [--layers 4] [--experts 8] [--divide 1] [--dir DIR]
-[--check] [--tpu]
+[--check] [--tpu] [--ahead N ...] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import json
 import os
 import pstats
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -132,9 +137,14 @@ def table(layers: int, experts: int, divide: int) -> dict:
 
 
 def child(route: str, directory: Path, layers: int, experts: int, divide: int, check: bool,
-          tpu: bool = False) -> None:  # fmt: skip
-    """One route in this process; prints its JSON."""
+          tpu: bool = False, ahead: int | None = None) -> None:  # fmt: skip
+    """One route in this process (the fp8 route with ``AHEAD = ahead``); prints its JSON."""
     import jax
+
+    if ahead is not None:  # a private constant, set for this probe alone
+        from meshinit._checkpoint.read import ahead as _ahead
+
+        _ahead.AHEAD = ahead
 
     if not tpu:
         jax.config.update("jax_num_cpu_devices", 8)
@@ -229,8 +239,9 @@ def two_step(directory: Path) -> None:
         del data, out
 
 
-def run(route: str, args, layers: int | None = None) -> dict:
+def run(route: str, args, layers: int | None = None, ahead: int | None = None) -> dict:
     command = [sys.executable, __file__, "--child", route, "--dir", str(args.dir)]
+    command += [] if ahead is None else ["--ahead-child", str(ahead)]
     command += ["--layers", str(layers or args.layers), "--experts", str(args.experts)]
     command += ["--divide", str(args.divide)] + ["--check"] * args.check + ["--tpu"] * args.tpu
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -252,15 +263,22 @@ def main() -> None:
     parser.add_argument("--child", default=None)
     parser.add_argument("--check", action="store_true", help="compare the fp8 load's bits")
     parser.add_argument("--tpu", action="store_true", help="the one chip (mesh (1, 1))")
+    parser.add_argument("--ahead", type=int, nargs="+", help="AHEAD values to compare")
+    parser.add_argument("--repeats", type=int, default=1, help="of each --ahead value")
+    parser.add_argument("--json", default=None, help="--ahead's rows, as JSON")
+    parser.add_argument("--ahead-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.dir, args.layers, args.experts, args.divide, args.check, args.tpu)
+        child(args.child, args.dir, args.layers, args.experts, args.divide, args.check, args.tpu,
+              args.ahead_child)  # fmt: skip
         return
     with tempfile.TemporaryDirectory() as scratch:
         args.dir = args.dir or Path(scratch)
         owned = write(args.dir, args.layers, args.experts, args.divide)
         for path in args.dir.rglob("*.safetensors"):  # the page cache warm for every route
             path.read_bytes()
+        if args.ahead:
+            return compare_ahead(args, owned)
         got = {route: run(route, args) for route in ("fp8", "bf16", "two-step")}
         half = run("fp8", args, max(1, args.layers // 2))
     fp8, bf16, step = got["fp8"], got["bf16"], got["two-step"]
@@ -283,6 +301,35 @@ def main() -> None:
     print("| measure | value | goal |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+
+
+def compare_ahead(args, owned: int) -> None:
+    """The fp8 route at each ``--ahead`` value, interleaved, against the two-step route
+    (run once per repeat too): the median time and peak RSS of each, and their ratios."""
+    found: dict = {n: [] for n in args.ahead}
+    steps = []
+    for _ in range(args.repeats):
+        for n in args.ahead:
+            found[n].append(run("fp8", args, ahead=n))
+        steps.append(run("two-step", args))
+        shutil.rmtree(args.dir / "step", ignore_errors=True)
+
+    def median(rows: list[dict], key: str) -> float:
+        return sorted(r[key] for r in rows)[len(rows) // 2]
+
+    t0, r0 = median(steps, "seconds"), median(steps, "rss")
+    mib = 2**20
+    print(f"{args.layers} layers, {args.experts} experts, shapes / {args.divide}: "
+          f"{owned / 2**30:.2f} GiB fp8 + scales; median of {args.repeats}; two-step "
+          f"{t0:.2f} s, {r0 / mib:.0f} MiB")  # fmt: skip
+    print("| AHEAD | time | / two-step | peak RSS | / two-step | compile s (threads summed) |")
+    print("|---|---|---|---|---|---|")
+    for n, rows in found.items():
+        t, r = median(rows, "seconds"), median(rows, "rss")
+        c = median(rows, "compile_seconds")
+        print(f"| {n} | {t:.2f} s | {t / t0:.2f} | {r / mib:.0f} MiB | {r / r0:.2f} | {c:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ahead": found, "two-step": steps}, indent=1))
 
 
 if __name__ == "__main__":

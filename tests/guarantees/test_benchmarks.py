@@ -595,6 +595,39 @@ def test_quantized_load_benchmark_runs_and_gives_weight_dequants_bits():
 
 
 @pytest.mark.slow
+def test_quantized_load_benchmark_compares_ahead_values_against_the_two_step_route(tmp_path):
+    # --ahead: the fp8 route at each AHEAD (read/ahead.py), its time and peak RSS against
+    # the two-step route's, so the choice can be checked again on a TPU
+    out = tmp_path / "ahead.json"
+    args = ("--layers", "2", "--experts", "1", "--divide", "16", "--ahead", "2", "1")
+    r = run_script("quantized_load.py", *args, "--json", str(out))
+    rows = [line.split(" | ")[0] for line in r.stdout.splitlines() if line.startswith("| ")]
+    assert rows == ["| AHEAD", "| 2", "| 1"], r.stdout
+    found = json.loads(out.read_text())
+    assert set(found["ahead"]) == {"2", "1"} and len(found["two-step"]) == 1
+    assert all(row[0]["rss"] > 0 and row[0]["compiles"] > 0 for row in found["ahead"].values())
+
+
+@pytest.mark.slow
+def test_fanout_fp8_script_quick_mode_fetches_each_float8_byte_once(tmp_path):
+    # 4 processes x 2 CPU devices and the S3 server: FP8 parameters planned in bf16;
+    # --quick exits non-zero when a shard differs from weight_dequant or fan-out misses
+    # the store, busiest or between goal
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    out = tmp_path / "fanout_fp8.json"
+    r = run_script("fanout_fp8.py", "--quick", "--json", str(out), timeout=300)
+    found = json.loads(out.read_text())
+    off, on = found["False"], found["None"]
+    assert off["wrong"] == on["wrong"] == [], r.stdout
+    # R = 4 for the replicated blocks (2/3 of the plan): served 3.4 times without fan-out
+    assert off["store"] > 3.0 and off["busiest"] == 1.0
+    assert on["store"] <= 1.02 and on["busiest"] <= 1.10
+    # the float8 bytes cross as uint8 (XLA's CPU all-gather moves float8 as 16 bits)
+    assert on["between"] <= 1.05
+
+
+@pytest.mark.slow
 def test_export_tpu_script_code_path_runs_on_cpu_and_its_files_are_exact():
     # benchmarks/export.py --tpu's own code (each route in its fresh process, meshinit's
     # files read back against the arrays) on the CPU with 64 MiB: it exits 1 where a

@@ -140,6 +140,14 @@ def per_device(values: list[tuple[Any, np.ndarray]], n: int, sharding: Any) -> j
     return jax.make_array_from_single_device_arrays(shape, sharding, rows)
 
 
+def stored_as(raw: Any, stored: Any) -> Any:
+    """``raw`` (in a decoding program) in the stored dtype: fan-out gathers a staged
+    parameter's bytes as uint8, bit for bit its stored float8."""
+    if raw.dtype == np.uint8 and np.dtype(stored) != np.uint8:
+        return jax.lax.bitcast_convert_type(raw, stored)
+    return raw
+
+
 _INT = re.compile(r"(?<![^.])(0|[1-9][0-9]*)(?![^.])")  # a dot-separated integer component
 
 

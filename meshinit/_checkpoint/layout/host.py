@@ -40,8 +40,19 @@ class Job:
     parts: Any = None  # the Parts class that reads it (None: Parts; dequantized: .dequant)
 
 
-Made = jax.Array | Callable[[], jax.Array]
-"""A parameter's array, or a callable that finishes it (:meth:`Parts.whole`)."""
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """A staged parameter's stored bytes on its staging sharding (fan-out), and what
+    finishes it once the reshard has gathered them onto the planned sharding: ``then``
+    of that array (a dequantized parameter's program over its stored bytes)."""
+
+    staged: jax.Array
+    then: Callable[[jax.Array], jax.Array | Callable[[], jax.Array]]
+
+
+Made = jax.Array | Callable[[], jax.Array] | Gathered
+"""A parameter's array, a callable that finishes it, or its stored bytes to gather
+first (:meth:`Parts.whole`)."""
 
 RELEASE_BYTES = 64 << 20
 

@@ -8,7 +8,9 @@ the next parameter's blocks, and several programs compile at once.
 keeps two threads from compiling one program twice.
 
 The finish step of the read flow: what it gives back, :mod:`.loop` hands on to the
-reshard step (a dequantized parameter is never staged: the reshard passes it through).
+reshard step. A staged dequantized parameter (fan-out) passes through it as its stored
+bytes (:class:`~meshinit._checkpoint.layout.host.Gathered`); once the reshard has
+gathered them, its program runs on a second :class:`Ahead`.
 """
 
 from __future__ import annotations

@@ -63,6 +63,13 @@ def read(
     total = [0]
     fan = _reshard.Resharder(ends, "meshinit.safetensors.load")
     ahead = _ahead.Ahead()
+    after = _ahead.Ahead()  # finished once resharded (a staged dequantized parameter)
+    fan.prepare(jobs)  # their reshards compiled while the shares are fetched
+
+    def resharded(job: Job, finished: Any) -> None:  # a staged one waits for its batch
+        for path, got in fan.add(job.entry, job.stage, finished).items():
+            out.update(after.add(path, got))
+
     try:
         needed = dict.fromkeys(
             leaf.stored.file for job in jobs for leaf in _blocks.leaves(job.node)
@@ -91,18 +98,21 @@ def read(
                 try:
                     pieces.close()  # placed: its mappings go before it is handed on
                 except BaseException:
-                    if not callable(made):
+                    if isinstance(made, _host.Gathered):
+                        made.staged.delete()
+                    elif not callable(made):
                         made.delete()
                     raise
                 del pieces
-                for done, finished in ahead.add(job, made):  # a staged one waits for
-                    out.update(fan.add(done.entry, done.stage, finished))  # its batch
+                for done, finished in ahead.add(job, made):
+                    resharded(done, finished)
         for done, finished in ahead.settle(0):
-            out.update(fan.add(done.entry, done.stage, finished))
+            resharded(done, finished)
+        out.update(after.settle(0))
         out = {job.entry.path: out[job.entry.path] for job in jobs}  # the jobs' order
     except BaseException as e:
         fan.close()
-        for made in [*out.values(), *ahead.drop()]:
+        for made in [*out.values(), *ahead.drop(), *after.drop()]:
             made.delete()
         out.clear()
         # A held exception (a notebook's sys.last_traceback) keeps the frames below

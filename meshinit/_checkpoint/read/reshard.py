@@ -17,8 +17,10 @@ the multi-process tests inject their faults there.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
-from collections.abc import Collection
+import threading
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -29,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 from ... import _caches
 from ..._plan.entries import PlanEntry
 from ..._run import agree as _agree
-from ..layout.host import resolved
+from ..encodings import keys as _keys
+from ..layout.host import Gathered, resolved
 from . import staging as _staging
 from .staging import Stage
 
@@ -38,26 +41,30 @@ BYTES_FROM_PEERS = "/meshinit/safetensors/bytes_from_peers"
 distinct blocks (each once, however many of its devices hold it) that the fan-out's
 collectives brought from other processes' reads."""
 
-_reshards = _caches.lru("fan-out reshards", 256)
+_lock = threading.Lock()  # the cache's: programs are compiled ahead on a worker thread
+_reshards = _caches.lru("fan-out reshards", 256, _lock)
 
 
-def program(entry: PlanEntry, stage: Stage, staged: jax.Array) -> Any:
-    """The compiled reshard of ``staged`` (on ``stage.sharding``) to the entry's planned
-    sharding, the padding cut off: one program per signature, compiled here, before
-    its batch's agreement, so that what can fail on one process alone fails before
-    any process enters the batch's collectives. None where this process holds none of
-    the entry (it takes no part)."""
+def program(entry: PlanEntry, stage: Stage, staged: Any) -> Any:
+    """The compiled reshard of ``staged`` (on ``stage.sharding``; an array, or its
+    ``ShapeDtypeStruct`` where it is compiled ahead: :meth:`Resharder.prepare`) to the
+    entry's planned sharding, the padding cut off: one program per signature, compiled
+    before its batch's agreement, so that what can fail on one process alone fails
+    before any process enters the batch's collectives. None where this process holds
+    none of the entry (it takes no part)."""
     sharding, shape = entry.sharding, entry.spec.shape
     if not any(_staging.process_of(d) == jax.process_index() for d in sharding.device_set):
         return None
     twin = NamedSharding(stage.sharding.mesh, sharding.spec, memory_kind=sharding.memory_kind)
     key = (stage, twin, shape, str(staged.dtype))
-    compiled = _reshards.get(key)
+    with _lock:
+        compiled = _reshards.get(key)
     if compiled is None:
         with jax.set_mesh(stage.sharding.mesh):  # type: ignore[arg-type]  # over a user's
             jitted = jax.jit(_cut(stage, shape, twin), out_shardings=twin)
             compiled = jitted.lower(staged).compile()
-        _reshards.put(key, compiled)
+        with _lock:
+            _reshards.put(key, compiled)
     return compiled
 
 
@@ -127,12 +134,13 @@ def _cut(stage: Stage, shape: tuple[int, ...], twin: NamedSharding) -> Any:
     return cut
 
 
-def from_peers(entry: PlanEntry, stage: Stage) -> int:
+def from_peers(entry: PlanEntry, stage: Stage, itemsize: int | None = None) -> int:
     """The bytes of this process's distinct planned blocks of ``entry`` that no device
     of this process read: what must reach it from other processes' reads (a block on
-    two of its devices counted once: the process's due, not its devices')."""
+    two of its devices counted once: the process's due, not its devices'; ``itemsize``:
+    of the gathered dtype, where it is not the planned one: a dequantized one's stored)."""
     me = jax.process_index()
-    itemsize = np.dtype(entry.spec.dtype).itemsize
+    itemsize = itemsize or np.dtype(entry.spec.dtype).itemsize
     mine = set()  # the planned array's parts that this process's staging blocks hold
     for device, index in stage.sharding.devices_indices_map(stage.shape).items():
         if _staging.process_of(device) == me:
@@ -168,20 +176,73 @@ class Resharder:
         self._ends = ends  # the last path of each batch (staging.ends): its reshard waits
         # for the batch's reads
         self._pending: list[tuple[PlanEntry, Stage, jax.Array]] = []
+        self._then: dict[str, Any] = {}  # a Gathered's finish, by path
+        self._ahead: dict[str, tuple[str, concurrent.futures.Future]] = {}  # by path
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._what = what
         self._batch = 0
         self.from_peers = 0
 
-    def add(self, entry: PlanEntry, stage: Stage | None, made: jax.Array) -> dict[str, jax.Array]:
+    def prepare(self, jobs: Sequence[Any]) -> None:
+        """Starts compiling the staged jobs' reshards on a worker thread, in the read's
+        order, so that they compile while the shares are fetched (a small load's
+        compiles would otherwise come after its last fetch): those read in their
+        planned dtype. Another (a dequantized one's stored bytes, a typed key's data)
+        is compiled at its batch."""
+        for job in jobs:
+            entry, stage = job.entry, job.stage
+            if stage is None or job.parts is not None or _keys.is_key(entry.spec.dtype):
+                continue
+            spec = jax.ShapeDtypeStruct(stage.shape, entry.spec.dtype, sharding=stage.sharding)
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, "meshinit-reshards")
+            future = self._pool.submit(program, entry, stage, spec)
+            self._ahead[entry.path] = (str(spec.dtype), future)
+
+    def _program(self, entry: PlanEntry, stage: Stage, staged: jax.Array) -> Any:
+        """The reshard of ``staged``: compiled ahead where it was (its compile's error
+        raised here, before the batch's agreement), else now."""
+        dtype, future = self._ahead.pop(entry.path, ("", None))
+        try:
+            if future is not None and dtype == str(staged.dtype):
+                return future.result()
+            return program(entry, stage, staged)
+        finally:
+            if not self._ahead:  # the last one waited for: the thread goes
+                self._stop()
+
+    def _stop(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def add(self, entry: PlanEntry, stage: Stage | None, made: Any) -> dict[str, Any]:
         """The arrays ready once ``made`` (the entry's array, or its staging array) is:
-        none until its batch is whole."""
+        none until its batch is whole. Of a
+        :class:`~meshinit._checkpoint.layout.host.Gathered`, what its ``then`` gives of
+        the gathered array (a callable that finishes it: :mod:`.ahead`)."""
         if stage is None:
             return {entry.path: made}
+        if isinstance(made, Gathered):
+            self._then[entry.path], made = made.then, made.staged
         self._pending.append((entry, stage, made))
-        return self._flush() if entry.path in self._ends else {}
+        if entry.path not in self._ends:
+            return {}
+        out: dict[str, Any] = self._flush()
+        try:  # after the batch's collectives: each then() only places its arguments
+            for path in [p for p in out if p in self._then]:
+                then = self._then.pop(path)
+                if out[path].addressable_shards:  # else: it holds none of it
+                    out[path] = then(out[path])
+        except BaseException:
+            for made in out.values():
+                if isinstance(made, jax.Array):
+                    made.delete()
+            raise
+        return out
 
     def _flush(self) -> dict[str, jax.Array]:
-        programs = [program(entry, stage, staged) for entry, stage, staged in self._pending]
+        programs = [self._program(entry, stage, staged) for entry, stage, staged in self._pending]
         signatures = [(e.path, s, str(x.dtype)) for e, s, x in self._pending]
         at = f"batch {self._batch} ({_agree.digest(signatures)})"
         self._batch += 1
@@ -206,7 +267,7 @@ class Resharder:
                     try:
                         staged.delete()
                         out[entry.path] = finish(made, entry)
-                        self.from_peers += from_peers(entry, stage)
+                        self.from_peers += from_peers(entry, stage, staged.dtype.itemsize)
                     except BaseException as e:  # after its collective: run the rest
                         failed = failed or e
                         if not made.is_deleted():
@@ -225,3 +286,6 @@ class Resharder:
             if not staged.is_deleted():
                 staged.delete()
         self._pending.clear()
+        self._then.clear()
+        self._ahead.clear()
+        self._stop()

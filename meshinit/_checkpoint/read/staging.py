@@ -124,8 +124,15 @@ def staged(jobs: list[Any], fan_out: bool | None, one: bool = False) -> list[Any
         remote = [any(leaf.stored.file.fetched for leaf in _blocks.leaves(j.node)) for j in jobs]
         out = iter(staged([j for j, r in zip(jobs, remote, strict=True) if r], fan_out))
         return [next(out) if r else j for j, r in zip(jobs, remote, strict=True)]
-    # a dequantized parameter (its own Parts: .dequant) is read by each holder
-    return [j if j.parts else dataclasses.replace(j, stage=stage(j.entry, j.node)) for j in jobs]
+    # a parameter read by its own Parts (an encoding's) is staged where they can
+    # gather its stored bytes (``stages``: float8's); else each holder reads it
+    return [dataclasses.replace(j, stage=stage(j.entry, j.node)) if _stages(j) else j for j in jobs]
+
+
+def _stages(job: Any) -> bool:
+    if job.parts is None:
+        return True
+    return bool(getattr(job.parts, "stages", False) and math.prod(job.entry.spec.shape))
 
 
 HOSTS = "meshinit/hosts"

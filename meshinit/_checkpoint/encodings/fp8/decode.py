@@ -120,7 +120,10 @@ class QuantParts(_host.Parts):
 
     A scale in a local file is read whole (each is 1/16384 of its weight's elements
     at 128x128); of a remote one (a fetched source), only the rows and columns that
-    cover this process's blocks are fetched, ahead, as the weights' bytes are."""
+    cover this process's blocks are fetched, ahead, as the weights' bytes are. Staged
+    (fan-out), the stored bytes are gathered first (:meth:`whole`): the same bits."""
+
+    stages = True  # fan-out may stage it (read.staging.staged)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -128,11 +131,12 @@ class QuantParts(_host.Parts):
         self._scales: dict[str, np.ndarray] = {}
         self._held: dict[tuple[tuple[int, int], ...], Raw] = {}
         self._remote: _scales.Fetched | None = None
+        self._unread = False  # whether _block keeps only the scales (the bytes: gathered)
         quants = [leaf.quant for leaf in _blocks.leaves(self.job.node)]
         if any(q.scale.file.fetched for q in quants):
-            wanted = [
+            wanted = [  # of the planned blocks: staged, their scales are read as planned
                 w
-                for index, _ in _host.holders(self.job.entry, self.job.stage).values()
+                for index, _ in _host.holders(self.job.entry).values()
                 for w in self.windows(index)
                 if w[0].file.fetched
             ]
@@ -185,9 +189,12 @@ class QuantParts(_host.Parts):
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         """The block's stored bytes (placed as they are by
         :func:`~meshinit._checkpoint.layout.host.put`); its
-        scales, offsets and signature are kept for :meth:`whole`."""
+        scales, offsets and signature are kept for :meth:`whole` (staged: its share's bytes)."""
         if self.fetch is not None:
             self.fetch.ready(index)
+        if self.job.stage is not None:  # as bytes: XLA's CPU all-gather widens float8
+            stored = READABLE[_blocks.leaves(self.job.node)[0].stored.dtype]
+            return self._bytes(self.job.node, index, stored).view(np.uint8)
         found = self._block(index)
         self._held[found.key] = found
         return found.raw
@@ -196,6 +203,13 @@ class QuantParts(_host.Parts):
         super().close()
         if self._remote is not None:
             self._remote.cancel()
+
+    def _bytes(self, node: _blocks.Node, index: tuple[slice, ...], stored: Any) -> np.ndarray:
+        """The block's stored bytes; a stand-in that reads nothing where they are gathered."""
+        sizes = tuple(max(0, s.stop - s.start) for s in index)
+        if self._unread or not math.prod(sizes):
+            return np.broadcast_to(np.zeros((), stored), sizes)
+        return _blocks.block(node, index, self._raw, stored)
 
     def _span(
         self, index: tuple[slice, ...]
@@ -228,8 +242,7 @@ class QuantParts(_host.Parts):
         reached = _blocks.reached(node, index)
         first, _ = reached[0]
         stored = READABLE[first.stored.dtype]
-        raw = _blocks.block(node, index, self._raw, stored)
-        # fan-out stages no dequantized parameter (staging.staged): no padding here
+        raw = self._bytes(node, index, stored)
         (r0, c0), (lo_r, hi_r, lo_c, hi_c), steps = self._span(index)
         quant = first.quant
         (b0, b1), (s0, s1) = quant.block, quant.scale.shape
@@ -252,12 +265,35 @@ class QuantParts(_host.Parts):
 
     def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> _host.Made:
         """The parameter, dequantized: one program over the array of stored bytes,
-        each device with the scales and offsets of its own block."""
-        entry, stage = self.job.entry, self.job.stage
+        each device with the scales and offsets of its own block. Staged, its bytes to
+        gather first (:class:`~meshinit._checkpoint.layout.host.Gathered`)."""
+        entry = self.job.entry
+        if self.job.stage is None:
+            return self._dequantized(shape, sharding, shards)
+        staged = jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=np.uint8)
+        self._unread = True
+        try:
+            for index, _ in _host.holders(entry).values():
+                found = self._block(index)
+                self._held[found.key] = found
+        except BaseException:
+            staged.delete()
+            raise
+        finally:
+            self._unread = False
+
+        def then(gathered: jax.Array) -> Any:  # its program over the gathered bytes
+            shards = [s.data for s in gathered.addressable_shards]
+            return self._dequantized(entry.spec.shape, entry.sharding, shards)
+
+        return _host.Gathered(staged, then)
+
+    def _dequantized(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> _host.Made:
+        entry = self.job.entry
         planned = np.dtype(entry.spec.dtype)
         if not shards or not math.prod(shape):
             return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=planned)
-        blocks = _base.by_device(self._held, entry, stage)
+        blocks = _base.by_device(self._held, entry, None)
         made = list(blocks.values())
         signature = made[0].signature
         assert all(b.signature == signature for b in made)  # one signature: even shards
@@ -438,6 +474,7 @@ def program(
 
     def dequantized(raw: Any, rects: Any, offsets: Any) -> Any:
         rects, offsets = rects[0], offsets[0]
+        raw = _base.stored_as(raw, stored)
         if separable:
             scale = _spread(rects, offsets, raw.shape, steps, block)
         else:  # an element's scale gathered at its own (leaf, row, column)

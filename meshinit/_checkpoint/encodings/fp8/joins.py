@@ -45,6 +45,7 @@ import numpy as np
 from .... import _caches
 from ...layout import blocks as _blocks
 from ...store.header import READABLE
+from .. import base as _base
 from . import decode as _dequant
 from . import tiles as _tiles
 
@@ -135,7 +136,7 @@ class TileParts(_dequant.QuantParts):
         found = _tiles.tiles(self._node, inner)
         first = _blocks.leaves(self._node)[0]  # all alike (plan time): a block of constants too
         stored = READABLE[first.stored.dtype]
-        raw = _blocks.block(node, index, self._raw, stored)
+        raw = self._bytes(node, index, stored)
         count, nr, nc, cells_shape, constants, _ = self._static
         rects = np.zeros((count, nr, nc), np.float32)
         # per tile: origin row, column; first scale row, column; last: the first weight's
@@ -229,6 +230,7 @@ def program(
         rects, table, values, flags, runs, cells = (
             x[0] for x in (rects, table, values, flags, runs, cells)
         )
+        raw = _base.stored_as(raw, stored)
         if merge is not None:  # the bytes as the unmerged node's box
             if order is not None:
                 raw = raw.transpose(np.argsort(order))
