@@ -128,7 +128,7 @@ def names(model_config: Any) -> FrameworkMap:
       ...     plan, "Qwen3-0.6B/", names=meshinit.tunix.names(cfg))  # doctest: +SKIP
 
       (It needs google-tunix, on Python 3.12, and a downloaded checkpoint: not run
-      in the doctests; ``tests/test_tunix_names.py`` runs it against tunix's loader.)
+      in the doctests; ``tests/clients/test_tunix_names.py`` runs it against tunix's loader.)
     """
     return _TunixMap(model_config)
 
