@@ -337,6 +337,20 @@ def elementwise(primitive: Primitive) -> bool:
     return primitive in _elementwise()
 
 
+@_caches.memo(maxsize=1)
+def _exact() -> frozenset[Primitive]:
+    return prims(
+        *"abs add and eq ge gt le lt max min mul ne neg not or select_n sign sub xor".split()
+    )
+
+
+def exact(primitive: Primitive) -> bool:
+    """Whether ``primitive`` is elementwise and rounds as IEEE's basic operations do
+    (or is exact): a constant operand read as a value gives the same bits, on every
+    backend (:func:`meshinit._jax.explicit.bind_in_manual`)."""
+    return primitive in _exact()
+
+
 def placement_only(primitive: Primitive) -> bool:
     """Whether ``primitive`` only constrains or moves its operands (a sharding
     constraint, ``device_put``, ``reshard``, ``pvary``, ``mesh_cast``)."""

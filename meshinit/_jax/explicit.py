@@ -109,13 +109,6 @@ def _scalars_broadcast(node: Node, ins: list[Any], wrap: Callable[[Any], Any]) -
     ]
 
 
-# Elementwise operations that round as IEEE's basic operations do: a constant operand
-# read as a value gives the same bits.
-_EXACT = frozenset(
-    "abs add and eq ge gt le lt max min mul ne neg not or select_n sign sub xor".split()
-)
-
-
 def bind_in_manual(node: Node, ins: list[Any], params: dict[str, Any]) -> Any:
     """``node``'s one result, in ``shard_map``'s manual region (a tile loop), with its
     scalar operands hidden as jit's constraints hide them in the whole program.
@@ -123,15 +116,15 @@ def bind_in_manual(node: Node, ins: list[Any], params: dict[str, Any]) -> Any:
     There no constraint hides anything: with every axis manual, XLA drops it before
     its simplifier runs (read in the TPU's optimized programs: a tile loop folded
     ``(x * 1.414) * 0.03113`` into ``x * 0.04395``, which the whole program keeps
-    apart). So the scalar operand of an exact operation (:data:`_EXACT`) goes behind
-    an optimization barrier, which XLA removes only after fusion: the tile then reads
+    apart). So the scalar operand of an exact operation (``compat.exact``) goes
+    behind an optimization barrier, which XLA removes only after fusion: the tile then reads
     it as a value, which changes no bit of an exact operation. Any other operation
     (``pow``, ``atan2``, ``rem``, ``div``, ...) keeps its constant: XLA's TPU code for
     them differs for a constant operand, and a barrier made a tile's ``|n| ** 2.5`` read
     2.5 as a value (``power(%abs, %param)`` in the optimized program where the whole one
     has ``power(%abs, broadcast(constant(2.5)))``: 891,008 of 1,229,700 elements of
     ``|n|**2.5 + atan2(n, 0.3) + rem(10 n, 3)`` differed on a TPU v5e, issue 67)."""
-    if node.primitive.name in _EXACT:
+    if _compat.exact(node.primitive):
         ins = _scalars_broadcast(node, ins, jax.lax.optimization_barrier)
     (value,) = _compat.bind(node.primitive, ins, params)
     return value
