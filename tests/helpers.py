@@ -528,6 +528,26 @@ def run_workers(script, count, args, logs, env=None, timeout_s=240, grace_s=10):
     ]
 
 
+def write_fanout_objects(worker, folder, expected):
+    """Each object of a fan-out worker module's ``objects()`` as a safetensors file in
+    ``folder`` (from its ``stored_tensors()``), and ``expected.npz``: the plan value
+    of each case's parameter (``<object>/<path>``; bf16 as its uint16 bits), with
+    ``expected``. Returns each object's header length (where its data starts)."""
+    from safetensors.numpy import save
+
+    stored = worker.stored_tensors()
+    headers = {}
+    for obj, params in worker.objects().items():
+        data = save(stored[obj])
+        (folder / f"{obj}.safetensors").write_bytes(data)
+        headers[obj] = 8 + int.from_bytes(data[:8], "little")
+        for path, p in params.items():
+            value = p.expected(stored[obj])
+            expected[f"{obj}/{path}"] = value.view(np.uint16) if value.itemsize == 2 else value
+    np.savez(folder / "expected.npz", **expected)
+    return headers
+
+
 def join_cpu_job(process_id, port, processes, local_devices, timeout_s=90, heartbeat_s=100):
     """This worker joins a jax.distributed job of ``processes`` on 127.0.0.1, with
     ``local_devices`` simulated CPU devices and gloo's collectives; a process that

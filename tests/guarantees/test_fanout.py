@@ -34,25 +34,6 @@ PEER_GRACE_S = 10
 KINDS = ("files", "s3")
 
 
-def write_objects(folder: Path, expected: dict[str, np.ndarray]) -> dict[str, int]:
-    """Each object's safetensors file in ``folder``, and ``expected.npz``: the plan
-    value of each case's parameter (``<object>/<path>``; bf16 as its uint16 bits),
-    and ``expected``. Returns each object's header length (where its data starts)."""
-    from safetensors.numpy import save
-
-    stored = worker.stored_tensors()
-    headers = {}
-    for obj, params in worker.objects().items():
-        data = save(stored[obj])
-        (folder / f"{obj}.safetensors").write_bytes(data)
-        headers[obj] = 8 + int.from_bytes(data[:8], "little")
-        for path, p in params.items():
-            value = p.expected(stored[obj])
-            expected[f"{obj}/{path}"] = value.view(np.uint16) if value.itemsize == 2 else value
-    np.savez(folder / "expected.npz", **expected)
-    return headers
-
-
 MAXTEXT = importlib.util.find_spec("maxtext") is not None
 
 
@@ -87,7 +68,7 @@ def run(request, tmp_path_factory) -> dict:
     kind = request.param
     folder = tmp_path_factory.mktemp(f"fanout-{kind}")
     expected = maxtext_expected(folder / "maxtext") if kind == "files" and MAXTEXT else {}
-    headers = write_objects(folder, expected)
+    headers = helpers.write_fanout_objects(worker, folder, expected)
     out: dict = {"kind": kind, "headers": headers, "folder": folder}
     start = time.monotonic()
     with contextlib.ExitStack() as stack:

@@ -17,7 +17,6 @@ import math
 
 import fanout_three_worker as worker
 import helpers
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -29,20 +28,11 @@ PEER_GRACE_S = 10
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     pytest.importorskip("obstore")
-    from safetensors.numpy import save
     from storage_servers import S3Server
 
     folder = tmp_path_factory.mktemp("fanout-three")
-    stored = worker.stored_tensors()
-    expected, headers = {}, {}
-    for obj, params in worker.objects().items():
-        data = save(stored[obj])
-        (folder / f"{obj}.safetensors").write_bytes(data)
-        headers[obj] = 8 + int.from_bytes(data[:8], "little")
-        for path, p in params.items():
-            value = p.expected(stored[obj])
-            expected[f"{obj}/{path}"] = value.view(np.uint16) if value.itemsize == 2 else value
-    np.savez(folder / "expected.npz", **expected)
+    expected: dict = {}
+    headers = helpers.write_fanout_objects(worker, folder, expected)
     with S3Server() as server:
         bucket = server.bucket()
         for obj in headers:
