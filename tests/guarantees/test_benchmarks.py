@@ -136,7 +136,18 @@ def test_tpu_script_code_path_runs_every_part_on_cpu(tmp_path):
     # jax's persistent cache, the bits, the load, the second depth) on 8 simulated CPU
     # devices with a tiny model: a TPU run only swaps the model, the mesh and the device.
     raw = tmp_path / "tpu.json"
-    r = run_script("tpu.py", "--cpu-check", "--cache-threshold-zero", "--json", str(raw))
+    # each part's process may take 900 s: under CI's load (four suites on 2 cores) the
+    # bits part, with issue 67's four cases at their TPU sizes, ran past 400 s
+    r = run_script(
+        "tpu.py",
+        "--cpu-check",
+        "--cache-threshold-zero",
+        "--timeout",
+        "900",
+        "--json",
+        str(raw),
+        timeout=1800,
+    )
     found = json.loads(raw.read_text())
     rows = ("meshinit", "meshinit.nnx", "meshinit.linen", "jax.jit", "nnx.jit", "linen.jit")
     assert set(found["cold"]) == {*rows, "eager-nnx"}
