@@ -6,7 +6,8 @@
    before the first collective (in :mod:`.load`, the driver);
 3. fetch (:mod:`meshinit._checkpoint.store.fetch`, or the local files' mappings),
    place (:func:`meshinit._checkpoint.layout.host.array`), finish (:mod:`.ahead`),
-   reshard (:mod:`.reshard`), composed per parameter by the read loop (:mod:`.loop`).
+   reshard (:mod:`.reshard`; where spanning axes were moved, by :mod:`.route`),
+   composed per parameter by the read loop (:mod:`.loop`).
 
 Following ``load``'s ``fan_out`` argument through a staged load of one parameter (the
 calls of functions of meshinit/_checkpoint that receive ``fan_out`` or what it decides:

@@ -33,6 +33,7 @@ from ..._plan.entries import PlanEntry
 from ..._run import agree as _agree
 from ..encodings import keys as _keys
 from ..layout.host import Gathered, resolved
+from . import route as _route
 from . import staging as _staging
 from .staging import Stage
 
@@ -106,6 +107,8 @@ def carrier(dtype: Any) -> np.dtype | None:
 
 
 def _cut(stage: Stage, shape: tuple[int, ...], twin: NamedSharding) -> Any:
+    if _route.routes(stage, twin, shape):  # moved axes: each piece crosses once
+        return _route.program(stage, twin, shape)
     d, s, rows, padded = stage.axis, stage.shards, stage.rows, stage.padded
     middle = None
     if stage.moved:  # first back to their dimensions (an all-to-all within the groups
