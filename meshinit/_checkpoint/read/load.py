@@ -64,10 +64,13 @@ def load(
         )
     jobs = _staging.staged(jobs, fan_out, one)  # the reads planned: which are staged,
     ends = _staging.ends(jobs, budget)  # and in which batches their reshards run
-    # before the first collective: every process reads the same paths, with the same
-    # staging, in the same batches (else a reshard would pair with another's)
-    _agree.checkpoint(what, "inputs", _staging.facts(jobs, fan_out, budget))
-    arrays = _read.read(jobs, checked, budget, progress, ends=ends)
+
+    def inputs() -> None:  # before the first collective: every process reads the same
+        # paths, with the same staging, in the same batches (else a reshard would pair
+        # with another's); the read calls it once its fetches and compiles are under way
+        _agree.checkpoint(what, "inputs", _staging.facts(jobs, fan_out, budget))
+
+    arrays = _read.read(jobs, checked, budget, progress, ends=ends, agreed=inputs)
     keys = {e.path: e for e in plan.entries if _keys.is_key(e.spec.dtype)}
     try:
         for path in keys.keys() & arrays.keys():

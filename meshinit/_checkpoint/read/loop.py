@@ -48,6 +48,7 @@ def read(
     progress: bool | None = None,
     *,
     ends: Collection[str],
+    agreed: Callable[[], None] = lambda: None,
 ) -> dict[str, jax.Array]:
     """The arrays of ``jobs``: every file known to be the one checked before anything
     is read, and again as it is opened (an object: by its ETag, on every read); on
@@ -58,7 +59,10 @@ def read(
     (:data:`~meshinit._checkpoint.read.reshard.BYTES_FROM_PEERS`). A job with a stage is read
     onto it and resharded onto its plan's sharding
     (:class:`~meshinit._checkpoint.read.reshard.Resharder`), in batches each closed by
-    one of ``ends`` (:func:`~meshinit._checkpoint.read.staging.ends`)."""
+    one of ``ends`` (:func:`~meshinit._checkpoint.read.staging.ends`). ``agreed`` (the
+    agreement of every process on what shapes the collectives) is called once the
+    fetches and the reshards' compiles are under way, before the first collective: a
+    small load's agreement waits while its first bytes arrive."""
     out: dict[str, jax.Array] = {}
     total = [0]
     fan = _reshard.Resharder(ends, "meshinit.safetensors.load")
@@ -93,6 +97,7 @@ def read(
                 fetch = stack.enter_context(_fetch.Pipeline(jobs, make, budget, total, update))
             else:  # local files: mapped as each parameter is placed
                 fetch = ((job, _host.parts(job, checked, total, budget, update)) for job in jobs)
+            agreed()
             for job, pieces in fetch:
                 made = _host.array(job.entry, pieces)
                 try:

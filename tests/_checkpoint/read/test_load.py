@@ -91,3 +91,39 @@ def test_a_typed_key_is_read_as_its_key_data_and_wrapped_on_its_planned_sharding
     assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ()
     assert key.sharding == entry.sharding
     np.testing.assert_array_equal(np.asarray(jax.random.key_data(key)), data)
+
+
+def test_the_processes_agree_while_the_first_bytes_are_fetched(tmp_path, monkeypatch, request):
+    # a small load's agreement on what shapes the collectives waits for the slowest
+    # process: the fetches (and the reshards' compiles) start before it, and only the
+    # first collective waits for it
+    pytest.importorskip("obstore")
+    import threading
+
+    from storage_servers import FileServer
+
+    from meshinit._checkpoint.read import loop
+    from meshinit._run import agree
+
+    root = tmp_path / "served"
+    root.mkdir()
+    fetching = threading.Event()
+    made = loop._made
+
+    def fetch(*args, **kwargs):
+        fetching.set()
+        return made(*args, **kwargs)
+
+    seen = []
+
+    def checkpoint(what, at="", facts=None):
+        if at == "inputs":  # as a slow peer would: the fetch goes on meanwhile
+            seen.append(fetching.wait(timeout=10))
+
+    monkeypatch.setattr(loop, "_made", fetch)
+    monkeypatch.setattr(agree, "checkpoint", checkpoint)
+    with FileServer(root) as server:
+        server.put("m.safetensors", stored(tmp_path, tensors()).read_bytes())
+        got = load(plan_of(SHAPES), server.url_for("m.safetensors"))
+    assert seen == [True], "the inputs were agreed before any byte was fetched"
+    np.testing.assert_array_equal(np.asarray(got["b"]), tensors()["b"])
