@@ -108,7 +108,7 @@ def carrier(dtype: Any) -> np.dtype | None:
 
 def _cut(stage: Stage, shape: tuple[int, ...], twin: NamedSharding) -> Any:
     if _route.routes(stage, twin, shape):  # moved axes: each piece crosses once
-        return _route.program(stage, twin, shape)
+        return _carried(_route.program(stage, twin, shape))
     d, s, rows, padded = stage.axis, stage.shards, stage.rows, stage.padded
     middle = None
     if stage.moved:  # first back to their dimensions (an all-to-all within the groups
@@ -135,6 +135,20 @@ def _cut(stage: Stage, shape: tuple[int, ...], twin: NamedSharding) -> Any:
         return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(x), dtype)
 
     return cut
+
+
+def _carried(move: Any) -> Any:
+    """``move`` (a function that moves its argument's values, computing nothing) on the
+    bits of bf16 and float8 (:func:`carrier`), behind barriers as in :func:`_cut`."""
+
+    def moved(x: jax.Array) -> jax.Array:
+        dtype, bits = x.dtype, carrier(x.dtype)
+        if bits is None:
+            return move(x)
+        x = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, bits))
+        return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(move(x)), dtype)
+
+    return moved
 
 
 def from_peers(entry: PlanEntry, stage: Stage, itemsize: int | None = None) -> int:

@@ -158,10 +158,8 @@ def rounds(route: Sequence[Send]) -> list[list[Send]]:
 def program(stage: Stage, sharding: NamedSharding, shape: tuple[int, ...]) -> Any:
     """The reshard of a staging array (on ``stage.sharding``) onto ``sharding`` by
     :func:`sends`' route: a function of the staging array, to be jitted with
-    ``out_shardings=sharding``. The values are moved as they are (bf16's and float8's
-    bits as unsigned integers: :func:`~.reshard.carrier`)."""
-    from . import reshard as _reshard
-
+    ``out_shardings=sharding``. The values are moved as they are (the caller casts
+    bf16's and float8's bits to unsigned integers around it: :func:`~.reshard.carrier`)."""
     mesh = stage.sharding.mesh
     names = tuple(mesh.axis_names)
     block = sharding.shard_shape(shape)
@@ -193,20 +191,6 @@ def program(stage: Stage, sharding: NamedSharding, shape: tuple[int, ...]) -> An
             out = jax.lax.dynamic_update_slice(out, moved, where)
         return out
 
-    mapped = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=stage.sharding.spec,
-        out_specs=sharding.spec,
-        check_vma=False,
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=stage.sharding.spec, out_specs=sharding.spec, check_vma=False
     )
-
-    def cut(x: jax.Array) -> jax.Array:
-        dtype, bits = x.dtype, _reshard.carrier(x.dtype)
-        if bits is None:
-            return mapped(x)
-        x = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, bits))
-        y = jax.lax.optimization_barrier(mapped(x))
-        return jax.lax.bitcast_convert_type(y, dtype)
-
-    return cut
