@@ -235,23 +235,30 @@ def test_fanout_script_quick_mode_meets_the_structural_goals(tmp_path):
 
 
 @pytest.mark.slow
-def test_fanout_script_quick_mode_meets_the_goals_on_three_processes_in_bf16(tmp_path):
+@pytest.mark.parametrize("mesh", ["3x2", "2x3"])
+def test_fanout_script_quick_mode_meets_the_goals_on_three_processes_in_bf16(tmp_path, mesh):
     # 3 processes, a row each of (data=3, tensor=2), bf16: XLA's CPU all-gather widens
     # bf16 to f32, so the reshard gathers the bits (uint16): the sockets carry the
-    # stored bytes, within 5% of the all-gather bound
+    # stored bytes, within 5% of the all-gather bound. On (data=2, tensor=3) process 1
+    # sits in both rows: the pieces of whole rows read are routed back, each crossing
+    # to a process once (through an all-to-all and the all-gather: 1.07x the bytes due)
     pytest.importorskip("obstore")
     pytest.importorskip("moto")
     out = tmp_path / "fanout.json"
-    args = ("--quick", "--processes", "3", "--dtype", "bfloat16", "--layers", "2", "4")
-    r = run_script("fanout.py", *args, "--json", str(out), timeout=300)
-    assert "3 processes x 2 CPU devices (gloo), mesh (data=3, tensor=2)" in r.stdout, r.stdout
+    args = ("--quick", "--processes", "3", "--mesh", mesh, "--dtype", "bfloat16")
+    r = run_script("fanout.py", *args, "--layers", "2", "4", "--json", str(out), timeout=300)
+    rows, cols = mesh.split("x")
+    shape = f"mesh (data={rows}, tensor={cols})"
+    assert f"3 processes x 2 CPU devices (gloo), {shape}" in r.stdout, r.stdout
     found = json.loads(out.read_text())
     for layers in (2, 4):
         off, on = found[f"{layers}/False"], found[f"{layers}/None"]
         assert off["wrong"] == on["wrong"] == []
-        assert off["store"] > 2.0  # R = 3 for the replicated blocks
+        assert off["store"] > 1.9  # every holder reads: R = 3 on (3, 2), 2 rows on (2, 3)
         assert on["store"] <= 1.02 and on["busiest"] <= 1.10
-        assert on["between"] <= 1.05 and on["due"] <= 1.05
+        assert on["due"] <= 1.05, f"{shape}: the sockets carry {on['due']}x the bytes due"
+        if mesh == "3x2":  # on (2, 3) the moved pieces' exchange is not in the bound
+            assert on["between"] <= 1.05
 
 
 @pytest.mark.slow
