@@ -34,8 +34,8 @@ def simulated(monkeypatch):
     meshinit.clear_cache()
 
 
-def _staged(grid, processes, axes, shape=(48, 24)):
-    mesh = submesh(range(2 * processes), grid, ("data", "tensor"))
+def _staged(grid, processes, axes, shape=(48, 24), names=("data", "tensor")):
+    mesh = submesh(range(2 * processes), grid, names)
     (entry,) = plan_of({"w": (shape, axes)}, mesh=mesh).entries
     node = blocks.Leaf(st.Tensor("x"), None, (), shape, (0, 1), "")
     return entry, staging.stage(entry, node)
@@ -128,3 +128,21 @@ def test_the_routed_reshard_gives_the_files_bits(simulated, tmp_path, axes, dtyp
     assert routed == (axes in MOVED), "moved axes are routed, the rest all-gathered"
     assert got.sharding == plan.entries[0].sharding
     same_bits(got, values, "w")
+
+
+@pytest.mark.parametrize("axes", [(None, "tensor"), ("data", "tensor")], ids=str)
+def test_a_piece_two_devices_of_a_process_hold_crosses_to_it_once(
+    simulated, monkeypatch, tmp_path, axes
+):
+    # (data=2, tensor=2, local=2), a process per (data, tensor): both its devices hold
+    # the same block, so a piece crosses to one of them and is handed on to the other
+    monkeypatch.setattr(staging, "processes", lambda: 4)
+    names = ("data", "tensor", "local")
+    entry, stage = _staged((2, 2, 2), 4, axes, shape=(50, 24), names=names)
+    found = route.sends(stage, entry.sharding, entry.spec.shape)
+    assert any(s.forward for s in found)
+    assert route.crossing(found, entry.sharding.mesh) == _due(entry, stage)
+    values = np.random.default_rng(67).standard_normal((50, 24)).astype(np.float32)
+    pytest.importorskip("safetensors.numpy").save_file({"w": values}, str(tmp_path / "m.st"))
+    plan = plan_of({"w": ((50, 24), axes)}, mesh=entry.sharding.mesh)
+    same_bits(st.load(plan, tmp_path / "m.st", fan_out=True)["w"], values, "w")
