@@ -164,32 +164,32 @@ def program(stage: Stage, sharding: NamedSharding, shape: tuple[int, ...]) -> An
     names = tuple(mesh.axis_names)
     block = sharding.shard_shape(shape)
     count = mesh.devices.size
+    route = sends(stage, sharding, shape)
+    # a device that receives nothing in a round writes its piece past its block's
+    # rows (cut off at the end): no select of what it held there
+    spare = max((s.shape[0] for s in route), default=0)
     steps = []
-    for step in rounds(sends(stage, sharding, shape)):
+    for step in rounds(route):
         at = np.zeros((count, len(shape)), np.int32)
         to = np.zeros((count, len(shape)), np.int32)
-        got = np.zeros(count, bool)
+        to[:, 0] = block[0]
         kept = np.zeros(count, bool)  # a copy within the device
         for s in step:
-            at[s.src], to[s.dst], got[s.dst] = s.at, s.to, True
-            kept[s.dst] = s.src == s.dst
+            at[s.src], to[s.dst], kept[s.dst] = s.at, s.to, s.src == s.dst
         pairs = [(s.src, s.dst) for s in step if s.src != s.dst]
-        steps.append((step[0].forward, step[0].shape, at, to, got, kept, pairs))
+        steps.append((step[0].forward, step[0].shape, at, to, kept, pairs))
 
     def body(x: jax.Array) -> jax.Array:
         me = jax.lax.axis_index(names)
-        out = jax.numpy.zeros(block, x.dtype)
-        for forward, size, at, to, got, kept, pairs in steps:
+        out = jax.numpy.zeros((block[0] + spare, *block[1:]), x.dtype)
+        for forward, size, at, to, kept, pairs in steps:
             source = out if forward else x
             piece = jax.lax.dynamic_slice(source, list(jax.numpy.asarray(at)[me]), size)
             moved = jax.lax.ppermute(piece, names, pairs) if pairs else piece
-            moved = jax.numpy.where(jax.numpy.asarray(kept)[me], piece, moved)
-            where = list(jax.numpy.asarray(to)[me])
-            moved = jax.numpy.where(
-                jax.numpy.asarray(got)[me], moved, jax.lax.dynamic_slice(out, where, size)
-            )
-            out = jax.lax.dynamic_update_slice(out, moved, where)
-        return out
+            if kept.any():
+                moved = jax.numpy.where(jax.numpy.asarray(kept)[me], piece, moved)
+            out = jax.lax.dynamic_update_slice(out, moved, list(jax.numpy.asarray(to)[me]))
+        return out[: block[0]]
 
     return jax.shard_map(
         body, mesh=mesh, in_specs=stage.sharding.spec, out_specs=sharding.spec, check_vma=False
