@@ -1,9 +1,10 @@
 """The reshard step of fan-out: a staging array (:mod:`.staging`), once every process
 holding its parameter has read its share, filled onto the planned sharding by one
-compiled collective (an all-gather; bf16's and float8's bits as unsigned integers,
-:func:`carrier`: XLA moves only data, so the values are the bytes read, and each
-dtype crosses as its own bytes), batch by batch as the read places them
-(:class:`Resharder`).
+compiled collective (an all-gather; where axes were moved, collective permutes that
+:mod:`.route` plans, each piece crossing to a process once; bf16's and float8's bits
+as unsigned integers, :func:`carrier`: XLA moves only data, so the values are the
+bytes read, and each dtype crosses as its own bytes), batch by batch as the read
+places them (:class:`Resharder`).
 
 The batches (:func:`~meshinit._checkpoint.read.staging.batches`) run while the next
 batches' shares are fetched, so the reshards overlap the fetches that follow; before

@@ -24,8 +24,8 @@ of 3 processes x 2 devices, ``tensor`` crosses processes and one process sits in
 rows), each process's block is a piece of every stored row, beside other processes'
 pieces: the fetch would read through the gaps (the whole rows, up to 2x here) or spend
 a request a row. Such axes are *moved* onto the split dimension too, so each process
-reads whole rows, an equal share, sharded parameters included; the reshard first
-moves them back (an all-to-all within their groups), then gathers.
+reads whole rows, an equal share, sharded parameters included; the reshard sends
+each piece back to each process that holds it (:mod:`.route`).
 
 Every choice here is made from what every process knows alike (the plan, the
 files' headers), so the staging shardings and the order of the collectives agree on
