@@ -149,3 +149,14 @@ def test_the_values_are_transformers_bits(tmp_path, four_processes):
     assert jobs["rep"].stage is not None
     got = st.load(plan, tmp_path, fan_out=True)["rep"]
     assert (np.asarray(got).view(np.uint16) == want.view(np.uint16)).all()
+
+
+def test_the_progress_bar_counts_a_staged_images_bytes(tmp_path, four_processes):
+    # the bar's total (loop._owned) is the stored bytes the shares read: one process
+    # here reads every share, so each byte of _blocks and _scales once
+    from meshinit._checkpoint.read import loop
+
+    checkpoint(tmp_path, {"rep": (8, 64, 16)})
+    _, jobs = jobs_of(tmp_path, {"rep": (8, 64, 16)}, {"rep": (None, "tensor", None)})
+    assert jobs["rep"].stage is not None
+    assert loop._owned(jobs["rep"]) == 8 * 16 * 2 * 17  # [E, R, G] x (16 + 1)
