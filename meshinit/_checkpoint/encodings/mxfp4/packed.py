@@ -149,7 +149,6 @@ def gathered(parts: Any, shape: Any, sharding: Any, shards: list[jax.Array]) -> 
         def finish() -> jax.Array:  # on a worker thread (.ahead)
             with _base.alone(run):
                 made = run(got)
-            got.delete()
             return planned_as(made, entry.spec.shape, entry.sharding)
 
         return finish

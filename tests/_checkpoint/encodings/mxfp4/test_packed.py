@@ -4,6 +4,8 @@ group would be cut (read by each holder instead), and a load whose values are th
 bits of the load without fan-out. tests/guarantees/test_fanout_quant.py runs it under
 jax.distributed."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -45,10 +47,10 @@ def checkpoint(tmp_path, shapes):
     return quantized_folder(tmp_path, tensors, MXFP4)
 
 
-def jobs_of(tmp_path, shapes, axes, names=None, explicit=False):
+def jobs_of(tmp_path, shapes, axes, names=None, explicit=False, grid=(4, 2)):
     """The staged jobs of bf16 parameters ``{name: planned shape}`` on a (4, 2) mesh
-    (data, tensor) of 4 processes, each placed by ``axes``."""
-    mesh = submesh(range(8), (4, 2), ("data", "tensor"), explicit=explicit)
+    (data, tensor) of 4 processes (or ``grid``), each placed by ``axes``."""
+    mesh = submesh(range(math.prod(grid)), grid, ("data", "tensor"), explicit=explicit)
     zeros = jax.nn.initializers.zeros
     plan = meshinit.plan(
         {
@@ -160,3 +162,41 @@ def test_the_progress_bar_counts_a_staged_images_bytes(tmp_path, four_processes)
     _, jobs = jobs_of(tmp_path, {"rep": (8, 64, 16)}, {"rep": (None, "tensor", None)})
     assert jobs["rep"].stage is not None
     assert loop._owned(jobs["rep"]) == 8 * 16 * 2 * 17  # [E, R, G] x (16 + 1)
+
+
+def test_a_staged_load_with_tensor_across_processes_and_a_stepped_view(tmp_path, monkeypatch):
+    # (2, 3) on 3 processes of 2 devices: tensor crosses processes (moved onto the
+    # experts for the read, moved back by the reshard); gpt-oss's interleaved
+    # wi_0 = gate_up[..., 0::2] steps along R
+    monkeypatch.setattr(staging, "process_of", lambda d: d.id // 2)
+    monkeypatch.setattr(staging, "processes", lambda: 3)
+    meshinit.clear_cache()
+    checkpoint(tmp_path, {"gu": (6, 192, 16)})
+    shapes = {"k": (6, 192, 16), "wi": (6, 192, 8)}
+    names = {"k": st.Tensor("gu"), "wi": st.Tensor("gu", index=np.s_[:, :, 0::2])}
+    axes = {"k": (None, "tensor", None), "wi": (None, "tensor", None)}
+    plan, jobs = jobs_of(tmp_path, shapes, axes, names, grid=(2, 3))
+    assert jobs["k"].stage.moved == ("tensor",) and jobs["wi"].stage is not None
+    fanned = st.load(plan, tmp_path, names=names, fan_out=True)
+    plain = st.load(plan, tmp_path, names=names, fan_out=False)
+    for path in shapes:
+        assert (
+            np.asarray(fanned[path]).view(np.uint16) == np.asarray(plain[path]).view(np.uint16)
+        ).all()
+    meshinit.clear_cache()
+
+
+def test_a_bad_exponent_in_a_share_is_refused_naming_the_path_and_scales(tmp_path, four_processes):
+    # the share that reads it refuses it, as a load without fan-out does
+    rng = np.random.default_rng(5)
+    blocks, scales = pair(rng, 8, 64, 16)
+    blocks[5, 3, 1] = 0x77
+    scales[5, 3, 1] = 255
+    quantized_folder(tmp_path, {"w_blocks": blocks, "w_scales": scales}, MXFP4)
+    plan, jobs = jobs_of(tmp_path, {"w": (8, 64, 16)}, {"w": (None, "tensor", None)})
+    assert jobs["w"].stage is not None
+    for fan_out in (True, False):
+        with pytest.raises(
+            meshinit.PlanError, match=r"(?s)w:.*'w_scales' holds the exponent byte 255"
+        ):
+            st.load(plan, tmp_path, fan_out=fan_out)
