@@ -1,5 +1,5 @@
-"""One process of ``tests/guarantees/test_fanout_quant.py`` (issue 67): FP8 parameters
-through fan-out; not collected by pytest.
+"""One process of ``tests/guarantees/test_fanout_quant.py`` (issue 67): FP8 and MXFP4
+parameters through fan-out; not collected by pytest.
 
 Run: python tests/fanout_quant_worker.py PROCESS_ID PORT FOLDER PROCESSES
 
@@ -10,7 +10,9 @@ processes, and loads the FP8 checkpoint in FOLDER (float8_e4m3fn weights, float3
 without. Of each load it reports the bytes read and from peers (the load's
 ``jax.monitoring`` scalars), the stored bytes of its own distinct blocks and of the
 scales its blocks read, and which of its shards differ from ``FOLDER/expected.npz``
-(DeepSeek's ``weight_dequant`` in numpy, as bfloat16 bits). It prints one
+(DeepSeek's ``weight_dequant`` in numpy, as bfloat16 bits); then the same of the
+MXFP4 checkpoint in ``FOLDER/mxfp4`` (:data:`MX_PARAMS`, against transformers'
+``convert_moe_packed_tensors`` in numpy: ``FOLDER/mxfp4/expected.npz``). It prints one
 ``RESULT {json}`` line.
 """
 
@@ -84,6 +86,84 @@ PARAMS = {
 }
 
 
+MX_GROUP = 32
+MX_PARAMS = {
+    # gpt-oss's experts X [E, K, R] (X_blocks [E, R, K/32, 16], X_scales [E, R, K/32]),
+    # replicated over data, K split by tensor: 12 experts, 3 or 4 a process's share
+    "mx_rep": Param((None, "tensor", None), ("mx_rep",), (12, 64, 32), "all"),
+    # two layers stacked, R split by tensor
+    "mx_layers": Param(
+        (None, None, None, "tensor"), ("mx_l0", "mx_l1"), (12, 64, 16), "all", "stack"
+    ),
+    # permuted to [E, R, K], K split by tensor
+    "mx_t": Param((None, None, "tensor"), ("mx_t",), (12, 64, 16), "all", "permute"),
+    # every block on one device: nothing to share
+    "mx_split": Param(("data", "tensor", None), ("mx_split",), (12, 64, 16), "one"),
+    # K's blocks of 48 values cut a group of 32: read by each holder (a fallback)
+    "mx_cut": Param((None, "tensor", None), ("mx_cut",), (12, 96, 16), "all"),
+}
+"""MXFP4 parameters (each tensor's shape: transformers' ``X``, ``[E, K, R]``), from
+their own checkpoint (``FOLDER/mxfp4``: its config declares ``mxfp4``)."""
+
+
+def mx_checkpoint(seed: int = 68) -> dict[str, np.ndarray]:
+    """The MXFP4 checkpoint: each ``X`` as ``X_blocks`` (every nibble) and ``X_scales``
+    (exponents about 2^+-10)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for p in MX_PARAMS.values():
+        e, k, r = p.shape
+        for t in p.tensors:
+            out[f"{t}_blocks"] = rng.integers(0, 256, (e, r, k // MX_GROUP, 16), dtype=np.uint8)
+            out[f"{t}_scales"] = rng.integers(117, 137, (e, r, k // MX_GROUP), dtype=np.uint8)
+    return out
+
+
+def mx_dequantized(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each ``X`` as transformers' ``convert_moe_packed_tensors`` gives it in bfloat16
+    (a table value times 2^(byte - 127), rounded once), as bfloat16 bits."""
+    import ml_dtypes
+
+    table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    out = {}
+    for name, blocks in tensors.items():
+        if not name.endswith("_blocks"):
+            continue
+        x = name.removesuffix("_blocks")
+        values = np.stack([table[blocks & 0x0F], table[blocks >> 4]], axis=-1)
+        exps = tensors[f"{x}_scales"].astype(np.int32)[..., None, None] - 127
+        values = np.ldexp(values, exps).astype(ml_dtypes.bfloat16)
+        e, r, g, b = blocks.shape
+        out[x] = values.reshape(e, r, g * 2 * b).swapaxes(1, 2).view(np.uint16)
+    return out
+
+
+def mx_names(p: Param) -> Any:
+    from meshinit import safetensors as st
+
+    if p.how == "permute":
+        return st.Tensor(p.tensors[0], permute=(0, 2, 1))
+    return p.names()
+
+
+def mx_expected(p: Param, values: dict[str, np.ndarray]) -> np.ndarray:
+    got = [values[t] for t in p.tensors]
+    if p.how == "permute":
+        return got[0].transpose(0, 2, 1)
+    return p.expected(values)
+
+
+def mx_plan_shape(p: Param) -> tuple[int, ...]:
+    if p.how == "permute":
+        return (p.shape[0], p.shape[2], p.shape[1])
+    return plan_shape(p)
+
+
+def mx_bytes(p: Param) -> int:
+    """The stored bytes of ``p``'s tensors: half a byte a value, and an exponent a group."""
+    return len(p.tensors) * math.prod(p.shape) * (16 + 1) // (2 * 16)
+
+
 def plan_shape(p: Param) -> tuple[int, ...]:
     if p.how == "stack":
         return (len(p.tensors), *p.shape)
@@ -127,6 +207,36 @@ def scale_bytes(p: Param) -> int:
     return len(p.tensors) * 4 * math.prod(-(-n // BLOCK) for n in p.shape)
 
 
+def _mx_load(plan: Any, folder: str, names: Any, fan_out: bool, want: Any) -> dict[str, Any]:
+    """One load of the MXFP4 checkpoint: its bytes read and from peers, each
+    parameter's stored bytes of this process's distinct blocks, and its wrong shards."""
+    from meshinit import safetensors as st
+
+    got: dict[str, list[float]] = {STORE_BYTES: [], PEER_BYTES: []}
+
+    def on(event: str, value: float, **kwargs: Any) -> None:
+        if event in got:
+            got[event].append(value)
+
+    jax.monitoring.register_scalar_listener(on)
+    try:
+        loaded = st.load(plan, folder, names=names, fan_out=fan_out)
+    finally:
+        jax.monitoring.unregister_scalar_listener(on)
+    wrong, owned = [], {}
+    for path, p in MX_PARAMS.items():
+        expect = mx_expected(p, want)
+        distinct = {}
+        for shard in loaded[path].addressable_shards:
+            bits = np.asarray(shard.data).view(np.uint16)
+            if not (bits == expect[shard.index]).all():
+                wrong.append(f"{path} {shard.index}")
+            distinct[tuple((s.start, s.stop) for s in shard.index)] = bits.size
+        owned[path] = sum(distinct.values()) * 17 // 32  # stored: 17 bytes a 32 values
+        loaded[path].delete()
+    return {"read": got[STORE_BYTES], "from_peers": got[PEER_BYTES], "owned": owned, "wrong": wrong}
+
+
 def main(process_id: int, port: int, folder: str, processes: int) -> int:
     helpers.join_cpu_job(process_id, port, processes, LOCAL_DEVICES)
     import jax.numpy as jnp
@@ -147,6 +257,18 @@ def main(process_id: int, port: int, folder: str, processes: int) -> int:
     names = {path: p.names() for path, p in PARAMS.items()}
     expected = np.load(f"{folder}/expected.npz")
     results: dict[str, Any] = {}
+    mx_plan = meshinit.plan(
+        {
+            path: meshinit.param(
+                mx_plan_shape(p), zeros, dtype=jnp.bfloat16, axes=p.axes, mesh=mesh
+            )
+            for path, p in MX_PARAMS.items()
+        }
+    )
+    mx_want = dict(np.load(f"{folder}/mxfp4/expected.npz"))
+    mx_names_ = {path: mx_names(p) for path, p in MX_PARAMS.items()}
+    for mode, fan_out in (("mx_fan_out", True), ("mx_no_fan_out", False)):
+        results[mode] = _mx_load(mx_plan, f"{folder}/mxfp4", mx_names_, fan_out, mx_want)
     # True, not None: these are local files and every process runs on this one host,
     # where fan_out=None lets each holder read them (the page cache serves them all)
     for mode, fan_out in (("fan_out", True), ("no_fan_out", False)):

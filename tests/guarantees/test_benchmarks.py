@@ -646,6 +646,23 @@ def test_fanout_fp8_script_quick_mode_fetches_each_float8_byte_once(tmp_path):
 
 
 @pytest.mark.slow
+def test_fanout_mxfp4_script_quick_mode_reads_each_stored_byte_once(tmp_path):
+    # 4 processes x 2 CPU devices, local files: MXFP4 experts planned in bf16; --quick
+    # exits non-zero when a shard differs from transformers' or fan-out misses the
+    # store, busiest or between goal
+    out = tmp_path / "fanout_mxfp4.json"
+    r = run_script("fanout_mxfp4.py", "--quick", "--json", str(out), timeout=300)
+    found = json.loads(out.read_text())
+    off, on = found["False"], found["True"]
+    assert off["wrong"] == on["wrong"] == [], r.stdout
+    # R = 4 for the replicated experts: read 3.8 times without fan-out
+    assert off["store"] > 3.0 and off["busiest"] == 1.0
+    assert on["store"] <= 1.02 and on["busiest"] <= 1.10
+    # _blocks and _scales cross as the uint8 they are stored as
+    assert on["between"] <= 1.05
+
+
+@pytest.mark.slow
 def test_export_tpu_script_code_path_runs_on_cpu_and_its_files_are_exact():
     # benchmarks/export.py --tpu's own code (each route in its fresh process, meshinit's
     # files read back against the arrays) on the CPU with 64 MiB: it exits 1 where a

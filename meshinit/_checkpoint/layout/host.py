@@ -44,10 +44,13 @@ class Job:
 class Gathered:
     """A staged parameter's stored bytes on its staging sharding (fan-out), and what
     finishes it once the reshard has gathered them onto the planned sharding: ``then``
-    of that array (a dequantized parameter's program over its stored bytes)."""
+    of that array (a dequantized parameter's program over its stored bytes). ``entry``:
+    the gathered array's own, where it is not the parameter's (MXFP4's stored bytes,
+    an array of another shape: :mod:`meshinit._checkpoint.encodings.mxfp4.packed`)."""
 
     staged: jax.Array
     then: Callable[[jax.Array], jax.Array | Callable[[], jax.Array]]
+    entry: PlanEntry | None = None
 
 
 Made = jax.Array | Callable[[], jax.Array] | Gathered

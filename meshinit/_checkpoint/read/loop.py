@@ -133,7 +133,11 @@ def _owned(job: Job) -> int:
     """The stored bytes this process's blocks of the job read, of every part each block
     reaches (for the bar; a constant or a pad's padding reads none)."""
     total = 0
+    image = job.stage is not None and getattr(job.parts, "stage_of", None) is not None
     for index, _ in _host.holders(job.entry, job.stage).values():
+        if image:  # a staged array of its stored bytes (MXFP4's): a byte an element
+            total += math.prod(max(0, s.stop - s.start) for s in index)
+            continue
         for leaf, at in _blocks.reached(job.node, index):
             held, dtype = leaf.stored, READABLE.get(leaf.stored.dtype)
             size = math.prod(max(0, s.stop - s.start) for s in at)

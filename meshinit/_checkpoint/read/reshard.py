@@ -194,7 +194,7 @@ class Resharder:
         self._ends = ends  # the last path of each batch (staging.ends): its reshard waits
         # for the batch's reads
         self._pending: list[tuple[PlanEntry, Stage, jax.Array]] = []
-        self._then: dict[str, Any] = {}  # a Gathered's finish, by path
+        self._then: dict[str, Any] = {}  # a Gathered's finish and entry, by path
         self._ahead: dict[str, tuple[str, concurrent.futures.Future]] = {}  # by path
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._what = what
@@ -241,17 +241,19 @@ class Resharder:
         the gathered array (a callable that finishes it: :mod:`.ahead`)."""
         if stage is None:
             return {entry.path: made}
-        if isinstance(made, Gathered):
-            self._then[entry.path], made = made.then, made.staged
+        if isinstance(made, Gathered):  # resharded as its own entry where it has one
+            # (MXFP4's stored bytes), finished into the parameter's
+            self._then[entry.path] = (made.then, entry)
+            entry, made = made.entry or entry, made.staged
         self._pending.append((entry, stage, made))
         if entry.path not in self._ends:
             return {}
         out: dict[str, Any] = self._flush()
         try:  # after the batch's collectives: each then() only places its arguments
             for path in [p for p in out if p in self._then]:
-                then = self._then.pop(path)
-                if out[path].addressable_shards:  # else: it holds none of it
-                    out[path] = then(out[path])
+                then, planned = self._then.pop(path)
+                # else: it holds none of it (the parameter's shape, not its bytes')
+                out[path] = then(out[path]) if out[path].addressable_shards else absent(planned)
         except BaseException:
             for made in out.values():
                 if isinstance(made, jax.Array):

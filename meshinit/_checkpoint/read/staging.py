@@ -125,8 +125,14 @@ def staged(jobs: list[Any], fan_out: bool | None, one: bool = False) -> list[Any
         out = iter(staged([j for j, r in zip(jobs, remote, strict=True) if r], fan_out))
         return [next(out) if r else j for j, r in zip(jobs, remote, strict=True)]
     # a parameter read by its own Parts (an encoding's) is staged where they can
-    # gather its stored bytes (``stages``: float8's); else each holder reads it
-    return [dataclasses.replace(j, stage=stage(j.entry, j.node)) if _stages(j) else j for j in jobs]
+    # gather its stored bytes (``stages``: float8's; ``stage_of``: an array of their
+    # own, MXFP4's, staged by this module's stage); else each holder reads it
+    return [dataclasses.replace(j, stage=_stage_of(j)) if _stages(j) else j for j in jobs]
+
+
+def _stage_of(job: Any) -> Stage | None:
+    own = getattr(job.parts, "stage_of", None)
+    return stage(job.entry, job.node) if own is None else own(job, stage)
 
 
 def _stages(job: Any) -> bool:

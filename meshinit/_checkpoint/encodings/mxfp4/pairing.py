@@ -48,7 +48,9 @@ from ...layout import host as _host
 from ...store.source import Stored
 from .. import base as _base
 from .. import config as _quant_config
-from .program import checked, program, spanned
+from . import packed as _packed
+from .packed import stacked
+from .program import checked, planned_as, program, spanned
 
 DTYPE = "MXFP4"
 """The dtype of a virtual stored tensor (:func:`virtual`): its values are exact in
@@ -278,17 +280,6 @@ def _key(node: _blocks.Node) -> Any:
     return (node.axis, len(node.parts), _key(node.parts[0]))
 
 
-def stacked(node: _blocks.Node, ndim: int) -> tuple[_blocks.Leaf, list[int]]:
-    """A leaf of ``node`` (all share its view) and the axes of a block that step
-    between leaves, outermost first: the order :func:`blocks.reached` reads them in."""
-    free, axes = list(range(ndim)), []
-    while isinstance(node, _blocks.Joined):
-        axes.append(free.pop(node.axis))
-        node = node.parts[0]
-    assert isinstance(node, _blocks.Leaf)
-    return node, axes
-
-
 @dataclasses.dataclass
 class Raw:
     """A block as the device program takes it."""
@@ -304,7 +295,11 @@ class MxParts(_host.Parts):
     """:class:`~meshinit._checkpoint.layout.host.Parts` of a parameter read from MXFP4 tensors: a
     block is the bytes of the groups it reaches (placed on the devices that hold it,
     as any block is), and :meth:`whole` runs one program over them all, each device
-    dequantizing its own block with its own exponents and offset."""
+    dequantizing its own block with its own exponents and offset. Fan-out stages its
+    stored bytes as an array of their own (:mod:`.packed`)."""
+
+    stages = True  # fan-out may stage it (read.staging.staged), as its image:
+    stage_of = staticmethod(_packed.stage_of)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -330,7 +325,10 @@ class MxParts(_host.Parts):
     def block(self, index: tuple[slice, ...]) -> np.ndarray:
         """The bytes of the groups the block reaches, ``[1, leaves, E', R', groups,
         B]`` (its row of :meth:`whole`'s array of bytes); its exponents and offset
-        are kept for :meth:`whole`. An empty block: zeros of the planned dtype."""
+        are kept for :meth:`whole`. An empty block: zeros of the planned dtype.
+        Staged: the block of its image (:func:`.packed.block`)."""
+        if self.job.stage is not None:
+            return _packed.block(self, index)
         sizes = tuple(max(0, s.stop - s.start) for s in index)
         if not math.prod(sizes):
             return np.zeros(sizes, self.job.entry.spec.dtype)
@@ -396,8 +394,11 @@ class MxParts(_host.Parts):
         return Raw(key, raw, exps, k0 - g0 * group, signature)
 
     def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> _host.Made:
-        """The parameter: one program over every device's bytes, exponents and offset."""
+        """The parameter: one program over every device's bytes, exponents and offset.
+        Staged: its image to gather first (:func:`.packed.gathered`)."""
         entry, stage = self.job.entry, self.job.stage
+        if stage is not None:
+            return _packed.gathered(self, shape, sharding, shards)
         planned = np.dtype(entry.spec.dtype)
         if not shards or not math.prod(shape):
             return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=planned)
@@ -431,16 +432,6 @@ class MxParts(_host.Parts):
     def close(self) -> None:
         super().close()
         self._maps.clear()
-
-
-def planned_as(got: jax.Array, shape: Any, sharding: Any) -> jax.Array:
-    """``got`` on ``sharding`` itself (shard_map gives its spec without trailing Nones,
-    and an Explicit mesh's twin): the same devices, indices and bytes, no copy."""
-    if got.sharding == sharding:
-        return got
-    return jax.make_array_from_single_device_arrays(
-        shape, sharding, [s.data for s in got.addressable_shards]
-    )
 
 
 def _index(leaf: _blocks.Leaf) -> tuple[slice, ...]:

@@ -133,22 +133,55 @@ def program(signature: tuple[Any, ...], mesh: Any, spec: Any, names: tuple[str, 
 
     def dequantized(raw: Any, exps: Any, offset: Any) -> Any:
         raw, exps, offset = raw[0], exps[0], offset[0, 0]
-        leaves, e, r, g, b = raw.shape
-        nibbles = jnp.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(leaves, e, r, g, 2 * b)
-        values = jax.lax.bitcast_convert_type(bits(nibbles, exps[..., None]), jnp.float32)
-        values = values.astype(work).astype(planned).reshape(leaves, e, r, g * 2 * b)
+        values = decoded(raw, exps, work, planned)
         values = jax.lax.dynamic_slice_in_dim(values, offset, nk, axis=3)
-        values = values.transpose(0, 1, 3, 2)  # X's axes: E, K, R
-        values = values.transpose(0, *(1 + a for a in order))  # the leaf's view
-        values = values.reshape(*outer, *inner)
-        placed = list(across) + [k for k in range(len(outer) + len(inner)) if k not in across]
-        return values.transpose([placed.index(k) for k in range(len(placed))])
+        return laid_out(values, order, across, outer, inner)
 
     mapped = jax.shard_map(
         dequantized, mesh=mesh, in_specs=(P(names), P(names), P(names)), out_specs=spec,
         check_vma=False,
     )  # fmt: skip
     return jax.jit(mapped)
+
+
+def decoded(raw: Any, exps: Any, work: Any, planned: Any) -> Any:
+    """The values of ``raw`` bytes ``[L, E, R, G, B]`` under ``exps`` ``[L, E, R, G]``,
+    ``[L, E, R, G * 2B]``: rounded to ``work``, then to ``planned``."""
+    leaves, e, r, g, b = raw.shape
+    nibbles = jnp.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(leaves, e, r, g, 2 * b)
+    values = jax.lax.bitcast_convert_type(bits(nibbles, exps[..., None]), jnp.float32)
+    return values.astype(work).astype(planned).reshape(leaves, e, r, g * 2 * b)
+
+
+def laid_out(values: Any, order: Any, across: Any, outer: Any, inner: Any) -> Any:
+    """``values`` ``[L, E, R, K]`` (one row a leaf) as the parameter's block: K and R
+    transposed (transformers' ``[E, K, R]``), the leaf's view, and the leaves along
+    the ``across`` axes. Numpy's arrays and jax's alike (:mod:`.packed` lays out
+    stored bytes with it)."""
+    values = values.transpose(0, 1, 3, 2)  # X's axes: E, K, R
+    values = values.transpose(0, *(1 + a for a in order))  # the leaf's view
+    values = values.reshape(*outer, *inner)
+    placed = list(across) + [k for k in range(len(outer) + len(inner)) if k not in across]
+    return values.transpose([placed.index(k) for k in range(len(placed))])
+
+
+def unlaid(block: Any, order: Any, across: Any, leaves: int) -> Any:
+    """:func:`laid_out`'s inverse: a block in the parameter's axes as ``[L, E, R, K]``."""
+    placed = list(across) + [k for k in range(block.ndim) if k not in across]
+    values = block.transpose(placed)
+    values = values.reshape(leaves, *values.shape[len(across) :])
+    values = values.transpose(0, *(1 + order.index(a) for a in range(3)))  # E, K, R
+    return values.transpose(0, 1, 3, 2)
+
+
+def planned_as(got: jax.Array, shape: Any, sharding: Any) -> jax.Array:
+    """``got`` on ``sharding`` itself (shard_map gives its spec without trailing Nones,
+    and an Explicit mesh's twin): the same devices, indices and bytes, no copy."""
+    if got.sharding == sharding:
+        return got
+    return jax.make_array_from_single_device_arrays(
+        shape, sharding, [s.data for s in got.addressable_shards]
+    )
 
 
 def bits(nibbles: Any, exps: Any) -> Any:
