@@ -63,8 +63,22 @@ class NumpyParam(nnx.Module):
         self.v = nnx.Param(jax.random.normal(rngs.params(), (8, 8)), out_sharding=(None, "tp"))
 
 
-@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
-@pytest.mark.parametrize("dtype", list(NUMPY))
+# Every dtype on an Explicit mesh and float32 on its Auto twin in the fast tier: the
+# dtype is converted (float64 to jax's float32, int64 to int32) before the placement,
+# which alone differs between the kinds of axes; MESHINIT_TESTS=all runs the product.
+@pytest.mark.parametrize(
+    "dtype, explicit",
+    [
+        pytest.param(
+            dtype,
+            explicit,
+            id=f"{dtype}-{'explicit' if explicit else 'auto'}",
+            marks=() if explicit or dtype == "float32" else (pytest.mark.slow,),
+        )
+        for explicit in (True, False)
+        for dtype in NUMPY
+    ],
+)
 def test_a_numpy_param_is_placed_as_eager_flax_and_nnx_jit_place_it(dtype, explicit):
     mesh = mesh8(FSDP_TP, explicit)
 

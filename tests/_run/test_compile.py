@@ -322,8 +322,10 @@ RESTART = textwrap.dedent(
     import jax.numpy as jnp
     import numpy as np
     import meshinit
-    from flax import linen as nn
-    from flax import nnx
+
+    if {"nnx", "linen"} & set(sys.argv[2:]):  # flax only where a part uses it
+        from flax import linen as nn
+        from flax import nnx
 
     events = collections.Counter()
     jax.monitoring.register_event_listener(lambda e, **k: events.update([e]))
@@ -342,28 +344,28 @@ RESTART = textwrap.dedent(
         out = meshinit.materialize(meshinit.plan({"a": layer(mesh), "s": layer(stage)}), 0)
         return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(out)}
 
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            part = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", "tensor"))
-            self.up = nnx.Linear(16, 32, kernel_init=part, rngs=rngs)
-            self.norm = nnx.LayerNorm(32, rngs=rngs)
-
-    class Stack(nnx.Module):
-        def __init__(self, rngs):
-            self.layers = nnx.List([Block(rngs) for _ in range(2)])
-
     def nnx_init():
+        class Block(nnx.Module):
+            def __init__(self, rngs):
+                part = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", "tensor"))
+                self.up = nnx.Linear(16, 32, kernel_init=part, rngs=rngs)
+                self.norm = nnx.LayerNorm(32, rngs=rngs)
+
+        class Stack(nnx.Module):
+            def __init__(self, rngs):
+                self.layers = nnx.List([Block(rngs) for _ in range(2)])
+
         with jax.set_mesh(mesh):
             model = meshinit.nnx.init(lambda: Stack(nnx.Rngs(0)))
         return {str(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
 
-    class Mlp(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            part = nn.with_partitioning(nn.initializers.lecun_normal(), ("fsdp", "tensor"))
-            return nn.Dense(16, kernel_init=part)(nn.Dense(32, kernel_init=part)(x))
-
     def linen_init():
+        class Mlp(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                part = nn.with_partitioning(nn.initializers.lecun_normal(), ("fsdp", "tensor"))
+                return nn.Dense(16, kernel_init=part)(nn.Dense(32, kernel_init=part)(x))
+
         x = np.ones((2, 16), np.float32)
         out = meshinit.linen.init(Mlp(), key, x, mesh=mesh, default="replicated")
         return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(out)}
@@ -457,11 +459,14 @@ def test_other_compiler_options_miss_the_cache(restarted):
 
 @pytest.mark.parametrize("cache", ["", "off"])
 def test_without_a_configured_cache_nothing_is_written(tmp_path, cache):
+    # The spec path alone: every compile of meshinit's (the constructor engine's too)
+    # decides what jax's cache keeps in one place, _compile.compile_lowered, and the
+    # restart tests above see the nnx and linen programs written through it where a
+    # cache is configured. Without nnx the process imports no flax.
     where = "" if cache == "" else f"off:{tmp_path}"
-    made = restart(where, "spec", "nnx")
-    for part in ("spec", "nnx"):
-        assert made[part]["compiles"] > 0
-        assert made[part]["hits"] == made[part]["writes"] == made[part]["entries"] == 0
+    spec = restart(where, "spec")["spec"]
+    assert spec["compiles"] > 0
+    assert spec["hits"] == spec["writes"] == spec["entries"] == 0
     assert list(tmp_path.iterdir()) == [], "jax_enable_compilation_cache=False was ignored"
 
 
