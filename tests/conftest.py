@@ -6,7 +6,9 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import contextlib  # noqa: E402
+import os  # noqa: E402
 import pathlib  # noqa: E402
+import signal  # noqa: E402
 import weakref  # noqa: E402
 
 import pytest  # noqa: E402
@@ -65,6 +67,19 @@ def _new_arrays():
 def _new(array, before) -> bool:
     ref = before.get(id(array))
     return ref is None or ref() is not array
+
+
+@pytest.fixture
+def ctrl_c():
+    """``ctrl_c()`` sends this process SIGINT, which raises KeyboardInterrupt as at a
+    terminal, however pytest was started: a shell starts a background job (``cmd &``)
+    with SIGINT ignored, and Python then leaves it ignored. The test's handler is
+    Python's default until it ends."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield lambda: os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture

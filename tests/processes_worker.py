@@ -211,6 +211,9 @@ def check(arrays: dict[str, jax.Array], want: dict[str, np.ndarray]) -> list[str
 
 
 def main(process_id: int, port: int, folder: str, scenario: str, source: str) -> int:
+    # Ctrl-C as at a terminal, though pytest ran in a background job (which starts with
+    # SIGINT ignored, and Python leaves an inherited SIG_IGN as it is)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     heartbeat = HEARTBEAT_S.get(scenario, 100)
     helpers.join_cpu_job(process_id, port, NUM_PROCESSES, LOCAL_DEVICES, heartbeat_s=heartbeat)
     from meshinit import safetensors as st

@@ -5,7 +5,6 @@ into an in-memory store by the test (the 4-process runs are in
 ``tests/guarantees/test_fanout.py`` and ``test_processes.py``)."""
 
 import json
-import os
 import signal
 
 import jax
@@ -182,11 +181,11 @@ def test_a_broken_mark_of_another_process_stops_the_next_call(store):
             pass
 
 
-def test_ctrl_c_inside_a_batch_is_delivered_when_it_ends():
+def test_ctrl_c_inside_a_batch_is_delivered_when_it_ends(ctrl_c):
     ran = []
     with pytest.raises(KeyboardInterrupt):
         with agree.uninterrupted():
-            os.kill(os.getpid(), signal.SIGINT)
+            ctrl_c()
             ran.append("after the signal")  # the batch runs on, whole
     assert ran == ["after the signal"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

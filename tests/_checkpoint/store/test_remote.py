@@ -399,7 +399,7 @@ def test_runs_follow_the_stored_layout_and_merge_only_small_gaps():
     assert _fetch.merge(rows[:many], room=1 << 30) == rows[:many]  # few: as they are
 
 
-def test_a_failure_mid_load_leaves_no_array_alive(s3_server, monkeypatch):
+def test_a_failure_mid_load_leaves_no_array_alive(s3_server, monkeypatch, new_arrays):
     from meshinit._checkpoint.layout import host as _read
 
     made = []
@@ -412,13 +412,11 @@ def test_a_failure_mid_load_leaves_no_array_alive(s3_server, monkeypatch):
     s3_server.put(f"{bucket}/m/a.safetensors", first)
     s3_server.put(f"{bucket}/m/b.safetensors", second)
     plan = plan_for(shapes, axes=("fsdp", "tensor"))
-    live = len(jax.live_arrays())
     s3_server.fail("*b.safetensors", 403, times=1000, after=1)  # a's parameters arrive first
-    with pytest.raises(meshinit.PlanError, match="access is denied"):
+    with new_arrays() as alive, pytest.raises(meshinit.PlanError, match="access is denied"):
         st.load(plan, f"s3://{bucket}/m/")
     assert made and all(a.is_deleted() for a in made)  # some were made, and deleted
-    made.clear()
-    assert len(jax.live_arrays()) == live
+    assert alive == [], alive
 
 
 def test_an_hf_repo_whose_files_redirect_to_a_cdn_loads(tmp_path, monkeypatch):
@@ -554,9 +552,9 @@ def _meshinit_threads():
 
 
 @pytest.mark.parametrize("stalled", ["header", "data"])
-def test_ctrl_c_stops_a_stalled_load_within_two_seconds_leaving_nothing(file_server, stalled):
-    import os
-    import signal
+def test_ctrl_c_stops_a_stalled_load_within_two_seconds_leaving_nothing(
+    file_server, stalled, new_arrays, ctrl_c
+):
     import threading
     import time
 
@@ -564,17 +562,16 @@ def test_ctrl_c_stops_a_stalled_load_within_two_seconds_leaving_nothing(file_ser
     file_server.put("m.safetensors", data)
     plan = plan_with_axes({"up": SHAPES["up"], "down": SHAPES["down"]})
     file_server.stall("m.safetensors", seconds=30, times=100, after=int(stalled == "data"))
-    live = len(jax.live_arrays())
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer = threading.Timer(1.0, ctrl_c)
     start = time.monotonic()
     timer.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with new_arrays() as alive, pytest.raises(KeyboardInterrupt):
             st.load(plan, file_server.url_for("m.safetensors"))
     finally:
         timer.cancel()
     assert time.monotonic() - start < 3.0
-    assert len(jax.live_arrays()) == live and _meshinit_threads() == []
+    assert alive == [] and _meshinit_threads() == [], alive
 
 
 def test_timeout_bounds_a_stalled_request_retries_included(file_server):
@@ -641,7 +638,7 @@ def _settled(most, seconds):
 @pytest.mark.parametrize(
     "wait", [pytest.param(False, id="fast"), pytest.param(True, marks=pytest.mark.slow, id="idle")]
 )
-def test_twenty_failed_or_interrupted_loads_leave_no_more_threads_than_one(tmp_path, wait):
+def test_twenty_failed_or_interrupted_loads_leave_no_more_threads_than_one(tmp_path, wait, ctrl_c):
     # Reported: 34 threads after three loads that failed mid-fetch against 26 before,
     # 40 after a Ctrl-C, none named as meshinit's. They were the in-process test
     # server's (one per keep-alive connection, each ending after 60 s idle) and obstore's
@@ -650,8 +647,6 @@ def test_twenty_failed_or_interrupted_loads_leave_no_more_threads_than_one(tmp_p
     # child process here, so every thread counted is this process's own: meshinit
     # leaves none (its own are named meshinit-*), the others do not grow with the loads,
     # and tokio's are bounded: "idle" waits for its blocking threads to end.
-    import os
-    import signal
     import threading
 
     from storage_servers import ServedElsewhere
@@ -670,7 +665,7 @@ def test_twenty_failed_or_interrupted_loads_leave_no_more_threads_than_one(tmp_p
 
     def interrupted(server, url):
         server.stall_data("m.safetensors")
-        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer = threading.Timer(0.3, ctrl_c)
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
