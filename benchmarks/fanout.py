@@ -273,27 +273,36 @@ def spawn(
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     count = int(next(a for a in argv if a.startswith("--processes=")).split("=")[1])
     procs = [subprocess.Popen([*cmd, str(r), str(port), *tail], **pipes) for r in range(count)]
+    return collect(procs, timeout, "fanout")
+
+
+def collect(procs: list[subprocess.Popen], timeout: float, what: str) -> list[dict]:
+    """The workers' results (each worker's last line of output, JSON), each with its
+    rank; a worker's failure raised with the tail of its stderr. Past ``timeout`` each
+    worker prints its threads' stacks (faulthandler, on SIGUSR1) before it is killed."""
     results, failed = [], []
     deadline = time.monotonic() + timeout
-    for rank, proc in enumerate(procs):
-        try:
-            out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:  # each worker prints its threads' stacks (faulthandler)
-                p.send_signal(signal.SIGUSR1)
-            time.sleep(2)
-            for p in procs:
-                p.kill()
-            tails = [p.communicate()[1][-4000:] for p in procs]
-            text = "\n".join(tails)
-            raise RuntimeError(f"fanout: the workers ran past {timeout} s:\n{text}") from None
-        if proc.returncode:
-            failed.append(f"worker {rank} exited {proc.returncode}:\n{err[-3000:]}")
-        else:
-            results += [dict(r, rank=rank) for r in json.loads(out.strip().splitlines()[-1])]
-    if failed:
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                for p in procs:
+                    p.kill()
+                text = "\n".join(p.communicate()[1][-4000:] for p in procs)
+                raise RuntimeError(f"{what}: the workers ran past {timeout} s:\n{text}") from None
+            if proc.returncode:
+                failed.append(f"worker {rank} exited {proc.returncode}:\n{err[-3000:]}")
+            else:
+                results += [dict(r, rank=rank) for r in json.loads(out.strip().splitlines()[-1])]
+    finally:
         for p in procs:
-            p.kill()
+            if p.poll() is None:
+                p.kill()
+    if failed:
         raise RuntimeError("\n".join(failed))
     return results
 

@@ -175,22 +175,7 @@ def spawn(folder: str, argv: list[str], timeout: float) -> list[dict]:
         )
         for r in range(PROCESSES)
     ]
-    results, failed = [], []
-    deadline = time.monotonic() + timeout
-    try:
-        for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-            if proc.returncode:
-                failed.append(f"worker {rank} exited {proc.returncode}:\n{err[-3000:]}")
-            else:
-                results += [dict(r, rank=rank) for r in json.loads(out.strip().splitlines()[-1])]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if failed:
-        raise RuntimeError("\n".join(failed))
-    return results
+    return base.collect(procs, timeout, "fanout_mxfp4")
 
 
 def summarize(args, loads: list[dict], unique: int) -> dict:
