@@ -24,13 +24,13 @@ import math
 import sys
 from typing import Any
 
+import fanout_worker
 import helpers
 import jax
 import numpy as np
 
 LOCAL_DEVICES = 2
-STORE_BYTES = "/meshinit/safetensors/bytes_read"
-PEER_BYTES = "/meshinit/safetensors/bytes_from_peers"
+STORE_BYTES, PEER_BYTES = fanout_worker.STORE_BYTES, fanout_worker.PEER_BYTES
 BLOCK = 128
 
 
@@ -212,17 +212,8 @@ def _mx_load(plan: Any, folder: str, names: Any, fan_out: bool, want: Any) -> di
     parameter's stored bytes of this process's distinct blocks, and its wrong shards."""
     from meshinit import safetensors as st
 
-    got: dict[str, list[float]] = {STORE_BYTES: [], PEER_BYTES: []}
-
-    def on(event: str, value: float, **kwargs: Any) -> None:
-        if event in got:
-            got[event].append(value)
-
-    jax.monitoring.register_scalar_listener(on)
-    try:
+    with fanout_worker.recorded() as got:
         loaded = st.load(plan, folder, names=names, fan_out=fan_out)
-    finally:
-        jax.monitoring.unregister_scalar_listener(on)
     wrong, owned = [], {}
     for path, p in MX_PARAMS.items():
         expect = mx_expected(p, want)
@@ -272,17 +263,8 @@ def main(process_id: int, port: int, folder: str, processes: int) -> int:
     # True, not None: these are local files and every process runs on this one host,
     # where fan_out=None lets each holder read them (the page cache serves them all)
     for mode, fan_out in (("fan_out", True), ("no_fan_out", False)):
-        got: dict[str, list[float]] = {STORE_BYTES: [], PEER_BYTES: []}
-
-        def on(event: str, value: float, got: dict = got, **kwargs: Any) -> None:
-            if event in got:
-                got[event].append(value)
-
-        jax.monitoring.register_scalar_listener(on)
-        try:
+        with fanout_worker.recorded() as got:
             loaded = st.load(plan, folder, names=names, fan_out=fan_out)
-        finally:
-            jax.monitoring.unregister_scalar_listener(on)
         wrong, owned, scales = [], {}, 0
         for path, p in PARAMS.items():
             want = p.expected(dict(expected))
