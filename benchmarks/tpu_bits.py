@@ -21,11 +21,15 @@ plus a normal, gamma), section 1's two tiled patterns (a bf16 normal times a sma
 f32 vector rounded to bf16, by columns and by rows), and issue 67's: the attack's
 ``|n|**2.5 + atan2(n, 0.3) + remainder(10 n, 3)`` over a normal (f32 (4099, 300), tiled
 (192, 300) x 22, and bf16) and a float32 0-d ``normal(0.02)``. With ``cpu_check`` the shapes are
-small, on the 8 simulated CPU devices.
+small, on the 8 simulated CPU devices. ``TPU_BITS_CASES`` (names joined by ``|``, each a
+part of a case's name) runs only the cases it names; ``TPU_BITS_LOG`` names a file each
+case's result is appended to as it comes (the child's own output is read only when it
+ends), so a call cut short by its limit still shows what it reached.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -207,6 +211,13 @@ def _one(recipe: str, make: Make, shape: tuple[int, ...], dtype: Any, axes: tupl
     return made, want
 
 
+def _log(line: str) -> None:
+    """``line`` appended to the file ``TPU_BITS_LOG`` names, if any."""
+    if path := os.environ.get("TPU_BITS_LOG"):
+        with open(path, "a") as f:
+            print(line, file=f)
+
+
 def cases(
     cpu_check: bool,
     mesh: Any,
@@ -224,7 +235,10 @@ def cases(
     found: dict[str, Any] = {}
     # on CPU the platform's tiles are larger than these arrays: tiled is whole there
     tilings = (("whole", 0),) if cpu_check else (("tiled", None), ("whole", 0))
+    only = [part for part in os.environ.get("TPU_BITS_CASES", "").split("|") if part]
     for name, (tpu_shape, cpu_shape, dtype, make) in _cases().items():
+        if only and not any(part in name for part in only):
+            continue
         shape = cpu_shape if cpu_check else tpu_shape
         for kind, m in meshes(mesh).items():
             for recipe in recipes:
@@ -244,11 +258,13 @@ def cases(
                         d["equal_sharding"] = made.sharding == want.sharding
                         d["shardings"] = [str(made.sharding.spec), str(want.sharding.spec)]
                         found[f"{kind} {tiling} {recipe} {name}"] = {**d, **parts, "tiling": tiling}
+                        _log(f"{kind} {tiling} {recipe} {name}: {d}")
                         made.delete()
                     want.delete()
                 except Exception as e:  # noqa: BLE001 - reported per case, the others still run
                     error = f"{type(e).__name__}: {e}"[:300]
                     found[f"{kind} {recipe} {name}"] = {"error": error, **parts}
+                    _log(f"{kind} {recipe} {name}: {error}")
                 meshinit.clear_cache()
     return found
 
