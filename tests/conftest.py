@@ -12,7 +12,7 @@ import signal  # noqa: E402
 import weakref  # noqa: E402
 
 import pytest  # noqa: E402
-from helpers import FUZZ_PART, TIER, TIERS  # noqa: E402
+from helpers import FUZZ_PART, SLOW_PART, STACK_NEUTRAL, TIER, TIERS, slow_part  # noqa: E402
 
 _compiles: list[str] = []
 
@@ -139,6 +139,12 @@ def pytest_report_header(config):
     k, n = FUZZ_PART
     part = f"; the engine fuzzer draws part {k} of {n} (MESHINIT_FUZZ_PART)" if n > 1 else ""
     if TIER == "all":
+        k, n = SLOW_PART
+        if n > 1:
+            part += (
+                f"; the slow tests of {len(STACK_NEUTRAL)} stack-neutral modules "
+                f"(helpers.STACK_NEUTRAL): part {k} of {n} (MESHINIT_SLOW_PART)"
+            )
         return f"meshinit tests: all tiers (MESHINIT_TESTS=all){part}"
     return (
         "meshinit tests: the fast tier; tests marked slow are deselected and the fuzzers "
@@ -159,7 +165,22 @@ def _named(config) -> bool:
 def pytest_collection_modifyitems(config, items):
     # The fast tier is the default run of the whole suite; a run that names what it wants
     # (`-m slow`, tests/guarantees/test_multihost.py) gets exactly that.
-    if TIER == "all" or _named(config):
+    if _named(config):
+        return
+    if TIER == "all":
+        k, n = SLOW_PART
+        if n > 1:  # CI's stacks: each stack-neutral slow test on one of them
+            other = [
+                item
+                for item in items
+                if item.get_closest_marker("slow")
+                and item.nodeid.split("::")[0] in STACK_NEUTRAL
+                and slow_part(item.nodeid, n) != k
+            ]
+            if other:
+                config.hook.pytest_deselected(items=other)
+                gone = set(other)
+                items[:] = [item for item in items if item not in gone]
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
     if slow:

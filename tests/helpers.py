@@ -2,6 +2,7 @@
 
 import math
 import os
+import zlib
 
 import jax
 import numpy as np
@@ -17,19 +18,57 @@ marked ``slow`` and runs the fuzzers and large property tests at a smaller size;
 other value."""
 
 
-def _fuzz_part() -> tuple[int, int]:
-    text = os.environ.get("MESHINIT_FUZZ_PART", "1/1")
+def _part(variable: str) -> tuple[int, int]:
+    """``(k, n)`` from the environment variable ``variable`` (``k/n``; unset: 1/1)."""
+    text = os.environ.get(variable, "1/1")
     k, _, n = text.partition("/")
     if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
-        raise ValueError(f"MESHINIT_FUZZ_PART={text!r} is not k/n with 1 <= k <= n; e.g. 1/2")
+        raise ValueError(f"{variable}={text!r} is not k/n with 1 <= k <= n; e.g. 1/2")
     return int(k), int(n)
 
 
-FUZZ_PART = _fuzz_part()
+FUZZ_PART = _part("MESHINIT_FUZZ_PART")
 """Which share of the engine fuzzer's draws this run makes (``MESHINIT_FUZZ_PART=k/n``):
 ``(1, 1)``, the default, is every draw, derandomized; part ``k`` of ``n`` draws
 ``1/n`` of the examples from its own fixed seed, so that ``n`` runs (CI's two stacks)
 draw different constructors, each run repeatable."""
+
+
+SLOW_PART = _part("MESHINIT_SLOW_PART")
+"""Which share of the stack-neutral slow tests this run makes
+(``MESHINIT_SLOW_PART=k/n``, with ``MESHINIT_TESTS=all``): ``(1, 1)``, the default, is
+all of them. The slow tests of :data:`STACK_NEUTRAL`'s modules each belong to one part
+(:func:`slow_part`); CI's two stacks run parts 1/2 and 2/2, so each of those runs once
+per CI run, on one stack, and every other test runs on both."""
+
+STACK_NEUTRAL = frozenset(
+    {
+        # the benchmarks' scripts, run as a user runs them (subprocesses, --quick): what
+        # they measure is the library's, which the modules below test on both stacks
+        "tests/guarantees/test_benchmarks.py",
+        # examples/ run as scripts: their library calls are tested on both stacks
+        "tests/guarantees/test_examples.py",
+        # many objects and requests against a local S3 server (obstore's client)
+        "tests/_checkpoint/store/test_fetch.py",
+        # the docs site's build (mkdocs)
+        "tests/guarantees/test_docs.py",
+        # the command line's subprocesses and its image
+        "tests/_cli/test_cli.py",
+        "tests/_cli/test_png.py",
+        "tests/_cli/test_demo.py",
+    }
+)
+"""Test modules whose slow tests run on one of CI's stacks (:data:`SLOW_PART`): what
+they run depends on no jax or flax version beyond what the tests of the other modules,
+which run on both stacks, cover (values, tiles, multi-process runs on jax's distributed
+runtime, the adapters). Their fast tests run on both."""
+
+
+def slow_part(nodeid: str, n: int) -> int:
+    """The part (1 to ``n``) of :data:`SLOW_PART` a test belongs to, by its node id:
+    fixed, so a test runs on the same stack in every CI run, and the parts split the
+    tests, each in exactly one."""
+    return zlib.crc32(nodeid.encode()) % n + 1
 
 
 def examples(full: int, fast: int) -> int:

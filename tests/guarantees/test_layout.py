@@ -445,3 +445,54 @@ def test_no_encoding_imports_another_encoding():
         "meshinit._checkpoint.encodings.mxfp4.pairing (mxfp4) imports "
         "meshinit._checkpoint.encodings.fp8.pairing (fp8)"
     ]
+
+
+class _Item:
+    """What the tiers' hook reads of a collected test: its node id and its slow mark."""
+
+    def __init__(self, nodeid: str, slow: bool):
+        self.nodeid, self.slow = nodeid, slow
+
+    def get_closest_marker(self, name: str):
+        return object() if name == "slow" and self.slow else None
+
+
+def test_cis_slow_parts_run_each_stack_neutral_slow_test_on_exactly_one_stack(monkeypatch):
+    import types
+
+    import conftest
+    from helpers import STACK_NEUTRAL
+
+    neutral = sorted(STACK_NEUTRAL)
+    items = [
+        _Item(f"{m}::test_{i}[{c}]", slow)
+        for m in neutral
+        for i in range(9)
+        for c in "ab"
+        for slow in (True, False)
+    ]
+    items += [_Item(f"tests/test_nnx.py::test_{i}", True) for i in range(9)]  # both stacks
+    kept = []
+    for k in (1, 2):
+        gone: list = []
+        config = types.SimpleNamespace(
+            option=types.SimpleNamespace(markexpr="", file_or_dir=["tests"]),
+            hook=types.SimpleNamespace(
+                pytest_deselected=lambda items, gone=gone: gone.extend(items)
+            ),
+        )
+        monkeypatch.setattr(conftest, "TIER", "all")
+        monkeypatch.setattr(conftest, "SLOW_PART", (k, 2))
+        part = list(items)
+        conftest.pytest_collection_modifyitems(config, part)
+        assert gone and all(i.slow and i.nodeid.split("::")[0] in STACK_NEUTRAL for i in gone)
+        assert {id(i) for i in gone} | {id(i) for i in part} == {id(i) for i in items}
+        kept.append({id(i) for i in part})
+    split = {id(i) for i in items if i.slow and i.nodeid.split("::")[0] in STACK_NEUTRAL}
+    assert kept[0] & kept[1] == {id(i) for i in items} - split  # the rest on both stacks
+    assert kept[0] | kept[1] == {id(i) for i in items}  # and each split test on one
+    # unset (a developer's MESHINIT_TESTS=all), and in the fast tier, nothing is split
+    monkeypatch.setattr(conftest, "SLOW_PART", (1, 1))
+    part = list(items)
+    conftest.pytest_collection_modifyitems(config, part)
+    assert len(part) == len(items)
