@@ -492,7 +492,7 @@ def test_cis_slow_parts_run_each_stack_neutral_slow_test_on_exactly_one_stack(mo
     split = {id(i) for i in items if i.slow and i.nodeid.split("::")[0] in STACK_NEUTRAL}
     assert kept[0] & kept[1] == {id(i) for i in items} - split  # the rest on both stacks
     assert kept[0] | kept[1] == {id(i) for i in items}  # and each split test on one
-    # unset (a developer's MESHINIT_TESTS=all), and in the fast tier, nothing is split
+    # MESHINIT_SLOW_PART unset (a developer's MESHINIT_TESTS=all): nothing is split
     monkeypatch.setattr(conftest, "SLOW_PART", (1, 1))
     part = list(items)
     conftest.pytest_collection_modifyitems(config, part)
