@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -215,7 +216,14 @@ def test_a_peer_killed_at_a_reshard_fails_every_other_process_quickly(tmp_path, 
         step = found.get(label)
         assert step is not None, helpers.describe_worker(i, r)
         assert step["outcome"].startswith("PeerFailure"), (i, step)
-        assert "process 2 posted no outcome (killed, or hung)" in step["outcome"], (i, step)
+        # the killed process is named; a live peer slowed past agree.PEERS_S by a loaded
+        # machine (CI's four suites on 2 cores) is named beside it as "killed, or hung"
+        silent = re.search(
+            r"process ([\d, ]+) posted no outcome \(killed, or hung\)", step["outcome"]
+        )
+        assert silent is not None, (i, step)
+        named = {int(p) for p in silent.group(1).split(",")}
+        assert worker.FAILING in named and i not in named, (i, step)
         assert step["wrong"] == [], (i, step)
         assert step["ended"] - since < RAISE_S, (i, step["ended"] - since)
         print(f"{scenario}: process {i} raised {step['ended'] - since:.3f} s after the kill")
