@@ -65,6 +65,7 @@ import threading
 import time
 from pathlib import Path
 
+import fanout  # benchmarks/ is this script's first sys.path entry
 from export_model import hf_tensors, make, model_bytes, names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -319,28 +320,7 @@ def spawn(case: str, layers: int, where: str, skip: int, a, env: dict) -> list[d
         subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(port), *tail], **pipes)
         for r in range(PROCESSES)
     ]
-    results, failed = [], []
-    deadline = time.monotonic() + a.timeout
-    for rank, proc in enumerate(procs):
-        try:
-            out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:  # each worker prints its threads' stacks (faulthandler)
-                p.send_signal(signal.SIGUSR1)
-            time.sleep(2)
-            for p in procs:
-                p.kill()
-            tails = "\n".join(p.communicate()[1][-4000:] for p in procs)
-            raise RuntimeError(f"export: {case} ran past {a.timeout} s:\n{tails}") from None
-        if proc.returncode:
-            failed.append(f"worker {rank} exited {proc.returncode}:\n{err[-3000:]}")
-        else:
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    if failed:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"export: {case} at {layers} layers failed:\n" + "\n".join(failed))
-    return sorted(results, key=lambda r: r["rank"])
+    return fanout.collect(procs, a.timeout, f"export: {case} at {layers} layers")
 
 
 def measure(a) -> dict:

@@ -277,9 +277,10 @@ def spawn(
 
 
 def collect(procs: list[subprocess.Popen], timeout: float, what: str) -> list[dict]:
-    """The workers' results (each worker's last line of output, JSON), each with its
-    rank; a worker's failure raised with the tail of its stderr. Past ``timeout`` each
-    worker prints its threads' stacks (faulthandler, on SIGUSR1) before it is killed."""
+    """The workers' results (each worker's last line of output, JSON: a list of results
+    or one), each with its rank; a worker's failure raised with the tail of its stderr.
+    Past ``timeout`` each worker prints its threads' stacks (faulthandler, on SIGUSR1)
+    before it is killed."""
     results, failed = [], []
     deadline = time.monotonic() + timeout
     try:
@@ -297,13 +298,14 @@ def collect(procs: list[subprocess.Popen], timeout: float, what: str) -> list[di
             if proc.returncode:
                 failed.append(f"worker {rank} exited {proc.returncode}:\n{err[-3000:]}")
             else:
-                results += [dict(r, rank=rank) for r in json.loads(out.strip().splitlines()[-1])]
+                got = json.loads(out.strip().splitlines()[-1])
+                results += [dict(r, rank=rank) for r in (got if isinstance(got, list) else [got])]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     if failed:
-        raise RuntimeError("\n".join(failed))
+        raise RuntimeError(f"{what} failed:\n" + "\n".join(failed))
     return results
 
 
