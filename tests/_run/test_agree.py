@@ -127,6 +127,31 @@ def test_a_fact_that_differs_is_a_plan_error_naming_every_process_value(store):
     assert failed["error"].startswith("PlanError") and failed["left"] is False
 
 
+def test_a_peer_that_refused_the_facts_between_two_reads_gives_the_plan_error(store):
+    # The interleaving CI met with 4 processes: this process reads the posts before the
+    # peer's, the peer then posts its facts, compares, fails with the PlanError, and
+    # posts that failure, which this process reads next. Every post is in by then, so
+    # this process raises the same PlanError, not a PeerFailure quoting it.
+    n = number()
+    first = f"{agree.PREFIX}/{n}/0/"
+    read = store.key_value_dir_get
+    late: list[str] = []
+
+    def arrives_after_the_first_read(prefix):
+        found = read(prefix)
+        if prefix == first and not late:
+            late.append(prefix)
+            peer(store, n, 0, "load: inputs", {"max_inflight_bytes": "1048576"})
+            peer_failed(store, n, "PlanError: load: the processes disagree on ...")
+        return found
+
+    store.key_value_dir_get = arrives_after_the_first_read
+    with pytest.raises(PlanError, match="process 0: 1073741824, process 1: 1048576"):
+        with agree.collective("load"):
+            agree.checkpoint("load", "inputs", {"max_inflight_bytes": "1073741824"})
+    assert late, "the peer's post came after this process's first read"
+
+
 def test_processes_at_different_agreements_are_refused(store):
     n = number()
     peer(store, n, 0, "load: batch 3 (2 items, sha256 ab)")
