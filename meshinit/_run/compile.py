@@ -83,7 +83,8 @@ def default_cpu_options() -> dict[str, Any]:
 
 
 # jax's persistent compilation cache. Every compile of meshinit's (the spec path, the
-# constructor engine and its fallback, optax's steps) runs in compile_lowered, which
+# constructor engine and its fallback, optax's steps, and the checkpoint's: a load's
+# dequantization and fan-out reshards, an export's) runs in compile_lowered, which
 # lowers jax's thresholds for that compile only (compat.persist_every_compile, in the
 # compiling thread: the user's own jits keep jax's 1 s). So where the user configured
 # the cache (jax_compilation_cache_dir), a restart reads every program back instead of

@@ -161,7 +161,9 @@ def options(
     host_eval_bytes: int | None = None,
     tile_bytes: int | None = None,
 ) -> Iterator[None]:
-    """Sets how ``materialize`` and the adapters' ``init`` compile, for a block.
+    """Sets how ``materialize``, the adapters' ``init`` and the checkpoint's programs
+    (``meshinit.safetensors.load``'s dequantization and fan-out reshards,
+    ``meshinit.safetensors.save``'s) compile, for a block.
 
     Nestable; an inner block overrides only what it sets. Values, shardings and
     placement never depend on these: only compile time, run time and the number of

@@ -374,11 +374,38 @@ RESTART = textwrap.dedent(
         with meshinit.options(compiler_options={"xla_backend_optimization_level": 2}):
             return spec_path()
 
+    def fp8_load():  # a float8 checkpoint with block scales, dequantized on the devices
+        import ml_dtypes, tempfile
+        from safetensors.numpy import save_file
+
+        folder = tempfile.mkdtemp()
+        rng = np.random.default_rng(0)
+        w = (rng.standard_normal((256, 384)) * 40).astype(ml_dtypes.float8_e4m3fn)
+        s = rng.uniform(1e-4, 1e-2, (2, 3)).astype(np.float32)
+        save_file({"w": w, "w_scale_inv": s}, os.path.join(folder, "model.safetensors"))
+        config = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"quantization_config": config}, f)
+        zeros, axes = jax.nn.initializers.zeros, ("fsdp", "tensor")
+        w = meshinit.param((256, 384), zeros, dtype=jnp.bfloat16, axes=axes, mesh=mesh)
+        return meshinit.safetensors.load(meshinit.plan({"w": w}), folder)
+
+    def export():  # a sharded array written as safetensors
+        import tempfile
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        x = np.arange(512, dtype=np.float32).reshape(16, 32)
+        x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("fsdp", "tensor")))
+        out = os.path.join(tempfile.mkdtemp(), "out")
+        meshinit.safetensors.save({"x": x}, out, names={"x": "x"})
+        from safetensors.numpy import load_file
+        return load_file(os.path.join(out, "model.safetensors"))
+
     def user_jit():  # the user's own jit of a program compiled in far under 1 s
         return {"y": jax.jit(lambda x: x * 3 + 1)(np.ones(4, np.float32))}
 
     parts = dict(spec=spec_path, nnx=nnx_init, linen=linen_init, options=other_options,
-                 user=user_jit)
+                 user=user_jit, fp8=fp8_load, export=export)
     entries = lambda: set(os.listdir(where)) if where and os.path.isdir(where) else set()
     result = {}
     for name in sys.argv[2:]:
@@ -413,18 +440,19 @@ def restart(cache: str, *parts: str) -> dict:
 
 
 INITS = ("spec", "nnx", "linen")
+CHECKPOINTS = ("fp8", "export")  # a load's dequantization, an export's programs
 
 
 @pytest.fixture(scope="module")
 def restarted(tmp_path_factory):
     """Two processes on one cache directory: the first fills it, the second restarts."""
     cache = str(tmp_path_factory.mktemp("jax-cache"))
-    first = restart(cache, *INITS, "user")
-    second = restart(cache, *INITS, "options")
+    first = restart(cache, *INITS, *CHECKPOINTS, "user")
+    second = restart(cache, *INITS, *CHECKPOINTS, "options")
     return first, second
 
 
-@pytest.mark.parametrize("part", INITS)
+@pytest.mark.parametrize("part", INITS + CHECKPOINTS)
 def test_a_restarted_process_reads_every_program_back_and_makes_the_same_bits(restarted, part):
     first, second = restarted
     made, again = first[part], second[part]

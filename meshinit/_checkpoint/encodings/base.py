@@ -1,8 +1,9 @@
 """What every encoding shares, so that none imports another: the one protocol each
 implements (:class:`Encoding`, found through :mod:`.registry`), how a decoding program
-is compiled once when several threads reach it (:func:`alone`), the per-device
-arguments of a program that decodes each device's own block (:func:`by_device`,
-:func:`per_device`), and a refusal of repeated layers as one (:func:`collapsed`).
+is compiled (:func:`run`: as every compile of meshinit's, once when several threads
+reach it), the per-device arguments of a program that decodes each device's own block
+(:func:`by_device`, :func:`per_device`), and a refusal of repeated layers as one
+(:func:`collapsed`).
 
 An encoding is how stored bytes encode a parameter's values (float8 with block scales,
 MXFP4). The read flow never names one: it asks each in the registry's order, at plan
@@ -26,8 +27,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from ... import _caches
 from ..._errors import Problem
 from ..._format import index_ranges, some
+from ..._run import compile as _compile
 from ..layout import host as _host
 from ..store.source import Stored
 
@@ -113,6 +116,8 @@ class Encoding:
 
 _ALONE: dict[int, threading.Lock] = {}
 _ALONE_GUARD = threading.Lock()
+_COMPILED_GUARD = threading.Lock()
+_compiled = _caches.lru("compiled decoding programs", 256, _COMPILED_GUARD)
 
 
 def alone(program: Any) -> threading.Lock:
@@ -120,6 +125,24 @@ def alone(program: Any) -> threading.Lock:
     call of the same program waits for that compile rather than compiling it again."""
     with _ALONE_GUARD:
         return _ALONE.setdefault(id(program), threading.Lock())
+
+
+def run(program: Any, mesh: jax.sharding.Mesh, *args: Any) -> Any:
+    """``program(*args)`` (a ``jax.jit`` of a decoding), compiled as every compile of
+    meshinit's (:func:`meshinit._run.compile.compile_lowered`: the platform's options,
+    or the caller's ``meshinit.options(compiler_options=...)``, and kept in jax's
+    persistent compilation cache where one is set, so a restarted load reads it back),
+    once per signature of its arguments, while other threads wait (:func:`alone`)."""
+    leaves = jax.tree.leaves(args)
+    key = _compile.full_key((program, tuple((a.shape, str(a.dtype), a.sharding) for a in leaves)))
+    with alone(program):
+        with _COMPILED_GUARD:
+            found = _compiled.get(key)
+        if found is None:
+            found = _compile.compile_lowered(program.lower(*args), mesh)
+            with _COMPILED_GUARD:
+                _compiled.put(key, found)
+    return found(*args)
 
 
 def by_device(held: dict[Any, Any], entry: Any, stage: Any) -> dict[Any, Any]:

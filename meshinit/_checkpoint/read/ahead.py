@@ -3,9 +3,9 @@
 A dequantized parameter's :meth:`~meshinit._checkpoint.layout.host.Parts.whole` gives a callable
 that runs its program over the blocks already on the devices: called on a worker
 thread, XLA compiles that program (about a second on a TPU) while the host reads
-the next parameter's blocks, and several programs compile at once.
-:func:`meshinit._checkpoint.encodings.base.alone`
-keeps two threads from compiling one program twice.
+the next parameter's blocks, and several programs compile at once, each with the
+load's ``meshinit.options``. :func:`meshinit._checkpoint.encodings.base.run` keeps two
+threads from compiling one program twice.
 
 The finish step of the read flow: what it gives back, :mod:`.loop` hands on to the
 reshard step. A staged dequantized parameter (fan-out) passes through it as its stored
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextvars
 from typing import Any
 
 import jax
@@ -44,7 +45,9 @@ class Ahead:
             return [(job, made)]
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(AHEAD, "meshinit-finish")
-        self._pending.append((job, self._pool.submit(made)))
+        # with the load's options (a context variable) in the worker thread, where
+        # the program compiles
+        self._pending.append((job, self._pool.submit(contextvars.copy_context().run, made)))
         return self.settle(AHEAD)
 
     def settle(self, most: int) -> list[tuple[Any, jax.Array]]:

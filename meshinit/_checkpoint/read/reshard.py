@@ -19,19 +19,21 @@ the multi-process tests inject their faults there.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import math
 import threading
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ... import _caches
 from ..._plan.entries import PlanEntry
 from ..._run import agree as _agree
+from ..._run import compile as _compile
 from ..encodings import keys as _keys
 from ..layout.host import Gathered, resolved
 from . import route as _route
@@ -58,13 +60,16 @@ def program(entry: PlanEntry, stage: Stage, staged: Any) -> Any:
     if not any(_staging.process_of(d) == jax.process_index() for d in sharding.device_set):
         return None
     twin = NamedSharding(stage.sharding.mesh, sharding.spec, memory_kind=sharding.memory_kind)
-    key = (stage, twin, shape, str(staged.dtype))
+    key = _compile.full_key((stage, twin, shape, str(staged.dtype)))
     with _lock:
         compiled = _reshards.get(key)
     if compiled is None:
         with jax.set_mesh(stage.sharding.mesh):  # type: ignore[arg-type]  # over a user's
             jitted = jax.jit(_cut(stage, shape, twin), out_shardings=twin)
-            compiled = jitted.lower(staged).compile()
+            # as every compile of meshinit's: the platform's options, and kept in
+            # jax's persistent compilation cache where one is set (a restart reads it)
+            mesh = cast(Mesh, stage.sharding.mesh)  # a staging mesh is made of devices
+            compiled = _compile.compile_lowered(jitted.lower(staged), mesh)
         with _lock:
             _reshards.put(key, compiled)
     return compiled
@@ -214,7 +219,8 @@ class Resharder:
             spec = jax.ShapeDtypeStruct(stage.shape, entry.spec.dtype, sharding=stage.sharding)
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, "meshinit-reshards")
-            future = self._pool.submit(program, entry, stage, spec)
+            # with this call's options (a context variable) in the worker thread
+            future = self._pool.submit(contextvars.copy_context().run, program, entry, stage, spec)
             self._ahead[entry.path] = (str(spec.dtype), future)
 
     def _program(self, entry: PlanEntry, stage: Stage, staged: jax.Array) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ... import _caches
+from ..._run import compile as _compile
 from ..encodings.fp8 import encode as _fp8
 from ..layout.recipe import Recipe
 from . import files as _files
@@ -109,10 +110,14 @@ def program(work: Work, inputs: tuple[jax.Array, ...]) -> Any:
         outs = (*outs, gathered(work.devices, ()))
     at = tuple(jax.ShapeDtypeStruct((), jnp.int32) for _ in work.recipe.at)
     key = (make, tuple((a.shape, str(a.dtype), a.sharding) for a in inputs), outs, len(at))
-    compiled = programs.get(key)
+    full = _compile.full_key(key)
+    compiled = programs.get(full)
     if compiled is None:
-        compiled = jax.jit(make, out_shardings=outs).lower(inputs, at).compile()
-        programs.put(key, compiled)
+        lowered = jax.jit(make, out_shardings=outs).lower(inputs, at)
+        # as every compile of meshinit's: the platform's options, and kept in jax's
+        # persistent compilation cache where one is set (a restarted export reads it)
+        compiled = _compile.compile_lowered(lowered, cast(Mesh, outs[0].mesh))
+        programs.put(full, compiled)
     return compiled
 
 

@@ -213,3 +213,21 @@ def test_the_reshards_compile_on_a_worker_thread_while_the_shares_are_read(
     assert {name.rsplit("_", 1)[0] for _, name in threads} == {"meshinit-reshards"}, threads
     for path, want in tensors.items():
         same_bits(staged[path], want, path)
+
+
+def test_the_reshards_compile_with_the_callers_compiler_options(tmp_path, fsdp_spans_processes):
+    # compiled as every compile of meshinit's (compile_lowered), on the worker thread
+    # with the options of the block that called load: XLA is handed the option it
+    # names, and rejects it
+    rng = np.random.default_rng(70)
+    tensors = {f"l.{i}": rng.standard_normal((7, 8)).astype(np.float32) for i in range(2)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    plan = plan_of({f"l.{i}": ((7, 8), (None, "tensor")) for i in range(2)}, mesh=mesh8())
+    meshinit.clear_cache()
+    with meshinit.options(compiler_options={"xla_meshinit_no_such_option": True}):
+        with pytest.raises(Exception, match="xla_meshinit_no_such_option"):
+            loaded(tmp_path / "m.safetensors", plan)
+    assert len(reshard._reshards) == 0
+    staged, _ = loaded(tmp_path / "m.safetensors", plan)  # outside the block: meshinit's
+    for path, want in tensors.items():
+        same_bits(staged[path], want, path)

@@ -491,3 +491,16 @@ def test_a_destination_that_is_no_folder_or_an_unknown_scheme_is_refused(tmp_pat
         meshinit.safetensors.save(arrays, tmp_path / "file")
     with pytest.raises(TypeError, match="not hf://"):
         meshinit.safetensors.save(arrays, "hf://org/model")
+
+
+def test_the_export_compiles_with_the_callers_compiler_options(tmp_path):
+    # compiled as every compile of meshinit's (compile_lowered): XLA is handed the
+    # option the caller's block names, and rejects it; outside it, meshinit's own
+    mesh = xy_mesh((2, 4), False)
+    w = jax.device_put(_random((16, 32), np.float32, 7), NamedSharding(mesh, P("x", "y")))
+    meshinit.clear_cache()
+    with meshinit.options(compiler_options={"xla_meshinit_no_such_option": True}):
+        with pytest.raises(Exception, match="xla_meshinit_no_such_option"):
+            meshinit.safetensors.save({"w": w}, tmp_path / "refused", names={"w": "w"})
+    meshinit.safetensors.save({"w": w}, tmp_path / "out", names={"w": "w"})
+    _same_files(tmp_path / "out", {"w": np.asarray(w)})

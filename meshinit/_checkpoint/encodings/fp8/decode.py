@@ -311,8 +311,7 @@ class QuantParts(_host.Parts):
         path = entry.path
 
         def finish() -> jax.Array:  # on a worker thread (.ahead): compiles while reading
-            with _base.alone(run):
-                got = run(raw, *args)
+            got = _base.run(run, mesh, raw, *args)
             if not check:
                 return got
             got, fits = got

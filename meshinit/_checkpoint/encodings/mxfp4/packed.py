@@ -147,8 +147,7 @@ def gathered(parts: Any, shape: Any, sharding: Any, shards: list[jax.Array]) -> 
         run = program(key, work, planned, mesh, spec)
 
         def finish() -> jax.Array:  # on a worker thread (.ahead)
-            with _base.alone(run):
-                made = run(got)
+            made = _base.run(run, mesh, got)
             return planned_as(made, entry.spec.shape, entry.sharding)
 
         return finish

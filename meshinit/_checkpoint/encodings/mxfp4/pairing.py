@@ -423,8 +423,7 @@ class MxParts(_host.Parts):
         self._held.clear()
 
         def finish() -> jax.Array:  # on a worker thread (.ahead): compiles while reading
-            with _base.alone(run):
-                got = run(raw, exps, offsets)
+            got = _base.run(run, mesh, raw, exps, offsets)
             return planned_as(got, shape, sharding)
 
         return finish

@@ -865,3 +865,19 @@ def test_two_processes_each_dequantize_the_blocks_their_devices_hold(tmp_path):
         got = json.loads(out.strip().splitlines()[-1])
         layouts = ("split", "replicated", "transposed", "fused", "mxfp4 split", "mxfp4 replicated")
         assert got == {k: [True] * 4 for k in layouts}, got
+
+
+def test_the_dequantization_compiles_with_the_callers_compiler_options(tmp_path):
+    # compiled as every compile of meshinit's (compile_lowered), on the worker thread
+    # (.ahead) with the options of the block that called load: XLA is handed the
+    # option it names, and rejects it; outside the block, meshinit's own options
+    rng = np.random.default_rng(70)
+    w, s = fp8_pair(rng, (256, 384))
+    folder = write(tmp_path, {"w": w, "w_scale_inv": s})
+    plan = plan_on(xy_mesh((2, 4), False), {"w": w.shape}, jnp.bfloat16)
+    meshinit.clear_cache()
+    with meshinit.options(compiler_options={"xla_meshinit_no_such_option": True}):
+        with pytest.raises(Exception, match="xla_meshinit_no_such_option"):
+            st.load(plan, folder)
+    got = st.load(plan, folder)["w"]
+    assert (bits(got) == bits(weight_dequant(w, s))).all()

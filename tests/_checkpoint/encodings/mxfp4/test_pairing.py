@@ -455,3 +455,19 @@ def test_a_value_outside_the_view_in_a_group_it_reads_is_not_checked(tmp_path, s
         got = st.load(plan, folder, names=view)["w"]
         want = convert_moe_packed_tensors(held, scales, np.float64)[:, :48].astype(np.float16)
         assert (bits(got) == bits(want)).all()
+
+
+def test_the_dequantization_compiles_with_the_callers_compiler_options(tmp_path):
+    # as FP8's (tests/_checkpoint/encodings/fp8/test_pairing.py): the caller's options
+    # reach the compile on the worker thread
+    rng = np.random.default_rng(70)
+    blocks, scales = mx_pair(rng, (4, 24, 6, 16))
+    name = "model.layers.0.mlp.experts.down_proj"
+    folder = write(tmp_path, {f"{name}_blocks": blocks, f"{name}_scales": scales})
+    plan = plan_on(xy_mesh((2, 4), False), {name: (4, 192, 24)}, jnp.bfloat16, ("x", None, "y"))
+    meshinit.clear_cache()
+    with meshinit.options(compiler_options={"xla_meshinit_no_such_option": True}):
+        with pytest.raises(Exception, match="xla_meshinit_no_such_option"):
+            st.load(plan, folder)
+    got = st.load(plan, folder)[name]
+    assert (bits(got) == bits(convert_moe_packed_tensors(blocks, scales))).all()
