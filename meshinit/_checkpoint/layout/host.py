@@ -68,11 +68,12 @@ class Part:
     """A stored tensor viewed as a part of the parameter, in its file's mapping: the
     slice, the reshape and the transpose are views, so a block touches only its own
     bytes. Its own pages of the mapping are released (``MADV_DONTNEED``; they stay in
-    the page cache) once blocks of ``RELEASE_BYTES`` have been read from it since the
-    last release. Not after every block: the kernel maps a block's neighbours with
-    it, and a block's release would drop the next block's pages too (measured: 1.3x
-    the load's time); nor the whole mapping at once, which would drop the other
-    parts' pages (a stacked parameter's layers)."""
+    the page cache) once the parameter's parts have read ``RELEASE_BYTES`` since the
+    last release (:meth:`Parts.reading`): a stack of parts smaller than that lets go
+    of those already in its block as it reads the next. Not after every block: the
+    kernel maps a block's neighbours with it, and a block's release would drop the
+    next block's pages too (measured: 1.3x the load's time); nor the whole mapping at
+    once, which would drop the other parts' pages (a stacked parameter's layers)."""
 
     def __init__(
         self,
@@ -142,8 +143,8 @@ class Part:
         return block
 
     def release(self, mapped: Any, base: int) -> None:
-        """Drops its pages of ``mapped`` if enough were read since the last time."""
-        if self._read >= RELEASE_BYTES and hasattr(mapped, "madvise"):
+        """Drops its pages of ``mapped`` (those read since the last time)."""
+        if self._read and hasattr(mapped, "madvise"):
             self._read = 0
             low, high = self.pages[0] - base, self.pages[1] - base
             mapped.madvise(mmap.MADV_DONTNEED, low, high - low)
@@ -186,6 +187,9 @@ class Parts:
             for path, (start, end) in spans.items()
         }
         self._open: collections.OrderedDict[Source, tuple[Any, int]] = collections.OrderedDict()
+        self._dirty: dict[int, Part] = {}  # the local parts read since the last release
+        self._since = 0  # their bytes
+        self._last: tuple[Part, int] | None = None  # the part being read, and its count
         fetched = {}
         for file, (base, end) in self._spans.items():
             if file.fetched:  # anonymous: filled by ranged reads
@@ -246,9 +250,49 @@ class Parts:
         return _blocks.block(
             self.job.node,
             index,
-            lambda leaf, at: self.parts[id(leaf)].block(at),
+            lambda leaf, at: self.reading(leaf).block(at),
             self.job.entry.spec.dtype,
         )
+
+    def reading(self, leaf: _blocks.Leaf) -> Part:
+        """The part ``leaf`` is about to be read from. The parts read before it are in
+        the block by now (a joined block copies each part's as it is read): once they
+        read ``RELEASE_BYTES`` since the last release, their pages go, so a block
+        stacked from many parts never has all their pages mapped beside it."""
+        self._settle(RELEASE_BYTES)
+        part = self.parts[id(leaf)]
+        if not leaf.stored.file.fetched:
+            self._dirty[id(leaf)] = part
+            self._last = (part, part._read)
+        return part
+
+    def _settle(self, least: int) -> None:
+        """Releases the pages of the local parts read since the last release, once
+        they read at least ``least`` bytes (a mapping let go since has none left)."""
+        if self._last is not None:
+            part, before = self._last
+            self._since += part._read - before
+            self._last = None
+        if self._since < least:
+            return
+        for part in self._dirty.values():
+            if part.leaf.stored.file in self._open:
+                part.release(*self._open[part.leaf.stored.file])
+        self._dirty.clear()
+        self._since = 0
+
+    def place(
+        self, key: Any, index: tuple[slice, ...], devices: list[Any], memory_kind: str | None
+    ) -> list[jax.Array]:
+        """The block at ``index`` read and placed on ``devices``: the arrays made (one
+        per device; a staging block's, zero-padded to its bounds ``key``)."""
+        block = self.block(index)
+        stage = self.job.stage
+        if stage is not None and (pad := stage.real(tuple(slice(*b) for b in key))[1]):
+            widths = [(0, 0)] * block.ndim
+            widths[stage.axis] = (0, pad)
+            block = np.pad(block, widths)
+        return copies(block, devices, memory_kind)
 
     def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> Made:
         """The parameter's array from its placed blocks; or, where a program must run
@@ -260,9 +304,7 @@ class Parts:
         """The block at ``index`` is on its devices as ``arrays``: the parts' read
         pages go (a local file's stay in the page cache; a remote chunk's once the
         devices hold every block of it)."""
-        for part in self.parts.values():
-            if part.leaf.stored.file in self._open:
-                part.release(*self._open[part.leaf.stored.file])
+        self._settle(RELEASE_BYTES)
         read, self._tally[0] = self._tally[0], 0
         if read:
             self._update(read)
@@ -309,7 +351,8 @@ def holders(
 def array(entry: PlanEntry, pieces: Parts) -> Made:
     """The entry's array, one block at a time: each distinct block of this process's
     devices is read once onto the first device that holds it, copied from there to the
-    others, and dropped, so the host holds at most one block beside the arrays. No
+    others, and dropped, so the host holds at most one block beside the arrays (a
+    dequantized parameter's large block: one slice of it, its ``place``). No
     array keeps the loader's memory (:func:`put`). With fan-out (the job's stage),
     the staging array: each staging block's part of the entry, zero-padded."""
     stage = pieces.job.stage
@@ -320,21 +363,8 @@ def array(entry: PlanEntry, pieces: Parts) -> Made:
         held = holders(entry, stage)
         for key in pieces.order(held):
             index, devices = held[key]
-            block = pieces.block(index)
-            if stage is not None and (pad := stage.real(tuple(slice(*b) for b in key))[1]):
-                widths = [(0, 0)] * block.ndim
-                widths[stage.axis] = (0, pad)
-                block = np.pad(block, widths)
-            first = None
-            made = []
-            for device in devices:
-                where = jax.sharding.make_single_device_sharding(
-                    device, memory_kind=sharding.memory_kind
-                )
-                made.append(put(block, where) if first is None else jax.device_put(first, where))
-                first = made[0]
+            made = pieces.place(key, index, devices, sharding.memory_kind)
             shards += made
-            del block, first
             pieces.placed(index, made)
         # dtype: a process whose devices hold none of it passes no shards to tell it
         return pieces.whole(shape, sharding, shards)
@@ -342,6 +372,21 @@ def array(entry: PlanEntry, pieces: Parts) -> Made:
         for s in shards:
             s.delete()
         raise
+
+
+def copies(block: np.ndarray, devices: list[Any], memory_kind: str | None) -> list[jax.Array]:
+    """``block`` on each of ``devices``: read onto the first (:func:`put`), copied from
+    there to the others."""
+    made: list[jax.Array] = []
+    try:
+        for device in devices:
+            where = jax.sharding.make_single_device_sharding(device, memory_kind=memory_kind)
+            made.append(put(block, where) if not made else jax.device_put(made[0], where))
+    except BaseException:
+        for array in made:
+            array.delete()
+        raise
+    return made
 
 
 def put(block: np.ndarray, where: jax.sharding.Sharding) -> jax.Array:

@@ -10,11 +10,9 @@ dtypes; the block's offsets in the stored tensor are arguments) computes DeepSee
 rounded to float32, then to the planned dtype. A block that cuts through a scale
 block, or reaches a ragged last block, takes its scales from the same rule.
 
-The geometry of a view (:func:`geometry`): each axis of a leaf's transposed view
-moves ``dr`` stored rows or ``dc`` stored columns per step (an axis that does both, a
-merge of rows into columns, is refused at plan time). A :class:`Stack` of such leaves
-with equal geometry adds axes that move between leaves: every leaf a block reaches is
-read at the same index, so one origin serves them all.
+Where each element's stored row and column are (:mod:`.geometry`), which scales a
+block may read (:mod:`.checks`), and how a large block is placed in slices
+(:mod:`.slices`) are modules of their own.
 """
 
 from __future__ import annotations
@@ -26,72 +24,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from .... import _caches
-from ...._errors import PlanError, Problem, printable
+from ...._errors import PlanError, Problem
 from ...layout import blocks as _blocks
 from ...layout import host as _host
 from ...store.header import READABLE
 from .. import base as _base
+from . import checks as _checks
 from . import remote_scales as _scales
-
-Axis = tuple[int, int, int]  # per step: leaves, stored rows, stored columns
-
-
-def geometry(leaf: _blocks.Leaf) -> tuple[tuple[int, int], list[tuple[int, int]]] | str:
-    """The stored (row, column) of the view's first element and, per axis of the
-    transposed view, the (rows, columns) one step moves; or why the view mixes rows
-    and columns in one axis. Worked out on a strided stand-in: no memory is read."""
-    rows, cols = leaf.stored.shape
-    base = np.zeros(1, np.uint8)
-    fake = np.lib.stride_tricks.as_strided(base, (rows, cols), (cols, 1), writeable=False)
-    view = fake[leaf.index] if leaf.index else fake
-    try:
-        shaped = _viewed(view, leaf.shape)  # a view or an error, never a copy
-    except (AttributeError, ValueError):
-        return "its reshape cannot be followed as a view"
-    shaped = shaped.transpose(leaf.order)
-    start = shaped.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-    origin = (start // cols, start % cols) if cols else (0, 0)
-    steps, low, high = [], origin[1], origin[1]
-    for n, stride in zip(shaped.shape, shaped.strides, strict=True):
-        if n == 1 or cols == 0:
-            steps.append((0, 0))
-        elif stride % cols == 0:
-            steps.append((stride // cols, 0))
-        else:
-            steps.append((0, stride))
-            low, high = low + min(0, (n - 1) * stride), high + max(0, (n - 1) * stride)
-    if low < 0 or high >= max(cols, 1):
-        return "an axis of its view steps across stored rows and columns at once (a merge)"
-    return origin, steps
-
-
-def _viewed(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    try:
-        return array.reshape(shape, copy=False)  # type: ignore[call-overload,unused-ignore]
-    except TypeError:  # numpy < 2.1: setting the shape never copies either
-        shaped = array.view()
-        shaped.shape = shape
-        return shaped
-
-
-def axes(node: _blocks.Node, sizes: tuple[int, ...]) -> tuple[_blocks.Leaf, list[Axis]]:
-    """A leaf of ``node`` (all have its geometry) and each axis of a block of ``sizes``
-    as (leaves, rows, columns) per step, leaves counted in :func:`blocks.reached`'s
-    order."""
-    if isinstance(node, _blocks.Leaf):
-        got = geometry(node)
-        assert not isinstance(got, str)  # refused at plan time
-        return node, [(0, dr, dc) for dr, dc in got[1]]
-    assert isinstance(node, _blocks.Joined) and node.stacked  # refused at plan time
-    inner = sizes[: node.axis] + sizes[node.axis + 1 :]
-    leaf, found = axes(node.parts[0], inner)
-    per = math.prod(inner[k] for k, a in enumerate(found) if a[0]) or 1
-    found.insert(node.axis, (per, 0, 0))
-    return leaf, found
+from . import slices as _slices
+from .geometry import Axis, axes, geometry
 
 
 @dataclasses.dataclass
@@ -105,6 +49,7 @@ class Raw:
     signature: tuple[Any, ...]
     check: bool  # whether a product may overflow the planned dtype
     overflow: str  # what a product that overflows is refused with (the largest scale read)
+    cut: tuple[int, int] | None = None  # placed in slices: (axis, how many), else None
 
 
 Window = tuple[Any, tuple[int, int], tuple[int, int]]
@@ -132,6 +77,7 @@ class QuantParts(_host.Parts):
         self._held: dict[tuple[tuple[int, int], ...], Raw] = {}
         self._remote: _scales.Fetched | None = None
         self._unread = False  # whether _block keeps only the scales (the bytes: gathered)
+        self._slices: list[list[jax.Array]] = []  # placed in slices: each slice's arrays
         quants = [leaf.quant for leaf in _blocks.leaves(self.job.node)]
         if any(q.scale.file.fetched for q in quants):
             wanted = [  # of the planned blocks: staged, their scales are read as planned
@@ -179,7 +125,7 @@ class QuantParts(_host.Parts):
         return self._scales[held.name]
 
     def _raw(self, leaf: _blocks.Leaf, at: tuple[slice, ...]) -> np.ndarray:
-        part = self.parts[id(leaf)]
+        part = self.reading(leaf)
         block = _blocks.at(part.view, at)
         part._read += block.nbytes
         part._total[0] += block.nbytes
@@ -198,6 +144,42 @@ class QuantParts(_host.Parts):
         found = self._block(index)
         self._held[found.key] = found
         return found.raw
+
+    def place(
+        self, key: Any, index: tuple[slice, ...], devices: list[Any], memory_kind: str | None
+    ) -> list[jax.Array]:
+        """The block's stored bytes on ``devices``; a block of more than
+        :data:`~.slices.SLICE_BYTES` in slices (:func:`~.slices.cut`), each read and
+        placed in turn, the arrays of each slice kept for :meth:`whole`'s program."""
+        sizes = tuple(max(0, s.stop - s.start) for s in index)
+        stored = READABLE[_blocks.leaves(self.job.node)[0].stored.dtype]
+        at = _slices.cut(sizes, stored.itemsize) if self.job.stage is None else None
+        if at is None:
+            return super().place(key, index, devices, memory_kind)
+        if self.fetch is not None:
+            self.fetch.ready(index)
+        self._unread = True  # the scales and the signature, no bytes yet
+        try:
+            found = self._block(index)
+        finally:
+            self._unread = False
+        found.cut = at
+        self._held[found.key] = found
+        if not self._slices:
+            self._slices = [[] for _ in range(at[1])]
+        made: list[jax.Array] = []
+        try:
+            for k, piece in enumerate(_slices.pieces(index, at)):
+                block = self._bytes(self.job.node, piece, stored)
+                got = _host.copies(block, devices, memory_kind)
+                del block
+                made += got
+                self._slices[k] += got
+        except BaseException:
+            for array in made:
+                array.delete()
+            raise
+        return made
 
     def close(self) -> None:
         super().close()
@@ -253,15 +235,17 @@ class QuantParts(_host.Parts):
         (rb, nr), (cb, nc) = spans
         rects = np.stack([self._scale(p.quant)[rb : rb + nr, cb : cb + nc] for p, _ in reached])
         work = np.dtype(first.tensor.compute_dtype or entry.spec.dtype)
-        overflow = applied(reached, self._scale, stored, (work, planned), entry.path)
+        overflow = _checks.applied(reached, self._scale, stored, (work, planned), entry.path)
         shapes = (raw.shape, stored, rects.shape, rects.dtype, tuple(steps), (b0, b1))
         offsets = np.array((r0, c0, rb, cb), np.int32)
         args = (rects, offsets)
         return Raw(key, raw, args, (*shapes, work, planned), bool(overflow), overflow)
 
-    def program(self, signature: tuple[Any, ...], check: bool, sharding: Any) -> Any:
+    def program(
+        self, signature: tuple[Any, ...], check: bool, sharding: Any, at: Any = None
+    ) -> Any:
         mesh, spec = sharding.mesh, sharding.spec
-        return program(signature, check, mesh, spec, tuple(mesh.axis_names))
+        return program(signature, check, mesh, spec, tuple(mesh.axis_names), at)
 
     def whole(self, shape: Any, sharding: Any, shards: list[jax.Array]) -> _host.Made:
         """The parameter, dequantized: one program over the array of stored bytes,
@@ -296,8 +280,18 @@ class QuantParts(_host.Parts):
         blocks = _base.by_device(self._held, entry, None)
         made = list(blocks.values())
         signature = made[0].signature
-        assert all(b.signature == signature for b in made)  # one signature: even shards
-        raw = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+        at = made[0].cut
+        assert all((b.signature, b.cut) == (signature, at) for b in made)  # even shards
+        if at is None:
+            raws = [jax.make_array_from_single_device_arrays(shape, sharding, shards)]
+        else:  # each slice of every block, joined in the program
+            axis, count = at
+            part = (*shape[:axis], shape[axis] // count, *shape[axis + 1 :])
+            raws = [
+                jax.make_array_from_single_device_arrays(part, sharding, arrays)
+                for arrays in self._slices
+            ]
+            self._slices = []
         mesh = sharding.mesh
         n = math.prod(mesh.devices.shape)
         per = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
@@ -306,12 +300,12 @@ class QuantParts(_host.Parts):
             for k in range(len(made[0].args))
         ]
         check = any(b.check for b in made)
-        run = self.program(signature, check, sharding)
+        run = self.program(signature, check, sharding, at)
         self._held.clear()
         path = entry.path
 
         def finish() -> jax.Array:  # on a worker thread (.ahead): compiles while reading
-            got = _base.run(run, mesh, raw, *args)
+            got = _base.run(run, mesh, *raws, *args)
             if not check:
                 return got
             got, fits = got
@@ -329,105 +323,6 @@ class QuantParts(_host.Parts):
             return got
 
         return finish
-
-
-def read_blocks(leaf: _blocks.Leaf, at: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """The scale rows and columns (block indices, ascending) that the elements of
-    ``leaf``'s transposed view at ``at`` take their scales from: only those some
-    element reads, not the span between (a view that steps over a block skips it)."""
-    got = geometry(leaf)
-    assert not isinstance(got, str)  # refused at plan time
-    (r, c), moves = got
-    rows, cols = np.array([r], np.int64), np.array([c], np.int64)
-    for s, (dr, dc) in zip(at, moves, strict=True):
-        n = max(0, s.stop - s.start)
-        if not n:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        along = s.start + np.arange(n, dtype=np.int64)
-        rows = np.add.outer(rows, along * dr).ravel() if dr else rows
-        cols = np.add.outer(cols, along * dc).ravel() if dc else cols
-    b0, b1 = leaf.quant.block
-    return np.unique(rows // b0), np.unique(cols // b1)
-
-
-DAMAGED = (
-    "the file is damaged: download or convert it again (meshinit.safetensors.save "
-    "refuses such values too)"
-)
-
-
-def applied(
-    parts: Any, scale_of: Any, stored: Any, dtypes: tuple[np.dtype, np.dtype], path: str
-) -> str:
-    """Checks the block scales that a block reads (``parts``: each weight it reaches
-    and the index of its view, ``scale_of(quant)`` the scale tensor's values), only
-    those some element of the view reads, so that no sharding refuses what another
-    loads. Refuses a scale that is NaN or infinite (every value of its block would be
-    NaN or infinite: DeepSeek's ``weight_dequant`` loads IEEE's result, we refuse it
-    as a damaged file), and one so small that a product would be a float32 subnormal
-    (XLA flushes those to zero, the reference keeps them). Returns, where a stored
-    value times a scale may overflow the narrower of ``dtypes`` (the compute and
-    planned dtypes), the refusal the program gives should one do (naming the largest
-    such scale read), else ""."""
-    smallest = 2.0**-126 / float(ml_dtypes.finfo(stored).smallest_subnormal)
-    narrow = min(dtypes, key=lambda t: float(ml_dtypes.finfo(t).max))
-    limit = float(ml_dtypes.finfo(narrow).max) / float(ml_dtypes.finfo(stored).max)
-    problems, top = [], None
-    seen: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # a Stack's leaves: one geometry
-    for leaf, at in parts:
-        key = (
-            leaf.stored.shape, leaf.shape, leaf.order, leaf.quant.block,
-            tuple((s.start, s.stop, s.step) for s in (*leaf.index, *at)),
-        )  # fmt: skip
-        if key not in seen:
-            seen[key] = read_blocks(leaf, at)
-        rows, cols = seen[key]
-        if not rows.size or not cols.size:
-            continue
-        scale = leaf.quant.scale
-        values = np.abs(scale_of(leaf.quant)[np.ix_(rows, cols)].astype(np.float32))
-        where = f"of tensor {printable(leaf.stored.name)!r}"
-        held = f"in {printable(scale.name)!r} in {scale.file.name}"
-        for bad, why in (
-            (~np.isfinite(values), f": a scale that is not a finite "
-             f"number makes every value of its block NaN or infinite, as DeepSeek's "
-             f"weight_dequant would load them; {DAMAGED}"),
-            ((values > 0) & (values < smallest), f", below {smallest!r}: products would be "
-             f"float32 subnormals, which the device flushes to zero; dequantize this "
-             f"checkpoint on the host first"),
-        ):  # fmt: skip
-            if bad.any():
-                i, j = (int(k[0]) for k in np.nonzero(bad))
-                value = np.float32(scale_of(leaf.quant)[rows[i], cols[j]])
-                more = int(bad.sum()) - 1
-                also = f" (and {more} more of the blocks read)" if more else ""
-                said = f"block scale ({rows[i]}, {cols[j]}) {where} is {str(value)} {held}"
-                problems.append(Problem(path, f"{said}{also}{why}"))
-        finite = np.where(np.isfinite(values), values, 0)
-        k = np.unravel_index(int(np.argmax(finite)), finite.shape)
-        if finite[k] >= limit and (top is None or finite[k] > top[0]):
-            top = (float(finite[k]), leaf, scale, (int(rows[k[0]]), int(cols[k[1]])))
-    if problems:
-        raise PlanError(
-            problems, header="meshinit.safetensors.load: a block scale cannot be applied:"
-        )
-    if top is None:
-        return ""
-    _, leaf, scale, (r, c) = top
-    value = np.float32(scale_of(leaf.quant)[r, c])
-    if float(ml_dtypes.finfo(narrow).max) < float(ml_dtypes.finfo(np.float32).max):
-        fix = "plan float32" + (" or bfloat16" if narrow == np.float16 else "")
-    else:
-        fix = (
-            "no float is wider than float32: a scale that large is no weight's (a damaged "
-            "or misconverted file: download or convert it again), or plan the parameter "
-            "as float8 to load the stored values and its scale as a parameter of its own"
-        )
-    return (
-        f"tensor {printable(leaf.stored.name)!r} times its block scales overflows "
-        f"{narrow.name}: block scale ({r}, {c}) is {str(value)} in {printable(scale.name)!r}; "
-        f"{fix}"
-    )
 
 
 def _spread(
@@ -457,11 +352,19 @@ def _spread(
 
 @_caches.memo(256)
 def program(
-    signature: tuple[Any, ...], check: bool, mesh: Any, spec: Any, names: tuple[str, ...]
+    signature: tuple[Any, ...],
+    check: bool,
+    mesh: Any,
+    spec: Any,
+    names: tuple[str, ...],
+    at: tuple[int, int] | None = None,
 ) -> Any:
     """The compiled dequantization of one signature over the mesh: each device's
     block, scales and offsets are arguments, so every parameter of the signature
-    (every layer) shares it."""
+    (every layer) shares it. Placed in slices (``at``: the axis and how many), each
+    device's block comes as that many arguments, each dequantized with its part of
+    the block's scales, and the values joined (the TPU's compiler took 2-4x as long
+    over the float8 bytes joined first)."""
     sizes: tuple[int, ...]
     steps: tuple[Axis, ...]
     block: tuple[int, int]
@@ -471,28 +374,31 @@ def program(
     # rows and columns each move along one axis at most: gathered as slices
     separable = all(sum(1 for a in steps if a[c]) <= 1 for c in (1, 2))
 
-    def dequantized(raw: Any, rects: Any, offsets: Any) -> Any:
-        rects, offsets = rects[0], offsets[0]
-        raw = _base.stored_as(raw, stored)
+    def dequantized(*args: Any) -> Any:
+        rects, offsets = args[-2][0], args[-1][0]
         if separable:
-            scale = _spread(rects, offsets, raw.shape, steps, block)
+            scale = _spread(rects, offsets, sizes, steps, block)
         else:  # an element's scale gathered at its own (leaf, row, column)
             leaf, row, col = jnp.int32(0), offsets[0], offsets[1]
             for k, (dl, dr, dc) in enumerate(steps):
-                step = jax.lax.broadcasted_iota(jnp.int32, raw.shape, k)
+                step = jax.lax.broadcasted_iota(jnp.int32, sizes, k)
                 leaf, row, col = leaf + step * dl, row + step * dr, col + step * dc
             scale = rects[leaf, row // b0 - offsets[2], col // b1 - offsets[3]]
         scale = scale.astype(jnp.float32)
-        wide = raw.astype(jnp.float32) * scale  # rounded once to float32, as the reference
-        out = wide.astype(work).astype(planned)  # then to the planned dtype
+        outs, fits = [], []
+        for k, raw in enumerate(args[:-2]):
+            raw = _base.stored_as(raw, stored)
+            # rounded once to float32, as the reference; then to the planned dtype
+            wide = raw.astype(jnp.float32) * _slices.part(scale, k, at)
+            out = wide.astype(work).astype(planned)
+            outs.append(out)
+            fits.append(jnp.all(jnp.isfinite(out) | ~jnp.isfinite(raw)))  # in work, planned
+        out = outs[0] if at is None else jnp.concatenate(outs, axis=at[0])
         if not check:
             return out
-        fits = jnp.all(jnp.isfinite(out) | ~jnp.isfinite(raw))  # in work and planned
-        return out, fits[None]
+        return out, jnp.all(jnp.stack(fits))[None]
 
     outs = (spec, P(names)) if check else spec
-    mapped = jax.shard_map(
-        dequantized, mesh=mesh, in_specs=(spec, P(names), P(names)), out_specs=outs,
-        check_vma=False,
-    )  # fmt: skip
+    specs = (*_slices.specs(spec, at), P(names), P(names))
+    mapped = jax.shard_map(dequantized, mesh=mesh, in_specs=specs, out_specs=outs, check_vma=False)
     return jax.jit(mapped)

@@ -46,7 +46,9 @@ from .... import _caches
 from ...layout import blocks as _blocks
 from ...store.header import READABLE
 from .. import base as _base
+from . import checks as _checks
 from . import decode as _dequant
+from . import slices as _slices
 from . import tiles as _tiles
 
 
@@ -164,16 +166,18 @@ class TileParts(_dequant.QuantParts):
         padded[tuple(slice(0, n) for n in cells.shape)] = cells
         work = np.dtype(first.tensor.compute_dtype or entry.spec.dtype)
         weights_read = [(t.leaf, t.at) for t in found if t.leaf is not None]
-        overflow = _dequant.applied(weights_read, self._scale, stored, (work, planned), entry.path)
+        overflow = _checks.applied(weights_read, self._scale, stored, (work, planned), entry.path)
         block = first.quant.block
         merge = None if self._merge is None else (_tiles.extents(inner), self._merge.order)
         signature = (raw.shape, merge, stored, self._static, self._steps, block, work, planned)
         args = (rects, table, values, flags, np.concatenate(runs), padded)
         return _dequant.Raw(key, raw, args, signature, bool(overflow), overflow)
 
-    def program(self, signature: tuple[Any, ...], check: bool, sharding: Any) -> Any:
+    def program(
+        self, signature: tuple[Any, ...], check: bool, sharding: Any, at: Any = None
+    ) -> Any:
         mesh, spec = sharding.mesh, sharding.spec
-        return program(signature, check, mesh, spec, tuple(mesh.axis_names))
+        return program(signature, check, mesh, spec, tuple(mesh.axis_names), at)
 
 
 def _merged(shape: tuple[int, ...], order: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -211,10 +215,16 @@ def _sliced(
 
 @_caches.memo(256)
 def program(
-    signature: tuple[Any, ...], check: bool, mesh: Any, spec: Any, names: tuple[str, ...]
+    signature: tuple[Any, ...],
+    check: bool,
+    mesh: Any,
+    spec: Any,
+    names: tuple[str, ...],
+    at: tuple[int, int] | None = None,
 ) -> Any:
     """The compiled dequantization of one signature over the mesh; each device's
-    block and tables are arguments. Each element's tile is looked up in the grid of
+    block (in ``at``'s slices, joined first: :func:`~.slices.joined`) and tables are
+    arguments. Each element's tile is looked up in the grid of
     intervals (over the axes where tiles vary; others broadcast); its scale is
     gathered as slices where :func:`fast` allows, else element by element."""
     shape, merge, stored, static, moves, block, work, planned = signature
@@ -224,12 +234,9 @@ def program(
     b0, b1 = block
     P = jax.sharding.PartitionSpec
 
-    def dequantized(
-        raw: Any, rects: Any, table: Any, values: Any, flags: Any, runs: Any, cells: Any
-    ) -> Any:
-        rects, table, values, flags, runs, cells = (
-            x[0] for x in (rects, table, values, flags, runs, cells)
-        )
+    def dequantized(*args: Any) -> Any:
+        raw = _slices.joined(args[:-6], at)
+        rects, table, values, flags, runs, cells = (x[0] for x in args[-6:])
         raw = _base.stored_as(raw, stored)
         if merge is not None:  # the bytes as the unmerged node's box
             if order is not None:
@@ -248,14 +255,14 @@ def program(
         if how is not None:
             scale = _sliced(rects, table, tile, sizes, moves, block, how)
         else:
-            at = table[tile]
-            row, col = at[..., 0], at[..., 1]
+            per = table[tile]
+            row, col = per[..., 0], per[..., 1]
             for a, (dr, dc) in enumerate(moves):
                 if dr or dc:
                     step = jax.lax.broadcasted_iota(jnp.int32, sizes, a)
                     row, col = row + step * dr, col + step * dc
-            srow = jnp.clip(row // b0 - at[..., 2], 0, rects.shape[1] - 1)
-            scol = jnp.clip(col // b1 - at[..., 3], 0, rects.shape[2] - 1)
+            srow = jnp.clip(row // b0 - per[..., 2], 0, rects.shape[1] - 1)
+            scol = jnp.clip(col // b1 - per[..., 3], 0, rects.shape[2] - 1)
             scale = rects[tile, srow, scol]
         wide = raw.astype(jnp.float32) * scale  # rounded once to float32, as the reference
         out = wide.astype(work).astype(planned)  # then to the planned dtype
@@ -273,7 +280,8 @@ def program(
 
     outs = (spec, P(names)) if check else spec
     mapped = jax.shard_map(
-        dequantized, mesh=mesh, in_specs=(spec, *[P(names)] * 6), out_specs=outs,
+        dequantized, mesh=mesh, in_specs=(*_slices.specs(spec, at), *[P(names)] * 6),
+        out_specs=outs,
         check_vma=False,
     )  # fmt: skip
     return jax.jit(mapped)

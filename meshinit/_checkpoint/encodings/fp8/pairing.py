@@ -36,6 +36,7 @@ from ...store.source import Stored
 from .. import base as _base
 from .. import config as _quant_config
 from . import decode as _dequant
+from . import geometry as _geometry
 from . import joins as _dequant_concat
 from . import tiles as _dequant_tiles
 
@@ -234,7 +235,7 @@ def _each(node: _blocks.Node, quants: Mapping[str, Quant], root: bool = True) ->
                 f"reads its float8 weights one way; give every part the same dequantize="
             )
         what = f"{node.label}tensor {printable(held.name)!r} (float8, dequantized)"
-        found = _dequant.geometry(node)
+        found = _geometry.geometry(node)
         why = None
         if node.groups is not None and not root:
             why = f"out_shape={tensor.out_shape} inside a Stack, Concat or Pad"

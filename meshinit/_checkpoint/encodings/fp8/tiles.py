@@ -18,7 +18,7 @@ import numpy as np
 
 from ...layout import blocks as _blocks
 from ...layout.reshape import unmerge
-from . import decode as _dequant
+from . import geometry as _geometry
 
 Step = tuple[int, int]  # stored rows, stored columns
 
@@ -132,7 +132,7 @@ def steps(node: _blocks.Node) -> tuple[Step, ...] | str:
     some: any step), or why they step differently (the first such axis)."""
     found: list[tuple[Step, str] | None] = [None] * len(node.result)
     for leaf, axes in _placed(node):
-        got = _dequant.geometry(leaf)
+        got = _geometry.geometry(leaf)
         assert not isinstance(got, str)  # refused before
         for n, step, a in zip(leaf.view, got[1], axes, strict=True):
             if n == 1:
@@ -176,7 +176,7 @@ def bounds(
 ) -> tuple[tuple[int, int], tuple[int, int, int, int]]:
     """The stored (row, column) of the tile's first element, and the first and last
     stored row and column the tile reaches."""
-    got = _dequant.geometry(leaf)
+    got = _geometry.geometry(leaf)
     assert not isinstance(got, str)
     (r, c), moves = got
     row = r + sum(s.start * dr for s, (dr, _) in zip(at, moves, strict=True))
