@@ -223,7 +223,8 @@ def program(
     at: tuple[int, int] | None = None,
 ) -> Any:
     """The compiled dequantization of one signature over the mesh; each device's
-    block (in ``at``'s slices, joined first: :func:`~.slices.joined`) and tables are
+    block (in ``at``'s slices: each dequantized with its part of the tiles and scales,
+    the values joined; under a merge, the stored bytes joined first) and tables are
     arguments. Each element's tile is looked up in the grid of
     intervals (over the axes where tiles vary; others broadcast); its scale is
     gathered as slices where :func:`fast` allows, else element by element."""
@@ -235,13 +236,13 @@ def program(
     P = jax.sharding.PartitionSpec
 
     def dequantized(*args: Any) -> Any:
-        raw = _slices.joined(args[:-6], at)
         rects, table, values, flags, runs, cells = (x[0] for x in args[-6:])
-        raw = _base.stored_as(raw, stored)
-        if merge is not None:  # the bytes as the unmerged node's box
+        held, cut = args[:-6], at
+        if merge is not None:  # the bytes as the unmerged node's box: slices joined first
+            raw = _base.stored_as(_slices.joined(held, at), stored)
             if order is not None:
                 raw = raw.transpose(np.argsort(order))
-            raw = raw.reshape(sizes)
+            held, cut = (raw.reshape(sizes),), None
         index, k = [], 0
         for a, n in enumerate(sizes):
             along = [1] * len(sizes)
@@ -264,19 +265,26 @@ def program(
             srow = jnp.clip(row // b0 - per[..., 2], 0, rects.shape[1] - 1)
             scol = jnp.clip(col // b1 - per[..., 3], 0, rects.shape[2] - 1)
             scale = rects[tile, srow, scol]
-        wide = raw.astype(jnp.float32) * scale  # rounded once to float32, as the reference
-        out = wide.astype(work).astype(planned)  # then to the planned dtype
-        fits = jnp.isfinite(out) | ~jnp.isfinite(raw)  # in work and planned
-        if constants:
-            out = jnp.where(flags[tile], values[tile], out)
+        outs, fits = [], []
+        for k, raw in enumerate(held):  # each slice with its part of the tiles and scales
+            raw = _base.stored_as(raw, stored)
+            mine = _slices.part(tile, k, cut)
+            # rounded once to float32, as the reference; then to the planned dtype
+            wide = raw.astype(jnp.float32) * _slices.part(scale, k, cut)
+            out = wide.astype(work).astype(planned)
+            fit = jnp.isfinite(out) | ~jnp.isfinite(raw)  # in work and planned
+            if constants:
+                out = jnp.where(flags[mine], values[mine], out)
+                fit = fit | flags[mine]
+            outs.append(out)
+            fits.append(jnp.all(fit))
+        out = outs[0] if cut is None else jnp.concatenate(outs, axis=cut[0])
         if merge is not None:  # the values as the parameter's block
             out = out.reshape(_merged(shape, order))
             out = out if order is None else out.transpose(order)
         if not check:
             return out
-        if constants:
-            fits = fits | flags[tile]
-        return out, jnp.all(fits)[None]
+        return out, jnp.all(jnp.stack(fits))[None]
 
     outs = (spec, P(names)) if check else spec
     mapped = jax.shard_map(

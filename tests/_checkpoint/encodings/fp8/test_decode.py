@@ -14,26 +14,34 @@ from meshinit import safetensors as st
 
 
 @pytest.mark.parametrize(
-    ("grid", "spec", "concat"),
-    [((2, 4), ("x", None, None, "y"), False), ((1, 8), (None, None, "y", None), True)],
+    ("grid", "spec", "joined"),
+    [
+        ((2, 4), ("x", None, None, "y"), "stack"),
+        ((1, 8), (None, None, "y", None), "concat"),
+        ((1, 8), (None, None, "y", None), "merge"),
+    ],
 )
 def test_a_block_larger_than_a_slice_is_read_and_placed_in_slices_with_the_same_bits(
-    tmp_path, monkeypatch, count_compiles, new_arrays, grid, spec, concat
+    tmp_path, monkeypatch, count_compiles, new_arrays, grid, spec, joined
 ):
     """The host never holds more than a slice of a dequantized parameter's block: a
-    stack of experts (or a concat) is read and placed in slices its program joins,
-    with weight_dequant's bits, one compile as unsliced, and on a failure between two
-    slices no array stays alive."""
+    stack of experts (a concat, a concat merged into rows: the tiles' program) is
+    read and placed in slices its program joins, with weight_dequant's bits, one
+    compile as unsliced, and on a failure between two slices no array stays alive."""
     from meshinit._checkpoint.encodings.fp8 import decode as dequant
     from meshinit._checkpoint.encodings.fp8 import slices
     from meshinit._checkpoint.layout import host
 
     mesh = xy_mesh(grid, True)
     folder, stack, want = experts(tmp_path, 4)  # up [4 experts, 4 layers, 136, 200]
-    if concat:  # the experts concatenated, through the tiles' program (joins.py)
+    if joined == "concat":  # the experts concatenated, through the tiles' program
         stack = st.Concat(list(stack.parts), axis=0)
         want = want.reshape(16, 136, 200)
         spec = spec[1:]
+    elif joined == "merge":  # and their layers' rows merged: slices of whole rows
+        stack = st.Concat(list(stack.parts), axis=0, out_shape=(16 * 136, 200))
+        want = want.reshape(16 * 136, 200)
+        spec = ("y", None)
     plan = plan_on(mesh, {"up": want.shape}, jnp.bfloat16, spec)
     (entry,) = plan.entries
     held = host.holders(entry)
