@@ -14,25 +14,27 @@ from meshinit import safetensors as st
 
 
 @pytest.mark.parametrize(
-    ("grid", "spec", "joined"),
+    ("grid", "spec", "joined", "explicit"),
     [
-        ((2, 4), ("x", None, None, "y"), "stack"),
-        ((1, 8), (None, None, "y", None), "concat"),
-        ((1, 8), (None, None, "y", None), "merge"),
+        ((2, 4), ("x", None, None, "y"), "stack", True),  # rows of experts, columns
+        ((2, 4), (None, None, "y", None), "stack", False),  # each block on 2 devices
+        ((1, 8), (None, None, "y", None), "concat", True),
+        ((1, 8), (None, None, "y", None), "merge", False),
     ],
 )
 def test_a_block_larger_than_a_slice_is_read_and_placed_in_slices_with_the_same_bits(
-    tmp_path, monkeypatch, count_compiles, new_arrays, grid, spec, joined
+    tmp_path, monkeypatch, count_compiles, new_arrays, grid, spec, joined, explicit
 ):
     """The host never holds more than a slice of a dequantized parameter's block: a
     stack of experts (a concat, a concat merged into rows: the tiles' program) is
-    read and placed in slices its program joins, with weight_dequant's bits, one
-    compile as unsliced, and on a failure between two slices no array stays alive."""
+    read and placed in slices its program joins, with weight_dequant's bits on every
+    shard, on Explicit and Auto meshes, one compile as unsliced, and on a failure
+    between two slices no array stays alive."""
     from meshinit._checkpoint.encodings.fp8 import decode as dequant
     from meshinit._checkpoint.encodings.fp8 import slices
     from meshinit._checkpoint.layout import host
 
-    mesh = xy_mesh(grid, True)
+    mesh = xy_mesh(grid, explicit)
     folder, stack, want = experts(tmp_path, 4)  # up [4 experts, 4 layers, 136, 200]
     if joined == "concat":  # the experts concatenated, through the tiles' program
         stack = st.Concat(list(stack.parts), axis=0)
@@ -58,8 +60,9 @@ def test_a_block_larger_than_a_slice_is_read_and_placed_in_slices_with_the_same_
     dequant.program.cache_clear()
     with count_compiles() as sliced:
         got = st.load(plan, folder, names={"up": stack})["up"]
-    assert (bits(got) == bits(want)).all()
     assert got.sharding == entry.sharding
+    for shard in got.addressable_shards:  # each device's own block, replicas too
+        assert (bits(shard.data) == bits(want[shard.index])).all(), shard.device
     # every distinct block in at least 4 slices (a third of its bytes, as the axes divide)
     assert 0 < largest[0] <= whole // 3 and puts[0] >= 4 * len(held), (largest, puts, whole)
     monkeypatch.setattr(slices, "SLICE_BYTES", 1 << 40)
