@@ -22,8 +22,8 @@ SLICE_BYTES = 64 << 20
 """A block of more stored bytes is read and placed in equal slices of at most this many
 (where its shape divides so, in at most :data:`MOST_SLICES`), which its program joins
 on the device: the host never holds a stacked parameter's whole block (a 470 MiB
-stack of experts), and the device's transfer of each slice lets go of its memory
-before the next is read."""
+stack of experts), only the slice being read and the one placed before it (jax lets
+go of a placed array's host memory at its next transfer)."""
 
 MOST_SLICES = 64
 """The most slices a block is placed in: each is an argument of its program."""
