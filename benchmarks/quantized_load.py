@@ -30,12 +30,19 @@ time). With ``--check``, the fp8 load's arrays are compared bit for bit with the
 ``--tpu``: on the one chip of a TPU machine (mesh (1, 1), the arrays in its memory, so
 peak RSS is host memory alone); each route's process opens the chip in turn.
 
+``--fused``: the experts' gate and up as one parameter ``experts.gate_up`` ``[experts,
+layers, 2 * out, in]``, each expert's layer a ``Concat([gate, up], axis=0)`` (the fused
+``gate_up_proj`` of many frameworks), so its blocks go through the tiles' program
+(``encodings/fp8/joins.py``) rather than the stacked one.
+
 ``--ahead 4 2 1``: the fp8 route once per value of ``AHEAD`` (``meshinit._checkpoint.read.
 ahead``: how many dequantized parameters compile and run on worker threads at once),
 each ``--repeats`` times, interleaved, against the two-step route: its time and peak RSS.
+``--slice-mib 64 4096`` does the same for ``SLICE_BYTES`` (``encodings/fp8/slices.py``:
+a dequantized block larger than this is read and placed in slices), in MiB.
 
 Run: python benchmarks/quantized_load.py [--layers 4] [--experts 8] [--divide 1] [--dir DIR]
-[--check] [--tpu] [--ahead N ...] [--repeats 1]
+[--check] [--tpu] [--fused] [--ahead N ... | --slice-mib N ...] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -118,9 +125,9 @@ def write(directory: Path, layers: int, experts: int, divide: int) -> int:
     return total
 
 
-def table(layers: int, experts: int, divide: int) -> dict:
+def table(layers: int, experts: int, divide: int, fused: bool = False) -> dict:
     """plan path -> (shape, names= target, spec)."""
-    from meshinit.safetensors import Stack
+    from meshinit.safetensors import Concat, Stack
 
     attention, expert = shapes(divide)
     out = {}
@@ -133,18 +140,34 @@ def table(layers: int, experts: int, divide: int) -> dict:
             for e in range(experts)
         ]
         out[f"experts.{k}"] = ((experts, layers, rows, cols), Stack(per, 0), (None, None, "x", "y"))
+    if fused:  # gate and up joined along their rows, per expert and layer
+        (rows, cols), name = expert["gate_proj"], "model.layers.{}.mlp.experts.{}.{}.weight"
+        per = [
+            Stack([Concat([name.format(i, e, "gate_proj"), name.format(i, e, "up_proj")], axis=0)
+                   for i in range(layers)], axis=0)
+            for e in range(experts)
+        ]  # fmt: skip
+        del out["experts.gate_proj"], out["experts.up_proj"]
+        spec = (None, None, "x", "y")
+        out["experts.gate_up"] = ((experts, layers, 2 * rows, cols), Stack(per, 0), spec)
     return out
 
 
 def child(route: str, directory: Path, layers: int, experts: int, divide: int, check: bool,
-          tpu: bool = False, ahead: int | None = None) -> None:  # fmt: skip
-    """One route in this process (the fp8 route with ``AHEAD = ahead``); prints its JSON."""
+          tpu: bool = False, knob: tuple[str, float] | None = None, fused: bool = False,
+          ) -> None:  # fmt: skip
+    """One route in this process (the fp8 route with ``knob``: ``("ahead", n)`` for
+    ``AHEAD = n``, ``("slice-mib", n)`` for ``SLICE_BYTES = n MiB``); prints its JSON."""
     import jax
 
-    if ahead is not None:  # a private constant, set for this probe alone
+    if knob and knob[0] == "ahead":  # private constants, set for this probe alone
         from meshinit._checkpoint.read import ahead as _ahead
 
-        _ahead.AHEAD = ahead
+        _ahead.AHEAD = int(knob[1])
+    elif knob:
+        from meshinit._checkpoint.encodings.fp8 import slices as _slices
+
+        _slices.SLICE_BYTES = int(knob[1] * 2**20)
 
     if not tpu:
         jax.config.update("jax_num_cpu_devices", 8)
@@ -169,7 +192,7 @@ def child(route: str, directory: Path, layers: int, experts: int, divide: int, c
     jax.monitoring.register_scalar_listener(on_scalar)
     grid = (1, 1) if tpu else (2, 4)
     mesh = Mesh(np.array(jax.devices()[: grid[0] * grid[1]]).reshape(grid), ("x", "y"))
-    rows = table(layers, experts, divide)
+    rows = table(layers, experts, divide, fused)
     zeros = jax.nn.initializers.zeros
     made = {
         p: meshinit.param(s, zeros, dtype=jnp.bfloat16, axes=a, mesh=mesh)
@@ -239,9 +262,10 @@ def two_step(directory: Path) -> None:
         del data, out
 
 
-def run(route: str, args, layers: int | None = None, ahead: int | None = None) -> dict:
+def run(route: str, args, layers: int | None = None, knob: tuple[str, float] | None = None) -> dict:
     command = [sys.executable, __file__, "--child", route, "--dir", str(args.dir)]
-    command += [] if ahead is None else ["--ahead-child", str(ahead)]
+    command += [] if knob is None else ["--knob-child", knob[0], str(knob[1])]
+    command += ["--fused"] * args.fused
     command += ["--layers", str(layers or args.layers), "--experts", str(args.experts)]
     command += ["--divide", str(args.divide)] + ["--check"] * args.check + ["--tpu"] * args.tpu
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -263,22 +287,26 @@ def main() -> None:
     parser.add_argument("--child", default=None)
     parser.add_argument("--check", action="store_true", help="compare the fp8 load's bits")
     parser.add_argument("--tpu", action="store_true", help="the one chip (mesh (1, 1))")
-    parser.add_argument("--ahead", type=int, nargs="+", help="AHEAD values to compare")
-    parser.add_argument("--repeats", type=int, default=1, help="of each --ahead value")
-    parser.add_argument("--json", default=None, help="--ahead's rows, as JSON")
-    parser.add_argument("--ahead-child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fused", action="store_true", help="experts' gate and up fused")
+    knobs = parser.add_mutually_exclusive_group()
+    knobs.add_argument("--ahead", type=int, nargs="+", help="AHEAD values to compare")
+    knobs.add_argument("--slice-mib", type=float, nargs="+", help="SLICE_BYTES values, MiB")
+    parser.add_argument("--repeats", type=int, default=1, help="of each compared value")
+    parser.add_argument("--json", default=None, help="the compared rows, as JSON")
+    parser.add_argument("--knob-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        knob = args.knob_child and (args.knob_child[0], float(args.knob_child[1]))
         child(args.child, args.dir, args.layers, args.experts, args.divide, args.check, args.tpu,
-              args.ahead_child)  # fmt: skip
+              knob, args.fused)  # fmt: skip
         return
     with tempfile.TemporaryDirectory() as scratch:
         args.dir = args.dir or Path(scratch)
         owned = write(args.dir, args.layers, args.experts, args.divide)
         for path in args.dir.rglob("*.safetensors"):  # the page cache warm for every route
             path.read_bytes()
-        if args.ahead:
-            return compare_ahead(args, owned)
+        if args.ahead or args.slice_mib:
+            return compare(args, owned)
         got = {route: run(route, args) for route in ("fp8", "bf16", "two-step")}
         half = run("fp8", args, max(1, args.layers // 2))
     fp8, bf16, step = got["fp8"], got["bf16"], got["two-step"]
@@ -303,14 +331,16 @@ def main() -> None:
         print("| " + " | ".join(row) + " |")
 
 
-def compare_ahead(args, owned: int) -> None:
-    """The fp8 route at each ``--ahead`` value, interleaved, against the two-step route
-    (run once per repeat too): the median time and peak RSS of each, and their ratios."""
-    found: dict = {n: [] for n in args.ahead}
+def compare(args, owned: int) -> None:
+    """The fp8 route at each ``--ahead`` (or ``--slice-mib``) value, interleaved, against
+    the two-step route (run once per repeat too): the median time and peak RSS of each,
+    and their ratios."""
+    name, values = ("ahead", args.ahead) if args.ahead else ("slice-mib", args.slice_mib)
+    found: dict = {n: [] for n in values}
     steps = []
     for _ in range(args.repeats):
-        for n in args.ahead:
-            found[n].append(run("fp8", args, ahead=n))
+        for n in values:
+            found[n].append(run("fp8", args, knob=(name, n)))
         steps.append(run("two-step", args))
         shutil.rmtree(args.dir / "step", ignore_errors=True)
 
@@ -322,14 +352,15 @@ def compare_ahead(args, owned: int) -> None:
     print(f"{args.layers} layers, {args.experts} experts, shapes / {args.divide}: "
           f"{owned / 2**30:.2f} GiB fp8 + scales; median of {args.repeats}; two-step "
           f"{t0:.2f} s, {r0 / mib:.0f} MiB")  # fmt: skip
-    print("| AHEAD | time | / two-step | peak RSS | / two-step | compile s (threads summed) |")
+    head = "AHEAD" if name == "ahead" else "SLICE_BYTES, MiB"
+    print(f"| {head} | time | / two-step | peak RSS | / two-step | compile s (threads summed) |")
     print("|---|---|---|---|---|---|")
     for n, rows in found.items():
         t, r = median(rows, "seconds"), median(rows, "rss")
         c = median(rows, "compile_seconds")
         print(f"| {n} | {t:.2f} s | {t / t0:.2f} | {r / mib:.0f} MiB | {r / r0:.2f} | {c:.2f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"ahead": found, "two-step": steps}, indent=1))
+        Path(args.json).write_text(json.dumps({name: found, "two-step": steps}, indent=1))
 
 
 if __name__ == "__main__":

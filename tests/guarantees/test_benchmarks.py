@@ -627,6 +627,20 @@ def test_quantized_load_benchmark_compares_ahead_values_against_the_two_step_rou
 
 
 @pytest.mark.slow
+def test_quantized_load_benchmark_fuses_gate_and_up_and_compares_slice_sizes(tmp_path):
+    # --fused: gate and up as Concats (the tiles' program); --slice-mib: the fp8 route at
+    # each SLICE_BYTES, so slicing's compile cost can be measured on a TPU; --check: bits
+    out = tmp_path / "slices.json"
+    args = ("--layers", "2", "--experts", "2", "--divide", "16", "--fused", "--check")
+    r = run_script("quantized_load.py", *args, "--slice-mib", "0.02", "64", "--json", str(out))
+    rows = [line.split(" | ")[0] for line in r.stdout.splitlines() if line.startswith("| ")]
+    assert rows == ["| SLICE_BYTES, MiB", "| 0.02", "| 64.0"], r.stdout
+    found = json.loads(out.read_text())["slice-mib"]
+    # as many programs either way: a parameter's slices are arguments of its one program
+    assert found["0.02"][0]["compiles"] == found["64.0"][0]["compiles"] > 0, found
+
+
+@pytest.mark.slow
 def test_fanout_fp8_script_quick_mode_fetches_each_float8_byte_once(tmp_path):
     # 4 processes x 2 CPU devices and the S3 server: FP8 parameters planned in bf16;
     # --quick exits non-zero when a shard differs from weight_dequant or fan-out misses
